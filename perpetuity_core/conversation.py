@@ -1,0 +1,111 @@
+"""The neutral conversation model every protocol adapter translates to and from.
+
+Nothing outside `perpetuity_core.protocols` sees provider JSON: it sees these types.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Protocol(StrEnum):
+    ANTHROPIC = "anthropic-messages"
+    CHAT = "openai-chat"
+    RESPONSES = "openai-responses"
+
+
+class Provider(StrEnum):
+    ANTHROPIC = "anthropic"
+    OPENAI = "openai"
+
+
+class Kind(StrEnum):
+    TEXT = "text"
+    # Harness scaffolding inside a user turn (Claude Code's <system-reminder> blocks): stored
+    # with the turn, but not what the person said.
+    CONTEXT = "context"
+    THINKING = "thinking"
+    TOOL_CALL = "tool_call"
+    TOOL_RESULT = "tool_result"
+    MEDIA = "media"
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    kind: Kind
+    text: str = ""  # the text; a tool call's arguments as JSON; a tool result's content
+    name: str = ""  # tool name for calls
+    call_id: str = ""  # pairs a tool call with its result
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str  # "system" | "user" | "assistant" | "tool"
+    parts: tuple[Part, ...]
+
+    def fingerprint(self) -> str:
+        """A digest that survives the ways harnesses re-send a message.
+
+        Harnesses re-send earlier turns with cache markers added, string content turned into
+        blocks, thinking stripped and whitespace changed, so only what identifies the turn counts:
+        its role, its words with whitespace collapsed, and its tool call ids.
+        """
+        h = hashlib.blake2b(digest_size=16)
+        h.update(("tool" if self.role == "tool" else self.role).encode())
+        for p in self.parts:
+            if p.kind in (Kind.TEXT, Kind.CONTEXT):
+                h.update(b"\x00t" + _WS.sub(" ", p.text).strip().encode())
+            elif p.kind in (Kind.TOOL_CALL, Kind.TOOL_RESULT):
+                h.update(b"\x00c" + p.kind.encode() + p.call_id.encode())
+        return h.hexdigest()
+
+    @property
+    def text(self) -> str:
+        return "\n".join(p.text for p in self.parts if p.kind == Kind.TEXT)
+
+
+_WS = re.compile(r"\s+")
+
+
+@dataclass(slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+
+    def add(self, other: Usage) -> None:
+        self.input_tokens += other.input_tokens
+        self.output_tokens += other.output_tokens
+        self.cache_read_tokens += other.cache_read_tokens
+        self.cache_write_tokens += other.cache_write_tokens
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """What a provider request says, in neutral terms."""
+
+    protocol: Protocol
+    model: str
+    stream: bool
+    messages: list[Message]
+    system: str = ""
+    tool_names: list[str] = field(default_factory=list)
+    # Identity hints the body carries (metadata.user_id, user, prompt_cache_key, ...), by name.
+    hints: dict[str, str] = field(default_factory=dict)
+    # Request features that mark harness side requests (title generation, prewarm, ...).
+    structured_output: bool = False
+    generate: bool = True
+
+
+@dataclass(slots=True)
+class Reply:
+    """The assistant turn a provider sent back, assembled from its stream or body."""
+
+    message: Message
+    usage: Usage
+    stop_reason: str = ""
+    complete: bool = True

@@ -1,0 +1,222 @@
+"""The store: users, conversations, messages and their immutable rows, in SQLite via peewee.
+
+Every message is written in one transaction, as one `Message` row plus one `Item` row per part,
+and nothing is updated in place afterwards. Structures derived from the rows (retrieval rows,
+counts) are written by derivers registered on the store, inside that same transaction, so a
+reader never sees a row without what is derived from it.
+
+Credentials never reach this module: identity arrives already hashed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import peewee as pw
+
+from .conversation import Message, Usage
+from .errors import StoreError
+
+db = pw.SqliteDatabase(None)
+
+# WAL lets readers scan while the single writer appends; NORMAL is durable across process crashes
+# (only an OS crash can lose the last commits), which is the trade SQLite documents for WAL.
+PRAGMAS = {"journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1, "busy_timeout": 5000}
+
+
+class BaseModel(pw.Model):
+    class Meta:
+        database = db
+
+
+class Setting(BaseModel):
+    key = pw.TextField(primary_key=True)
+    value = pw.TextField()
+
+
+class Migration(BaseModel):
+    name = pw.TextField(primary_key=True)
+    applied_at = pw.FloatField()
+
+
+class User(BaseModel):
+    key = pw.TextField(unique=True)
+    created_at = pw.FloatField()
+
+
+class Conversation(BaseModel):
+    user = pw.ForeignKeyField(User, backref="conversations")
+    key = pw.TextField()
+    provider = pw.TextField()
+    created_at = pw.FloatField()
+
+    class Meta:
+        indexes = ((("user", "key"), True),)
+
+
+class StoredMessage(BaseModel):
+    conversation = pw.ForeignKeyField(Conversation, backref="messages")
+    user = pw.ForeignKeyField(User)
+    role = pw.TextField()
+    provider = pw.TextField()
+    model = pw.TextField()
+    at = pw.FloatField()  # when the turn happened (epoch seconds; x-perpetuity-time can set it)
+    stored_at = pw.FloatField()
+    # Recognises re-sent history: digest of (previous message, this message), see capture.py.
+    pair_key = pw.TextField()
+    source = pw.TextField()  # "request" | "reply" | "import"
+    complete = pw.BooleanField(default=True)
+    stop_reason = pw.TextField(default="")
+    usage = pw.TextField(default="")  # JSON of the provider's usage figures, replies only
+
+    class Meta:
+        table_name = "message"
+        indexes = ((("conversation", "pair_key"), False),)
+
+
+class Item(BaseModel):
+    """One immutable row: a part of a message (text, tool call, tool result, thinking...)."""
+
+    message = pw.ForeignKeyField(StoredMessage, backref="items")
+    seq = pw.IntegerField()
+    kind = pw.TextField()
+    name = pw.TextField(default="")
+    call_id = pw.TextField(default="")
+    text = pw.TextField()
+
+
+def m001_initial(database: pw.Database) -> None:
+    """The spine: users, conversations, messages and their rows."""
+    database.create_tables([Setting, User, Conversation, StoredMessage, Item])
+
+
+# Append only: a shipped migration is never edited, its name is recorded in the database.
+MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial]
+
+# Called inside each message's transaction with the rows just written; one writer per structure.
+Deriver = Callable[[list[Item]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    message_id: int
+    item_ids: tuple[int, ...]
+
+
+def default_db_path() -> Path:
+    """Where memory lives: $PERPETUITY_DB, else ~/.perpetuity/memory.db."""
+    env = os.environ.get("PERPETUITY_DB")
+    return Path(env).expanduser() if env else Path.home() / ".perpetuity" / "memory.db"
+
+
+class Store:
+    """The one handle on a database file. Use it from one thread (the proxy gives it its own)."""
+
+    def __init__(self, path: str | Path, derivers: Iterable[Deriver] = ()) -> None:
+        self.path = Path(path).expanduser()
+        self.derivers = list(derivers)
+        try:
+            _create_private(self.path)
+            db.init(str(self.path), pragmas=PRAGMAS, check_same_thread=False)
+            db.connect(reuse_if_open=True)
+            self._migrate()
+            self.salt = self._setting("identity_salt", lambda: secrets.token_hex(16))
+        except (pw.PeeweeException, OSError) as e:
+            raise StoreError(f"cannot open the memory database {self.path}: {e}") from e
+
+    def close(self) -> None:
+        if not db.is_closed():
+            db.close()
+
+    def _migrate(self) -> None:
+        with db.atomic():
+            db.create_tables([Migration])
+            done = {m.name for m in Migration.select()}
+            for migration in MIGRATIONS:
+                if migration.__name__ not in done:
+                    migration(db)
+                    Migration.create(name=migration.__name__, applied_at=time.time())
+
+    def _setting(self, key: str, make: Callable[[], str]) -> str:
+        with db.atomic():
+            row = Setting.get_or_none(Setting.key == key)
+            if row is None:
+                row = Setting.create(key=key, value=make())
+        return row.value
+
+    def user_id(self, key: str) -> int:
+        row, _ = User.get_or_create(key=key, defaults={"created_at": time.time()})
+        return row.id
+
+    def conversation_id(self, user_id: int, key: str, provider: str) -> int:
+        row, _ = Conversation.get_or_create(
+            user=user_id, key=key, defaults={"provider": provider, "created_at": time.time()}
+        )
+        return row.id
+
+    def known_pair_keys(self, conversation_id: int, keys: list[str]) -> set[str]:
+        if not keys:
+            return set()
+        q = StoredMessage.select(StoredMessage.pair_key).where(
+            (StoredMessage.conversation == conversation_id) & (StoredMessage.pair_key.in_(keys))
+        )
+        return {r.pair_key for r in q}
+
+    def add_message(
+        self,
+        *,
+        conversation_id: int,
+        user_id: int,
+        message: Message,
+        provider: str,
+        model: str,
+        at: float,
+        pair_key: str,
+        source: str,
+        usage: Usage | None = None,
+        stop_reason: str = "",
+        complete: bool = True,
+    ) -> Written:
+        """Write one message and its rows, and everything derived from them, in one transaction."""
+        try:
+            with db.atomic():
+                m = StoredMessage.create(
+                    conversation=conversation_id,
+                    user=user_id,
+                    role=message.role,
+                    provider=provider,
+                    model=model,
+                    at=at,
+                    stored_at=time.time(),
+                    pair_key=pair_key,
+                    source=source,
+                    complete=complete,
+                    stop_reason=stop_reason,
+                    usage=json.dumps(dataclasses.asdict(usage)) if usage else "",
+                )
+                items = [
+                    Item.create(
+                        message=m, seq=i, kind=p.kind.value, name=p.name, call_id=p.call_id,
+                        text=p.text,
+                    )
+                    for i, p in enumerate(message.parts)
+                ]
+                for derive in self.derivers:
+                    derive(items)
+        except pw.PeeweeException as e:
+            raise StoreError(f"could not store a {message.role} message: {e}") from e
+        return Written(m.id, tuple(i.id for i in items))
+
+
+def _create_private(path: Path) -> None:
+    """Create the database file readable by its owner only, before SQLite opens it."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
