@@ -69,6 +69,18 @@ class Message:
 
 _WS = re.compile(r"\s+")
 
+# Blocks harnesses put inside user turns that the person did not write (Claude Code, Codex).
+_SCAFFOLD = re.compile(
+    r"\s*<(system-reminder|environment_context|user_instructions|permissions instructions|"
+    r"skills_instructions|local-command-caveat|local-command-stdout|command-name|command-message|"
+    r"command-args)\b"
+)
+
+
+def text_part(text: str) -> Part:
+    """A text part, marked as context when it is harness scaffolding rather than speech."""
+    return Part(Kind.CONTEXT if _SCAFFOLD.match(text) else Kind.TEXT, text)
+
 
 @dataclass(slots=True)
 class Usage:
@@ -99,6 +111,7 @@ class ParsedRequest:
     # Request features that mark harness side requests (title generation, prewarm, ...).
     structured_output: bool = False
     generate: bool = True
+    compaction: bool = False  # the harness asks for its history to be summarised
 
 
 @dataclass(slots=True)

@@ -1,0 +1,102 @@
+"""Capture: store what is new in a request, then the reply, each message in one transaction.
+
+Harnesses re-send the whole history on every request. A message is recognised as already stored
+by its pair key, a digest of (previous message, this message): it survives a harness rewriting or
+dropping older turns (resume, compaction) and still tells a second "yes" after a different
+question from the first. Everything after the last recognised message is new.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .conversation import Message, Reply
+from .store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class TurnContext:
+    """What the reply needs to be stored beside the request that asked for it."""
+
+    user_id: int
+    conversation_id: int
+    provider: str
+    model: str
+    at: float
+    after: str  # fingerprint of the last message the request sent
+
+
+def pair_key(previous_fingerprint: str, message: Message) -> str:
+    return hashlib.blake2b(
+        (previous_fingerprint + ":" + message.fingerprint()).encode(), digest_size=16
+    ).hexdigest()
+
+
+def _keys(messages: Sequence[Message]) -> list[str]:
+    prev = ""
+    keys = []
+    for m in messages:
+        keys.append(pair_key(prev, m))
+        prev = m.fingerprint()
+    return keys
+
+
+def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]) -> list[int]:
+    """Indexes of the messages the store has not seen in this conversation."""
+    keys = _keys(messages)
+    known = store.known_pair_keys(conversation_id, keys)
+    last = max((i for i, k in enumerate(keys) if k in known), default=-1)
+    return list(range(last + 1, len(messages)))
+
+
+def record(
+    store: Store,
+    *,
+    user_key: str,
+    conversation_key: str,
+    provider: str,
+    model: str,
+    messages: Sequence[Message],
+    times: Sequence[float],
+    source: str,
+) -> tuple[list[int], TurnContext]:
+    """Store the new messages of a request (or an imported history); returns their ids."""
+    user_id = store.user_id(user_key)
+    conversation_id = store.conversation_id(user_id, conversation_key, provider)
+    keys = _keys(messages)
+    ids = [
+        store.add_message(
+            conversation_id=conversation_id,
+            user_id=user_id,
+            message=messages[i],
+            provider=provider,
+            model=model,
+            at=times[i],
+            pair_key=keys[i],
+            source=source,
+        ).message_id
+        for i in new_messages(store, conversation_id, messages)
+    ]
+    after = messages[-1].fingerprint() if messages else ""
+    return ids, TurnContext(user_id, conversation_id, provider, model, times[-1] if times else 0.0, after)
+
+
+def record_reply(store: Store, turn: TurnContext, reply: Reply, at: float) -> int | None:
+    """Store the assistant's reply; an empty one (a stream cut before any content) is not a turn."""
+    if not reply.message.parts:
+        return None
+    return store.add_message(
+        conversation_id=turn.conversation_id,
+        user_id=turn.user_id,
+        message=reply.message,
+        provider=turn.provider,
+        model=turn.model,
+        at=at,
+        pair_key=pair_key(turn.after, reply.message),
+        source="reply",
+        usage=reply.usage,
+        stop_reason=reply.stop_reason,
+        complete=reply.complete,
+    ).message_id

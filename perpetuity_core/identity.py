@@ -1,0 +1,120 @@
+"""Whose conversation is this, which harness sent it, and is it a turn at all?
+
+Explicit `x-perpetuity-user` / `x-perpetuity-conversation` headers win; then what each harness
+sends; else a salted hash of the credential for the user (the credential itself never leaves this
+module) and a derivation from the conversation's first user turn, which every later request of
+that conversation re-sends unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .conversation import Kind, ParsedRequest
+
+CLAUDE_CODE_COMPACT = "Your task is to create a detailed summary of the conversation so far"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    user: str
+    conversation: str
+    harness: str  # "claude-code" | "codex" | "opencode" | "client"
+    side: str = ""  # why this request is a harness side request and not a turn ("" for turns)
+
+
+def identify(headers: Mapping[str, str], req: ParsedRequest, credential: str, salt: str) -> Identity:
+    """`headers` must have lower-case keys."""
+    harness = _harness(headers)
+    cc = _claude_code_metadata(req.hints.get("metadata.user_id", ""))
+    user = (
+        headers.get("x-perpetuity-user")
+        or (cc and (cc.get("account_uuid") or cc.get("device_id")))
+        or (not cc and req.hints.get("metadata.user_id"))
+        or req.hints.get("user")
+        or req.hints.get("safety_identifier")
+        or (credential and "key-" + _digest(salt, credential))
+        or "anonymous"
+    )
+    conversation = headers.get("x-perpetuity-conversation") or _harness_conversation(headers, req, cc)
+    if not conversation:
+        conversation = "derived-" + _digest(salt, user + "\x00" + _first_user_turn(req))
+    return Identity(str(user), conversation, harness, _side(headers, req, harness))
+
+
+def _harness(headers: Mapping[str, str]) -> str:
+    agent = headers.get("user-agent", "")
+    if agent.startswith("claude-cli") or "x-claude-code-session-id" in headers:
+        return "claude-code"
+    if headers.get("originator", "").startswith("codex") or agent.startswith("codex"):
+        return "codex"
+    if agent.startswith("opencode"):
+        return "opencode"
+    return "client"
+
+
+def _claude_code_metadata(user_id: str) -> dict[str, str]:
+    """Claude Code puts JSON (device_id, account_uuid, session_id) in metadata.user_id."""
+    if not user_id.startswith("{"):
+        return {}
+    try:
+        data = json.loads(user_id)
+    except ValueError:
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, str) and v} if isinstance(data, dict) else {}
+
+
+def _harness_conversation(headers: Mapping[str, str], req: ParsedRequest, cc: dict[str, str]) -> str:
+    session = headers.get("x-claude-code-session-id") or cc.get("session_id")
+    if session:
+        agent = headers.get("x-claude-code-agent-id")
+        return f"{session}/agent-{agent}" if agent else session
+    turn_meta = _json_header(headers.get("x-codex-turn-metadata", ""))
+    return (
+        headers.get("session-id")
+        or str(turn_meta.get("session_id") or "")
+        or req.hints.get("prompt_cache_key", "")
+        or headers.get("x-session-id", "")
+    )
+
+
+def _side(headers: Mapping[str, str], req: ParsedRequest, harness: str) -> str:
+    if not req.generate:
+        return "prewarm"
+    if req.compaction:
+        return "compaction"
+    turn_meta = _json_header(headers.get("x-codex-turn-metadata", ""))
+    kind = turn_meta.get("request_kind")
+    if isinstance(kind, str) and kind != "turn":
+        return f"codex-{kind}"
+    if harness == "claude-code":
+        if req.structured_output and not req.tool_names:
+            return "title"
+        last = req.messages[-1] if req.messages else None
+        if last and last.role == "user" and any(
+            CLAUDE_CODE_COMPACT in p.text for p in last.parts if p.kind == Kind.TEXT
+        ):
+            return "compaction"
+    return ""
+
+
+def _first_user_turn(req: ParsedRequest) -> str:
+    for m in req.messages:
+        if m.role == "user":
+            return m.fingerprint()
+    return req.system
+
+
+def _json_header(value: str) -> dict[str, object]:
+    try:
+        data = json.loads(value) if value else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _digest(salt: str, value: str) -> str:
+    return hashlib.blake2b(value.encode(), key=salt.encode()[:64], digest_size=12).hexdigest()

@@ -1,0 +1,146 @@
+"""Anthropic Messages: request bodies and replies (streamed or whole) to the neutral model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
+from ..errors import ProtocolError
+from ..sse import Event
+
+
+def parse_request(body: dict[str, Any]) -> ParsedRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise ProtocolError("Anthropic request without a messages list")
+    parsed = [_message(m) for m in messages if isinstance(m, dict)]
+    hints: dict[str, str] = {}
+    meta = body.get("metadata")
+    if isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
+        hints["metadata.user_id"] = meta["user_id"]
+    output_config = body.get("output_config")
+    return ParsedRequest(
+        protocol=Protocol.ANTHROPIC,
+        model=str(body.get("model", "")),
+        stream=bool(body.get("stream", False)),
+        messages=parsed,
+        system=_text_of(body.get("system")),
+        tool_names=[t.get("name", "") for t in body.get("tools") or [] if isinstance(t, dict)],
+        hints=hints,
+        structured_output=isinstance(output_config, dict) and "format" in output_config,
+    )
+
+
+def _message(m: dict[str, Any]) -> Message:
+    content = m.get("content")
+    if isinstance(content, str):
+        return Message(str(m.get("role", "user")), (text_part(content),))
+    return Message(
+        str(m.get("role", "user")),
+        tuple(p for b in content or [] if isinstance(b, dict) and (p := _block(b))),
+    )
+
+
+def _block(b: dict[str, Any]) -> Part | None:
+    t = b.get("type")
+    if t == "text":
+        return text_part(str(b.get("text", "")))
+    if t == "thinking":
+        return Part(Kind.THINKING, str(b.get("thinking", "")))
+    if t == "redacted_thinking":
+        return Part(Kind.THINKING, "")
+    if t in ("tool_use", "server_tool_use"):
+        return Part(
+            Kind.TOOL_CALL, _dump(b.get("input", {})), name=str(b.get("name", "")),
+            call_id=str(b.get("id", "")),
+        )
+    if t == "tool_result":
+        return Part(Kind.TOOL_RESULT, _text_of(b.get("content")), call_id=str(b.get("tool_use_id", "")))
+    if t in ("image", "document"):
+        source = b.get("source") or {}
+        return Part(Kind.MEDIA, f"[{t} {source.get('media_type', source.get('type', ''))}]")
+    return None
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            str(b.get("text", "")) for b in content if isinstance(b, dict) and b.get("type") == "text"
+        )
+    return ""
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True)
+
+
+def _usage(u: dict[str, Any] | None) -> Usage:
+    u = u or {}
+    return Usage(
+        input_tokens=int(u.get("input_tokens") or 0),
+        output_tokens=int(u.get("output_tokens") or 0),
+        cache_read_tokens=int(u.get("cache_read_input_tokens") or 0),
+        cache_write_tokens=int(u.get("cache_creation_input_tokens") or 0),
+    )
+
+
+def reply_from_body(body: dict[str, Any]) -> Reply:
+    parts = tuple(p for b in body.get("content") or [] if isinstance(b, dict) and (p := _block(b)))
+    return Reply(Message("assistant", parts), _usage(body.get("usage")), str(body.get("stop_reason") or ""))
+
+
+class ReplyAssembler:
+    """Rebuilds the assistant message from a Messages event stream, event by event."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, dict[str, Any]] = {}
+        self._usage = Usage()
+        self._stop = ""
+        self._done = False
+
+    def feed(self, ev: Event) -> None:
+        try:
+            data = json.loads(ev.data)
+        except ValueError:
+            return
+        t = data.get("type")
+        if t == "message_start":
+            self._usage = _usage((data.get("message") or {}).get("usage"))
+        elif t == "content_block_start":
+            block = dict(data.get("content_block") or {})
+            block["_json"] = ""
+            self._blocks[int(data.get("index", len(self._blocks)))] = block
+        elif t == "content_block_delta":
+            block = self._blocks.setdefault(int(data.get("index", 0)), {"type": "text", "_json": ""})
+            d = data.get("delta") or {}
+            dt = d.get("type")
+            if dt == "text_delta":
+                block["text"] = block.get("text", "") + str(d.get("text", ""))
+            elif dt == "input_json_delta":
+                block["_json"] += str(d.get("partial_json", ""))
+            elif dt == "thinking_delta":
+                block["thinking"] = block.get("thinking", "") + str(d.get("thinking", ""))
+        elif t == "message_delta":
+            self._stop = str((data.get("delta") or {}).get("stop_reason") or self._stop)
+            u = data.get("usage") or {}
+            # message_delta carries cumulative output tokens and, on newer APIs, the input figures.
+            final = _usage(u)
+            self._usage.output_tokens = final.output_tokens or self._usage.output_tokens
+            self._usage.input_tokens = final.input_tokens or self._usage.input_tokens
+        elif t == "message_stop":
+            self._done = True
+
+    def reply(self) -> Reply:
+        parts: list[Part] = []
+        for _, block in sorted(self._blocks.items()):
+            if block.get("type") in ("tool_use", "server_tool_use") and block["_json"]:
+                try:
+                    block["input"] = json.loads(block["_json"])
+                except ValueError:
+                    block["input"] = block["_json"]
+            if p := _block(block):
+                parts.append(p)
+        return Reply(Message("assistant", tuple(parts)), self._usage, self._stop, self._done)

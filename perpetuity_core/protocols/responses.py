@@ -1,0 +1,144 @@
+"""OpenAI Responses: request bodies and replies (streamed or whole) to the neutral model.
+
+Responses lists items, not messages: a reply is a run of reasoning, message and function_call
+items. Consecutive items of one role are folded into one neutral message, so a reply captured
+from the stream and the same reply re-sent as input items yield the same message.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
+from ..errors import ProtocolError
+from ..sse import Event
+from .chat import HINT_FIELDS, _args
+
+
+def parse_request(body: dict[str, Any]) -> ParsedRequest:
+    raw = body.get("input")
+    if isinstance(raw, str):
+        items: list[Any] = [{"type": "message", "role": "user", "content": raw}]
+    elif isinstance(raw, list):
+        items = raw
+    else:
+        raise ProtocolError("Responses request without input")
+    messages = _fold(items)
+    system = "\n".join(m.text for m in messages if m.role == "system")
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        system = instructions + ("\n" + system if system else "")
+    hints = {f: body[f] for f in HINT_FIELDS if isinstance(body.get(f), str)}
+    if isinstance(body.get("previous_response_id"), str):
+        hints["previous_response_id"] = body["previous_response_id"]
+    return ParsedRequest(
+        protocol=Protocol.RESPONSES,
+        model=str(body.get("model", "")),
+        stream=bool(body.get("stream", False)),
+        messages=[m for m in messages if m.role != "system"],
+        system=system,
+        tool_names=[str(t.get("name", t.get("type", ""))) for t in body.get("tools") or [] if isinstance(t, dict)],
+        hints=hints,
+        generate=body.get("generate") is not False,
+        compaction=any(isinstance(i, dict) and i.get("type") == "compaction_trigger" for i in items),
+    )
+
+
+def _item(item: dict[str, Any]) -> tuple[str, list[Part]] | None:
+    t = item.get("type", "message")
+    if t == "message":
+        role = str(item.get("role", "user"))
+        role = "system" if role == "developer" else role
+        content = item.get("content")
+        if isinstance(content, str):
+            return role, [text_part(content)]
+        parts: list[Part] = []
+        for c in content or []:
+            if not isinstance(c, dict):
+                continue
+            if c.get("type") in ("input_text", "output_text", "text"):
+                parts.append(text_part(str(c.get("text", ""))))
+            elif c.get("type") == "refusal":
+                parts.append(Part(Kind.TEXT, str(c.get("refusal", ""))))
+            elif c.get("type") in ("input_image", "input_file", "input_audio"):
+                parts.append(Part(Kind.MEDIA, f"[{c.get('type')}]"))
+        return role, parts
+    if t == "reasoning":
+        summary = "\n".join(str(s.get("text", "")) for s in item.get("summary") or [] if isinstance(s, dict))
+        return "assistant", [Part(Kind.THINKING, summary)]
+    if t in ("function_call", "custom_tool_call"):
+        args = item.get("arguments", item.get("input", ""))
+        return "assistant", [Part(Kind.TOOL_CALL, _args(args), name=str(item.get("name", "")), call_id=str(item.get("call_id", "")))]
+    if t in ("function_call_output", "custom_tool_call_output"):
+        out = item.get("output", "")
+        if isinstance(out, list):
+            out = "\n".join(str(o.get("text", "")) for o in out if isinstance(o, dict))
+        return "tool", [Part(Kind.TOOL_RESULT, str(out), call_id=str(item.get("call_id", "")))]
+    return None
+
+
+def _fold(items: list[Any]) -> list[Message]:
+    messages: list[Message] = []
+    for item in items:
+        if not isinstance(item, dict) or not (got := _item(item)):
+            continue
+        role, parts = got
+        # Assistant items of one reply fold into one message; user turns stay separate.
+        if messages and role in ("assistant", "tool") and messages[-1].role == role:
+            messages[-1] = Message(role, messages[-1].parts + tuple(parts))
+        else:
+            messages.append(Message(role, tuple(parts)))
+    return messages
+
+
+def _usage(u: dict[str, Any] | None) -> Usage:
+    u = u or {}
+    return Usage(
+        input_tokens=int(u.get("input_tokens") or 0),
+        output_tokens=int(u.get("output_tokens") or 0),
+        cache_read_tokens=int((u.get("input_tokens_details") or {}).get("cached_tokens") or 0),
+    )
+
+
+def reply_from_body(body: dict[str, Any]) -> Reply:
+    folded = _fold(list(body.get("output") or []))
+    parts = tuple(p for m in folded for p in m.parts)
+    return Reply(Message("assistant", parts), _usage(body.get("usage")), str(body.get("status") or ""))
+
+
+class ReplyAssembler:
+    """Rebuilds the reply from response.* events: finished output items, then the usage."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, dict[str, Any]] = {}
+        self._text: dict[int, list[str]] = {}
+        self._usage = Usage()
+        self._status = ""
+        self._done = False
+
+    def feed(self, ev: Event) -> None:
+        try:
+            data = json.loads(ev.data)
+        except ValueError:
+            return
+        t = data.get("type", ev.event)
+        idx = int(data.get("output_index", 0))
+        if t == "response.output_text.delta":
+            self._text.setdefault(idx, []).append(str(data.get("delta", "")))
+        elif t == "response.output_item.done" and isinstance(data.get("item"), dict):
+            self._items[idx] = data["item"]
+        elif t in ("response.completed", "response.incomplete", "response.failed"):
+            resp = data.get("response") or {}
+            self._usage = _usage(resp.get("usage"))
+            self._status = str(resp.get("status") or t.split(".")[-1])
+            self._done = t == "response.completed"
+
+    def reply(self) -> Reply:
+        items = dict(self._items)
+        # A cut stream leaves text deltas with no finished item: keep what the client saw.
+        for idx, chunks in self._text.items():
+            items.setdefault(idx, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "".join(chunks)}]})
+        folded = _fold([items[i] for i in sorted(items)])
+        parts = tuple(p for m in folded for p in m.parts)
+        return Reply(Message("assistant", parts), self._usage, self._status, self._done)
