@@ -1,0 +1,134 @@
+"""The per-request path, in the order data flows: route → identity → store, then a job to forward.
+
+`prepare` turns one HTTP request into a `Decision`: leave it alone, send it upstream untouched, or
+hand it to the relay as a `Job` that forwards it and captures the reply. It never raises for bad
+input: anything it cannot read passes through as the client sent it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from . import capture
+from .capture import TurnContext
+from .conversation import Message, Protocol, Provider
+from .identity import Identity, identify
+from .protocols import ADAPTERS
+from .route import CONTROL_PREFIX, Controls, Route, credential, parse_controls, route
+from .store import Store
+
+log = logging.getLogger("perpetuity")
+
+# Bodies above this are forwarded untouched rather than parsed on the request path.
+MAX_BODY = 32 * 1024 * 1024
+
+# Dropped from what goes upstream: hop-by-hop headers, and encodings, since the relay must read
+# the reply to store it (providers stream SSE uncompressed anyway).
+_DROP_UPSTREAM = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+                  "proxy-connection", "proxy-authorization", "accept-encoding", "te", "upgrade"}
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    method: str
+    host: str
+    path: str  # with the query string
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    direct: bool  # the client addressed the proxy itself (base URL), not a host through it
+
+
+@dataclass(slots=True)
+class Job:
+    """One exchange for the relay: what to send upstream and how to store what comes back."""
+
+    method: str
+    url: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    protocol: Protocol
+    stream: bool
+    turn: TurnContext | None  # None: forward and relay, store nothing
+    at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
+
+
+@dataclass(slots=True)
+class Decision:
+    route: Route | None = None  # None: not provider traffic, the flow's destination stays
+    strip: list[str] = field(default_factory=list)  # control headers to remove
+    job: Job | None = None
+    identity: Identity | None = None
+    note: str = ""  # why, for flow.metadata and logs
+
+
+class Pipeline:
+    def __init__(self, store: Store, upstreams: Mapping[Provider, str]) -> None:
+        self.store = store
+        self.upstreams = dict(upstreams)
+
+    def route_only(self, req: HttpRequest, model: str = "") -> Decision:
+        """Where the request goes and which headers to strip, touching nothing else."""
+        headers = {k.lower(): v for k, v in req.headers}
+        strip = sorted({k for k, _ in req.headers if k.lower().startswith(CONTROL_PREFIX)})
+        r = route(host=req.host, path=req.path, direct=req.direct, headers=headers, model=model,
+                  upstreams=self.upstreams)
+        return Decision(route=r, strip=strip, note="" if r else "not provider traffic")
+
+    def prepare(self, req: HttpRequest) -> Decision:
+        body = _json_body(req.body) if req.method == "POST" else None
+        decision = self.route_only(req, str(body.get("model", "")) if body else "")
+        r = decision.route
+        if r is None:
+            return decision
+        headers = {k.lower(): v for k, v in req.headers}
+        controls = parse_controls(headers)
+        if not controls.enabled:
+            decision.note = "x-perpetuity: off"
+            return decision
+        if r.protocol is None or body is None:
+            decision.note = "no turn in this request"
+            return decision
+        try:
+            parsed = ADAPTERS[r.protocol].parse_request(body)
+        except Exception as e:  # fail open: an unreadable body goes through as sent
+            decision.note = f"unparsed: {e}"
+            return decision
+        ident = identify(headers, parsed, credential(headers), self.store.salt)
+        decision.identity = ident
+        turn = None
+        if ident.side:
+            decision.note = f"side request: {ident.side}"
+        elif controls.probe or not controls.capture:
+            decision.note = "probe" if controls.probe else "capture off"
+        else:
+            turn = self._store_turn(ident, r.provider, parsed.model, parsed.messages, controls)
+            decision.note = "captured"
+        forwarded = [(k, v) for k, v in req.headers
+                     if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
+        decision.job = Job(req.method, r.upstream_url, forwarded, req.body, r.protocol,
+                           parsed.stream, turn, controls.at)
+        return decision
+
+    def _store_turn(self, ident: Identity, provider: Provider, model: str, messages: list[Message],
+                    controls: Controls) -> TurnContext:
+        at = controls.at if controls.at is not None else time.time()
+        _, turn = capture.record(
+            self.store, user_key=ident.user, conversation_key=ident.conversation,
+            provider=provider.value, model=model, messages=messages,
+            times=[at] * len(messages), source="request",
+        )
+        return turn
+
+
+def _json_body(raw: bytes) -> dict | None:
+    if not raw or len(raw) > MAX_BODY:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None

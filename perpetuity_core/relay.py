@@ -1,0 +1,196 @@
+"""The relay: a small HTTP endpoint on 127.0.0.1, inside mitmproxy's event loop, that performs a
+job's upstream exchange and streams it back while capturing the reply.
+
+mitmproxy cannot stream a body an addon produces, and its response-stream callables are
+synchronous, so anything that must talk to the provider mid-reply (the recall tools' loop) lives
+here: the `request` hook submits a `Job` and points the flow at this endpoint; mitmproxy streams
+whatever we write to the client unbuffered.
+
+How it fails: before upstream's first byte, a connection error becomes a 502 (what mitmproxy
+itself would answer); after it, the upstream's bytes pass through exactly, and a cut upstream
+cuts the client the same way. Capture can never break the stream: its errors are logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from .capture import TurnContext
+from .conversation import Reply
+from .pipeline import Job
+from .protocols import ADAPTERS
+from .sse import SSEDecoder
+
+log = logging.getLogger("perpetuity")
+
+JOB_HEADER = "x-perpetuity-job"
+_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection"}
+_JOB_TTL = 120.0  # a job mitmproxy never delivered (client gone) is dropped after this long
+
+StoreReply = Callable[[TurnContext, Reply, float], Awaitable[None]]
+
+
+class ReplyTee:
+    """Reads a copy of the reply bytes into a neutral Reply. Never raises."""
+
+    def __init__(self, job: Job, content_encoding: str) -> None:
+        self.adapter = ADAPTERS[job.protocol]
+        self.stream = job.stream
+        self.failed = False
+        self._sse = SSEDecoder()
+        self._assembler = self.adapter.ReplyAssembler()
+        self._body = bytearray()
+        enc = content_encoding.strip().lower()
+        self._inflate = zlib.decompressobj(zlib.MAX_WBITS | 32) if enc in ("gzip", "deflate") else None
+        if enc not in ("", "identity", "gzip", "deflate"):
+            self.failed = True  # an encoding we cannot read: forward it, store no reply
+
+    def feed(self, chunk: bytes) -> None:
+        if self.failed:
+            return
+        try:
+            if self._inflate is not None:
+                chunk = self._inflate.decompress(chunk)
+            if self.stream:
+                for ev in self._sse.feed(chunk):
+                    self._assembler.feed(ev)
+            else:
+                self._body += chunk
+        except Exception:
+            log.exception("perpetuity: could not read the reply; it is forwarded but not stored")
+            self.failed = True
+
+    def reply(self) -> Reply | None:
+        if self.failed:
+            return None
+        try:
+            if self.stream:
+                return self._assembler.reply()
+            return self.adapter.reply_from_body(json.loads(bytes(self._body)))
+        except Exception:
+            log.exception("perpetuity: could not assemble the reply")
+            return None
+
+
+class Relay:
+    def __init__(self, store_reply: StoreReply) -> None:
+        self.store_reply = store_reply
+        self.port = 0
+        self._jobs: dict[str, tuple[float, Job]] = {}
+        self._server: asyncio.Server | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        # trust_env=False: the proxy's own HTTPS_PROXY must never route upstream calls back to us.
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=30.0, read=None, write=60.0, pool=30.0), trust_env=False
+        )
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server:
+            self._server.close()
+        if self._client:
+            await self._client.aclose()
+
+    def submit(self, job: Job) -> str:
+        now = time.monotonic()
+        for token in [t for t, (at, _) in self._jobs.items() if now - at > _JOB_TTL]:
+            del self._jobs[token]
+        token = secrets.token_hex(16)
+        self._jobs[token] = (now, job)
+        return token
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            headers = _parse_head(head)
+            length = int(headers.get("content-length", "0") or 0)
+            if length:
+                await reader.readexactly(length)  # the job carries the body; this copy is unused
+            entry = self._jobs.pop(headers.get(JOB_HEADER, ""), None)
+            if entry is None:
+                await _respond(writer, 502, b"perpetuity: unknown relay job")
+                return
+            await self._exchange(entry[1], writer)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        except Exception:
+            log.exception("perpetuity: relay failure")
+        finally:
+            if not writer.is_closing():
+                writer.close()
+
+    async def _exchange(self, job: Job, writer: asyncio.StreamWriter) -> None:
+        assert self._client is not None
+        request = self._client.build_request(job.method, job.url, headers=job.headers, content=job.body)
+        try:
+            resp = await self._client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            await _respond(writer, 502, f"perpetuity: upstream {job.url} failed: {e}".encode())
+            return
+        tee = ReplyTee(job, resp.headers.get("content-encoding", "")) if job.turn and resp.status_code < 400 else None
+        fixed_length = "content-length" in resp.headers and "transfer-encoding" not in resp.headers
+        try:
+            writer.write(_head(resp, chunked=not fixed_length))
+            await writer.drain()
+            async for chunk in resp.aiter_raw():
+                if not chunk:
+                    continue
+                writer.write(chunk if fixed_length else b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                if tee:
+                    tee.feed(chunk)
+                await writer.drain()
+            if not fixed_length:
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except httpx.HTTPError:
+            # The provider cut the stream: cut the client the same way, keep what came.
+            writer.transport.abort()
+        except ConnectionError:
+            pass  # the client went away; closing the upstream response below stops the provider
+        finally:
+            await resp.aclose()
+            if tee and job.turn and (reply := tee.reply()) is not None:
+                at = job.at if job.at is not None else time.time()
+                try:
+                    await self.store_reply(job.turn, reply, at)
+                except Exception:
+                    log.exception("perpetuity: could not store the reply")
+
+
+def _parse_head(head: bytes) -> dict[str, str]:
+    lines = head.decode("latin-1").split("\r\n")[1:]
+    out: dict[str, str] = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if sep:
+            out[name.strip().lower()] = value.strip()
+    return out
+
+
+def _head(resp: httpx.Response, *, chunked: bool) -> bytes:
+    lines = [f"HTTP/1.1 {resp.status_code} {resp.reason_phrase}"]
+    for name, value in resp.headers.multi_items():
+        if name.lower() not in _HOP:
+            lines.append(f"{name}: {value}")
+    lines.append("transfer-encoding: chunked" if chunked else f"content-length: {resp.headers['content-length']}")
+    lines.append("connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
+    writer.write(
+        b"HTTP/1.1 %d Bad Gateway\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%b" % (status, len(body), body)
+    )
+    await writer.drain()
