@@ -483,9 +483,10 @@ def terms(text: str) -> frozenset[str]:
     for raw in _WORD.findall(text.lower()):
         raw = raw.rstrip("._/-")
         for term in {raw, *_PARTS.split(raw)}:
-            term = _stem(term)
-            if _keep(term):
-                found.add(term)
+            if term not in STOP_WORDS:
+                term = _stem(term)  # after the stop check, so "fixes" is not kept as "fixe"
+                if _keep(term):
+                    found.add(term)
     return frozenset(found)
 
 
@@ -521,8 +522,8 @@ INDEX_HEADER = (
     "\n"
     "<!-- Regenerated from the notes' frontmatter by `perpetuity notes reindex`; edits here are\n"
     "     overwritten. One line per active note: `- name — description [tags]`.\n"
-    f"     Budget: {INDEX_MAX_LINES} lines and {INDEX_MAX_CHARS} characters of note lines. Over\n"
-    "     budget is the signal to run `perpetuity notes curate`; the budget is never widened. -->\n"
+    f"     Budget: {INDEX_MAX_LINES} lines, {INDEX_MAX_CHARS} characters of note lines. Over budget\n"
+    "     is the signal to run `perpetuity notes curate`; the budget is never widened. -->\n"
     "\n"
 )
 
