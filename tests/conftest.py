@@ -1,0 +1,129 @@
+"""Shared fixtures: a fake provider, a real mitmdump process running the addon, the database."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.fake_provider import FakeProvider
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+FIXTURES = SHARED / "fixtures" / "harness"
+MITMDUMP = Path(sys.executable).with_name("mitmdump")
+
+needs_fixtures = pytest.mark.skipif(
+    not FIXTURES.is_dir(), reason=f"harness captures not present at {FIXTURES}"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proxy:
+    url: str
+    port: int
+    db: Path
+    confdir: Path
+    process: subprocess.Popen
+    log: Path
+
+    def rows(self, sql: str, *args: object) -> list[tuple]:
+        con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
+        try:
+            return con.execute(sql, args).fetchall()
+        finally:
+            con.close()
+
+    def messages(self, user: str | None = None) -> list[tuple[str, str, str, int]]:
+        """(role, source, text of the message's items, complete) in storage order."""
+        sql = (
+            "select m.role, m.source, group_concat(i.text, '|'), m.complete from message m "
+            "join user u on u.id = m.user_id left join item i on i.message_id = m.id "
+            + ("where u.key = ? " if user else "")
+            + "group by m.id order by m.id"
+        )
+        return self.rows(sql, *([user] if user else []))
+
+    def wait_messages(self, user: str, n: int, timeout: float = 5.0) -> list[tuple]:
+        """Replies are stored after the stream ends, a moment after the client saw it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.messages(user)
+            if len(got) >= n or time.monotonic() > deadline:
+                return got
+            time.sleep(0.02)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def start_proxy(tmp: Path, upstream: str, *extra: str) -> Proxy:
+    port = free_port()
+    db = tmp / "memory.db"
+    confdir = tmp / "mitm"
+    log = tmp / "mitmdump.log"
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    cmd = [
+        str(MITMDUMP), "-q", "-s", str(ROOT / "addon" / "perpetuity.py"),
+        "--listen-host", "127.0.0.1", "--listen-port", str(port),
+        "--set", f"confdir={confdir}",
+        "--set", f"perpetuity_db={db}",
+        "--set", f"perpetuity_anthropic_upstream={upstream}",
+        "--set", f"perpetuity_openai_upstream={upstream}",
+        "--set", "connection_strategy=lazy",
+        *extra,
+    ]
+    out = open(log, "wb")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mitmdump exited: {log.read_text()}")
+        if b"perpetuity: listening" in log.read_bytes():
+            return Proxy(f"http://127.0.0.1:{port}", port, db, confdir, proc, log)
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"mitmdump did not start: {log.read_text()}")
+
+
+def stop_proxy(p: Proxy) -> None:
+    p.process.terminate()
+    try:
+        p.process.wait(10)
+    except subprocess.TimeoutExpired:
+        p.process.kill()
+        p.process.wait()
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeProvider]:
+    with FakeProvider() as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def proxy(fake: FakeProvider, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    p = start_proxy(tmp_path_factory.mktemp("proxy"), fake.url)
+    yield p
+    stop_proxy(p)
+    assert b"Traceback" not in p.log.read_bytes(), p.log.read_text()
+
+
+@pytest.fixture(autouse=True)
+def _clean_fake(request: pytest.FixtureRequest) -> None:
+    if "fake" in request.fixturenames:
+        request.getfixturevalue("fake").clear()
