@@ -55,8 +55,9 @@ class Text:
     """A text reply split into ``chunks`` deltas.
 
     ``thinking`` adds a thinking block with a signature before the text (Anthropic), a
-    reasoning item (Responses); Chat Completions ignores it. ``first_byte_delay`` sleeps
-    before the response headers; ``delay`` sleeps between streamed events.
+    reasoning item with a summary (Responses); Chat Completions ignores it.
+    ``first_byte_delay`` sleeps before the response headers (streamed or not); ``delay``
+    sleeps between streamed events (a non-streamed reply ignores it).
     """
 
     text: str
@@ -787,7 +788,8 @@ class FakeProvider:
             return _Reply(status, headers, body=_dumps(err_body).encode())
 
         if rec.method in ("HEAD", "GET") and rec.path in ("", "/"):
-            return _Reply(200, [("Content-Type", "text/plain; charset=utf-8")], body=b"")
+            # Claude Code probes ``HEAD /`` before its first request.
+            return _Reply(200, [("Content-Type", JSON_CT)], body=b"{}")
         if proto is None:
             return error(404)
         if rec.method != "POST":

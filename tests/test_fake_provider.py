@@ -498,6 +498,7 @@ def test_default_reply_and_unknown_path(fake, oai):
     assert completion.choices[0].message.content == "Hello from the fake provider."
     with httpx.Client() as client:
         assert client.head(fake.url + "/").status_code == 200
+        assert client.get(fake.url + "/").json() == {}
         r = client.get(fake.url + "/v1/nowhere")
     assert r.status_code == 404 and "error" in r.json()
 
