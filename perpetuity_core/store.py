@@ -97,8 +97,36 @@ def m001_initial(database: pw.Database) -> None:
     database.create_tables([Setting, User, Conversation, StoredMessage, Item])
 
 
+def m002_retrieval(database: pw.Database) -> None:
+    """Retrieval rows (see scan.py): one per item, with the pooled frequency counts BM25 needs.
+
+    `seq` only grows, so a reader catches up by reading rows past its cursor; a re-derived row
+    is deleted and inserted again under a new seq. Deletions are logged by trigger (with the
+    terms, so the counts can be settled) and a reader catches up on them the same way.
+    """
+    for sql in (
+        "CREATE TABLE retrieval (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " item_id INTEGER NOT NULL UNIQUE REFERENCES item(id) ON DELETE CASCADE,"
+        " message_id INTEGER NOT NULL, user_id INTEGER NOT NULL, conversation_id INTEGER NOT NULL,"
+        " length INTEGER NOT NULL, tokens INTEGER NOT NULL, version TEXT NOT NULL,"
+        " terms BLOB NOT NULL, counts BLOB NOT NULL)",
+        "CREATE TABLE retrieval_term (term INTEGER PRIMARY KEY, df INTEGER NOT NULL)",
+        "CREATE TABLE retrieval_total (id INTEGER PRIMARY KEY CHECK (id = 1),"
+        " rows INTEGER NOT NULL, length INTEGER NOT NULL, tokens INTEGER NOT NULL)",
+        "INSERT INTO retrieval_total VALUES (1, 0, 0, 0)",
+        "CREATE TABLE retrieval_gone (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " row_seq INTEGER NOT NULL, item_id INTEGER NOT NULL, length INTEGER NOT NULL,"
+        " tokens INTEGER NOT NULL, terms BLOB NOT NULL, settled INTEGER NOT NULL DEFAULT 0)",
+        "CREATE INDEX retrieval_gone_unsettled ON retrieval_gone (seq) WHERE settled = 0",
+        "CREATE TRIGGER retrieval_deleted AFTER DELETE ON retrieval BEGIN"
+        " INSERT INTO retrieval_gone (row_seq, item_id, length, tokens, terms)"
+        " VALUES (old.seq, old.item_id, old.length, old.tokens, old.terms); END",
+    ):
+        database.execute_sql(sql)
+
+
 # Append only: a shipped migration is never edited, its name is recorded in the database.
-MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial]
+MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval]
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]
@@ -121,7 +149,10 @@ class Store:
 
     def __init__(self, path: str | Path, derivers: Iterable[Deriver] = ()) -> None:
         self.path = Path(path).expanduser()
-        self.derivers = list(derivers)
+        from .scan import derive_retrieval  # numpy and the dictionary load on first use only
+
+        # Every store derives retrieval rows: no item may exist without one.
+        self.derivers = [derive_retrieval, *derivers]
         try:
             _create_private(self.path)
             db.init(str(self.path), pragmas=PRAGMAS, check_same_thread=False)

@@ -1,0 +1,589 @@
+"""The exact scan: a BM25 score for every visible retrieval row, for every query.
+
+There is no approximate index between a question and the memory: every stored row gets its
+exact score (rows holding none of the query's terms score exactly zero and are not hits).
+
+Write side. `derive_retrieval` runs inside each message's transaction (the store registers it
+on every Store): one retrieval row per item (term ids and counts as little-endian blobs, length,
+dictionary version) plus the pooled counts BM25 needs (document frequency per term; rows and
+total length). Deleted retrieval rows are logged by a trigger; `settle` takes their counts back
+out, `purge` deletes and settles in one transaction, `rederive` re-writes rows whose dictionary
+version is stale.
+
+Read side. A `Scanner` answers `search`. A small memory is scored straight from the store; a
+larger one is held in the serving process as an `Arena`: numpy arrays in segments of at most
+65,536 rows, so a row's index inside its segment fits 16 bits. Before every scan the arena
+catches up on the rows (and deletions) stored since its last catch-up, appending a new segment
+and merging only small tail segments, never rebuilding the whole. Segments are scored on worker
+threads and merged deterministically: every row's score is summed over the query's terms in
+ascending term id, in float64, whatever the layout, segmentation or thread count, and ties are
+broken by store order (seq), so a query always gets the same ranking.
+
+Two layouts give the same scores. Term-major (postings per term: local row uint16, tf uint8,
+3 bytes a posting) reads only the postings of the query's terms; row-major (term ids per row:
+int32 + uint8) reads every posting. scripts/bench_retrieval.py measures both; the term-major
+one is the default because it is faster at every size measured.
+
+The score (Robertson et al., Okapi at TREC-3, 1994, with Lucene's non-negative idf):
+    score(q, d) = sum over distinct terms t of q, ascending id:
+                  qtf(t) * idf(t) * (k1 + 1) * tf(t, d) / (tf(t, d) + k1 * (1 - b + b * |d| / avgdl))
+    idf(t) = ln(1 + (N - df(t) + 0.5) / (df(t) + 0.5))
+N, df and avgdl are pooled over every live row of the database, whichever user asks: one
+shared statistic, so a row's score does not depend on who else is visible. Heat, recency and
+anything else that is not relevance stay out of it.
+
+Visibility is a rule: a user sees only their own rows; with `share_pool` every row is visible
+and the asking user's own rows rank before everyone else's. Exclusions (item ids) drop rows
+without changing anyone's score.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import dictionary
+from .store import Item, Store, StoredMessage, db
+
+SEGMENT_ROWS = 1 << 16  # local row ids are uint16
+TERMS = "terms"  # term-major layout (shipped)
+ROWS = "rows"  # row-major layout (measured for comparison)
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """BM25's two free parameters; the defaults are the usual ones (Robertson & Zaragoza 2009)."""
+
+    k1: float = 1.2
+    b: float = 0.75
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    item_id: int
+    message_id: int
+    user_id: int
+    conversation_id: int
+    role: str
+    at: float
+    score: float
+    text: str
+    seq: int = 0  # the retrieval row's store order, the tie-break
+    tokens: int = 0
+
+
+# --------------------------------------------------------------------------- write side
+
+
+def token_estimate(text: str) -> int:
+    """Model tokens of a text, by the usual rule of four characters a token."""
+    return (len(text) + 3) // 4
+
+
+def item_text(kind: str, name: str, text: str) -> str:
+    """What a row is retrieved by: a tool call is found by its tool's name as well."""
+    return f"{name} {text}" if name else text
+
+
+def derive_retrieval(items: list[Item]) -> None:
+    """Write the retrieval rows and counts of a message's items (inside its transaction)."""
+    if not items:
+        return
+    d = dictionary.load()
+    m = items[0].message
+    rows = []
+    bags = []
+    length = tokens = 0
+    for it in items:
+        text = item_text(it.kind, it.name, it.text)
+        bag = d.bag(text)
+        n_tokens = token_estimate(text)
+        rows.append((it.id, m.id, m.user_id, m.conversation_id, bag.length, n_tokens, d.version,
+                     bag.terms.astype("<i4").tobytes(), bag.counts.tobytes()))
+        bags.append(bag.terms)
+        length += bag.length
+        tokens += n_tokens
+    conn = db.connection()
+    conn.executemany(
+        "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, length, tokens,"
+        " version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?)", rows)
+    _count(conn, np.concatenate(bags), +1)
+    conn.execute("UPDATE retrieval_total SET rows = rows + ?, length = length + ?,"
+                 " tokens = tokens + ? WHERE id = 1", (len(rows), length, tokens))
+
+
+def _count(conn, terms: np.ndarray, sign: int) -> None:  # noqa: ANN001 - a sqlite3 connection
+    """Add (or take back) one to the document frequency of each occurrence in `terms`."""
+    if terms.size == 0:
+        return
+    t, n = np.unique(terms, return_counts=True)
+    conn.executemany(
+        "INSERT INTO retrieval_term (term, df) VALUES (?, ?)"
+        " ON CONFLICT(term) DO UPDATE SET df = df + excluded.df",
+        zip(t.tolist(), (n * sign).tolist()))
+
+
+def settle(store: Store) -> int:
+    """Take the counts of deleted retrieval rows back out; returns how many were settled."""
+    with db.atomic():
+        conn = db.connection()
+        gone = conn.execute(
+            "SELECT seq, length, tokens, terms FROM retrieval_gone WHERE settled = 0").fetchall()
+        if not gone:
+            return 0
+        _count(conn, np.frombuffer(b"".join(g[3] for g in gone), "<i4"), -1)
+        conn.execute("DELETE FROM retrieval_term WHERE df <= 0")
+        conn.execute("UPDATE retrieval_total SET rows = rows - ?, length = length - ?,"
+                     " tokens = tokens - ? WHERE id = 1",
+                     (len(gone), sum(g[1] for g in gone), sum(g[2] for g in gone)))
+        conn.executemany("UPDATE retrieval_gone SET settled = 1 WHERE seq = ?",
+                         [(g[0],) for g in gone])
+    return len(gone)
+
+
+def purge(store: Store, item_ids: Iterable[int]) -> int:
+    """Delete items (and their retrieval rows and counts) in one transaction."""
+    ids = [(int(i),) for i in item_ids]
+    with db.atomic():
+        db.connection().executemany("DELETE FROM item WHERE id = ?", ids)  # cascades
+        settle(store)
+    return len(ids)
+
+
+def rederive(store: Store, *, stale_only: bool = True) -> int:
+    """Re-write retrieval rows with the current dictionary (those of another version, or all).
+
+    Each row is deleted and inserted again, one message per transaction, so it gets a new seq
+    and readers pick it up on their next catch-up like any new row.
+    """
+    version = dictionary.load().version
+    sql = "SELECT item_id FROM retrieval" + (" WHERE version != ?" if stale_only else "")
+    ids = [r[0] for r in db.connection().execute(sql, (version,) if stale_only else ())]
+    by_message: dict[int, list[Item]] = {}
+    for i in range(0, len(ids), 500):
+        for it in (Item.select(Item, StoredMessage).join(StoredMessage)
+                   .where(Item.id.in_(ids[i:i + 500])).order_by(Item.id)):
+            by_message.setdefault(it.message_id, []).append(it)
+    for items in by_message.values():
+        with db.atomic():
+            db.connection().executemany("DELETE FROM retrieval WHERE item_id = ?",
+                                        [(it.id,) for it in items])
+            settle(store)
+            derive_retrieval(items)
+    return len(ids)
+
+
+# --------------------------------------------------------------------------- the score
+
+
+def idf(n_rows: int, df: np.ndarray) -> np.ndarray:
+    """Okapi idf with Lucene's +1 inside the log, so no term ever weighs below zero."""
+    df = df.astype(np.float64)
+    return np.log1p((n_rows - df + 0.5) / (df + 0.5))
+
+
+@dataclass(slots=True)
+class Query:
+    """A query resolved against the pooled statistic: distinct terms ascending, their weights."""
+
+    terms: np.ndarray  # int32, ascending
+    weights: np.ndarray  # float64: qtf * idf * (k1 + 1)
+    a: float  # k1 * (1 - b)
+    c: float  # k1 * b / avgdl
+
+    @property
+    def empty(self) -> bool:
+        return self.terms.size == 0
+
+
+def make_query(text: str, df_of, n_rows: int, total_length: int, params: Params) -> Query:  # noqa: ANN001
+    """`df_of(terms) -> df array` reads the pooled document frequencies."""
+    ids = dictionary.load().ids(text)
+    terms, qtf = np.unique(ids, return_counts=True)
+    if n_rows == 0 or terms.size == 0:
+        return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0)
+    df = np.asarray(df_of(terms), dtype=np.int64)
+    keep = df > 0  # a term no row holds scores every row zero
+    terms, qtf, df = terms[keep].astype(np.int32), qtf[keep], df[keep]
+    avgdl = max(total_length / n_rows, 1e-9)
+    k1, b = params.k1, params.b
+    return Query(terms, qtf * idf(n_rows, df) * (k1 + 1), k1 * (1 - b), k1 * b / avgdl)
+
+
+def contributions(q: Query, slot: np.ndarray, tf: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """w * tf / (tf + a + c * |d|) per posting, in float64 (the reference uses the same order)."""
+    tf = tf.astype(np.float64)
+    return q.weights[slot] * tf / (tf + (q.a + q.c * length))
+
+
+# --------------------------------------------------------------------------- the arena
+
+
+@dataclass(slots=True)
+class Segment:
+    """Rows [start, start + n) of the arena, in one of the two layouts."""
+
+    start: int
+    n: int
+    # term-major: distinct terms ascending, their postings' extent, postings (local row, tf)
+    terms: np.ndarray | None = None
+    ptr: np.ndarray | None = None
+    rows: np.ndarray | None = None
+    # row-major: each row's extent, its terms (int32) in ascending id
+    row_ptr: np.ndarray | None = None
+    row_terms: np.ndarray | None = None
+    tf: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.terms, self.ptr, self.rows, self.row_ptr,
+                                      self.row_terms, self.tf) if a is not None)
+
+
+def build_segment(start: int, row_len: np.ndarray, terms: np.ndarray, tf: np.ndarray,
+                  layout: str) -> Segment:
+    """A segment from its rows' postings in row order (each row's terms ascending)."""
+    n = int(row_len.size)
+    if layout == ROWS:
+        ptr = np.zeros(n + 1, np.int64)
+        np.cumsum(row_len, out=ptr[1:])
+        return Segment(start, n, row_ptr=ptr, row_terms=terms.astype(np.int32), tf=tf)
+    local = np.repeat(np.arange(n, dtype=np.uint16), row_len)
+    # A stable sort keeps each term's postings in row order, so sums run in a fixed order.
+    order = np.argsort(terms, kind="stable")
+    t = terms[order]
+    if t.size:
+        firsts = np.flatnonzero(np.concatenate(([True], t[1:] != t[:-1])))
+    else:
+        firsts = np.zeros(0, np.int64)
+    ptr = np.append(firsts, t.size).astype(np.int64)
+    return Segment(start, n, terms=t[firsts].astype(np.int32), ptr=ptr, rows=local[order],
+                   tf=tf[order])
+
+
+def segment_postings(seg: Segment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A segment's postings back in row order: (per-row counts, terms, tf)."""
+    if seg.row_ptr is not None:
+        return np.diff(seg.row_ptr), seg.row_terms, seg.tf
+    terms = np.repeat(seg.terms, np.diff(seg.ptr))
+    order = np.lexsort((terms, seg.rows))
+    return (np.bincount(seg.rows, minlength=seg.n).astype(np.int64), terms[order],
+            seg.tf[order])
+
+
+class Arena:
+    """The in-memory copy of every retrieval row of the store, for many users at once.
+
+    Per row: seq (int64), user and conversation (int32, user -1 once deleted), length (int32);
+    per posting 3 bytes (term-major) or 5 bytes (row-major); df over all term ids (int32).
+    """
+
+    def __init__(self, layout: str = TERMS, threads: int | None = None) -> None:
+        if layout not in (TERMS, ROWS):
+            raise ValueError(f"unknown arena layout {layout!r}")
+        self.layout = layout
+        self.threads = threads or min(4, os.cpu_count() or 1)
+        self.segments: list[Segment] = []
+        self.seq = np.zeros(0, np.int64)
+        self.user = np.zeros(0, np.int32)
+        self.conv = np.zeros(0, np.int32)
+        self.length = np.zeros(0, np.int32)
+        self.df: np.ndarray | None = None
+        self.n_rows = 0  # live rows
+        self.total_length = 0
+        self.row_cursor = 0  # last retrieval.seq read
+        self.gone_cursor = 0  # last retrieval_gone.seq read
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- catch-up ------------------------------------------------------------------------
+
+    def catch_up(self) -> int:
+        """Read what was stored or deleted since the last catch-up; returns rows read."""
+        with db.atomic():  # one snapshot: rows and deletions agree
+            conn = db.connection()
+            new = conn.execute(
+                "SELECT seq, user_id, conversation_id, length, terms, counts FROM retrieval"
+                " WHERE seq > ? ORDER BY seq", (self.row_cursor,)).fetchall()
+            gone = conn.execute(
+                "SELECT seq, row_seq, length, terms FROM retrieval_gone WHERE seq > ?"
+                " ORDER BY seq", (self.gone_cursor,)).fetchall()
+        if self.df is None:
+            self.df = np.zeros(dictionary.load().n_terms, np.int32)
+        if new:
+            self._append(new)
+        if gone:
+            self._forget(gone)
+        return len(new)
+
+    def _append(self, new: list[tuple]) -> None:
+        seq, user, conv, length, terms_b, counts_b = zip(*new)
+        terms = np.frombuffer(b"".join(terms_b), "<i4")
+        tf = np.frombuffer(b"".join(counts_b), np.uint8)
+        row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
+        length_a = np.asarray(length, np.int32)
+        self.seq = np.concatenate((self.seq, np.asarray(seq, np.int64)))
+        self.user = np.concatenate((self.user, np.asarray(user, np.int32)))
+        self.conv = np.concatenate((self.conv, np.asarray(conv, np.int32)))
+        self.length = np.concatenate((self.length, length_a))
+        u, c = np.unique(terms, return_counts=True)
+        self.df[u] += c.astype(np.int32)
+        self.n_rows += len(new)
+        self.total_length += int(length_a.sum(dtype=np.int64))
+        self.row_cursor = int(seq[-1])
+        # Fill the last segment up to its cap (merging it with the new rows), then new ones.
+        start = int(self.seq.size - len(new))
+        row_ptr = np.zeros(len(new) + 1, np.int64)
+        np.cumsum(row_len, out=row_ptr[1:])
+        i = 0
+        if self.segments and self.segments[-1].n < SEGMENT_ROWS:
+            last = self.segments.pop()
+            take = min(SEGMENT_ROWS - last.n, len(new))
+            # Tiered: merge only when the tail is no bigger than twice what comes in, so a row
+            # is re-sorted O(log) times at most and a catch-up never rebuilds a big segment.
+            if last.n <= 2 * take or last.n + len(new) <= SEGMENT_ROWS // 8:
+                old_len, old_terms, old_tf = segment_postings(last)
+                j = row_ptr[take]
+                self.segments.append(build_segment(
+                    last.start, np.concatenate((old_len, row_len[:take])),
+                    np.concatenate((old_terms, terms[:j])), np.concatenate((old_tf, tf[:j])),
+                    self.layout))
+                i = take
+            else:
+                self.segments.append(last)
+        while i < len(new):
+            k = min(len(new), i + SEGMENT_ROWS)
+            if self.segments and self.segments[-1].start + self.segments[-1].n != start + i:
+                raise AssertionError("segments must tile the arena")
+            a, b = row_ptr[i], row_ptr[k]
+            self.segments.append(build_segment(start + i, row_len[i:k], terms[a:b], tf[a:b],
+                                               self.layout))
+            i = k
+
+    def _forget(self, gone: list[tuple]) -> None:
+        self.gone_cursor = int(gone[-1][0])
+        row_seq = np.asarray([g[1] for g in gone], np.int64)
+        idx = np.searchsorted(self.seq, row_seq)
+        ok = idx < self.seq.size
+        ok[ok] = self.seq[idx[ok]] == row_seq[ok]
+        ok[ok] = self.user[idx[ok]] >= 0  # rows deleted before we read them were never counted
+        if not ok.any():
+            return
+        dead = [g for g, k in zip(gone, ok.tolist(), strict=True) if k]
+        u, c = np.unique(np.frombuffer(b"".join(g[3] for g in dead), "<i4"), return_counts=True)
+        self.df[u] -= c.astype(np.int32)
+        self.n_rows -= len(dead)
+        self.total_length -= sum(int(g[2]) for g in dead)
+        # The postings stay; a dead row is invisible to every query (user -1).
+        self.user[idx[ok]] = -1
+
+    def nbytes(self) -> int:
+        rows = self.seq.nbytes + self.user.nbytes + self.conv.nbytes + self.length.nbytes
+        return rows + sum(s.nbytes() for s in self.segments) + (
+            self.df.nbytes if self.df is not None else 0)
+
+    # -- scan ----------------------------------------------------------------------------
+
+    def query(self, text: str, params: Params) -> Query:
+        return make_query(text, lambda t: self.df[t], self.n_rows, self.total_length, params)
+
+    def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
+        """The k best visible rows as (score, seq, own), best first, ties by seq."""
+        if q.empty or k <= 0 or not self.segments:
+            return []
+        if self.threads > 1 and len(self.segments) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="scan")
+            parts = list(self._pool.map(lambda s: self._top_segment(s, q, k, visible),
+                                        self.segments))
+        else:
+            parts = [self._top_segment(s, q, k, visible) for s in self.segments]
+        return merge(parts, k)
+
+    def _scores(self, seg: Segment, q: Query) -> np.ndarray:
+        """Exact scores of every row of a segment (float64; zero for rows without a term)."""
+        length = self.length[seg.start:seg.start + seg.n]
+        if seg.terms is not None:
+            i = np.searchsorted(seg.terms, q.terms)
+            i = np.minimum(i, seg.terms.size - 1)
+            hit = np.flatnonzero(seg.terms[i] == q.terms) if seg.terms.size else []
+            if len(hit) == 0:
+                return np.zeros(seg.n)
+            lo, hi = seg.ptr[i[hit]], seg.ptr[i[hit] + 1]
+            spans = list(zip(lo.tolist(), hi.tolist()))  # one per query term held here
+            rows = np.concatenate([seg.rows[a:b] for a, b in spans])
+            tf = np.concatenate([seg.tf[a:b] for a, b in spans])
+            contrib = contributions(q, np.repeat(hit, hi - lo), tf, length[rows])
+            # bincount adds in input order: for every row, ascending query term id.
+            return np.bincount(rows, weights=contrib, minlength=seg.n)
+        pos = np.searchsorted(q.terms, seg.row_terms)
+        pos = np.minimum(pos, q.terms.size - 1)
+        hit = np.flatnonzero(q.terms[pos] == seg.row_terms)
+        rows = np.searchsorted(seg.row_ptr, hit, side="right") - 1
+        contrib = contributions(q, pos[hit], seg.tf[hit], length[rows])
+        return np.bincount(rows, weights=contrib, minlength=seg.n)
+
+    def _top_segment(self, seg: Segment, q: Query, k: int,
+                     visible: Visibility) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        scores = self._scores(seg, q)
+        sl = slice(seg.start, seg.start + seg.n)
+        own, other = visible.masks(self.user[sl], self.conv[sl])
+        out = []
+        for mask, flag in ((own, True), (other, False)):
+            if mask is None:
+                continue
+            cand = np.flatnonzero((scores > 0) & mask)
+            cand = top_k(scores, cand, self.seq[sl], k)
+            out.append((scores[cand], self.seq[sl][cand], np.full(cand.size, flag)))
+        if not out:
+            return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, bool)
+        return tuple(np.concatenate(x) for x in zip(*out))  # type: ignore[return-value]
+
+
+def top_k(scores: np.ndarray, cand: np.ndarray, seq: np.ndarray, k: int) -> np.ndarray:
+    """The k candidates with the best score, ties by lower seq; argpartition keeps it O(n)."""
+    if cand.size > k:
+        s = scores[cand]
+        kth = s[np.argpartition(-s, k - 1)[k - 1]]
+        cand = cand[s >= kth]  # everything tied with the k-th stays in for the tie-break
+    order = np.lexsort((seq[cand], -scores[cand]))
+    return cand[order[:k]]
+
+
+def merge(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+          k: int) -> list[tuple[float, int, bool]]:
+    """One ranking from per-segment tops: own rows first, then score, then seq."""
+    scores = np.concatenate([p[0] for p in parts])
+    seqs = np.concatenate([p[1] for p in parts])
+    own = np.concatenate([p[2] for p in parts])
+    order = np.lexsort((seqs, -scores, ~own))[:k]
+    return list(zip(scores[order].tolist(), seqs[order].tolist(), own[order].tolist(),
+                    strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Visibility:
+    """Which rows a query may see, and which of them are the asker's own."""
+
+    user_id: int | None
+    share_pool: bool = False
+    conversation_id: int | None = None
+
+    def masks(self, user: np.ndarray, conv: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        live = user >= 0
+        if self.conversation_id is not None:
+            live = live & (conv == self.conversation_id)
+        if self.user_id is None:
+            return live, None
+        mine = live & (user == self.user_id)
+        return mine, (live & (user != self.user_id)) if self.share_pool else None
+
+
+# --------------------------------------------------------------------------- the scanner
+
+
+class Scanner:
+    """Search a store: exact BM25 over the visible rows, top `limit` hits, best first.
+
+    Memories up to `store_rows` retrieval rows are scored straight from the store (no copy
+    kept); past that the scanner keeps an Arena and catches it up before every search.
+    """
+
+    def __init__(self, store: Store, *, share_pool: bool = False, threads: int | None = None,
+                 layout: str = TERMS, params: Params = Params(), store_rows: int = 2000) -> None:
+        self.store = store
+        self.share_pool = share_pool
+        self.params = params
+        self.store_rows = store_rows
+        self.arena = Arena(layout, threads)
+        self._use_arena = store_rows <= 0
+
+    def catch_up(self) -> int:
+        """Settle deletions, then bring the arena (if in use) up to date; returns rows read."""
+        unsettled = db.connection().execute(
+            "SELECT 1 FROM retrieval_gone WHERE settled = 0 LIMIT 1").fetchone()
+        if unsettled:
+            settle(self.store)
+        if not self._use_arena:
+            (rows,) = db.connection().execute(
+                "SELECT rows FROM retrieval_total WHERE id = 1").fetchone()
+            self._use_arena = rows > self.store_rows
+        if not self._use_arena:
+            return 0
+        return self.arena.catch_up()
+
+    def search(self, query: str, user_id: int | None, limit: int = 10,
+               exclude: Iterable[int] = frozenset(),
+               conversation_id: int | None = None) -> list[Hit]:
+        """Rank the rows `user_id` may see (all rows for None) against `query`."""
+        exclude = frozenset(exclude)
+        if limit <= 0 or not query.strip():
+            return []
+        self.catch_up()
+        visible = Visibility(user_id, self.share_pool, conversation_id)
+        k = limit + len(exclude)  # excluded rows are dropped after ranking: fetch enough
+        if self._use_arena:
+            q = self.arena.query(query, self.params)
+            ranked = self.arena.top(q, k, visible)
+        else:
+            ranked = self._store_top(query, k, visible)
+        hits = fetch_hits(ranked)
+        return [h for h in hits if h.item_id not in exclude][:limit]
+
+    def _store_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
+        """The small-memory path: score the visible rows read straight from the store."""
+        conn = db.connection()
+        with db.atomic():
+            n_rows, total = conn.execute(
+                "SELECT rows, length FROM retrieval_total WHERE id = 1").fetchone()
+
+            def df_of(terms: np.ndarray) -> np.ndarray:
+                got = dict(conn.execute(
+                    f"SELECT term, df FROM retrieval_term WHERE term IN"
+                    f" ({','.join('?' * terms.size)})", terms.tolist()).fetchall())
+                return np.asarray([got.get(t, 0) for t in terms.tolist()], np.int64)
+
+            q = make_query(text, df_of, n_rows, total, self.params)
+            if q.empty:
+                return []
+            where, args = "", []
+            if visible.user_id is not None and not visible.share_pool:
+                where, args = "WHERE user_id = ?", [visible.user_id]
+            rows = conn.execute("SELECT seq, user_id, conversation_id, length, terms, counts"
+                                f" FROM retrieval {where} ORDER BY seq", args).fetchall()
+        if not rows:
+            return []
+        tmp = Arena(ROWS, threads=1)
+        tmp.df = np.zeros(0, np.int32)  # unused: the query above carries the pooled statistic
+        seq, user, conv, length, terms_b, counts_b = zip(*rows)
+        tmp.seq = np.asarray(seq, np.int64)
+        tmp.user = np.asarray(user, np.int32)
+        tmp.conv = np.asarray(conv, np.int32)
+        tmp.length = np.asarray(length, np.int32)
+        row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
+        tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
+                                      np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]
+        return tmp.top(q, k, visible)
+
+
+def fetch_hits(ranked: list[tuple[float, int, bool]]) -> list[Hit]:
+    """Hits for ranked (score, seq, own) triples, in that order; rows deleted meanwhile drop."""
+    if not ranked:
+        return []
+    seqs = [s for _, s, _ in ranked]
+    rows = db.connection().execute(
+        "SELECT r.seq, r.item_id, r.message_id, r.user_id, r.conversation_id, m.role, m.at,"
+        " i.name, i.text, r.tokens FROM retrieval r JOIN item i ON i.id = r.item_id"
+        " JOIN message m ON m.id = r.message_id"
+        f" WHERE r.seq IN ({','.join('?' * len(seqs))})", seqs).fetchall()
+    by_seq = {r[0]: r for r in rows}
+    hits = []
+    for score, s, _ in ranked:
+        r = by_seq.get(s)
+        if r is not None:
+            hits.append(Hit(r[1], r[2], r[3], r[4], r[5], r[6], score,
+                            item_text("", r[7], r[8]), seq=s, tokens=r[9]))
+    return hits
