@@ -94,6 +94,10 @@ ARCHIVE_AFTER_DAYS = 90
 TAG_SHARE = 0.4
 SIMILARITY_THRESHOLD = 0.45
 
+# When two notes merge, a line of the weaker one is left out if its terms overlap a line of the
+# stronger one by this Jaccard or more ("Set --import-mode=importlib" vs "Use ..." scores 0.83).
+LINE_DUPLICATE_THRESHOLD = 0.75
+
 # Recall scores each distinct task term once, at its best weight: a tag term 3, a term of the
 # name or description 2, a body term 1. A note loads in full at RECALL_MIN_SCORE or more, at
 # most RECALL_MAX_NOTES of them, best first.
@@ -191,7 +195,8 @@ def parse_note(text: str, path: Path | None = None) -> Note:
     try:
         meta = yaml.safe_load("".join(lines[1:close])) or {}
     except yaml.YAMLError as e:
-        raise NoteError(f"{where}: the frontmatter is not valid YAML ({e})") from e
+        detail = " ".join(str(e).split())  # one line: the CLI prints errors as one line
+        raise NoteError(f"{where}: the frontmatter is not valid YAML ({detail})") from e
     if not isinstance(meta, dict):
         raise NoteError(f"{where}: the frontmatter must be a mapping of keys to values")
     meta = {k: _plain(v) for k, v in meta.items()}
@@ -326,14 +331,24 @@ _LIST_MARK = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+")
 
 
 def _merge_text(old: str, new: str) -> str:
-    """Old text plus the lines of new that it lacks (list markers and spacing ignored)."""
-    seen = {_LIST_MARK.sub("", line).strip().lower() for line in old.splitlines() if line.strip()}
+    """Old text plus the lines of new that say something old does not: a line is dropped when it
+    is the same (list markers, case and spacing aside) or a near-duplicate of an old line (see
+    LINE_DUPLICATE_THRESHOLD), so the stronger note's wording wins."""
+    kept = [line for line in old.splitlines() if line.strip()]
+    seen = {_LIST_MARK.sub("", line).strip().lower() for line in kept}
+    seen_terms = [t for t in (terms(line) for line in kept) if t]
     added: list[str] = []
     for line in new.splitlines():
         key = _LIST_MARK.sub("", line).strip().lower()
-        if key and key not in seen:
-            seen.add(key)
-            added.append(line.rstrip())
+        line_terms = terms(line)
+        if not key or key in seen:
+            continue
+        if line_terms and any(jaccard(line_terms, t) >= LINE_DUPLICATE_THRESHOLD for t in seen_terms):
+            continue
+        seen.add(key)
+        if line_terms:
+            seen_terms.append(line_terms)
+        added.append(line.rstrip())
     if not added:
         return old.strip("\n")
     return "\n".join(part for part in (old.strip("\n"), "\n".join(added)) if part)
