@@ -44,10 +44,21 @@ def _keys(messages: Sequence[Message]) -> list[str]:
 
 
 def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]) -> list[int]:
-    """Indexes of the messages the store has not seen in this conversation."""
+    """Indexes of the messages the store has not seen in this conversation.
+
+    An assistant message in a request is history the harness re-sends, so it is recognised by
+    its own fingerprint too: after a compaction its predecessor changes, the reply does not.
+    """
     keys = _keys(messages)
     known = store.known_pair_keys(conversation_id, keys)
-    last = max((i for i, k in enumerate(keys) if k in known), default=-1)
+    replies = store.known_replies(
+        conversation_id, [m.fingerprint() for m in messages if m.role == "assistant"]
+    )
+    last = max(
+        (i for i, (k, m) in enumerate(zip(keys, messages, strict=True))
+         if k in known or (m.role == "assistant" and m.fingerprint() in replies)),
+        default=-1,
+    )
     return list(range(last + 1, len(messages)))
 
 

@@ -74,6 +74,8 @@ _SCAFFOLD = re.compile(
     r"\s*<(system-reminder|environment_context|user_instructions|permissions instructions|"
     r"skills_instructions|local-command-caveat|local-command-stdout|command-name|command-message|"
     r"command-args)\b"
+    # Claude Code's compaction summary, re-sent as the first user turn of the compacted session.
+    r"|\s*This session is being continued from a previous conversation that ran out of context"
 )
 
 

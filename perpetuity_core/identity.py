@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .conversation import Kind, ParsedRequest
 
 CLAUDE_CODE_COMPACT = "Your task is to create a detailed summary of the conversation so far"
+OPENCODE_TITLE = "You are a title generator"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,8 @@ def identify(headers: Mapping[str, str], req: ParsedRequest, credential: str, sa
     )
     conversation = headers.get("x-perpetuity-conversation") or _harness_conversation(headers, req, cc)
     if not conversation:
-        conversation = "derived-" + _digest(salt, user + "\x00" + _first_user_turn(req))
+        seed = "\x00".join((user, req.protocol.value, _first_user_turn(req)))
+        conversation = "derived-" + _digest(salt, seed)
     return Identity(str(user), conversation, harness, _side(headers, req, harness))
 
 
@@ -98,6 +100,8 @@ def _side(headers: Mapping[str, str], req: ParsedRequest, harness: str) -> str:
             CLAUDE_CODE_COMPACT in p.text for p in last.parts if p.kind == Kind.TEXT
         ):
             return "compaction"
+    if harness == "opencode" and not req.tool_names and req.system.startswith(OPENCODE_TITLE):
+        return "title"
     return ""
 
 

@@ -71,6 +71,7 @@ class StoredMessage(BaseModel):
     stored_at = pw.FloatField()
     # Recognises re-sent history: digest of (previous message, this message), see capture.py.
     pair_key = pw.TextField()
+    fingerprint = pw.TextField()  # Message.fingerprint(): recognises replies re-sent elsewhere
     source = pw.TextField()  # "request" | "reply" | "import"
     complete = pw.BooleanField(default=True)
     stop_reason = pw.TextField(default="")
@@ -78,7 +79,7 @@ class StoredMessage(BaseModel):
 
     class Meta:
         table_name = "message"
-        indexes = ((("conversation", "pair_key"), False),)
+        indexes = ((("conversation", "pair_key"), False), (("conversation", "fingerprint"), False))
 
 
 class Item(BaseModel):
@@ -200,6 +201,17 @@ class Store:
         )
         return {r.pair_key for r in q}
 
+    def known_replies(self, conversation_id: int, fingerprints: list[str]) -> set[str]:
+        """Which of these assistant fingerprints this conversation already holds."""
+        if not fingerprints:
+            return set()
+        q = StoredMessage.select(StoredMessage.fingerprint).where(
+            (StoredMessage.conversation == conversation_id)
+            & (StoredMessage.role == "assistant")
+            & (StoredMessage.fingerprint.in_(fingerprints))
+        )
+        return {r.fingerprint for r in q}
+
     def add_message(
         self,
         *,
@@ -227,6 +239,7 @@ class Store:
                     at=at,
                     stored_at=time.time(),
                     pair_key=pair_key,
+                    fingerprint=message.fingerprint(),
                     source=source,
                     complete=complete,
                     stop_reason=stop_reason,
