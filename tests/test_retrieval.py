@@ -1,0 +1,276 @@
+"""Retrieval: the dictionary, retrieval rows in the write path, and the exact scan.
+
+The fast scan is checked against `reference`, a slow and obvious BM25 over the rows read back
+from the store, on random memories and queries: same rows, same order, same scores.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from perpetuity_core import dictionary, scan
+from perpetuity_core.conversation import Kind, Message, Part
+from perpetuity_core.store import Store
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared" / "data"
+needs_shared = pytest.mark.skipif(
+    not SHARED.is_dir(), reason=f"benchmark data not present at {SHARED} (../shared/data)")
+
+WORDS = ("support group painting sunrise camping kids dog cat guitar concert book library "
+         "museum hiking beach adoption counseling pottery marathon recipe garden violin "
+         "python deploy server database index query latency memory arena segment").split()
+STOP = "the a of to and was is i you we".split()
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = Store(tmp_path / "memory.db")
+    yield s
+    s.close()
+
+
+def add(store: Store, user: str, conv: str, texts: list[str], role: str = "user",
+        at: float = 0.0) -> list[int]:
+    """One message per text (a text with ' | ' in it becomes several parts)."""
+    uid = store.user_id(user)
+    cid = store.conversation_id(uid, conv, "anthropic")
+    items = []
+    for i, t in enumerate(texts):
+        parts = tuple(Part(Kind.TEXT, p) for p in t.split(" | "))
+        w = store.add_message(conversation_id=cid, user_id=uid, message=Message(role, parts),
+                              provider="anthropic", model="m", at=at + i,
+                              pair_key=f"{conv}-{at}-{i}-{random.random()}", source="import")
+        items.extend(w.item_ids)
+    return items
+
+
+def random_text(rng: random.Random) -> str:
+    n = rng.choice([1, 2, 3, 5, 8, 13, 40])
+    # Zipf-ish: early words are common, so df spans from most rows to a few.
+    words = [WORDS[min(int(rng.paretovariate(0.9)) - 1, len(WORDS) - 1)] if rng.random() < 0.8
+             else rng.choice(STOP) for _ in range(n)]
+    return " ".join(words)
+
+
+def fill(store: Store, rng: random.Random, n: int = 300) -> None:
+    for i in range(n):
+        user = f"u{rng.randrange(3)}"
+        text = random_text(rng)
+        if rng.random() < 0.2:
+            text += " | " + random_text(rng)
+        add(store, user, f"{user}-c{rng.randrange(2)}", [text], at=float(i))
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def reference(store: Store, query: str, user_id: int | None, k: int, *, share: bool = False,
+              conversation_id: int | None = None, exclude: frozenset[int] = frozenset(),
+              k1: float = 1.2, b: float = 0.75) -> list[tuple[int, float]]:
+    """Brute-force BM25 over every row, in plain Python: (item_id, score), best first."""
+    conn = sqlite3.connect(store.path)
+    rows = conn.execute("SELECT seq, item_id, user_id, conversation_id, length, terms, counts"
+                        " FROM retrieval").fetchall()
+    conn.close()
+    decoded = []
+    df: Counter[int] = Counter()
+    for seq, item, user, conv, length, tb, cb in rows:
+        terms = [int.from_bytes(tb[i:i + 4], "little", signed=True) for i in range(0, len(tb), 4)]
+        tf = dict(zip(terms, list(cb), strict=True))
+        df.update(tf.keys())
+        decoded.append((seq, item, user, conv, length, tf))
+    n = len(rows)
+    if n == 0:
+        return []
+    avgdl = sum(r[4] for r in decoded) / n
+    qtf = Counter(dictionary.load().ids(query).tolist())
+    out = []
+    for seq, item, user, conv, length, tf in decoded:
+        if item in exclude or (conversation_id is not None and conv != conversation_id):
+            continue
+        own = user_id is None or user == user_id
+        if not own and not share:
+            continue
+        s = 0.0
+        for t in sorted(qtf):
+            if df[t] and t in tf:
+                # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
+                idf = float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
+                w = qtf[t] * idf * (k1 + 1)
+                s += w * tf[t] / (tf[t] + (k1 * (1 - b) + k1 * b / avgdl * length))
+        if s > 0:
+            out.append((not own, -s, seq, item))
+    out.sort()
+    return [(item, -negs) for _, negs, _, item in out[:k]]
+
+
+def ranked(hits: list[scan.Hit]) -> list[tuple[int, float]]:
+    return [(h.item_id, h.score) for h in hits]
+
+
+def same(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> None:
+    assert [i for i, _ in got] == [i for i, _ in want]
+    assert [s for _, s in got] == [s for _, s in want]  # bit for bit
+
+
+# ------------------------------------------------------------------------------ dictionary
+
+
+def test_dictionary_folds_case_accents_and_inflections() -> None:
+    d = dictionary.load()
+    assert list(d.ids("Painting PAINTS painted")) == [d.ids("paint")[0]] * 3
+    assert list(d.ids("Café naïve")) == list(d.ids("cafe naive"))  # Rust path == ASCII path
+    assert d.ids("the of and").size == 0  # stop words are not indexed
+
+
+def test_unknown_words_hash_deterministically_into_the_reserved_range() -> None:
+    d = dictionary.load()
+    (t,) = d.ids("zorblaxification")
+    assert d.hash_base <= t < d.n_terms
+    assert t == dictionary.hash_term(dictionary.stem("zorblaxification"), d.hash_base)
+    code = ("from perpetuity_core import dictionary;"
+            "print(int(dictionary.load().ids('zorblaxification')[0]))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           cwd=ROOT, check=True)
+    assert int(other.stdout) == t  # stable across processes (no PYTHONHASHSEED)
+
+
+def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store) -> None:
+    fill(store, random.Random(1), 60)
+    conn = sqlite3.connect(store.path)
+    (items,) = conn.execute("SELECT count(*) FROM item").fetchone()
+    rows = conn.execute("SELECT item_id, version, terms, length FROM retrieval").fetchall()
+    assert len(rows) == items and len({r[0] for r in rows}) == items
+    assert {r[1] for r in rows} == {dictionary.load().version}
+    df: Counter[int] = Counter()
+    for r in rows:
+        df.update(np.frombuffer(r[2], "<i4").tolist())
+    assert dict(conn.execute("SELECT term, df FROM retrieval_term").fetchall()) == dict(df)
+    assert conn.execute("SELECT rows, length FROM retrieval_total").fetchone() == (
+        len(rows), sum(r[3] for r in rows))
+    conn.close()
+
+
+# ------------------------------------------------------------------------------ the scan
+
+
+@pytest.mark.parametrize("path", ["store", "terms", "rows"])
+def test_scan_is_exact_against_the_reference(store: Store, path: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scan, "SEGMENT_ROWS", 37)  # many segments, merges, partial tails
+    rng = random.Random(7)
+    fill(store, rng, 250)
+    sc = scan.Scanner(store, layout=scan.ROWS if path == "rows" else scan.TERMS,
+                      store_rows=10**9 if path == "store" else 0, threads=2)
+    shared = scan.Scanner(store, share_pool=True, store_rows=10**9 if path == "store" else 0)
+    users = [store.user_id(f"u{i}") for i in range(3)]
+    for _ in range(40):
+        q = " ".join(rng.choice(WORDS + STOP) for _ in range(rng.randint(1, 6)))
+        uid = rng.choice(users + [None])
+        k = rng.choice([1, 5, 10, 50])
+        same(ranked(sc.search(q, uid, k)), reference(store, q, uid, k))
+        same(ranked(shared.search(q, uid, k)), reference(store, q, uid, k, share=True))
+        cid = store.conversation_id(users[0], "u0-c1", "anthropic")
+        same(ranked(sc.search(q, users[0], k, conversation_id=cid)),
+             reference(store, q, users[0], k, conversation_id=cid))
+        full = reference(store, q, uid, 50)
+        ex = frozenset(i for i, _ in full[:3])
+        same(ranked(sc.search(q, uid, k, exclude=ex)), reference(store, q, uid, k, exclude=ex))
+
+
+def test_same_ranking_whatever_the_threads_and_layout(store: Store,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scan, "SEGMENT_ROWS", 16)
+    rng = random.Random(3)
+    fill(store, rng, 200)
+    for i in range(30):  # identical rows: exact ties, broken by store order
+        add(store, "u0", "u0-c0", ["support group guitar"], at=1000.0 + i)
+    scanners = [scan.Scanner(store, threads=t, layout=lay, store_rows=0)
+                for t in (1, 2, 3, 4) for lay in (scan.TERMS, scan.ROWS)]
+    scanners.append(scan.Scanner(store, store_rows=10**9))
+    uid = store.user_id("u0")
+    for q in ["support group guitar", "guitar", "memory arena segment query", "dog the cat"]:
+        results = [ranked(s.search(q, uid, 25)) for s in scanners]
+        assert all(r == results[0] for r in results)  # scores bit for bit, ties included
+
+
+def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scan, "SEGMENT_ROWS", 50)
+    rng = random.Random(11)
+    fill(store, rng, 120)
+    sc = scan.Scanner(store, store_rows=0)
+    uid = store.user_id("u1")
+    q = "support guitar zorblax"
+    same(ranked(sc.search(q, uid, 10)), reference(store, q, uid, 10))
+    new = add(store, "u1", "u1-c0", ["zorblax zorblax guitar"] * 3)
+    got = ranked(sc.search(q, uid, 10))
+    assert set(new) <= {i for i, _ in got}  # no query misses a committed row
+    same(got, reference(store, q, uid, 10))
+    gone = [i for i, _ in got[:4]]
+    scan.purge(store, gone)
+    got = ranked(sc.search(q, uid, 10))
+    assert not set(gone) & {i for i, _ in got}
+    same(got, reference(store, q, uid, 10))
+    # A row removed behind the scanner's back (cascade from item) is also reflected.
+    conn = sqlite3.connect(store.path)
+    conn.execute("PRAGMA foreign_keys = ON")
+    victim = got[0][0]
+    conn.execute("DELETE FROM item WHERE id = ?", (victim,))
+    conn.commit()
+    got = ranked(sc.search(q, uid, 10))
+    assert victim not in {i for i, _ in got}
+    same(got, reference(store, q, uid, 10))
+    # Re-derivation: rows of an old dictionary version get new rows, readers follow.
+    conn.execute("UPDATE retrieval SET version = 'old' WHERE item_id % 2 = 0")
+    conn.commit()
+    conn.close()
+    assert scan.rederive(store) > 0
+    got = ranked(sc.search(q, uid, 10))
+    same(got, reference(store, q, uid, 10))
+    fresh = scan.Scanner(store, store_rows=0)
+    assert ranked(fresh.search(q, uid, 10)) == got  # a cold process gets the same answer
+    conn = sqlite3.connect(store.path)
+    assert {v for (v,) in conn.execute("SELECT DISTINCT version FROM retrieval")} == {
+        dictionary.load().version}
+    conn.close()
+
+
+def test_pooled_visibility(store: Store) -> None:
+    rng = random.Random(5)
+    fill(store, rng, 150)
+    users = {store.user_id(f"u{i}"): f"u{i}" for i in range(3)}
+    private = scan.Scanner(store, store_rows=0)
+    shared = scan.Scanner(store, store_rows=0, share_pool=True)
+    for _ in range(30):
+        q = " ".join(rng.choice(WORDS) for _ in range(3))
+        for uid in users:
+            assert all(h.user_id == uid for h in private.search(q, uid, 50))
+            hits = shared.search(q, uid, 50)
+            own = [h.user_id == uid for h in hits]
+            assert own == sorted(own, reverse=True)  # own rows first, then the pool's
+
+
+def test_empty_memory_and_empty_queries(store: Store) -> None:
+    for sr in (0, 10**9):
+        sc = scan.Scanner(store, store_rows=sr)
+        assert sc.search("anything at all", None, 10) == []
+    add(store, "u0", "c", ["support group"])
+    for sr in (0, 10**9):
+        sc = scan.Scanner(store, store_rows=sr)
+        assert sc.search("", None, 10) == []
+        assert sc.search("   ", None, 10) == []
+        assert sc.search("the of and", None, 10) == []  # only stop words
+        assert sc.search("quuxwordneverseen", None, 10) == []
+        assert sc.search("support", None, 0) == []
+        assert [h.text for h in sc.search("support", None, 10)] == ["support group"]
