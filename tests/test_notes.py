@@ -546,6 +546,23 @@ def test_consolidation_leaves_distinct_notes_alone(tmp_path: Path) -> None:
     assert summary.merged == [] and len(notes.load_notes(tmp_path)) == 3
 
 
+def test_same_tags_on_different_problems_do_not_merge(tmp_path: Path) -> None:
+    put(tmp_path, "pytest-flaky-async", tags="[pytest, python]",
+        description="Fixes flaky pytest async fixtures that leak an event loop between tests",
+        when="Tests pass alone but fail in the full run with event loop is closed.",
+        procedure="1. Give async fixtures function scope.\n2. Set asyncio_mode = auto in pytest "
+        "config.\n3. Close clients in fixture teardown.",
+        pitfalls="- Session-scoped loops hide the leak until CI.",
+        verification="pytest -p no:randomly passes three runs in a row.")
+    put(tmp_path, "pytest-mismatch-short", tags="[pytest, python]",
+        description="Fixes pytest import file mismatch in a monorepo",
+        when="Two test modules share a basename.", procedure="1. Set --import-mode=importlib.",
+        pitfalls="- Renaming hides it.", verification="Collection passes.")
+    a, b = notes.load_notes(tmp_path)
+    assert notes.similarity(a, b) < notes.SIMILARITY_THRESHOLD
+    assert notes.curate(tmp_path, TODAY).merged == []
+
+
 def test_curate_never_shrinks_and_snapshots_first(tmp_path: Path) -> None:
     put(tmp_path, "pytest-mismatch", **PYTEST_NOTE)
     put(tmp_path, "pytest-duplicate-basenames", **PYTEST_DUPLICATE)
