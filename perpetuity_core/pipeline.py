@@ -73,10 +73,12 @@ class Pipeline:
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
         headers = {k.lower(): v for k, v in req.headers}
-        strip = sorted({k for k, _ in req.headers if k.lower().startswith(CONTROL_PREFIX)})
         r = route(host=req.host, path=req.path, direct=req.direct, headers=headers, model=model,
                   upstreams=self.upstreams)
-        return Decision(route=r, strip=strip, note="" if r else "not provider traffic")
+        if r is None:
+            return Decision(note="not provider traffic")  # untouched, our headers included
+        strip = sorted({k for k, _ in req.headers if k.lower().startswith(CONTROL_PREFIX)})
+        return Decision(route=r, strip=strip)
 
     def prepare(self, req: HttpRequest) -> Decision:
         body = _json_body(req.body) if req.method == "POST" else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 import stat
 import threading
 import time
@@ -252,3 +253,28 @@ def test_concurrent_streams_do_not_wait_for_each_other(proxy: Proxy, fake: FakeP
     assert r.content[0].text == "fast"
     assert not slow_done.is_set() and time.monotonic() - started < 1.5
     t.join()
+
+
+def test_regular_proxy_mode_routes_provider_hosts_and_leaves_others(proxy: Proxy,
+                                                                    fake: FakeProvider) -> None:
+    """HTTPS_PROXY use: api.anthropic.com is recognised (TLS through the mitmproxy CA) and
+    carried to the configured upstream; any other host passes through untouched."""
+    ca = proxy.confdir / "mitmproxy-ca-cert.pem"
+    http_client = anthropic.DefaultHttpxClient(proxy=proxy.url,
+                                               verify=ssl.create_default_context(cafile=str(ca)))
+    c = anthropic.Anthropic(api_key=KEY, max_retries=0, http_client=http_client)
+    fake.script(Text("Through the proxy."))
+    r = c.messages.create(model="claude-opus-4-8", max_tokens=5, metadata={"user_id": "jack"},
+                          messages=user_msgs("proxied hello"))
+    assert r.content[0].text == "Through the proxy."
+    assert [t for _, _, t, _ in proxy.wait_messages("jack", 2)] == ["proxied hello",
+                                                                   "Through the proxy."]
+    http_client.close()
+    # Another host, reached through the proxy: forwarded as sent, nothing parsed or stored.
+    other = fake.url.replace("127.0.0.1", "localhost")
+    with httpx.Client(proxy=proxy.url, trust_env=False) as h:
+        got = h.post(other + "/v1/messages", headers={"x-perpetuity-user": "kate"},
+                     json={"model": "claude-opus-4-8", "max_tokens": 5, "messages": user_msgs("hi")})
+    assert got.status_code == 200
+    assert fake.requests[-1].headers.get("x-perpetuity-user") == "kate"  # not even stripped
+    assert proxy.messages("kate") == []

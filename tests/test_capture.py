@@ -1,0 +1,68 @@
+"""Recognising re-sent history: what is new in a request, and nothing stored twice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from perpetuity_core import capture
+from perpetuity_core.conversation import Kind, Message, Part, Reply, Usage, text_part
+from perpetuity_core.sse import SSEDecoder
+from perpetuity_core.store import Store
+
+
+def msg(role: str, text: str) -> Message:
+    return Message(role, (text_part(text),))
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = Store(tmp_path / "m.db")
+    yield s
+    s.close()
+
+
+def record(store: Store, messages: list[Message]) -> tuple[list[int], capture.TurnContext]:
+    return capture.record(store, user_key="u", conversation_key="c", provider="anthropic",
+                          model="m", messages=messages, times=[0.0] * len(messages),
+                          source="request")
+
+
+def test_resent_history_is_not_stored_again(store: Store) -> None:
+    ids, turn = record(store, [msg("user", "Is it raining?")])
+    assert len(ids) == 1
+    capture.record_reply(store, turn, Reply(msg("assistant", "Yes."), Usage()), 1.0)
+    # The harness re-sends the reply as blocks with different whitespace and a cache marker.
+    resent = Message("assistant", (Part(Kind.TEXT, "Yes.  "),))
+    ids, _ = record(store, [msg("user", "Is it raining?"), resent, msg("user", "Umbrella?")])
+    assert len(ids) == 1
+
+
+def test_same_words_after_a_different_turn_are_a_new_turn(store: Store) -> None:
+    history = [msg("user", "Shall we go?"), msg("assistant", "Now?"), msg("user", "yes")]
+    assert len(record(store, history)[0]) == 3
+    history += [msg("assistant", "Coffee too?"), msg("user", "yes")]
+    assert len(record(store, history)[0]) == 2
+
+
+def test_rewritten_prefix_keeps_only_the_new_tail(store: Store) -> None:
+    record(store, [msg("user", "first"), msg("assistant", "one"), msg("user", "second")])
+    # Resume with an edited first turn: only what follows the last recognised message is new.
+    ids, _ = record(store, [msg("user", "first, edited"), msg("assistant", "one"),
+                            msg("user", "second"), msg("assistant", "two"), msg("user", "third")])
+    assert len(ids) == 2
+
+
+def test_empty_reply_is_not_a_turn(store: Store) -> None:
+    _, turn = record(store, [msg("user", "hello")])
+    assert capture.record_reply(store, turn, Reply(Message("assistant", ()), Usage()), 1.0) is None
+
+
+def test_sse_decoder_handles_arbitrary_splits() -> None:
+    stream = b"event: a\ndata: {\"x\": 1}\n\n: comment\ndata: line1\r\ndata: line2\n\nevent: \xc3\xa9\ndata: z\n\n"
+    for size in (1, 2, 3, 7, len(stream)):
+        d = SSEDecoder()
+        events = [e for i in range(0, len(stream), size) for e in d.feed(stream[i:i + size])]
+        assert [(e.event, e.data) for e in events] == [
+            ("a", '{"x": 1}'), ("message", "line1\nline2"), ("é", "z")]
