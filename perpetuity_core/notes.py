@@ -256,8 +256,8 @@ def _scalar(value: object, flow: bool = False) -> str:
 
 
 def _yaml_value(key: str, value: object) -> str:
-    if key == "tags":
-        return "[" + ", ".join(_scalar(t, flow=True) for t in value) + "]"  # type: ignore[attr-defined]
+    if key == "tags" and isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_scalar(t, flow=True) for t in value) + "]"
     return _scalar(value)
 
 
@@ -268,7 +268,9 @@ def _key_extent(lines: list[str], key: str) -> tuple[int, int] | None:
         if pattern.match(line):
             end = i + 1
             while end < len(lines) and (
-                lines[end][:1] in (" ", "\t") or lines[end].startswith("- ") or lines[end].rstrip() == "-"
+                lines[end][:1] in (" ", "\t")
+                or lines[end].startswith("- ")
+                or lines[end].rstrip() == "-"
             ):
                 end += 1
             return i, end
@@ -284,8 +286,8 @@ def _render_body(preamble: str, sections: Sequence[tuple[str, str]]) -> str:
 def render_note(note: Note) -> str:
     """The note's file text: its original text with only the changed lines rewritten."""
     if not note.text:
-        front = "".join(f"{key}: {_yaml_value(key, getattr(note, key))}\n" for key in FIELDS)
-        text = f"{_FENCE}\n{front}{_FENCE}\n{note.body}"
+        keys = "".join(f"{key}: {_yaml_value(key, getattr(note, key))}\n" for key in FIELDS)
+        text = f"{_FENCE}\n{keys}{_FENCE}\n{note.body}"
         _check_rendered(text, note)
         return text
     original = parse_note(note.text, note.path)
@@ -345,7 +347,9 @@ def _merge_text(old: str, new: str) -> str:
         line_terms = terms(line)
         if not key or key in seen:
             continue
-        if line_terms and any(jaccard(line_terms, t) >= LINE_DUPLICATE_THRESHOLD for t in seen_terms):
+        if line_terms and any(
+            jaccard(line_terms, t) >= LINE_DUPLICATE_THRESHOLD for t in seen_terms
+        ):
             continue
         seen.add(key)
         if line_terms:
@@ -420,7 +424,9 @@ def load_notes(root: Path) -> list[Note]:
             raise NoteError(f"{path}: cannot read the note ({e})") from e
         note = parse_note(text, path)
         if note.name in notes:
-            raise NoteError(f"{path}: the name {note.name!r} is also used by {notes[note.name].path}")
+            raise NoteError(
+                f"{path}: the name {note.name!r} is also used by {notes[note.name].path}"
+            )
         notes[note.name] = note
     return sorted(notes.values(), key=lambda n: n.name)
 
@@ -455,8 +461,7 @@ def save_note(note: Note) -> Note:
 
 # Function words, and words every task or every note says (section headings, generic verbs and
 # "error"), so that matching rests on tools, errors, frameworks and domain nouns.
-STOP_WORDS = frozenset(
-    """
+_STOP_WORDS_TEXT = """
     a about above after again against all also am an and any are as at be because been before
     being below between both but by can could did do does doing done down during each else etc
     for from further get gets getting got had has have having he her here hers him his how i if
@@ -471,8 +476,8 @@ STOP_WORDS = frozenset(
     problems bug bugs error errors fail fails failed failing failure wrong broken task code file
     files one two first next step steps sure good well today something anything everything
     procedure pitfalls pitfall verification verify note notes lesson
-    """.split()
-)
+"""
+STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
 
 _WORD = re.compile(r"[a-z0-9][a-z0-9_.+#/-]*")
 _PARTS = re.compile(r"[._/-]+")
@@ -480,7 +485,12 @@ _PARTS = re.compile(r"[._/-]+")
 
 def _stem(term: str) -> str:
     """Fold a plain English plural onto its singular, the same way on both sides of a match."""
-    if term.isalpha() and len(term) > 4 and term.endswith("s") and not term.endswith(("ss", "us", "is")):
+    if (
+        term.isalpha()
+        and len(term) > 4
+        and term.endswith("s")
+        and not term.endswith(("ss", "us", "is"))
+    ):
         return term[:-1]
     return term
 
@@ -545,8 +555,8 @@ INDEX_HEADER = (
     "\n"
     "<!-- Regenerated from the notes' frontmatter by `perpetuity notes reindex`; edits here are\n"
     "     overwritten. One line per active note: `- name — description [tags]`.\n"
-    f"     Budget: {INDEX_MAX_LINES} lines, {INDEX_MAX_CHARS} characters of note lines. Over budget\n"
-    "     is the signal to run `perpetuity notes curate`; the budget is never widened. -->\n"
+    f"     Budget: {INDEX_MAX_LINES} lines, {INDEX_MAX_CHARS} characters of note lines.\n"
+    "     Over budget is the signal to run `perpetuity notes curate`; it is never widened. -->\n"
     "\n"
 )
 
@@ -564,9 +574,7 @@ class IndexReport:
 
     @property
     def text(self) -> str:
-        usage = (
-            f"{self.lines}/{INDEX_MAX_LINES} lines, {self.chars}/{INDEX_MAX_CHARS} characters"
-        )
+        usage = f"{self.lines}/{INDEX_MAX_LINES} lines, {self.chars}/{INDEX_MAX_CHARS} characters"
         if self.over_budget:
             return f"INDEX.md is over budget ({usage}): run `perpetuity notes curate`."
         return f"INDEX.md: {usage}."
@@ -700,7 +708,9 @@ def recall(root: Path, task_text: str) -> RecallResult:
         prior = found.get(final.name, (final, 0, set(), set()))
         replaced = prior[3] | ({note.name} if final is not note else set())
         found[final.name] = (final, max(prior[1], score), prior[2] | set(matched), replaced)
-    ranked = sorted(found.values(), key=lambda f: (-f[1], [-x for x in _strength(f[0])[:2]], f[0].name))
+    ranked = sorted(
+        found.values(), key=lambda f: (-f[1], [-x for x in _strength(f[0])[:2]], f[0].name)
+    )
     recalled = tuple(
         RecalledNote(
             note=n,
@@ -759,20 +769,24 @@ def mark_used(root: Path, names: Iterable[str], today: date) -> list[str]:
 # --- Credential scan ----------------------------------------------------------------------------
 
 # Shapes of real credentials. A match refuses the whole note: a lesson never needs the secret.
-_SECRET_KEY = (
-    r"(?:password|passwd|passphrase|secret|api[_-]?key|auth[_-]?token|access[_-]?token)\b"
-)
+_SECRET_KEY = r"(?:password|passwd|passphrase|secret|api[_-]?key|auth[_-]?token|access[_-]?token)\b"
 _LITERAL = r"(?![$<{*%]|[A-Za-z_][A-Za-z0-9_]*[.(\[])[^\s\"'`,;]{6,}"
 CREDENTIAL_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("an Anthropic API key", re.compile(r"\bsk-ant-[A-Za-z0-9_-]{20,}")),
     ("an OpenAI-style API key", re.compile(r"\bsk-(?:proj-|svcacct-)?[A-Za-z0-9_-]{20,}")),
     ("a Stripe secret key", re.compile(r"\b[rs]k_live_[A-Za-z0-9]{16,}")),
     ("an AWS access key id", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
-    ("a GitHub token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{22,})")),
+    (
+        "a GitHub token",
+        re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{22,})"),
+    ),
     ("a Slack token", re.compile(r"\bxox[abprs]-[A-Za-z0-9-]{10,}")),
     ("a Google API key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}")),
     ("a private key", re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----")),
-    ("a JSON Web Token", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")),
+    (
+        "a JSON Web Token",
+        re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
+    ),
     ("a bearer token", re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/-]{24,}=*")),
     # A literal value after password=, secret: "...", api_key: ... and the like. References pass:
     # $VAR, ${VAR}, <placeholder>, ***, %s, and code such as os.environ["X"] or getpass().
@@ -785,7 +799,8 @@ CREDENTIAL_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
         # After a colon, prose is common ("password: ask the admin"), so only a quoted value or
         # one with a digit or symbol in it counts.
         re.compile(
-            rf"(?i){_SECRET_KEY}[\"']?\s*:\s*(?:[\"']{_LITERAL}|(?=[^\s\"'`,;]*[0-9!@#%^&*+~?]){_LITERAL})"
+            rf"(?i){_SECRET_KEY}[\"']?\s*:\s*"
+            rf"(?:[\"']{_LITERAL}|(?=[^\s\"'`,;]*[0-9!@#%^&*+~?]){_LITERAL})"
         ),
     ),
 )
@@ -975,7 +990,11 @@ def capture(root: Path, fields: Mapping[str, object], today: date) -> CaptureRes
     candidate = note_from_fields(fields, today)
     notes = load_notes(root)
     target = next(
-        (n for n in notes if n.name == candidate.name or (n.path and n.path.stem == candidate.name)),
+        (
+            n
+            for n in notes
+            if n.name == candidate.name or (n.path and n.path.stem == candidate.name)
+        ),
         None,
     )
     score: float | None = None

@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     sub = parser.add_subparsers(dest="notes_command", required=True)
 
     def command(name: str, func: Any, help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=func.__doc__)
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=func.__doc__)
         p.add_argument(
             "--dir",
             type=Path,

@@ -60,7 +60,8 @@ def note_text(
 def put(root: Path, name: str, text: str | None = None, **kw: object) -> Path:
     path = root / "notes" / f"{name}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(note_text(name, **kw) if text is None else text, encoding="utf-8")  # type: ignore[arg-type]
+    text = note_text(name, **kw) if text is None else text  # type: ignore[arg-type]
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -111,7 +112,7 @@ Lookups time out only inside containers.
 `getent hosts example.com` answers inside the container.
 """
 
-PYTEST_NOTE = dict(
+PYTEST_NOTE: dict[str, str] = dict(  # noqa: C408 (keyword arguments, spread into put)
     description="Fixes pytest import file mismatch when two test modules share a basename",
     tags="[pytest, ImportPathMismatchError, monorepo]",
     when="Collection stops with import file mismatch for two test_utils.py modules.",
@@ -120,7 +121,7 @@ PYTEST_NOTE = dict(
     verification="pytest --collect-only lists both modules.",
 )
 
-PYTEST_DUPLICATE = dict(
+PYTEST_DUPLICATE: dict[str, str] = dict(  # noqa: C408 (keyword arguments, spread into put)
     description="Fixes pytest import mismatch for test modules sharing a basename in a monorepo",
     tags="[pytest, ImportPathMismatchError, test-collection]",
     when="pytest collection reports import file mismatch for duplicate test module basenames.",
@@ -130,7 +131,7 @@ PYTEST_DUPLICATE = dict(
     verification="pytest --collect-only shows both test modules.",
 )
 
-POSTGRES_NOTE = dict(
+POSTGRES_NOTE: dict[str, str] = dict(  # noqa: C408 (keyword arguments, spread into put)
     description="Restores a Postgres database dump into a container with the right roles",
     tags="[postgres, pg_restore, docker]",
     when="pg_restore reports role does not exist while loading a production dump locally.",
@@ -205,9 +206,8 @@ def test_malformed_notes_are_a_note_error(text: str) -> None:
 def test_seed_index_matches_the_example() -> None:
     example = notes.parse_note((REPO / "notes/_example.md").read_text())
     assert (REPO / "notes/INDEX.md").read_text() == notes.render_index([example])
-    assert set(notes.FIELDS) <= set(
-        line.split(":")[0] for line in example.text.split("---")[1].splitlines() if line
-    )
+    keys = {line.split(":")[0] for line in example.text.split("---")[1].splitlines() if line}
+    assert set(notes.FIELDS) <= keys
     _, sections = notes.split_sections(example.body)
     assert [h for h, _ in sections] == list(notes.SECTIONS)
 
@@ -218,8 +218,12 @@ def test_skill_has_frontmatter_and_commands() -> None:
     text = (REPO / "notes/SKILL.md").read_text()
     meta = yaml.safe_load(text.split("---")[1])
     assert meta["name"] == "perpetuity-notes" and len(meta["description"]) <= 1024
-    for needle in ("perpetuity notes recall", "perpetuity notes capture", "/perpetuity-curate",
-                   "perpetuity notes curate"):
+    for needle in (
+        "perpetuity notes recall",
+        "perpetuity notes capture",
+        "/perpetuity-curate",
+        "perpetuity notes curate",
+    ):
         assert needle in text
 
 
@@ -238,7 +242,14 @@ def test_notes_root(tmp_path: Path) -> None:
 
 def test_terms_are_deterministic_and_skip_stop_words() -> None:
     found = notes.terms("Please fix the ModuleNotFoundError in node.js tests with docker-compose")
-    assert {"modulenotfounderror", "node.js", "node", "docker-compose", "docker", "compose"} <= found
+    assert {
+        "modulenotfounderror",
+        "node.js",
+        "node",
+        "docker-compose",
+        "docker",
+        "compose",
+    } <= found
     assert not found & {"please", "fix", "the", "in", "with"}
     assert notes.terms("containers") == notes.terms("container")
 
@@ -269,8 +280,14 @@ def test_recall_ranks_tags_above_bodies(tmp_path: Path) -> None:
 
 def test_recall_marks_leads_and_superseded_notes_yield(tmp_path: Path) -> None:
     put(tmp_path, "old-way", tags="[webpack]", when="Webpack build is slow.")
-    put(tmp_path, "new-way", tags="[vite]", supersedes="old-way", confidence="tentative",
-        when="Switch the bundler.")
+    put(
+        tmp_path,
+        "new-way",
+        tags="[vite]",
+        supersedes="old-way",
+        confidence="tentative",
+        when="Switch the bundler.",
+    )
     result = notes.recall(tmp_path, "webpack build takes ten minutes")
     assert result.names == ["new-way"]
     assert result.notes[0].lead and result.notes[0].replaces == ("old-way",)
@@ -305,7 +322,9 @@ def test_mark_used(tmp_path: Path) -> None:
 # --- Credentials ----------------------------------------------------------------------------------
 
 SECRETS = {
-    "anthropic": "export ANTHROPIC_API_KEY=sk-ant-api03-" + "aB3dE5fG7hJ9kL1mN3pQ5rS7tU9vW1xY" + "-zz",
+    "anthropic": "export ANTHROPIC_API_KEY=sk-ant-api03-"
+    + "aB3dE5fG7hJ9kL1mN3pQ5rS7tU9vW1xY"
+    + "-zz",
     "openai": "key sk-proj-" + "Zt7Qm2Xv9Lr4Ns8Kp1Hd6Wb3Jc5Fg0Ya",
     "aws": "aws_access_key_id = " + "AKIA" + "IOSFODNN7EXAMPLE",
     "github": "token ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8",
@@ -360,7 +379,10 @@ def test_capture_creates_an_agent_note_and_the_index(tmp_path: Path) -> None:
     note = notes.find_note(tmp_path / "lib", "pytest-import-mismatch")
     assert note.path == tmp_path / "lib/notes/pytest-import-mismatch.md"
     assert (note.origin, note.state, note.created, note.use_count) == (
-        "agent-created", "active", TODAY.isoformat(), 0
+        "agent-created",
+        "active",
+        TODAY.isoformat(),
+        0,
     )
     assert [h for h, _ in notes.split_sections(note.body)[1]] == list(notes.SECTIONS)
     assert "- pytest-import-mismatch —" in (tmp_path / "lib/INDEX.md").read_text()
@@ -369,9 +391,13 @@ def test_capture_creates_an_agent_note_and_the_index(tmp_path: Path) -> None:
 
 def test_capture_patches_the_same_name_instead_of_duplicating(tmp_path: Path) -> None:
     notes.capture(tmp_path, FIELDS, TODAY)
-    refined = {**FIELDS, "tags": ["pytest", "conftest"], "confidence": "high",
-               "procedure": "1. Set --import-mode=importlib in addopts.\n2. Move shared helpers "
-               "into conftest.py."}
+    refined = {
+        **FIELDS,
+        "tags": ["pytest", "conftest"],
+        "confidence": "high",
+        "procedure": "1. Set --import-mode=importlib in addopts.\n2. Move shared helpers "
+        "into conftest.py.",
+    }
     result = notes.capture(tmp_path, refined, TODAY + timedelta(days=1))
     assert result.action == "patched"
     assert [p.name for p in (tmp_path / "notes").iterdir()] == ["pytest-import-mismatch.md"]
@@ -450,7 +476,8 @@ def test_reindex_lists_active_notes_and_reports_budget(tmp_path: Path) -> None:
     put(tmp_path, "stale-note", state="stale")
     report = notes.reindex(tmp_path)
     index = (tmp_path / "INDEX.md").read_text()
-    assert index.endswith("- a-note — Fixes the spacing [alpha]\n- b-note — Fixes a thing [x, y]\n")
+    lines = "- a-note — Fixes the spacing [alpha]\n- b-note — Fixes a thing [x, y]\n"
+    assert index.endswith(lines)
     assert (report.lines, report.written, report.over_budget) == (2, True, False)
     assert not notes.reindex(tmp_path).written
     assert "2/40 lines" in report.text
@@ -476,13 +503,25 @@ def test_reindex_without_a_library_is_an_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "age, state, where",
-    [(0, "active", "notes"), (29, "active", "notes"), (30, "stale", "notes"),
-     (89, "stale", "notes"), (90, "archived", ".archive"), (400, "archived", ".archive")],
+    [
+        (0, "active", "notes"),
+        (29, "active", "notes"),
+        (30, "stale", "notes"),
+        (89, "stale", "notes"),
+        (90, "archived", ".archive"),
+        (400, "archived", ".archive"),
+    ],
 )
 def test_ageing_thresholds(tmp_path: Path, age: int, state: str, where: str) -> None:
     put(tmp_path, "by-created", created=days_ago(age))
-    put(tmp_path, "by-last-used", created=days_ago(500), last_used=days_ago(age), use_count=1,
-        **POSTGRES_NOTE)
+    put(
+        tmp_path,
+        "by-last-used",
+        created=days_ago(500),
+        last_used=days_ago(age),
+        use_count=1,
+        **POSTGRES_NOTE,
+    )
     notes.curate(tmp_path, TODAY)
     for name in ("by-created", "by-last-used"):
         path = tmp_path / where / f"{name}.md"
@@ -513,13 +552,25 @@ def test_curate_never_touches_pinned_or_hand_authored(tmp_path: Path) -> None:
 
 
 def test_consolidation_merges_near_duplicates(tmp_path: Path) -> None:
-    put(tmp_path, "pytest-mismatch", confidence="high", use_count=1, last_used=days_ago(2),
-        **PYTEST_NOTE)
-    put(tmp_path, "pytest-duplicate-basenames", use_count=4, last_used=days_ago(1),
-        **PYTEST_DUPLICATE)
+    put(
+        tmp_path,
+        "pytest-mismatch",
+        confidence="high",
+        use_count=1,
+        last_used=days_ago(2),
+        **PYTEST_NOTE,
+    )
+    put(
+        tmp_path,
+        "pytest-duplicate-basenames",
+        use_count=4,
+        last_used=days_ago(1),
+        **PYTEST_DUPLICATE,
+    )
     put(tmp_path, "postgres-restore", **POSTGRES_NOTE)
-    sim = notes.similarity(*(notes.find_note(tmp_path, n) for n in
-                             ("pytest-mismatch", "pytest-duplicate-basenames")))
+    sim = notes.similarity(
+        *(notes.find_note(tmp_path, n) for n in ("pytest-mismatch", "pytest-duplicate-basenames"))
+    )
     assert sim >= notes.SIMILARITY_THRESHOLD
 
     summary = notes.curate(tmp_path, TODAY)
@@ -538,8 +589,14 @@ def test_consolidation_merges_near_duplicates(tmp_path: Path) -> None:
 def test_consolidation_leaves_distinct_notes_alone(tmp_path: Path) -> None:
     put(tmp_path, "pytest-mismatch", **PYTEST_NOTE)
     put(tmp_path, "postgres-restore", **POSTGRES_NOTE)
-    put(tmp_path, "docker-dns", tags="[docker, dns, ci]", description="Fixes DNS in containers",
-        when="Lookups time out inside containers.", procedure="1. Pass --dns to docker run.")
+    put(
+        tmp_path,
+        "docker-dns",
+        tags="[docker, dns, ci]",
+        description="Fixes DNS in containers",
+        when="Lookups time out inside containers.",
+        procedure="1. Pass --dns to docker run.",
+    )
     a, b, c = notes.load_notes(tmp_path)
     assert max(notes.similarity(a, b), notes.similarity(a, c), notes.similarity(b, c)) < 0.2
     summary = notes.curate(tmp_path, TODAY)
@@ -547,17 +604,27 @@ def test_consolidation_leaves_distinct_notes_alone(tmp_path: Path) -> None:
 
 
 def test_same_tags_on_different_problems_do_not_merge(tmp_path: Path) -> None:
-    put(tmp_path, "pytest-flaky-async", tags="[pytest, python]",
+    put(
+        tmp_path,
+        "pytest-flaky-async",
+        tags="[pytest, python]",
         description="Fixes flaky pytest async fixtures that leak an event loop between tests",
         when="Tests pass alone but fail in the full run with event loop is closed.",
         procedure="1. Give async fixtures function scope.\n2. Set asyncio_mode = auto in pytest "
         "config.\n3. Close clients in fixture teardown.",
         pitfalls="- Session-scoped loops hide the leak until CI.",
-        verification="pytest -p no:randomly passes three runs in a row.")
-    put(tmp_path, "pytest-mismatch-short", tags="[pytest, python]",
+        verification="pytest -p no:randomly passes three runs in a row.",
+    )
+    put(
+        tmp_path,
+        "pytest-mismatch-short",
+        tags="[pytest, python]",
         description="Fixes pytest import file mismatch in a monorepo",
-        when="Two test modules share a basename.", procedure="1. Set --import-mode=importlib.",
-        pitfalls="- Renaming hides it.", verification="Collection passes.")
+        when="Two test modules share a basename.",
+        procedure="1. Set --import-mode=importlib.",
+        pitfalls="- Renaming hides it.",
+        verification="Collection passes.",
+    )
     a, b = notes.load_notes(tmp_path)
     assert notes.similarity(a, b) < notes.SIMILARITY_THRESHOLD
     assert notes.curate(tmp_path, TODAY).merged == []
@@ -571,11 +638,14 @@ def test_curate_never_shrinks_and_snapshots_first(tmp_path: Path) -> None:
     notes.reindex(tmp_path)
     before = all_files(tmp_path)
     count = count_notes_and_archive(tmp_path)
-    clock = lambda: datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)  # noqa: E731
+    clock = lambda: datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
     summary = notes.curate(tmp_path, TODAY, clock=clock)
     assert summary.snapshot == tmp_path / ".archive/snapshot-20261130T120000Z"
-    snap = {Path(*p.parts[2:]): b for p, b in all_files(tmp_path).items()
-            if p.parts[:2] == (".archive", "snapshot-20261130T120000Z")}
+    snap = {
+        Path(*p.parts[2:]): b
+        for p, b in all_files(tmp_path).items()
+        if p.parts[:2] == (".archive", "snapshot-20261130T120000Z")
+    }
     assert snap == before  # the snapshot holds everything as it was before the pass
     assert count_notes_and_archive(tmp_path) >= count + len(before)
     assert "Marked stale" in summary.text and "gone-one" in summary.text
@@ -629,18 +699,39 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
     return code, out, err
 
 
-def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_commands(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "lib"
     d = ["--dir", str(root)]
     monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(FIELDS)))
     code, out, _ = run(["notes", "capture", *d, "--today", "2026-11-30"], capsys)
     assert code == 0 and out.startswith("Created note pytest-import-mismatch")
 
-    code, out, _ = run(["notes", "capture", *d, "--name", "postgres-restore", "--description",
-                        "Restores a Postgres dump", "--tag", "postgres", "--tag", "pg_restore",
-                        "--when", "w", "--procedure", "p", "--pitfalls", "x",
-                        "--verification", "v"], capsys)
+    code, out, _ = run(
+        [
+            "notes",
+            "capture",
+            *d,
+            "--name",
+            "postgres-restore",
+            "--description",
+            "Restores a Postgres dump",
+            "--tag",
+            "postgres",
+            "--tag",
+            "pg_restore",
+            "--when",
+            "w",
+            "--procedure",
+            "p",
+            "--pitfalls",
+            "x",
+            "--verification",
+            "v",
+        ],
+        capsys,
+    )
     assert code == 0 and "Created note postgres-restore" in out
 
     code, out, _ = run(["notes", "list", *d], capsys)
@@ -669,8 +760,9 @@ def test_cli_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert data["snapshot"] is None and data["text"].startswith("Nothing to change")
 
 
-def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     d = ["--dir", str(tmp_path)]
     code, _, err = run(["notes", "show", *d, "nope"], capsys)
     assert code == 1 and err.startswith("perpetuity: no note named") and err.count("\n") == 1
