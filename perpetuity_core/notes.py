@@ -745,8 +745,10 @@ def mark_used(root: Path, names: Iterable[str], today: date) -> list[str]:
 
     "Used" is deterministic: within one task, a note the model was shown by recall counts as used
     if (a) the model read it through a tool (`note_recall`, `perpetuity notes show NAME`), or
-    (b) the model's reply cites its name (`cited_notes(reply_text, recalled_names)`). Each note
-    counts once per task. Being loaded by recall alone is not use.
+    (b) the model's reply cites its name (`cited_notes(reply_text, recalled_names)`). Without
+    the proxy, the skill records the same through `perpetuity notes used NAME`. Each note counts
+    once per task. Being loaded by recall alone is not use. Every note can be marked used,
+    pinned and hand-authored ones included: only its use_count, last_used and state lines change.
     """
     wanted = set(names)
     updated: list[str] = []
@@ -1067,8 +1069,8 @@ class CurateSummary:
             out.append(f"Active again, used recently: {', '.join(self.revived)}.")
         if self.archived:
             out.append(
-                f"Moved to {ARCHIVE_DIR}/, unused {ARCHIVE_AFTER_DAYS}+ days: "
-                f"{', '.join(self.archived)}."
+                f"Moved to {ARCHIVE_DIR}/, unused {ARCHIVE_AFTER_DAYS}+ days (or already marked "
+                f"archived): {', '.join(self.archived)}."
             )
         for weaker, stronger in self.merged:
             out.append(f"Merged {weaker} into {stronger} (same ground); {weaker} archived.")
@@ -1129,6 +1131,8 @@ def _consolidate(live: dict[str, Note]) -> list[tuple[Note, Note]]:
             return merges
         x, y = live[best[1]], live[best[2]]
         stronger, weaker = (x, y) if _strength(x) >= _strength(y) else (y, x)
+        # `supersedes` holds one name: the latest fold. The weaker keeps its own link in
+        # .archive/, so the chain of what was folded stays readable there and in the snapshot.
         folded = dataclasses.replace(_fold(stronger, weaker), supersedes=weaker.name)
         del live[weaker.name]
         live[stronger.name] = folded
@@ -1167,14 +1171,15 @@ def curate(
             to_archive.append(dataclasses.replace(note, state="archived"))
             summary.archived.append(note.name)
             continue
-        if state != note.state:
-            (summary.staled if state == "stale" else summary.revived).append(note.name)
         live[note.name] = dataclasses.replace(note, state=state)
     for weaker, stronger in _consolidate(live):
         to_archive.append(dataclasses.replace(weaker, state="archived"))
         summary.merged.append((weaker.name, stronger.name))
-    for name, note in live.items():  # a merged note takes the age of its latest use
-        live[name] = dataclasses.replace(note, state=_aged_state(note, today))
+    before = {n.name: n.state for n in notes}
+    for name, note in sorted(live.items()):  # a merged note takes the age of its latest use
+        live[name] = note = dataclasses.replace(note, state=_aged_state(note, today))
+        if note.state != before[name]:
+            (summary.staled if note.state == "stale" else summary.revived).append(name)
     survivors = [n for n in notes if n.protected] + list(live.values())
     changed = [n for n in live.values() if render_note(n) != n.text]
     index_path = root / INDEX_FILE

@@ -149,6 +149,13 @@ def test_untouched_notes_round_trip_byte_identical() -> None:
         assert notes.render_note(notes.parse_note(text)) == text
 
 
+def test_a_note_without_origin_counts_as_hand_authored() -> None:
+    text = "---\nname: n\ndescription: d\n---\n\n## When\n\nx\n"
+    note = notes.parse_note(text)
+    assert note.origin == "hand-authored" and note.protected
+    assert notes.render_note(note) == text
+
+
 def test_hand_written_note_parses_to_the_schema() -> None:
     note = notes.parse_note(HAND_WRITTEN)
     assert note.tags == ("docker", "dns", "ci")
@@ -374,7 +381,7 @@ FIELDS = {
 
 
 def test_capture_creates_an_agent_note_and_the_index(tmp_path: Path) -> None:
-    result = notes.capture(tmp_path / "lib", {**FIELDS, "origin": "x"} if False else FIELDS, TODAY)
+    result = notes.capture(tmp_path / "lib", FIELDS, TODAY)
     assert result.action == "created" and result.name == "pytest-import-mismatch"
     note = notes.find_note(tmp_path / "lib", "pytest-import-mismatch")
     assert note.path == tmp_path / "lib/notes/pytest-import-mismatch.md"
@@ -451,7 +458,14 @@ def test_capture_never_patches_a_hand_authored_note(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    [{"name": "!!!"}, {"tags": []}, {"confidence": "sure"}, {"when": ""}, {"colour": "red"}],
+    [
+        {"name": "!!!"},
+        {"tags": []},
+        {"confidence": "sure"},
+        {"when": ""},
+        {"colour": "red"},
+        {"origin": "hand-authored"},
+    ],
 )
 def test_capture_rejects_bad_fields(tmp_path: Path, change: dict[str, object]) -> None:
     with pytest.raises(notes.NoteError):
