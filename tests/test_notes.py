@@ -15,6 +15,7 @@ from perpetuity_core.errors import PerpetuityError
 
 REPO = Path(__file__).resolve().parent.parent
 TODAY = date(2026, 11, 30)
+REGISTERED_COMMANDS = list(cli.COMMAND_MODULES)  # before the fixture below narrows it
 
 
 def note_text(
@@ -705,6 +706,17 @@ def test_archiving_never_overwrites(tmp_path: Path) -> None:
 
 
 # --- CLI ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def only_notes_commands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Build the real `perpetuity` parser with only this module's commands, so these tests do
+    not depend on other command modules being importable; registration is checked below."""
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.notes_cli"])
+
+
+def test_notes_commands_are_registered() -> None:
+    assert "perpetuity_core.notes_cli" in REGISTERED_COMMANDS
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
