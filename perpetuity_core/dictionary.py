@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -144,37 +145,41 @@ class Dictionary:
 
     def ids(self, text: str) -> np.ndarray:
         """Term ids of every indexed word of `text`, in order (int32; stop words left out)."""
+        return np.array(self.id_list(text), dtype=np.int32)
+
+    def id_list(self, text: str) -> list[int]:
         if not text:
-            return np.zeros(0, np.int32)
+            return []
         if text.isascii():
             # For ASCII text NFKD and accent stripping are the identity and the pre-tokeniser's
             # letters-and-digits runs are exactly [a-z0-9]+ after lowercasing: the same words
             # as the Rust pipeline, about six times faster on the write path.
             get = self.word_ids.get
-            words = _ASCII_WORD.findall(text.lower())
-            ids = np.fromiter((get(w, -1) for w in words), dtype=np.int32, count=len(words))
-            unk = np.flatnonzero(ids < 0)
-            for i in unk.tolist():
-                ids[i] = self._resolve(words[i])
+            resolve = self._resolve
+            ids = [get(w, -1) for w in _ASCII_WORD.findall(text.lower())]
+            if -1 in ids:
+                words = _ASCII_WORD.findall(text.lower())
+                ids = [resolve(w) if i < 0 else i for w, i in zip(words, ids, strict=True)]
         else:
             enc = self.tokenizer.encode(text, add_special_tokens=False)
-            ids = self.term_of[np.asarray(enc.ids, dtype=np.int32)]
-            unk = np.flatnonzero(np.asarray(enc.ids) == UNK_ID)
-            if unk.size:
-                offsets = enc.offsets
+            term_of = self.term_of
+            ids = [int(term_of[i]) for i in enc.ids]
+            if UNK_ID in enc.ids:
                 norm = self._normalizer.normalize_str
-                for i in unk.tolist():
-                    a, b = offsets[i]
-                    ids[i] = self._resolve(norm(text[a:b]))
-        return ids[ids != STOP_ID]
+                for j, (i, (a, b)) in enumerate(zip(enc.ids, enc.offsets, strict=True)):
+                    if i == UNK_ID:
+                        ids[j] = self._resolve(norm(text[a:b]))
+        return [i for i in ids if i != STOP_ID]
 
     def bag(self, text: str) -> Bag:
-        ids = self.ids(text)
-        terms, counts = np.unique(ids, return_counts=True)
+        # Written once per stored item: plain Python beats numpy's per-call overhead on the
+        # short texts most turns are.
+        counts = Counter(self.id_list(text))
+        terms = sorted(counts)
         return Bag(
-            terms.astype(np.int32, copy=False),
-            np.minimum(counts, MAX_TF).astype(np.uint8),
-            int(ids.size),
+            np.array(terms, dtype=np.int32),
+            np.array([min(counts[t], MAX_TF) for t in terms], dtype=np.uint8),
+            sum(counts.values()),
         )
 
     def words(self, text: str) -> list[str]:

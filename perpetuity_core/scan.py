@@ -39,8 +39,8 @@ without changing anyone's score.
 
 from __future__ import annotations
 
-import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -104,7 +104,7 @@ def derive_retrieval(items: list[Item]) -> None:
         bag = d.bag(text)
         n_tokens = token_estimate(text)
         rows.append((it.id, m.id, m.user_id, m.conversation_id, bag.length, n_tokens, d.version,
-                     bag.terms.astype("<i4").tobytes(), bag.counts.tobytes()))
+                     bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes()))
         bags.append(bag.terms)
         length += bag.length
         tokens += n_tokens
@@ -112,9 +112,14 @@ def derive_retrieval(items: list[Item]) -> None:
     conn.executemany(
         "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, length, tokens,"
         " version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?)", rows)
-    _count(conn, np.concatenate(bags), +1)
+    df = Counter(t for terms in bags for t in terms.tolist())
+    conn.executemany(_UPSERT_DF, df.items())
     conn.execute("UPDATE retrieval_total SET rows = rows + ?, length = length + ?,"
                  " tokens = tokens + ? WHERE id = 1", (len(rows), length, tokens))
+
+
+_UPSERT_DF = ("INSERT INTO retrieval_term (term, df) VALUES (?, ?)"
+              " ON CONFLICT(term) DO UPDATE SET df = df + excluded.df")
 
 
 def _count(conn, terms: np.ndarray, sign: int) -> None:  # noqa: ANN001 - a sqlite3 connection
@@ -122,10 +127,7 @@ def _count(conn, terms: np.ndarray, sign: int) -> None:  # noqa: ANN001 - a sqli
     if terms.size == 0:
         return
     t, n = np.unique(terms, return_counts=True)
-    conn.executemany(
-        "INSERT INTO retrieval_term (term, df) VALUES (?, ?)"
-        " ON CONFLICT(term) DO UPDATE SET df = df + excluded.df",
-        zip(t.tolist(), (n * sign).tolist()))
+    conn.executemany(_UPSERT_DF, zip(t.tolist(), (n * sign).tolist(), strict=True))
 
 
 def settle(store: Store) -> int:
@@ -224,6 +226,42 @@ def contributions(q: Query, slot: np.ndarray, tf: np.ndarray, length: np.ndarray
 # --------------------------------------------------------------------------- the arena
 
 
+class Frequencies:
+    """Document frequency per term id: a dense int32 array over the vocabulary's ids, a dict
+    over the hashed ids above it (a dense table of all 2**22 hash buckets would cost 16 MB
+    however small the memory; only the buckets in use cost here)."""
+
+    def __init__(self, hash_base: int) -> None:
+        self.hash_base = hash_base
+        self.dense = np.zeros(hash_base, np.int32)
+        self.hashed: dict[int, int] = {}
+
+    def add(self, terms: np.ndarray, sign: int = 1) -> None:
+        """Count (sign 1) or uncount (sign -1) one row for each occurrence in `terms`."""
+        u, c = np.unique(terms, return_counts=True)
+        v = u < self.hash_base
+        self.dense[u[v]] += (sign * c[v]).astype(np.int32)
+        h = self.hashed
+        for t, n in zip(u[~v].tolist(), c[~v].tolist(), strict=True):
+            left = h.get(t, 0) + sign * n
+            if left:
+                h[t] = left
+            else:
+                h.pop(t, None)
+
+    def get(self, terms: np.ndarray) -> np.ndarray:
+        v = terms < self.hash_base
+        out = np.zeros(terms.size, np.int64)
+        out[v] = self.dense[terms[v]]
+        out[~v] = [self.hashed.get(t, 0) for t in terms[~v].tolist()]
+        return out
+
+    def nbytes(self) -> int:
+        # A dict entry with its two small ints costs about 100 bytes in CPython.
+        return self.dense.nbytes + 100 * len(self.hashed)
+
+
+
 @dataclass(slots=True)
 class Segment:
     """Rows [start, start + n) of the arena, in one of the two layouts."""
@@ -292,7 +330,7 @@ class Arena:
         self.user = np.zeros(0, np.int32)
         self.conv = np.zeros(0, np.int32)
         self.length = np.zeros(0, np.int32)
-        self.df: np.ndarray | None = None
+        self.df: Frequencies | None = None
         self.n_rows = 0  # live rows
         self.total_length = 0
         self.row_cursor = 0  # last retrieval.seq read
@@ -312,7 +350,7 @@ class Arena:
                 "SELECT seq, row_seq, length, terms FROM retrieval_gone WHERE seq > ?"
                 " ORDER BY seq", (self.gone_cursor,)).fetchall()
         if self.df is None:
-            self.df = np.zeros(dictionary.load().n_terms, np.int32)
+            self.df = Frequencies(dictionary.load().hash_base)
         if new:
             self._append(new)
         if gone:
@@ -329,8 +367,7 @@ class Arena:
         self.user = np.concatenate((self.user, np.asarray(user, np.int32)))
         self.conv = np.concatenate((self.conv, np.asarray(conv, np.int32)))
         self.length = np.concatenate((self.length, length_a))
-        u, c = np.unique(terms, return_counts=True)
-        self.df[u] += c.astype(np.int32)
+        self.df.add(terms)
         self.n_rows += len(new)
         self.total_length += int(length_a.sum(dtype=np.int64))
         self.row_cursor = int(seq[-1])
@@ -373,8 +410,7 @@ class Arena:
         if not ok.any():
             return
         dead = [g for g, k in zip(gone, ok.tolist(), strict=True) if k]
-        u, c = np.unique(np.frombuffer(b"".join(g[3] for g in dead), "<i4"), return_counts=True)
-        self.df[u] -= c.astype(np.int32)
+        self.df.add(np.frombuffer(b"".join(g[3] for g in dead), "<i4"), -1)
         self.n_rows -= len(dead)
         self.total_length -= sum(int(g[2]) for g in dead)
         # The postings stay; a dead row is invisible to every query (user -1).
@@ -383,12 +419,15 @@ class Arena:
     def nbytes(self) -> int:
         rows = self.seq.nbytes + self.user.nbytes + self.conv.nbytes + self.length.nbytes
         return rows + sum(s.nbytes() for s in self.segments) + (
-            self.df.nbytes if self.df is not None else 0)
+            self.df.nbytes() if self.df is not None else 0)
 
     # -- scan ----------------------------------------------------------------------------
 
     def query(self, text: str, params: Params) -> Query:
-        return make_query(text, lambda t: self.df[t], self.n_rows, self.total_length, params)
+        df = self.df
+        if df is None:
+            return make_query(text, lambda t: np.zeros(t.size), 0, 0, params)
+        return make_query(text, df.get, self.n_rows, self.total_length, params)
 
     def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The k best visible rows as (score, seq, own), best first, ties by seq."""
@@ -557,7 +596,6 @@ class Scanner:
         if not rows:
             return []
         tmp = Arena(ROWS, threads=1)
-        tmp.df = np.zeros(0, np.int32)  # unused: the query above carries the pooled statistic
         seq, user, conv, length, terms_b, counts_b = zip(*rows)
         tmp.seq = np.asarray(seq, np.int64)
         tmp.user = np.asarray(user, np.int32)
