@@ -50,9 +50,8 @@ def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]
     its own fingerprint too: after a compaction its predecessor changes, the reply does not.
     """
     keys = _keys(messages)
-    known = store.known_pair_keys(conversation_id, keys)
-    replies = store.known_replies(
-        conversation_id, [m.fingerprint() for m in messages if m.role == "assistant"]
+    known, replies = store.known(
+        conversation_id, keys, [m.fingerprint() for m in messages if m.role == "assistant"]
     )
     last = max(
         (i for i, (k, m) in enumerate(zip(keys, messages, strict=True))

@@ -1,8 +1,9 @@
 """The per-request path, in the order data flows: route → identity → store, then a job to forward.
 
 `prepare` turns one HTTP request into a `Decision`: leave it alone, send it upstream untouched, or
-hand it to the relay as a `Job` that forwards it and captures the reply. It never raises for bad
-input: anything it cannot read passes through as the client sent it.
+hand it to the relay as a `Job` that forwards it and captures the reply. It writes nothing: the
+store write (`store_turn`) runs on the store's thread while the request is already on its way.
+It never raises for bad input: anything it cannot read passes through as the client sent it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 
 from . import capture
@@ -18,7 +19,7 @@ from .capture import TurnContext
 from .conversation import Message, Protocol, Provider
 from .identity import Identity, identify
 from .protocols import ADAPTERS
-from .route import CONTROL_PREFIX, Controls, Route, credential, parse_controls, route
+from .route import CONTROL_PREFIX, Route, credential, parse_controls, route
 from .store import Store
 
 log = logging.getLogger("perpetuity")
@@ -42,6 +43,18 @@ class HttpRequest:
     direct: bool  # the client addressed the proxy itself (base URL), not a host through it
 
 
+@dataclass(frozen=True, slots=True)
+class PendingTurn:
+    """A request's messages, to be stored off the request path while it goes upstream."""
+
+    user: str
+    conversation: str
+    provider: str
+    model: str
+    messages: list[Message]
+    at: float
+
+
 @dataclass(slots=True)
 class Job:
     """One exchange for the relay: what to send upstream and how to store what comes back."""
@@ -52,7 +65,9 @@ class Job:
     body: bytes
     protocol: Protocol
     stream: bool
-    turn: TurnContext | None  # None: forward and relay, store nothing
+    pending: PendingTurn
+    # The stored request, resolved by the store's thread; the reply is stored after it.
+    turn: Awaitable[TurnContext] | None = None
     at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
 
 
@@ -101,27 +116,27 @@ class Pipeline:
             return decision
         ident = identify(headers, parsed, credential(headers), self.store.salt)
         decision.identity = ident
-        turn = None
         if ident.side:
             decision.note = f"side request: {ident.side}"
-        elif controls.probe or not controls.capture:
+            return decision
+        if controls.probe or not controls.capture:
             decision.note = "probe" if controls.probe else "capture off"
-        else:
-            turn = self._store_turn(ident, r.provider, parsed.model, parsed.messages, controls)
-            decision.note = "captured"
+            return decision
+        at = controls.at if controls.at is not None else time.time()
+        pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
+                              parsed.messages, at)
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded, req.body, r.protocol,
-                           parsed.stream, turn, controls.at)
+                           parsed.stream, pending, at=controls.at)
+        decision.note = "captured"
         return decision
 
-    def _store_turn(self, ident: Identity, provider: Provider, model: str, messages: list[Message],
-                    controls: Controls) -> TurnContext:
-        at = controls.at if controls.at is not None else time.time()
+    def store_turn(self, p: PendingTurn) -> TurnContext:
+        """Store what is new in the request; each message in its own transaction."""
         _, turn = capture.record(
-            self.store, user_key=ident.user, conversation_key=ident.conversation,
-            provider=provider.value, model=model, messages=messages,
-            times=[at] * len(messages), source="request",
+            self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
+            model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",
         )
         return turn
 

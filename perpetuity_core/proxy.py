@@ -34,6 +34,8 @@ class Perpetuity:
         self.relay = Relay(self._store_reply)
         # One thread owns the store: SQLite has one writer, and the event loop never waits on disk.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-store")
+        # Requests are parsed on their own thread, so a request never queues behind a write.
+        self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-parse")
 
     def load(self, loader: Any) -> None:
         loader.add_option("perpetuity_db", str, str(default_db_path()),
@@ -82,6 +84,7 @@ class Perpetuity:
         if self.store is not None:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.store.close)
         self.executor.shutdown(wait=False)
+        self.parser.shutdown(wait=False)
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live or self.pipeline is None:
@@ -96,7 +99,7 @@ class Perpetuity:
         )
         loop = asyncio.get_running_loop()
         try:
-            decision = await loop.run_in_executor(self.executor, self.pipeline.prepare, req)
+            decision = await loop.run_in_executor(self.parser, self.pipeline.prepare, req)
         except Exception:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
             decision = self.pipeline.route_only(req)
@@ -110,7 +113,12 @@ class Perpetuity:
         return bool(sockname) and flow.request.port == sockname[1]
 
     def _apply(self, flow: http.HTTPFlow, d: Decision) -> None:
-        token = self.relay.submit(d.job) if d.job else ""
+        token = ""
+        if d.job and self.pipeline:
+            # Not awaited: the turn is written while the request is already on its way upstream.
+            d.job.turn = asyncio.get_running_loop().run_in_executor(
+                self.executor, self.pipeline.store_turn, d.job.pending)
+            token = self.relay.submit(d.job)
         for name in d.strip:
             del flow.request.headers[name]
         if token:

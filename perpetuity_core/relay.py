@@ -111,17 +111,19 @@ class Relay:
         return token
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One mitmproxy server connection; kept alive across requests, as mitmproxy reuses it."""
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            headers = _parse_head(head)
-            length = int(headers.get("content-length", "0") or 0)
-            if length:
-                await reader.readexactly(length)  # the job carries the body; this copy is unused
-            entry = self._jobs.pop(headers.get(JOB_HEADER, ""), None)
-            if entry is None:
-                await _respond(writer, 502, b"perpetuity: unknown relay job")
-                return
-            await self._exchange(entry[1], writer)
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                headers = _parse_head(head)
+                length = int(headers.get("content-length", "0") or 0)
+                if length:
+                    await reader.readexactly(length)  # the job carries the body; this copy is unused
+                entry = self._jobs.pop(headers.get(JOB_HEADER, ""), None)
+                if entry is None:
+                    await _respond(writer, 502, b"perpetuity: unknown relay job")
+                elif not await self._exchange(entry[1], writer):
+                    return
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         except Exception:
@@ -130,15 +132,16 @@ class Relay:
             if not writer.is_closing():
                 writer.close()
 
-    async def _exchange(self, job: Job, writer: asyncio.StreamWriter) -> None:
+    async def _exchange(self, job: Job, writer: asyncio.StreamWriter) -> bool:
+        """Relay one exchange; False when the connection to mitmproxy can no longer be used."""
         assert self._client is not None
         request = self._client.build_request(job.method, job.url, headers=job.headers, content=job.body)
         try:
             resp = await self._client.send(request, stream=True)
         except httpx.HTTPError as e:
             await _respond(writer, 502, f"perpetuity: upstream {job.url} failed: {e}".encode())
-            return
-        tee = ReplyTee(job, resp.headers.get("content-encoding", "")) if job.turn and resp.status_code < 400 else None
+            return True
+        tee = ReplyTee(job, resp.headers.get("content-encoding", "")) if resp.status_code < 400 else None
         fixed_length = "content-length" in resp.headers and "transfer-encoding" not in resp.headers
         try:
             writer.write(_head(resp, chunked=not fixed_length))
@@ -156,16 +159,23 @@ class Relay:
         except httpx.HTTPError:
             # The provider cut the stream: cut the client the same way, keep what came.
             writer.transport.abort()
+            return False
         except ConnectionError:
-            pass  # the client went away; closing the upstream response below stops the provider
+            return False  # the client went away; closing the upstream response stops the provider
         finally:
             await resp.aclose()
-            if tee and job.turn and (reply := tee.reply()) is not None:
-                at = job.at if job.at is not None else time.time()
-                try:
-                    await self.store_reply(job.turn, reply, at)
-                except Exception:
-                    log.exception("perpetuity: could not store the reply")
+            if tee and (reply := tee.reply()) is not None:
+                await self._store(job, reply)
+        return True
+
+    async def _store(self, job: Job, reply: Reply) -> None:
+        at = job.at if job.at is not None else time.time()
+        try:
+            turn = await job.turn if job.turn else None
+            if turn is not None:
+                await self.store_reply(turn, reply, at)
+        except Exception:
+            log.exception("perpetuity: could not store the reply")
 
 
 def _parse_head(head: bytes) -> dict[str, str]:
@@ -184,13 +194,12 @@ def _head(resp: httpx.Response, *, chunked: bool) -> bytes:
         if name.lower() not in _HOP:
             lines.append(f"{name}: {value}")
     lines.append("transfer-encoding: chunked" if chunked else f"content-length: {resp.headers['content-length']}")
-    lines.append("connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
     writer.write(
-        b"HTTP/1.1 %d Bad Gateway\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n"
-        b"connection: close\r\n\r\n%b" % (status, len(body), body)
+        b"HTTP/1.1 %d Bad Gateway\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%b"
+        % (status, len(body), body)
     )
     await writer.drain()

@@ -120,7 +120,8 @@ def proxy(fake: FakeProvider, tmp_path_factory: pytest.TempPathFactory) -> Itera
     p = start_proxy(tmp_path_factory.mktemp("proxy"), fake.url)
     yield p
     stop_proxy(p)
-    assert b"Traceback" not in p.log.read_bytes(), p.log.read_text()
+    # mitmproxy may log its own cancelled connections at shutdown; ours must never fail.
+    assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
 
 
 @pytest.fixture(autouse=True)
