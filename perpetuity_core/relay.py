@@ -126,6 +126,10 @@ class Relay:
                     return
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
+        except asyncio.CancelledError:
+            # Shutdown: a cancelled connection callback would be logged as an error by asyncio's
+            # streams, and there is no one left to tell.
+            pass
         except Exception:
             log.exception("perpetuity: relay failure")
         finally:

@@ -62,14 +62,15 @@ def replay(pipeline: Pipeline, harness: str) -> list[tuple[Path, object]]:
         decision = pipeline.prepare(to_request(json.loads(f.read_text())))
         out.append((f, decision))
         job = decision.job
+        turn = pipeline.store_turn(job.pending) if job else None
         reply_file = f.with_name(f.name.removesuffix(".json") + ".response.json")
-        if job and job.turn and reply_file.exists():
+        if turn and reply_file.exists():
             body = json.loads(reply_file.read_text())["body"]
             tee = ReplyTee(job, "")
             tee.feed(body.encode() if isinstance(body, str) else json.dumps(body).encode())
             reply = tee.reply()
             assert reply is not None and reply.complete, f
-            capture.record_reply(pipeline.store, job.turn, reply, 0.0)
+            capture.record_reply(pipeline.store, turn, reply, 0.0)
     return out
 
 
@@ -106,7 +107,7 @@ def test_protocol_identity_and_side_requests(pipeline: Pipeline, harness: str) -
                                  "opencode": "opencode"}.get(harness, "client"), f
         assert ident.side == ("title" if (harness, number) in TITLE else
                               "compaction" if (harness, number) in COMPACTION else ""), f
-        assert (d.job.turn is None) == bool(ident.side), f
+        assert (d.job is None) == bool(ident.side), f
         if harness == "claude-code":
             meta = json.loads(raw["body"]["metadata"]["user_id"])
             assert ident.user == meta["device_id"]
@@ -129,7 +130,7 @@ def test_protocol_identity_and_side_requests(pipeline: Pipeline, harness: str) -
 
 
 def test_claude_code_sessions_store_each_typed_turn_once(pipeline: Pipeline) -> None:
-    captured = [d for _, d in replay(pipeline, "claude-code") if d.job and d.job.turn]
+    captured = [d for _, d in replay(pipeline, "claude-code") if d.job]
     user_turns = [t for _, role, t in stored(pipeline) if role == "user"]
     assert user_turns == [
         "hello", "second turn: what did I say before?", "RUN_BASH please run echo hi",
