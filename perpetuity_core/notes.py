@@ -26,6 +26,7 @@ with `CredentialError`, which names the kind of secret and where, never the secr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -38,6 +39,9 @@ from pathlib import Path
 import yaml
 
 from .errors import ConfigError, PerpetuityError
+
+# libyaml's loader when present: parsing frontmatter dominates reading a library of notes.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class NoteError(PerpetuityError):
@@ -195,7 +199,7 @@ def parse_note(text: str, path: Path | None = None) -> Note:
     where = str(path) if path else "note"
     lines, close = _split_frontmatter(text, where)
     try:
-        meta = yaml.safe_load("".join(lines[1:close])) or {}
+        meta = yaml.load("".join(lines[1:close]), Loader=_YAML_LOADER) or {}
     except yaml.YAMLError as e:
         detail = " ".join(str(e).split())  # one line: the CLI prints errors as one line
         raise NoteError(f"{where}: the frontmatter is not valid YAML ({detail})") from e
@@ -248,7 +252,7 @@ def _scalar(value: object, flow: bool = False) -> str:
     expect: object = [text] if flow else text
     if text and text == text.strip() and "\n" not in text:
         try:
-            if _plain(yaml.safe_load(probe)["k"]) == expect:
+            if _plain(yaml.load(probe, Loader=_YAML_LOADER)["k"]) == expect:
                 return text
         except (yaml.YAMLError, TypeError, KeyError):
             pass
@@ -422,13 +426,18 @@ def load_notes(root: Path) -> list[Note]:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise NoteError(f"{path}: cannot read the note ({e})") from e
-        note = parse_note(text, path)
+        note = _parse_cached(text, path)
         if note.name in notes:
             raise NoteError(
                 f"{path}: the name {note.name!r} is also used by {notes[note.name].path}"
             )
         notes[note.name] = note
     return sorted(notes.values(), key=lambda n: n.name)
+
+
+# Recall reads the whole library at the start of every task; a note is parsed once per distinct
+# text (the key is the full text, so an edited file is always parsed afresh). Notes are frozen.
+_parse_cached = functools.lru_cache(maxsize=4096)(parse_note)
 
 
 def find_note(root: Path, name: str) -> Note:
@@ -517,16 +526,19 @@ def terms(text: str) -> frozenset[str]:
     return frozenset(found)
 
 
+@functools.lru_cache(maxsize=4096)
 def tag_terms(note: Note) -> frozenset[str]:
     """Terms of the tags, parts included, for recall: "collection" finds `test-collection`."""
     return terms(" ".join(note.tags))
 
 
+@functools.lru_cache(maxsize=4096)
 def tag_set(note: Note) -> frozenset[str]:
     """The tags themselves, normalised, for similarity: parts would inflate the union."""
     return frozenset(_stem(slugify(t)) for t in note.tags if slugify(t))
 
 
+@functools.lru_cache(maxsize=4096)
 def body_terms(note: Note) -> frozenset[str]:
     """Terms of everything but the tags: name, description and body."""
     return terms(f"{note.name} {note.description}\n{note.body}")
@@ -667,10 +679,15 @@ class RecallResult:
         return "\n".join(out) + "\n"
 
 
+@functools.lru_cache(maxsize=4096)
+def _described_terms(note: Note) -> frozenset[str]:
+    return terms(f"{note.name} {note.description}")
+
+
 def _score(note: Note, task: frozenset[str]) -> tuple[int, tuple[str, ...]]:
     tags = tag_terms(note) & task
-    described = terms(f"{note.name} {note.description}") & task
-    body = terms(note.body) & task
+    described = _described_terms(note) & task
+    body = body_terms(note) & task
     score = (
         TAG_WEIGHT * len(tags)
         + DESCRIPTION_WEIGHT * len(described - tags)
@@ -1117,19 +1134,25 @@ def _snapshot(root: Path, stamp: str) -> Path:
 
 def _consolidate(live: dict[str, Note]) -> list[tuple[Note, Note]]:
     """Merge overlapping notes until no pair reaches SIMILARITY_THRESHOLD; returns (weaker,
-    stronger-after-merge) pairs and updates `live` in place. The closest pair merges first."""
-    merges: list[tuple[Note, Note]] = []
-    while True:
-        best: tuple[float, str, str] | None = None
-        names = sorted(live)
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
+    stronger-after-merge) pairs and updates `live` in place. The closest pair merges first (ties:
+    the alphabetically first pair); after a merge only the merged note's pairs are rescored."""
+
+    def score_pairs(a: str, others: Iterable[str]) -> None:
+        for b in others:
+            if b != a:
+                pair = (a, b) if a < b else (b, a)
                 score = similarity(live[a], live[b])
-                if score >= SIMILARITY_THRESHOLD and (best is None or score > best[0]):
-                    best = (score, a, b)
-        if best is None:
-            return merges
-        x, y = live[best[1]], live[best[2]]
+                if score >= SIMILARITY_THRESHOLD:
+                    candidates[pair] = score
+
+    candidates: dict[tuple[str, str], float] = {}
+    names = sorted(live)
+    for i, a in enumerate(names):
+        score_pairs(a, names[i + 1 :])
+    merges: list[tuple[Note, Note]] = []
+    while candidates:
+        (a, b), _ = min(candidates.items(), key=lambda kv: (-kv[1], kv[0]))
+        x, y = live[a], live[b]
         stronger, weaker = (x, y) if _strength(x) >= _strength(y) else (y, x)
         # `supersedes` holds one name: the latest fold. The weaker keeps its own link in
         # .archive/, so the chain of what was folded stays readable there and in the snapshot.
@@ -1137,6 +1160,9 @@ def _consolidate(live: dict[str, Note]) -> list[tuple[Note, Note]]:
         del live[weaker.name]
         live[stronger.name] = folded
         merges.append((weaker, folded))
+        candidates = {p: v for p, v in candidates.items() if not {a, b} & set(p)}
+        score_pairs(stronger.name, sorted(live))
+    return merges
 
 
 def curate(

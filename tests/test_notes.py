@@ -601,6 +601,22 @@ def test_consolidation_merges_near_duplicates(tmp_path: Path) -> None:
     assert notes.recall(tmp_path, "pytest ImportPathMismatchError").names == ["pytest-mismatch"]
 
 
+def test_consolidation_folds_a_cluster_into_the_strongest(tmp_path: Path) -> None:
+    put(tmp_path, "pytest-a", confidence="high", **PYTEST_NOTE)
+    put(tmp_path, "pytest-b", **PYTEST_NOTE)
+    put(tmp_path, "pytest-c", **PYTEST_DUPLICATE)
+    put(tmp_path, "postgres-restore", **POSTGRES_NOTE)
+    summary = notes.curate(tmp_path, TODAY)
+    assert [stronger for _, stronger in summary.merged] == ["pytest-a", "pytest-a"]
+    assert sorted(weaker for weaker, _ in summary.merged) == ["pytest-b", "pytest-c"]
+    assert [n.name for n in notes.load_notes(tmp_path)] == ["postgres-restore", "pytest-a"]
+    assert sorted(p.name for p in (tmp_path / ".archive").glob("*.md")) == [
+        "pytest-b.md",
+        "pytest-c.md",
+    ]
+    assert not notes.curate(tmp_path, TODAY).changed
+
+
 def test_consolidation_leaves_distinct_notes_alone(tmp_path: Path) -> None:
     put(tmp_path, "pytest-mismatch", **PYTEST_NOTE)
     put(tmp_path, "postgres-restore", **POSTGRES_NOTE)
