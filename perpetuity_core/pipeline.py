@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from . import capture
@@ -66,8 +67,8 @@ class Job:
     protocol: Protocol
     stream: bool
     pending: PendingTurn
-    # The stored request, resolved by the store's thread; the reply is stored after it.
-    turn: Awaitable[TurnContext] | None = None
+    # The request's write on the store's thread; the reply's write is queued behind it.
+    turn: Future[TurnContext] | None = None
     at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
 
 

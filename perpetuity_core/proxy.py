@@ -16,10 +16,9 @@ from typing import Any
 from mitmproxy import ctx, exceptions, http
 
 from . import capture
-from .capture import TurnContext
 from .conversation import Provider, Reply
 from .errors import PerpetuityError
-from .pipeline import Decision, HttpRequest, Pipeline
+from .pipeline import Decision, HttpRequest, Job, Pipeline
 from .relay import JOB_HEADER, Relay
 from .route import DEFAULT_UPSTREAMS, PROVIDER_HOSTS, parse_upstream
 from .store import Store, default_db_path
@@ -116,8 +115,7 @@ class Perpetuity:
         token = ""
         if d.job and self.pipeline:
             # Not awaited: the turn is written while the request is already on its way upstream.
-            d.job.turn = asyncio.get_running_loop().run_in_executor(
-                self.executor, self.pipeline.store_turn, d.job.pending)
+            d.job.turn = self.executor.submit(self.pipeline.store_turn, d.job.pending)
             token = self.relay.submit(d.job)
         for name in d.strip:
             del flow.request.headers[name]
@@ -151,9 +149,16 @@ class Perpetuity:
             del flow.request.headers[JOB_HEADER]
             flow.request.url = meta["upstream"]
 
-    async def _store_reply(self, turn: TurnContext, reply: Reply, at: float) -> None:
-        assert self.store is not None
-        store = self.store
-        await asyncio.get_running_loop().run_in_executor(
-            self.executor, capture.record_reply, store, turn, reply, at
-        )
+    def _store_reply(self, job: Job, reply: Reply, at: float) -> None:
+        """Queue the reply behind its request on the store's thread (FIFO: one writer, in order)."""
+        store, turn = self.store, job.turn
+        if store is None or turn is None:
+            return
+
+        def write() -> None:
+            try:
+                capture.record_reply(store, turn.result(), reply, at)
+            except Exception:
+                log.exception("perpetuity: could not store the reply")
+
+        self.executor.submit(write)

@@ -19,11 +19,10 @@ import logging
 import secrets
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import httpx
 
-from .capture import TurnContext
 from .conversation import Reply
 from .pipeline import Job
 from .protocols import ADAPTERS
@@ -35,7 +34,8 @@ JOB_HEADER = "x-perpetuity-job"
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection"}
 _JOB_TTL = 120.0  # a job mitmproxy never delivered (client gone) is dropped after this long
 
-StoreReply = Callable[[TurnContext, Reply, float], Awaitable[None]]
+# Hands a finished reply to the store without waiting; called before the client sees the end.
+StoreReply = Callable[[Job, Reply, float], None]
 
 
 class ReplyTee:
@@ -146,20 +146,22 @@ class Relay:
             await _respond(writer, 502, f"perpetuity: upstream {job.url} failed: {e}".encode())
             return True
         tee = ReplyTee(job, resp.headers.get("content-encoding", "")) if resp.status_code < 400 else None
-        fixed_length = "content-length" in resp.headers and "transfer-encoding" not in resp.headers
         try:
-            writer.write(_head(resp, chunked=not fixed_length))
+            # Always chunked, so the reply can be handed to the store before the client sees
+            # its end: the harness's next request must find it stored (one writer, in order).
+            writer.write(_head(resp))
             await writer.drain()
             async for chunk in resp.aiter_raw():
                 if not chunk:
                     continue
-                writer.write(chunk if fixed_length else b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                writer.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                 if tee:
                     tee.feed(chunk)
                 await writer.drain()
-            if not fixed_length:
-                writer.write(b"0\r\n\r\n")
-                await writer.drain()
+            self._store(job, tee)
+            tee = None
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
         except httpx.HTTPError:
             # The provider cut the stream: cut the client the same way, keep what came.
             writer.transport.abort()
@@ -168,16 +170,14 @@ class Relay:
             return False  # the client went away; closing the upstream response stops the provider
         finally:
             await resp.aclose()
-            if tee and (reply := tee.reply()) is not None:
-                await self._store(job, reply)
+            self._store(job, tee)
         return True
 
-    async def _store(self, job: Job, reply: Reply) -> None:
-        at = job.at if job.at is not None else time.time()
+    def _store(self, job: Job, tee: ReplyTee | None) -> None:
+        if tee is None or (reply := tee.reply()) is None:
+            return
         try:
-            turn = await job.turn if job.turn else None
-            if turn is not None:
-                await self.store_reply(turn, reply, at)
+            self.store_reply(job, reply, job.at if job.at is not None else time.time())
         except Exception:
             log.exception("perpetuity: could not store the reply")
 
@@ -192,12 +192,12 @@ def _parse_head(head: bytes) -> dict[str, str]:
     return out
 
 
-def _head(resp: httpx.Response, *, chunked: bool) -> bytes:
+def _head(resp: httpx.Response) -> bytes:
     lines = [f"HTTP/1.1 {resp.status_code} {resp.reason_phrase}"]
     for name, value in resp.headers.multi_items():
         if name.lower() not in _HOP:
             lines.append(f"{name}: {value}")
-    lines.append("transfer-encoding: chunked" if chunked else f"content-length: {resp.headers['content-length']}")
+    lines.append("transfer-encoding: chunked")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
