@@ -708,7 +708,9 @@ def _successors(notes: Sequence[Note]) -> dict[str, Note]:
 def recall(root: Path, task_text: str) -> RecallResult:
     """What a task should start with: the index lines, and the notes (active or stale) whose
     tags or bodies share terms with the task, in full. Tentative notes are marked as leads; a
-    superseded note yields to the note that supersedes it. Nothing matching is a normal result."""
+    superseded note yields to the note that supersedes it. Nothing matching is a normal result.
+    A malformed note raises NoteError naming its file; a caller on the request path should fail
+    open (send the request without notes) rather than guess."""
     notes = load_notes(root)
     task = terms(task_text)
     live = [n for n in notes if n.state in ("active", "stale")]
