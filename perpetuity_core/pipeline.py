@@ -67,6 +67,8 @@ class Job:
     protocol: Protocol
     stream: bool
     pending: PendingTurn
+    # Through the relay (where the recall tools' loop runs), or on mitmproxy's own stream.
+    relay: bool
     # The request's write on the store's thread; the reply's write is queued behind it.
     turn: Future[TurnContext] | None = None
     at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
@@ -129,7 +131,7 @@ class Pipeline:
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded, req.body, r.protocol,
-                           parsed.stream, pending, at=controls.at)
+                           parsed.stream, pending, relay=controls.tools, at=controls.at)
         decision.note = "captured"
         return decision
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +20,7 @@ from . import capture
 from .conversation import Provider, Reply
 from .errors import PerpetuityError
 from .pipeline import Decision, HttpRequest, Job, Pipeline
-from .relay import JOB_HEADER, Relay
+from .relay import JOB_HEADER, Relay, ReplyTee
 from .route import DEFAULT_UPSTREAMS, PROVIDER_HOSTS, parse_upstream
 from .store import Store, default_db_path
 
@@ -30,7 +31,7 @@ class Perpetuity:
     def __init__(self) -> None:
         self.store: Store | None = None
         self.pipeline: Pipeline | None = None
-        self.relay = Relay(self._store_reply)
+        self.relay = Relay(self._store_request, self._store_reply)
         # One thread owns the store: SQLite has one writer, and the event loop never waits on disk.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-store")
         # Requests are parsed on their own thread, so a request never queues behind a write.
@@ -112,11 +113,7 @@ class Perpetuity:
         return bool(sockname) and flow.request.port == sockname[1]
 
     def _apply(self, flow: http.HTTPFlow, d: Decision) -> None:
-        token = ""
-        if d.job and self.pipeline:
-            # Not awaited: the turn is written while the request is already on its way upstream.
-            d.job.turn = self.executor.submit(self.pipeline.store_turn, d.job.pending)
-            token = self.relay.submit(d.job)
+        token = self.relay.submit(d.job) if d.job and d.job.relay else ""
         for name in d.strip:
             del flow.request.headers[name]
         if token:
@@ -124,6 +121,8 @@ class Perpetuity:
             flow.request.headers[JOB_HEADER] = token
         elif d.route:
             flow.request.url = d.route.upstream_url
+            if d.job:  # the reply is read by our tee, which cannot read every encoding
+                flow.request.headers.pop("accept-encoding", None)
         if d.route:
             flow.metadata["perpetuity"] = {
                 "upstream": d.route.upstream_url,
@@ -131,16 +130,41 @@ class Perpetuity:
                 "user": d.identity.user if d.identity else "",
                 "conversation": d.identity.conversation if d.identity else "",
             }
+        if d.job and not token:
+            flow.metadata["perpetuity_job"] = d.job
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        if "perpetuity" in flow.metadata and flow.response is not None:
+        if "perpetuity" not in flow.metadata or flow.response is None:
+            return
+        job: Job | None = flow.metadata.get("perpetuity_job")
+        if job and flow.response.status_code < 400:
+            flow.metadata["perpetuity_tee"] = ReplyTee(job, flow.response.headers.get("content-encoding", ""))
+            flow.response.stream = StreamTee(self, flow, job)
+        else:
             flow.response.stream = True  # no buffering: every chunk goes to the client as it comes
 
     def response(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow)
         self._restore(flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow)
         self._restore(flow)
+
+    def _finish(self, flow: http.HTTPFlow) -> None:
+        """Every flow with a turn ends here: the turn is stored even if no reply came."""
+        job: Job | None = flow.metadata.get("perpetuity_job")
+        if job is None:
+            return
+        tee = flow.metadata.pop("perpetuity_tee", None)
+        if tee is not None:  # the body never ended (cut, client gone): store what came
+            self._finish_reply(job, tee)
+        self._store_request(job)
+
+    def _finish_reply(self, job: Job, tee: ReplyTee) -> None:
+        self._store_request(job)
+        if (reply := tee.reply()) is not None:
+            self._store_reply(job, reply, job.at if job.at is not None else time.time())
 
     def _restore(self, flow: http.HTTPFlow) -> None:
         """Show the real destination in mitmweb, not the relay."""
@@ -148,6 +172,11 @@ class Perpetuity:
         if meta and JOB_HEADER in flow.request.headers:
             del flow.request.headers[JOB_HEADER]
             flow.request.url = meta["upstream"]
+
+    def _store_request(self, job: Job) -> None:
+        """Queue the request's write on the store's thread, once."""
+        if job.turn is None and self.pipeline is not None:
+            job.turn = self.executor.submit(self.pipeline.store_turn, job.pending)
 
     def _store_reply(self, job: Job, reply: Reply, at: float) -> None:
         """Queue the reply behind its request on the store's thread (FIFO: one writer, in order)."""
@@ -162,3 +191,38 @@ class Perpetuity:
                 log.exception("perpetuity: could not store the reply")
 
         self.executor.submit(write)
+
+
+class StreamTee:
+    """A `flow.response.stream` callable: every chunk goes to the client unchanged, a copy is read.
+
+    Runs synchronously on mitmproxy's event loop, so it only parses, and it cannot raise: an
+    exception here would silently drop the chunk. A body that never ends (cut, client gone) is
+    stored by the addon's `error` hook from what the tee read.
+    """
+
+    def __init__(self, addon: Perpetuity, flow: http.HTTPFlow, job: Job) -> None:
+        self.addon = addon
+        self.flow = flow
+        self.job = job
+        self.started = False
+
+    def __call__(self, chunk: bytes) -> bytes:
+        try:
+            tee: ReplyTee | None = self.flow.metadata.get("perpetuity_tee")
+            if tee is None:
+                return chunk
+            if chunk:
+                tee.feed(chunk)
+                if not self.started:
+                    self.started = True
+                    # After this chunk is on its way, so the write never delays it.
+                    asyncio.get_running_loop().call_soon(self.addon._store_request, self.job)
+            else:
+                # The end of the body, before the client sees it: the reply is queued first, so
+                # the harness's next request finds it stored.
+                self.flow.metadata.pop("perpetuity_tee")
+                self.addon._finish_reply(self.job, tee)
+        except Exception:
+            log.exception("perpetuity: capture failed; the reply is forwarded unchanged")
+        return chunk

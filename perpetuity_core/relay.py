@@ -81,7 +81,8 @@ class ReplyTee:
 
 
 class Relay:
-    def __init__(self, store_reply: StoreReply) -> None:
+    def __init__(self, store_request: Callable[[Job], None], store_reply: StoreReply) -> None:
+        self.store_request = store_request
         self.store_reply = store_reply
         self.port = 0
         self._jobs: dict[str, tuple[float, Job]] = {}
@@ -143,6 +144,7 @@ class Relay:
         try:
             resp = await self._client.send(request, stream=True)
         except httpx.HTTPError as e:
+            self.store_request(job)
             await _respond(writer, 502, f"perpetuity: upstream {job.url} failed: {e}".encode())
             return True
         tee = ReplyTee(job, resp.headers.get("content-encoding", "")) if resp.status_code < 400 else None
@@ -158,6 +160,8 @@ class Relay:
                 if tee:
                     tee.feed(chunk)
                 await writer.drain()
+                # Once the first bytes are on their way, so the write never delays them.
+                self.store_request(job)
             self._store(job, tee)
             tee = None
             writer.write(b"0\r\n\r\n")
@@ -170,6 +174,7 @@ class Relay:
             return False  # the client went away; closing the upstream response stops the provider
         finally:
             await resp.aclose()
+            self.store_request(job)
             self._store(job, tee)
         return True
 
