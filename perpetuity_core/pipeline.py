@@ -84,9 +84,10 @@ class Decision:
 
 
 class Pipeline:
-    def __init__(self, store: Store, upstreams: Mapping[Provider, str]) -> None:
+    def __init__(self, store: Store, upstreams: Mapping[Provider, str], tools: bool = True) -> None:
         self.store = store
         self.upstreams = dict(upstreams)
+        self.tools = tools  # the deployment's default; x-perpetuity-tools: off turns them off
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -131,7 +132,7 @@ class Pipeline:
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded, req.body, r.protocol,
-                           parsed.stream, pending, relay=controls.tools, at=controls.at)
+                           parsed.stream, pending, relay=self.tools and controls.tools, at=controls.at)
         decision.note = "captured"
         return decision
 

@@ -44,9 +44,13 @@ class Perpetuity:
                           "Where Anthropic traffic goes (scheme://host[:port]).")
         loader.add_option("perpetuity_openai_upstream", str, DEFAULT_UPSTREAMS[Provider.OPENAI],
                           "Where OpenAI traffic goes (scheme://host[:port]).")
+        loader.add_option("perpetuity_tools", bool, True,
+                          "Offer the recall tools; their loop runs in the relay. Off, replies "
+                          "stream on mitmproxy's own path (x-perpetuity-tools: off, per request).")
 
     def configure(self, updated: set[str]) -> None:
-        keys = {"perpetuity_db", "perpetuity_anthropic_upstream", "perpetuity_openai_upstream"}
+        keys = {"perpetuity_db", "perpetuity_anthropic_upstream", "perpetuity_openai_upstream",
+                "perpetuity_tools"}
         if not updated & keys:
             return
         try:
@@ -58,7 +62,7 @@ class Perpetuity:
                 self.store = self.executor.submit(self._open, ctx.options.perpetuity_db).result()
         except PerpetuityError as e:
             raise exceptions.OptionsError(str(e)) from e
-        self.pipeline = Pipeline(self.store, upstreams)
+        self.pipeline = Pipeline(self.store, upstreams, ctx.options.perpetuity_tools)
 
     def _open(self, path: str) -> Store:
         if self.store is not None:

@@ -7,16 +7,28 @@ import ssl
 import stat
 import threading
 import time
+from collections.abc import Iterator
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from tests.conftest import Proxy
+from tests.conftest import Proxy, start_proxy, stop_proxy
 from tests.fake_provider import Cut, Error, FakeProvider, Text, ToolCall
 
 KEY = "sk-ant-api03-SECRET-never-stored"
+
+
+@pytest.fixture(scope="module", params=["relay", "mitmproxy-stream"])
+def proxy(request: pytest.FixtureRequest, fake: FakeProvider,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    """Every test runs on both reply paths: the relay (the tools' loop) and mitmproxy's stream."""
+    extra = () if request.param == "relay" else ("--set", "perpetuity_tools=false")
+    p = start_proxy(tmp_path_factory.mktemp(request.param), fake.url, *extra)
+    yield p
+    stop_proxy(p)
+    assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
 
 
 def claude(base: str, **kw: object) -> anthropic.Anthropic:
