@@ -57,10 +57,21 @@ ROWS = "rows"  # row-major layout (measured for comparison)
 
 @dataclass(frozen=True, slots=True)
 class Params:
-    """BM25's two free parameters; the defaults are the usual ones (Robertson & Zaragoza 2009)."""
+    """The score's parameters.
+
+    k1 and b are BM25's; the defaults are the usual ones (Robertson & Zaragoza 2009), and
+    scripts/eval_retrieval.py found nothing better on LoCoMo. `before` and `after` weigh the
+    conversational context: a row also earns these fractions of the BM25 score of the 1st,
+    2nd, 3rd row before (after) it in its conversation. In a dialogue the evidence is often the
+    answer to the turn that shares the question's words, or the turn that announced the topic;
+    on LoCoMo this context lifts recall_all within 2k tokens from 0.68 to about 0.78 (see the
+    evaluation). It is still relevance to the query only: it mixes scores, never recency.
+    """
 
     k1: float = 1.2
     b: float = 0.75
+    before: tuple[float, ...] = (0.5, 0.3, 0.2)
+    after: tuple[float, ...] = (0.3, 0.2, 0.1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +208,8 @@ class Query:
     weights: np.ndarray  # float64: qtf * idf * (k1 + 1)
     a: float  # k1 * (1 - b)
     c: float  # k1 * b / avgdl
+    before: tuple[float, ...] = ()
+    after: tuple[float, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -209,12 +222,13 @@ def make_query(text: str, df_of, n_rows: int, total_length: int, params: Params)
     terms, qtf = np.unique(ids, return_counts=True)
     if n_rows == 0 or terms.size == 0:
         return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0)
+    k1, b = params.k1, params.b
     df = np.asarray(df_of(terms), dtype=np.int64)
     keep = df > 0  # a term no row holds scores every row zero
     terms, qtf, df = terms[keep].astype(np.int32), qtf[keep], df[keep]
     avgdl = max(total_length / n_rows, 1e-9)
-    k1, b = params.k1, params.b
-    return Query(terms, qtf * idf(n_rows, df) * (k1 + 1), k1 * (1 - b), k1 * b / avgdl)
+    return Query(terms, qtf * idf(n_rows, df) * (k1 + 1), k1 * (1 - b), k1 * b / avgdl,
+                 params.before, params.after)
 
 
 def contributions(q: Query, slot: np.ndarray, tf: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -330,6 +344,10 @@ class Arena:
         self.user = np.zeros(0, np.int32)
         self.conv = np.zeros(0, np.int32)
         self.length = np.zeros(0, np.int32)
+        # The previous and next live row of the same conversation in store order (-1: none).
+        self.prev = np.zeros(0, np.int32)
+        self.next = np.zeros(0, np.int32)
+        self._tail: dict[int, int] = {}  # conversation -> its last live row
         self.df: Frequencies | None = None
         self.n_rows = 0  # live rows
         self.total_length = 0
@@ -367,6 +385,7 @@ class Arena:
         self.user = np.concatenate((self.user, np.asarray(user, np.int32)))
         self.conv = np.concatenate((self.conv, np.asarray(conv, np.int32)))
         self.length = np.concatenate((self.length, length_a))
+        self._link(len(new))
         self.df.add(terms)
         self.n_rows += len(new)
         self.total_length += int(length_a.sum(dtype=np.int64))
@@ -413,11 +432,48 @@ class Arena:
         self.df.add(np.frombuffer(b"".join(g[3] for g in dead), "<i4"), -1)
         self.n_rows -= len(dead)
         self.total_length -= sum(int(g[2]) for g in dead)
-        # The postings stay; a dead row is invisible to every query (user -1).
+        # The postings stay; a dead row is invisible to every query (user -1) and leaves its
+        # conversation's chain, so it is nobody's context either.
+        for r in idx[ok].tolist():
+            p, n = int(self.prev[r]), int(self.next[r])
+            if p >= 0:
+                self.next[p] = n
+            if n >= 0:
+                self.prev[n] = p
+            if self._tail.get(int(self.conv[r])) == r:
+                self._tail[int(self.conv[r])] = p
+            self.prev[r] = self.next[r] = -1
         self.user[idx[ok]] = -1
 
+    def _link(self, count: int) -> None:
+        """Chain the last `count` rows into their conversations, in store order."""
+        start = self.seq.size - count
+        conv = self.conv[start:]
+        order = np.argsort(conv, kind="stable")  # by conversation, store order inside
+        rows = (start + order).astype(np.int32)
+        c = conv[order]
+        first = np.concatenate(([True], c[1:] != c[:-1])) if count else np.zeros(0, bool)
+        prev = np.empty(count, np.int32)
+        prev[1:] = rows[:-1]
+        nxt = np.empty(count, np.int32)
+        nxt[:-1] = rows[1:]
+        last = np.concatenate((first[1:], [True])) if count else np.zeros(0, bool)
+        nxt[last] = -1
+        for j in np.flatnonzero(first).tolist():  # one per conversation in this batch
+            tail = self._tail.get(int(c[j]), -1)
+            prev[j] = tail
+            if tail >= 0:
+                self.next[tail] = rows[j]
+        for j in np.flatnonzero(last).tolist():
+            self._tail[int(c[j])] = int(rows[j])
+        self.prev = np.concatenate((self.prev, np.empty(count, np.int32)))
+        self.next = np.concatenate((self.next, np.empty(count, np.int32)))
+        self.prev[rows] = prev
+        self.next[rows] = nxt
+
     def nbytes(self) -> int:
-        rows = self.seq.nbytes + self.user.nbytes + self.conv.nbytes + self.length.nbytes
+        rows = (self.seq.nbytes + self.user.nbytes + self.conv.nbytes + self.length.nbytes
+                + self.prev.nbytes + self.next.nbytes)
         return rows + sum(s.nbytes() for s in self.segments) + (
             self.df.nbytes() if self.df is not None else 0)
 
@@ -430,17 +486,53 @@ class Arena:
         return make_query(text, df.get, self.n_rows, self.total_length, params)
 
     def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
-        """The k best visible rows as (score, seq, own), best first, ties by seq."""
+        """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
         if q.empty or k <= 0 or not self.segments:
             return []
+        # BM25 of every row; the extra last slot is the zero that "no neighbour" (-1) reads.
+        bm25 = np.zeros(self.seq.size + 1)
+
+        def fill(seg: Segment) -> None:
+            bm25[seg.start:seg.start + seg.n] = self._scores(seg, q)
+
         if self.threads > 1 and len(self.segments) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="scan")
-            parts = list(self._pool.map(lambda s: self._top_segment(s, q, k, visible),
-                                        self.segments))
+            list(self._pool.map(fill, self.segments))
         else:
-            parts = [self._top_segment(s, q, k, visible) for s in self.segments]
-        return merge(parts, k)
+            for seg in self.segments:
+                fill(seg)
+        cand, score = self.context(bm25, q)
+        own, other = visible.masks(self.user[cand], self.conv[cand])
+        parts = []
+        for mask, flag in ((own, True), (other, False)):
+            if mask is not None:
+                c = cand[mask]
+                best = top_k(score[mask], np.arange(c.size), self.seq[c], k)
+                parts.append((score[mask][best], self.seq[c][best], np.full(best.size, flag)))
+        return merge(parts, k) if parts else []
+
+    def context(self, bm25: np.ndarray, q: Query) -> tuple[np.ndarray, np.ndarray]:
+        """Rows with a positive score and their scores: BM25 plus the weighted BM25 of their
+        neighbours (Params.before / after). Only rows holding a query term, and rows within
+        reach of one, can score above zero, so only those are computed."""
+        hit = np.flatnonzero(bm25[:-1] > 0)
+        reach = [hit]
+        for links, weights in ((self.next, q.before), (self.prev, q.after)):
+            x = hit
+            for _ in weights:  # a row d after a hit gets that hit as its d-th row before
+                x = links[x]
+                x = x[x >= 0]
+                reach.append(x)
+        cand = np.unique(np.concatenate(reach)) if len(reach) > 1 else hit
+        score = bm25[cand].copy()
+        for links, weights in ((self.prev, q.before), (self.next, q.after)):
+            x = cand
+            for w in weights:  # fixed order: before 1, 2, 3, then after 1, 2, 3
+                x = np.where(x >= 0, links[np.maximum(x, 0)], -1)
+                score += w * bm25[x]
+        keep = score > 0
+        return cand[keep], score[keep]
 
     def _scores(self, seg: Segment, q: Query) -> np.ndarray:
         """Exact scores of every row of a segment (float64; zero for rows without a term)."""
@@ -465,25 +557,10 @@ class Arena:
         contrib = contributions(q, pos[hit], seg.tf[hit], length[rows])
         return np.bincount(rows, weights=contrib, minlength=seg.n)
 
-    def _top_segment(self, seg: Segment, q: Query, k: int,
-                     visible: Visibility) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        scores = self._scores(seg, q)
-        sl = slice(seg.start, seg.start + seg.n)
-        own, other = visible.masks(self.user[sl], self.conv[sl])
-        out = []
-        for mask, flag in ((own, True), (other, False)):
-            if mask is None:
-                continue
-            cand = np.flatnonzero((scores > 0) & mask)
-            cand = top_k(scores, cand, self.seq[sl], k)
-            out.append((scores[cand], self.seq[sl][cand], np.full(cand.size, flag)))
-        if not out:
-            return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, bool)
-        return tuple(np.concatenate(x) for x in zip(*out))  # type: ignore[return-value]
-
-
 def top_k(scores: np.ndarray, cand: np.ndarray, seq: np.ndarray, k: int) -> np.ndarray:
-    """The k candidates with the best score, ties by lower seq; argpartition keeps it O(n)."""
+    """The k candidates with the best score, ties by lower seq; argpartition keeps it O(n).
+
+    `scores` and `seq` are indexed by the candidates' values."""
     if cand.size > k:
         s = scores[cand]
         kth = s[np.argpartition(-s, k - 1)[k - 1]]
@@ -601,6 +678,8 @@ class Scanner:
         tmp.user = np.asarray(user, np.int32)
         tmp.conv = np.asarray(conv, np.int32)
         tmp.length = np.asarray(length, np.int32)
+        tmp.prev = tmp.next = np.zeros(0, np.int32)
+        tmp._link(len(rows))
         row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]

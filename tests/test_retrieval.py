@@ -76,11 +76,16 @@ def fill(store: Store, rng: random.Random, n: int = 300) -> None:
 
 def reference(store: Store, query: str, user_id: int | None, k: int, *, share: bool = False,
               conversation_id: int | None = None, exclude: frozenset[int] = frozenset(),
-              k1: float = 1.2, b: float = 0.75) -> list[tuple[int, float]]:
-    """Brute-force BM25 over every row, in plain Python: (item_id, score), best first."""
+              params: scan.Params = scan.Params()) -> list[tuple[int, float]]:
+    """Brute-force score of every row, in plain Python: (item_id, score), best first.
+
+    BM25 of each row, plus the weighted BM25 of the rows before and after it in its
+    conversation (store order), as scan.Params describes.
+    """
+    k1, b = params.k1, params.b
     conn = sqlite3.connect(store.path)
     rows = conn.execute("SELECT seq, item_id, user_id, conversation_id, length, terms, counts"
-                        " FROM retrieval").fetchall()
+                        " FROM retrieval ORDER BY seq").fetchall()
     conn.close()
     decoded = []
     df: Counter[int] = Counter()
@@ -94,13 +99,8 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
         return []
     avgdl = sum(r[4] for r in decoded) / n
     qtf = Counter(dictionary.load().ids(query).tolist())
-    out = []
-    for seq, item, user, conv, length, tf in decoded:
-        if item in exclude or (conversation_id is not None and conv != conversation_id):
-            continue
-        own = user_id is None or user == user_id
-        if not own and not share:
-            continue
+    bm25 = {}
+    for seq, _, _, _, length, tf in decoded:
         s = 0.0
         for t in sorted(qtf):
             if df[t] and t in tf:
@@ -108,7 +108,23 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
                 idf = float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
                 w = qtf[t] * idf * (k1 + 1)
                 s += w * tf[t] / (tf[t] + (k1 * (1 - b) + k1 * b / avgdl * length))
-        if s > 0:
+        bm25[seq] = s
+    chains: dict[int, list[int]] = {}
+    for seq, _, _, conv, _, _ in decoded:
+        chains.setdefault(conv, []).append(seq)
+    out = []
+    for seq, item, user, conv, _, _ in decoded:
+        chain = chains[conv]
+        i = chain.index(seq)
+        s = bm25[seq]
+        for d, w in enumerate(params.before, 1):
+            s = s + w * (bm25[chain[i - d]] if i - d >= 0 else 0.0)
+        for d, w in enumerate(params.after, 1):
+            s = s + w * (bm25[chain[i + d]] if i + d < len(chain) else 0.0)
+        if item in exclude or (conversation_id is not None and conv != conversation_id):
+            continue
+        own = user_id is None or user == user_id
+        if (own or share) and s > 0:
             out.append((not own, -s, seq, item))
     out.sort()
     return [(item, -negs) for _, negs, _, item in out[:k]]
@@ -164,28 +180,35 @@ def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store)
 # ------------------------------------------------------------------------------ the scan
 
 
+PLAIN = scan.Params(before=(), after=())  # BM25 alone, no conversational context
+
+
+@pytest.mark.parametrize("params", [scan.Params(), PLAIN], ids=["context", "plain"])
 @pytest.mark.parametrize("path", ["store", "terms", "rows"])
-def test_scan_is_exact_against_the_reference(store: Store, path: str,
+def test_scan_is_exact_against_the_reference(store: Store, path: str, params: scan.Params,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scan, "SEGMENT_ROWS", 37)  # many segments, merges, partial tails
     rng = random.Random(7)
     fill(store, rng, 250)
+    store_rows = 10**9 if path == "store" else 0
     sc = scan.Scanner(store, layout=scan.ROWS if path == "rows" else scan.TERMS,
-                      store_rows=10**9 if path == "store" else 0, threads=2)
-    shared = scan.Scanner(store, share_pool=True, store_rows=10**9 if path == "store" else 0)
+                      store_rows=store_rows, threads=2, params=params)
+    shared = scan.Scanner(store, share_pool=True, store_rows=store_rows, params=params)
     users = [store.user_id(f"u{i}") for i in range(3)]
     for _ in range(40):
         q = " ".join(rng.choice(WORDS + STOP) for _ in range(rng.randint(1, 6)))
         uid = rng.choice(users + [None])
         k = rng.choice([1, 5, 10, 50])
-        same(ranked(sc.search(q, uid, k)), reference(store, q, uid, k))
-        same(ranked(shared.search(q, uid, k)), reference(store, q, uid, k, share=True))
+        same(ranked(sc.search(q, uid, k)), reference(store, q, uid, k, params=params))
+        same(ranked(shared.search(q, uid, k)),
+             reference(store, q, uid, k, share=True, params=params))
         cid = store.conversation_id(users[0], "u0-c1", "anthropic")
         same(ranked(sc.search(q, users[0], k, conversation_id=cid)),
-             reference(store, q, users[0], k, conversation_id=cid))
-        full = reference(store, q, uid, 50)
+             reference(store, q, users[0], k, conversation_id=cid, params=params))
+        full = reference(store, q, uid, 50, params=params)
         ex = frozenset(i for i, _ in full[:3])
-        same(ranked(sc.search(q, uid, k, exclude=ex)), reference(store, q, uid, k, exclude=ex))
+        same(ranked(sc.search(q, uid, k, exclude=ex)),
+             reference(store, q, uid, k, exclude=ex, params=params))
 
 
 def test_same_ranking_whatever_the_threads_and_layout(store: Store,
