@@ -1,7 +1,10 @@
 """Added latency of the proxy: time to first byte and total time, direct vs through mitmdump.
 
 Runs the fake provider and a real mitmdump with the addon, then sends N streamed Anthropic
-requests each way, interleaved so both sides share the machine's noise. Prints JSON.
+requests each way, interleaved so every side shares the machine's noise. Through the proxy,
+three paths: captured via the relay (the default, where the tools' loop runs), captured on
+mitmproxy's own stream (x-perpetuity-tools: off), and pure pass-through (x-perpetuity: off).
+Prints JSON.
 
     .venv/bin/python scripts/bench_latency.py [--requests 200]
 """
@@ -24,13 +27,17 @@ from tests.conftest import start_proxy, stop_proxy  # noqa: E402
 from tests.fake_provider import FakeProvider, Text  # noqa: E402
 
 
-def timed(client: httpx.Client, url: str, n: int) -> tuple[float, float]:
+SIDES = {"direct": {}, "relay": {}, "mitmproxy_stream": {"x-perpetuity-tools": "off"},
+         "pass_through": {"x-perpetuity": "off"}}
+
+
+def timed(client: httpx.Client, url: str, n: int, extra: dict[str, str]) -> tuple[float, float]:
     body = {"model": "claude-opus-4-8", "max_tokens": 100, "stream": True,
             "metadata": {"user_id": "bench"},
             "messages": [{"role": "user", "content": f"benchmark turn {n}"}]}
     start = time.perf_counter()
     with client.stream("POST", url + "/v1/messages", json=body,
-                       headers={"x-api-key": "sk-ant-bench"}) as r:
+                       headers={"x-api-key": "sk-ant-bench", **extra}) as r:
         chunks = r.iter_raw()
         next(chunks)
         first = time.perf_counter() - start
@@ -48,17 +55,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=200)
     args = ap.parse_args()
-    results: dict[str, dict[str, list[float]]] = {"direct": {"ttfb": [], "total": []},
-                                                  "proxy": {"ttfb": [], "total": []}}
+    results = {side: {"ttfb": [], "total": []} for side in SIDES}
     with FakeProvider() as fake, tempfile.TemporaryDirectory() as tmp:
         proxy = start_proxy(Path(tmp), fake.url)
         try:
             with httpx.Client(trust_env=False, timeout=30) as client:
+                sides = list(SIDES)
                 for i in range(args.requests + 5):
-                    order = [("direct", fake.url), ("proxy", proxy.url)]
-                    for side, url in order if i % 2 else order[::-1]:
+                    for side in sides[i % 4:] + sides[:i % 4]:  # rotate who goes first
                         fake.script(Text("A reply of a few words, streamed in pieces.", chunks=8))
-                        ttfb, total = timed(client, url, i)
+                        url = fake.url if side == "direct" else proxy.url
+                        ttfb, total = timed(client, url, i, SIDES[side])
                         if i >= 5:  # the first few warm connections and the database up
                             results[side]["ttfb"].append(ttfb)
                             results[side]["total"].append(total)
@@ -68,9 +75,10 @@ def main() -> None:
     for side, r in results.items():
         out[side] = {f"{m}_ms_{q}": pct(v, p) for m, v in r.items()
                      for q, p in (("p50", 0.5), ("p99", 0.99))}
-    out["added_ms"] = {
-        "ttfb_p50": round(statistics.median(results["proxy"]["ttfb"]) - statistics.median(results["direct"]["ttfb"]), 3),
-        "total_p50": round(statistics.median(results["proxy"]["total"]) - statistics.median(results["direct"]["total"]), 3),
+    direct = results["direct"]
+    out["added_ms_p50"] = {
+        side: {m: round(statistics.median(r[m]) - statistics.median(direct[m]), 3) for m in r}
+        for side, r in results.items() if side != "direct"
     }
     print(json.dumps(out, indent=2))
 
