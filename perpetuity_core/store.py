@@ -114,8 +114,9 @@ def m002_retrieval(database: pw.Database) -> None:
         " terms BLOB NOT NULL, counts BLOB NOT NULL)",
         "CREATE TABLE retrieval_term (term INTEGER PRIMARY KEY, df INTEGER NOT NULL)",
         "CREATE TABLE retrieval_total (id INTEGER PRIMARY KEY CHECK (id = 1),"
-        " rows INTEGER NOT NULL, length INTEGER NOT NULL, tokens INTEGER NOT NULL)",
-        "INSERT INTO retrieval_total VALUES (1, 0, 0, 0)",
+        " rows INTEGER NOT NULL, length INTEGER NOT NULL, tokens INTEGER NOT NULL,"
+        " folded_seq INTEGER NOT NULL)",  # retrieval_term counts rows up to this seq
+        "INSERT INTO retrieval_total VALUES (1, 0, 0, 0, 0)",
         "CREATE TABLE retrieval_gone (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
         " row_seq INTEGER NOT NULL, item_id INTEGER NOT NULL, length INTEGER NOT NULL,"
         " tokens INTEGER NOT NULL, terms BLOB NOT NULL, settled INTEGER NOT NULL DEFAULT 0)",

@@ -19,7 +19,7 @@ import pytest
 
 from perpetuity_core import dictionary, scan
 from perpetuity_core.conversation import Kind, Message, Part
-from perpetuity_core.store import Store
+from perpetuity_core.store import Store, db
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
@@ -171,6 +171,10 @@ def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store)
     df: Counter[int] = Counter()
     for r in rows:
         df.update(np.frombuffer(r[2], "<i4").tolist())
+    terms = np.array(sorted(df), np.int32)
+    with db.atomic():
+        assert scan.unfolded_df(db.connection(), terms).tolist() == [df[t] for t in terms]
+        scan.fold(db.connection())
     assert dict(conn.execute("SELECT term, df FROM retrieval_term").fetchall()) == dict(df)
     assert conn.execute("SELECT rows, length FROM retrieval_total").fetchone() == (
         len(rows), sum(r[3] for r in rows))
@@ -227,12 +231,14 @@ def test_same_ranking_whatever_the_threads_and_layout(store: Store,
         assert all(r == results[0] for r in results)  # scores bit for bit, ties included
 
 
-def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store,
+@pytest.mark.parametrize("store_rows", [0, 10**9], ids=["arena", "store"])
+def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_rows: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scan, "SEGMENT_ROWS", 50)
+    monkeypatch.setattr(scan, "FOLD_EVERY", 7)  # purges hit folded and unfolded rows alike
     rng = random.Random(11)
     fill(store, rng, 120)
-    sc = scan.Scanner(store, store_rows=0)
+    sc = scan.Scanner(store, store_rows=store_rows)
     uid = store.user_id("u1")
     q = "support guitar zorblax"
     same(ranked(sc.search(q, uid, 10)), reference(store, q, uid, 10))
@@ -261,7 +267,7 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store,
     assert scan.rederive(store) > 0
     got = ranked(sc.search(q, uid, 10))
     same(got, reference(store, q, uid, 10))
-    fresh = scan.Scanner(store, store_rows=0)
+    fresh = scan.Scanner(store, store_rows=store_rows)
     assert ranked(fresh.search(q, uid, 10)) == got  # a cold process gets the same answer
     conn = sqlite3.connect(store.path)
     assert {v for (v,) in conn.execute("SELECT DISTINCT version FROM retrieval")} == {
