@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
 
-from . import capture
+from . import capture, notes
 from .capture import TurnContext
 from .conversation import Message, Protocol, Provider
+from .errors import PerpetuityError
 from .identity import Identity, identify
 from .protocols import ADAPTERS
 from .route import CONTROL_PREFIX, Route, credential, parse_controls, route
 from .store import Store
 
 log = logging.getLogger("perpetuity")
+
+CURATE_COMMAND = "/perpetuity-curate"
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -74,20 +80,31 @@ class Job:
     at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A reply the proxy gives itself, with no model call (the /perpetuity-curate command)."""
+
+    content_type: str
+    body: bytes
+
+
 @dataclass(slots=True)
 class Decision:
     route: Route | None = None  # None: not provider traffic, the flow's destination stays
     strip: list[str] = field(default_factory=list)  # control headers to remove
     job: Job | None = None
+    answer: Answer | None = None
     identity: Identity | None = None
     note: str = ""  # why, for flow.metadata and logs
 
 
 class Pipeline:
-    def __init__(self, store: Store, upstreams: Mapping[Provider, str], tools: bool = True) -> None:
+    def __init__(self, store: Store, upstreams: Mapping[Provider, str], tools: bool = True,
+                 notes_root: Path | None = None) -> None:
         self.store = store
         self.upstreams = dict(upstreams)
         self.tools = tools  # the deployment's default; x-perpetuity-tools: off turns them off
+        self.notes_root = notes_root
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -120,6 +137,14 @@ class Pipeline:
             return decision
         ident = identify(headers, parsed, credential(headers), self.store.salt)
         decision.identity = ident
+        if _last_user_text(parsed.messages) == CURATE_COMMAND and self.notes_root is not None:
+            text = _curate(self.notes_root)
+            decision.answer = Answer(
+                "text/event-stream; charset=utf-8" if parsed.stream else "application/json",
+                ADAPTERS[r.protocol].render_text(text, parsed.model, parsed.stream,
+                                                 "resp_perpetuity_" + secrets.token_hex(8)))
+            decision.note = "answered /perpetuity-curate"
+            return decision
         if ident.side:
             decision.note = f"side request: {ident.side}"
             return decision
@@ -143,6 +168,21 @@ class Pipeline:
             model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",
         )
         return turn
+
+
+def _last_user_text(messages: list[Message]) -> str:
+    for m in reversed(messages):
+        if m.role == "user":
+            return m.text.strip()
+    return ""
+
+
+def _curate(root: Path) -> str:
+    """Curate the notes library; its summary, or why it could not, as the reply."""
+    try:
+        return notes.curate(root, date.today()).text
+    except PerpetuityError as e:
+        return f"perpetuity: curate failed: {e}"
 
 
 def _json_body(raw: bytes) -> dict | None:

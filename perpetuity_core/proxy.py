@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from mitmproxy import ctx, exceptions, http
@@ -19,6 +20,7 @@ from mitmproxy import ctx, exceptions, http
 from . import capture
 from .conversation import Provider, Reply
 from .errors import PerpetuityError
+from .notes import notes_root
 from .pipeline import Decision, HttpRequest, Job, Pipeline
 from .relay import JOB_HEADER, Relay, ReplyTee
 from .route import DEFAULT_UPSTREAMS, PROVIDER_HOSTS, parse_upstream
@@ -44,13 +46,16 @@ class Perpetuity:
                           "Where Anthropic traffic goes (scheme://host[:port]).")
         loader.add_option("perpetuity_openai_upstream", str, DEFAULT_UPSTREAMS[Provider.OPENAI],
                           "Where OpenAI traffic goes (scheme://host[:port]).")
+        loader.add_option("perpetuity_notes_dir", str, "",
+                          "The notes library (default: $PERPETUITY_NOTES_DIR, a repository's "
+                          ".perpetuity/, else ~/.claude/perpetuity/).")
         loader.add_option("perpetuity_tools", bool, True,
                           "Offer the recall tools; their loop runs in the relay. Off, replies "
                           "stream on mitmproxy's own path (x-perpetuity-tools: off, per request).")
 
     def configure(self, updated: set[str]) -> None:
         keys = {"perpetuity_db", "perpetuity_anthropic_upstream", "perpetuity_openai_upstream",
-                "perpetuity_tools"}
+                "perpetuity_tools", "perpetuity_notes_dir"}
         if not updated & keys:
             return
         try:
@@ -62,7 +67,9 @@ class Perpetuity:
                 self.store = self.executor.submit(self._open, ctx.options.perpetuity_db).result()
         except PerpetuityError as e:
             raise exceptions.OptionsError(str(e)) from e
-        self.pipeline = Pipeline(self.store, upstreams, ctx.options.perpetuity_tools)
+        notes_dir = ctx.options.perpetuity_notes_dir
+        self.pipeline = Pipeline(self.store, upstreams, ctx.options.perpetuity_tools,
+                                 Path(notes_dir).expanduser() if notes_dir else notes_root())
 
     def _open(self, path: str) -> Store:
         if self.store is not None:
@@ -117,6 +124,11 @@ class Perpetuity:
         return bool(sockname) and flow.request.port == sockname[1]
 
     def _apply(self, flow: http.HTTPFlow, d: Decision) -> None:
+        if d.answer is not None:
+            flow.response = http.Response.make(200, d.answer.body,
+                                               {"content-type": d.answer.content_type})
+            flow.metadata["perpetuity"] = {"upstream": "", "note": d.note}
+            return
         token = self.relay.submit(d.job) if d.job and d.job.relay else ""
         for name in d.strip:
             del flow.request.headers[name]

@@ -144,3 +144,26 @@ class ReplyAssembler:
             if p := _block(block):
                 parts.append(p)
         return Reply(Message("assistant", tuple(parts)), self._usage, self._stop, self._done)
+
+
+def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
+    """A whole assistant reply the proxy answers itself, as the provider would have sent it."""
+    message = {"id": reply_id, "type": "message", "role": "assistant", "model": model,
+               "content": [], "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": 0, "output_tokens": 0}}
+    if not stream:
+        message.update(content=[{"type": "text", "text": text}], stop_reason="end_turn")
+        return json.dumps(message).encode()
+    events = [
+        ("message_start", {"type": "message_start", "message": message}),
+        ("content_block_start", {"type": "content_block_start", "index": 0,
+                                 "content_block": {"type": "text", "text": ""}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "text_delta", "text": text}}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        ("message_delta", {"type": "message_delta",
+                           "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                           "usage": {"output_tokens": 0}}),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    return b"".join(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
@@ -135,3 +136,24 @@ class ReplyAssembler:
         for _, c in sorted(self._calls.items()):
             parts.append(Part(Kind.TOOL_CALL, _args(c["args"]), name=c["name"], call_id=c["id"]))
         return Reply(Message("assistant", tuple(parts)), self._usage, self._stop, self._done)
+
+
+def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
+    """A whole assistant reply the proxy answers itself, as the provider would have sent it."""
+    created = int(time.time())
+    if not stream:
+        return json.dumps({
+            "id": reply_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+        }).encode()
+
+    def chunk(delta: dict[str, Any], finish: str | None) -> bytes:
+        data = {"id": reply_id, "object": "chat.completion.chunk", "created": created,
+                "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                             "logprobs": None}]}
+        return f"data: {json.dumps(data)}\n\n".encode()
+
+    return (chunk({"role": "assistant", "content": text}, None) + chunk({}, "stop")
+            + b"data: [DONE]\n\n")

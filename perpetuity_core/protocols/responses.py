@@ -8,6 +8,7 @@ from the stream and the same reply re-sent as input items yield the same message
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
@@ -142,3 +143,40 @@ class ReplyAssembler:
         folded = _fold([items[i] for i in sorted(items)])
         parts = tuple(p for m in folded for p in m.parts)
         return Reply(Message("assistant", parts), self._usage, self._status, self._done)
+
+
+def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
+    """A whole assistant reply the proxy answers itself, as the provider would have sent it."""
+    created = int(time.time())
+    item_id = "msg_" + reply_id.removeprefix("resp_")
+    part = {"type": "output_text", "text": text, "annotations": []}
+    item = {"id": item_id, "type": "message", "status": "completed", "role": "assistant",
+            "content": [part]}
+    usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+
+    def response(status: str, output: list[Any]) -> dict[str, Any]:
+        return {"id": reply_id, "object": "response", "created_at": created, "status": status,
+                "model": model, "output": output, "error": None, "incomplete_details": None,
+                "usage": usage if status == "completed" else None}
+
+    if not stream:
+        return json.dumps(response("completed", [item])).encode()
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": response("in_progress", [])},
+        {"type": "response.output_item.added", "output_index": 0,
+         "item": {**item, "status": "in_progress", "content": []}},
+        {"type": "response.content_part.added", "item_id": item_id, "output_index": 0,
+         "content_index": 0, "part": {**part, "text": ""}},
+        {"type": "response.output_text.delta", "item_id": item_id, "output_index": 0,
+         "content_index": 0, "delta": text},
+        {"type": "response.output_text.done", "item_id": item_id, "output_index": 0,
+         "content_index": 0, "text": text},
+        {"type": "response.content_part.done", "item_id": item_id, "output_index": 0,
+         "content_index": 0, "part": part},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+        {"type": "response.completed", "response": response("completed", [item])},
+    ]
+    return b"".join(
+        f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': n})}\n\n".encode()
+        for n, e in enumerate(events)
+    )
