@@ -343,27 +343,32 @@ def build_segment(start: int, row_len: np.ndarray, terms: np.ndarray, tf: np.nda
         ptr = np.zeros(n + 1, np.int64)
         np.cumsum(row_len, out=ptr[1:])
         return Segment(start, n, row_ptr=ptr, row_terms=terms.astype(np.int32), tf=tf)
-    local = np.repeat(np.arange(n, dtype=np.uint16), row_len)
-    # A stable sort keeps each term's postings in row order, so sums run in a fixed order.
-    order = np.argsort(terms, kind="stable")
-    t = terms[order]
+    local = np.repeat(np.arange(n, dtype=np.int64), row_len)
+    # Postings packed as term | row | tf in one int64 and sorted by value: each term's
+    # postings end up in row order (sums run in a fixed order), and sorting values is several
+    # times faster than a stable argsort plus three gathers.
+    key = (terms.astype(np.int64) << 24) | (local << 8) | tf
+    key.sort()
+    t = (key >> 24).astype(np.int32)
     if t.size:
         firsts = np.flatnonzero(np.concatenate(([True], t[1:] != t[:-1])))
     else:
         firsts = np.zeros(0, np.int64)
     ptr = np.append(firsts, t.size).astype(np.int64)
-    return Segment(start, n, terms=t[firsts].astype(np.int32), ptr=ptr, rows=local[order],
-                   tf=tf[order])
+    return Segment(start, n, terms=t[firsts], ptr=ptr,
+                   rows=((key >> 8) & 0xFFFF).astype(np.uint16),
+                   tf=(key & 0xFF).astype(np.uint8))
 
 
 def segment_postings(seg: Segment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A segment's postings back in row order: (per-row counts, terms, tf)."""
     if seg.row_ptr is not None:
         return np.diff(seg.row_ptr), seg.row_terms, seg.tf
-    terms = np.repeat(seg.terms, np.diff(seg.ptr))
-    order = np.lexsort((terms, seg.rows))
-    return (np.bincount(seg.rows, minlength=seg.n).astype(np.int64), terms[order],
-            seg.tf[order])
+    terms = np.repeat(seg.terms, np.diff(seg.ptr)).astype(np.int64)
+    key = (seg.rows.astype(np.int64) << 40) | (terms << 8) | seg.tf
+    key.sort()  # by row, then term: the row-major order (see build_segment)
+    return (np.bincount(seg.rows, minlength=seg.n).astype(np.int64),
+            ((key >> 8) & 0xFFFFFFFF).astype(np.int32), (key & 0xFF).astype(np.uint8))
 
 
 class Arena:

@@ -303,3 +303,58 @@ def test_empty_memory_and_empty_queries(store: Store) -> None:
         assert sc.search("quuxwordneverseen", None, 10) == []
         assert sc.search("support", None, 0) == []
         assert [h.text for h in sc.search("support", None, 10)] == ["support group"]
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from perpetuity_core import cli
+
+    path = tmp_path / "m.db"
+    store = Store(path)
+    add(store, "alice", "c1", ["we adopted a dog named Biscuit", "the concert was loud"])
+    store.close()
+    assert cli.main(["search", "--db", str(path), "--json", "--user", "alice", "dog"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # The next turn follows on conversational context (scan.Params.after), behind it.
+    assert [h["text"] for h in out["hits"]] == ["we adopted a dog named Biscuit",
+                                                "the concert was loud"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("biscuit\nconcert\n\n"))
+    assert cli.main(["search", "--db", str(path), "--limit", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [[h["text"] for h in x["hits"]] for x in lines] == [
+        ["we adopted a dog named Biscuit"], ["the concert was loud"], []]
+    assert cli.main(["search", "--db", str(path), "--user", "nobody", "dog"]) == 1
+    capsys.readouterr()
+    assert cli.main(["stats", "--db", str(path), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["users"], stats["messages"], stats["rows"]) == (1, 2, 2)
+    assert stats["row_versions"] == {dictionary.load().version: 2}
+
+
+@needs_shared
+def test_import_the_benchmark_formats(tmp_path: Path) -> None:
+    from perpetuity_core import importers
+
+    store = Store(tmp_path / "m.db")
+    lme = importers.run(store, "longmemeval",
+                        SHARED / "longmemeval" / "longmemeval_s_one_question.json",
+                        progress=False)
+    assert lme.messages == lme.seen > 500 and lme.threads == 53
+    beam = importers.run(store, "beam", SHARED / "beam-100k" / "1", progress=False)
+    assert beam.messages > 100
+    again = importers.run(store, "beam", SHARED / "beam-100k" / "1", progress=False)
+    assert again.messages == 0  # re-sent history is recognised, nothing is written twice
+    thread = next(importers.locomo(SHARED / "locomo" / "locomo10.json"))
+    importers.write(store, thread)
+    uid = store.user_id(thread.user_key)
+    hits = scan.Scanner(store).search("When did Caroline go to the LGBTQ support group?",
+                                      uid, 5)
+    assert hits and all(h.user_id == uid for h in hits)
+    evidence = thread.messages[thread.labels.index("D1:3")].parts[0].text
+    assert evidence in [h.text for h in hits]
+    store.close()

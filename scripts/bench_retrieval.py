@@ -1,0 +1,444 @@
+#!/usr/bin/env python3
+"""Retrieval speed and scale, side by side with SQLite FTS5 and bm25s, as JSON.
+
+    scripts/bench_retrieval.py [--sizes 1M,10M,20M,82M] [--queries 200] [--out FILE]
+
+Memories are built from the conversations in ../shared/data: a "unit" of 20 users, user i
+holding BEAM chat i (long turns) and LoCoMo conversation i mod 10 (short turns), about 4M
+tokens (4 characters a token). A size takes as many units as it needs, each copy with distinct
+users (82M tokens: 25 units, 500 users); a size below one unit takes its first users whole.
+
+Per size:
+  ingest        the first unit (or the whole size below one unit) goes through the real write
+                path (importers.write -> capture.record -> Store.add_message + the retrieval
+                deriver; one transaction per message); the other units are copied in SQL with
+                new ids, counts scaled, which gives the rows the write path would have written.
+                FTS5 gets the same messages, one transaction per message, then its copies.
+  query         p50/p99 of Scanner.search(question, asking user, limit 10) over real LoCoMo
+                and BEAM questions, each asked by a user who holds that conversation; for both
+                arena layouts (term-major shipped, row-major measured), 1 and 2 threads; FTS5
+                (porter unicode61, OR of the question's words, user filter, ORDER BY bm25());
+                bm25s (retrieve k=10 with the asking user's weight mask).
+  exactness     top-10 of the two layouts, and of a store scan, identical for every question.
+  catch-up      10k new rows written by a new user through the write path, then one catch-up;
+                against bm25s re-indexing the whole memory (tokenise + index, and index only).
+  memory        arena bytes per stored token, and the process's resident growth.
+The machine's memory bandwidth (numpy sum over 1 GB) is reported as the physical reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import re
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from perpetuity_core import importers, scan  # noqa: E402
+from perpetuity_core.store import Store, db  # noqa: E402
+
+UNIT_USERS = 20
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def bandwidth_gbs() -> float:
+    a = np.ones(1 << 27)  # 1 GiB of float64
+    a.sum()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        a.sum()
+    dt = (time.perf_counter() - t0) / 3
+    del a
+    return round(a_bytes() / dt / 1e9, 2)
+
+
+def a_bytes() -> int:
+    return 8 << 27
+
+
+def parse_size(s: str) -> int:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmM]?)", s.strip())
+    if not m:
+        raise SystemExit(f"bad size {s!r}")
+    return int(float(m[1]) * {"": 1, "k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6}[m[2]])
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def unit_threads(data: Path) -> list[list[importers.Thread]]:
+    """The unit's users, each as its threads (BEAM chat i, LoCoMo conversation i mod 10)."""
+    beam = list(importers.beam(data / "beam-100k"))
+    locomo = list(importers.locomo(data / "locomo" / "locomo10.json"))
+    users = []
+    for i in range(UNIT_USERS):
+        b, lo = beam[i % len(beam)], locomo[i % len(locomo)]
+        key = f"bench:{i}"
+        users.append([importers.Thread(key, b.conversation_key, b.messages, b.times, b.labels,
+                                       b.provider),
+                      importers.Thread(key, lo.conversation_key, lo.messages, lo.times,
+                                       lo.labels, lo.provider)])
+    return users
+
+
+def questions(data: Path) -> list[tuple[str, list[int]]]:
+    """Real questions, LoCoMo and BEAM alternating, each with the unit users who hold its
+    conversation (LoCoMo conversation c: users c and c + 10; BEAM chat i: user i)."""
+    rng = random.Random(0)
+    lo = []
+    for c, conv in enumerate(json.loads((data / "locomo" / "locomo10.json").read_text())):
+        lo += [(qa["question"], [u for u in range(UNIT_USERS) if u % 10 == c])
+               for qa in conv["qa"]]
+    be = []
+    chats = sorted((data / "beam-100k").iterdir(), key=lambda p: int(p.name)
+                   if p.name.isdigit() else 0)
+    for i, chat in enumerate(chats):
+        pq = json.loads((chat / "probing_questions.json").read_text())
+        for qs in pq.values():
+            be += [(q["question"], [i]) for q in qs if isinstance(q, dict) and "question" in q]
+    rng.shuffle(lo)
+    rng.shuffle(be)
+    return [x for pair in zip(lo, be, strict=False) for x in pair]
+
+
+def tokens_of(thread: importers.Thread) -> int:
+    return sum(scan.token_estimate(p.text) for m in thread.messages for p in m.parts)
+
+
+# ------------------------------------------------------------------------------ building
+
+
+def ingest(store: Store, users: list[list[importers.Thread]], budget: int) -> dict:
+    """Write users' threads through the real write path until `budget` tokens are in."""
+    t0 = time.perf_counter()
+    msgs = toks = 0
+    texts = []  # (user index, text) for the FTS5 peer, in write order
+    for u, threads in enumerate(users):
+        for t in threads:
+            if toks >= budget:
+                break
+            if toks + tokens_of(t) > budget:  # the last thread is cut to fit the size
+                keep, acc = 0, toks
+                for m in t.messages:
+                    acc += scan.token_estimate(m.parts[0].text)
+                    keep += 1
+                    if acc >= budget:
+                        break
+                t = importers.Thread(t.user_key, t.conversation_key, t.messages[:keep],
+                                     t.times[:keep], t.labels[:keep], t.provider)
+            importers.write(store, t)
+            msgs += len(t.messages)
+            toks += tokens_of(t)
+            texts += [(u, m.parts[0].text) for m in t.messages]
+    dt = time.perf_counter() - t0
+    return {"messages": msgs, "tokens": toks, "seconds": round(dt, 2),
+            "messages_per_s": round(msgs / dt), "tokens_per_s": round(toks / dt),
+            "_texts": texts}
+
+
+def replicate(copies: int) -> float:
+    """Copy every row of the store `copies` more times under new ids and users (SQL only)."""
+    t0 = time.perf_counter()
+    conn = db.connection()
+    maxid = {t: conn.execute(f"SELECT coalesce(max(id), 0) FROM {t}").fetchone()[0]
+             for t in ("user", "conversation", "message", "item")}
+    (maxseq,) = conn.execute("SELECT coalesce(max(seq), 0) FROM retrieval").fetchone()
+    ref = {"user_id": "user", "conversation_id": "conversation", "message_id": "message",
+           "item_id": "item"}
+
+    def cols(table: str) -> list[str]:
+        return [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+
+    conn.execute("BEGIN")
+    for r in range(1, copies + 1):
+        for table in ("user", "conversation", "message", "item", "retrieval"):
+            names = cols(table)
+            exprs = []
+            for c in names:
+                if c == "id":
+                    exprs.append(f"id + {r * maxid[table]}")
+                elif c == "seq":
+                    exprs.append(f"seq + {r * maxseq}")
+                elif c in ref:
+                    exprs.append(f"{c} + {r * maxid[ref[c]]}")
+                elif table == "user" and c == "key":
+                    exprs.append(f"key || '#{r}'")
+                else:
+                    exprs.append(c)
+            key = "seq" if table == "retrieval" else "id"
+            limit = maxseq if table == "retrieval" else maxid[table]
+            conn.execute(f"INSERT INTO {table} ({','.join(names)}) SELECT {','.join(exprs)}"
+                         f" FROM {table} WHERE {key} <= {limit} ORDER BY {key}")
+    conn.execute(f"UPDATE retrieval_term SET df = df * {copies + 1}")
+    conn.execute(f"UPDATE retrieval_total SET rows = rows * {copies + 1},"
+                 f" length = length * {copies + 1}, tokens = tokens * {copies + 1}")
+    conn.execute("COMMIT")
+    return round(time.perf_counter() - t0, 2)
+
+
+def fts5_build(path: Path, texts: list[tuple[int, str]], copies: int, n_users: int) -> dict:
+    conn = sqlite3.connect(path, isolation_level=None)
+    for k, v in {"journal_mode": "wal", "synchronous": "normal"}.items():
+        conn.execute(f"PRAGMA {k} = {v}")
+    conn.execute("CREATE VIRTUAL TABLE t USING fts5(text, user UNINDEXED,"
+                 " tokenize = 'porter unicode61')")
+    t0 = time.perf_counter()
+    for u, text in texts:  # one transaction per message, as the write path does
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO t (text, user) VALUES (?, ?)", (text, u))
+        conn.execute("COMMIT")
+    dt = time.perf_counter() - t0
+    toks = sum(scan.token_estimate(t) for _, t in texts)
+    out = {"messages_per_s": round(len(texts) / dt), "tokens_per_s": round(toks / dt),
+           "seconds": round(dt, 2)}
+    t0 = time.perf_counter()
+    if copies:
+        conn.execute("CREATE TEMP TABLE base AS SELECT text, user FROM t")
+        conn.execute("BEGIN")
+        for r in range(1, copies + 1):
+            conn.execute("INSERT INTO t (text, user) SELECT text, user + ? FROM base",
+                         (r * n_users,))
+        conn.execute("COMMIT")
+    out["copy_seconds"] = round(time.perf_counter() - t0, 2)
+    conn.close()
+    return out
+
+
+def fts5_query(conn: sqlite3.Connection, q: str, user: int) -> list[int]:
+    words = re.findall(r"\w+", q)
+    if not words:
+        return []
+    match = " OR ".join(f'"{w}"' for w in words)
+    return [r[0] for r in conn.execute(
+        "SELECT rowid FROM t WHERE t MATCH ? AND user = ? ORDER BY bm25(t) LIMIT 10",
+        (match, user))]
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def pct(xs: list[float]) -> dict:
+    a = np.array(xs) * 1e3
+    return {"p50_ms": round(float(np.percentile(a, 50)), 3),
+            "p99_ms": round(float(np.percentile(a, 99)), 3),
+            "mean_ms": round(float(a.mean()), 3)}
+
+
+def timed(fn, items) -> tuple[list, list[float]]:  # noqa: ANN001
+    out, times = [], []
+    for it in items:
+        t0 = time.perf_counter()
+        out.append(fn(it))
+        times.append(time.perf_counter() - t0)
+    return out, times
+
+
+def run_size(size: int, data: Path, qs: list[tuple[str, int]], args: argparse.Namespace,
+             tmp: Path) -> dict:
+    res: dict = {"target_tokens": size}
+    store = Store(tmp / f"mem-{size}.db")
+    users = unit_threads(data)
+    unit_tokens = sum(tokens_of(t) for u in users for t in u)
+    copies = max(0, round(size / unit_tokens) - 1)
+    ing = ingest(store, users, size if copies == 0 else 10**12)
+    texts = ing.pop("_texts")
+    res["ingest_write_path"] = ing
+    n_users_unit = len({u for u, _ in texts})
+    res["replicate_seconds"] = replicate(copies) if copies else 0.0
+    conn = db.connection()
+    n_rows, n_tokens = conn.execute("SELECT rows, tokens FROM retrieval_total").fetchone()
+    res.update(users=n_users_unit * (copies + 1), rows=n_rows, tokens=n_tokens,
+               messages=conn.execute("SELECT count(*) FROM message").fetchone()[0])
+    print(f"[{size:,}] {n_rows:,} rows, {n_tokens:,} tokens; ingest {ing}", file=sys.stderr)
+
+    # FTS5 peer
+    if "fts5" in args.peers:
+        fts_path = tmp / f"fts-{size}.db"
+        res["fts5"] = fts5_build(fts_path, texts, copies, UNIT_USERS)
+        print(f"[{size:,}] fts5 built {res['fts5']}", file=sys.stderr)
+
+    # the asking users: unit user i (copy 0) and the same in the last copy
+    uid = {}
+    for i in range(UNIT_USERS):
+        row = conn.execute("SELECT id FROM user WHERE key = ?", (f"bench:{i}",)).fetchone()
+        if row:
+            uid[i] = row[0]
+    asked = [(q, uid[us[0]]) for q, us in ((q, [u for u in us if u in uid]) for q, us in qs)
+             if us][: args.queries]
+    res["queries"] = len(asked)
+
+    # our arenas: cold load (first catch-up), memory, latency, layouts and threads
+    layouts = {}
+    tops = {}
+    for layout in args.layouts:
+        gc.collect()
+        before = rss()
+        sc = scan.Scanner(store, layout=layout, store_rows=0, threads=1)
+        t0 = time.perf_counter()
+        sc.catch_up()
+        cold = time.perf_counter() - t0
+        grown = rss() - before
+        a = sc.arena
+        entry = {"cold_catch_up_s": round(cold, 2), "arena_bytes": a.nbytes(),
+                 "bytes_per_token": round(a.nbytes() / n_tokens, 3),
+                 "postings_bytes": sum(s.nbytes() for s in a.segments),
+                 "rss_growth_bytes": grown, "segments": len(a.segments)}
+        for threads in args.threads:
+            a.threads = threads
+            a._pool = None
+            sc.search(asked[0][0], asked[0][1], 10)  # warm the pool
+            hits, times = timed(lambda x: sc.search(x[0], x[1], 10), asked)
+            entry[f"threads_{threads}"] = pct(times)
+            tops[(layout, threads)] = [[h.item_id for h in hs] for hs in hits]
+        shared = scan.Scanner(store, layout=layout, store_rows=0, threads=max(args.threads),
+                              share_pool=True)
+        shared.arena = sc.arena
+        _, times = timed(lambda x: shared.search(x[0], x[1], 10), asked)
+        entry["shared_pool"] = pct(times)
+        layouts[layout] = entry
+        print(f"[{size:,}] {layout}: {entry}", file=sys.stderr)
+        if layout != args.layouts[0]:
+            del sc, shared
+        else:
+            keep = sc
+    res["scan"] = layouts
+    first = next(iter(tops.values()))
+    res["top10_identical_across_layouts_and_threads"] = all(t == first for t in tops.values())
+    if n_rows <= args.store_check_rows:
+        store_sc = scan.Scanner(store, store_rows=10**12)
+        res["top10_identical_to_store_scan"] = all(
+            [h.item_id for h in store_sc.search(q, u, 10)] == first[i]
+            for i, (q, u) in enumerate(asked[:20]))
+
+    if "fts5" in args.peers:
+        fconn = sqlite3.connect(tmp / f"fts-{size}.db")
+        unit_user = {v: k for k, v in uid.items()}
+        _, times = timed(lambda x: fts5_query(fconn, x[0], unit_user[x[1]]), asked)
+        res["fts5"]["query"] = pct(times)
+        fconn.close()
+        print(f"[{size:,}] fts5 query {res['fts5']['query']}", file=sys.stderr)
+
+    # catch-up: 10k new rows from a new user through the write path, then one catch-up
+    sc = keep
+    new_user = [importers.Thread("bench:new", f"new:{i}", t.messages, t.times, t.labels,
+                                 t.provider) for i, t in enumerate(sum(users, []))]
+    todo, got = [], 0
+    for t in new_user:
+        take = min(len(t.messages), args.catch_up_rows - got)
+        if take <= 0:
+            break
+        todo.append(importers.Thread(t.user_key, t.conversation_key, t.messages[:take],
+                                     t.times[:take], t.labels[:take], t.provider))
+        got += take
+    t0 = time.perf_counter()
+    for t in todo:
+        importers.write(store, t)
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    read = sc.catch_up()
+    catch = time.perf_counter() - t0
+    new_id = conn.execute("SELECT id FROM user WHERE key = 'bench:new'").fetchone()[0]
+    probe = todo[0].messages[0].parts[0].text
+    seen = any(h.user_id == new_id for h in sc.search(probe, new_id, 10))
+    res["catch_up"] = {"rows": read, "seconds": round(catch, 4),
+                       "write_path_messages_per_s": round(got / write_s),
+                       "new_rows_found": seen}
+    print(f"[{size:,}] catch-up {res['catch_up']}", file=sys.stderr)
+
+    if "bm25s" in args.peers and n_tokens <= args.bm25s_max_tokens:
+        res["bm25s"] = bm25s_peer(conn, asked)
+        res["catch_up"]["speedup_vs_bm25s_reindex"] = round(
+            res["bm25s"]["index_seconds"] / max(catch, 1e-9), 1)
+        print(f"[{size:,}] bm25s {res['bm25s']}", file=sys.stderr)
+    store.close()
+    for f in tmp.glob(f"*-{size}.db*"):
+        f.unlink()
+    return res
+
+
+def bm25s_peer(conn: sqlite3.Connection, asked: list[tuple[str, int]]) -> dict:
+    import bm25s
+
+    rows = conn.execute("SELECT r.user_id, i.text FROM retrieval r JOIN item i"
+                        " ON i.id = r.item_id ORDER BY r.seq").fetchall()
+    users = np.array([r[0] for r in rows], np.int32)
+    texts = [r[1] for r in rows]
+    del rows
+    t0 = time.perf_counter()
+    tok = bm25s.tokenize(texts, stopwords="en", show_progress=False)
+    t1 = time.perf_counter()
+    retriever = bm25s.BM25()
+    retriever.index(tok, show_progress=False)
+    t2 = time.perf_counter()
+    del texts
+    masks = {u: (users == u).astype(np.float32) for u in {u for _, u in asked}}
+    vocab = tok.vocab
+
+    def query(x: tuple[str, int]) -> list[int]:
+        q = bm25s.tokenize([x[0]], stopwords="en", show_progress=False, return_ids=False)
+        ids = [[vocab[w] for w in q[0] if w in vocab]]
+        if not ids[0]:
+            return []
+        docs, _ = retriever.retrieve(ids, k=10, weight_mask=masks[x[1]], show_progress=False,
+                                     n_threads=1)
+        return docs[0].tolist()
+
+    _, times = timed(query, asked)
+    return {"tokenize_seconds": round(t1 - t0, 2), "index_seconds": round(t2 - t1, 2),
+            "reindex_seconds": round(t2 - t0, 2), "query": pct(times)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--sizes", default="1M,10M,20M,82M")
+    ap.add_argument("--queries", type=int, default=200)
+    ap.add_argument("--layouts", default="terms,rows")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--peers", default="fts5,bm25s")
+    ap.add_argument("--bm25s-max-tokens", type=float, default=30e6)
+    ap.add_argument("--catch-up-rows", type=int, default=10_000)
+    ap.add_argument("--store-check-rows", type=int, default=100_000,
+                    help="compare with a store scan up to this many rows")
+    ap.add_argument("--tmp", help="where the databases go (default: a temporary folder)")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args()
+    args.layouts = args.layouts.split(",")
+    args.threads = [int(t) for t in args.threads.split(",")]
+    args.peers = args.peers.split(",")
+    data = Path(args.data)
+    if not (data / "locomo" / "locomo10.json").is_file():
+        print(f"no benchmark data at {data}", file=sys.stderr)
+        return 2
+    tmp = Path(args.tmp or tempfile.mkdtemp(prefix="perpetuity-bench-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    report = {"machine": {"cpus": os.cpu_count(), "numpy_sum_1GB_GBps": bandwidth_gbs()},
+              "sizes": {}}
+    qs = questions(data)
+    for s in args.sizes.split(","):
+        report["sizes"][s] = run_size(parse_size(s), data, qs, args, tmp)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
