@@ -129,7 +129,19 @@ def m002_retrieval(database: pw.Database) -> None:
 
 
 # Append only: a shipped migration is never edited, its name is recorded in the database.
-MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval]
+def m003_heat(database: pw.Database) -> None:
+    """Heat (see heat.py): each user's token clock and each row's activation."""
+    for sql in (
+        "CREATE TABLE clock (user_id INTEGER PRIMARY KEY, position REAL NOT NULL)",
+        "CREATE TABLE activation (item_id INTEGER PRIMARY KEY, user_id INTEGER NOT NULL,"
+        " conversation_id INTEGER NOT NULL, at REAL NOT NULL, peak REAL NOT NULL,"
+        " half_life REAL NOT NULL)",
+        "CREATE INDEX activation_warm ON activation (user_id, at)",
+    ):
+        database.execute_sql(sql)
+
+
+MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat]
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]
@@ -154,10 +166,11 @@ class Store:
         self.path = Path(path).expanduser()
         self._users: dict[str, int] = {}
         self._conversations: dict[tuple[int, str], int] = {}
+        from .heat import derive_activation
         from .scan import derive_retrieval  # numpy and the dictionary load on first use only
 
-        # Every store derives retrieval rows: no item may exist without one.
-        self.derivers = [derive_retrieval, *derivers]
+        # Every store derives retrieval rows and activations: no item may exist without them.
+        self.derivers = [derive_retrieval, derive_activation, *derivers]
         try:
             _create_private(self.path)
             db.init(str(self.path), pragmas=PRAGMAS, check_same_thread=False)

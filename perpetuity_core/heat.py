@@ -1,0 +1,139 @@
+"""Token-clock heat: how warm a row is, which decides whether the frame renders it.
+
+Each user has a clock that advances only as their agent processes content: by the tokens of
+every message stored for them (what each exchange sends and receives). An idle agent's clock
+stands still, so it forgets nothing.
+
+Each row carries one activation: the clock position of its last activation, the peak it reached
+then, and a half-life fixed when it was born. Its warmth at clock position `now` is
+
+    peak * 2 ** (-(now - at) / half_life)
+
+Nothing is ever written to cool a row. A row is born hot, in the transaction that stores it;
+after birth only retrieval writes activations, adopting a reheat only where its peak beats the
+row's current trajectory (both decay at the row's own half-life, so the better one now stays
+better). Heat never enters the relevance score.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .conversation import Kind
+from .scan import token_estimate
+from .store import Item, db
+
+BIRTH_PEAK = 1.0
+# Reheat peaks by rank: the best match burns hotter than a newborn row, the 20th about as hot.
+REHEAT_TOP = 2.0
+REHEAT_RANK_SCALE = 20.0
+NEIGHBOUR_SHARE = 0.5  # turns around a hit warm with it: the question and its answer travel together
+WARM_FLOOR = 0.05  # below this a row is cold: never rendered, only reachable by retrieval
+
+# Half-lives in clock tokens, by kind: what a person said stays warm longest; bulky tool output
+# and thinking cool fast; harness scaffolding is born cold.
+HALF_LIFE = {
+    Kind.TEXT: 40_000.0,
+    Kind.TOOL_CALL: 10_000.0,
+    Kind.TOOL_RESULT: 6_000.0,
+    Kind.THINKING: 3_000.0,
+    Kind.MEDIA: 6_000.0,
+    Kind.CONTEXT: 1.0,
+}
+# The oldest activation that can still be warm: the SQL prefilter for the warm set.
+_WINDOW = max(HALF_LIFE.values()) * float(np.log2(REHEAT_TOP / WARM_FLOOR))
+
+
+def warmth(at: np.ndarray, peak: np.ndarray, half_life: np.ndarray, now: float) -> np.ndarray:
+    return peak * np.exp2(-(now - at) / half_life)
+
+
+def reheat_peak(rank: int) -> float:
+    return REHEAT_TOP / (1.0 + rank / REHEAT_RANK_SCALE)
+
+
+def derive_activation(items: list[Item]) -> None:
+    """Advance the user's clock by the message's tokens; its rows are born hot at that position."""
+    if not items:
+        return
+    m = items[0].message
+    conn = db.connection()
+    tokens = sum(token_estimate(it.text) for it in items)
+    conn.execute("INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
+                 " DO UPDATE SET position = position + excluded.position", (m.user_id, tokens))
+    (now,) = conn.execute("SELECT position FROM clock WHERE user_id = ?", (m.user_id,)).fetchone()
+    conn.executemany(
+        "INSERT INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
+        " VALUES (?,?,?,?,?,?)",
+        [(it.id, m.user_id, m.conversation_id, now,
+          0.0 if it.kind == Kind.CONTEXT else BIRTH_PEAK, HALF_LIFE[Kind(it.kind)])
+         for it in items])
+
+
+def clock(user_id: int) -> float:
+    row = db.connection().execute("SELECT position FROM clock WHERE user_id = ?",
+                                  (user_id,)).fetchone()
+    return float(row[0]) if row else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """The warm rows of one user at one clock position, warmest first."""
+
+    item_ids: np.ndarray  # int64
+    warmth: np.ndarray  # float64
+
+
+def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
+    """Every row of `user_id` at least WARM_FLOOR warm at `now`, with `reheats` (item -> peak
+    reached now) applied where they beat the current trajectory. Reads only."""
+    conn = db.connection()
+    rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation"
+                        " WHERE user_id = ? AND at >= ?", (user_id, now - _WINDOW)).fetchall()
+    if reheats:
+        missing = [i for i in reheats if i not in {r[0] for r in rows}]
+        if missing:
+            rows += conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
+                                 f" item_id IN ({','.join('?' * len(missing))})", missing).fetchall()
+    if not rows:
+        return Warm(np.zeros(0, np.int64), np.zeros(0))
+    ids, at, peak, half = (np.asarray(c) for c in zip(*rows))
+    w = warmth(at.astype(float), peak.astype(float), half.astype(float), now)
+    if reheats:
+        boost = np.fromiter((reheats.get(int(i), 0.0) for i in ids), float, len(ids))
+        w = np.maximum(w, boost)
+    keep = w >= WARM_FLOOR
+    ids, w = ids[keep].astype(np.int64), w[keep]
+    order = np.lexsort((ids, -w))  # warmest first; ties by store order, deterministic
+    return Warm(ids[order], w[order])
+
+
+def reheat(now: float, reheats: dict[int, float]) -> int:
+    """Write reheats that beat each row's current trajectory; the store's writer calls this."""
+    if not reheats:
+        return 0
+    conn = db.connection()
+    ids = list(reheats)
+    rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
+                        f" item_id IN ({','.join('?' * len(ids))})", ids).fetchall()
+    better = [(now, reheats[i], i) for i, at, peak, half in rows
+              if reheats[i] > peak * 2.0 ** (-(now - at) / half)]
+    with db.atomic():
+        conn.executemany("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?", better)
+    return len(better)
+
+
+def rank_reheats(ranked_items: Sequence[int], neighbours: Iterable[tuple[int, int]]) -> dict[int, float]:
+    """Peaks for this turn's retrieval: by rank, and a share of it for each hit's neighbours.
+
+    `neighbours` pairs (rank, item_id) for the rows beside each hit.
+    """
+    out: dict[int, float] = {}
+    for rank, item in enumerate(ranked_items):
+        out[item] = max(out.get(item, 0.0), reheat_peak(rank))
+    for rank, item in neighbours:
+        out[item] = max(out.get(item, 0.0), NEIGHBOUR_SHARE * reheat_peak(rank))
+    return out
