@@ -193,18 +193,23 @@ def main() -> int:
 
     P = scan.Params
     variants: dict[str, Callable[[], list]] = {
-        "scan shipped: bm25 k1=1.2 b=0.75 + context before .5/.3/.2 after .3/.2/.1":
+        "scan shipped: bm25 k1=0.9 b=0.4 + context before .5/.3/.2 after .3/.2/.1":
             ranked_by(P()),
-        "scan plain bm25 k1=1.2 b=0.75": ranked_by(P(before=(), after=())),
-        "scan plain bm25, no speaker name in rows": ranked_by(P(before=(), after=()), False),
+        "scan bm25 k1=1.2 b=0.75 + context": ranked_by(P(1.2, 0.75)),
+        "scan plain bm25 k1=1.2 b=0.75": ranked_by(P(1.2, 0.75, (), ())),
+        "scan plain bm25 k1=1.2 b=0.75, no speaker name in rows":
+            ranked_by(P(1.2, 0.75, (), ()), False),
         "scan shipped, no speaker name in rows": ranked_by(P(), False),
-        "scan plain bm25 k1=0.9 b=0.4": ranked_by(P(0.9, 0.4, (), ())),
         "scan plain bm25 k1=1.2 b=0.3": ranked_by(P(1.2, 0.3, (), ())),
         "scan plain bm25 k1=2.0 b=0.75": ranked_by(P(2.0, 0.75, (), ())),
-        "scan bm25 + context 1 turn each side .3/.3": ranked_by(P(before=(0.3,), after=(0.3,))),
-        "scan bm25 + context .4/.2 each side": ranked_by(P(before=(0.4, 0.2), after=(0.4, 0.2))),
-        "scan bm25 + context before .5/.3/.2 only": ranked_by(P(after=())),
-        "scan bm25 k1=0.9 b=0.4 + context": ranked_by(P(0.9, 0.4)),
+        "scan bm25 k1=0.9 b=0.4 plain": ranked_by(P(before=(), after=())),
+        "scan bm25 k1=0.9 b=0.4 + context 1 turn each side .3/.3":
+            ranked_by(P(before=(0.3,), after=(0.3,))),
+        "scan bm25 k1=0.9 b=0.4 + context .4/.2 each side":
+            ranked_by(P(before=(0.4, 0.2), after=(0.4, 0.2))),
+        "scan bm25 k1=0.9 b=0.4 + context before .5/.3/.2 only": ranked_by(P(after=())),
+        "scan bm25 k1=0.9 b=0.4 + context before .6/.4/.3/.2 after .3/.2/.1":
+            ranked_by(P(before=(0.6, 0.4, 0.3, 0.2))),
         "sqlite fts5 porter unicode61, OR, bm25()": lambda: fts5_rankings(memory(True)[1]),
         "bm25s (lucene, en stop words)": lambda: bm25s_rankings(memory(True)[1]),
     }

@@ -353,7 +353,7 @@ def test_import_the_benchmark_formats(tmp_path: Path) -> None:
     importers.write(store, thread)
     uid = store.user_id(thread.user_key)
     hits = scan.Scanner(store).search("When did Caroline go to the LGBTQ support group?",
-                                      uid, 5)
+                                      uid, 10)
     assert hits and all(h.user_id == uid for h in hits)
     evidence = thread.messages[thread.labels.index("D1:3")].parts[0].text
     assert evidence in [h.text for h in hits]
