@@ -114,6 +114,8 @@ class ParsedRequest:
     structured_output: bool = False
     generate: bool = True
     compaction: bool = False  # the harness asks for its history to be summarised
+    # For each message, the index in the body's own list where it starts (adapters map back).
+    raw_index: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

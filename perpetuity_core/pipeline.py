@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
-from . import capture, notes
+from . import capture, frame, heat, notes
+from .cap import Cap
 from .capture import TurnContext
-from .conversation import Message, Protocol, Provider
+from .conversation import Kind, Message, ParsedRequest, Protocol, Provider
+from .frame import Frame
+from .scan import Scanner
 from .errors import PerpetuityError
 from .identity import Identity, identify
 from .protocols import ADAPTERS
@@ -30,6 +33,8 @@ from .store import Store
 log = logging.getLogger("perpetuity")
 
 CURATE_COMMAND = "/perpetuity-curate"
+CODING = ("claude-code", "codex", "opencode")
+CODING_KEEP_TURNS = 3  # a coding harness keeps its live turn and the two before it as sent
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -60,6 +65,9 @@ class PendingTurn:
     model: str
     messages: list[Message]
     at: float
+    # This turn's retrieval reheats (item -> peak) at the user's clock position `clock`.
+    reheats: dict[int, float] = field(default_factory=dict)
+    clock: float = 0.0
 
 
 @dataclass(slots=True)
@@ -94,17 +102,23 @@ class Decision:
     strip: list[str] = field(default_factory=list)  # control headers to remove
     job: Job | None = None
     answer: Answer | None = None
+    body: bytes | None = None  # the request body to send instead, with the frame
+    frame: Frame | None = None
     identity: Identity | None = None
     note: str = ""  # why, for flow.metadata and logs
 
 
 class Pipeline:
     def __init__(self, store: Store, upstreams: Mapping[Provider, str], tools: bool = True,
-                 notes_root: Path | None = None) -> None:
+                 notes_root: Path | None = None, limits: Cap = Cap(),
+                 share_pool: bool = False) -> None:
         self.store = store
         self.upstreams = dict(upstreams)
         self.tools = tools  # the deployment's default; x-perpetuity-tools: off turns them off
         self.notes_root = notes_root
+        self.limits = limits
+        # Reads only, on the thread that prepares requests; the store's thread does the writing.
+        self.scanner = Scanner(store, share_pool=share_pool)
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -148,21 +162,53 @@ class Pipeline:
         if ident.side:
             decision.note = f"side request: {ident.side}"
             return decision
+        at = controls.at if controls.at is not None else time.time()
+        if controls.recall and "previous_response_id" not in parsed.hints:
+            coding = headers.get("x-perpetuity-harness", "coding" if ident.harness in CODING
+                                 else "chat") == "coding"
+            if planned := self._frame(ident, parsed, coding, at):
+                decision.frame, keep = planned
+                decision.body = json.dumps(ADAPTERS[r.protocol].replace_history(
+                    body, decision.frame.messages, parsed.raw_index[keep]),
+                    ensure_ascii=False).encode()
         if controls.probe or not controls.capture:
             decision.note = "probe" if controls.probe else "capture off"
             return decision
-        at = controls.at if controls.at is not None else time.time()
+        frame = decision.frame
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
-                              parsed.messages, at)
+                              parsed.messages, at, frame.reheats if frame else {},
+                              frame.now if frame else 0.0)
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
-        decision.job = Job(req.method, r.upstream_url, forwarded, req.body, r.protocol,
+        decision.job = Job(req.method, r.upstream_url, forwarded,
+                           decision.body if decision.body is not None else req.body, r.protocol,
                            parsed.stream, pending, relay=self.tools and controls.tools, at=controls.at)
         decision.note = "captured"
         return decision
 
+    def _frame(self, ident: Identity, parsed: ParsedRequest, coding: bool,
+               asked_at: float) -> tuple[Frame, int] | None:
+        """The frame for this request and the index of the first message kept as sent."""
+        user_id = self.store.find_user(ident.user)
+        query = _last_user_text(parsed.messages)
+        if user_id is None or not query:
+            return None
+        conv = self.store.find_conversation(user_id, ident.conversation)
+        keep = _keep_from(parsed.messages, coding)
+        if conv is None:
+            keep = 0
+        elif new := capture.new_messages(self.store, conv, parsed.messages):
+            keep = min(keep, new[0])  # what the store does not hold yet is never stripped
+        kept = self.store.message_ids(conv, [m.fingerprint() for m in parsed.messages[keep:]]) \
+            if conv else []
+        built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
+                            exclude_messages=kept, asked_at=asked_at, limits=self.limits)
+        return (built, keep) if built else None
+
     def store_turn(self, p: PendingTurn) -> TurnContext:
-        """Store what is new in the request; each message in its own transaction."""
+        """Store what is new in the request, each message in its own transaction, and this
+        turn's reheats (retrieval is the only writer of activation after birth)."""
+        heat.reheat(p.clock, p.reheats)
         _, turn = capture.record(
             self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
             model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",
@@ -170,10 +216,23 @@ class Pipeline:
         return turn
 
 
+def _keep_from(messages: list[Message], coding: bool) -> int:
+    """Where the turns kept as the harness sent them begin: the live turn for a chat client,
+    the last few human turns (with their tool rounds, so every call keeps its result) for a
+    coding harness."""
+    human = [i for i, m in enumerate(messages)
+             if m.role == "user" and any(p.kind == Kind.TEXT for p in m.parts)]
+    if not human:
+        return len(messages) - 1 if messages else 0
+    turns = CODING_KEEP_TURNS if coding else 1
+    return human[-turns] if len(human) >= turns else human[0]
+
+
 def _last_user_text(messages: list[Message]) -> str:
+    """What the person last said: the query, and the command check."""
     for m in reversed(messages):
-        if m.role == "user":
-            return m.text.strip()
+        if m.role == "user" and (text := m.text.strip()):
+            return text
     return ""
 
 

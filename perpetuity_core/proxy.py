@@ -139,10 +139,15 @@ class Perpetuity:
             flow.request.url = d.route.upstream_url
             if d.job:  # the reply is read by our tee, which cannot read every encoding
                 flow.request.headers.pop("accept-encoding", None)
+            if d.body is not None:
+                flow.request.content = d.body
         if d.route:
             flow.metadata["perpetuity"] = {
                 "upstream": d.route.upstream_url,
                 "note": d.note,
+                "frame": {"rows": len(d.frame.item_ids), "tokens": d.frame.tokens,
+                          "budget": d.frame.budget, "left_out": d.frame.left_out}
+                if d.frame else None,
                 "user": d.identity.user if d.identity else "",
                 "conversation": d.identity.conversation if d.identity else "",
             }

@@ -226,6 +226,27 @@ class Store:
         self._conversations[(user_id, key)] = cid
         return cid
 
+    def find_user(self, key: str) -> int | None:
+        """Read only: the user's id, or None if the store has never seen them."""
+        if (cached := self._users.get(key)) is not None:
+            return cached
+        row = db.connection().execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def find_conversation(self, user_id: int, key: str) -> int | None:
+        """Read only: the conversation's id, or None if the store has never seen it."""
+        if (cached := self._conversations.get((user_id, key))) is not None:
+            return cached
+        row = db.connection().execute("SELECT id FROM conversation WHERE user_id = ? AND key = ?",
+                                      (user_id, key)).fetchone()
+        return row[0] if row else None
+
+    def message_ids(self, conversation_id: int, fingerprints: list[str]) -> list[int]:
+        """The stored messages of a conversation with these fingerprints."""
+        return [i for (i,) in _in_query(
+            db.connection(), "SELECT id FROM message WHERE conversation_id = ? AND fingerprint IN",
+            conversation_id, fingerprints)]
+
     def known(self, conversation_id: int, pair_keys: list[str],
               reply_fingerprints: list[str]) -> tuple[set[str], set[str]]:
         """Which pair keys, and which assistant fingerprints, this conversation already holds."""

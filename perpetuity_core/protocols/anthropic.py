@@ -14,7 +14,8 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ProtocolError("Anthropic request without a messages list")
-    parsed = [_message(m) for m in messages if isinstance(m, dict)]
+    raw_index = [i for i, m in enumerate(messages) if isinstance(m, dict)]
+    parsed = [_message(messages[i]) for i in raw_index]
     hints: dict[str, str] = {}
     meta = body.get("metadata")
     if isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
@@ -29,7 +30,27 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
         tool_names=[t.get("name", "") for t in body.get("tools") or [] if isinstance(t, dict)],
         hints=hints,
         structured_output=isinstance(output_config, dict) and "format" in output_config,
+        raw_index=raw_index,
     )
+
+
+MAX_CACHE_MARKERS = 4  # the API refuses a request with more cache_control breakpoints
+
+
+def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) -> dict[str, Any]:
+    """The body with messages before raw index `keep_from` replaced by the frame.
+
+    System-role messages among them stay, after the frame; the rest of the body is untouched.
+    The frame's end gets a cache marker when the request has one to spare, so the system
+    prompt, tools and frame are cached together.
+    """
+    raw = body["messages"]
+    kept_system = [m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
+    rendered = [{"role": m.role, "content": [{"type": "text", "text": p.text} for p in m.parts]}
+                for m in frame]
+    if rendered and json.dumps(body).count('"cache_control"') < MAX_CACHE_MARKERS:
+        rendered[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    return {**body, "messages": rendered + kept_system + raw[keep_from:]}
 
 
 def _message(m: dict[str, Any]) -> Message:

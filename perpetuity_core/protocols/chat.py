@@ -17,20 +17,31 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ProtocolError("Chat Completions request without a messages list")
-    parsed = [_message(m) for m in messages if isinstance(m, dict)]
-    system = "\n".join(m.text for m in parsed if m.role == "system")
+    indexed = [(i, _message(m)) for i, m in enumerate(messages) if isinstance(m, dict)]
+    system = "\n".join(m.text for _, m in indexed if m.role == "system")
     return ParsedRequest(
         protocol=Protocol.CHAT,
         model=str(body.get("model", "")),
         stream=bool(body.get("stream", False)),
-        messages=[m for m in parsed if m.role != "system"],
+        messages=[m for _, m in indexed if m.role != "system"],
         system=system,
         tool_names=[
             str((t.get("function") or {}).get("name", "")) for t in body.get("tools") or []
             if isinstance(t, dict)
         ],
         hints={f: body[f] for f in HINT_FIELDS if isinstance(body.get(f), str)},
+        raw_index=[i for i, m in indexed if m.role != "system"],
     )
+
+
+def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) -> dict[str, Any]:
+    """The body with messages before raw index `keep_from` replaced by the frame; system and
+    developer messages stay first, untouched."""
+    raw = body["messages"]
+    kept_system = [m for m in raw[:keep_from]
+                   if isinstance(m, dict) and m.get("role") in ("system", "developer")]
+    rendered = [{"role": m.role, "content": "\n\n".join(p.text for p in m.parts)} for m in frame]
+    return {**body, "messages": kept_system + rendered + raw[keep_from:]}
 
 
 def _message(m: dict[str, Any]) -> Message:

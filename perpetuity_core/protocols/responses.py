@@ -25,7 +25,8 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
         items = raw
     else:
         raise ProtocolError("Responses request without input")
-    messages = _fold(items)
+    starts = _fold_starts(items)
+    messages = [m for _, m in starts]
     system = "\n".join(m.text for m in messages if m.role == "system")
     instructions = body.get("instructions")
     if isinstance(instructions, str):
@@ -43,7 +44,22 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
         hints=hints,
         generate=body.get("generate") is not False,
         compaction=any(isinstance(i, dict) and i.get("type") == "compaction_trigger" for i in items),
+        raw_index=[i for i, m in starts if m.role != "system"],
     )
+
+
+def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) -> dict[str, Any]:
+    """The body with input items before `keep_from` replaced by the frame; system and developer
+    messages stay first, untouched."""
+    raw = body["input"]
+    if isinstance(raw, str):
+        raw, keep_from = [{"type": "message", "role": "user", "content": raw}], 0
+    kept_system = [m for m in raw[:keep_from] if isinstance(m, dict)
+                   and m.get("type", "message") == "message" and m.get("role") in ("system", "developer")]
+    rendered = [{"type": "message", "role": m.role, "content": [
+        {"type": "input_text" if m.role == "user" else "output_text", "text": p.text}
+        for p in m.parts]} for m in frame]
+    return {**body, "input": kept_system + rendered + raw[keep_from:]}
 
 
 def _item(item: dict[str, Any]) -> tuple[str, list[Part]] | None:
@@ -79,18 +95,23 @@ def _item(item: dict[str, Any]) -> tuple[str, list[Part]] | None:
     return None
 
 
-def _fold(items: list[Any]) -> list[Message]:
-    messages: list[Message] = []
-    for item in items:
+def _fold_starts(items: list[Any]) -> list[tuple[int, Message]]:
+    """Messages folded from items, each with the index of the item it starts at."""
+    out: list[tuple[int, Message]] = []
+    for index, item in enumerate(items):
         if not isinstance(item, dict) or not (got := _item(item)):
             continue
         role, parts = got
         # Assistant items of one reply fold into one message; user turns stay separate.
-        if messages and role in ("assistant", "tool") and messages[-1].role == role:
-            messages[-1] = Message(role, messages[-1].parts + tuple(parts))
+        if out and role in ("assistant", "tool") and out[-1][1].role == role:
+            out[-1] = (out[-1][0], Message(role, out[-1][1].parts + tuple(parts)))
         else:
-            messages.append(Message(role, tuple(parts)))
-    return messages
+            out.append((index, Message(role, tuple(parts))))
+    return out
+
+
+def _fold(items: list[Any]) -> list[Message]:
+    return [m for _, m in _fold_starts(items)]
 
 
 def _usage(u: dict[str, Any] | None) -> Usage:

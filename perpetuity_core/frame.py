@@ -1,0 +1,198 @@
+"""The frame: past turns, quoted verbatim from the store, that replace the re-sent history.
+
+What enters is decided by heat; how much, by the breadth-sized cap. This turn's retrieval
+reheats its hits (peaks by rank, neighbours warming with them), then the warmest rows are
+rendered until the budget is spent, the top hit always among them. Rows are grouped by
+conversation, the current one last, oldest first within each, and labelled with the speaker and
+a time resolved now: the absolute date and how long before the live question.
+
+The result is neutral messages that alternate user and assistant, all plain text (a tool call
+from memory is quoted, not replayed), so any protocol accepts them before the turns the harness
+keeps as it sent them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import numpy as np
+
+from . import cap, heat
+from .conversation import Kind, Message, Part
+from .scan import Hit, Scanner, token_estimate
+from .store import db
+
+NEIGHBOURS = 2  # messages each side of a hit that warm with it
+NEIGHBOUR_HITS = 20  # the hits whose neighbours warm
+HEADER = ("[Memory: turns quoted verbatim from earlier conversations, grouped by conversation "
+          "with this one last, each labelled with its speaker and when it was said.]")
+CLOSING = "[End of quoted memory.]"
+_RENDERED_KINDS = (Kind.TEXT.value, Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value, Kind.MEDIA.value)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    item_id: int
+    message_id: int
+    conversation_id: int
+    conversation: str
+    role: str
+    at: float  # wall time the turn was said
+    kind: str
+    name: str
+    text: str
+
+
+@dataclass(slots=True)
+class Frame:
+    messages: list[Message]
+    item_ids: list[int]
+    budget: int
+    tokens: int
+    left_out: int  # warm rows the cap left out
+    now: float  # the user's clock
+    reheats: dict[int, float] = field(default_factory=dict)  # to write unless probing
+
+
+def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
+          exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap) -> Frame | None:
+    """The frame for one question, or None when memory holds nothing to show. Reads only."""
+    excluded = set(exclude_messages)
+    hits = [h for h in scanner.search(query, user_id, limit=cap.BREADTH_TOP + len(excluded))
+            if h.message_id not in excluded][:cap.BREADTH_TOP]
+    reheats = heat.rank_reheats([h.item_id for h in hits],
+                                _neighbours(hits[:NEIGHBOUR_HITS], excluded))
+    now = heat.clock(user_id)
+    warm = heat.warm_set(user_id, now, reheats)
+    budget = cap.budget(np.asarray([h.score for h in hits]), limits)
+    rows = _rows(warm.item_ids.tolist(), excluded)
+    must = {hits[0].item_id} if hits else set()
+    chosen = _fill(rows, warm, must, budget, asked_at, conversation_id)
+    if not chosen:
+        return None
+    messages = render(chosen, asked_at, conversation_id)
+    return Frame(messages, [r.item_id for r in chosen], budget, _tokens(messages),
+                 len(rows) - len(chosen), now, reheats)
+
+
+def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
+    """(rank, item_id) of the rows in the messages around each hit, in its conversation."""
+    out: list[tuple[int, int]] = []
+    conn = db.connection()
+    for rank, h in enumerate(hits):
+        for cmp, order in (("<", "DESC"), (">", "ASC")):
+            rows = conn.execute(
+                f"SELECT i.id, m.id FROM item i JOIN message m ON m.id = i.message_id WHERE"
+                f" m.conversation_id = ? AND m.id {cmp} ? AND m.id IN (SELECT id FROM message"
+                f" WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order} LIMIT ?)",
+                (h.conversation_id, h.message_id, h.conversation_id, h.message_id, NEIGHBOURS),
+            ).fetchall()
+            out += [(rank, item) for item, message in rows if message not in excluded]
+    return out
+
+
+def _rows(item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
+    if not item_ids:
+        return {}
+    out: dict[int, Row] = {}
+    conn = db.connection()
+    for start in range(0, len(item_ids), 500):
+        chunk = item_ids[start:start + 500]
+        for r in conn.execute(
+            "SELECT i.id, m.id, m.conversation_id, c.key, m.role, m.at, i.kind, i.name, i.text"
+            " FROM item i JOIN message m ON m.id = i.message_id"
+            " JOIN conversation c ON c.id = m.conversation_id"
+            f" WHERE i.id IN ({','.join('?' * len(chunk))})", chunk):
+            if r[1] not in excluded and r[6] in _RENDERED_KINDS and r[8].strip():
+                out[r[0]] = Row(*r)
+    return out
+
+
+def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], budget: int, asked_at: float,
+          conversation_id: int | None) -> list[Row]:
+    """Two passes: take the warmest rows while their estimated size fits, then render and
+    measure, dropping the coolest until the rendered frame fits. `must` is never dropped."""
+    order = [i for i in warm.item_ids.tolist() if i in rows]
+    chosen: list[int] = [i for i in order if i in must]
+    used = sum(token_estimate(_quote(rows[i])) + _LABEL_TOKENS for i in chosen)
+    for i in order:
+        if i in must:
+            continue
+        cost = token_estimate(_quote(rows[i])) + _LABEL_TOKENS
+        if used + cost <= budget:
+            chosen.append(i)
+            used += cost
+    while len(chosen) > len(must & set(chosen)):
+        rendered = render([rows[i] for i in chosen], asked_at, conversation_id)
+        if _tokens(rendered) <= budget:
+            break
+        drop = next(i for i in reversed(chosen) if i not in must)
+        chosen.remove(drop)
+    return [rows[i] for i in chosen]
+
+
+_LABEL_TOKENS = 20  # a label's size, for the first pass; the second pass measures
+
+
+def render(rows: list[Row], asked_at: float, conversation_id: int | None) -> list[Message]:
+    """Rows as alternating user and assistant messages, grouped by conversation, labelled."""
+    if not rows:
+        return []
+    groups: dict[int, list[Row]] = {}
+    for r in sorted(rows, key=lambda r: (r.message_id, r.item_id)):
+        groups.setdefault(r.conversation_id, []).append(r)
+    # Other conversations by when they were last said, then the current one.
+    order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
+    turns: list[tuple[str, str]] = []  # (role, text) per stored message
+    for c in order:
+        by_message: dict[int, list[Row]] = {}
+        for r in groups[c]:
+            by_message.setdefault(r.message_id, []).append(r)
+        for parts in by_message.values():
+            first = parts[0]
+            label = _label(first, asked_at, current=c == conversation_id)
+            role = "assistant" if first.role == "assistant" else "user"
+            turns.append((role, label + "\n" + "\n".join(_quote(p) for p in parts)))
+    messages: list[Message] = []
+    if turns[0][0] != "user":
+        messages.append(Message("user", (Part(Kind.TEXT, HEADER),)))
+    else:
+        turns[0] = ("user", HEADER + "\n\n" + turns[0][1])
+    for role, text in turns:
+        if messages and messages[-1].role == role:
+            messages[-1] = Message(role, messages[-1].parts + (Part(Kind.TEXT, text),))
+        else:
+            messages.append(Message(role, (Part(Kind.TEXT, text),)))
+    if messages[-1].role == "user":
+        messages.append(Message("assistant", (Part(Kind.TEXT, CLOSING),)))
+    return messages
+
+
+def _quote(r: Row) -> str:
+    if r.kind == Kind.TOOL_CALL.value:
+        return f"[called {r.name}: {r.text}]"
+    if r.kind == Kind.TOOL_RESULT.value:
+        return f"[tool result: {r.text}]"
+    return r.text
+
+
+def _label(r: Row, asked_at: float, current: bool) -> str:
+    when = datetime.fromtimestamp(r.at, timezone.utc)
+    where = "this conversation" if current else f"conversation {r.conversation}"
+    return f"[{where} · {r.role} · {when:%Y-%m-%d %H:%M} UTC, {_ago(asked_at - r.at)} before]"
+
+
+def _ago(seconds: float) -> str:
+    s = max(0.0, seconds)
+    for unit, size in (("year", 365 * 86400), ("month", 30 * 86400), ("week", 7 * 86400),
+                       ("day", 86400), ("hour", 3600), ("minute", 60)):
+        if s >= size:
+            n = int(s // size)
+            return f"{n} {unit}{'s' if n > 1 else ''}"
+    return "moments"
+
+
+def _tokens(messages: list[Message]) -> int:
+    return sum(token_estimate(p.text) for m in messages for p in m.parts)

@@ -1,0 +1,193 @@
+"""The rendered frame: heat arithmetic, the cap, validity on every harness capture, and a real
+SDK conversation whose second request upstream carries a frame instead of the history."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+
+from perpetuity_core import cap, capture, frame, heat
+from perpetuity_core.conversation import Message, Provider, text_part
+from perpetuity_core.pipeline import Pipeline
+from perpetuity_core.scan import Scanner
+from perpetuity_core.store import Store
+from tests.conftest import Proxy, needs_fixtures
+from tests.fake_provider import FakeProvider, Text
+from tests.test_fixtures import http_fixtures, replay, to_request
+from tests.validity import CHECKS
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = Store(tmp_path / "m.db")
+    yield s
+    s.close()
+
+
+def say(store: Store, conversation: str, *texts: str, user: str = "u") -> list[int]:
+    """Store alternating user/assistant turns; returns their message ids."""
+    msgs = [Message("user" if i % 2 == 0 else "assistant", (text_part(t),))
+            for i, t in enumerate(texts)]
+    ids, _ = capture.record(store, user_key=user, conversation_key=conversation,
+                            provider="anthropic", model="m", messages=msgs,
+                            times=[1_700_000_000.0 + i * 60 for i in range(len(msgs))],
+                            source="import")
+    return ids
+
+
+def activation(store: Store) -> list[tuple]:
+    return sqlite3.connect(store.path).execute(
+        "select item_id, at, peak, half_life from activation order by item_id").fetchall()
+
+
+def test_rows_are_born_hot_and_the_clock_counts_tokens(store: Store) -> None:
+    say(store, "c", "a" * 400, "b" * 800)
+    rows = activation(store)
+    assert [peak for _, _, peak, _ in rows] == [heat.BIRTH_PEAK] * 2
+    assert rows[0][1] == 100 and rows[1][1] == 300  # born at the clock after their own tokens
+    uid = store.find_user("u")
+    assert heat.clock(uid) == 300
+
+
+def test_reheat_adopts_only_a_better_trajectory_and_nothing_cools_by_writing(store: Store) -> None:
+    say(store, "c", "alpha " * 100, "beta " * 100)
+    (a, _, _, half), (b, *_) = activation(store)
+    now = heat.clock(store.find_user("u"))
+    before = activation(store)
+    heat.warm_set(store.find_user("u"), now + 10 * half, {})  # reading never writes
+    assert activation(store) == before
+    current_b = heat.BIRTH_PEAK  # b was born at `now`: still at its peak
+    assert heat.reheat(now, {a: 2.0, b: current_b * 0.5}) == 1  # only a's reheat beats its path
+    after = dict((i, (at, peak)) for i, at, peak, _ in activation(store))
+    assert after[a] == (now, 2.0) and after[b] == (before[1][1], before[1][2])
+
+
+def test_an_idle_agent_forgets_nothing(store: Store) -> None:
+    say(store, "c", "remember the blue door", "noted")
+    uid = store.find_user("u")
+    now = heat.clock(uid)
+    first = heat.warm_set(uid, now, {})
+    time.sleep(0.05)  # wall time passes; the clock does not
+    again = heat.warm_set(uid, heat.clock(uid), {})
+    assert np.array_equal(first.warmth, again.warmth) and len(first.item_ids) == 2
+    # Only processing content moves the clock, and only then does memory cool.
+    say(store, "other", "x " * 40_000, "y")
+    later = heat.warm_set(uid, heat.clock(uid), {})
+    assert dict(zip(later.item_ids.tolist(), later.warmth))[int(first.item_ids[0])] < first.warmth[0]
+
+
+def test_budget_grows_with_the_spread_of_good_matches() -> None:
+    limits = cap.Cap(floor=1000, ceiling=8000)
+    one_clear = cap.budget(np.array([10.0, 2.0, 1.5, 1.0]), limits)
+    budgets = [cap.budget(np.array([10.0] * k + [1.0] * 5), limits) for k in range(1, 20)]
+    assert one_clear == limits.floor
+    assert budgets == sorted(budgets) and budgets[0] == limits.floor and budgets[-1] == limits.ceiling
+    closer = [cap.budget(np.array([10.0, s, s, s]), limits) for s in (5.0, 7.0, 9.0, 10.0)]
+    assert closer == sorted(closer)
+    assert cap.budget(np.array([]), limits) == limits.floor
+
+
+def test_cap_never_trims_the_top_hit(store: Store) -> None:
+    say(store, "old", "the lighthouse keeper's name was Ingrid " + "filler " * 600, "ok")
+    say(store, "new", *[f"unrelated chatter number {i} " * 20 for i in range(20)])
+    uid = store.find_user("u")
+    tiny = cap.Cap(floor=10, ceiling=10)
+    built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
+                        query="lighthouse keeper name", exclude_messages=[], asked_at=time.time(),
+                        limits=tiny)
+    assert built is not None
+    text = "\n".join(p.text for m in built.messages for p in m.parts)
+    assert "Ingrid" in text  # over budget, still there: it is the question's own top match
+    assert built.left_out > 0
+
+
+def test_frame_alternates_and_labels(store: Store) -> None:
+    say(store, "trip", "We fly to Lisbon on May 3rd.", "Lovely, enjoy Lisbon.")
+    uid = store.find_user("u")
+    built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
+                        query="when do we fly to Lisbon", exclude_messages=[],
+                        asked_at=1_700_000_000.0 + 3 * 86400, limits=cap.Cap())
+    roles = [m.role for m in built.messages]
+    assert roles[0] == "user" and roles[-1] == "assistant"
+    assert all(a != b for a, b in zip(roles, roles[1:]))
+    first = built.messages[0].parts[0].text
+    assert first.startswith(frame.HEADER) and "conversation trip" in first
+    assert "2023-11-14" in first and "3 days before" in first
+
+
+@needs_fixtures
+def test_every_capture_yields_a_valid_request(tmp_path: Path) -> None:
+    """Fill memory from every harness's session, then replay every request through the frame
+    builder: each request upstream must still be one the provider accepts."""
+    store = Store(tmp_path / "m.db")
+    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
+    for harness in ("claude-code", "codex", "opencode", "anthropic-python", "openai-python"):
+        replay(pipeline, harness)
+    framed = 0
+    for harness in ("claude-code", "codex", "opencode", "anthropic-python", "openai-python"):
+        for f in http_fixtures(harness):
+            raw = json.loads(f.read_text())
+            check = CHECKS.get(raw["path"])
+            if check is None:
+                continue
+            assert not check(raw["body"]), f"the capture itself is invalid: {f}"
+            d = pipeline.prepare(to_request(raw))
+            if d.body is None:
+                continue
+            framed += 1
+            sent = json.loads(d.body)
+            assert not check(sent), (f, check(sent))
+            # System prompt and tools are never touched; the live turn is kept as sent.
+            for key in ("system", "tools", "instructions"):
+                assert sent.get(key) == raw["body"].get(key), (f, key)
+            history = raw["body"].get("messages") or raw["body"].get("input")
+            kept = sent.get("messages") or sent.get("input")
+            if isinstance(history, list):
+                assert kept[-1] == history[-1], f
+    store.close()
+    assert framed >= 20, framed
+
+
+def test_second_request_upstream_carries_a_frame(proxy: Proxy, fake: FakeProvider) -> None:
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0)
+    history = [{"role": "user", "content": "My cat is called Miso."}]
+    fake.script(Text("Miso is a lovely name."), Text("Your cat is Miso."))
+    r = c.chat.completions.create(model="gpt-4o", messages=history, user="frame-user")
+    history += [{"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": "What is my cat called?"}]
+    proxy.wait_messages("frame-user", 2)
+    c.chat.completions.create(model="gpt-4o", messages=history, user="frame-user")
+    sent = fake.requests[-1].json["messages"]
+    assert sent[-1] == {"role": "user", "content": "What is my cat called?"}
+    assert sent[0]["content"].startswith(frame.HEADER)
+    assert "My cat is called Miso." in sent[0]["content"]
+    assert "Miso is a lovely name." in sent[1]["content"] and sent[1]["role"] == "assistant"
+    assert "this conversation" in sent[0]["content"]
+
+
+def test_probe_mode_has_no_side_effects(proxy: Proxy, fake: FakeProvider) -> None:
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0)
+    c.chat.completions.create(model="gpt-4o", user="probe-user",
+                              messages=[{"role": "user", "content": "The vault code is 4471."}])
+    proxy.wait_messages("probe-user", 2)
+    tables = ("message", "item", "activation", "clock", "retrieval")
+
+    def state() -> list:
+        return [proxy.rows(f"select * from {t} order by 1") for t in tables]
+
+    before = state()
+    for _ in range(2):
+        c.chat.completions.create(model="gpt-4o", user="probe-user",
+                                  messages=[{"role": "user", "content": "What is the vault code?"}],
+                                  extra_headers={"x-perpetuity-probe": "on"})
+    time.sleep(0.3)
+    assert state() == before
+    sent = fake.requests[-1].json["messages"]
+    assert "4471" in sent[0]["content"] and sent[-1]["content"] == "What is the vault code?"
+    assert fake.requests[-1].json == fake.requests[-2].json  # same question, same frame
