@@ -54,7 +54,9 @@ STOP_WORDS = frozenset(
     wouldn shan shouldn can couldn mustn let also get got""".split()
 )
 
-_ASCII_WORD = re.compile(r"[a-z0-9]+")
+# ASCII letters and digits to themselves (upper case lowered), every other byte to a space.
+_ASCII_FOLD = bytes((c | 0x20 if 65 <= c <= 90 else c) if chr(c).isalnum() and c < 128 else 32
+                    for c in range(256))
 _ALPHA = re.compile(r"^[a-z]+$")
 _VOWEL = re.compile(r"[aeiouy]")
 
@@ -118,6 +120,8 @@ class Dictionary:
         # The word-level model numbers surface forms; term_of folds them onto stems.
         self.term_of = np.asarray(term_of, dtype=np.int32)
         self.word_ids = {w: int(self.term_of[i]) for w, i in self.tokenizer.get_vocab().items()}
+        self._ascii_ids = {w.encode(): i for w, i in self.word_ids.items()
+                           if w.isascii() and w.isalnum()}
         self._normalizer = self.tokenizer.normalizer
         self._unseen: dict[str, int] = {}
 
@@ -153,13 +157,15 @@ class Dictionary:
         if text.isascii():
             # For ASCII text NFKD and accent stripping are the identity and the pre-tokeniser's
             # letters-and-digits runs are exactly [a-z0-9]+ after lowercasing: the same words
-            # as the Rust pipeline, about six times faster on the write path.
-            get = self.word_ids.get
-            resolve = self._resolve
-            ids = [get(w, -1) for w in _ASCII_WORD.findall(text.lower())]
+            # as the Rust pipeline. One bytes.translate (lowercase, everything else a space)
+            # and a split find them several times faster than the pipeline or a regex.
+            get = self._ascii_ids.get
+            words = text.encode("ascii").translate(_ASCII_FOLD).split()
+            ids = [get(w, -1) for w in words]
             if -1 in ids:
-                words = _ASCII_WORD.findall(text.lower())
-                ids = [resolve(w) if i < 0 else i for w, i in zip(words, ids, strict=True)]
+                resolve = self._resolve
+                ids = [resolve(w.decode()) if i < 0 else i
+                       for w, i in zip(words, ids, strict=True)]
         else:
             enc = self.tokenizer.encode(text, add_special_tokens=False)
             term_of = self.term_of

@@ -1,4 +1,4 @@
-"""The exact scan: a BM25 score for every visible retrieval row, for every query.
+"""The exact scan: a BM25-family score for every visible retrieval row, for every query.
 
 There is no approximate index between a question and the memory: every stored row gets its
 exact score (rows holding none of the query's terms score exactly zero and are not hits).
@@ -16,22 +16,31 @@ larger one is held in the serving process as an `Arena`: numpy arrays in segment
 65,536 rows, so a row's index inside its segment fits 16 bits. Before every scan the arena
 catches up on the rows (and deletions) stored since its last catch-up, appending a new segment
 and merging only small tail segments, never rebuilding the whole. Segments are scored on worker
-threads and merged deterministically: every row's score is summed over the query's terms in
-ascending term id, in float64, whatever the layout, segmentation or thread count, and ties are
-broken by store order (seq), so a query always gets the same ranking.
+threads into one vector, deterministically: every row's score is summed over the query's terms
+in ascending term id, in float64, whatever the layout, segmentation or thread count, the
+context terms are added in a fixed order, and ties are broken by store order (seq), so a query
+always gets the same ranking.
 
 Two layouts give the same scores. Term-major (postings per term: local row uint16, tf uint8,
 3 bytes a posting) reads only the postings of the query's terms; row-major (term ids per row:
 int32 + uint8) reads every posting. scripts/bench_retrieval.py measures both; the term-major
 one is the default because it is faster at every size measured.
 
-The score (Robertson et al., Okapi at TREC-3, 1994, with Lucene's non-negative idf):
-    score(q, d) = sum over distinct terms t of q, ascending id:
-                  qtf(t) * idf(t) * (k1 + 1) * tf(t, d) / (tf(t, d) + k1 * (1 - b + b * |d| / avgdl))
+The score. BM25 (Robertson et al., Okapi at TREC-3, 1994, with Lucene's non-negative idf):
+    bm25(q, d) = sum over distinct terms t of q, ascending id:
+                 qtf(t) * idf(t) * (k1 + 1) * tf(t, d) / (tf(t, d) + k1 * (1 - b + b * |d| / avgdl))
     idf(t) = ln(1 + (N - df(t) + 0.5) / (df(t) + 0.5))
-N, df and avgdl are pooled over every live row of the database, whichever user asks: one
-shared statistic, so a row's score does not depend on who else is visible. Heat, recency and
-anything else that is not relevance stay out of it.
+plus conversational context, the BM25 of the rows around d in its conversation:
+    score(q, d) = bm25(q, d) + sum_i before[i] * bm25(q, prev_i(d))
+                             + sum_i after[i] * bm25(q, next_i(d))
+(see Params). N, df and avgdl are pooled over every live row of the database, whichever user
+asks: one shared statistic, so a row's score does not depend on who else is visible. Heat,
+recency and anything else that is not relevance stay out of it.
+
+No shortlist. The term-major pass already reads only what can make a score non-zero (the
+postings of the query's terms, then the rows within context reach of a hit), so a cheaper
+first pass would read the same postings again; the benchmark's 82M-token pool stays well
+inside its latency budget without one.
 
 Visibility is a rule: a user sees only their own rows; with `share_pool` every row is visible
 and the asking user's own rows rank before everyone else's. Exclusions (item ids) drop rows
@@ -41,8 +50,7 @@ without changing anyone's score.
 from __future__ import annotations
 
 import os
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -257,7 +265,8 @@ class Query:
         return self.terms.size == 0
 
 
-def make_query(text: str, df_of, n_rows: int, total_length: int, params: Params) -> Query:  # noqa: ANN001
+def make_query(text: str, df_of: Callable[[np.ndarray], np.ndarray], n_rows: int,
+               total_length: int, params: Params) -> Query:
     """`df_of(terms) -> df array` reads the pooled document frequencies."""
     ids = dictionary.load().ids(text)
     terms, qtf = np.unique(ids, return_counts=True)

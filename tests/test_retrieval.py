@@ -149,6 +149,17 @@ def test_dictionary_folds_case_accents_and_inflections() -> None:
     assert d.ids("the of and").size == 0  # stop words are not indexed
 
 
+def test_ascii_fast_path_matches_the_tokenizers_pipeline() -> None:
+    d = dictionary.load()
+    rng = random.Random(2)
+    alphabet = "abcXYZ019 _-'.,:;!?()[]{}<>/\\|@#$%^&*+=~`\"\n\t"
+    texts = ["Don't STOP-believing: it's 2024's e-mail_address (x.y@z.com)!"] + [
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(300)]
+    for text in texts:
+        # A right single quote is a separator for both, and sends the text down the Rust path.
+        assert d.id_list(text) == d.id_list(text + "\u2019"), text
+
+
 def test_unknown_words_hash_deterministically_into_the_reserved_range() -> None:
     d = dictionary.load()
     (t,) = d.ids("zorblaxification")
