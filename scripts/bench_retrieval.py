@@ -260,6 +260,17 @@ def run_size(size: int, data: Path, qs: list[tuple[str, int]], args: argparse.Na
     ing = ingest(store, users, size if copies == 0 else 10**12)
     texts = ing.pop("_texts")
     res["ingest_write_path"] = ing
+    if args.ingest_breakdown:
+        # The same messages through the same path without the retrieval deriver: what the
+        # store and capture cost by themselves. (The global database handle is re-pointed.)
+        store.close()
+        bare = Store(tmp / f"bare-{size}.db")
+        bare.derivers = [d for d in bare.derivers if d is not scan.derive_retrieval]
+        base = ingest(bare, users, size if copies == 0 else 10**12)
+        base.pop("_texts")
+        res["ingest_write_path_without_retrieval"] = base
+        bare.close()
+        store = Store(tmp / f"mem-{size}.db")
     n_users_unit = len({u for u, _ in texts})
     res["replicate_seconds"] = replicate(copies) if copies else 0.0
     conn = db.connection()
@@ -417,6 +428,8 @@ def main() -> int:
     ap.add_argument("--catch-up-rows", type=int, default=10_000)
     ap.add_argument("--store-check-rows", type=int, default=100_000,
                     help="compare with a store scan up to this many rows")
+    ap.add_argument("--ingest-breakdown", action="store_true",
+                    help="also time the write path without the retrieval deriver")
     ap.add_argument("--tmp", help="where the databases go (default: a temporary folder)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()

@@ -369,3 +369,36 @@ def test_import_the_benchmark_formats(tmp_path: Path) -> None:
     evidence = thread.messages[thread.labels.index("D1:3")].parts[0].text
     assert evidence in [h.text for h in hits]
     store.close()
+
+
+def test_import_claude_code_sessions(tmp_path: Path) -> None:
+    from perpetuity_core import importers
+
+    project = tmp_path / "projects" / "-home-dev-app"
+    project.mkdir(parents=True)
+    lines = [
+        {"type": "summary", "summary": "ignored"},
+        {"type": "user", "uuid": "u1", "timestamp": "2025-01-02T03:04:05.000Z",
+         "sessionId": "s1", "message": {"role": "user", "content": "why is the deploy slow"}},
+        {"type": "assistant", "uuid": "a1", "timestamp": "2025-01-02T03:04:06.000Z",
+         "message": {"id": "msg_1", "role": "assistant", "model": "claude-x",
+                     "content": [{"type": "text", "text": "Let me check the pipeline."}]}},
+        {"type": "assistant", "uuid": "a2", "timestamp": "2025-01-02T03:04:07.000Z",
+         "message": {"id": "msg_1", "role": "assistant", "model": "claude-x",
+                     "content": [{"type": "tool_use", "id": "t1", "name": "Bash",
+                                  "input": {"command": "cat deploy.yml"}}]}},
+        {"type": "user", "uuid": "u2", "timestamp": "2025-01-02T03:04:08.000Z",
+         "message": {"role": "user", "content": [
+             {"type": "tool_result", "tool_use_id": "t1", "content": "steps: cache miss"}]}},
+        {"type": "user", "isSidechain": True, "message": {"role": "user", "content": "sub"}},
+    ]
+    (project / "s1.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
+    store = Store(tmp_path / "m.db")
+    out = importers.run(store, "claude-code", tmp_path / "projects", progress=False)
+    assert (out.threads, out.messages) == (1, 3)  # the split reply folded into one message
+    uid = store.user_id("claude-code:local")
+    hits = scan.Scanner(store).search("deploy.yml cache", uid, 5)
+    assert {h.role for h in hits} >= {"assistant", "user"}
+    assert any("Bash" in h.text for h in hits)  # a tool call is found by its tool's name too
+    assert importers.run(store, "claude-code", tmp_path / "projects", progress=False).messages == 0
+    store.close()
