@@ -1,8 +1,9 @@
 """Token-clock heat: how warm a row is, which decides whether the frame renders it.
 
 Each user has a clock that advances only as their agent processes content: by the tokens of
-every message stored for them (what each exchange sends and receives). An idle agent's clock
-stands still, so it forgets nothing.
+what each exchange sends the model (the frame and the turns kept as sent; not the system prompt
+or tool definitions, which are the same every time) and of the reply it receives. An idle
+agent's clock stands still, so it forgets nothing; an imported history is born all at once.
 
 Each row carries one activation: the clock position of its last activation, the peak it reached
 then, and a half-life fixed when it was born. Its warmth at clock position `now` is
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .conversation import Kind
-from .scan import token_estimate
 from .store import Item, db
 
 BIRTH_PEAK = 1.0
@@ -36,11 +36,11 @@ WARM_FLOOR = 0.05  # below this a row is cold: never rendered, only reachable by
 # Half-lives in clock tokens, by kind: what a person said stays warm longest; bulky tool output
 # and thinking cool fast; harness scaffolding is born cold.
 HALF_LIFE = {
-    Kind.TEXT: 40_000.0,
-    Kind.TOOL_CALL: 10_000.0,
-    Kind.TOOL_RESULT: 6_000.0,
-    Kind.THINKING: 3_000.0,
-    Kind.MEDIA: 6_000.0,
+    Kind.TEXT: 4_000.0,
+    Kind.TOOL_CALL: 2_000.0,
+    Kind.TOOL_RESULT: 1_500.0,
+    Kind.THINKING: 1_000.0,
+    Kind.MEDIA: 1_500.0,
     Kind.CONTEXT: 1.0,
 }
 # The oldest activation that can still be warm: the SQL prefilter for the warm set.
@@ -56,21 +56,28 @@ def reheat_peak(rank: int) -> float:
 
 
 def derive_activation(items: list[Item]) -> None:
-    """Advance the user's clock by the message's tokens; its rows are born hot at that position."""
+    """Rows are born hot at their user's clock position, in the transaction that stores them."""
     if not items:
         return
     m = items[0].message
     conn = db.connection()
-    tokens = sum(token_estimate(it.text) for it in items)
-    conn.execute("INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
-                 " DO UPDATE SET position = position + excluded.position", (m.user_id, tokens))
-    (now,) = conn.execute("SELECT position FROM clock WHERE user_id = ?", (m.user_id,)).fetchone()
+    row = conn.execute("SELECT position FROM clock WHERE user_id = ?", (m.user_id,)).fetchone()
+    now = row[0] if row else 0.0
     conn.executemany(
         "INSERT INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
         " VALUES (?,?,?,?,?,?)",
         [(it.id, m.user_id, m.conversation_id, now,
           0.0 if it.kind == Kind.CONTEXT else BIRTH_PEAK, HALF_LIFE[Kind(it.kind)])
          for it in items])
+
+
+def advance(user_id: int, tokens: float) -> None:
+    """Move the user's clock by the tokens an exchange sent or received (the store's writer)."""
+    if tokens <= 0:
+        return
+    db.connection().execute(
+        "INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
+        " DO UPDATE SET position = position + excluded.position", (user_id, float(tokens)))
 
 
 def clock(user_id: int) -> float:

@@ -21,9 +21,9 @@ from pathlib import Path
 from . import capture, frame, heat, notes
 from .cap import Cap
 from .capture import TurnContext
-from .conversation import Kind, Message, ParsedRequest, Protocol, Provider
+from .conversation import Kind, Message, ParsedRequest, Protocol, Provider, Reply
 from .frame import Frame
-from .scan import Scanner
+from .scan import Scanner, token_estimate
 from .errors import PerpetuityError
 from .identity import Identity, identify
 from .protocols import ADAPTERS
@@ -68,6 +68,7 @@ class PendingTurn:
     # This turn's retrieval reheats (item -> peak) at the user's clock position `clock`.
     reheats: dict[int, float] = field(default_factory=dict)
     clock: float = 0.0
+    sent_tokens: int = 0  # the conversation the model reads: frame and turns kept as sent
 
 
 @dataclass(slots=True)
@@ -163,6 +164,7 @@ class Pipeline:
             decision.note = f"side request: {ident.side}"
             return decision
         at = controls.at if controls.at is not None else time.time()
+        keep = 0
         if controls.recall and "previous_response_id" not in parsed.hints:
             coding = headers.get("x-perpetuity-harness", "coding" if ident.harness in CODING
                                  else "chat") == "coding"
@@ -175,9 +177,11 @@ class Pipeline:
             decision.note = "probe" if controls.probe else "capture off"
             return decision
         frame = decision.frame
+        sent = parsed.messages[keep:] if frame else parsed.messages
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
                               parsed.messages, at, frame.reheats if frame else {},
-                              frame.now if frame else 0.0)
+                              frame.now if frame else 0.0,
+                              (frame.tokens if frame else 0) + _tokens(sent))
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded,
@@ -206,14 +210,25 @@ class Pipeline:
         return (built, keep) if built else None
 
     def store_turn(self, p: PendingTurn) -> TurnContext:
-        """Store what is new in the request, each message in its own transaction, and this
-        turn's reheats (retrieval is the only writer of activation after birth)."""
+        """Store what is new in the request, each message in its own transaction, this turn's
+        reheats (retrieval is the only writer of activation after birth), and move the clock
+        by what the model was sent. The store's writer calls this."""
         heat.reheat(p.clock, p.reheats)
         _, turn = capture.record(
             self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
             model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",
         )
+        heat.advance(turn.user_id, p.sent_tokens)
         return turn
+
+    def store_reply(self, turn: TurnContext, reply: Reply, at: float) -> None:
+        """Store the reply and move the clock by what the model sent back (the store's writer)."""
+        if capture.record_reply(self.store, turn, reply, at) is not None:
+            heat.advance(turn.user_id, _tokens([reply.message]))
+
+
+def _tokens(messages: list[Message]) -> int:
+    return sum(token_estimate(p.text) for m in messages for p in m.parts)
 
 
 def _keep_from(messages: list[Message], coding: bool) -> int:

@@ -17,7 +17,6 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
-from . import capture
 from .conversation import Provider, Reply
 from .errors import PerpetuityError
 from .notes import notes_root
@@ -201,13 +200,13 @@ class Perpetuity:
 
     def _store_reply(self, job: Job, reply: Reply, at: float) -> None:
         """Queue the reply behind its request on the store's thread (FIFO: one writer, in order)."""
-        store, turn = self.store, job.turn
-        if store is None or turn is None:
+        pipeline, turn = self.pipeline, job.turn
+        if pipeline is None or turn is None:
             return
 
         def write() -> None:
             try:
-                capture.record_reply(store, turn.result(), reply, at)
+                pipeline.store_reply(turn.result(), reply, at)
             except Exception:
                 log.exception("perpetuity: could not store the reply")
 

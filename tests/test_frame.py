@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from perpetuity_core import cap, capture, frame, heat
-from perpetuity_core.conversation import Message, Provider, text_part
+from perpetuity_core.conversation import Message, Provider, Reply, Usage, text_part
 from perpetuity_core.pipeline import Pipeline
 from perpetuity_core.scan import Scanner
 from perpetuity_core.store import Store
@@ -46,13 +46,28 @@ def activation(store: Store) -> list[tuple]:
         "select item_id, at, peak, half_life from activation order by item_id").fetchall()
 
 
-def test_rows_are_born_hot_and_the_clock_counts_tokens(store: Store) -> None:
-    say(store, "c", "a" * 400, "b" * 800)
-    rows = activation(store)
-    assert [peak for _, _, peak, _ in rows] == [heat.BIRTH_PEAK] * 2
-    assert rows[0][1] == 100 and rows[1][1] == 300  # born at the clock after their own tokens
+def test_rows_are_born_hot_at_the_clock_and_only_exchanges_move_it(store: Store) -> None:
+    say(store, "c", "first words", "first reply")
     uid = store.find_user("u")
-    assert heat.clock(uid) == 300
+    assert heat.clock(uid) == 0.0  # an imported history is born all at once
+    heat.advance(uid, 1200)  # an exchange: what was sent and received
+    say(store, "c", "first words", "first reply", "later words")
+    rows = activation(store)
+    assert [peak for _, _, peak, _ in rows] == [heat.BIRTH_PEAK] * 3
+    assert [at for _, at, _, _ in rows] == [0.0, 0.0, 1200.0]
+
+
+def test_an_exchange_advances_the_clock_by_what_it_sent_and_received(tmp_path: Path) -> None:
+    store = Store(tmp_path / "m.db")
+    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
+    body = {"model": "m", "messages": [{"role": "user", "content": "q" * 400}]}
+    req = to_request({"method": "POST", "path": "/v1/chat/completions", "headers": [
+        ["authorization", "Bearer k"], ["x-perpetuity-user", "ann"]], "body": body})
+    turn = pipeline.store_turn(pipeline.prepare(req).job.pending)
+    assert heat.clock(turn.user_id) == 100
+    pipeline.store_reply(turn, Reply(Message("assistant", (text_part("r" * 80),)), Usage()), 1.0)
+    assert heat.clock(turn.user_id) == 120
+    store.close()
 
 
 def test_reheat_adopts_only_a_better_trajectory_and_nothing_cools_by_writing(store: Store) -> None:
@@ -77,7 +92,7 @@ def test_an_idle_agent_forgets_nothing(store: Store) -> None:
     again = heat.warm_set(uid, heat.clock(uid), {})
     assert np.array_equal(first.warmth, again.warmth) and len(first.item_ids) == 2
     # Only processing content moves the clock, and only then does memory cool.
-    say(store, "other", "x " * 40_000, "y")
+    heat.advance(uid, 3_000)
     later = heat.warm_set(uid, heat.clock(uid), {})
     assert dict(zip(later.item_ids.tolist(), later.warmth))[int(first.item_ids[0])] < first.warmth[0]
 

@@ -1,0 +1,247 @@
+"""Is the evidence in the frame? An evaluation through the real request pipeline.
+
+Each conversation of a dataset is fed in order, turn by turn, as a chat client would send it
+(the dataset's timestamps through `x-perpetuity-time`; replies stored as replies), then every
+question is asked in probe mode and the request that would go upstream is checked: is every
+labelled evidence turn in it, verbatim?
+
+    recall_all   questions with every evidence turn in the request
+    recall_any   questions with at least one
+    frame tokens the frame's size (mean, median, p95) against the full history's
+
+Per-conversation: each conversation is its own memory (its own database). Pooled: every
+conversation in one memory, each its own user, with pool sharing on (own rows first).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import capture, importers
+from .cap import Cap
+from .conversation import Provider, Reply, Usage
+from .errors import ConfigError
+from .pipeline import HttpRequest, Pipeline
+from .scan import token_estimate
+from .store import Store
+
+HISTORY = 2  # earlier turns each fed request carries, as a chat client's window would
+
+
+@dataclass(slots=True)
+class Question:
+    text: str
+    at: float
+    evidence: list[int]  # indexes into the thread's messages
+
+
+@dataclass(slots=True)
+class Case:
+    thread: importers.Thread
+    questions: list[Question] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def locomo(path: Path) -> Iterator[Case]:
+    raw = {c.get("sample_id", ""): c for c in json.loads(path.read_text(encoding="utf-8"))}
+    for t in importers.locomo(path):
+        sample = raw[t.conversation_key.removeprefix("locomo:")]
+        index = {label: i for i, label in enumerate(t.labels)}
+        at = max(t.times) + 86400
+        case = Case(t)
+        for qa in sample.get("qa", []):
+            ids = [e for x in qa.get("evidence", []) for e in re.split(r"[;,\s]+", x) if e]
+            ev = [index[e] for e in ids if e in index]
+            if ev and qa.get("category") != 5:  # category 5 is adversarial: nothing to find
+                case.questions.append(Question(str(qa["question"]), at, ev))
+        yield case
+
+
+def beam(path: Path) -> Iterator[Case]:
+    for t in importers.beam(path):
+        folder = path if (path / "chat.json").exists() else path / t.user_key.removeprefix("beam:")
+        probes = json.loads((folder / "probing_questions.json").read_text(encoding="utf-8"))
+        index = {label: i for i, label in enumerate(t.labels)}
+        at = max(t.times) + 86400
+        case = Case(t)
+        for items in probes.values():
+            for q in items:
+                ev = [index[str(i)] for i in _ints(q.get("source_chat_ids")) if str(i) in index]
+                if ev:
+                    case.questions.append(Question(str(q["question"]), at, ev))
+        yield case
+
+
+def longmemeval(path: Path) -> Iterator[Case]:
+    """Each LongMemEval question has its own haystack: one case per question, its sessions
+    folded into one thread (each session stays its own conversation when fed)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    questions = {f"longmemeval:{q.get('question_id', '')}": q
+                 for q in (data if isinstance(data, list) else [data])}
+    merged: dict[str, tuple[importers.Thread, list[str]]] = {}
+    for t in importers.longmemeval(path):
+        m, conv_of = merged.setdefault(t.user_key, (importers.Thread(t.user_key, t.user_key), []))
+        m.messages += t.messages
+        m.times += t.times
+        m.labels += t.labels
+        conv_of += [t.conversation_key] * len(t.messages)
+    for user, (thread, conv_of) in merged.items():
+        q = questions[user]
+        thread.model = json.dumps(conv_of)  # read back by feed(): one conversation per session
+        answers = _lme_answers(q)
+        ev = [i for i, label in enumerate(thread.labels) if label in answers]
+        day, _, clock = str(q["question_date"]).split(" ")
+        at = datetime.strptime(f"{day} {clock}", "%Y/%m/%d %H:%M").replace(tzinfo=UTC).timestamp()
+        yield Case(thread, [Question(str(q["question"]), at, ev)] if ev else [])
+
+
+def _lme_answers(q: dict[str, Any]) -> set[str]:
+    return {f"{sid}:{i}" for sid, session in zip(q["haystack_session_ids"], q["haystack_sessions"],
+                                                  strict=True)
+            for i, m in enumerate(session) if m.get("has_answer")}
+
+
+def _ints(value: Any) -> Iterator[int]:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from _ints(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _ints(v)
+
+
+DATASETS = {"locomo": locomo, "beam": beam, "longmemeval": longmemeval}
+
+
+# --------------------------------------------------------------------------- feeding and asking
+
+
+def _request(user: str, conversation: str, at: float, messages: list[dict[str, str]],
+             probe: bool = False) -> HttpRequest:
+    headers = [("authorization", "Bearer sk-eval"), ("content-type", "application/json"),
+               ("x-perpetuity-user", user), ("x-perpetuity-conversation", conversation),
+               ("x-perpetuity-time", datetime.fromtimestamp(at, UTC).isoformat())]
+    if probe:
+        headers.append(("x-perpetuity-probe", "on"))
+    body = {"model": "eval", "messages": messages}
+    return HttpRequest("POST", "127.0.0.1", "/v1/chat/completions", tuple(headers),
+                       json.dumps(body).encode(), direct=True)
+
+
+def feed(pipeline: Pipeline, thread: importers.Thread) -> None:
+    """Send a thread through the pipeline: user turns as requests, the others as replies."""
+    convs = json.loads(thread.model) if thread.model.startswith("[") else None
+    turn = None
+    for i, m in enumerate(thread.messages):
+        conversation = convs[i] if convs else thread.conversation_key
+        if m.role == "assistant" and turn is not None and turn.conversation_key == conversation:
+            pipeline.store_reply(turn.context, Reply(m, Usage()), thread.times[i])
+            turn = None
+            continue
+        window = [j for j in range(max(0, i - HISTORY), i + 1)
+                  if not convs or convs[j] == conversation]
+        messages = [{"role": "user" if thread.messages[j].role == "user" else "assistant",
+                     "content": thread.messages[j].text} for j in window]
+        if messages[-1]["role"] == "assistant":  # an assistant turn with no question before it
+            messages[-1]["role"] = "user"
+        d = pipeline.prepare(_request(thread.user_key, conversation, thread.times[i], messages))
+        if d.job is None:
+            raise ConfigError(f"turn {i} of {thread.conversation_key} was not captured: {d.note}")
+        turn = _Turn(conversation, pipeline.store_turn(d.job.pending))
+
+
+@dataclass(slots=True)
+class _Turn:
+    conversation_key: str
+    context: capture.TurnContext
+
+
+def ask(pipeline: Pipeline, thread: importers.Thread, q: Question) -> tuple[str, int]:
+    """The request text that would go upstream for a question, and its frame's tokens."""
+    req = _request(thread.user_key, thread.user_key + ":question", q.at,
+                   [{"role": "user", "content": q.text}], probe=True)
+    d = pipeline.prepare(req)
+    body = json.loads(d.body) if d.body is not None else json.loads(req.body)
+    text = "\n".join(str(m.get("content", "")) for m in body["messages"])
+    return text, d.frame.tokens if d.frame else 0
+
+
+def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Cap(),
+             frames: Path | None = None, limit: int = 0, progress: bool = True) -> dict[str, Any]:
+    if dataset not in DATASETS:
+        raise ConfigError(f"unknown dataset {dataset!r}; one of {', '.join(DATASETS)}")
+    cases = list(DATASETS[dataset](path))
+    if limit:
+        cases = cases[:limit]
+    results: list[tuple[bool, bool, int, int]] = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = pipeline = None
+        for n, case in enumerate(cases):
+            if store is None or not pooled:
+                if store is not None:
+                    store.close()
+                store = Store(Path(tmp) / f"memory-{n}.db")
+                pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider},
+                                    limits=limits, share_pool=pooled)
+            feed(pipeline, case.thread)
+            if pooled and n < len(cases) - 1:
+                continue
+            for c in cases[: n + 1] if pooled else [case]:
+                results += _ask_all(pipeline, c, frames)
+            if progress:
+                print(f"\r{dataset}: {n + 1}/{len(cases)} conversations, {len(results)} questions,"
+                      f" {time.monotonic() - started:.0f}s", end="", file=sys.stderr, flush=True)
+        if store is not None:
+            store.close()
+    if progress:
+        print(file=sys.stderr)
+    return _report(dataset, pooled, limits, results)
+
+
+def _ask_all(pipeline: Pipeline, case: Case, frames: Path | None) -> list[tuple[bool, bool, int, int]]:
+    out = []
+    for k, q in enumerate(case.questions):
+        text, tokens = ask(pipeline, case.thread, q)
+        found = [case.thread.messages[i].text in text for i in q.evidence]
+        history = sum(token_estimate(m.text) for m, at in zip(case.thread.messages,
+                                                               case.thread.times) if at <= q.at)
+        out.append((all(found), any(found), tokens, history))
+        if frames is not None:
+            frames.mkdir(parents=True, exist_ok=True)
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{case.thread.user_key}-{k}.txt")
+            (frames / name).write_text(f"Q: {q.text}\nfound: {found}\n\n{text}", encoding="utf-8")
+    return out
+
+
+def _report(dataset: str, pooled: bool, limits: Cap,
+            results: list[tuple[bool, bool, int, int]]) -> dict[str, Any]:
+    if not results:
+        return {"dataset": dataset, "questions": 0}
+    all_, any_, tokens, history = (np.asarray(c) for c in zip(*results))
+    return {
+        "dataset": dataset, "memory": "pooled" if pooled else "per-conversation",
+        "questions": len(results),
+        "recall_all": round(float(all_.mean()), 4), "recall_any": round(float(any_.mean()), 4),
+        "frame_tokens": {"mean": round(float(tokens.mean())), "median": int(np.median(tokens)),
+                         "p95": int(np.percentile(tokens, 95))},
+        "history_tokens": {"mean": round(float(history.mean()))},
+        "cap": {"floor": limits.floor, "ceiling": limits.ceiling},
+    }
