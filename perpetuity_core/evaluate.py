@@ -15,6 +15,7 @@ conversation in one memory, each its own user, with pool sharing on (own rows fi
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -245,3 +246,25 @@ def _report(dataset: str, pooled: bool, limits: Cap,
         "history_tokens": {"mean": round(float(history.mean()))},
         "cap": {"floor": limits.floor, "ceiling": limits.ceiling},
     }
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("eval", help="is the evidence in the frame? (LoCoMo, BEAM, LongMemEval)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dataset", choices=sorted(DATASETS))
+    p.add_argument("path", type=Path, help="locomo10.json, a BEAM chats folder, a LongMemEval file")
+    p.add_argument("--pooled", action="store_true", help="one memory of every conversation")
+    p.add_argument("--floor", type=int, default=Cap().floor, help="smallest frame, in tokens")
+    p.add_argument("--ceiling", type=int, default=Cap().ceiling, help="largest frame, in tokens")
+    p.add_argument("--limit", type=int, default=0, help="only the first N conversations")
+    p.add_argument("--frames", type=Path, help="write every rendered request to this folder")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if not args.path.exists():
+        raise ConfigError(f"no such dataset path: {args.path}")
+    report = evaluate(args.dataset, args.path, pooled=args.pooled,
+                      limits=Cap(args.floor, args.ceiling), frames=args.frames, limit=args.limit)
+    print(json.dumps(report, indent=2))
+    return 0

@@ -24,6 +24,7 @@ from .conversation import Kind, Message, Part
 from .scan import Hit, Scanner, token_estimate
 from .store import db
 
+HITS = 100  # the ranked rows this turn's retrieval reheats
 NEIGHBOURS = 2  # messages each side of a hit that warm with it
 NEIGHBOUR_HITS = 20  # the hits whose neighbours warm
 HEADER = ("[Memory: turns quoted verbatim from earlier conversations, grouped by conversation "
@@ -57,18 +58,27 @@ class Frame:
 
 
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
-          exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap) -> Frame | None:
-    """The frame for one question, or None when memory holds nothing to show. Reads only."""
+          exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap,
+          recent_messages: Iterable[int] = ()) -> Frame | None:
+    """The frame for one question, or None when memory holds nothing to show. Reads only.
+
+    Never trimmed: the question's top hit and `recent_messages`, the latest stretch of the
+    conversation that the harness did not keep as sent.
+    """
     excluded = set(exclude_messages)
-    hits = [h for h in scanner.search(query, user_id, limit=cap.BREADTH_TOP + len(excluded))
-            if h.message_id not in excluded][:cap.BREADTH_TOP]
+    recent = set(recent_messages) - excluded
+    hits = [h for h in scanner.search(query, user_id, limit=HITS + len(excluded))
+            if h.message_id not in excluded][:HITS]
     reheats = heat.rank_reheats([h.item_id for h in hits],
                                 _neighbours(hits[:NEIGHBOUR_HITS], excluded))
     now = heat.clock(user_id)
     warm = heat.warm_set(user_id, now, reheats)
     budget = cap.budget(np.asarray([h.score for h in hits]), limits)
-    rows = _rows(warm.item_ids.tolist(), excluded)
-    must = {hits[0].item_id} if hits else set()
+    recent_items = _items_of(recent)
+    warm_ids = warm.item_ids.tolist()
+    seen = set(warm_ids)
+    rows = _rows(warm_ids + [i for i in recent_items if i not in seen], excluded)
+    must = ({hits[0].item_id} if hits else set()) | set(recent_items)
     chosen = _fill(rows, warm, must, budget, asked_at, conversation_id)
     if not chosen:
         return None
@@ -93,6 +103,14 @@ def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _items_of(message_ids: set[int]) -> list[int]:
+    if not message_ids:
+        return []
+    ids = sorted(message_ids)
+    return [i for (i,) in db.connection().execute(
+        f"SELECT id FROM item WHERE message_id IN ({','.join('?' * len(ids))}) ORDER BY id", ids)]
+
+
 def _rows(item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
     if not item_ids:
         return {}
@@ -115,6 +133,8 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], budget: int, as
     """Two passes: take the warmest rows while their estimated size fits, then render and
     measure, dropping the coolest until the rendered frame fits. `must` is never dropped."""
     order = [i for i in warm.item_ids.tolist() if i in rows]
+    ordered = set(order)
+    order += [i for i in rows if i not in ordered]  # mandatory rows gone cold still come
     chosen: list[int] = [i for i in order if i in must]
     used = sum(token_estimate(_quote(rows[i])) + _LABEL_TOKENS for i in chosen)
     for i in order:
@@ -133,7 +153,7 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], budget: int, as
     return [rows[i] for i in chosen]
 
 
-_LABEL_TOKENS = 20  # a label's size, for the first pass; the second pass measures
+_LABEL_TOKENS = 6  # a label's share per row, for the first pass; the second pass measures
 
 
 def render(rows: list[Row], asked_at: float, conversation_id: int | None) -> list[Message]:
@@ -143,6 +163,7 @@ def render(rows: list[Row], asked_at: float, conversation_id: int | None) -> lis
     groups: dict[int, list[Row]] = {}
     for r in sorted(rows, key=lambda r: (r.message_id, r.item_id)):
         groups.setdefault(r.conversation_id, []).append(r)
+    adjacent = {c: _adjacent_pairs([r.message_id for r in g]) for c, g in groups.items()}
     # Other conversations by when they were last said, then the current one.
     order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
     turns: list[tuple[str, str]] = []  # (role, text) per stored message
@@ -150,11 +171,17 @@ def render(rows: list[Row], asked_at: float, conversation_id: int | None) -> lis
         by_message: dict[int, list[Row]] = {}
         for r in groups[c]:
             by_message.setdefault(r.message_id, []).append(r)
-        for parts in by_message.values():
+        previous: Row | None = None
+        for message_id, parts in by_message.items():
             first = parts[0]
-            label = _label(first, asked_at, current=c == conversation_id)
+            text = "\n".join(_quote(p) for p in parts)
+            # A label opens each run of turns said together; within a run the alternation
+            # itself tells the speakers apart, and a label per turn would cost a row's worth.
+            if previous is None or not _same_run(previous, first, adjacent[c]):
+                text = _label(first, asked_at, current=c == conversation_id) + "\n" + text
             role = "assistant" if first.role == "assistant" else "user"
-            turns.append((role, label + "\n" + "\n".join(_quote(p) for p in parts)))
+            turns.append((role, text))
+            previous = first
     messages: list[Message] = []
     if turns[0][0] != "user":
         messages.append(Message("user", (Part(Kind.TEXT, HEADER),)))
@@ -170,6 +197,29 @@ def render(rows: list[Row], asked_at: float, conversation_id: int | None) -> lis
     return messages
 
 
+RUN_GAP = 30 * 60  # turns further apart than this in time are labelled afresh
+
+
+def _adjacent_pairs(message_ids: list[int]) -> set[tuple[int, int]]:
+    """Pairs of rendered messages with nothing stored between them in their conversation."""
+    ids = sorted(set(message_ids))
+    if len(ids) < 2:
+        return set()
+    conn = db.connection()
+    out = set()
+    for a, b in zip(ids, ids[1:]):
+        (between,) = conn.execute(
+            "SELECT count(*) FROM message WHERE id > ? AND id < ? AND conversation_id ="
+            " (SELECT conversation_id FROM message WHERE id = ?)", (a, b, a)).fetchone()
+        if between == 0:
+            out.add((a, b))
+    return out
+
+
+def _same_run(previous: Row, row: Row, adjacent: set[tuple[int, int]]) -> bool:
+    return (previous.message_id, row.message_id) in adjacent and row.at - previous.at <= RUN_GAP
+
+
 def _quote(r: Row) -> str:
     if r.kind == Kind.TOOL_CALL.value:
         return f"[called {r.name}: {r.text}]"
@@ -181,7 +231,7 @@ def _quote(r: Row) -> str:
 def _label(r: Row, asked_at: float, current: bool) -> str:
     when = datetime.fromtimestamp(r.at, timezone.utc)
     where = "this conversation" if current else f"conversation {r.conversation}"
-    return f"[{where} · {r.role} · {when:%Y-%m-%d %H:%M} UTC, {_ago(asked_at - r.at)} before]"
+    return f"[{where}, {when:%Y-%m-%d %H:%M} UTC, {_ago(asked_at - r.at)} before]"
 
 
 def _ago(seconds: float) -> str:

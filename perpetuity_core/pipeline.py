@@ -35,6 +35,7 @@ log = logging.getLogger("perpetuity")
 CURATE_COMMAND = "/perpetuity-curate"
 CODING = ("claude-code", "codex", "opencode")
 CODING_KEEP_TURNS = 3  # a coding harness keeps its live turn and the two before it as sent
+RECENT_STRETCH = 6  # the latest stored messages of the conversation, always in the frame
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -205,8 +206,10 @@ class Pipeline:
             keep = min(keep, new[0])  # what the store does not hold yet is never stripped
         kept = self.store.message_ids(conv, [m.fingerprint() for m in parsed.messages[keep:]]) \
             if conv else []
+        recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
         built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
-                            exclude_messages=kept, asked_at=asked_at, limits=self.limits)
+                            exclude_messages=kept, asked_at=asked_at, limits=self.limits,
+                            recent_messages=recent)
         return (built, keep) if built else None
 
     def store_turn(self, p: PendingTurn) -> TurnContext:

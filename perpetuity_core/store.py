@@ -241,6 +241,12 @@ class Store:
                                       (user_id, key)).fetchone()
         return row[0] if row else None
 
+    def latest_messages(self, conversation_id: int, n: int) -> list[int]:
+        """The ids of the conversation's last `n` stored messages."""
+        return [i for (i,) in db.connection().execute(
+            "SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
+            (conversation_id, n))]
+
     def message_ids(self, conversation_id: int, fingerprints: list[str]) -> list[int]:
         """The stored messages of a conversation with these fingerprints."""
         return [i for (i,) in _in_query(

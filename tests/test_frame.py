@@ -122,6 +122,21 @@ def test_cap_never_trims_the_top_hit(store: Store) -> None:
     assert built.left_out > 0
 
 
+def test_cap_never_trims_the_recent_stretch(store: Store) -> None:
+    ids = say(store, "chat", *[f"turn {i} about gardening " * 30 for i in range(8)])
+    uid = store.find_user("u")
+    conv = store.find_conversation(uid, "chat")
+    heat.advance(uid, 100_000)  # long ago: everything has gone cold
+    recent = store.latest_messages(conv, 3)
+    assert recent == ids[-3:][::-1]
+    built = frame.build(Scanner(store), user_id=uid, conversation_id=conv, query="unrelated words",
+                        exclude_messages=[], asked_at=time.time(), limits=cap.Cap(10, 10),
+                        recent_messages=recent)
+    text = "\n".join(p.text for m in built.messages for p in m.parts)
+    assert all(f"turn {i} about" in text for i in (5, 6, 7))
+    assert "turn 4 about" not in text and "this conversation" in text
+
+
 def test_frame_alternates_and_labels(store: Store) -> None:
     say(store, "trip", "We fly to Lisbon on May 3rd.", "Lovely, enjoy Lisbon.")
     uid = store.find_user("u")
