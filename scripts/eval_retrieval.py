@@ -210,6 +210,8 @@ def main() -> int:
         "scan bm25 k1=0.9 b=0.4 + context before .5/.3/.2 only": ranked_by(P(after=())),
         "scan bm25 k1=0.9 b=0.4 + context before .6/.4/.3/.2 after .3/.2/.1":
             ranked_by(P(before=(0.6, 0.4, 0.3, 0.2))),
+        "scan shipped + rare-term weighting idf^1.5": ranked_by(P(idf_power=1.5)),
+        "scan shipped + rare-term weighting idf^2": ranked_by(P(idf_power=2.0)),
         "sqlite fts5 porter unicode61, OR, bm25()": lambda: fts5_rankings(memory(True)[1]),
         "bm25s (lucene, en stop words)": lambda: bm25s_rankings(memory(True)[1]),
     }

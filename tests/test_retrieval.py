@@ -106,6 +106,8 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
             if df[t] and t in tf:
                 # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
                 idf = float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
+                if params.idf_power != 1.0:
+                    idf = float(np.float64(idf) ** params.idf_power)
                 w = qtf[t] * idf * (k1 + 1)
                 s += w * tf[t] / (tf[t] + (k1 * (1 - b) + k1 * b / avgdl * length))
         bm25[seq] = s
@@ -198,7 +200,8 @@ def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store)
 PLAIN = scan.Params(before=(), after=())  # BM25 alone, no conversational context
 
 
-@pytest.mark.parametrize("params", [scan.Params(), PLAIN], ids=["context", "plain"])
+@pytest.mark.parametrize("params", [scan.Params(), PLAIN, scan.Params(1.2, 0.75, idf_power=2.0)],
+                         ids=["context", "plain", "rare-terms"])
 @pytest.mark.parametrize("path", ["store", "terms", "rows"])
 def test_scan_is_exact_against_the_reference(store: Store, path: str, params: scan.Params,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
