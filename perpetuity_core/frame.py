@@ -13,7 +13,7 @@ keeps as it sent them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -55,15 +55,18 @@ class Frame:
     left_out: int  # warm rows the cap left out
     now: float  # the user's clock
     reheats: dict[int, float] = field(default_factory=dict)  # to write unless probing
+    sticky: list[list[int]] = field(default_factory=list)  # sections to keep in front next turn
 
 
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
           exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap,
-          recent_messages: Iterable[int] = ()) -> Frame | None:
+          recent_messages: Iterable[int] = (),
+          previous: list[list[int]] = ()) -> Frame | None:
     """The frame for one question, or None when memory holds nothing to show. Reads only.
 
     Never trimmed: the question's top hit and `recent_messages`, the latest stretch of the
-    conversation that the harness did not keep as sent.
+    conversation that the harness did not keep as sent. `previous` is the last frame's
+    `sticky` rows for this conversation.
     """
     excluded = set(exclude_messages)
     recent = set(recent_messages) - excluded
@@ -78,13 +81,31 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     warm_ids = warm.item_ids.tolist()
     seen = set(warm_ids)
     rows = _rows(warm_ids + [i for i in recent_items if i not in seen], excluded)
-    must = ({hits[0].item_id} if hits else set()) | set(recent_items)
-    chosen = _fill(rows, warm, must, budget, asked_at, conversation_id)
-    if not chosen:
+    recent_set = set(recent_items)
+    must = ({hits[0].item_id} if hits else set()) | recent_set
+    # The previous frame's sections stay in front, rendered as they were, while all of it is
+    # still warm: providers cache by exact prefix. A row gone cold, or a frame that no longer
+    # fits, rebuilds it from scratch.
+    kept_sections = [list(sec) for sec in previous]
+    flat = [i for sec in kept_sections for i in sec]
+    if any(i not in rows or i in recent_set for i in flat):
+        kept_sections, flat = [], []
+
+    def render_ids(stable: list[int], new: list[int]) -> list[Message]:
+        front = kept_sections if stable else []
+        return render([[rows[i] for i in sec] for sec in front]
+                      + [[rows[i] for i in new if i not in recent_set],
+                         [rows[i] for i in new if i in recent_set]], asked_at, conversation_id)
+
+    stable, new = _fill(rows, warm, must, flat, budget, render_ids)
+    if not stable and not new:
         return None
-    messages = render(chosen, asked_at, conversation_id)
-    return Frame(messages, [r.item_id for r in chosen], budget, _tokens(messages),
-                 len(rows) - len(chosen), now, reheats)
+    messages = render_ids(stable, new)
+    chosen = stable + new
+    fresh = [i for i in new if i not in recent_set]
+    sticky = (kept_sections if stable else []) + ([fresh] if fresh else [])
+    return Frame(messages, chosen, budget, _tokens(messages), len(rows) - len(chosen), now,
+                 reheats, sticky)
 
 
 def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
@@ -128,60 +149,55 @@ def _rows(item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
     return out
 
 
-def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], budget: int, asked_at: float,
-          conversation_id: int | None) -> list[Row]:
-    """Two passes: take the warmest rows while their estimated size fits, then render and
-    measure, dropping the coolest until the rendered frame fits. `must` is never dropped."""
+def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], stable: list[int],
+          budget: int, render_ids: Callable[[list[int], list[int]], list[Message]],
+          ) -> tuple[list[int], list[int]]:
+    """(stable, new): the previous frame's rows kept in their order, and the rows added now.
+
+    Two passes: take the warmest rows while their estimated size fits, then render and
+    measure, dropping the coolest added rows until the rendered frame fits. `must` is never
+    dropped; a stable part that no longer fits beside it is given up (the frame is rebuilt).
+    """
     order = [i for i in warm.item_ids.tolist() if i in rows]
     ordered = set(order)
     order += [i for i in rows if i not in ordered]  # mandatory rows gone cold still come
-    chosen: list[int] = [i for i in order if i in must]
-    used = sum(token_estimate(_quote(rows[i])) + _LABEL_TOKENS for i in chosen)
+
+    def cost(i: int) -> int:
+        return token_estimate(_quote(rows[i])) + _LABEL_TOKENS
+
+    kept = set(stable)
+    new = [i for i in order if i in must and i not in kept]
+    used = sum(cost(i) for i in stable + new)
+    fill = budget
+    if stable and used > budget:
+        # Rebuilt, the frame leaves room to grow again in place for a few turns.
+        stable, kept, fill = [], set(), int(budget * REBUILD_FILL)
+        new = [i for i in order if i in must]
+        used = sum(cost(i) for i in new)
     for i in order:
-        if i in must:
-            continue
-        cost = token_estimate(_quote(rows[i])) + _LABEL_TOKENS
-        if used + cost <= budget:
-            chosen.append(i)
-            used += cost
-    while len(chosen) > len(must & set(chosen)):
-        rendered = render([rows[i] for i in chosen], asked_at, conversation_id)
-        if _tokens(rendered) <= budget:
+        if i not in kept and i not in must and used + cost(i) <= fill:
+            new.append(i)
+            used += cost(i)
+    while any(i not in must for i in new):
+        if _tokens(render_ids(stable, new)) <= budget:
             break
-        drop = next(i for i in reversed(chosen) if i not in must)
-        chosen.remove(drop)
-    return [rows[i] for i in chosen]
+        new.remove(next(i for i in reversed(new) if i not in must))
+    return stable, new
 
 
 _LABEL_TOKENS = 6  # a label's share per row, for the first pass; the second pass measures
+REBUILD_FILL = 0.7  # a frame rebuilt because it outgrew its budget refills this share of it
 
 
-def render(rows: list[Row], asked_at: float, conversation_id: int | None) -> list[Message]:
-    """Rows as alternating user and assistant messages, grouped by conversation, labelled."""
-    if not rows:
-        return []
-    groups: dict[int, list[Row]] = {}
-    for r in sorted(rows, key=lambda r: (r.message_id, r.item_id)):
-        groups.setdefault(r.conversation_id, []).append(r)
-    adjacent = {c: _adjacent_pairs([r.message_id for r in g]) for c, g in groups.items()}
-    # Other conversations by when they were last said, then the current one.
-    order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
+def render(sections: list[list[Row]], asked_at: float,
+           conversation_id: int | None) -> list[Message]:
+    """Rows as alternating user and assistant messages, labelled, section after section; within
+    a section grouped by conversation (the current one last), oldest first."""
     turns: list[tuple[str, str]] = []  # (role, text) per stored message
-    for c in order:
-        by_message: dict[int, list[Row]] = {}
-        for r in groups[c]:
-            by_message.setdefault(r.message_id, []).append(r)
-        previous: Row | None = None
-        for message_id, parts in by_message.items():
-            first = parts[0]
-            text = "\n".join(_quote(p) for p in parts)
-            # A label opens each run of turns said together; within a run the alternation
-            # itself tells the speakers apart, and a label per turn would cost a row's worth.
-            if previous is None or not _same_run(previous, first, adjacent[c]):
-                text = _label(first, asked_at, current=c == conversation_id) + "\n" + text
-            role = "assistant" if first.role == "assistant" else "user"
-            turns.append((role, text))
-            previous = first
+    for rows in sections:
+        turns += _section(rows, asked_at, conversation_id)
+    if not turns:
+        return []
     messages: list[Message] = []
     if turns[0][0] != "user":
         messages.append(Message("user", (Part(Kind.TEXT, HEADER),)))
@@ -195,6 +211,31 @@ def render(rows: list[Row], asked_at: float, conversation_id: int | None) -> lis
     if messages[-1].role == "user":
         messages.append(Message("assistant", (Part(Kind.TEXT, CLOSING),)))
     return messages
+
+
+def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> list[tuple[str, str]]:
+    groups: dict[int, list[Row]] = {}
+    for r in sorted(rows, key=lambda r: (r.message_id, r.item_id)):
+        groups.setdefault(r.conversation_id, []).append(r)
+    # Other conversations by when they were last said, then the current one.
+    order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
+    turns: list[tuple[str, str]] = []
+    for c in order:
+        adjacent = _adjacent_pairs([r.message_id for r in groups[c]])
+        by_message: dict[int, list[Row]] = {}
+        for r in groups[c]:
+            by_message.setdefault(r.message_id, []).append(r)
+        previous: Row | None = None
+        for parts in by_message.values():
+            first = parts[0]
+            text = "\n".join(_quote(p) for p in parts)
+            # A label opens each run of turns said together; within a run the alternation
+            # itself tells the speakers apart, and a label per turn would cost a row's worth.
+            if previous is None or not _same_run(previous, first, adjacent):
+                text = _label(first, asked_at, current=c == conversation_id) + "\n" + text
+            turns.append(("assistant" if first.role == "assistant" else "user", text))
+            previous = first
+    return turns
 
 
 RUN_GAP = 30 * 60  # turns further apart than this in time are labelled afresh

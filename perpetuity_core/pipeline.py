@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 import secrets
 import time
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ CURATE_COMMAND = "/perpetuity-curate"
 CODING = ("claude-code", "codex", "opencode")
 CODING_KEEP_TURNS = 3  # a coding harness keeps its live turn and the two before it as sent
 RECENT_STRETCH = 6  # the latest stored messages of the conversation, always in the frame
+STICKY_CONVERSATIONS = 10_000
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -121,6 +123,9 @@ class Pipeline:
         self.limits = limits
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
         self.scanner = Scanner(store, share_pool=share_pool)
+        # Each conversation's last frame, kept in front while it stays warm (prompt caching).
+        # Only the preparing thread touches it; a restart costs one rebuilt frame.
+        self._sticky: OrderedDict[tuple[int, int | None], list[list[int]]] = OrderedDict()
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -178,6 +183,8 @@ class Pipeline:
             decision.note = "probe" if controls.probe else "capture off"
             return decision
         frame = decision.frame
+        if frame is not None:
+            self._remember(ident, frame)
         sent = parsed.messages[keep:] if frame else parsed.messages
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
                               parsed.messages, at, frame.reheats if frame else {},
@@ -209,8 +216,18 @@ class Pipeline:
         recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
         built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
-                            recent_messages=recent)
+                            recent_messages=recent, previous=self._sticky.get((user_id, conv), []))
         return (built, keep) if built else None
+
+    def _remember(self, ident: Identity, built: Frame) -> None:
+        user_id = self.store.find_user(ident.user)
+        if user_id is None:
+            return
+        key = (user_id, self.store.find_conversation(user_id, ident.conversation))
+        self._sticky[key] = built.sticky
+        self._sticky.move_to_end(key)
+        while len(self._sticky) > STICKY_CONVERSATIONS:
+            self._sticky.popitem(last=False)
 
     def store_turn(self, p: PendingTurn) -> TurnContext:
         """Store what is new in the request, each message in its own transaction, this turn's

@@ -221,3 +221,28 @@ def test_probe_mode_has_no_side_effects(proxy: Proxy, fake: FakeProvider) -> Non
     sent = fake.requests[-1].json["messages"]
     assert "4471" in sent[0]["content"] and sent[-1]["content"] == "What is the vault code?"
     assert fake.requests[-1].json == fake.requests[-2].json  # same question, same frame
+
+
+def test_consecutive_turns_keep_the_previous_frame_in_front(tmp_path: Path) -> None:
+    """Providers cache by exact prefix: the next turn's frame starts as the last one did."""
+    store = Store(tmp_path / "m.db")
+    say(store, "older", *[f"The {w} recipe needs {w} and salt." for w in
+                          ("lemon", "garlic", "basil", "ginger", "fennel", "thyme")], user="cook")
+    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
+    history: list[dict[str, str]] = []
+    sent = []
+    for question in ("Which recipe needs lemon?", "And which one needs basil?",
+                     "What about thyme?"):
+        history.append({"role": "user", "content": question})
+        req = to_request({"method": "POST", "path": "/v1/chat/completions", "headers": [
+            ["authorization", "Bearer k"], ["x-perpetuity-user", "cook"],
+            ["x-perpetuity-conversation", "kitchen"]], "body": {"model": "m", "messages": history}})
+        d = pipeline.prepare(req)
+        sent.append(json.loads(d.body)["messages"])
+        turn = pipeline.store_turn(d.job.pending)
+        pipeline.store_reply(turn, Reply(Message("assistant", (text_part("Noted."),)), Usage()), 0)
+        history.append({"role": "assistant", "content": "Noted."})
+    for before, after in zip(sent, sent[1:]):
+        assert after[0]["content"].startswith(before[0]["content"])
+    assert "The basil recipe" in "".join(m["content"] for m in sent[1][:-1])
+    store.close()
