@@ -180,13 +180,14 @@ class Dictionary:
     def bag(self, text: str) -> Bag:
         # Written once per stored item: plain Python beats numpy's per-call overhead on the
         # short texts most turns are.
-        counts = Counter(self.id_list(text))
+        ids = self.id_list(text)
+        counts = Counter(ids)
         terms = sorted(counts)
-        return Bag(
-            np.array(terms, dtype=np.int32),
-            np.array([min(counts[t], MAX_TF) for t in terms], dtype=np.uint8),
-            sum(counts.values()),
-        )
+        tf = [counts[t] for t in terms]
+        if len(ids) > MAX_TF and max(tf) > MAX_TF:  # only a long text can need the cap
+            tf = [min(c, MAX_TF) for c in tf]
+        return Bag(np.array(terms, dtype=np.int32),
+                   np.frombuffer(bytes(tf), dtype=np.uint8), len(ids))
 
     def words(self, text: str) -> list[str]:
         """The normalised words of `text`, stop words included (for phrase checks and display)."""

@@ -149,6 +149,8 @@ def test_dictionary_folds_case_accents_and_inflections() -> None:
     assert list(d.ids("Painting PAINTS painted")) == [d.ids("paint")[0]] * 3
     assert list(d.ids("Café naïve")) == list(d.ids("cafe naive"))  # Rust path == ASCII path
     assert d.ids("the of and").size == 0  # stop words are not indexed
+    bag = d.bag("guitar " * 300 + "violin violin")
+    assert (bag.counts.tolist(), bag.length) == ([255, 2], 302)  # tf capped at one byte
 
 
 def test_ascii_fast_path_matches_the_tokenizers_pipeline() -> None:
