@@ -204,8 +204,10 @@ def settle(store: Store) -> int:
         # Only rows already folded are in the counts; a later fold will not see the others.
         counted = [g[3] for g in gone if g[4] <= folded]
         if counted:
-            _count(conn, np.frombuffer(b"".join(counted), "<i4"), -1)
-            conn.execute("DELETE FROM retrieval_term WHERE df <= 0")
+            terms = np.frombuffer(b"".join(counted), "<i4")
+            _count(conn, terms, -1)
+            conn.executemany("DELETE FROM retrieval_term WHERE term = ? AND df <= 0",
+                             [(t,) for t in np.unique(terms).tolist()])
         conn.execute("UPDATE retrieval_total SET rows = rows - ?, length = length - ?,"
                      " tokens = tokens - ? WHERE id = 1",
                      (len(gone), sum(g[1] for g in gone), sum(g[2] for g in gone)))
