@@ -396,8 +396,9 @@ def segment_postings(seg: Segment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 class Arena:
     """The in-memory copy of every retrieval row of the store, for many users at once.
 
-    Per row: seq (int64), user and conversation (int32, user -1 once deleted), length (int32);
-    per posting 3 bytes (term-major) or 5 bytes (row-major); df over all term ids (int32).
+    Per row: seq (int64), user and conversation (int32, user -1 once deleted), length and the
+    previous and next row of its conversation (int32): 24 bytes. Per posting 3 bytes
+    (term-major) or 5 bytes (row-major). Document frequencies in a `Frequencies`.
     """
 
     def __init__(self, layout: str = TERMS, threads: int | None = None) -> None:
