@@ -22,8 +22,11 @@ BREADTH_FULL = 12.0  # this many equally good matches earn the whole ceiling
 
 @dataclass(frozen=True, slots=True)
 class Cap:
-    floor: int = 1_500
-    ceiling: int = 6_000
+    """Frame budgets in tokens. The defaults are LoCoMo's best trade measured (mean frame
+    3.8k tokens of 22k-token histories); the ceiling is a deployment option."""
+
+    floor: int = 1_000
+    ceiling: int = 5_000
 
 
 def breadth(scores: np.ndarray) -> float:

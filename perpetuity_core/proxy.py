@@ -17,6 +17,7 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
+from .cap import Cap
 from .conversation import Provider, Reply
 from .errors import PerpetuityError
 from .notes import notes_root
@@ -48,13 +49,20 @@ class Perpetuity:
         loader.add_option("perpetuity_notes_dir", str, "",
                           "The notes library (default: $PERPETUITY_NOTES_DIR, a repository's "
                           ".perpetuity/, else ~/.claude/perpetuity/).")
+        loader.add_option("perpetuity_frame_ceiling", int, Cap().ceiling,
+                          "The largest frame of memory a request gets, in tokens; a narrow "
+                          "question gets less (the breadth-sized cap).")
+        loader.add_option("perpetuity_share_pool", bool, False,
+                          "Let every user's retrieval see the whole pool (own rows ranked "
+                          "first); off, each user sees only their own memory.")
         loader.add_option("perpetuity_tools", bool, True,
                           "Offer the recall tools; their loop runs in the relay. Off, replies "
                           "stream on mitmproxy's own path (x-perpetuity-tools: off, per request).")
 
     def configure(self, updated: set[str]) -> None:
         keys = {"perpetuity_db", "perpetuity_anthropic_upstream", "perpetuity_openai_upstream",
-                "perpetuity_tools", "perpetuity_notes_dir"}
+                "perpetuity_tools", "perpetuity_notes_dir", "perpetuity_frame_ceiling",
+                "perpetuity_share_pool"}
         if not updated & keys:
             return
         try:
@@ -67,8 +75,12 @@ class Perpetuity:
         except PerpetuityError as e:
             raise exceptions.OptionsError(str(e)) from e
         notes_dir = ctx.options.perpetuity_notes_dir
+        ceiling = ctx.options.perpetuity_frame_ceiling
+        if ceiling < Cap().floor:
+            raise exceptions.OptionsError(f"perpetuity_frame_ceiling must be at least {Cap().floor}")
         self.pipeline = Pipeline(self.store, upstreams, ctx.options.perpetuity_tools,
-                                 Path(notes_dir).expanduser() if notes_dir else notes_root())
+                                 Path(notes_dir).expanduser() if notes_dir else notes_root(),
+                                 Cap(ceiling=ceiling), ctx.options.perpetuity_share_pool)
 
     def _open(self, path: str) -> Store:
         if self.store is not None:
