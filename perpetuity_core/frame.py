@@ -178,10 +178,17 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], stable: list[in
         if i not in kept and i not in must and used + cost(i) <= fill:
             new.append(i)
             used += cost(i)
-    while any(i not in must for i in new):
-        if _tokens(render_ids(stable, new)) <= budget:
+    droppable = [i for i in new if i not in must]
+    while droppable:
+        over = _tokens(render_ids(stable, new)) - fill
+        if over <= 0:
             break
-        new.remove(next(i for i in reversed(new) if i not in must))
+        # Drop the coolest added rows worth the overshoot, then measure again: labels make
+        # the estimate low, so this converges in a few renders, not one per row.
+        while over > 0 and droppable:
+            i = droppable.pop()
+            new.remove(i)
+            over -= cost(i)
     return stable, new
 
 
