@@ -2,8 +2,9 @@
 
 Runs the fake provider and a real mitmdump with the addon, then sends N streamed Anthropic
 requests each way, interleaved so every side shares the machine's noise. Through the proxy,
-three paths: captured via the relay (the default, where the tools' loop runs), captured on
-mitmproxy's own stream (x-perpetuity-tools: off), and pure pass-through (x-perpetuity: off).
+the paths: captured via the relay (the default, where the tools' loop runs) or on mitmproxy's
+own stream (x-perpetuity-tools: off), each with the frame and without it (recall off), and pure
+pass-through (x-perpetuity: off).
 Prints JSON.
 
     .venv/bin/python scripts/bench_latency.py [--requests 200]
@@ -28,6 +29,8 @@ from tests.fake_provider import FakeProvider, Text  # noqa: E402
 
 
 SIDES = {"direct": {}, "relay": {}, "mitmproxy_stream": {"x-perpetuity-tools": "off"},
+         "relay_no_frame": {"x-perpetuity-recall": "off"},
+         "mitmproxy_stream_no_frame": {"x-perpetuity-tools": "off", "x-perpetuity-recall": "off"},
          "pass_through": {"x-perpetuity": "off"}}
 
 
@@ -62,7 +65,7 @@ def main() -> None:
             with httpx.Client(trust_env=False, timeout=30) as client:
                 sides = list(SIDES)
                 for i in range(args.requests + 5):
-                    for side in sides[i % 4:] + sides[:i % 4]:  # rotate who goes first
+                    for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotate
                         fake.script(Text("A reply of a few words, streamed in pieces.", chunks=8))
                         url = fake.url if side == "direct" else proxy.url
                         ttfb, total = timed(client, url, i, SIDES[side])
