@@ -56,6 +56,7 @@ class Frame:
     now: float  # the user's clock
     reheats: dict[int, float] = field(default_factory=dict)  # to write unless probing
     sticky: list[list[int]] = field(default_factory=list)  # sections to keep in front next turn
+    below_cap: list[int] = field(default_factory=list)  # this turn's hits left out, best first
 
 
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
@@ -104,8 +105,9 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     chosen = stable + new
     fresh = [i for i in new if i not in recent_set]
     sticky = (kept_sections if stable else []) + ([fresh] if fresh else [])
+    shown = set(chosen)
     return Frame(messages, chosen, budget, _tokens(messages), len(rows) - len(chosen), now,
-                 reheats, sticky)
+                 reheats, sticky, [h.item_id for h in hits if h.item_id not in shown])
 
 
 def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
@@ -294,3 +296,9 @@ def _ago(seconds: float) -> str:
 
 def _tokens(messages: list[Message]) -> int:
     return sum(token_estimate(p.text) for m in messages for p in m.parts)
+
+
+def with_note(messages: list[Message], note: str) -> list[Message]:
+    """The frame with a note at its end (after the stable part, so the cached prefix holds)."""
+    last = messages[-1]
+    return messages[:-1] + [Message(last.role, last.parts + (Part(Kind.TEXT, note),))]

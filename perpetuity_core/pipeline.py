@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
-from . import capture, frame, heat, notes
+from . import capture, frame, heat, notes, tools
 from .cap import Cap
 from .capture import TurnContext
 from .conversation import Kind, Message, ParsedRequest, Protocol, Provider, Reply
 from .frame import Frame
 from .scan import Scanner, token_estimate
+from .tools import TurnMemory
 from .errors import PerpetuityError
 from .identity import Identity, identify
 from .protocols import ADAPTERS
@@ -90,6 +91,8 @@ class Job:
     # The request's write on the store's thread; the reply's write is queued behind it.
     turn: Future[TurnContext] | None = None
     at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
+    memory: TurnMemory | None = None  # set when the recall tools ride along (relay only)
+    max_rounds: int = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +118,11 @@ class Decision:
 class Pipeline:
     def __init__(self, store: Store, upstreams: Mapping[Provider, str], tools: bool = True,
                  notes_root: Path | None = None, limits: Cap = Cap(),
-                 share_pool: bool = False) -> None:
+                 share_pool: bool = False, tool_rounds: int = 4) -> None:
         self.store = store
         self.upstreams = dict(upstreams)
         self.tools = tools  # the deployment's default; x-perpetuity-tools: off turns them off
+        self.tool_rounds = tool_rounds
         self.notes_root = notes_root
         self.limits = limits
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
@@ -171,36 +175,44 @@ class Pipeline:
             return decision
         at = controls.at if controls.at is not None else time.time()
         keep = 0
+        # The recall tools ride along with a frame (there is memory to reach) and a model call.
+        tools_on = self.tools and controls.tools and not controls.probe and controls.capture
+        memory_tools = None
         if controls.recall and "previous_response_id" not in parsed.hints:
             coding = headers.get("x-perpetuity-harness", "coding" if ident.harness in CODING
                                  else "chat") == "coding"
             if planned := self._frame(ident, parsed, coding, at):
-                decision.frame, keep = planned
+                decision.frame, keep, memory = planned
+                rendered = decision.frame.messages
+                if tools_on:
+                    memory_tools = memory
+                    rendered = frame.with_note(rendered, _tools_note(decision.frame))
                 decision.body = json.dumps(ADAPTERS[r.protocol].replace_history(
-                    body, decision.frame.messages, parsed.raw_index[keep]),
-                    ensure_ascii=False).encode()
+                    body, rendered, parsed.raw_index[keep]), ensure_ascii=False).encode()
         if controls.probe or not controls.capture:
             decision.note = "probe" if controls.probe else "capture off"
             return decision
-        frame = decision.frame
-        if frame is not None:
-            self._remember(ident, frame)
-        sent = parsed.messages[keep:] if frame else parsed.messages
+        built = decision.frame
+        if built is not None:
+            self._remember(ident, built)
+        sent = parsed.messages[keep:] if built else parsed.messages
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
-                              parsed.messages, at, frame.reheats if frame else {},
-                              frame.now if frame else 0.0,
-                              (frame.tokens if frame else 0) + _tokens(sent))
+                              parsed.messages, at, built.reheats if built else {},
+                              built.now if built else 0.0,
+                              (built.tokens if built else 0) + _tokens(sent))
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded,
                            decision.body if decision.body is not None else req.body, r.protocol,
-                           parsed.stream, pending, relay=self.tools and controls.tools, at=controls.at)
+                           parsed.stream, pending, relay=self.tools and controls.tools, at=controls.at,
+                           memory=memory_tools, max_rounds=self.tool_rounds)
         decision.note = "captured"
         return decision
 
     def _frame(self, ident: Identity, parsed: ParsedRequest, coding: bool,
-               asked_at: float) -> tuple[Frame, int] | None:
-        """The frame for this request and the index of the first message kept as sent."""
+               asked_at: float) -> tuple[Frame, int, TurnMemory] | None:
+        """The frame for this request, the index of the first message kept as sent, and what
+        the recall tools start from."""
         user_id = self.store.find_user(ident.user)
         query = _last_user_text(parsed.messages)
         if user_id is None or not query:
@@ -217,7 +229,10 @@ class Pipeline:
         built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
                             recent_messages=recent, previous=self._sticky.get((user_id, conv), []))
-        return (built, keep) if built else None
+        if built is None:
+            return None
+        return built, keep, TurnMemory(user_id, conv, asked_at, set(built.item_ids),
+                                       list(built.below_cap))
 
     def _remember(self, ident: Identity, built: Frame) -> None:
         user_id = self.store.find_user(ident.user)
@@ -245,6 +260,12 @@ class Pipeline:
         """Store the reply and move the clock by what the model sent back (the store's writer)."""
         if capture.record_reply(self.store, turn, reply, at) is not None:
             heat.advance(turn.user_id, _tokens([reply.message]))
+
+
+def _tools_note(built: Frame) -> str:
+    left = (f" {built.left_out} more remembered items were left out of this frame;"
+            " memory_more and memory_search reach them." if built.left_out else "")
+    return f"[{tools.INSTRUCTIONS}{left}]"
 
 
 def _tokens(messages: list[Message]) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 from mitmproxy import ctx, exceptions, http
 
+from . import tools
 from .cap import Cap
 from .conversation import Provider, Reply
 from .errors import PerpetuityError
@@ -25,6 +26,7 @@ from .pipeline import Decision, HttpRequest, Job, Pipeline
 from .relay import JOB_HEADER, Relay, ReplyTee
 from .route import DEFAULT_UPSTREAMS, PROVIDER_HOSTS, parse_upstream
 from .store import Store, default_db_path
+from .tools import TurnMemory
 
 log = logging.getLogger("perpetuity")
 
@@ -33,7 +35,7 @@ class Perpetuity:
     def __init__(self) -> None:
         self.store: Store | None = None
         self.pipeline: Pipeline | None = None
-        self.relay = Relay(self._store_request, self._store_reply)
+        self.relay = Relay(self._store_request, self._store_reply, self._run_tool)
         # One thread owns the store: SQLite has one writer, and the event loop never waits on disk.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-store")
         # Requests are parsed on their own thread, so a request never queues behind a write.
@@ -55,6 +57,9 @@ class Perpetuity:
         loader.add_option("perpetuity_share_pool", bool, False,
                           "Let every user's retrieval see the whole pool (own rows ranked "
                           "first); off, each user sees only their own memory.")
+        loader.add_option("perpetuity_tool_rounds", int, 4,
+                          "Upstream rounds one reply may take for the recall tools; the last "
+                          "round must answer.")
         loader.add_option("perpetuity_tools", bool, True,
                           "Offer the recall tools; their loop runs in the relay. Off, replies "
                           "stream on mitmproxy's own path (x-perpetuity-tools: off, per request).")
@@ -62,7 +67,7 @@ class Perpetuity:
     def configure(self, updated: set[str]) -> None:
         keys = {"perpetuity_db", "perpetuity_anthropic_upstream", "perpetuity_openai_upstream",
                 "perpetuity_tools", "perpetuity_notes_dir", "perpetuity_frame_ceiling",
-                "perpetuity_share_pool"}
+                "perpetuity_share_pool", "perpetuity_tool_rounds"}
         if not updated & keys:
             return
         try:
@@ -80,7 +85,8 @@ class Perpetuity:
             raise exceptions.OptionsError(f"perpetuity_frame_ceiling must be at least {Cap().floor}")
         self.pipeline = Pipeline(self.store, upstreams, ctx.options.perpetuity_tools,
                                  Path(notes_dir).expanduser() if notes_dir else notes_root(),
-                                 Cap(ceiling=ceiling), ctx.options.perpetuity_share_pool)
+                                 Cap(ceiling=ceiling), ctx.options.perpetuity_share_pool,
+                                 max(1, ctx.options.perpetuity_tool_rounds))
 
     def _open(self, path: str) -> Store:
         if self.store is not None:
@@ -209,6 +215,12 @@ class Perpetuity:
         """Queue the request's write on the store's thread, once."""
         if job.turn is None and self.pipeline is not None:
             job.turn = self.executor.submit(self.pipeline.store_turn, job.pending)
+
+    async def _run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
+        """On the preparing thread: it owns the scanner, and the event loop never waits."""
+        assert self.pipeline is not None
+        return await asyncio.get_running_loop().run_in_executor(
+            self.parser, tools.run, name, arguments, memory, self.pipeline.scanner)
 
     def _store_reply(self, job: Job, reply: Reply, at: float) -> None:
         """Queue the reply behind its request on the store's thread (FIFO: one writer, in order)."""

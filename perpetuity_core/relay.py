@@ -19,14 +19,17 @@ import logging
 import secrets
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 
 from .conversation import Reply
+from . import tools
 from .pipeline import Job
 from .protocols import ADAPTERS
 from .sse import SSEDecoder
+from .tools import TurnMemory
 
 log = logging.getLogger("perpetuity")
 
@@ -80,10 +83,17 @@ class ReplyTee:
             return None
 
 
+# Runs one of our tools off the event loop: (name, arguments, the turn's memory) -> result text.
+RunTool = Callable[[str, Any, TurnMemory], Awaitable[str]]
+PING_EVERY = 1.0  # seconds between keep-alive pings while our tools run
+
+
 class Relay:
-    def __init__(self, store_request: Callable[[Job], None], store_reply: StoreReply) -> None:
+    def __init__(self, store_request: Callable[[Job], None], store_reply: StoreReply,
+                 run_tool: RunTool) -> None:
         self.store_request = store_request
         self.store_reply = store_reply
+        self.run_tool = run_tool
         self.port = 0
         self._jobs: dict[str, tuple[float, Job]] = {}
         self._server: asyncio.Server | None = None
@@ -139,6 +149,12 @@ class Relay:
 
     async def _exchange(self, job: Job, writer: asyncio.StreamWriter) -> bool:
         """Relay one exchange; False when the connection to mitmproxy can no longer be used."""
+        if job.memory is not None and hasattr(ADAPTERS[job.protocol], "add_tools"):
+            return await ToolLoop(self, job, writer).run()
+        return await self._forward(job, writer)
+
+    async def _forward(self, job: Job, writer: asyncio.StreamWriter) -> bool:
+        """The plain exchange: upstream's bytes to the client as they come."""
         assert self._client is not None
         request = self._client.build_request(job.method, job.url, headers=job.headers, content=job.body)
         try:
@@ -185,6 +201,135 @@ class Relay:
             self.store_reply(job, reply, job.at if job.at is not None else time.time())
         except Exception:
             log.exception("perpetuity: could not store the reply")
+
+
+class ToolLoop:
+    """One reply the client sees, made of as many upstream rounds as our tools need.
+
+    Each round streams through a merger that hides calls to our tools and renumbers what it
+    forwards; when a round ends with only our calls, they run (off the event loop, with
+    keep-alive pings) and the provider is called again with the calls and their results. The
+    last allowed round must answer. Before the client has seen a byte, any failure falls back
+    to the plain exchange; after, it ends the stream with the protocol's error event.
+    """
+
+    def __init__(self, relay: Relay, job: Job, writer: asyncio.StreamWriter) -> None:
+        self.relay, self.job, self.writer = relay, job, writer
+        self.adapter = ADAPTERS[job.protocol]
+        self.merger = (self.adapter.StreamMerger if job.stream else self.adapter.BodyMerger)(
+            tools.TOOL_NAMES)
+        self.tee = ReplyTee(job, "")
+        self.started = False  # the client has seen the response head
+
+    async def run(self) -> bool:
+        job, client = self.job, self.relay._client
+        assert client is not None and job.memory is not None
+        body = json.loads(job.body)
+        specs = [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
+                 for t in tools.TOOLS]
+        try:
+            for round_ in range(job.max_rounds):
+                last = round_ == job.max_rounds - 1
+                sent = self.adapter.add_tools(body, specs, last)
+                request = client.build_request(job.method, job.url, headers=job.headers,
+                                               content=json.dumps(sent).encode())
+                resp = await client.send(request, stream=True)
+                try:
+                    if resp.status_code >= 400:
+                        return await self._upstream_error(resp)
+                    await self._round(resp)
+                finally:
+                    await resp.aclose()
+                calls = self.merger.our_calls()
+                if not calls or self.merger.others_called() or last:
+                    break
+                results = await self._run_tools(calls)
+                if results is None:
+                    return False  # the client went away: no further upstream call
+                body = self.adapter.continue_body(body, self.merger.assistant_blocks(), results)
+                self.merger.next_round()
+            await self._write(self.merger.finish())
+            self.relay._store(job, self.tee)
+            self.relay.store_request(job)
+            self.writer.write(b"0\r\n\r\n")
+            await self.writer.drain()
+            return True
+        except (httpx.HTTPError, ValueError) as e:
+            self.relay.store_request(job)
+            if not self.started:
+                return await self.relay._forward(job, self.writer)  # fall back, untouched
+            await self._write(self.adapter.error_event(f"perpetuity: upstream failed: {e}"))
+            self.writer.write(b"0\r\n\r\n")
+            await self.writer.drain()
+            return True
+        except ConnectionError:
+            self.relay.store_request(job)
+            return False
+
+    async def _round(self, resp: httpx.Response) -> None:
+        if not self.job.stream:
+            self.merger.feed_body(json.loads(await resp.aread()))
+            return
+        await self._start(resp)
+        sse = SSEDecoder()
+        async for chunk in resp.aiter_raw():
+            for ev in sse.feed(chunk):
+                try:
+                    data = json.loads(ev.data)
+                except ValueError:
+                    continue
+                if out := self.merger.feed(ev.event, data):
+                    await self._write(out)
+        self.relay.store_request(self.job)
+
+    async def _start(self, resp: httpx.Response) -> None:
+        if not self.started:
+            self.started = True
+            self.writer.write(_head(resp))
+
+    async def _write(self, data: bytes) -> None:
+        if not self.started:  # a whole body: its head goes out with it
+            self.started = True
+            self.writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                              b"transfer-encoding: chunked\r\n\r\n")
+        self.writer.write(b"%x\r\n%b\r\n" % (len(data), data))
+        self.tee.feed(data)
+        await self.writer.drain()
+
+    async def _run_tools(self, calls: list[tuple[str, str, Any]]) -> list[tuple[str, str]] | None:
+        """Our calls' results, pinging the client while they run; None if it went away."""
+        assert self.job.memory is not None
+        results = []
+        for call_id, name, args in calls:
+            task = asyncio.ensure_future(self.relay.run_tool(name, args, self.job.memory))
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=PING_EVERY)
+                if done:
+                    break
+                if self.job.stream:
+                    try:
+                        await self._write(self.adapter.ping())
+                    except ConnectionError:
+                        task.cancel()
+                        return None
+            results.append((call_id, task.result()))
+        if self.writer.is_closing():
+            return None
+        return results
+
+    async def _upstream_error(self, resp: httpx.Response) -> bool:
+        """An error from the provider: as it was sent, if the client has seen nothing yet."""
+        raw = await resp.aread()
+        self.relay.store_request(self.job)
+        if not self.started:
+            self.started = True
+            self.writer.write(_head(resp) + b"%x\r\n%b\r\n0\r\n\r\n" % (len(raw), raw))
+            await self.writer.drain()
+            return True
+        await self._write(self.adapter.error_event(raw.decode("utf-8", "replace")[:2000]))
+        self.writer.write(b"0\r\n\r\n")
+        await self.writer.drain()
+        return True
 
 
 def _parse_head(head: bytes) -> dict[str, str]:

@@ -75,6 +75,7 @@ class ToolCall:
     arguments: dict
     call_id: str | None = None
     text: str | None = None
+    also: tuple["ToolCall", ...] = ()  # more calls in the same reply (Anthropic Messages)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ class _Turn:
     tool_args: str | None = None  # JSON text
     tool_call_id: str | None = None
     chunks: int = 3
+    more_tools: tuple[tuple[str, str, str | None], ...] = ()  # (name, JSON args, id)
 
 
 def _turn_of(item: Any) -> _Turn:
@@ -186,6 +188,7 @@ def _turn_of(item: Any) -> _Turn:
             tool_name=item.name,
             tool_args=_dumps(item.arguments),
             tool_call_id=item.call_id,
+            more_tools=tuple((c.name, _dumps(c.arguments), c.call_id) for c in item.also),
         )
     return _Turn(text=DEFAULT_REPLY.text, chunks=DEFAULT_REPLY.chunks)
 
@@ -293,15 +296,14 @@ def _anthropic(turn: _Turn, ctx: _Ctx, stream: bool) -> tuple[list[bytes], dict]
         stop(index)
         blocks.append({"type": "text", "text": turn.text})
         index += 1
-    if turn.tool_name is not None:
-        tool_id = turn.tool_call_id or "toolu_fake_" + ids.hex("toolu", 18)
-        start(index, {"type": "tool_use", "id": tool_id, "name": turn.tool_name, "input": {}}, ping=False)
-        for piece in ["", *_split(turn.tool_args or "", 2)]:
+    calls = [(turn.tool_name, turn.tool_args, turn.tool_call_id)] if turn.tool_name else []
+    for n, (name, args, call_id) in enumerate(calls + list(turn.more_tools)):
+        tool_id = call_id or "toolu_fake_" + ids.hex(f"toolu{n}", 18)
+        start(index, {"type": "tool_use", "id": tool_id, "name": name, "input": {}}, ping=False)
+        for piece in ["", *_split(args or "", 2)]:
             delta(index, {"type": "input_json_delta", "partial_json": piece})
         stop(index)
-        blocks.append(
-            {"type": "tool_use", "id": tool_id, "name": turn.tool_name, "input": json.loads(turn.tool_args or "{}")}
-        )
+        blocks.append({"type": "tool_use", "id": tool_id, "name": name, "input": json.loads(args or "{}")})
         index += 1
 
     events.append(

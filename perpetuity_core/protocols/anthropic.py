@@ -188,3 +188,207 @@ def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
         ("message_stop", {"type": "message_stop"}),
     ]
     return b"".join(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events)
+
+
+# --------------------------------------------------------------------------- the tool loop
+
+
+def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: bool) -> dict[str, Any]:
+    """Our tools beside the harness's own; on the last round the model must answer."""
+    defs = [{"name": t["name"], "description": t["description"], "input_schema": t["input_schema"]}
+            for t in tools]
+    out = {**body, "tools": list(body.get("tools") or []) + defs}
+    if last_round:
+        out["tool_choice"] = {"type": "none"}
+    return out
+
+
+def continue_body(body: dict[str, Any], assistant: list[dict[str, Any]],
+                  results: list[tuple[str, str]]) -> dict[str, Any]:
+    """The next round's request: this round's assistant blocks and our tools' results."""
+    user = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id,
+                                         "content": text} for call_id, text in results]}
+    return {**body, "messages": list(body["messages"]) + [
+        {"role": "assistant", "content": assistant}, user]}
+
+
+def ping() -> bytes:
+    return b'event: ping\ndata: {"type": "ping"}\n\n'
+
+
+def error_event(message: str) -> bytes:
+    data = {"type": "error", "error": {"type": "api_error", "message": message}}
+    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+class StreamMerger:
+    """Rounds of a Messages event stream merged into the one reply the client sees.
+
+    Our tools' calls are hidden; every other block is forwarded as it streams, its index
+    renumbered consecutively across rounds (the SDK indexes blocks by it). One message_start
+    (the first round's) and one message_delta + message_stop (the last round's, with usage
+    summed over rounds) reach the client.
+    """
+
+    def __init__(self, ours: frozenset[str]) -> None:
+        self.ours = ours
+        self.next_index = 0
+        self.started = False
+        self.usage = {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                      "cache_read_input_tokens": 0}
+        self._round_output = 0
+        self._new_round()
+
+    def _new_round(self) -> None:
+        self.blocks: dict[int, dict[str, Any]] = {}  # upstream index -> block being built
+        self.hidden: set[int] = set()
+        self.remap: dict[int, int] = {}
+        self.delta: dict[str, Any] | None = None
+        self.done = False
+
+    def feed(self, name: str, data: dict[str, Any]) -> bytes:
+        """What to send the client for one upstream event ("" to hold it back)."""
+        t = data.get("type", name)
+        if t == "message_start":
+            self._add_usage((data.get("message") or {}).get("usage") or {})
+            if self.started:
+                return b""
+            self.started = True
+            return _event(name, data)
+        if t == "content_block_start":
+            index, block = int(data.get("index", 0)), dict(data.get("content_block") or {})
+            self.blocks[index] = {**block, "_json": ""}
+            if block.get("type") == "tool_use" and block.get("name") in self.ours:
+                self.hidden.add(index)
+                return b""
+            self.remap[index] = self.next_index
+            self.next_index += 1
+            return _event(name, {**data, "index": self.remap[index]})
+        if t in ("content_block_delta", "content_block_stop"):
+            index = int(data.get("index", 0))
+            self._grow(index, data.get("delta") or {})
+            if index in self.hidden:
+                return b""
+            return _event(name, {**data, "index": self.remap.get(index, index)})
+        if t == "message_delta":
+            self.delta = data
+            self._add_usage(data.get("usage") or {}, final=True)
+            return b""
+        if t == "message_stop":
+            self.done = True
+            return b""
+        return _event(name, data)  # ping and anything newer pass through
+
+    def _grow(self, index: int, delta: dict[str, Any]) -> None:
+        block = self.blocks.setdefault(index, {"type": "text", "_json": ""})
+        kind = delta.get("type")
+        if kind == "text_delta":
+            block["text"] = block.get("text", "") + str(delta.get("text", ""))
+        elif kind == "input_json_delta":
+            block["_json"] += str(delta.get("partial_json", ""))
+        elif kind == "thinking_delta":
+            block["thinking"] = block.get("thinking", "") + str(delta.get("thinking", ""))
+        elif kind == "signature_delta":
+            block["signature"] = block.get("signature", "") + str(delta.get("signature", ""))
+        elif kind == "citations_delta":
+            block.setdefault("citations", []).append(delta.get("citation"))
+
+    def _add_usage(self, usage: dict[str, Any], final: bool = False) -> None:
+        """Input figures come once per round, from message_start; output tokens are cumulative
+        within a round, so the round's last figure counts."""
+        if "output_tokens" in usage:
+            self._round_output = int(usage.get("output_tokens") or 0)
+        if not final:
+            for key in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"):
+                self.usage[key] += int(usage.get(key) or 0)
+
+    def our_calls(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(id, name, arguments) of the calls to our tools in this round."""
+        out = []
+        for index in sorted(self.hidden):
+            b = self.blocks[index]
+            try:
+                args = json.loads(b["_json"]) if b["_json"] else b.get("input") or {}
+            except ValueError:
+                args = {}
+            out.append((str(b.get("id", "")), str(b.get("name", "")), args))
+        return out
+
+    def others_called(self) -> bool:
+        return any(b.get("type") == "tool_use" and i not in self.hidden
+                   for i, b in self.blocks.items())
+
+    def assistant_blocks(self) -> list[dict[str, Any]]:
+        """This round's assistant content as the next request must carry it (thinking with its
+        signature, our calls with their input)."""
+        out = []
+        for _, b in sorted(self.blocks.items()):
+            block = {k: v for k, v in b.items() if k != "_json"}
+            if block.get("type") == "tool_use":
+                try:
+                    block["input"] = json.loads(b["_json"]) if b["_json"] else b.get("input", {})
+                except ValueError:
+                    block["input"] = {}
+            out.append(block)
+        return out
+
+    def next_round(self) -> None:
+        self.usage["output_tokens"] += self._round_output
+        self._round_output = 0
+        self._new_round()
+
+    def finish(self) -> bytes:
+        """The closing events: the last round's message_delta with usage summed, message_stop."""
+        delta = dict(self.delta or {"type": "message_delta",
+                                    "delta": {"stop_reason": "end_turn", "stop_sequence": None}})
+        usage = {**self.usage, "output_tokens": self.usage["output_tokens"] + self._round_output}
+        delta["usage"] = {**(delta.get("usage") or {}), **usage}
+        return _event("message_delta", delta) + _event("message_stop", {"type": "message_stop"})
+
+
+class BodyMerger:
+    """Rounds of whole (not streamed) Messages replies merged into the one the client sees."""
+
+    def __init__(self, ours: frozenset[str]) -> None:
+        self.ours = ours
+        self.first: dict[str, Any] | None = None
+        self.last: dict[str, Any] = {}
+        self.visible: list[dict[str, Any]] = []
+        self.round: list[dict[str, Any]] = []
+        self.usage = {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                      "cache_read_input_tokens": 0}
+
+    def feed_body(self, body: dict[str, Any]) -> None:
+        self.first = self.first or body
+        self.last = body
+        self.round = [b for b in body.get("content") or [] if isinstance(b, dict)]
+        self.visible += [b for b in self.round if not self._ours(b)]
+        for key in self.usage:
+            self.usage[key] += int((body.get("usage") or {}).get(key) or 0)
+
+    def _ours(self, block: dict[str, Any]) -> bool:
+        return block.get("type") == "tool_use" and block.get("name") in self.ours
+
+    def our_calls(self) -> list[tuple[str, str, dict[str, Any]]]:
+        return [(str(b.get("id", "")), str(b.get("name", "")), b.get("input") or {})
+                for b in self.round if self._ours(b)]
+
+    def others_called(self) -> bool:
+        return any(b.get("type") == "tool_use" and not self._ours(b) for b in self.round)
+
+    def assistant_blocks(self) -> list[dict[str, Any]]:
+        return self.round
+
+    def next_round(self) -> None:
+        self.round = []
+
+    def finish(self) -> bytes:
+        out = {**(self.first or {}), "content": self.visible,
+               "stop_reason": self.last.get("stop_reason"),
+               "stop_sequence": self.last.get("stop_sequence"),
+               "usage": {**(self.last.get("usage") or {}), **self.usage}}
+        return json.dumps(out).encode()

@@ -1,0 +1,150 @@
+"""The recall tools' loop, run inside the proxy mid-reply: real SDK clients, a real mitmdump,
+the fake provider scripted to call our tools."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import pytest
+
+from tests.conftest import Proxy, start_proxy, stop_proxy
+from tests.fake_provider import FakeProvider, Text, ToolCall
+
+WEATHER = {"name": "get_weather", "description": "Weather for a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+MEMORY = ["The vault code is 4471.", "Noted.", "My sister Ada lives in Oslo.", "Noted.",
+          "We planted tomatoes in April.", "Noted."]
+
+
+@pytest.fixture(scope="module")
+def proxy(fake: FakeProvider, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    p = start_proxy(tmp_path_factory.mktemp("tools"), fake.url, "--set", "perpetuity_tool_rounds=3")
+    yield p
+    stop_proxy(p)
+    assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
+
+
+def client(proxy: Proxy) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-tools", max_retries=0)
+
+
+def remember(proxy: Proxy, fake: FakeProvider, user: str) -> None:
+    """Give `user` a memory: an earlier conversation, stored through the proxy."""
+    history: list[dict] = []
+    for said, reply in zip(MEMORY[::2], MEMORY[1::2]):
+        history.append({"role": "user", "content": said})
+        fake.script(Text(reply))
+        client(proxy).messages.create(model="claude-opus-4-8", max_tokens=20, messages=history,
+                                      extra_headers={"x-perpetuity-user": user,
+                                                     "x-perpetuity-conversation": "earlier"})
+        history.append({"role": "assistant", "content": reply})
+    proxy.wait_messages(user, len(MEMORY))
+    fake.clear()
+
+
+def ask(user: str, text: str = "What is the vault code?") -> dict:
+    return dict(model="claude-opus-4-8", max_tokens=50, tools=[WEATHER],
+                messages=[{"role": "user", "content": text}],
+                extra_headers={"x-perpetuity-user": user, "x-perpetuity-conversation": "now"})
+
+
+def test_streamed_reply_hides_our_tool_and_continues_upstream(proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t1")
+    fake.script(ToolCall("memory_search", {"query": "sister Oslo"}, call_id="toolu_mem_1",
+                         text="Let me look."),
+                Text("Ada lives in Oslo.", chunks=2))
+    with client(proxy).messages.stream(**ask("t1", "Where does my sister live?")) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["text", "text"]
+    assert final.content[0].text == "Let me look." and final.content[1].text == "Ada lives in Oslo."
+    assert final.stop_reason == "end_turn"
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [e.index for e in starts] == [0, 1]  # renumbered consecutively across rounds
+    assert sum(e.type == "message_start" for e in events) == 1
+    assert not any("memory_" in str(e) for e in events)
+    # Usage summed over both rounds.
+    first, second = fake.wait_requests(2)
+    assert final.usage.input_tokens >= 2
+    # Upstream: our tools beside the harness's; the second round carries the call and result.
+    names = [t["name"] for t in first.json["tools"]]
+    assert names[0] == "get_weather" and "memory_search" in names and "memory_more" in names
+    assert second.json["messages"][-2]["content"][-1]["name"] == "memory_search"
+    result = second.json["messages"][-1]["content"][0]
+    assert result["type"] == "tool_result" and result["tool_use_id"] == "toolu_mem_1"
+    # The reply is stored once, as the client saw it.
+    texts = [t for role, _, t, _ in proxy.wait_messages("t1", len(MEMORY) + 2) if role == "assistant"]
+    assert texts[-1] == "Let me look.|Ada lives in Oslo."
+
+
+def test_whole_reply_merged_when_not_streamed(proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t2")
+    fake.script(ToolCall("memory_dates", {"query": "tomatoes"}, call_id="toolu_mem_2"),
+                Text("In April."))
+    r = client(proxy).messages.create(**ask("t2", "When did we plant tomatoes?"))
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text == "In April."
+    assert r.stop_reason == "end_turn"
+    assert len(fake.wait_requests(2)) == 2
+
+
+def test_rounds_are_bounded_and_the_last_must_answer(proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t3")
+    fake.script(ToolCall("memory_search", {"query": "a"}, call_id="toolu_a"),
+                ToolCall("memory_search", {"query": "b"}, call_id="toolu_b"),
+                Text("Answer."))
+    r = client(proxy).messages.create(**ask("t3"))
+    assert r.content[-1].text == "Answer."
+    sent = fake.wait_requests(3)
+    assert "tool_choice" not in sent[0].json and sent[2].json["tool_choice"] == {"type": "none"}
+
+
+def test_mixed_calls_reach_the_client_as_a_valid_reply(proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t4")
+    fake.script(ToolCall("memory_search", {"query": "x"}, call_id="toolu_ours",
+                         also=(ToolCall("get_weather", {"city": "Oslo"}, call_id="toolu_theirs"),)))
+    with client(proxy).messages.stream(**ask("t4")) as s:
+        final = s.get_final_message()
+    assert [(b.type, getattr(b, "name", "")) for b in final.content] == [("tool_use", "get_weather")]
+    assert final.stop_reason == "tool_use" and final.content[0].id == "toolu_theirs"
+    assert len(fake.requests) == 1  # the harness runs its tool; nothing more upstream now
+
+
+def test_client_gone_during_a_tool_round_stops_upstream(proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t5")
+    fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="toolu_gone"), Text("late"))
+    body = ask("t5")
+    headers = {"x-api-key": "sk-ant-tools", "anthropic-version": "2023-06-01",
+               **body.pop("extra_headers")}
+    with httpx.stream("POST", proxy.url + "/v1/messages", json={**body, "stream": True},
+                      headers=headers) as r:
+        next(r.iter_raw())
+    time.sleep(1.0)
+    assert len(fake.requests) <= 2
+    assert proxy.alive()
+
+
+def test_a_tool_round_never_delays_another_stream(proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t6")
+    fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="toolu_slow"),
+                Text("slow " * 30, chunks=30, delay=0.05), Text("fast"))
+    done = threading.Event()
+
+    def slow() -> None:
+        with client(proxy).messages.stream(**ask("t6")) as s:
+            s.get_final_message()
+        done.set()
+
+    t = threading.Thread(target=slow)
+    t.start()
+    fake.wait_requests(2)
+    started = time.monotonic()
+    r = client(proxy).messages.create(model="claude-opus-4-8", max_tokens=5,
+                                      messages=[{"role": "user", "content": "quick one"}],
+                                      extra_headers={"x-perpetuity-user": "t6-other"})
+    assert r.content[0].text == "fast" and time.monotonic() - started < 1.0
+    assert not done.is_set()
+    t.join()
