@@ -178,16 +178,25 @@ class Dictionary:
         return [i for i in ids if i != STOP_ID]
 
     def bag(self, text: str) -> Bag:
-        # Written once per stored item: plain Python beats numpy's per-call overhead on the
-        # short texts most turns are.
-        ids = self.id_list(text)
-        counts = Counter(ids)
+        # Written once per stored item, so counted without materialising the id list: on ASCII
+        # text get(word, word) maps known words to ids and leaves unseen ones as bytes keys,
+        # all inside Counter's C loop; only distinct unseen words go through Python.
+        if text.isascii():
+            words = text.encode("ascii").translate(_ASCII_FOLD).split()
+            counts = Counter(map(self._ascii_ids.get, words, words))
+            for w in [k for k in counts if type(k) is bytes]:
+                n = counts.pop(w)
+                counts[self._resolve(w.decode())] += n
+            counts.pop(STOP_ID, None)
+        else:
+            counts = Counter(self.id_list(text))
         terms = sorted(counts)
         tf = [counts[t] for t in terms]
-        if len(ids) > MAX_TF and max(tf) > MAX_TF:  # only a long text can need the cap
+        length = sum(tf)
+        if length > MAX_TF and max(tf) > MAX_TF:  # only a long text can need the cap
             tf = [min(c, MAX_TF) for c in tf]
-        return Bag(np.array(terms, dtype=np.int32),
-                   np.frombuffer(bytes(tf), dtype=np.uint8), len(ids))
+        return Bag(np.array(terms, dtype=np.int32), np.frombuffer(bytes(tf), dtype=np.uint8),
+                   length)
 
     def words(self, text: str) -> list[str]:
         """The normalised words of `text`, stop words included (for phrase checks and display)."""
