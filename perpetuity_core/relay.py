@@ -149,7 +149,7 @@ class Relay:
 
     async def _exchange(self, job: Job, writer: asyncio.StreamWriter) -> bool:
         """Relay one exchange; False when the connection to mitmproxy can no longer be used."""
-        if job.memory is not None and hasattr(ADAPTERS[job.protocol], "add_tools"):
+        if job.memory is not None:
             return await ToolLoop(self, job, writer).run()
         return await self._forward(job, writer)
 

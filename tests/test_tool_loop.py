@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 
 import anthropic
+import openai
 import httpx
 import pytest
 
@@ -148,3 +149,78 @@ def test_a_tool_round_never_delays_another_stream(proxy: Proxy, fake: FakeProvid
     assert r.content[0].text == "fast" and time.monotonic() - started < 1.0
     assert not done.is_set()
     t.join()
+
+
+def gpt(proxy: Proxy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-tools", max_retries=0)
+
+
+def remember_openai(proxy: Proxy, fake: FakeProvider, user: str) -> None:
+    history: list[dict] = []
+    for said, reply in zip(MEMORY[::2], MEMORY[1::2]):
+        history.append({"role": "user", "content": said})
+        fake.script(Text(reply))
+        gpt(proxy).chat.completions.create(model="gpt-4o", messages=history, user=user,
+                                           extra_headers={"x-perpetuity-conversation": "earlier"})
+        history.append({"role": "assistant", "content": reply})
+    proxy.wait_messages(user, len(MEMORY))
+    fake.clear()
+
+
+CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_chat_completions_loop(proxy: Proxy, fake: FakeProvider, stream: bool) -> None:
+    user = f"c-{stream}"
+    remember_openai(proxy, fake, user)
+    fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="call_mem"),
+                Text("It is 4471.", chunks=3))
+    kwargs = dict(model="gpt-4o", user=user, tools=[CHAT_TOOL],
+                  messages=[{"role": "user", "content": "What is the vault code?"}],
+                  extra_headers={"x-perpetuity-conversation": "now"})
+    if stream:
+        chunks = list(gpt(proxy).chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["stop"] and chunks[-1].usage is not None
+        assert len({c.id for c in chunks}) == 1
+    else:
+        r = gpt(proxy).chat.completions.create(**kwargs)
+        text = r.choices[0].message.content
+        assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+    assert text == "It is 4471."
+    second = fake.wait_requests(2)[1].json
+    assert second["messages"][-2]["tool_calls"][0]["function"]["name"] == "memory_search"
+    assert second["messages"][-1]["role"] == "tool" and second["messages"][-1]["tool_call_id"] == "call_mem"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_responses_loop(proxy: Proxy, fake: FakeProvider, stream: bool) -> None:
+    user = f"r-{stream}"
+    remember_openai(proxy, fake, user)
+    fake.script(ToolCall("memory_search", {"query": "sister"}, call_id="call_r"),
+                Text("Oslo.", chunks=2))
+    kwargs = dict(model="gpt-5", user=user, input="Where does my sister live?",
+                  tools=[{"type": "function", "name": "get_weather",
+                          "parameters": {"type": "object", "properties": {}}}],
+                  extra_headers={"x-perpetuity-conversation": "now"})
+    if stream:
+        events = list(gpt(proxy).responses.create(stream=True, **kwargs))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert sum(e.type == "response.created" for e in events) == 1
+        final = events[-1].response
+        assert events[-1].type == "response.completed"
+        assert not any(getattr(e, "item", None) is not None and e.item.type == "function_call"
+                       for e in events)
+    else:
+        final = gpt(proxy).responses.create(**kwargs)
+    assert final.output_text == "Oslo."
+    assert [o.type for o in final.output] == ["message"]
+    second = fake.wait_requests(2)[1].json
+    assert second["input"][-1] == {"type": "function_call_output", "call_id": "call_r",
+                                   "output": second["input"][-1]["output"]}
+    assert second["input"][-2]["type"] == "function_call"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
@@ -168,3 +169,186 @@ def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
 
     return (chunk({"role": "assistant", "content": text}, None) + chunk({}, "stop")
             + b"data: [DONE]\n\n")
+
+
+# --------------------------------------------------------------------------- the tool loop
+
+
+def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: bool) -> dict[str, Any]:
+    """Our tools beside the harness's own; on the last round the model must answer."""
+    defs = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                              "parameters": t["input_schema"]}} for t in tools]
+    out = {**body, "tools": list(body.get("tools") or []) + defs}
+    if last_round:
+        out["tool_choice"] = "none"
+    return out
+
+
+def continue_body(body: dict[str, Any], assistant: dict[str, Any],
+                  results: list[tuple[str, str]]) -> dict[str, Any]:
+    """The next round's request: this round's assistant message and our tools' results."""
+    return {**body, "messages": list(body["messages"]) + [assistant] + [
+        {"role": "tool", "tool_call_id": call_id, "content": text} for call_id, text in results]}
+
+
+def ping() -> bytes:
+    return b": ping\n\n"
+
+
+def error_event(message: str) -> bytes:
+    return f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n".encode()
+
+
+def _calls(calls: dict[int, dict[str, str]], indexes: Iterable[int]) -> list[dict[str, Any]]:
+    return [{"id": calls[i]["id"], "type": "function",
+             "function": {"name": calls[i]["name"], "arguments": calls[i]["args"]}}
+            for i in sorted(indexes)]
+
+
+class StreamMerger:
+    """Rounds of chat.completion.chunk events merged into the one stream the client sees.
+
+    Our tools' calls are hidden, the client's tool-call indexes renumbered consecutively, the
+    first round's id kept on every chunk; one finish_reason, one usage chunk (summed) and one
+    [DONE] end it.
+    """
+
+    def __init__(self, ours: frozenset[str]) -> None:
+        self.ours = ours
+        self.id = ""
+        self.next_index = 0
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        self.wants_usage = False
+        self.template: dict[str, Any] = {}
+        self._new_round()
+
+    def _new_round(self) -> None:
+        self.text: list[str] = []
+        self.calls: dict[int, dict[str, str]] = {}
+        self.hidden: set[int] = set()
+        self.remap: dict[int, int] = {}
+        self.finish_reason = ""
+
+    def feed(self, name: str, data: dict[str, Any]) -> bytes:
+        if "error" in data:  # the provider's own error event, as it sent it
+            return f"data: {json.dumps(data)}\n\n".encode()
+        self.id = self.id or str(data.get("id", ""))
+        self.template = self.template or {k: data[k] for k in ("object", "created", "model") if k in data}
+        if data.get("usage"):
+            self.wants_usage = True
+            for key in self.usage:
+                self.usage[key] += int(data["usage"].get(key) or 0)
+        choices = []
+        for choice in data.get("choices") or []:
+            delta = dict(choice.get("delta") or {})
+            if isinstance(delta.get("content"), str):
+                self.text.append(delta["content"])
+            visible = []
+            for call in delta.get("tool_calls") or []:
+                i = int(call.get("index", 0))
+                slot = self.calls.setdefault(i, {"id": "", "name": "", "args": ""})
+                fn = call.get("function") or {}
+                slot["id"] = call.get("id") or slot["id"]
+                slot["name"] = fn.get("name") or slot["name"]
+                slot["args"] += fn.get("arguments") or ""
+                if slot["name"] in self.ours:
+                    self.hidden.add(i)
+                if i in self.hidden:
+                    continue
+                if i not in self.remap:
+                    self.remap[i] = self.next_index
+                    self.next_index += 1
+                visible.append({**call, "index": self.remap[i]})
+            if "tool_calls" in delta:
+                delta["tool_calls"] = visible
+                if not visible:
+                    del delta["tool_calls"]
+            if choice.get("finish_reason"):
+                self.finish_reason = str(choice["finish_reason"])
+                choice = {**choice, "finish_reason": None}
+            if delta or choice.get("logprobs"):
+                choices.append({**choice, "delta": delta})
+        if not choices:
+            return b""
+        chunk = {**data, "id": self.id, "choices": choices}
+        chunk.pop("usage", None)  # summed over rounds, sent once at the end
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
+    def our_calls(self) -> list[tuple[str, str, Any]]:
+        return [(self.calls[i]["id"], self.calls[i]["name"], self.calls[i]["args"])
+                for i in sorted(self.hidden)]
+
+    def others_called(self) -> bool:
+        return any(i not in self.hidden for i in self.calls)
+
+    def assistant_blocks(self) -> dict[str, Any]:
+        return {"role": "assistant", "content": "".join(self.text) or None,
+                "tool_calls": _calls(self.calls, self.hidden)}
+
+    def next_round(self) -> None:
+        self._new_round()
+
+    def finish(self) -> bytes:
+        reason = self.finish_reason or "stop"
+        if reason == "tool_calls" and not self.others_called():
+            reason = "stop"
+        end = {"id": self.id, **self.template,
+               "choices": [{"index": 0, "delta": {}, "finish_reason": reason, "logprobs": None}]}
+        out = f"data: {json.dumps(end)}\n\n"
+        if self.wants_usage:
+            out += f"data: {json.dumps({'id': self.id, **self.template, 'choices': [], 'usage': self.usage})}\n\n"
+        return (out + "data: [DONE]\n\n").encode()
+
+
+class BodyMerger:
+    """Rounds of whole chat.completion bodies merged into the one the client sees."""
+
+    def __init__(self, ours: frozenset[str]) -> None:
+        self.ours = ours
+        self.first: dict[str, Any] | None = None
+        self.last: dict[str, Any] = {}
+        self.text: list[str] = []
+        self.visible: list[dict[str, Any]] = []
+        self.round: dict[str, Any] = {}
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+    def feed_body(self, body: dict[str, Any]) -> None:
+        self.first = self.first or body
+        self.last = body
+        self.round = ((body.get("choices") or [{}])[0].get("message")) or {}
+        if isinstance(self.round.get("content"), str):
+            self.text.append(self.round["content"])
+        self.visible += [c for c in self.round.get("tool_calls") or []
+                         if (c.get("function") or {}).get("name") not in self.ours]
+        for key in self.usage:
+            self.usage[key] += int((body.get("usage") or {}).get(key) or 0)
+
+    def our_calls(self) -> list[tuple[str, str, Any]]:
+        return [(str(c.get("id", "")), str(c["function"]["name"]), c["function"].get("arguments", ""))
+                for c in self.round.get("tool_calls") or []
+                if (c.get("function") or {}).get("name") in self.ours]
+
+    def others_called(self) -> bool:
+        return any((c.get("function") or {}).get("name") not in self.ours
+                   for c in self.round.get("tool_calls") or [])
+
+    def assistant_blocks(self) -> dict[str, Any]:
+        ours = [c for c in self.round.get("tool_calls") or []
+                if (c.get("function") or {}).get("name") in self.ours]
+        return {"role": "assistant", "content": self.round.get("content"), "tool_calls": ours}
+
+    def next_round(self) -> None:
+        self.round = {}
+
+    def finish(self) -> bytes:
+        choice = dict((self.last.get("choices") or [{}])[0])
+        message = {**(choice.get("message") or {}), "role": "assistant",
+                   "content": "".join(self.text) or None}
+        message.pop("tool_calls", None)
+        if self.visible:
+            message["tool_calls"] = self.visible
+        choice.update(message=message, finish_reason="tool_calls" if self.visible else
+                      (choice.get("finish_reason") if choice.get("finish_reason") != "tool_calls"
+                       else "stop"))
+        out = {**(self.first or {}), "choices": [choice], "usage": self.usage}
+        return json.dumps(out).encode()

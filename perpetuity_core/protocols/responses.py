@@ -201,3 +201,156 @@ def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
         f"event: {e['type']}\ndata: {json.dumps({**e, 'sequence_number': n})}\n\n".encode()
         for n, e in enumerate(events)
     )
+
+
+# --------------------------------------------------------------------------- the tool loop
+
+
+def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: bool) -> dict[str, Any]:
+    """Our tools beside the harness's own; on the last round the model must answer."""
+    defs = [{"type": "function", "name": t["name"], "description": t["description"],
+             "parameters": t["input_schema"]} for t in tools]
+    out = {**body, "tools": list(body.get("tools") or []) + defs}
+    if last_round:
+        out["tool_choice"] = "none"
+    return out
+
+
+def continue_body(body: dict[str, Any], items: list[dict[str, Any]],
+                  results: list[tuple[str, str]]) -> dict[str, Any]:
+    """The next round's request: this round's output items and our tools' results."""
+    raw = body.get("input")
+    before = [{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str) else list(raw or [])
+    return {**body, "input": before + items + [
+        {"type": "function_call_output", "call_id": call_id, "output": text}
+        for call_id, text in results]}
+
+
+def ping() -> bytes:
+    return b": ping\n\n"
+
+
+def error_event(message: str) -> bytes:
+    data = {"type": "error", "code": "server_error", "message": message, "param": None}
+    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def _ours(item: dict[str, Any], ours: frozenset[str]) -> bool:
+    return item.get("type") == "function_call" and item.get("name") in ours
+
+
+class StreamMerger:
+    """Rounds of response.* events merged into the one stream the client sees.
+
+    Our function calls are hidden; output indexes and sequence numbers run on consecutively;
+    response.created and response.in_progress come once, and one response.completed closes the
+    stream with every visible item and the usage summed over rounds.
+    """
+
+    def __init__(self, ours: frozenset[str]) -> None:
+        self.ours = ours
+        self.sequence = 0
+        self.next_index = 0
+        self.opened: set[str] = set()
+        self.visible: list[dict[str, Any]] = []
+        self.usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        self.final: dict[str, Any] = {}
+        self._new_round()
+
+    def _new_round(self) -> None:
+        self.items: dict[int, dict[str, Any]] = {}
+        self.hidden: set[int] = set()
+        self.remap: dict[int, int] = {}
+
+    def _emit(self, name: str, data: dict[str, Any]) -> bytes:
+        data = {**data, "sequence_number": self.sequence}
+        self.sequence += 1
+        return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+    def feed(self, name: str, data: dict[str, Any]) -> bytes:
+        t = str(data.get("type", name))
+        if t in ("response.created", "response.in_progress", "response.queued"):
+            if t in self.opened:  # the first round's lifecycle events stand for all rounds
+                return b""
+            self.opened.add(t)
+            return self._emit(t, data)
+        if t in ("response.completed", "response.incomplete", "response.failed"):
+            resp = data.get("response") or {}
+            self.final = data
+            for key in self.usage:
+                self.usage[key] += int((resp.get("usage") or {}).get(key) or 0)
+            return b""
+        if "output_index" not in data:
+            return self._emit(t, data)  # errors and anything newer pass through
+        index = int(data["output_index"])
+        item = data.get("item")
+        if isinstance(item, dict):
+            self.items[index] = item
+            if _ours(item, self.ours):
+                self.hidden.add(index)
+            if t == "response.output_item.done" and index not in self.hidden:
+                self.visible.append(item)
+        if index in self.hidden:
+            return b""
+        if index not in self.remap:
+            self.remap[index] = self.next_index
+            self.next_index += 1
+        return self._emit(t, {**data, "output_index": self.remap[index]})
+
+    def our_calls(self) -> list[tuple[str, str, Any]]:
+        return [(str(self.items[i].get("call_id", "")), str(self.items[i].get("name", "")),
+                 self.items[i].get("arguments", "")) for i in sorted(self.hidden)]
+
+    def others_called(self) -> bool:
+        return any(item.get("type") in ("function_call", "custom_tool_call") and i not in self.hidden
+                   for i, item in self.items.items())
+
+    def assistant_blocks(self) -> list[dict[str, Any]]:
+        return [self.items[i] for i in sorted(self.items)]
+
+    def next_round(self) -> None:
+        self._new_round()
+
+    def finish(self) -> bytes:
+        final = dict(self.final or {"type": "response.completed", "response": {}})
+        resp = {**(final.get("response") or {}), "output": self.visible, "usage": self.usage}
+        return self._emit(str(final.get("type", "response.completed")), {**final, "response": resp})
+
+
+class BodyMerger:
+    """Rounds of whole response bodies merged into the one the client sees."""
+
+    def __init__(self, ours: frozenset[str]) -> None:
+        self.ours = ours
+        self.first: dict[str, Any] | None = None
+        self.last: dict[str, Any] = {}
+        self.visible: list[dict[str, Any]] = []
+        self.round: list[dict[str, Any]] = []
+        self.usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+
+    def feed_body(self, body: dict[str, Any]) -> None:
+        self.first = self.first or body
+        self.last = body
+        self.round = [i for i in body.get("output") or [] if isinstance(i, dict)]
+        self.visible += [i for i in self.round if not _ours(i, self.ours)]
+        for key in self.usage:
+            self.usage[key] += int((body.get("usage") or {}).get(key) or 0)
+
+    def our_calls(self) -> list[tuple[str, str, Any]]:
+        return [(str(i.get("call_id", "")), str(i.get("name", "")), i.get("arguments", ""))
+                for i in self.round if _ours(i, self.ours)]
+
+    def others_called(self) -> bool:
+        return any(i.get("type") in ("function_call", "custom_tool_call") and not _ours(i, self.ours)
+                   for i in self.round)
+
+    def assistant_blocks(self) -> list[dict[str, Any]]:
+        return self.round
+
+    def next_round(self) -> None:
+        self.round = []
+
+    def finish(self) -> bytes:
+        out = {**(self.first or {}), "status": self.last.get("status"), "output": self.visible,
+               "usage": self.usage}
+        return json.dumps(out).encode()
