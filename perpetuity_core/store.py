@@ -141,7 +141,28 @@ def m003_heat(database: pw.Database) -> None:
         database.execute_sql(sql)
 
 
-MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat]
+def m004_recall(database: pw.Database) -> None:
+    """The recall tools' structures (see tools.py), one writer each: the binding log (rows that
+    came up together in one turn, written after the turn) and the subject chains (written with
+    each message; rows stored before them are chained here, so none is without its chains)."""
+    for sql in (
+        "CREATE TABLE binding (turn_message_id INTEGER NOT NULL REFERENCES message(id)"
+        " ON DELETE CASCADE, item_id INTEGER NOT NULL REFERENCES item(id) ON DELETE CASCADE,"
+        " PRIMARY KEY (turn_message_id, item_id)) WITHOUT ROWID",
+        "CREATE INDEX binding_item ON binding (item_id)",
+        "CREATE TABLE chain (user_id INTEGER NOT NULL, term TEXT NOT NULL, at REAL NOT NULL,"
+        " item_id INTEGER NOT NULL REFERENCES item(id) ON DELETE CASCADE,"
+        " PRIMARY KEY (user_id, term, at, item_id)) WITHOUT ROWID",
+        "CREATE INDEX chain_item ON chain (item_id)",
+    ):
+        database.execute_sql(sql)
+    from .tools import backfill_chains
+
+    backfill_chains(database.connection())
+
+
+MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
+                                                   m004_recall]
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]
@@ -168,9 +189,10 @@ class Store:
         self._conversations: dict[tuple[int, str], int] = {}
         from .heat import derive_activation
         from .scan import derive_retrieval  # numpy and the dictionary load on first use only
+        from .tools import derive_chains
 
         # Every store derives retrieval rows and activations: no item may exist without them.
-        self.derivers = [derive_retrieval, derive_activation, *derivers]
+        self.derivers = [derive_retrieval, derive_activation, derive_chains, *derivers]
         try:
             _create_private(self.path)
             db.init(str(self.path), pragmas=PRAGMAS, check_same_thread=False)
