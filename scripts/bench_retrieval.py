@@ -6,7 +6,8 @@
 Memories are built from the conversations in ../shared/data: a "unit" of 20 users, user i
 holding BEAM chat i (long turns) and LoCoMo conversation i mod 10 (short turns), about 4M
 tokens (4 characters a token). A size takes as many units as it needs, each copy with distinct
-users (82M tokens: 25 units, 500 users); a size below one unit takes its first users whole.
+users, and the pooled size (from 80M tokens) at least 500 users: 25 units, 87M tokens; a size
+below one unit takes its first users whole.
 
 Per size:
   ingest        the first unit (or the whole size below one unit) goes through the real write
@@ -167,6 +168,7 @@ def replicate(copies: int) -> float:
         return [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
 
     conn.execute("BEGIN")
+    scan.fold(conn)  # every base row in the counts, so that scaling them stays exact
     for r in range(1, copies + 1):
         for table in ("user", "conversation", "message", "item", "retrieval"):
             names = cols(table)
@@ -188,7 +190,8 @@ def replicate(copies: int) -> float:
                          f" FROM {table} WHERE {key} <= {limit} ORDER BY {key}")
     conn.execute(f"UPDATE retrieval_term SET df = df * {copies + 1}")
     conn.execute(f"UPDATE retrieval_total SET rows = rows * {copies + 1},"
-                 f" length = length * {copies + 1}, tokens = tokens * {copies + 1}")
+                 f" length = length * {copies + 1}, tokens = tokens * {copies + 1},"
+                 f" folded_seq = {(copies + 1) * maxseq}")
     conn.execute("COMMIT")
     return round(time.perf_counter() - t0, 2)
 
@@ -257,6 +260,8 @@ def run_size(size: int, data: Path, qs: list[tuple[str, int]], args: argparse.Na
     users = unit_threads(data)
     unit_tokens = sum(tokens_of(t) for u in users for t in u)
     copies = max(0, round(size / unit_tokens) - 1)
+    if size >= args.pool_from:  # the pooled memory: at least --pool-users users
+        copies = max(copies, -(-args.pool_users // UNIT_USERS) - 1)
     ing = ingest(store, users, size if copies == 0 else 10**12)
     texts = ing.pop("_texts")
     res["ingest_write_path"] = ing
@@ -424,6 +429,9 @@ def main() -> int:
     ap.add_argument("--layouts", default="terms,rows")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--peers", default="fts5,bm25s")
+    ap.add_argument("--pool-users", type=int, default=500)
+    ap.add_argument("--pool-from", type=float, default=80e6,
+                    help="sizes from this many tokens hold at least --pool-users users")
     ap.add_argument("--bm25s-max-tokens", type=float, default=30e6)
     ap.add_argument("--catch-up-rows", type=int, default=10_000)
     ap.add_argument("--store-check-rows", type=int, default=100_000,

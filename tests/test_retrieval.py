@@ -330,6 +330,8 @@ def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture
 
     from perpetuity_core import cli
 
+    # Only this module's commands: the test does not depend on the others importing.
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.retrieval_cli"])
     path = tmp_path / "m.db"
     store = Store(path)
     add(store, "alice", "c1", ["we adopted a dog named Biscuit", "the concert was loud"])
