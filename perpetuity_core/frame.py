@@ -299,6 +299,10 @@ def _tokens(messages: list[Message]) -> int:
 
 
 def with_note(messages: list[Message], note: str) -> list[Message]:
-    """The frame with a note at its end (after the stable part, so the cached prefix holds)."""
+    """The frame with a note at its end (after the stable part, so the cached prefix holds);
+    a note alone when memory had no frame to give."""
+    if not messages:
+        return [Message("user", (Part(Kind.TEXT, note),)),
+                Message("assistant", (Part(Kind.TEXT, CLOSING),))]
     last = messages[-1]
     return messages[:-1] + [Message(last.role, last.parts + (Part(Kind.TEXT, note),))]

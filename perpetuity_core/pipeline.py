@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import date
+from typing import Any
 from pathlib import Path
 
 from . import capture, frame, heat, notes, tools
@@ -73,6 +74,7 @@ class PendingTurn:
     reheats: dict[int, float] = field(default_factory=dict)
     clock: float = 0.0
     sent_tokens: int = 0  # the conversation the model reads: frame and turns kept as sent
+    notes: list[str] = field(default_factory=list)  # notes recall put before the model
 
 
 @dataclass(slots=True)
@@ -93,6 +95,7 @@ class Job:
     at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
     memory: TurnMemory | None = None  # set when the recall tools ride along (relay only)
     max_rounds: int = 4
+    tool_specs: list[dict[str, Any]] = field(default_factory=list)  # ours, beside the harness's
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,15 +181,24 @@ class Pipeline:
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
         tools_on = self.tools and controls.tools and not controls.probe and controls.capture
         memory_tools = None
+        recalled: list[str] = []
         if controls.recall and "previous_response_id" not in parsed.hints:
             coding = headers.get("x-perpetuity-harness", "coding" if ident.harness in CODING
                                  else "chat") == "coding"
+            rendered: list[Message] = []
+            notes_text = ""
             if planned := self._frame(ident, parsed, coding, at):
                 decision.frame, keep, memory = planned
                 rendered = decision.frame.messages
                 if tools_on:
                     memory_tools = memory
-                    rendered = frame.with_note(rendered, _tools_note(decision.frame))
+                    notes_text = _tools_note(decision.frame)
+            if starts_task(parsed.messages) and (lesson := self._notes_for(parsed)):
+                recalled = lesson.names
+                notes_text = "\n\n".join(t for t in (notes_text, lesson.text) if t)
+            if notes_text:
+                rendered = frame.with_note(rendered, notes_text)
+            if rendered:
                 decision.body = json.dumps(ADAPTERS[r.protocol].replace_history(
                     body, rendered, parsed.raw_index[keep]), ensure_ascii=False).encode()
         if controls.probe or not controls.capture:
@@ -199,13 +211,14 @@ class Pipeline:
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
                               parsed.messages, at, built.reheats if built else {},
                               built.now if built else 0.0,
-                              (built.tokens if built else 0) + _tokens(sent))
+                              (built.tokens if built else 0) + _tokens(sent), recalled)
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded,
                            decision.body if decision.body is not None else req.body, r.protocol,
                            parsed.stream, pending, relay=self.tools and controls.tools, at=controls.at,
-                           memory=memory_tools, max_rounds=self.tool_rounds)
+                           memory=memory_tools, max_rounds=self.tool_rounds,
+                           tool_specs=self._tool_specs() if memory_tools else [])
         decision.note = "captured"
         return decision
 
@@ -256,10 +269,45 @@ class Pipeline:
         heat.advance(turn.user_id, p.sent_tokens)
         return turn
 
-    def store_reply(self, turn: TurnContext, reply: Reply, at: float) -> None:
-        """Store the reply and move the clock by what the model sent back (the store's writer)."""
+    def store_reply(self, turn: TurnContext, reply: Reply, at: float,
+                    recalled: list[str] = ()) -> None:
+        """Store the reply and move the clock by what the model sent back (the store's writer);
+        a recalled note the reply cites by name was used."""
         if capture.record_reply(self.store, turn, reply, at) is not None:
             heat.advance(turn.user_id, _tokens([reply.message]))
+        if recalled and self.notes_root is not None:
+            text = "\n".join(p.text for p in reply.message.parts)
+            if cited := notes.cited_notes(text, recalled):
+                notes.mark_used(self.notes_root, cited, date.today())
+
+    def _notes_for(self, parsed: ParsedRequest) -> notes.RecallResult | None:
+        """Notes recall for a task's first prompt; a library that cannot be read is skipped."""
+        if self.notes_root is None or not (self.notes_root / notes.NOTES_DIR).is_dir():
+            return None
+        try:
+            return notes.recall(self.notes_root, _last_user_text(parsed.messages))
+        except PerpetuityError as e:
+            log.warning("perpetuity: notes recall skipped: %s", e)
+            return None
+
+    def capture_note(self, arguments: Any) -> str:
+        """The note_capture tool: write or patch one note; its outcome, or why not, as text."""
+        if self.notes_root is None:
+            return "note_capture: no notes library is configured"
+        try:
+            fields = json.loads(arguments) if isinstance(arguments, str) else arguments
+            return notes.capture(self.notes_root, fields, date.today()).text
+        except (PerpetuityError, ValueError, TypeError) as e:
+            return f"note_capture refused: {e}"
+
+    def _tool_specs(self) -> list[dict[str, Any]]:
+        specs: list[dict[str, Any]] = [
+            {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+            for t in tools.TOOLS]
+        if self.notes_root is not None:
+            specs.append({"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
+                          "input_schema": notes.CAPTURE_TOOL_SCHEMA})
+        return specs
 
 
 def _tools_note(built: Frame) -> str:
@@ -270,6 +318,12 @@ def _tools_note(built: Frame) -> str:
 
 def _tokens(messages: list[Message]) -> int:
     return sum(token_estimate(p.text) for m in messages for p in m.parts)
+
+
+def starts_task(messages: list[Message]) -> bool:
+    """A new prompt from the person, not a round of tool results."""
+    return bool(messages) and messages[-1].role == "user" and any(
+        p.kind == Kind.TEXT for p in messages[-1].parts)
 
 
 def _keep_from(messages: list[Message], coding: bool) -> int:

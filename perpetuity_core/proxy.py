@@ -21,7 +21,7 @@ from . import tools
 from .cap import Cap
 from .conversation import Provider, Reply
 from .errors import PerpetuityError
-from .notes import notes_root
+from .notes import CAPTURE_TOOL_NAME, notes_root
 from .pipeline import Decision, HttpRequest, Job, Pipeline
 from .relay import JOB_HEADER, Relay, ReplyTee
 from .route import DEFAULT_UPSTREAMS, PROVIDER_HOSTS, parse_upstream
@@ -218,9 +218,13 @@ class Perpetuity:
 
     async def _run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
         """On the preparing thread: it owns the scanner, and the event loop never waits."""
-        assert self.pipeline is not None
+        pipeline = self.pipeline
+        assert pipeline is not None
+        if name == CAPTURE_TOOL_NAME:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.parser, pipeline.capture_note, arguments)
         return await asyncio.get_running_loop().run_in_executor(
-            self.parser, tools.run, name, arguments, memory, self.pipeline.scanner)
+            self.parser, tools.run, name, arguments, memory, pipeline.scanner)
 
     def _store_reply(self, job: Job, reply: Reply, at: float) -> None:
         """Queue the reply behind its request on the store's thread (FIFO: one writer, in order)."""
@@ -230,7 +234,7 @@ class Perpetuity:
 
         def write() -> None:
             try:
-                pipeline.store_reply(turn.result(), reply, at)
+                pipeline.store_reply(turn.result(), reply, at, job.pending.notes)
             except Exception:
                 log.exception("perpetuity: could not store the reply")
 

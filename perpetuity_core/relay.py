@@ -25,7 +25,6 @@ from typing import Any
 import httpx
 
 from .conversation import Reply
-from . import tools
 from .pipeline import Job
 from .protocols import ADAPTERS
 from .sse import SSEDecoder
@@ -217,7 +216,7 @@ class ToolLoop:
         self.relay, self.job, self.writer = relay, job, writer
         self.adapter = ADAPTERS[job.protocol]
         self.merger = (self.adapter.StreamMerger if job.stream else self.adapter.BodyMerger)(
-            tools.TOOL_NAMES)
+            frozenset(str(t["name"]) for t in job.tool_specs))
         self.tee = ReplyTee(job, "")
         self.started = False  # the client has seen the response head
 
@@ -225,8 +224,7 @@ class ToolLoop:
         job, client = self.job, self.relay._client
         assert client is not None and job.memory is not None
         body = json.loads(job.body)
-        specs = [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
-                 for t in tools.TOOLS]
+        specs = job.tool_specs
         try:
             for round_ in range(job.max_rounds):
                 last = round_ == job.max_rounds - 1
