@@ -444,7 +444,7 @@ def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
     if not found:
         return f"memory_search {query!r}{f.said}: nothing you have not seen this turn matches."
     chars = _row_chars(limit)
-    return _answer(memory, f"memory_search {query!r}{f.said}: {len(found)} rows, best first",
+    return _answer(memory, f"memory_search {query!r}{f.said}: {_n(len(found), 'row')}, best first",
                    [(r.item_id, _line(r, chars)) for _, r in found])
 
 
@@ -458,11 +458,11 @@ def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> s
         return "memory_more: nothing this turn's retrieval found is left unseen; try memory_search."
     pages = -(-len(left) // limit)
     if page > pages:
-        return f"memory_more: there are {pages} pages ({len(left)} rows not seen yet)."
+        return f"memory_more: there are {_n(pages, 'page')} ({_n(len(left), 'row')} not seen yet)."
     chars = _row_chars(limit)
     part = left[(page - 1) * limit:page * limit]
-    return _answer(memory, f"memory_more: page {page} of {pages} ({len(left)} rows found this"
-                           " turn and not seen yet), best first",
+    return _answer(memory, f"memory_more: page {page} of {pages} ({_n(len(left), 'row')} found"
+                           " this turn and not seen yet), best first",
                    [(r.item_id, _line(r, chars)) for r in part])
 
 
@@ -492,14 +492,13 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
     rows = fetch_rows(memory.user_id, listed)
     keys = _conversation_keys(np.unique(conv).tolist())
     days = np.asarray([_when(a)[:10] for a in at.tolist()])
-    header = (f"{what}: {ids.size} rows, in {np.unique(conv).size} conversations,"
-              f" on {np.unique(days).size} days.")
+    header = (f"{what}: {_n(ids.size, 'row')}, in {_n(np.unique(conv).size, 'conversation')},"
+              f" on {_n(np.unique(days).size, 'day')}.")
     by_conv = sorted(_tally(conv), key=lambda cn: (-cn[1], keys.get(cn[0], "")))
     by_day = _tally(days)
     entries: list[tuple[int | None, str]] = [
         (None, "by conversation: " + "; ".join(
-            f"{keys.get(c, str(c))} {n} ({_day(at[conv == c].min())} to {_day(at[conv == c].max())})"
-            for c, n in by_conv)),
+            f"{keys.get(c, str(c))} {n} ({_days(at[conv == c])})" for c, n in by_conv)),
         (None, "by date: " + ", ".join(f"{d} {n}" for d, n in by_day[:DAYS_LISTED])
          + (f", and {len(by_day) - DAYS_LISTED} more days" if len(by_day) > DAYS_LISTED else "")),
     ]
@@ -513,6 +512,15 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
 
 def _day(at: float) -> str:
     return _when(at)[:10]
+
+
+def _days(at: np.ndarray) -> str:
+    first, last = _day(float(at.min())), _day(float(at.max()))
+    return first if first == last else f"{first} to {last}"
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
 
 
 def _instance(r: Row, memory: TurnMemory) -> tuple[int | None, str]:
@@ -545,29 +553,35 @@ def count_rows(user_id: int, terms: np.ndarray, every: bool,
                f: Filters) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every row of `user_id` passing the filters that holds every one of `terms` (or, unless
     `every`, any of them): (item ids, times, conversation ids), by item id. Exact: every
-    retrieval row of the user is read, the matching done in numpy over their term blobs."""
-    where, params = ["r.user_id = ?", f"i.kind IN ({','.join('?' * len(_SHOWN_KINDS))})"], \
-        [user_id, *_SHOWN_KINDS]
-    for cond, value in (("r.conversation_id = ?", f.conversation_id), ("m.role = ?", f.role),
-                        ("m.at >= ?", f.after), ("m.at < ?", f.before)):
-        if value is not None:
-            where.append(cond)
-            params.append(value)
-    rows = db.connection().execute(
-        "SELECT r.item_id, m.at, r.conversation_id, r.terms FROM retrieval r"
-        " JOIN message m ON m.id = r.message_id JOIN item i ON i.id = r.item_id"
-        f" WHERE {' AND '.join(where)} ORDER BY r.item_id", params).fetchall()
+    retrieval row of the user is read and matched in numpy over its term blob; only the
+    matches are then joined to their messages for the other filters."""
+    sql, params = "SELECT item_id, terms FROM retrieval WHERE user_id = ?", [user_id]
+    if f.conversation_id is not None:
+        sql, params = sql + " AND conversation_id = ?", [user_id, f.conversation_id]
+    conn = db.connection()
+    rows = conn.execute(sql, params).fetchall()
+    empty = np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
     if not rows:
-        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
-    ids, at, conv, blobs = zip(*rows)
+        return empty
+    ids, blobs = zip(*rows)
     lengths = np.fromiter((len(b) // 4 for b in blobs), np.int64, len(blobs))
     held_terms = np.frombuffer(b"".join(blobs), "<i4")
     owner = np.repeat(np.arange(len(rows)), lengths)
     # A row's terms are distinct, so the matches per row are the query terms it holds.
     held = np.bincount(owner[np.isin(held_terms, terms)], minlength=len(rows))
-    hit = held >= (terms.size if every else 1)
-    return (np.asarray(ids, np.int64)[hit], np.asarray(at, np.float64)[hit],
-            np.asarray(conv, np.int64)[hit])
+    matched = np.sort(np.asarray(ids, np.int64)[held >= (terms.size if every else 1)]).tolist()
+    kept: list[tuple[int, float, int]] = []
+    for start in range(0, len(matched), 500):
+        chunk = matched[start:start + 500]
+        kept += [(i, at, conv) for i, at, conv, role, kind in conn.execute(
+            "SELECT i.id, m.at, m.conversation_id, m.role, i.kind FROM item i JOIN message m"
+            f" ON m.id = i.message_id WHERE i.id IN ({','.join('?' * len(chunk))}) ORDER BY i.id",
+            chunk) if kind in _SHOWN_KINDS and (f.role is None or role == f.role)
+            and (f.after is None or at >= f.after) and (f.before is None or at < f.before)]
+    if not kept:
+        return empty
+    i, at, conv = zip(*kept)
+    return np.asarray(i, np.int64), np.asarray(at, np.float64), np.asarray(conv, np.int64)
 
 
 def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
@@ -581,7 +595,7 @@ def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
     if not found:
         return f"memory_dates {query!r}{f.said}: no stored row mentions it."
     rows = sorted((r for _, r in found), key=lambda r: (r.at, r.item_id))
-    header = (f"memory_dates {query!r}{f.said}: {len(rows)} rows, oldest first; first to last"
+    header = (f"memory_dates {query!r}{f.said}: {_n(len(rows), 'row')}, oldest first; first to last"
               f" {span(rows[-1].at - rows[0].at)}; the latest {span(memory.asked_at - rows[-1].at)}"
               " before this question")
     chars = _row_chars(limit)
@@ -620,7 +634,12 @@ def span(seconds: float) -> str:
 
 def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     topic, limit = args["topic"], args["limit"]
-    anchors = [h.item_id for h, _ in _search(scanner, memory, topic, Filters(), ANCHORS, ())]
+    terms = _query_terms(topic)
+    if terms.size == 0:
+        raise BadArguments(f"{topic!r} holds no searchable word (only common words)")
+    # The topic's matches are rows that mention it, not rows that only sit beside one.
+    anchors = [h.item_id for h, _ in _search(scanner, memory, topic, Filters(), ANCHORS, (),
+                                             holding=terms)]
     if not anchors:
         return f"memory_cooccur {topic!r}: nothing stored matches it."
     turns, bound, together = cooccurring(anchors)
@@ -633,13 +652,13 @@ def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -
     topic_stems = set(_subject_words(topic)[0])
     words = frequent_words([rows[i].text for i in near], topic_stems)
     new = [rows[i] for i in near if i not in memory.shown][:limit]
-    header = (f"memory_cooccur {topic!r}: its best matches came up in {turns} recorded turns,"
-              f" with {len(near)} other rows; the most often first")
+    header = (f"memory_cooccur {topic!r}: its best matches came up in {_n(turns, 'recorded turn')},"
+              f" with {_n(len(near), 'other row')}; the most often first")
     entries: list[tuple[int | None, str]] = [
         (None, "words most frequent among them: "
          + ", ".join(f"{w} ({n})" for w, n in words) if words else "no frequent words")]
     chars = _row_chars(limit)
-    entries += [(r.item_id, _line(r, chars, f"together in {times[r.item_id]} turns"))
+    entries += [(r.item_id, _line(r, chars, f"together in {_n(times[r.item_id], 'turn')}"))
                 for r in new]
     if not new:
         entries.append((None, "(every one of those rows has been shown this turn)"))
@@ -683,7 +702,7 @@ def cooccurring(anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
 
 def frequent_words(texts: Iterable[str], leave_out: set[str]) -> list[tuple[str, int]]:
     """The subject words found in most of `texts` (each text counts a word once), with how
-    many texts hold them; ties alphabetical."""
+    many texts hold them; ties go to the rarer word, which tells more, then by stem."""
     rows: Counter[str] = Counter()
     surface: dict[str, str] = {}
     for text in texts:
@@ -691,7 +710,7 @@ def frequent_words(texts: Iterable[str], leave_out: set[str]) -> list[tuple[str,
         rows.update(s for s in counts if s not in leave_out)
         for s, w in forms.items():
             surface.setdefault(s, w)
-    best = sorted(rows.items(), key=lambda sn: (-sn[1], sn[0]))[:COOCCUR_TERMS]
+    best = sorted(rows.items(), key=lambda sn: (-sn[1], -_rank(sn[0]), sn[0]))[:COOCCUR_TERMS]
     return [(surface[s], n) for s, n in best]
 
 
@@ -710,16 +729,16 @@ def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
         return f"memory_chains {subject!r}: no stored row is about {words}."
     pages = -(-len(chain) // limit)
     if page > pages:
-        return f"memory_chains {subject!r}: the chain has {len(chain)} rows, {pages} pages."
+        return f"memory_chains {subject!r}: the chain has {_n(len(chain), 'row')}, {_n(pages, 'page')}."
     end = len(chain) - (page - 1) * limit
     start = max(0, end - limit)
     partial = (f" (no row mentions all of {words}; these mention {covered} of them)"
                if covered < len(stems) else "")
-    header = (f"memory_chains {subject!r}: {len(chain)} rows about {words}{partial},"
+    header = (f"memory_chains {subject!r}: {_n(len(chain), 'row')} about {words}{partial},"
               f" {_day(chain[0].at)} to {_day(chain[-1].at)}; oldest first, the latest state last")
     entries: list[tuple[int | None, str]] = []
     if start > 0:
-        entries.append((None, f"[{start} earlier rows: memory_chains page={page + 1}]"))
+        entries.append((None, f"[{_n(start, 'earlier row')}: memory_chains page={page + 1}]"))
     chars = _row_chars(limit)
     for k in range(start, end):
         gap = [f"+{span(chain[k].at - chain[k - 1].at)}"] if k > 0 else []
@@ -767,8 +786,13 @@ def subjects(text: str) -> list[str]:
     """The stems of the chains a text row joins: its most repeated subject words, then the
     rarest (a stem the corpus never saw counts rarest), at most SUBJECTS; ties by stem."""
     counts, _ = _subject_words(text)
+    return sorted(counts, key=lambda s: (-counts[s], -_rank(s), s))[:SUBJECTS]
+
+
+def _rank(stem: str) -> int:
+    """A stem's place in the dictionary's corpus by falling frequency; unseen ones rank last."""
     d = dictionary.load()
-    return sorted(counts, key=lambda s: (-counts[s], -d.stem_ids.get(s, d.hash_base), s))[:SUBJECTS]
+    return d.stem_ids.get(stem, d.hash_base)
 
 
 _INSERT_CHAIN = "INSERT OR IGNORE INTO chain (user_id, term, at, item_id) VALUES (?, ?, ?, ?)"

@@ -1,0 +1,298 @@
+"""The recall tools on a real store: each tool's rows, deduplication within a turn, paging,
+exact counts against a brute-force count, chains in time order, elapsed times, argument errors,
+and one user's rows never reaching another."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from perpetuity_core import capture, dictionary, tools
+from perpetuity_core.conversation import Message, text_part
+from perpetuity_core.scan import Scanner
+from perpetuity_core.store import Store, db
+from perpetuity_core.tools import TurnMemory, run
+
+T0 = 1_700_000_000.0
+DAY = 86_400.0
+ASKED = T0 + 40 * DAY
+LABEL = re.compile(r"\[#(\d+) · ([^·\]]+) · (\w+) · (\d{4}-\d\d-\d\d \d\d:\d\d) UTC")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "m.db")
+    yield s
+    s.close()
+
+
+def say(store: Store, conversation: str, turns: list[tuple[float, str]], user: str = "u") -> None:
+    """Store alternating user/assistant turns said at the given times."""
+    msgs = [Message("user" if i % 2 == 0 else "assistant", (text_part(t),))
+            for i, (_, t) in enumerate(turns)]
+    capture.record(store, user_key=user, conversation_key=conversation, provider="anthropic",
+                   model="m", messages=msgs, times=[at for at, _ in turns], source="import")
+
+
+def item(text: str) -> int:
+    (i,) = db.connection().execute("SELECT id FROM item WHERE text = ?", (text,)).fetchone()
+    return i
+
+
+def message_of(text: str) -> int:
+    (m,) = db.connection().execute("SELECT message_id FROM item WHERE text = ?", (text,)).fetchone()
+    return m
+
+
+def ids(out: str) -> list[int]:
+    return [int(m.group(1)) for m in LABEL.finditer(out)]
+
+
+def user_items(user: str) -> set[int]:
+    return {i for (i,) in db.connection().execute(
+        "SELECT i.id FROM item i JOIN message m ON m.id = i.message_id JOIN user u"
+        " ON u.id = m.user_id WHERE u.key = ?", (user,))}
+
+
+HIKE = "We went hiking near Oslo with my sister Ada."
+OSLO = "Sounds lovely, Oslo has great trails."
+BLUE = "My favourite colour is blue."
+REX = "Our dog Rex loves hiking too."
+GREEN = "Update: my favourite colour is green now."
+RED = "Back then my favourite colour was red."
+PURPLE = "I love hiking near Oslo, my favourite colour is purple."
+
+
+@pytest.fixture
+def memory(store: Store) -> Store:
+    say(store, "trip", [(T0, HIKE), (T0 + 60, OSLO), (T0 + 3 * DAY, BLUE),
+                        (T0 + 3 * DAY + 60, "Blue, noted.")])
+    say(store, "pets", [(T0 + 10 * DAY, REX), (T0 + 10 * DAY + 60, "Rex sounds fun."),
+                        (T0 + 33 * DAY, GREEN), (T0 + 33 * DAY + 60, "Green it is.")])
+    # Stored last, said first: chains and timelines follow when things were said.
+    say(store, "old", [(T0 - 5 * DAY, RED), (T0 - 5 * DAY + 60, "Red, noted.")])
+    say(store, "trip", [(T0 + DAY, PURPLE), (T0 + DAY + 60, "Purple is nice.")], user="v")
+    return store
+
+
+def turn(store: Store, conversation: str | None = "trip", shown: set[int] | None = None,
+         below_cap: list[int] | None = None) -> TurnMemory:
+    uid = store.find_user("u")
+    assert uid is not None
+    conv = store.find_conversation(uid, conversation) if conversation else None
+    return TurnMemory(uid, conv, ASKED, set(shown or ()), list(below_cap or ()))
+
+
+def test_six_tools_with_schemas_and_instructions() -> None:
+    assert tools.TOOL_NAMES == {"memory_search", "memory_more", "memory_cooccur", "memory_count",
+                                "memory_chains", "memory_dates"}
+    assert [t.name for t in tools.TOOLS] == sorted(tools.TOOL_NAMES, key=[
+        t.name for t in tools.TOOLS].index)
+    for t in tools.TOOLS:
+        assert t.input_schema["type"] == "object"
+        assert set(t.input_schema["required"]) <= set(t.input_schema["properties"])
+        assert t.name in tools.INSTRUCTIONS
+
+
+@pytest.mark.parametrize("store_rows", [2000, 0])  # scored from the store, and from the arena
+def test_search_labels_rows_and_never_repeats_within_a_turn(memory: Store, store_rows: int) -> None:
+    scanner = Scanner(memory, store_rows=store_rows)
+    m = turn(memory, shown={item(HIKE)})  # the frame showed this one
+    first = run("memory_search", {"query": "hiking Oslo", "limit": 2}, m, scanner)
+    got = ids(first)
+    assert len(got) == 2 and item(HIKE) not in got
+    assert item(OSLO) in got
+    assert f"[#{item(OSLO)} · trip · assistant · 2023-11-14 22:14 UTC] {OSLO}" in first
+    second = run("memory_search", {"query": "hiking Oslo", "limit": 2}, m, scanner)
+    assert not set(ids(second)) & set(got) and not set(ids(second)) & {item(HIKE)}
+    assert m.shown == {item(HIKE), *got, *ids(second)}
+    assert set(m.shown) <= user_items("u")
+    # Exhausted: nothing is ever shown twice.
+    while ids(out := run("memory_search", {"query": "hiking Oslo"}, m, scanner)):
+        assert not set(ids(out)) & (m.shown - set(ids(out)))
+    assert "nothing you have not seen" in out
+
+
+def test_search_filters(memory: Store) -> None:
+    scanner = Scanner(memory)
+    out = run("memory_search", {"query": "favourite colour", "role": "user"}, turn(memory), scanner)
+    # Rows that hold the words first; rows beside them follow on their context's score.
+    assert set(ids(out)[:3]) == {item(BLUE), item(GREEN), item(RED)}
+    assert {m.group(3) for m in LABEL.finditer(out)} == {"user"}
+    out = run("memory_search", {"query": "favourite colour", "conversation": "pets"},
+              turn(memory), scanner)
+    assert item(GREEN) in ids(out) and {m.group(2) for m in LABEL.finditer(out)} == {"pets"}
+    out = run("memory_search", {"query": "favourite colour", "conversation": "current"},
+              turn(memory, "old"), scanner)
+    assert {m.group(2) for m in LABEL.finditer(out)} == {"old"}
+    out = run("memory_search", {"query": "favourite colour", "after": "2023-11-14",
+                                "before": "2023-12-01", "role": "user"}, turn(memory), scanner)
+    got = ids(out)
+    assert got[0] == item(BLUE) and not {item(GREEN), item(RED)} & set(got)
+
+
+def test_more_pages_through_below_cap_then_continues_a_cut_row(memory: Store) -> None:
+    scanner = Scanner(memory)
+    ranked = [item(GREEN), item(BLUE), item(PURPLE), item(RED), item(REX), item(OSLO)]
+    m = turn(memory, shown={item(BLUE)}, below_cap=ranked)
+    page = run("memory_more", {"limit": 2}, m, scanner)
+    assert ids(page) == [item(GREEN), item(RED)]  # BLUE was shown, PURPLE is not u's
+    assert "page 1 of 2" in page
+    assert ids(run("memory_more", {"limit": 2}, m, scanner)) == [item(REX), item(OSLO)]
+    assert "nothing" in run("memory_more", {}, m, scanner)
+
+    long = " ".join(f"word{i} about the lighthouse" for i in range(600))
+    say(memory, "notes", [(T0 + 20 * DAY, long)])
+    m = turn(memory)
+    out = run("memory_search", {"query": "lighthouse"}, m, scanner)
+    cut = re.search(r"memory_more\(item=(\d+), offset=(\d+)\)", out)
+    assert cut and int(cut.group(1)) == item(long) and len(out) <= tools.RESULT_CHARS
+    offset = int(cut.group(2))
+    assert long[:offset] in out and long[offset:offset + 50] not in out
+    rest = run("memory_more", {"item": item(long), "offset": offset}, m, scanner)
+    assert rest.splitlines()[1].startswith(long[offset:offset + 200])
+
+
+def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
+    rng = random.Random(7)
+    words = ["apple", "apples", "pie", "baked", "garden", "ladder", "river", "cloud", "stone"]
+    for c in range(3):
+        turns = [(T0 + rng.randrange(30) * DAY + k, " ".join(rng.choices(words, k=5)))
+                 for k in range(40)]
+        say(store, f"c{c}", sorted(turns))
+    say(store, "c0", [(T0, "apple pie apple pie")], user="v")
+    scanner = Scanner(store)
+    d = dictionary.load()
+    rows = db.connection().execute(
+        "SELECT i.text, m.at, c.key FROM item i JOIN message m ON m.id = i.message_id"
+        " JOIN conversation c ON c.id = m.conversation_id JOIN user u ON u.id = m.user_id"
+        " WHERE u.key = 'u'").fetchall()
+    for category, match, conversation in (("apple pie", "all", None), ("apple pie", "any", None),
+                                          ("baked apples", "all", "c1"), ("ladder", "all", None)):
+        want = set(d.ids(category).tolist())
+        hits = [(at, key) for text, at, key in rows
+                if (conversation is None or key == conversation)
+                and (want <= set(d.ids(text).tolist()) if match == "all"
+                     else want & set(d.ids(text).tolist()))]
+        args = {"category": category, "match": match, "limit": 200}
+        if conversation:
+            args["conversation"] = conversation
+        out = run("memory_count", args, turn(store, None), scanner)
+        assert f": {len(hits)} rows," in out.splitlines()[0], out
+        days = Counter(datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%d")
+                       for at, _ in hits)
+        by_date = next(ln for ln in out.splitlines() if ln.startswith("by date: "))
+        assert by_date == "by date: " + ", ".join(f"{k} {n}" for k, n in sorted(days.items()))
+        by_conv = next(ln for ln in out.splitlines() if ln.startswith("by conversation: "))
+        for key, n in Counter(k for _, k in hits).items():
+            assert f"{key} {n} (" in by_conv
+        assert len(re.findall(r"^#\d+ ", out, re.M)) == len(hits)  # every instance listed
+    listed = run("memory_count", {"category": "apple", "limit": 3}, turn(store, None), scanner)
+    assert len(re.findall(r"^#\d+ ", listed, re.M)) == 3 and "more instances not listed" in listed
+
+
+def test_chains_follow_a_fact_to_its_latest_state_in_time_order(memory: Store) -> None:
+    scanner = Scanner(memory)
+    m = turn(memory, shown={item(BLUE)})
+    out = run("memory_chains", {"subject": "favourite colour"}, m, scanner)
+    lines = out.splitlines()
+    assert "3 rows about" in lines[0] and "latest state last" in lines[0]
+    assert [int(x) for x in re.findall(r"^\[#(\d+)", out, re.M)] == [
+        item(RED), item(BLUE), item(GREEN)]  # said in that order, whatever the storing order
+    assert lines[-1].endswith(GREEN) or GREEN in lines[-2]
+    assert f"#{item(BLUE)}" in out and f"{BLUE}" not in out  # already shown: a stub
+    assert "+30 days" in out  # from blue to green
+    assert PURPLE not in out
+    assert item(GREEN) in m.shown and item(RED) in m.shown
+
+    page = run("memory_chains", {"subject": "favourite colour", "limit": 2}, turn(memory), scanner)
+    assert [int(x) for x in re.findall(r"^\[#(\d+)", page, re.M)] == [item(BLUE), item(GREEN)]
+    assert "1 earlier row: memory_chains page=2" in page
+    older = run("memory_chains", {"subject": "favourite colour", "limit": 2, "page": 2},
+                turn(memory), scanner)
+    assert [int(x) for x in re.findall(r"^\[#(\d+)", older, re.M)] == [item(RED)]
+    assert "no distinctive word" in run("memory_chains", {"subject": "the time"}, m, scanner)
+
+
+def test_chains_are_written_with_each_row_and_backfill_gives_the_same(memory: Store) -> None:
+    conn = db.connection()
+    before = conn.execute("SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall()
+    assert ("oslo" in {t for _, t, _, _ in before}) and len(before) > 10
+    with db.atomic():
+        conn.execute("DELETE FROM chain")
+        tools.backfill_chains(conn)
+    assert conn.execute("SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall() == before
+
+
+def test_dates_give_elapsed_times_between_events(memory: Store) -> None:
+    out = run("memory_dates", {"query": "hiking"}, turn(memory), Scanner(memory))
+    assert ids(out) == [item(HIKE), item(REX)]
+    head = out.splitlines()[0]
+    assert "first to last 10 days" in head and "the latest 30 days" in head
+    assert "+10 days" in out.splitlines()[2]
+    assert tools.span(90) == "1 minute" and tools.span(3 * DAY + 7200) == "3 days 2 hours"
+    assert tools.span(400 * DAY).startswith("400 days (about 1.1 years)")
+
+
+def test_cooccur_reads_the_binding_log(memory: Store) -> None:
+    scanner = Scanner(memory)
+    m = turn(memory)
+    assert "not come up in a recorded turn" in run("memory_cooccur", {"topic": "Rex"}, m, scanner)
+    # A turn about Rex retrieved the hiking rows; another turn about colours.
+    assert tools.record_bindings(message_of("Rex sounds fun."),
+                                 [item(REX), item(HIKE), item(OSLO), item(PURPLE)]) == 4
+    tools.record_bindings(message_of(GREEN), [item(BLUE), item(RED)])
+    out = run("memory_cooccur", {"topic": "Rex"}, m, scanner)
+    got = ids(out)
+    assert set(got) == {item(HIKE), item(OSLO)}  # Rex's own rows are the topic, not its company
+    assert "oslo (2)" in out and "rex" not in out.splitlines()[1]
+    again = run("memory_cooccur", {"topic": "Rex"}, m, scanner)
+    assert not ids(again) and "has been shown" in again
+
+
+def test_bad_arguments_give_an_error_text(memory: Store) -> None:
+    scanner = Scanner(memory)
+    m = turn(memory)
+    for name, args, says in (
+        ("memory_search", "{not json", "not valid JSON"),
+        ("memory_search", {}, "'query' is required"),
+        ("memory_search", {"query": "  "}, "'query' is required"),
+        ("memory_search", {"query": 5}, "must be a string"),
+        ("memory_search", {"query": "x", "limit": 0}, "between 1 and 50"),
+        ("memory_search", {"query": "x", "limit": "many"}, "whole number"),
+        ("memory_search", {"query": "x", "bogus": 1}, "unknown argument 'bogus'"),
+        ("memory_search", {"query": "x", "after": "yesterday"}, "ISO date"),
+        ("memory_search", {"query": "x", "conversation": "nope"}, "no conversation 'nope'"),
+        ("memory_search", {"query": "x", "role": "robot"}, "one of user, assistant, tool"),
+        ("memory_count", {"category": "the and of"}, "no searchable word"),
+        ("memory_more", [1, 2], "JSON object"),
+        ("memory_forget", {}, "Unknown tool"),
+    ):
+        out = run(name, args, m, scanner)
+        assert says in out and "\n" not in out, (name, args, out)
+    assert m.shown == set()
+    got = ids(run("memory_search", '{"query": "Rex", "limit": "1"}', m, scanner))
+    assert len(got) == 1 and got[0] in {item(REX), item("Rex sounds fun.")}
+    assert "failed" in run("memory_search", {"query": "x"}, m, None)  # type: ignore[arg-type]
+
+
+def test_another_users_rows_never_appear(memory: Store) -> None:
+    scanner = Scanner(memory, share_pool=True)  # even from a pooled scanner
+    theirs = user_items("v")
+    m = turn(memory, below_cap=sorted(theirs))
+    for name, args in (("memory_search", {"query": "purple hiking Oslo", "limit": 50}),
+                       ("memory_dates", {"query": "purple"}),
+                       ("memory_chains", {"subject": "purple"}),
+                       ("memory_count", {"category": "purple"}),
+                       ("memory_more", {}),
+                       ("memory_more", {"item": item(PURPLE)})):
+        out = run(name, args, m, scanner)
+        assert not set(ids(out)) & theirs and PURPLE not in out, out
+    assert ": 0 rows." in run("memory_count", {"category": "purple"}, m, scanner)
+    assert not m.shown & theirs
