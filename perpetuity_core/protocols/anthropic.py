@@ -108,6 +108,21 @@ def _usage(u: dict[str, Any] | None) -> Usage:
     )
 
 
+def _grow(block: dict[str, Any], delta: dict[str, Any]) -> None:
+    """Add one content_block_delta to the block being rebuilt (tool input JSON in `_json`)."""
+    kind = delta.get("type")
+    if kind == "text_delta":
+        block["text"] = block.get("text", "") + str(delta.get("text", ""))
+    elif kind == "input_json_delta":
+        block["_json"] += str(delta.get("partial_json", ""))
+    elif kind == "thinking_delta":
+        block["thinking"] = block.get("thinking", "") + str(delta.get("thinking", ""))
+    elif kind == "signature_delta":
+        block["signature"] = block.get("signature", "") + str(delta.get("signature", ""))
+    elif kind == "citations_delta":
+        block.setdefault("citations", []).append(delta.get("citation"))
+
+
 def reply_from_body(body: dict[str, Any]) -> Reply:
     parts = tuple(p for b in body.get("content") or [] if isinstance(b, dict) and (p := _block(b)))
     return Reply(Message("assistant", parts), _usage(body.get("usage")), str(body.get("stop_reason") or ""))
@@ -136,14 +151,7 @@ class ReplyAssembler:
             self._blocks[int(data.get("index", len(self._blocks)))] = block
         elif t == "content_block_delta":
             block = self._blocks.setdefault(int(data.get("index", 0)), {"type": "text", "_json": ""})
-            d = data.get("delta") or {}
-            dt = d.get("type")
-            if dt == "text_delta":
-                block["text"] = block.get("text", "") + str(d.get("text", ""))
-            elif dt == "input_json_delta":
-                block["_json"] += str(d.get("partial_json", ""))
-            elif dt == "thinking_delta":
-                block["thinking"] = block.get("thinking", "") + str(d.get("thinking", ""))
+            _grow(block, data.get("delta") or {})
         elif t == "message_delta":
             self._stop = str((data.get("delta") or {}).get("stop_reason") or self._stop)
             u = data.get("usage") or {}
@@ -270,7 +278,8 @@ class StreamMerger:
             return _event(name, {**data, "index": self.remap[index]})
         if t in ("content_block_delta", "content_block_stop"):
             index = int(data.get("index", 0))
-            self._grow(index, data.get("delta") or {})
+            _grow(self.blocks.setdefault(index, {"type": "text", "_json": ""}),
+                  data.get("delta") or {})
             if index in self.hidden:
                 return b""
             return _event(name, {**data, "index": self.remap.get(index, index)})
@@ -282,20 +291,6 @@ class StreamMerger:
             self.done = True
             return b""
         return _event(name, data)  # ping and anything newer pass through
-
-    def _grow(self, index: int, delta: dict[str, Any]) -> None:
-        block = self.blocks.setdefault(index, {"type": "text", "_json": ""})
-        kind = delta.get("type")
-        if kind == "text_delta":
-            block["text"] = block.get("text", "") + str(delta.get("text", ""))
-        elif kind == "input_json_delta":
-            block["_json"] += str(delta.get("partial_json", ""))
-        elif kind == "thinking_delta":
-            block["thinking"] = block.get("thinking", "") + str(delta.get("thinking", ""))
-        elif kind == "signature_delta":
-            block["signature"] = block.get("signature", "") + str(delta.get("signature", ""))
-        elif kind == "citations_delta":
-            block.setdefault("citations", []).append(delta.get("citation"))
 
     def _add_usage(self, usage: dict[str, Any], final: bool = False) -> None:
         """Input figures come once per round, from message_start; output tokens are cumulative
