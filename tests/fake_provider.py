@@ -76,6 +76,7 @@ class ToolCall:
     call_id: str | None = None
     text: str | None = None
     also: tuple["ToolCall", ...] = ()  # more calls in the same reply (Anthropic Messages)
+    thinking: str | None = None  # a thinking block before the call (Anthropic Messages)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ def _turn_of(item: Any) -> _Turn:
             tool_args=_dumps(item.arguments),
             tool_call_id=item.call_id,
             more_tools=tuple((c.name, _dumps(c.arguments), c.call_id) for c in item.also),
+            thinking=item.thinking,
         )
     return _Turn(text=DEFAULT_REPLY.text, chunks=DEFAULT_REPLY.chunks)
 

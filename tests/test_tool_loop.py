@@ -82,6 +82,20 @@ def test_streamed_reply_hides_our_tool_and_continues_upstream(proxy: Proxy, fake
     assert texts[-1] == "Let me look.|Ada lives in Oslo."
 
 
+def test_thinking_keeps_its_signature_across_rounds(proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t7")
+    fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="toolu_think",
+                         thinking="I should check memory."),
+                Text("4471.", thinking="Found it."))
+    with client(proxy).messages.stream(**ask("t7")) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "thinking", "text"]
+    assert all(b.signature for b in final.content if b.type == "thinking")
+    carried = fake.wait_requests(2)[1].json["messages"][-2]["content"]
+    assert carried[0]["type"] == "thinking" and carried[0]["signature"]
+    assert carried[0]["thinking"] == "I should check memory."
+
+
 def test_whole_reply_merged_when_not_streamed(proxy: Proxy, fake: FakeProvider) -> None:
     remember(proxy, fake, "t2")
     fake.script(ToolCall("memory_dates", {"query": "tomatoes"}, call_id="toolu_mem_2"),
