@@ -8,8 +8,9 @@ import random
 import re
 from collections import Counter
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,6 +55,11 @@ def ids(out: str) -> list[int]:
     return [int(m.group(1)) for m in LABEL.finditer(out)]
 
 
+def rows_of(out: str) -> list[int]:
+    """The ids of every row line, stubs included, in order."""
+    return [int(x) for x in re.findall(r"^\[#(\d+)", out, re.MULTILINE)]
+
+
 def user_items(user: str) -> set[int]:
     return {i for (i,) in db.connection().execute(
         "SELECT i.id FROM item i JOIN message m ON m.id = i.message_id JOIN user u"
@@ -90,10 +96,9 @@ def turn(store: Store, conversation: str | None = "trip", shown: set[int] | None
 
 
 def test_six_tools_with_schemas_and_instructions() -> None:
-    assert tools.TOOL_NAMES == {"memory_search", "memory_more", "memory_cooccur", "memory_count",
-                                "memory_chains", "memory_dates"}
-    assert [t.name for t in tools.TOOLS] == sorted(tools.TOOL_NAMES, key=[
-        t.name for t in tools.TOOLS].index)
+    names = {"memory_search", "memory_more", "memory_cooccur", "memory_count", "memory_chains",
+             "memory_dates"}
+    assert names == tools.TOOL_NAMES
     for t in tools.TOOLS:
         assert t.input_schema["type"] == "object"
         assert set(t.input_schema["required"]) <= set(t.input_schema["properties"])
@@ -185,16 +190,17 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
             args["conversation"] = conversation
         out = run("memory_count", args, turn(store, None), scanner)
         assert f": {len(hits)} rows," in out.splitlines()[0], out
-        days = Counter(datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%d")
+        days = Counter(datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
                        for at, _ in hits)
         by_date = next(ln for ln in out.splitlines() if ln.startswith("by date: "))
         assert by_date == "by date: " + ", ".join(f"{k} {n}" for k, n in sorted(days.items()))
         by_conv = next(ln for ln in out.splitlines() if ln.startswith("by conversation: "))
         for key, n in Counter(k for _, k in hits).items():
             assert f"{key} {n} (" in by_conv
-        assert len(re.findall(r"^#\d+ ", out, re.M)) == len(hits)  # every instance listed
+        assert len(re.findall(r"^#\d+ ", out, re.MULTILINE)) == len(hits)  # every instance listed
     listed = run("memory_count", {"category": "apple", "limit": 3}, turn(store, None), scanner)
-    assert len(re.findall(r"^#\d+ ", listed, re.M)) == 3 and "more instances not listed" in listed
+    assert len(re.findall(r"^#\d+ ", listed, re.MULTILINE)) == 3
+    assert "more instances not listed" in listed
 
 
 def test_chains_follow_a_fact_to_its_latest_state_in_time_order(memory: Store) -> None:
@@ -203,8 +209,8 @@ def test_chains_follow_a_fact_to_its_latest_state_in_time_order(memory: Store) -
     out = run("memory_chains", {"subject": "favourite colour"}, m, scanner)
     lines = out.splitlines()
     assert "3 rows about" in lines[0] and "latest state last" in lines[0]
-    assert [int(x) for x in re.findall(r"^\[#(\d+)", out, re.M)] == [
-        item(RED), item(BLUE), item(GREEN)]  # said in that order, whatever the storing order
+    # Said in that order, whatever the storing order.
+    assert rows_of(out) == [item(RED), item(BLUE), item(GREEN)]
     assert lines[-1].endswith(GREEN) or GREEN in lines[-2]
     assert f"#{item(BLUE)}" in out and f"{BLUE}" not in out  # already shown: a stub
     assert "+30 days" in out  # from blue to green
@@ -212,11 +218,11 @@ def test_chains_follow_a_fact_to_its_latest_state_in_time_order(memory: Store) -
     assert item(GREEN) in m.shown and item(RED) in m.shown
 
     page = run("memory_chains", {"subject": "favourite colour", "limit": 2}, turn(memory), scanner)
-    assert [int(x) for x in re.findall(r"^\[#(\d+)", page, re.M)] == [item(BLUE), item(GREEN)]
+    assert rows_of(page) == [item(BLUE), item(GREEN)]
     assert "1 earlier row: memory_chains page=2" in page
     older = run("memory_chains", {"subject": "favourite colour", "limit": 2, "page": 2},
                 turn(memory), scanner)
-    assert [int(x) for x in re.findall(r"^\[#(\d+)", older, re.M)] == [item(RED)]
+    assert rows_of(older) == [item(RED)]
     assert "no distinctive word" in run("memory_chains", {"subject": "the time"}, m, scanner)
 
 
@@ -227,7 +233,8 @@ def test_chains_are_written_with_each_row_and_backfill_gives_the_same(memory: St
     with db.atomic():
         conn.execute("DELETE FROM chain")
         tools.backfill_chains(conn)
-    assert conn.execute("SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall() == before
+    after = conn.execute("SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall()
+    assert after == before
 
 
 def test_dates_give_elapsed_times_between_events(memory: Store) -> None:
@@ -259,7 +266,7 @@ def test_cooccur_reads_the_binding_log(memory: Store) -> None:
 def test_bad_arguments_give_an_error_text(memory: Store) -> None:
     scanner = Scanner(memory)
     m = turn(memory)
-    for name, args, says in (
+    cases: list[tuple[str, Any, str]] = [
         ("memory_search", "{not json", "not valid JSON"),
         ("memory_search", {}, "'query' is required"),
         ("memory_search", {"query": "  "}, "'query' is required"),
@@ -273,7 +280,8 @@ def test_bad_arguments_give_an_error_text(memory: Store) -> None:
         ("memory_count", {"category": "the and of"}, "no searchable word"),
         ("memory_more", [1, 2], "JSON object"),
         ("memory_forget", {}, "Unknown tool"),
-    ):
+    ]
+    for name, args, says in cases:
         out = run(name, args, m, scanner)
         assert says in out and "\n" not in out, (name, args, out)
     assert m.shown == set()
