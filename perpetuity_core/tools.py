@@ -338,12 +338,11 @@ def _stub(r: Row, *extra: str) -> str:
     return f"{_label(r, *extra)} (already shown)"
 
 
-def _answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, str]],
-            footer: str = "") -> str:
-    """Header, lines while they fit in RESULT_CHARS, footer. Rows whose text went out (an id
+def _answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, str]]) -> str:
+    """Header, then lines while they fit in RESULT_CHARS. Rows whose text went out (an id
     beside the line) join `shown`; a line that did not fit is left for the next call."""
     out = [header]
-    size = len(header) + len(footer)
+    size = len(header)
     given: list[int] = []
     for n, (item_id, line) in enumerate(lines):
         if size + len(line) + 1 > RESULT_CHARS:
@@ -353,8 +352,6 @@ def _answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, s
         size += len(line) + 1
         if item_id is not None:
             given.append(item_id)
-    if footer:
-        out.append(footer)
     memory.shown.update(given)
     return "\n".join(out)
 
@@ -494,7 +491,7 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
     listed = ids[np.lexsort((ids, at))[:args["limit"]]].tolist()  # oldest first
     rows = fetch_rows(memory.user_id, listed)
     keys = _conversation_keys(np.unique(conv).tolist())
-    days = np.asarray([_when(a)[:10] for a in at.tolist()])
+    days = np.datetime_as_string((at // 86_400).astype(np.int64).astype("datetime64[D]"))
     header = (f"{what}: {_n(ids.size, 'row')}, in {_n(np.unique(conv).size, 'conversation')},"
               f" on {_n(np.unique(days).size, 'day')}.")
     by_conv = sorted(_tally(conv), key=lambda cn: (-cn[1], keys.get(cn[0], "")))
@@ -505,12 +502,11 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
         (None, "by date: " + ", ".join(f"{d} {n}" for d, n in by_day[:DAYS_LISTED])
          + (f", and {len(by_day) - DAYS_LISTED} more days" if len(by_day) > DAYS_LISTED else "")),
     ]
-    entries += [_instance(rows[i], memory) if i in rows else (None, f"#{i}") for i in listed]
+    entries += [_instance(rows[i], memory) for i in listed if i in rows]
     if ids.size > len(listed):
         entries.append((None, (f"[{ids.size - len(listed)} more instances not listed: raise"
                                " limit, or narrow by conversation, role or dates]")))
     return _answer(memory, header, entries)
-
 
 
 def _day(at: float) -> str:
@@ -657,9 +653,8 @@ def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -
     new = [rows[i] for i in near if i not in memory.shown][:limit]
     header = (f"memory_cooccur {topic!r}: its best matches came up in {_n(turns, 'recorded turn')},"
               f" with {_n(len(near), 'other row')}; the most often first")
-    entries: list[tuple[int | None, str]] = [
-        (None, "words most frequent among them: "
-         + ", ".join(f"{w} ({n})" for w, n in words) if words else "no frequent words")]
+    said = ", ".join(f"{w} ({n})" for w, n in words)
+    entries: list[tuple[int | None, str]] = [(None, f"words most frequent among them: {said}")]
     chars = _row_chars(limit)
     entries += [(r.item_id, _line(r, chars, f"together in {_n(times[r.item_id], 'turn')}"))
                 for r in new]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from perpetuity_core import capture, dictionary, tools
+from perpetuity_core import capture, dictionary, scan, tools
 from perpetuity_core.conversation import Message, text_part
 from perpetuity_core.scan import Scanner
 from perpetuity_core.store import Store, db
@@ -235,6 +235,14 @@ def test_chains_are_written_with_each_row_and_backfill_gives_the_same(memory: St
         tools.backfill_chains(conn)
     after = conn.execute("SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall()
     assert after == before
+    # A purged row leaves its chains (and the binding log) with it.
+    tools.record_bindings(message_of(GREEN), [item(BLUE)])
+    scan.purge(memory, [item(GREEN)])
+    assert not conn.execute("SELECT 1 FROM chain WHERE item_id NOT IN (SELECT id FROM item)"
+                            " UNION ALL SELECT 1 FROM binding WHERE item_id NOT IN"
+                            " (SELECT id FROM item)").fetchall()
+    out = run("memory_chains", {"subject": "favourite colour"}, turn(memory), Scanner(memory))
+    assert "2 rows about" in out and GREEN not in out
 
 
 def test_dates_give_elapsed_times_between_events(memory: Store) -> None:
@@ -304,3 +312,21 @@ def test_another_users_rows_never_appear(memory: Store) -> None:
         assert not set(ids(out)) & theirs and PURPLE not in out, out
     assert ": 0 rows." in run("memory_count", {"category": "purple"}, m, scanner)
     assert not m.shown & theirs
+
+
+def test_a_memory_stored_before_chains_gets_them_when_migrated(tmp_path: Path) -> None:
+    s = Store(tmp_path / "old.db")
+    say(s, "trip", [(T0, HIKE), (T0 + 60, OSLO)])
+    conn = db.connection()
+    chained = conn.execute("SELECT * FROM chain ORDER BY term, item_id").fetchall()
+    with db.atomic():  # the database as it was before m004_recall
+        conn.execute("DROP TABLE chain")
+        conn.execute("DROP TABLE binding")
+        conn.execute("DELETE FROM migration WHERE name = 'm004_recall'")
+    s.close()
+    s = Store(tmp_path / "old.db")
+    try:
+        assert db.connection().execute(
+            "SELECT * FROM chain ORDER BY term, item_id").fetchall() == chained
+    finally:
+        s.close()
