@@ -107,6 +107,17 @@ class Answer:
 
 
 @dataclass(slots=True)
+class Recall:
+    """What memory adds to one request."""
+
+    body: bytes | None = None  # the body to send instead
+    frame: Frame | None = None
+    keep: int = 0  # the first message kept as the harness sent it
+    memory: TurnMemory | None = None  # set when the recall tools ride along
+    notes: list[str] = field(default_factory=list)  # the notes recall put before the model
+
+
+@dataclass(slots=True)
 class Decision:
     route: Route | None = None  # None: not provider traffic, the flow's destination stays
     strip: list[str] = field(default_factory=list)  # control headers to remove
@@ -177,50 +188,57 @@ class Pipeline:
             decision.note = f"side request: {ident.side}"
             return decision
         at = controls.at if controls.at is not None else time.time()
-        keep = 0
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
         tools_on = self.tools and controls.tools and not controls.probe and controls.capture
-        memory_tools = None
-        recalled: list[str] = []
+        recall = Recall()
         if controls.recall and "previous_response_id" not in parsed.hints:
             coding = headers.get("x-perpetuity-harness", "coding" if ident.harness in CODING
                                  else "chat") == "coding"
-            rendered: list[Message] = []
-            notes_text = ""
-            if planned := self._frame(ident, parsed, coding, at):
-                decision.frame, keep, memory = planned
-                rendered = decision.frame.messages
-                if tools_on:
-                    memory_tools = memory
-                    notes_text = _tools_note(decision.frame)
-            if starts_task(parsed.messages) and (lesson := self._notes_for(parsed)):
-                recalled = lesson.names
-                notes_text = "\n\n".join(t for t in (notes_text, lesson.text) if t)
-            if notes_text:
-                rendered = frame.with_note(rendered, notes_text)
-            if rendered:
-                decision.body = json.dumps(ADAPTERS[r.protocol].replace_history(
-                    body, rendered, parsed.raw_index[keep]), ensure_ascii=False).encode()
+            recall = self._recall(body, parsed, ident, r.protocol, coding, at, tools_on)
+        decision.body, decision.frame = recall.body, recall.frame
         if controls.probe or not controls.capture:
             decision.note = "probe" if controls.probe else "capture off"
             return decision
-        built = decision.frame
+        built = recall.frame
         if built is not None:
             self._remember(ident, built)
-        sent = parsed.messages[keep:] if built else parsed.messages
+        sent = parsed.messages[recall.keep:] if built else parsed.messages
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
                               parsed.messages, at, built.reheats if built else {},
                               built.now if built else 0.0,
-                              (built.tokens if built else 0) + _tokens(sent), recalled)
+                              (built.tokens if built else 0) + _tokens(sent), recall.notes)
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded,
-                           decision.body if decision.body is not None else req.body, r.protocol,
-                           parsed.stream, pending, relay=self.tools and controls.tools, at=controls.at,
-                           memory=memory_tools, max_rounds=self.tool_rounds,
-                           tool_specs=self._tool_specs() if memory_tools else [])
+                           recall.body if recall.body is not None else req.body, r.protocol,
+                           parsed.stream, pending, relay=self.tools and controls.tools,
+                           at=controls.at, memory=recall.memory, max_rounds=self.tool_rounds,
+                           tool_specs=self._tool_specs() if recall.memory else [])
         decision.note = "captured"
         return decision
+
+    def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
+                protocol: Protocol, coding: bool, asked_at: float, tools_on: bool) -> Recall:
+        """The request with its history replaced by the frame, notes when a task starts, and
+        the note on the recall tools when they ride along."""
+        out = Recall()
+        rendered: list[Message] = []
+        note = ""
+        if planned := self._frame(ident, parsed, coding, asked_at):
+            out.frame, out.keep, memory = planned
+            rendered = out.frame.messages
+            if tools_on:
+                out.memory = memory
+                note = _tools_note(out.frame)
+        if starts_task(parsed.messages) and (lesson := self._notes_for(parsed)):
+            out.notes = lesson.names
+            note = "\n\n".join(t for t in (note, lesson.text) if t)
+        if note:
+            rendered = frame.with_note(rendered, note)
+        if rendered:
+            out.body = json.dumps(ADAPTERS[protocol].replace_history(
+                body, rendered, parsed.raw_index[out.keep]), ensure_ascii=False).encode()
+        return out
 
     def _frame(self, ident: Identity, parsed: ParsedRequest, coding: bool,
                asked_at: float) -> tuple[Frame, int, TurnMemory] | None:
