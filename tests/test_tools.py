@@ -164,6 +164,16 @@ def test_more_pages_through_below_cap_then_continues_a_cut_row(memory: Store) ->
     assert rest.splitlines()[1].startswith(long[offset:offset + 200])
 
 
+def test_answers_stay_within_the_size_cap_and_the_rest_comes_next(store: Store) -> None:
+    say(store, "log", [(T0 + k * 60, f"lighthouse report {k}: " + "beam " * 600)
+                       for k in range(25)])
+    scanner, m = Scanner(store), turn(store, None)
+    first = run("memory_search", {"query": "lighthouse", "limit": 50}, m, scanner)
+    assert len(first) <= tools.RESULT_CHARS and "more left out for size" in first
+    second = run("memory_search", {"query": "lighthouse", "limit": 50}, m, scanner)
+    assert ids(second) and not set(ids(first)) & set(ids(second))
+
+
 def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
     rng = random.Random(7)
     words = ["apple", "apples", "pie", "baked", "garden", "ladder", "river", "cloud", "stone"]
