@@ -33,7 +33,7 @@ from . import capture, importers
 from .cap import Cap
 from .conversation import Provider, Reply, Usage
 from .errors import ConfigError
-from .pipeline import HttpRequest, Pipeline
+from .pipeline import HttpRequest, PendingTurn, Pipeline
 from .scan import token_estimate
 from .store import Store
 
@@ -153,7 +153,7 @@ def feed(pipeline: Pipeline, thread: importers.Thread) -> None:
     for i, m in enumerate(thread.messages):
         conversation = convs[i] if convs else thread.conversation_key
         if m.role == "assistant" and turn is not None and turn.conversation_key == conversation:
-            pipeline.store_reply(turn.context, Reply(m, Usage()), thread.times[i])
+            pipeline.store_reply(turn.context, Reply(m, Usage()), thread.times[i], turn.pending)
             turn = None
             continue
         window = [j for j in range(max(0, i - HISTORY), i + 1)
@@ -165,13 +165,14 @@ def feed(pipeline: Pipeline, thread: importers.Thread) -> None:
         d = pipeline.prepare(_request(thread.user_key, conversation, thread.times[i], messages))
         if d.job is None:
             raise ConfigError(f"turn {i} of {thread.conversation_key} was not captured: {d.note}")
-        turn = _Turn(conversation, pipeline.store_turn(d.job.pending))
+        turn = _Turn(conversation, pipeline.store_turn(d.job.pending), d.job.pending)
 
 
 @dataclass(slots=True)
 class _Turn:
     conversation_key: str
     context: capture.TurnContext
+    pending: PendingTurn
 
 
 def ask(pipeline: Pipeline, thread: importers.Thread, q: Question) -> tuple[str, int]:

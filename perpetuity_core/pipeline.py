@@ -75,6 +75,8 @@ class PendingTurn:
     clock: float = 0.0
     sent_tokens: int = 0  # the conversation the model reads: frame and turns kept as sent
     notes: list[str] = field(default_factory=list)  # notes recall put before the model
+    # The rows the model was shown this turn (the frame's, then the tools'): the binding log's.
+    shown: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -206,7 +208,9 @@ class Pipeline:
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
                               parsed.messages, at, built.reheats if built else {},
                               built.now if built else 0.0,
-                              (built.tokens if built else 0) + _tokens(sent), recall.notes)
+                              (built.tokens if built else 0) + _tokens(sent), recall.notes,
+                              recall.memory.shown if recall.memory else
+                              set(built.item_ids) if built else set())
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded,
@@ -288,11 +292,16 @@ class Pipeline:
         return turn
 
     def store_reply(self, turn: TurnContext, reply: Reply, at: float,
-                    recalled: list[str] = ()) -> None:
-        """Store the reply and move the clock by what the model sent back (the store's writer);
-        a recalled note the reply cites by name was used."""
-        if capture.record_reply(self.store, turn, reply, at) is not None:
+                    pending: PendingTurn | None = None) -> None:
+        """Store the reply, move the clock by what the model sent back, and log what the turn
+        was shown as bound to it (the store's writer); a recalled note the reply cites by name
+        was used."""
+        message_id = capture.record_reply(self.store, turn, reply, at)
+        if message_id is not None:
             heat.advance(turn.user_id, _tokens([reply.message]))
+            if pending and pending.shown:
+                tools.record_bindings(message_id, pending.shown)
+        recalled = pending.notes if pending else []
         if recalled and self.notes_root is not None:
             text = "\n".join(p.text for p in reply.message.parts)
             if cited := notes.cited_notes(text, recalled):

@@ -234,7 +234,7 @@ class Perpetuity:
 
         def write() -> None:
             try:
-                pipeline.store_reply(turn.result(), reply, at, job.pending.notes)
+                pipeline.store_reply(turn.result(), reply, at, job.pending)
             except Exception:
                 log.exception("perpetuity: could not store the reply")
 

@@ -247,8 +247,8 @@ class ToolLoop:
                 body = self.adapter.continue_body(body, self.merger.assistant_blocks(), results)
                 self.merger.next_round()
             await self._write(self.merger.finish())
+            self.relay.store_request(job)  # the request before its reply: one writer, in order
             self.relay._store(job, self.tee)
-            self.relay.store_request(job)
             self.writer.write(b"0\r\n\r\n")
             await self.writer.drain()
             return True

@@ -104,6 +104,8 @@ def test_whole_reply_merged_when_not_streamed(proxy: Proxy, fake: FakeProvider) 
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == "In April."
     assert r.stop_reason == "end_turn"
     assert len(fake.wait_requests(2)) == 2
+    stored = proxy.wait_messages("t2", len(MEMORY) + 2)
+    assert stored[-1][:3] == ("assistant", "reply", "In April.")
 
 
 def test_rounds_are_bounded_and_the_last_must_answer(proxy: Proxy, fake: FakeProvider) -> None:
@@ -238,3 +240,15 @@ def test_responses_loop(proxy: Proxy, fake: FakeProvider, stream: bool) -> None:
     assert second["input"][-1] == {"type": "function_call_output", "call_id": "call_r",
                                    "output": second["input"][-1]["output"]}
     assert second["input"][-2]["type"] == "function_call"
+
+
+def test_the_binding_log_records_what_a_turn_was_shown(proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t8")
+    fake.script(Text("4471."))
+    client(proxy).messages.create(**ask("t8"))
+    time.sleep(0.3)
+    bound = proxy.rows(
+        "select i.text from binding b join item i on i.id = b.item_id join message m"
+        " on m.id = b.turn_message_id join user u on u.id = m.user_id where u.key = 't8'")
+    texts = {t for (t,) in bound}
+    assert "4471." in texts and "The vault code is 4471." in texts
