@@ -26,9 +26,9 @@ model can read and correct; a failure inside a tool is logged and reported the s
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
-import re
 import sqlite3
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -768,45 +768,52 @@ def chain_of(user_id: int, stems: list[str]) -> tuple[list[int], int]:
 def _subject_words(text: str) -> tuple[dict[str, int], dict[str, str]]:
     """The words of `text` that can be subjects, by stem: occurrences, and the first form seen."""
     text = text[:SUBJECT_CHARS]
-    # For ASCII text the dictionary's pipeline finds exactly the runs of [a-z0-9] after
-    # lowercasing (see Dictionary.id_list); the regex is several times faster.
-    words = _ASCII_WORD.findall(text.lower()) if text.isascii() else dictionary.load().words(text)
+    # ASCII text is split as Dictionary.id_list splits it (the same words as the tokenizer's
+    # pipeline, several times faster); anything else goes through the pipeline.
+    words: Iterable[bytes | str] = (
+        text.encode("ascii").translate(dictionary._ASCII_FOLD).split() if text.isascii()
+        else dictionary.load().words(text))
     counts: dict[str, int] = {}
     forms: dict[str, str] = {}
     cache = _SUBJECT_STEM
-    for w in words:
-        s = cache.get(w, "")
-        if s == "":
-            s = cache[w] = _subject_stem(w)
-        if s is not None:
-            if s in counts:
-                counts[s] += 1
+    # Counter counts in C, in order of first occurrence; stems are then looked up per distinct
+    # word only (a text repeats most of its words).
+    for w, n in Counter(words).items():
+        if w in cache:
+            known = cache[w]
+        else:
+            known = cache[w] = _subject_stem(w.decode() if isinstance(w, bytes) else w)
+        if known is not None:
+            stem, form = known
+            if stem in counts:
+                counts[stem] += n
             else:
-                counts[s] = 1
-                forms[s] = w
+                counts[stem] = n
+                forms[stem] = form
     if len(cache) > 1_000_000:  # bound the cache in a long-lived process
         cache.clear()
     return counts, forms
 
 
-_ASCII_WORD = re.compile(r"[a-z0-9]+")
-# word -> its stem when the word can be a subject, None when it cannot: stemming every word of
-# every stored row was two thirds of the chains' write cost.
-_SUBJECT_STEM: dict[str, str | None] = {}
+# word -> (its stem, the word) when the word can be a subject, None when it cannot: stemming
+# every word of every stored row was most of the chains' write cost.
+_SUBJECT_STEM: dict[bytes | str, tuple[str, str] | None] = {}
 
 
-def _subject_stem(word: str) -> str | None:
+def _subject_stem(word: str) -> tuple[str, str] | None:
     if len(word) < 3 or word.isdigit() or word in dictionary.STOP_WORDS:
         return None
     s = dictionary.stem(word)
-    return None if _rank(s) < dictionary.FIRST_STEM_ID + COMMON_STEMS else s
+    return None if _rank(s) < dictionary.FIRST_STEM_ID + COMMON_STEMS else (s, word)
 
 
 def subjects(text: str) -> list[str]:
     """The stems of the chains a text row joins: its most repeated subject words, then the
     rarest (a stem the corpus never saw counts rarest), at most SUBJECTS; ties by stem."""
     counts, _ = _subject_words(text)
-    return sorted(counts, key=lambda s: (-counts[s], -_rank(s), s))[:SUBJECTS]
+    d = dictionary.load()
+    rank, unseen = d.stem_ids, d.hash_base
+    return heapq.nsmallest(SUBJECTS, counts, key=lambda s: (-counts[s], -rank.get(s, unseen), s))
 
 
 def _rank(stem: str) -> int:
