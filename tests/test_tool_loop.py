@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import Proxy, start_proxy, stop_proxy
-from tests.fake_provider import FakeProvider, Text, ToolCall
+from tests.fake_provider import Cut, FakeProvider, Text, ToolCall
 
 WEATHER = {"name": "get_weather", "description": "Weather for a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -252,3 +252,26 @@ def test_the_binding_log_records_what_a_turn_was_shown(proxy: Proxy, fake: FakeP
         " on m.id = b.turn_message_id join user u on u.id = m.user_id where u.key = 't8'")
     texts = {t for (t,) in bound}
     assert "4471." in texts and "The vault code is 4471." in texts
+
+
+def test_failure_before_the_first_byte_falls_back_to_the_plain_request(
+        proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t9")
+    fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="toolu_f"), Cut(),
+                Text("Answered without the tools."))
+    r = client(proxy).messages.create(**ask("t9"))  # whole reply: nothing sent before the cut
+    assert r.content[0].text == "Answered without the tools."
+    last = fake.wait_requests(3)[2].json
+    assert not any(t["name"].startswith("memory_") for t in last.get("tools", []))
+
+
+def test_failure_mid_stream_ends_with_the_protocols_error_event(
+        proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t10")
+    fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="toolu_m", text="Looking."),
+                Cut(after_events=1))
+    with pytest.raises(anthropic.APIStatusError, match="upstream failed"):
+        with client(proxy).messages.stream(**ask("t10")) as s:
+            for _ in s:
+                pass
+    assert proxy.alive()
