@@ -502,7 +502,9 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
         (None, "by date: " + ", ".join(f"{d} {n}" for d, n in by_day[:DAYS_LISTED])
          + (f", and {len(by_day) - DAYS_LISTED} more days" if len(by_day) > DAYS_LISTED else "")),
     ]
-    entries += [_instance(rows[i], memory) for i in listed if i in rows]
+    marks = [dictionary.stem(w) for w in dictionary.load().words(category)
+             if w not in dictionary.STOP_WORDS]
+    entries += [_instance(rows[i], marks, memory) for i in listed if i in rows]
     if ids.size > len(listed):
         entries.append((None, (f"[{ids.size - len(listed)} more instances not listed: raise"
                                " limit, or narrow by conversation, role or dates]")))
@@ -522,16 +524,31 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
-def _instance(r: Row, memory: TurnMemory) -> tuple[int | None, str]:
-    """One counted row, compactly. Its id joins `shown` only when the snippet is the whole row:
-    a row seen in part stays reachable in full by memory_search."""
+def _instance(r: Row, marks: list[str], memory: TurnMemory) -> tuple[int | None, str]:
+    """One counted row, compactly: a snippet around the first of `marks` (the category's
+    stems) it holds. Its id joins `shown` only when the snippet is the whole row: a row seen
+    in part stays reachable in full by memory_search."""
     head = f"#{r.item_id} {_when(r.at)[:16]} {r.conversation} {r.role}"
     if r.item_id in memory.shown:
         return None, f"{head} (already shown)"
     body = " ".join(_body(r).split())
     if len(body) <= SNIPPET_CHARS:
         return r.item_id, f"{head}: {body}"
-    return None, f"{head}: {body[:SNIPPET_CHARS]}…"
+    return None, f"{head}: {snippet(body, marks)}"
+
+
+def snippet(body: str, marks: list[str]) -> str:
+    """SNIPPET_CHARS of `body` from a little before the first of `marks` it holds (the
+    opening when it holds none as written), with an ellipsis where it was cut."""
+    lower = body.lower()
+    found = [i for i in (lower.find(m) for m in marks) if i >= 0]
+    # A little context before the mark, and a full snippet even when the mark is near the end.
+    start = min(max(0, min(found) - SNIPPET_CHARS // 4), len(body) - SNIPPET_CHARS) if found else 0
+    if start:
+        space = body.find(" ", start)
+        start = space + 1 if 0 <= space < min(found) else start
+    end = start + SNIPPET_CHARS
+    return ("…" if start else "") + body[start:end] + ("…" if end < len(body) else "")
 
 
 def _tally(values: np.ndarray) -> list[tuple[Any, int]]:

@@ -211,6 +211,10 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
     listed = run("memory_count", {"category": "apple", "limit": 3}, turn(store, None), scanner)
     assert len(re.findall(r"^#\d+ ", listed, re.MULTILINE)) == 3
     assert "more instances not listed" in listed
+    # A long instance is quoted around the word that made it count.
+    long = "filler words " * 40 + "then the apple pie"
+    assert tools.snippet(long, ["appl"]).endswith("then the apple pie")
+    assert len(tools.snippet(long, ["appl"])) <= tools.SNIPPET_CHARS + 2
 
 
 def test_chains_follow_a_fact_to_its_latest_state_in_time_order(memory: Store) -> None:
