@@ -6,6 +6,6 @@ from pathlib import Path
 # Works from a checkout whose package is not installed into mitmproxy's environment.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from perpetuity_core.proxy import Perpetuity  # noqa: E402
+from perpetuity_core.proxy import Perpetuity
 
 addons = [Perpetuity()]

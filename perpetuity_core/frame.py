@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 
@@ -279,7 +279,7 @@ def _quote(r: Row) -> str:
 
 
 def _label(r: Row, asked_at: float, current: bool) -> str:
-    when = datetime.fromtimestamp(r.at, timezone.utc)
+    when = datetime.fromtimestamp(r.at, UTC)
     where = "this conversation" if current else f"conversation {r.conversation}"
     return f"[{where}, {when:%Y-%m-%d %H:%M} UTC, {_ago(asked_at - r.at)} before]"
 

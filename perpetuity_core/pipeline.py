@@ -10,28 +10,28 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import OrderedDict
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import date
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from . import capture, frame, heat, notes, tools
 from .cap import Cap
 from .capture import TurnContext
 from .conversation import Kind, Message, ParsedRequest, Protocol, Provider, Reply
-from .frame import Frame
-from .scan import Scanner, token_estimate
-from .tools import TurnMemory
 from .errors import PerpetuityError
+from .frame import Frame
 from .identity import Identity, identify
 from .protocols import ADAPTERS
 from .route import CONTROL_PREFIX, Route, credential, parse_controls, route
+from .scan import Scanner, token_estimate
 from .store import Store
+from .tools import TurnMemory
 
 log = logging.getLogger("perpetuity")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from urllib.parse import urlsplit
 
 from .conversation import Protocol, Provider
@@ -106,7 +106,7 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
         except ValueError:
             when = None  # a bad time is ignored, not fatal: the turn is stored at arrival time
         if when is not None:
-            at = (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+            at = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
     return Controls(
         enabled=not off("x-perpetuity"),
         capture=not off("x-perpetuity-capture"),

@@ -24,9 +24,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import start_proxy, stop_proxy  # noqa: E402
-from tests.fake_provider import FakeProvider, Text  # noqa: E402
-
+from tests.conftest import start_proxy, stop_proxy
+from tests.fake_provider import FakeProvider, Text
 
 SIDES = {"direct": {}, "relay": {}, "mitmproxy_stream": {"x-perpetuity-tools": "off"},
          "relay_no_frame": {"x-perpetuity-recall": "off"},

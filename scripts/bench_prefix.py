@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from perpetuity_core import importers  # noqa: E402
-from perpetuity_core.conversation import Provider, Reply, Usage  # noqa: E402
-from perpetuity_core.evaluate import _request  # noqa: E402
-from perpetuity_core.pipeline import Pipeline  # noqa: E402
-from perpetuity_core.store import Store  # noqa: E402
+from perpetuity_core import importers
+from perpetuity_core.conversation import Provider, Reply, Usage
+from perpetuity_core.evaluate import _request
+from perpetuity_core.pipeline import Pipeline
+from perpetuity_core.store import Store
 
 
 def shared_prefix(a: bytes, b: bytes) -> int:
@@ -48,8 +48,9 @@ def replay(thread: importers.Thread, turns: int, recall: bool,
     shares: list[float] = []
     uncached: list[int] = []  # characters past the shared prefix, per request
     previous = b""
+    turn = None
     for i, m in enumerate(thread.messages[:turns]):
-        if m.role == "assistant" and history and history[-1]["role"] == "user":
+        if m.role == "assistant" and turn is not None and history[-1]["role"] == "user":
             history.append({"role": "assistant", "content": m.text})
             pipeline.store_reply(turn, Reply(m, Usage()), thread.times[i])
             continue

@@ -23,10 +23,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from perpetuity_core import importers, tools  # noqa: E402
-from perpetuity_core.protocols import anthropic  # noqa: E402
-from perpetuity_core.scan import Scanner, token_estimate  # noqa: E402
-from perpetuity_core.store import Store  # noqa: E402
+from perpetuity_core import importers, tools
+from perpetuity_core.protocols import anthropic
+from perpetuity_core.scan import Scanner, token_estimate
+from perpetuity_core.store import Store
 
 CALLS = ("memory_search", "memory_dates", "memory_count", "memory_cooccur", "memory_chains")
 

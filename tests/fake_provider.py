@@ -38,13 +38,13 @@ import http
 import json
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import h11
 
-__all__ = ["FakeProvider", "Text", "ToolCall", "Error", "Cut", "Recorded", "DEFAULT_REPLY"]
+__all__ = ["DEFAULT_REPLY", "Cut", "Error", "FakeProvider", "Recorded", "Text", "ToolCall"]
 
 
 # --------------------------------------------------------------------------- script items
@@ -75,7 +75,7 @@ class ToolCall:
     arguments: dict
     call_id: str | None = None
     text: str | None = None
-    also: tuple["ToolCall", ...] = ()  # more calls in the same reply (Anthropic Messages)
+    also: tuple[ToolCall, ...] = ()  # more calls in the same reply (Anthropic Messages)
     thinking: str | None = None  # a thinking block before the call (Anthropic Messages)
 
 
@@ -631,7 +631,7 @@ class FakeProvider:
             raise RuntimeError("FakeProvider is not started")
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "FakeProvider":
+    def start(self) -> FakeProvider:
         if self._thread is not None:
             return self
         ready = threading.Event()
@@ -682,13 +682,13 @@ class FakeProvider:
         self._loop = None
         self._server = None
 
-    def __enter__(self) -> "FakeProvider":
+    def __enter__(self) -> FakeProvider:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def script(self, *items: Any) -> "FakeProvider":
+    def script(self, *items: Any) -> FakeProvider:
         """Queue replies, consumed one per generation request (messages, chat
         completions, responses), in order. count_tokens and other paths don't consume."""
         for item in items:
@@ -737,7 +737,7 @@ class FakeProvider:
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
-            except (TimeoutError, asyncio.TimeoutError):
+            except TimeoutError:
                 pass
 
     def _record(self, req: h11.Request, body: bytes) -> Recorded:

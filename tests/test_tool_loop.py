@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterator
 
 import anthropic
-import openai
 import httpx
+import openai
 import pytest
 
 from tests.conftest import Proxy, start_proxy, stop_proxy
