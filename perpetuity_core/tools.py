@@ -91,20 +91,18 @@ class TurnMemory:
 
 # --------------------------------------------------------------------------- definitions
 
-_DATE = "ISO date or date-time, UTC unless it says otherwise (2024-05-01, 2024-05-01T14:30)"
+# The definitions ride along with every request that carries the tools: kept short.
 _FILTERS: dict[str, dict[str, Any]] = {
-    "conversation": {"type": "string", "description":
-                     "Only this conversation: its key as results show it, or 'current'."},
-    "role": {"type": "string", "enum": ["user", "assistant", "tool"],
-             "description": "Only rows said by this role."},
-    "after": {"type": "string", "description": f"Only rows from this time on. {_DATE}."},
-    "before": {"type": "string", "description": f"Only rows before this time. {_DATE}."},
+    "conversation": {"type": "string",
+                     "description": "A conversation key from the results, or 'current'."},
+    "role": {"type": "string", "enum": ["user", "assistant", "tool"]},
+    "after": {"type": "string", "description": "From this ISO date or time on (UTC)."},
+    "before": {"type": "string", "description": "Before this ISO date or time (UTC)."},
 }
 
 
 def _limit(default: int = LIMIT, most: int = MAX_LIMIT) -> dict[str, Any]:
-    return {"type": "integer", "minimum": 1, "maximum": most, "default": default,
-            "description": f"How many rows to show (default {default})."}
+    return {"type": "integer", "minimum": 1, "maximum": most, "default": default}
 
 
 def _schema(required: Sequence[str], **properties: dict[str, Any]) -> dict[str, Any]:
@@ -118,38 +116,32 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Search everything stored from earlier conversations with this user, best match first."
         " Returns only rows you have not seen this turn, each as [#id · conversation · role ·"
         " time] text.",
-        _schema(["query"], query={"type": "string", "description":
-                                  "The words to look for (names, terms, phrases said before)."},
+        _schema(["query"], query={"type": "string", "description": "Words said before."},
                 **_FILTERS, limit=_limit())),
     ToolSpec(
         "memory_more",
         "More of what this turn's retrieval found but the frame left out, best first, one page"
         " per call. With `item`, the rest of a row that an answer cut short.",
-        _schema([], page={"type": "integer", "minimum": 1, "default": 1, "description":
-                          "Which page of the rows not seen yet (1 is the next)."},
+        _schema([], page={"type": "integer", "minimum": 1, "default": 1},
                 limit=_limit(),
                 item={"type": "integer", "minimum": 1, "description": "A cut row's #id."},
-                offset={"type": "integer", "minimum": 0, "default": 0, "description":
-                        "Where in that row to continue, as the cut note says."})),
+                offset={"type": "integer", "minimum": 0, "default": 0,
+                        "description": "As the cut note says."})),
     ToolSpec(
         "memory_cooccur",
         "What came up together with a topic in earlier turns: the rows retrieved or said in the"
         " same turns as the topic's best matches, and the words most frequent among them.",
-        _schema(["topic"], topic={"type": "string", "description": "The topic's words."},
-                limit=_limit())),
+        _schema(["topic"], topic={"type": "string"}, limit=_limit())),
     ToolSpec(
         "memory_count",
-        "Count exactly every stored row that mentions something (every row is read, nothing is"
-        " sampled), grouped by conversation and date, with the instances listed compactly. A"
-        " row counts when it holds every word of `category` (word forms fold: hike, hiking), or"
-        " any of them with match='any'. Name the words an instance would use.",
-        _schema(["category"], category={"type": "string", "description":
-                                        "The word(s) marking an instance."},
-                match={"type": "string", "enum": ["all", "any"], "default": "all",
-                       "description": "Rows holding all the words (default) or any of them."},
+        "Count exactly every stored row that mentions something (every row is read), grouped"
+        " by conversation and date, instances listed compactly. A row counts when it holds every"
+        " word of `category` (word forms fold: hike, hiking), or any of them with match='any'."
+        " Use the words an instance would use.",
+        _schema(["category"], category={"type": "string"},
+                match={"type": "string", "enum": ["all", "any"], "default": "all"},
                 **_FILTERS, limit=_limit(COUNT_LIST, 200) | {
-                    "description": f"How many instances to list (default {COUNT_LIST});"
-                                   " the count is always complete."})),
+                    "description": "Instances to list; the count is always complete."})),
     ToolSpec(
         "memory_chains",
         "Follow a subject through time: every row about it (a name, a place, a thing), oldest"
@@ -158,14 +150,14 @@ TOOLS: tuple[ToolSpec, ...] = (
         _schema(["subject"], subject={"type": "string", "description":
                                       "One or two distinctive words (e.g. 'Oslo', 'vault code')."},
                 limit=_limit(),
-                page={"type": "integer", "minimum": 1, "default": 1, "description":
-                      "1 shows the latest rows of a long chain, 2 the ones before, and so on."})),
+                page={"type": "integer", "minimum": 1, "default": 1,
+                      "description": "1 is the latest rows, 2 the ones before."})),
     ToolSpec(
         "memory_dates",
         "When something happened: the stored rows that mention it, oldest first, with their"
         " dates, the time elapsed between consecutive ones, from the first to the last, and"
         " before now.",
-        _schema(["query"], query={"type": "string", "description": "What happened, in words."},
+        _schema(["query"], query={"type": "string", "description": "What happened."},
                 **_FILTERS, limit=_limit())),
 )
 TOOL_NAMES = frozenset(t.name for t in TOOLS)
