@@ -5,6 +5,7 @@ Nothing outside `perpetuity_core.protocols` sees provider JSON: it sees these ty
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -53,21 +54,26 @@ class Message:
         blocks, thinking stripped and whitespace changed, so only what identifies the turn counts:
         its role, its words with whitespace collapsed, and its tool call ids.
         """
-        h = hashlib.blake2b(digest_size=16)
-        h.update(("tool" if self.role == "tool" else self.role).encode())
-        for p in self.parts:
-            if p.kind in (Kind.TEXT, Kind.CONTEXT):
-                h.update(b"\x00t" + _WS.sub(" ", p.text).strip().encode())
-            elif p.kind in (Kind.TOOL_CALL, Kind.TOOL_RESULT):
-                h.update(b"\x00c" + p.kind.encode() + p.call_id.encode())
-        return h.hexdigest()
+        return _fingerprint(self)
 
     @property
     def text(self) -> str:
         return "\n".join(p.text for p in self.parts if p.kind == Kind.TEXT)
 
 
-_WS = re.compile(r"\s+")
+@functools.lru_cache(maxsize=1 << 16)
+def _fingerprint(message: Message) -> str:
+    # Every request re-sends the whole history: equal messages hash alike, so each is digested
+    # once, not once per request.
+    h = hashlib.blake2b(digest_size=16)
+    h.update(message.role.encode())
+    for p in message.parts:
+        if p.kind in (Kind.TEXT, Kind.CONTEXT):
+            h.update(b"\x00t" + " ".join(p.text.split()).encode())
+        elif p.kind in (Kind.TOOL_CALL, Kind.TOOL_RESULT):
+            h.update(b"\x00c" + p.kind.encode() + p.call_id.encode())
+    return h.hexdigest()
+
 
 # Blocks harnesses put inside user turns that the person did not write (Claude Code, Codex).
 _SCAFFOLD = re.compile(

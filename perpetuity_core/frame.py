@@ -251,19 +251,15 @@ RUN_GAP = 30 * 60  # turns further apart than this in time are labelled afresh
 
 
 def _adjacent_pairs(message_ids: list[int]) -> set[tuple[int, int]]:
-    """Pairs of rendered messages with nothing stored between them in their conversation."""
+    """Pairs of rendered messages (of one conversation) with nothing stored between them."""
     ids = sorted(set(message_ids))
     if len(ids) < 2:
         return set()
-    conn = db.connection()
-    out = set()
-    for a, b in zip(ids, ids[1:]):
-        (between,) = conn.execute(
-            "SELECT count(*) FROM message WHERE id > ? AND id < ? AND conversation_id ="
-            " (SELECT conversation_id FROM message WHERE id = ?)", (a, b, a)).fetchone()
-        if between == 0:
-            out.add((a, b))
-    return out
+    stored = [i for (i,) in db.connection().execute(
+        "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
+        " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id", (ids[0], ids[0], ids[-1]))]
+    follows = dict(zip(stored, stored[1:], strict=False))
+    return {(a, b) for a, b in zip(ids, ids[1:], strict=False) if follows.get(a) == b}
 
 
 def _same_run(previous: Row, row: Row, adjacent: set[tuple[int, int]]) -> bool:
