@@ -57,6 +57,7 @@ class Frame:
     reheats: dict[int, float] = field(default_factory=dict)  # to write unless probing
     sticky: list[list[int]] = field(default_factory=list)  # sections to keep in front next turn
     below_cap: list[int] = field(default_factory=list)  # this turn's hits left out, best first
+    hits: list[int] = field(default_factory=list)  # this turn's hits rendered, best first
 
 
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
@@ -107,7 +108,8 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     sticky = (kept_sections if stable else []) + ([fresh] if fresh else [])
     shown = set(chosen)
     return Frame(messages, chosen, budget, _tokens(messages), len(rows) - len(chosen), now,
-                 reheats, sticky, [h.item_id for h in hits if h.item_id not in shown])
+                 reheats, sticky, [h.item_id for h in hits if h.item_id not in shown],
+                 [h.item_id for h in hits if h.item_id in shown])
 
 
 def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:

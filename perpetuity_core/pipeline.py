@@ -40,6 +40,7 @@ CODING = ("claude-code", "codex", "opencode")
 CODING_KEEP_TURNS = 3  # a coding harness keeps its live turn and the two before it as sent
 RECENT_STRETCH = 6  # the latest stored messages of the conversation, always in the frame
 STICKY_CONVERSATIONS = 10_000
+BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -75,8 +76,12 @@ class PendingTurn:
     clock: float = 0.0
     sent_tokens: int = 0  # the conversation the model reads: frame and turns kept as sent
     notes: list[str] = field(default_factory=list)  # notes recall put before the model
-    # The rows the model was shown this turn (the frame's, then the tools'): the binding log's.
+    # What the binding log binds to the reply: the turn's own retrieval as rendered, and the
+    # rows the tools showed (`shown` grows as they run; the frame's warm rows are left out,
+    # since warmth is not topic).
+    hits: set[int] = field(default_factory=set)
     shown: set[int] = field(default_factory=set)
+    frame_rows: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -209,7 +214,8 @@ class Pipeline:
                               parsed.messages, at, built.reheats if built else {},
                               built.now if built else 0.0,
                               (built.tokens if built else 0) + _tokens(sent), recall.notes,
-                              recall.memory.shown if recall.memory else
+                              set(built.hits[:BOUND_HITS]) if built else set(),
+                              recall.memory.shown if recall.memory else set(),
                               set(built.item_ids) if built else set())
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
@@ -299,8 +305,8 @@ class Pipeline:
         message_id = capture.record_reply(self.store, turn, reply, at)
         if message_id is not None:
             heat.advance(turn.user_id, _tokens([reply.message]))
-            if pending and pending.shown:
-                tools.record_bindings(message_id, pending.shown)
+            if pending and (bound := pending.hits | (pending.shown - pending.frame_rows)):
+                tools.record_bindings(message_id, bound)
         recalled = pending.notes if pending else []
         if recalled and self.notes_root is not None:
             text = "\n".join(p.text for p in reply.message.parts)
