@@ -17,6 +17,7 @@ from .conversation import Kind, ParsedRequest
 
 CLAUDE_CODE_COMPACT = "Your task is to create a detailed summary of the conversation so far"
 OPENCODE_TITLE = "You are a title generator"
+CODEX_TURN = "x-codex-turn-metadata"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,7 @@ def _harness_conversation(headers: Mapping[str, str], req: ParsedRequest, cc: di
     if session:
         agent = headers.get("x-claude-code-agent-id")
         return f"{session}/agent-{agent}" if agent else session
-    turn_meta = _json_header(headers.get("x-codex-turn-metadata", ""))
+    turn_meta = _turn_metadata(headers, req)
     return (
         headers.get("session-id")
         or str(turn_meta.get("session_id") or "")
@@ -88,7 +89,7 @@ def _side(headers: Mapping[str, str], req: ParsedRequest, harness: str) -> str:
         return "prewarm"
     if req.compaction:
         return "compaction"
-    turn_meta = _json_header(headers.get("x-codex-turn-metadata", ""))
+    turn_meta = _turn_metadata(headers, req)
     kind = turn_meta.get("request_kind")
     if isinstance(kind, str) and kind != "turn":
         return f"codex-{kind}"
@@ -110,6 +111,11 @@ def _first_user_turn(req: ParsedRequest) -> str:
         if m.role == "user":
             return m.fingerprint()
     return req.system
+
+
+def _turn_metadata(headers: Mapping[str, str], req: ParsedRequest) -> dict[str, object]:
+    """Codex's turn metadata: the request's own (a WebSocket message's) before the headers'."""
+    return _json_header(req.hints.get(CODEX_TURN) or headers.get(CODEX_TURN, ""))
 
 
 def _json_header(value: str) -> dict[str, object]:

@@ -9,6 +9,7 @@ mitmproxy catches hook exceptions and carries on with whatever state the flow wa
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +24,10 @@ from .conversation import Provider, Reply
 from .errors import PerpetuityError
 from .notes import CAPTURE_TOOL_NAME, notes_root
 from .pipeline import Decision, HttpRequest, Job, Pipeline
+from .protocols import responses
 from .relay import JOB_HEADER, Relay, ReplyTee
 from .route import DEFAULT_UPSTREAMS, PROVIDER_HOSTS, parse_upstream
+from .sse import Event
 from .store import Store, default_db_path
 from .tools import TurnMemory
 
@@ -132,6 +135,37 @@ class Perpetuity:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
             decision = self.pipeline.route_only(req)
         self._apply(flow, decision)
+        if decision.route and flow.request.headers.get("upgrade", "").lower() == "websocket":
+            flow.metadata["perpetuity_handshake"] = req  # the identity of every message to come
+
+    async def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """Codex's own provider speaks Responses over a WebSocket: each client message is a
+        request (stored like one, without a frame: later ones chain to server-side state by
+        previous_response_id) and the server's events are its reply."""
+        handshake: HttpRequest | None = flow.metadata.get("perpetuity_handshake")
+        if handshake is None or flow.websocket is None or self.pipeline is None:
+            return
+        message = flow.websocket.messages[-1]
+        try:
+            if message.from_client:
+                req = HttpRequest("POST", handshake.host, handshake.path,
+                                  handshake.headers + (("x-perpetuity-recall", "off"),),
+                                  message.content, handshake.direct)
+                decision = await asyncio.get_running_loop().run_in_executor(
+                    self.parser, self.pipeline.prepare, req)
+                if decision.job is not None:
+                    self._store_request(decision.job)
+                    flow.metadata["perpetuity_ws"] = (decision.job, responses.ReplyAssembler())
+            elif state := flow.metadata.get("perpetuity_ws"):
+                job, assembler = state
+                event = json.loads(message.content)
+                kind = str(event.get("type", "")) if isinstance(event, dict) else ""
+                assembler.feed(Event(kind, message.text))
+                if kind in ("response.completed", "response.incomplete", "response.failed"):
+                    del flow.metadata["perpetuity_ws"]
+                    self._store_reply(job, assembler.reply(), time.time())
+        except Exception:
+            log.exception("perpetuity: could not capture a WebSocket message; it went through as sent")
 
     def _is_direct(self, flow: http.HTTPFlow) -> bool:
         """Did the client address us (a base URL) rather than a host through us?"""

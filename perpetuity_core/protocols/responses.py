@@ -16,6 +16,8 @@ from ..errors import ProtocolError
 from ..sse import Event
 from .chat import HINT_FIELDS, _args
 
+CODEX_TURN = "x-codex-turn-metadata"
+
 
 def parse_request(body: dict[str, Any]) -> ParsedRequest:
     raw = body.get("input")
@@ -34,6 +36,11 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
     hints = {f: body[f] for f in HINT_FIELDS if isinstance(body.get(f), str)}
     if isinstance(body.get("previous_response_id"), str):
         hints["previous_response_id"] = body["previous_response_id"]
+    # Codex over a WebSocket says per message what kind of request it is; the handshake's
+    # headers describe only the first.
+    client_metadata = body.get("client_metadata")
+    if isinstance(client_metadata, dict) and isinstance(client_metadata.get(CODEX_TURN), str):
+        hints[CODEX_TURN] = client_metadata[CODEX_TURN]
     return ParsedRequest(
         protocol=Protocol.RESPONSES,
         model=str(body.get("model", "")),
