@@ -393,6 +393,15 @@ def segment_postings(seg: Segment) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             ((key >> 8) & 0xFFFFFFFF).astype(np.int32), (key & 0xFF).astype(np.uint8))
 
 
+def merge_segments(older: Segment, newer: Segment, layout: str) -> Segment:
+    """One segment for two adjacent ones (the newer's rows follow the older's)."""
+    if newer.start != older.start + older.n:
+        raise AssertionError("segments must tile the arena")
+    a, b = segment_postings(older), segment_postings(newer)
+    return build_segment(older.start, *(np.concatenate(x) for x in zip(a, b, strict=True)),
+                         layout)
+
+
 class Arena:
     """The in-memory copy of every retrieval row of the store, for many users at once.
 
@@ -458,34 +467,24 @@ class Arena:
         self.n_rows += len(new)
         self.total_length += int(length_a.sum(dtype=np.int64))
         self.row_cursor = int(seq[-1])
-        # Fill the last segment up to its cap (merging it with the new rows), then new ones.
+        # New rows become new segments; then the two last segments merge while the older is
+        # at most twice the newer and both fit in one. Sizes stay geometric, like the digits of
+        # a binary counter: a row is re-sorted O(log) times in all, a catch-up of a few rows
+        # re-sorts a few rows, and at most ~16 segments are not full.
         start = int(self.seq.size - len(new))
         row_ptr = np.zeros(len(new) + 1, np.int64)
         np.cumsum(row_len, out=row_ptr[1:])
-        i = 0
-        if self.segments and self.segments[-1].n < SEGMENT_ROWS:
-            last = self.segments.pop()
-            take = min(SEGMENT_ROWS - last.n, len(new))
-            # Tiered: merge only when the tail is no bigger than twice what comes in, so a row
-            # is re-sorted O(log) times at most and a catch-up never rebuilds a big segment.
-            if last.n <= 2 * take or last.n + len(new) <= SEGMENT_ROWS // 8:
-                old_len, old_terms, old_tf = segment_postings(last)
-                j = row_ptr[take]
-                self.segments.append(build_segment(
-                    last.start, np.concatenate((old_len, row_len[:take])),
-                    np.concatenate((old_terms, terms[:j])), np.concatenate((old_tf, tf[:j])),
-                    self.layout))
-                i = take
-            else:
-                self.segments.append(last)
-        while i < len(new):
+        for i in range(0, len(new), SEGMENT_ROWS):
             k = min(len(new), i + SEGMENT_ROWS)
-            if self.segments and self.segments[-1].start + self.segments[-1].n != start + i:
-                raise AssertionError("segments must tile the arena")
             a, b = row_ptr[i], row_ptr[k]
             self.segments.append(build_segment(start + i, row_len[i:k], terms[a:b], tf[a:b],
                                                self.layout))
-            i = k
+        segs = self.segments
+        while (len(segs) >= 2 and segs[-2].n <= 2 * segs[-1].n
+               and segs[-2].n + segs[-1].n <= SEGMENT_ROWS):
+            newer = segs.pop()
+            older = segs.pop()
+            segs.append(merge_segments(older, newer, self.layout))
 
     def _forget(self, gone: list[tuple]) -> None:
         self.gone_cursor = int(gone[-1][0])
