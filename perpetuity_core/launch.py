@@ -18,6 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("proxy", help="run the memory proxy (mitmdump with the addon)",
                        description="Run the memory proxy. Arguments it does not know go to mitmdump.")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    # Memory answers whoever reaches the port: only this machine, unless asked otherwise.
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--db", default=None, help=f"memory database (default {default_db_path()})")
     p.add_argument("--anthropic-upstream", default=None, help="where Anthropic traffic goes")
     p.add_argument("--openai-upstream", default=None, help="where OpenAI traffic goes")
@@ -31,7 +33,8 @@ def mitmdump_command(args: argparse.Namespace) -> list[str]:
     mitmdump = str(exe) if exe.exists() else shutil.which("mitmdump")
     if not mitmdump:
         raise ConfigError("mitmdump not found; install the project with its dependencies")
-    cmd = [mitmdump, "-s", str(ADDON_SCRIPT), "--listen-port", str(args.port)]
+    cmd = [mitmdump, "-s", str(ADDON_SCRIPT), "--listen-host", args.host,
+           "--listen-port", str(args.port)]
     for option, value in (("perpetuity_db", args.db),
                           ("perpetuity_anthropic_upstream", args.anthropic_upstream),
                           ("perpetuity_openai_upstream", args.openai_upstream)):

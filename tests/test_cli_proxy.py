@@ -24,7 +24,7 @@ def test_perpetuity_proxy_serves_and_prints_the_harness_settings(tmp_path: Path)
         proc = subprocess.Popen(
             [str(PERPETUITY), "proxy", "--port", str(port), "--db", str(db),
              "--anthropic-upstream", fake.url, "--openai-upstream", fake.url,
-             "--listen-host", "127.0.0.1", "--set", f"confdir={tmp_path}", "-q"],
+             "--set", f"confdir={tmp_path}", "-q"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         try:
             banner = [proc.stdout.readline() for _ in range(5)]
