@@ -120,6 +120,52 @@ def scan_rankings(store: Store, convs: list[Conv], params: scan.Params) -> list:
     return out
 
 
+def phrase_rankings(store: Store, convs: list[Conv], weight: float) -> list:
+    """Experiment (not in the engine): the shipped score plus `weight` times a BM25 over the
+    pairs of adjacent indexed words (a phrase bonus), with the same conversational context."""
+    from collections import Counter
+
+    from perpetuity_core import dictionary
+
+    d = dictionary.load()
+    p = scan.Params()
+
+    def pairs(text: str) -> Counter:
+        ids = d.id_list(text)
+        return Counter(zip(ids, ids[1:], strict=False))
+
+    bags = [[pairs(t) for t in conv.texts] for conv in convs]
+    df: Counter = Counter()
+    for bb in bags:
+        for b in bb:
+            df.update(b.keys())
+    n = sum(len(bb) for bb in bags)
+    avgdl = sum(sum(b.values()) for bb in bags for b in bb) / n
+    sc = scan.Scanner(store, store_rows=0)
+    out = []
+    for conv, bb in zip(convs, bags, strict=True):
+        lengths = np.array([sum(b.values()) for b in bb], float)
+        for q, ev in conv.questions:
+            s = np.zeros(len(conv.labels))
+            hits = sc.search(q, conv.user_id, limit=len(conv.labels))
+            s[[conv.turn_of_item[h.item_id] for h in hits]] = [h.score for h in hits]
+            bonus = np.zeros_like(s)
+            for t in pairs(q):
+                tf = np.array([b.get(t, 0) for b in bb], float)
+                if df[t]:
+                    w = np.log1p((n - df[t] + 0.5) / (df[t] + 0.5)) * (p.k1 + 1)
+                    bonus += w * tf / (tf + p.k1 * (1 - p.b + p.b * lengths / avgdl))
+            ctx = bonus.copy()
+            for i, w in enumerate(p.before, 1):
+                ctx[i:] += w * bonus[:-i]
+            for i, w in enumerate(p.after, 1):
+                ctx[:-i] += w * bonus[i:]
+            s2 = s + weight * ctx
+            turns = [int(t) for t in np.lexsort((np.arange(s2.size), -s2)) if s2[t] > 0]
+            out.append((conv, _complete(turns, len(conv.labels)), ev))
+    return out
+
+
 def _complete(turns: list[int], n: int) -> list[int]:
     """Turns that scored zero follow in conversation order, as for every ranking here."""
     seen = set(turns)
@@ -212,6 +258,8 @@ def main() -> int:
             ranked_by(P(before=(0.6, 0.4, 0.3, 0.2))),
         "scan shipped + rare-term weighting idf^1.5": ranked_by(P(idf_power=1.5)),
         "scan shipped + rare-term weighting idf^2": ranked_by(P(idf_power=2.0)),
+        "experiment: shipped + phrase bonus (adjacent word pairs) x0.6":
+            lambda: phrase_rankings(*memory(True), 0.6),
         "sqlite fts5 porter unicode61, OR, bm25()": lambda: fts5_rankings(memory(True)[1]),
         "bm25s (lucene, en stop words)": lambda: bm25s_rankings(memory(True)[1]),
     }
