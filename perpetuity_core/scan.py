@@ -43,7 +43,7 @@ recency and anything else that is not relevance stay out of it.
 Measured on LoCoMo and left out (scripts/eval_retrieval.py): rare-term weighting (idf ** 1.5 or
 ** 2) and a phrase bonus over adjacent word pairs each move recall by about a point at most,
 against an index twice the size for the phrase bonus; the speaker's name in the row text
-(the LoCoMo importer's choice, as a transcript shows it) is worth seven points.
+(the LoCoMo importer's choice, as a transcript shows it) is worth 3 to 7 points.
 
 No shortlist. The term-major pass already reads only what can make a score non-zero (the
 postings of the query's terms, then the rows within context reach of a hit), so a cheaper
