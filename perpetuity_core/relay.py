@@ -132,7 +132,7 @@ class Relay:
                 entry = self._jobs.pop(headers.get(JOB_HEADER, ""), None)
                 if entry is None:
                     await _respond(writer, 502, b"perpetuity: unknown relay job")
-                elif not await self._exchange(entry[1], writer):
+                elif not await self._exchange(entry[1], reader, writer):
                     return
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
@@ -146,10 +146,11 @@ class Relay:
             if not writer.is_closing():
                 writer.close()
 
-    async def _exchange(self, job: Job, writer: asyncio.StreamWriter) -> bool:
+    async def _exchange(self, job: Job, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter) -> bool:
         """Relay one exchange; False when the connection to mitmproxy can no longer be used."""
         if job.memory is not None:
-            return await ToolLoop(self, job, writer).run()
+            return await ToolLoop(self, job, reader, writer).run()
         return await self._forward(job, writer)
 
     async def _forward(self, job: Job, writer: asyncio.StreamWriter) -> bool:
@@ -212,8 +213,9 @@ class ToolLoop:
     to the plain exchange; after, it ends the stream with the protocol's error event.
     """
 
-    def __init__(self, relay: Relay, job: Job, writer: asyncio.StreamWriter) -> None:
-        self.relay, self.job, self.writer = relay, job, writer
+    def __init__(self, relay: Relay, job: Job, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.relay, self.job, self.reader, self.writer = relay, job, reader, writer
         self.adapter = ADAPTERS[job.protocol]
         self.merger = (self.adapter.StreamMerger if job.stream else self.adapter.BodyMerger)(
             frozenset(str(t["name"]) for t in job.tool_specs))
@@ -311,8 +313,9 @@ class ToolLoop:
                         task.cancel()
                         return None
             results.append((call_id, task.result()))
-        if self.writer.is_closing():
-            return None
+        await asyncio.sleep(0)  # let a hang-up that already arrived be seen
+        if self.writer.is_closing() or self.reader.at_eof():
+            return None  # mitmproxy closed our connection: its client is gone
         return results
 
     async def _upstream_error(self, resp: httpx.Response) -> bool:

@@ -77,6 +77,7 @@ class ToolCall:
     text: str | None = None
     also: tuple[ToolCall, ...] = ()  # more calls in the same reply (Anthropic Messages)
     thinking: str | None = None  # a thinking block before the call (Anthropic Messages)
+    delay: float = 0.0  # sleep between streamed events
 
 
 @dataclass(frozen=True)
@@ -820,7 +821,7 @@ class FakeProvider:
         )
         events, full = _PROTOCOLS[proto](_turn_of(item), ctx, stream)
         first_byte_delay = item.first_byte_delay if isinstance(item, Text) else 0.0
-        delay = item.delay if isinstance(item, Text) else 0.0
+        delay = item.delay if isinstance(item, Text | ToolCall) else 0.0
         cut = max(0, item.after_events) if isinstance(item, Cut) else None
         if stream:
             return _Reply(200, base_headers(SSE), events=events, cut=cut, first_byte_delay=first_byte_delay, delay=delay)

@@ -106,6 +106,19 @@ def test_whole_reply_merged_when_not_streamed(proxy: Proxy, fake: FakeProvider) 
     assert len(fake.wait_requests(2)) == 2
     stored = proxy.wait_messages("t2", len(MEMORY) + 2)
     assert stored[-1][:3] == ("assistant", "reply", "In April.")
+    # Usage summed over both rounds (the fake counts a request's input as its length / 4).
+    assert r.usage.input_tokens == sum(max(1, len(q.body) // 4) for q in fake.requests)
+
+
+def test_tools_off_means_a_prompt_that_never_mentions_them(proxy: Proxy, fake: FakeProvider) -> None:
+    remember(proxy, fake, "t11")
+    fake.script(Text("4471."))
+    body = ask("t11")
+    body["extra_headers"]["x-perpetuity-tools"] = "off"
+    client(proxy).messages.create(**body)
+    sent = fake.wait_requests(1)[0]
+    assert [t["name"] for t in sent.json["tools"]] == ["get_weather"]
+    assert b"memory_" not in sent.body and b"The vault code is 4471." in sent.body
 
 
 def test_rounds_are_bounded_and_the_last_must_answer(proxy: Proxy, fake: FakeProvider) -> None:
@@ -132,7 +145,8 @@ def test_mixed_calls_reach_the_client_as_a_valid_reply(proxy: Proxy, fake: FakeP
 
 def test_client_gone_during_a_tool_round_stops_upstream(proxy: Proxy, fake: FakeProvider) -> None:
     remember(proxy, fake, "t5")
-    fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="toolu_gone"), Text("late"))
+    fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="toolu_gone", delay=0.1),
+                Text("late"))
     body = ask("t5")
     headers = {"x-api-key": "sk-ant-tools", "anthropic-version": "2023-06-01",
                **body.pop("extra_headers")}
@@ -140,7 +154,7 @@ def test_client_gone_during_a_tool_round_stops_upstream(proxy: Proxy, fake: Fake
                       headers=headers) as r:
         next(r.iter_raw())
     time.sleep(1.0)
-    assert len(fake.requests) <= 2
+    assert len(fake.requests) == 1  # the tool round ran for no one: no second upstream call
     assert proxy.alive()
 
 
