@@ -1,0 +1,51 @@
+"""The relay on its own, in-process: keep-alive pings while a slow tool runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from perpetuity_core import tools
+from perpetuity_core.conversation import Protocol
+from perpetuity_core.pipeline import Job, PendingTurn
+from perpetuity_core.relay import JOB_HEADER, Relay
+from perpetuity_core.tools import TurnMemory
+from tests.fake_provider import FakeProvider, Text, ToolCall
+
+
+async def _exchange(fake: FakeProvider) -> bytes:
+    async def slow_tool(name: str, arguments: object, memory: TurnMemory) -> str:
+        await asyncio.sleep(2.3)
+        return "nothing found"
+
+    relay = Relay(lambda job: None, lambda job, reply, at: None, slow_tool)
+    await relay.start()
+    body = {"model": "claude-opus-4-8", "max_tokens": 20, "stream": True,
+            "messages": [{"role": "user", "content": "what did I say?"}]}
+    specs = [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
+             for t in tools.TOOLS]
+    job = Job("POST", fake.url + "/v1/messages", [("x-api-key", "k")], json.dumps(body).encode(),
+              Protocol.ANTHROPIC, True, PendingTurn("u", "c", "anthropic", "m", [], 0.0),
+              relay=True, memory=TurnMemory(1, None, 0.0), tool_specs=specs)
+    token = relay.submit(job)
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                 "content-length: 0\r\n\r\n".encode())
+    await writer.drain()
+    # The relay keeps its connection to mitmproxy alive: read to the body's last chunk.
+    raw = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+    writer.close()
+    await relay.stop()
+    return raw
+
+
+def test_pings_keep_the_stream_alive_while_a_tool_runs() -> None:
+    with FakeProvider() as fake:
+        fake.script(ToolCall("memory_search", {"query": "x"}, call_id="toolu_slow"), Text("Done."))
+        raw = asyncio.run(_exchange(fake))
+    # Two of ours while the tool ran (one a second), before the next round's first block;
+    # then the provider's own.
+    assert raw.count(b"event: ping") == 3
+    assert raw.index(b"event: content_block_start") > raw.index(b"event: ping", raw.index(b"event: ping") + 1)
+    assert raw.count(b"event: message_start") == 1 and raw.count(b"event: message_stop") == 1
+    assert b"memory_search" not in raw
