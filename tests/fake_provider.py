@@ -75,7 +75,7 @@ class ToolCall:
     arguments: dict
     call_id: str | None = None
     text: str | None = None
-    also: tuple[ToolCall, ...] = ()  # more calls in the same reply (Anthropic Messages)
+    also: tuple[ToolCall, ...] = ()  # more calls in the same reply
     thinking: str | None = None  # a thinking block before the call (Anthropic Messages)
     delay: float = 0.0  # sleep between streamed events
 
@@ -391,7 +391,9 @@ def _chat(turn: _Turn, ctx: _Ctx, stream: bool) -> tuple[list[bytes], dict]:
         "total_tokens": ctx.input_tokens + out_tokens,
     }
     finish = "tool_calls" if turn.tool_name else "stop"
-    call_id = turn.tool_call_id or "call_fake_" + ids.hex("call", 12)
+    calls = [(turn.tool_name, turn.tool_args, turn.tool_call_id)] if turn.tool_name else []
+    calls = [(name, args, cid_ or "call_fake_" + ids.hex(f"call{n}" if n else "call", 12))
+             for n, (name, args, cid_) in enumerate(calls + list(turn.more_tools))]
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": ctx.model}
 
     def chunk(delta: dict, finish_reason: str | None = None) -> bytes:
@@ -404,36 +406,21 @@ def _chat(turn: _Turn, ctx: _Ctx, stream: bool) -> tuple[list[bytes], dict]:
     if turn.text is not None:
         for piece in _split(turn.text, turn.chunks):
             events.append(chunk({"content": piece}))
-    if turn.tool_name is not None:
-        events.append(
-            chunk(
-                {
-                    "tool_calls": [
-                        {
-                            "index": 0,
-                            "id": call_id,
-                            "type": "function",
-                            "function": {"name": turn.tool_name, "arguments": ""},
-                        }
-                    ]
-                }
-            )
-        )
-        for piece in _split(turn.tool_args or "", 2):
-            events.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}))
+    for n, (name, args, call_id) in enumerate(calls):
+        events.append(chunk({"tool_calls": [{"index": n, "id": call_id, "type": "function",
+                                             "function": {"name": name, "arguments": ""}}]}))
+        for piece in _split(args or "", 2):
+            events.append(chunk({"tool_calls": [{"index": n, "function": {"arguments": piece}}]}))
     events.append(chunk({}, finish))
     if ctx.include_usage:
         events.append(_sse(None, {**base, "choices": [], "usage": usage}))
     events.append(_sse(None, "[DONE]"))
 
     message: dict[str, Any] = {"role": "assistant", "content": turn.text}
-    if turn.tool_name is not None:
+    if calls:
         message["tool_calls"] = [
-            {
-                "id": call_id,
-                "type": "function",
-                "function": {"name": turn.tool_name, "arguments": turn.tool_args or ""},
-            }
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": args or ""}}
+            for name, args, call_id in calls
         ]
     full = {
         "id": cid,
@@ -564,12 +551,13 @@ def _responses(turn: _Turn, ctx: _Ctx, stream: bool) -> tuple[list[bytes], dict]
         emit("response.output_item.done", output_index=oi, item=item)
         output.append(item)
 
-    if turn.tool_name is not None:
+    calls = [(turn.tool_name, turn.tool_args, turn.tool_call_id)] if turn.tool_name else []
+    for n, (name, args, call_id) in enumerate(calls + list(turn.more_tools)):
         oi = len(output)
-        fc_id = "fc_fake_" + ids.hex("fc", 16)
-        call_id = turn.tool_call_id or "call_fake_" + ids.hex("call", 16)
-        args = turn.tool_args or ""
-        fc = {"id": fc_id, "type": "function_call", "status": "in_progress", "name": turn.tool_name, "call_id": call_id}
+        fc_id = "fc_fake_" + ids.hex(f"fc{n}" if n else "fc", 16)
+        call_id = call_id or "call_fake_" + ids.hex(f"call{n}" if n else "call", 16)
+        args = args or ""
+        fc = {"id": fc_id, "type": "function_call", "status": "in_progress", "name": name, "call_id": call_id}
         emit("response.output_item.added", output_index=oi, item={**fc, "arguments": ""})
         for piece in _split(args, 2):
             emit("response.function_call_arguments.delta", item_id=fc_id, output_index=oi, delta=piece)

@@ -289,3 +289,29 @@ def test_failure_mid_stream_ends_with_the_protocols_error_event(
             for _ in s:
                 pass
     assert proxy.alive()
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_mixed_calls_in_openai_protocols(proxy: Proxy, fake: FakeProvider, api: str) -> None:
+    user = f"mixed-{api}"
+    remember_openai(proxy, fake, user)
+    fake.script(ToolCall("memory_search", {"query": "x"}, call_id="call_ours",
+                         also=(ToolCall("get_weather", {"city": "Oslo"}, call_id="call_theirs"),)))
+    if api == "chat":
+        chunks = list(gpt(proxy).chat.completions.create(
+            model="gpt-4o", user=user, tools=[CHAT_TOOL], stream=True,
+            messages=[{"role": "user", "content": "Weather where my sister lives?"}],
+            extra_headers={"x-perpetuity-conversation": "now"}))
+        calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+        assert [c.id for c in calls if c.id] == ["call_theirs"] and {c.index for c in calls} == {0}
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices
+                and ch.choices[0].finish_reason] == ["tool_calls"]
+    else:
+        events = list(gpt(proxy).responses.create(
+            model="gpt-5", user=user, stream=True, input="Weather where my sister lives?",
+            tools=[{"type": "function", "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {}}}],
+            extra_headers={"x-perpetuity-conversation": "now"}))
+        final = events[-1].response
+        assert [(o.type, o.call_id) for o in final.output] == [("function_call", "call_theirs")]
+    assert len(fake.requests) == 1  # the harness's call goes back to the harness
