@@ -178,6 +178,7 @@ class Relay:
                 await writer.drain()
                 # Once the first bytes are on their way, so the write never delays them.
                 self.store_request(job)
+            self.store_request(job)  # (a body with no bytes) the request before its reply
             self._store(job, tee)
             tee = None
             writer.write(b"0\r\n\r\n")
