@@ -8,6 +8,7 @@ question from the first. Everything after the last recognised message is new.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,9 +30,16 @@ class TurnContext:
 
 
 def pair_key(previous_fingerprint: str, message: Message) -> str:
-    return hashlib.blake2b(
-        (previous_fingerprint + ":" + message.fingerprint()).encode(), digest_size=16
-    ).hexdigest()
+    return _pair(previous_fingerprint, message.fingerprint())
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _pair(previous: str, this: str) -> str:
+    # Every request re-sends the history: each pair is digested once, not once per request.
+    return hashlib.blake2b((previous + ":" + this).encode(), digest_size=16).hexdigest()
+
+
+TAIL = 16
 
 
 def _keys(messages: Sequence[Message]) -> list[str]:
@@ -50,14 +58,20 @@ def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]
     its own fingerprint too: after a compaction its predecessor changes, the reply does not.
     """
     keys = _keys(messages)
-    known, replies = store.known(
-        conversation_id, keys, [m.fingerprint() for m in messages if m.role == "assistant"]
-    )
-    last = max(
-        (i for i, (k, m) in enumerate(zip(keys, messages, strict=True))
-         if k in known or (m.role == "assistant" and m.fingerprint() in replies)),
-        default=-1,
-    )
+
+    def last_known(start: int) -> int:
+        tail = range(start, len(messages))
+        known, replies = store.known(
+            conversation_id, [keys[i] for i in tail],
+            [messages[i].fingerprint() for i in tail if messages[i].role == "assistant"])
+        return max((i for i in tail if keys[i] in known or (
+            messages[i].role == "assistant" and messages[i].fingerprint() in replies)), default=-1)
+
+    # Usually only the newest turn is new: look at the tail first, the whole history only when
+    # nothing there is known (a first contact, a rewritten history).
+    last = last_known(max(0, len(messages) - TAIL))
+    if last < 0 and len(messages) > TAIL:
+        last = last_known(0)
     return list(range(last + 1, len(messages)))
 
 

@@ -13,6 +13,7 @@ keeps as it sent them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -232,7 +233,7 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
     order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
     turns: list[tuple[str, str]] = []
     for c in order:
-        adjacent = _adjacent_pairs([r.message_id for r in groups[c]])
+        adjacent = _adjacent_pairs(str(db.database), tuple(sorted({r.message_id for r in groups[c]})))
         by_message: dict[int, list[Row]] = {}
         for r in groups[c]:
             by_message.setdefault(r.message_id, []).append(r)
@@ -252,19 +253,21 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
 RUN_GAP = 30 * 60  # turns further apart than this in time are labelled afresh
 
 
-def _adjacent_pairs(message_ids: list[int]) -> set[tuple[int, int]]:
-    """Pairs of rendered messages (of one conversation) with nothing stored between them."""
-    ids = sorted(set(message_ids))
+@functools.lru_cache(maxsize=4096)
+def _adjacent_pairs(database: str, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
+    """Pairs of rendered messages (of one conversation, ids ascending) with nothing stored
+    between them. Ids only grow, so nothing can come between two later: the answer keeps
+    (a purge could only add pairs, and then a run is labelled once more than it needs)."""
     if len(ids) < 2:
-        return set()
+        return frozenset()
     stored = [i for (i,) in db.connection().execute(
         "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
         " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id", (ids[0], ids[0], ids[-1]))]
     follows = dict(zip(stored, stored[1:], strict=False))
-    return {(a, b) for a, b in zip(ids, ids[1:], strict=False) if follows.get(a) == b}
+    return frozenset((a, b) for a, b in zip(ids, ids[1:], strict=False) if follows.get(a) == b)
 
 
-def _same_run(previous: Row, row: Row, adjacent: set[tuple[int, int]]) -> bool:
+def _same_run(previous: Row, row: Row, adjacent: frozenset[tuple[int, int]]) -> bool:
     return (previous.message_id, row.message_id) in adjacent and row.at - previous.at <= RUN_GAP
 
 
