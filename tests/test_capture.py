@@ -66,3 +66,13 @@ def test_sse_decoder_handles_arbitrary_splits() -> None:
         events = [e for i in range(0, len(stream), size) for e in d.feed(stream[i:i + size])]
         assert [(e.event, e.data) for e in events] == [
             ("a", '{"x": 1}'), ("message", "line1\nline2"), ("é", "z")]
+
+
+def test_long_histories_are_checked_from_their_tail(store: Store) -> None:
+    history = [msg("user" if i % 2 == 0 else "assistant", f"turn {i}") for i in range(30)]
+    assert len(record(store, history)[0]) == 30  # first contact: all of it
+    history += [msg("assistant", "turn 30"), msg("user", "turn 31")]
+    assert len(record(store, history)[0]) == 2
+    # Only an early turn is recognisable (the harness rewrote everything after it).
+    rewritten = history[:5] + [msg("user" if i % 2 else "assistant", f"edited {i}") for i in range(25)]
+    assert len(record(store, rewritten)[0]) == 25
