@@ -195,7 +195,7 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
     results: list[tuple[bool, bool, int, int]] = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        store = pipeline = None
+        store: Store | None = None
         for n, case in enumerate(cases):
             if store is None or not pooled:
                 if store is not None:

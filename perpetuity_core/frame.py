@@ -64,7 +64,7 @@ class Frame:
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
           exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap,
           recent_messages: Iterable[int] = (),
-          previous: list[list[int]] = ()) -> Frame | None:
+          previous: Iterable[list[int]] = ()) -> Frame | None:
     """The frame for one question, or None when memory holds nothing to show. Reads only.
 
     Never trimmed: the question's top hit and `recent_messages`, the latest stretch of the

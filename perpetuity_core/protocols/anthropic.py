@@ -46,10 +46,11 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) 
     """
     raw = body["messages"]
     kept_system = [m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
-    rendered = [{"role": m.role, "content": [{"type": "text", "text": p.text} for p in m.parts]}
-                for m in frame]
-    if rendered and json.dumps(body).count('"cache_control"') < MAX_CACHE_MARKERS:
-        rendered[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    blocks: list[list[dict[str, Any]]] = [[{"type": "text", "text": p.text} for p in m.parts]
+                                          for m in frame]
+    if blocks and json.dumps(body).count('"cache_control"') < MAX_CACHE_MARKERS:
+        blocks[-1][-1]["cache_control"] = {"type": "ephemeral"}
+    rendered = [{"role": m.role, "content": b} for m, b in zip(frame, blocks, strict=True)]
     return {**body, "messages": rendered + kept_system + raw[keep_from:]}
 
 
@@ -177,7 +178,7 @@ class ReplyAssembler:
 
 def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
     """A whole assistant reply the proxy answers itself, as the provider would have sent it."""
-    message = {"id": reply_id, "type": "message", "role": "assistant", "model": model,
+    message: dict[str, Any] = {"id": reply_id, "type": "message", "role": "assistant", "model": model,
                "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": 0, "output_tokens": 0}}
     if not stream:
