@@ -1,9 +1,12 @@
-"""The per-request path, in the order data flows: route → identity → store, then a job to forward.
+"""The per-request path, in the order data flows: route → identity → retrieve → render, then a
+job to forward and capture.
 
-`prepare` turns one HTTP request into a `Decision`: leave it alone, send it upstream untouched, or
-hand it to the relay as a `Job` that forwards it and captures the reply. It writes nothing: the
-store write (`store_turn`) runs on the store's thread while the request is already on its way.
-It never raises for bad input: anything it cannot read passes through as the client sent it.
+`prepare` turns one HTTP request into a `Decision`: leave it alone, send it upstream untouched,
+or forward it, its history replaced by the frame (and notes, when a task starts), as a `Job`
+that captures the reply (through the relay when the recall tools ride along). It only reads:
+the writes (`store_turn`, `store_reply`) run on the store's one writer thread while the request
+is already on its way. It never raises for bad input: anything it cannot read passes through
+as the client sent it.
 """
 
 from __future__ import annotations
