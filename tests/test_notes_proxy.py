@@ -107,9 +107,10 @@ def test_recall_at_a_task_start_and_use_counted(proxy: Proxy, fake: FakeProvider
     quoted = "\n".join(b["text"] for m in sent[:-1] for b in m["content"])
     assert "=== note pytest-mismatch" in quoted and "Perpetuity notes index:" in quoted
     assert sent[-1]["content"] == "pytest fails with ImportPathMismatchError, help"
-    time.sleep(0.5)
-    note = (notes_dir / "notes" / "pytest-mismatch.md").read_text()
-    assert "use_count: 1" in note  # the reply cited it by name
+    deadline = time.monotonic() + 5
+    while "use_count: 1" not in (note := (notes_dir / "notes" / "pytest-mismatch.md").read_text()):
+        assert time.monotonic() < deadline, note  # the reply cited it by name: it was used
+        time.sleep(0.05)
 
     # A round of tool results is not a new task: no recall.
     fake.script(Text("ok"))

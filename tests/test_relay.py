@@ -45,7 +45,7 @@ def test_pings_keep_the_stream_alive_while_a_tool_runs() -> None:
         raw = asyncio.run(_exchange(fake))
     # Two of ours while the tool ran (one a second), before the next round's first block;
     # then the provider's own.
-    assert raw.count(b"event: ping") == 3
+    assert raw.count(b"event: ping") in (3, 4)  # 4 only if a loaded machine wakes the tool late
     assert raw.index(b"event: content_block_start") > raw.index(b"event: ping", raw.index(b"event: ping") + 1)
     assert raw.count(b"event: message_start") == 1 and raw.count(b"event: message_stop") == 1
     assert b"memory_search" not in raw
