@@ -236,7 +236,12 @@ def test_huge_body_passes_through(proxy: Proxy, fake: FakeProvider) -> None:
 def test_secrets_never_stored_and_db_private(proxy: Proxy, fake: FakeProvider) -> None:
     claude(proxy.url).messages.create(model="claude-opus-4-8", max_tokens=5,
                                       messages=user_msgs("who am I?"))
-    time.sleep(0.3)
+    # Stored under the salted hash of the key (never the key): wait for the store's thread.
+    deadline = time.monotonic() + 5
+    while not proxy.rows("select 1 from message m join item i on i.message_id = m.id "
+                         "where i.text = 'who am I?'"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     raw = b"".join(p.read_bytes() for p in proxy.db.parent.glob("memory.db*"))
     assert b"SECRET" not in raw and b"never-stored" not in raw
     assert stat.S_IMODE(os.stat(proxy.db).st_mode) == 0o600
