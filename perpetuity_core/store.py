@@ -64,7 +64,9 @@ class Conversation(BaseModel):
 
 class StoredMessage(BaseModel):
     conversation = pw.ForeignKeyField(Conversation, backref="messages")
-    user = pw.ForeignKeyField(User)
+    # No index: nothing looks messages up by user, and every index is one more page written
+    # in each message's commit.
+    user = pw.ForeignKeyField(User, index=False)
     role = pw.TextField()
     provider = pw.TextField()
     model = pw.TextField()
