@@ -98,14 +98,18 @@ class Job:
     protocol: Protocol
     stream: bool
     pending: PendingTurn
-    # Through the relay (where the recall tools' loop runs), or on mitmproxy's own stream.
-    relay: bool
     # The request's write on the store's thread; the reply's write is queued behind it.
     turn: Future[TurnContext] | None = None
     at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
     memory: TurnMemory | None = None  # set when the recall tools ride along (relay only)
     max_rounds: int = 4
     tool_specs: list[dict[str, Any]] = field(default_factory=list)  # ours, beside the harness's
+
+    @property
+    def relay(self) -> bool:
+        """Through the relay when our tools ride along (their loop runs there); else on
+        mitmproxy's own stream, which adds less to every request."""
+        return self.memory is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,8 +228,8 @@ class Pipeline:
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded,
                            recall.body if recall.body is not None else req.body, r.protocol,
-                           parsed.stream, pending, relay=self.tools and controls.tools,
-                           at=controls.at, memory=recall.memory, max_rounds=self.tool_rounds,
+                           parsed.stream, pending, at=controls.at, memory=recall.memory,
+                           max_rounds=self.tool_rounds,
                            tool_specs=self._tool_specs() if recall.memory else [])
         decision.note = "captured"
         return decision

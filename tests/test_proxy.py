@@ -23,7 +23,8 @@ KEY = "sk-ant-api03-SECRET-never-stored"
 @pytest.fixture(scope="module", params=["relay", "mitmproxy-stream"])
 def proxy(request: pytest.FixtureRequest, fake: FakeProvider,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
-    """Every test runs on both reply paths: the relay (the tools' loop) and mitmproxy's stream."""
+    """Every test runs with the recall tools on (a request with memory to reach goes through
+    the relay, where their loop runs) and off (every reply on mitmproxy's own stream)."""
     extra = () if request.param == "relay" else ("--set", "perpetuity_tools=false")
     p = start_proxy(tmp_path_factory.mktemp(request.param), fake.url, *extra)
     yield p

@@ -26,7 +26,7 @@ async def _exchange(fake: FakeProvider) -> bytes:
              for t in tools.TOOLS]
     job = Job("POST", fake.url + "/v1/messages", [("x-api-key", "k")], json.dumps(body).encode(),
               Protocol.ANTHROPIC, True, PendingTurn("u", "c", "anthropic", "m", [], 0.0),
-              relay=True, memory=TurnMemory(1, None, 0.0), tool_specs=specs)
+              memory=TurnMemory(1, None, 0.0), tool_specs=specs)
     token = relay.submit(job)
     reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
     writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
