@@ -2,9 +2,9 @@
 
 Runs the fake provider and a real mitmdump with the addon, then sends N streamed Anthropic
 requests each way, interleaved so every side shares the machine's noise. Through the proxy,
-the paths: captured via the relay (the default, where the tools' loop runs) or on mitmproxy's
-own stream (x-perpetuity-tools: off), each with the frame and without it (recall off), and pure
-pass-through (x-perpetuity: off).
+the paths: the default (a frame, and the recall tools riding along, so the relay, where their
+loop runs), the frame without tools (mitmproxy's own stream), capture alone (recall off), and
+pure pass-through (x-perpetuity: off).
 Prints JSON.
 
     .venv/bin/python scripts/bench_latency.py [--requests 200]
@@ -27,10 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.conftest import start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text
 
-SIDES = {"direct": {}, "relay": {}, "mitmproxy_stream": {"x-perpetuity-tools": "off"},
-         "relay_no_frame": {"x-perpetuity-recall": "off"},
-         "mitmproxy_stream_no_frame": {"x-perpetuity-tools": "off", "x-perpetuity-recall": "off"},
-         "pass_through": {"x-perpetuity": "off"}}
+SIDES = {"direct": {}, "frame_and_tools_relay": {}, "frame_stream": {"x-perpetuity-tools": "off"},
+         "capture_stream": {"x-perpetuity-recall": "off"}, "pass_through": {"x-perpetuity": "off"}}
 
 
 def timed(client: httpx.Client, url: str, n: int, extra: dict[str, str]) -> tuple[float, float]:
