@@ -94,11 +94,20 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     if any(i not in rows or i in recent_set for i in flat):
         kept_sections, flat = [], []
 
+    rendered: dict[tuple[int, ...], list[tuple[str, str]]] = {}
+
+    def section(ids: list[int]) -> list[tuple[str, str]]:
+        # The trimming pass renders the frame a few times; the sections in front never change.
+        key = tuple(ids)
+        if key not in rendered:
+            rendered[key] = _section([rows[i] for i in ids], asked_at, conversation_id)
+        return rendered[key]
+
     def render_ids(stable: list[int], new: list[int]) -> list[Message]:
         front = kept_sections if stable else []
-        return render([[rows[i] for i in sec] for sec in front]
-                      + [[rows[i] for i in new if i not in recent_set],
-                         [rows[i] for i in new if i in recent_set]], asked_at, conversation_id)
+        return _assemble([t for sec in front for t in section(sec)]
+                         + section([i for i in new if i not in recent_set])
+                         + section([i for i in new if i in recent_set]))
 
     stable, new = _fill(rows, warm, must, flat, budget, render_ids)
     if not stable and not new:
@@ -167,8 +176,12 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], stable: list[in
     ordered = set(order)
     order += [i for i in rows if i not in ordered]  # mandatory rows gone cold still come
 
+    costs: dict[int, int] = {}
+
     def cost(i: int) -> int:
-        return token_estimate(_quote(rows[i])) + _LABEL_TOKENS
+        if i not in costs:
+            costs[i] = token_estimate(_quote(rows[i])) + _LABEL_TOKENS
+        return costs[i]
 
     kept = set(stable)
     new = [i for i in order if i in must and i not in kept]
@@ -201,13 +214,10 @@ _LABEL_TOKENS = 6  # a label's share per row, for the first pass; the second pas
 REBUILD_FILL = 0.7  # a frame rebuilt because it outgrew its budget refills this share of it
 
 
-def render(sections: list[list[Row]], asked_at: float,
-           conversation_id: int | None) -> list[Message]:
-    """Rows as alternating user and assistant messages, labelled, section after section; within
-    a section grouped by conversation (the current one last), oldest first."""
-    turns: list[tuple[str, str]] = []  # (role, text) per stored message
-    for rows in sections:
-        turns += _section(rows, asked_at, conversation_id)
+def _assemble(turns: list[tuple[str, str]]) -> list[Message]:
+    """(role, text) turns, section after section, as alternating user and assistant messages
+    under the header; within a section they are grouped by conversation (the current one
+    last), oldest first (`_section`)."""
     if not turns:
         return []
     messages: list[Message] = []
