@@ -61,10 +61,10 @@ class Message:
         return "\n".join(p.text for p in self.parts if p.kind == Kind.TEXT)
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=4096)
 def _fingerprint(message: Message) -> str:
     # Every request re-sends the whole history: equal messages hash alike, so each is digested
-    # once, not once per request.
+    # once, not once per request. The cache holds the messages themselves, hence its bound.
     h = hashlib.blake2b(digest_size=16)
     h.update(message.role.encode())
     for p in message.parts:
@@ -96,12 +96,6 @@ class Usage:
     output_tokens: int = 0
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
-
-    def add(self, other: Usage) -> None:
-        self.input_tokens += other.input_tokens
-        self.output_tokens += other.output_tokens
-        self.cache_read_tokens += other.cache_read_tokens
-        self.cache_write_tokens += other.cache_write_tokens
 
 
 @dataclass(slots=True)
