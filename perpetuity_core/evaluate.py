@@ -150,18 +150,20 @@ def feed(pipeline: Pipeline, thread: importers.Thread) -> None:
     """Send a thread through the pipeline: user turns as requests, the others as replies."""
     convs = json.loads(thread.model) if thread.model.startswith("[") else None
     turn = None
+    # The role each turn was sent with: an assistant turn with no question before it goes as a
+    # request, so as the user's, and must be re-sent that way to be recognised.
+    sent: list[str] = []
     for i, m in enumerate(thread.messages):
         conversation = convs[i] if convs else thread.conversation_key
         if m.role == "assistant" and turn is not None and turn.conversation_key == conversation:
             pipeline.store_reply(turn.context, Reply(m, Usage()), thread.times[i], turn.pending)
+            sent.append("assistant")
             turn = None
             continue
+        sent.append("user")
         window = [j for j in range(max(0, i - HISTORY), i + 1)
                   if not convs or convs[j] == conversation]
-        messages = [{"role": "user" if thread.messages[j].role == "user" else "assistant",
-                     "content": thread.messages[j].text} for j in window]
-        if messages[-1]["role"] == "assistant":  # an assistant turn with no question before it
-            messages[-1]["role"] = "user"
+        messages = [{"role": sent[j], "content": thread.messages[j].text} for j in window]
         d = pipeline.prepare(_request(thread.user_key, conversation, thread.times[i], messages))
         if d.job is None:
             raise ConfigError(f"turn {i} of {thread.conversation_key} was not captured: {d.note}")
