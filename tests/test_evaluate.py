@@ -1,0 +1,58 @@
+"""`perpetuity eval`: datasets fed through the pipeline, evidence looked for in the frame."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from perpetuity_core.cap import Cap
+from perpetuity_core.cli import main
+from perpetuity_core.evaluate import evaluate
+from tests.conftest import SHARED
+
+LONGMEMEVAL = SHARED / "data" / "longmemeval" / "longmemeval_s_one_question.json"
+
+
+def tiny_locomo(path: Path) -> Path:
+    turns = [("Ana", "I adopted a grey cat named Pixel last week."), ("Ben", "Pixel is a great name!"),
+             ("Ana", "My brother Leo starts at the fire academy in June."),
+             ("Ben", "Tell Leo good luck from me.")]
+    conversation = {"speaker_a": "Ana", "speaker_b": "Ben",
+                    "session_1_date_time": "1:56 pm on 8 May, 2023",
+                    "session_1": [{"speaker": s, "dia_id": f"D1:{i + 1}", "text": t}
+                                  for i, (s, t) in enumerate(turns[:2])],
+                    "session_2_date_time": "10:00 am on 20 May, 2023",
+                    "session_2": [{"speaker": s, "dia_id": f"D2:{i + 1}", "text": t}
+                                  for i, (s, t) in enumerate(turns[2:])]}
+    qa = [{"question": "What is the name of Ana's cat?", "answer": "Pixel", "evidence": ["D1:1"],
+           "category": 4},
+          {"question": "When does Leo start at the fire academy?", "answer": "June",
+           "evidence": ["D2:1"], "category": 2},
+          {"question": "Adversarial, not counted", "evidence": ["D1:2"], "category": 5}]
+    path.write_text(json.dumps([{"sample_id": "tiny", "conversation": conversation, "qa": qa}]))
+    return path
+
+
+def test_locomo_evidence_in_the_frame(tmp_path: Path) -> None:
+    report = evaluate("locomo", tiny_locomo(tmp_path / "locomo.json"), limits=Cap(500, 1000),
+                      frames=tmp_path / "frames", progress=False)
+    assert report["questions"] == 2 and report["recall_all"] == 1.0
+    assert 0 < report["frame_tokens"]["mean"] <= 1000
+    written = sorted((tmp_path / "frames").iterdir())
+    assert len(written) == 2 and "Pixel" in written[0].read_text()
+    pooled = evaluate("locomo", tmp_path / "locomo.json", pooled=True, progress=False)
+    assert pooled["memory"] == "pooled" and pooled["questions"] == 2
+
+
+def test_eval_command_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "locomo", str(tiny_locomo(tmp_path / "l.json"))]) == 0
+    assert json.loads(capsys.readouterr().out)["dataset"] == "locomo"
+    assert main(["eval", "locomo", str(tmp_path / "missing.json")]) == 1
+
+
+@pytest.mark.skipif(not LONGMEMEVAL.exists(), reason=f"LongMemEval question not at {LONGMEMEVAL}")
+def test_longmemeval_format(tmp_path: Path) -> None:
+    report = evaluate("longmemeval", LONGMEMEVAL, progress=False)
+    assert report["questions"] == 1 and report["recall_any"] == 1.0
