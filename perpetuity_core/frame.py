@@ -23,7 +23,7 @@ import numpy as np
 from . import cap, heat
 from .conversation import Kind, Message, Part
 from .scan import Hit, Scanner, token_estimate
-from .store import db
+from .store import Row, db, shown_rows
 
 HITS = 100  # the ranked rows this turn's retrieval reheats
 NEIGHBOURS = 2  # messages each side of a hit that warm with it
@@ -31,20 +31,6 @@ NEIGHBOUR_HITS = 20  # the hits whose neighbours warm
 HEADER = ("[Memory: turns quoted verbatim from earlier conversations, grouped by conversation "
           "with this one last, each labelled with its speaker and when it was said.]")
 CLOSING = "[End of quoted memory.]"
-_RENDERED_KINDS = (Kind.TEXT.value, Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value, Kind.MEDIA.value)
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    item_id: int
-    message_id: int
-    conversation_id: int
-    conversation: str
-    role: str
-    at: float  # wall time the turn was said
-    kind: str
-    name: str
-    text: str
 
 
 @dataclass(slots=True)
@@ -147,20 +133,8 @@ def _items_of(message_ids: set[int]) -> list[int]:
 
 
 def _rows(item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
-    if not item_ids:
-        return {}
-    out: dict[int, Row] = {}
-    conn = db.connection()
-    for start in range(0, len(item_ids), 500):
-        chunk = item_ids[start:start + 500]
-        for r in conn.execute(
-            "SELECT i.id, m.id, m.conversation_id, c.key, m.role, m.at, i.kind, i.name, i.text"
-            " FROM item i JOIN message m ON m.id = i.message_id"
-            " JOIN conversation c ON c.id = m.conversation_id"
-            f" WHERE i.id IN ({','.join('?' * len(chunk))})", chunk):
-            if r[1] not in excluded and r[6] in _RENDERED_KINDS and r[8].strip():
-                out[r[0]] = Row(*r)
-    return out
+    # No owner filter: in a shared pool the reheated hits may be another user's rows.
+    return {i: r for i, r in shown_rows(item_ids).items() if r.message_id not in excluded}
 
 
 def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], stable: list[int],

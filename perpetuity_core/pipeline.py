@@ -129,6 +129,7 @@ class Recall:
     keep: int = 0  # the first message kept as the harness sent it
     memory: TurnMemory | None = None  # set when the recall tools ride along
     notes: list[str] = field(default_factory=list)  # the notes recall put before the model
+    sticky_key: tuple[int, int | None] | None = None  # (user, conversation) the frame was for
 
 
 @dataclass(slots=True)
@@ -214,8 +215,8 @@ class Pipeline:
             decision.note = "probe" if controls.probe else "capture off"
             return decision
         built = recall.frame
-        if built is not None:
-            self._remember(ident, built)
+        if built is not None and recall.sticky_key is not None:
+            self._remember(recall.sticky_key, built)
         sent = parsed.messages[recall.keep:] if built else parsed.messages
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
                               parsed.messages, at, built.reheats if built else {},
@@ -243,6 +244,7 @@ class Pipeline:
         note = ""
         if planned := self._frame(ident, parsed, coding, asked_at):
             out.frame, out.keep, memory = planned
+            out.sticky_key = (memory.user_id, memory.conversation_id)
             rendered = out.frame.messages
             if tools_on:
                 out.memory = memory
@@ -282,11 +284,7 @@ class Pipeline:
         return built, keep, TurnMemory(user_id, conv, asked_at, set(built.item_ids),
                                        list(built.below_cap))
 
-    def _remember(self, ident: Identity, built: Frame) -> None:
-        user_id = self.store.find_user(ident.user)
-        if user_id is None:
-            return
-        key = (user_id, self.store.find_conversation(user_id, ident.conversation))
+    def _remember(self, key: tuple[int, int | None], built: Frame) -> None:
         self._sticky[key] = built.sticky
         self._sticky.move_to_end(key)
         while len(self._sticky) > STICKY_CONVERSATIONS:

@@ -22,7 +22,7 @@ from typing import Any
 
 import peewee as pw
 
-from .conversation import Message, Usage
+from .conversation import Kind, Message, Usage
 from .errors import StoreError
 
 db = pw.SqliteDatabase(None)
@@ -329,6 +329,47 @@ class Store:
         except pw.PeeweeException as e:
             raise StoreError(f"could not store a {message.role} message: {e}") from e
         return Written(m.id, tuple(i.id for i in items))
+
+
+# What a model may be shown of memory: what was said and done, not harness scaffolding or
+# thinking.
+SHOWN_KINDS = (Kind.TEXT.value, Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value, Kind.MEDIA.value)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A stored row as the frame and the recall tools show it."""
+
+    item_id: int
+    message_id: int
+    conversation_id: int
+    conversation: str  # the conversation's key
+    role: str
+    at: float  # wall time the turn was said
+    kind: str
+    name: str
+    text: str
+
+
+def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int, Row]:
+    """The rows among `item_ids` (of `user_id` only, when given) that a model may be shown:
+    SHOWN_KINDS, and not blank."""
+    ids = list(dict.fromkeys(item_ids))
+    out: dict[int, Row] = {}
+    conn = db.connection()
+    kinds = ",".join("?" * len(SHOWN_KINDS))
+    owner = " AND m.user_id = ?" if user_id is not None else ""
+    for start in range(0, len(ids), 500):
+        chunk = ids[start:start + 500]
+        args = (*chunk, *SHOWN_KINDS, *(() if user_id is None else (user_id,)))
+        for r in conn.execute(
+            "SELECT i.id, m.id, m.conversation_id, c.key, m.role, m.at, i.kind, i.name, i.text"
+            " FROM item i JOIN message m ON m.id = i.message_id"
+            " JOIN conversation c ON c.id = m.conversation_id"
+            f" WHERE i.id IN ({','.join('?' * len(chunk))}) AND i.kind IN ({kinds}){owner}", args):
+            if r[8].strip():
+                out[r[0]] = Row(*r)
+    return out
 
 
 def _in_query(conn: Any, sql: str, conversation_id: int, values: list[str]) -> list[tuple]:

@@ -41,7 +41,7 @@ import numpy as np
 from . import dictionary
 from .conversation import Kind
 from .scan import Hit, Scanner
-from .store import Item, Store, db
+from .store import SHOWN_KINDS, Item, Row, Store, db, shown_rows
 
 log = logging.getLogger("perpetuity")
 
@@ -68,7 +68,6 @@ SUBJECTS = 6
 COMMON_STEMS = 50
 SUBJECT_CHARS = 4_000  # a long text's subject is in its opening: the rest is not read
 
-_SHOWN_KINDS = (Kind.TEXT.value, Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value, Kind.MEDIA.value)
 
 
 @dataclass(frozen=True)
@@ -253,36 +252,9 @@ def _signature(spec: ToolSpec) -> str:
 # --------------------------------------------------------------------------- rows
 
 
-@dataclass(frozen=True, slots=True)
-class Row:
-    item_id: int
-    conversation_id: int
-    conversation: str  # the conversation's key
-    role: str
-    at: float
-    kind: str
-    name: str
-    text: str
-
-
 def fetch_rows(user_id: int, item_ids: Iterable[int]) -> dict[int, Row]:
-    """The rows of `user_id` among `item_ids` that the model may be shown (spoken text, tool
-    calls and results; not harness scaffolding, thinking or blank rows)."""
-    ids = list(dict.fromkeys(item_ids))
-    out: dict[int, Row] = {}
-    conn = db.connection()
-    kinds = ",".join("?" * len(_SHOWN_KINDS))
-    for start in range(0, len(ids), 500):
-        chunk = ids[start:start + 500]
-        for r in conn.execute(
-            "SELECT i.id, m.conversation_id, c.key, m.role, m.at, i.kind, i.name, i.text"
-            " FROM item i JOIN message m ON m.id = i.message_id"
-            " JOIN conversation c ON c.id = m.conversation_id"
-            f" WHERE i.id IN ({','.join('?' * len(chunk))}) AND m.user_id = ?"
-            f" AND i.kind IN ({kinds})", (*chunk, user_id, *_SHOWN_KINDS)):
-            if r[7].strip():
-                out[r[0]] = Row(*r)
-    return out
+    """The rows of `user_id` among `item_ids` that the model may be shown."""
+    return shown_rows(item_ids, user_id)
 
 
 def _when(at: float) -> str:
@@ -584,7 +556,7 @@ def count_rows(user_id: int, terms: np.ndarray, every: bool,
         kept += [(i, at, conv) for i, at, conv, role, kind in conn.execute(
             "SELECT i.id, m.at, m.conversation_id, m.role, i.kind FROM item i JOIN message m"
             f" ON m.id = i.message_id WHERE i.id IN ({','.join('?' * len(chunk))}) ORDER BY i.id",
-            chunk) if kind in _SHOWN_KINDS and (f.role is None or role == f.role)
+            chunk) if kind in SHOWN_KINDS and (f.role is None or role == f.role)
             and (f.after is None or at >= f.after) and (f.before is None or at < f.before)]
     if not kept:
         return empty
