@@ -29,7 +29,7 @@ HITS = 100  # the ranked rows this turn's retrieval reheats
 NEIGHBOURS = 2  # messages each side of a hit that warm with it
 NEIGHBOUR_HITS = 20  # the hits whose neighbours warm
 HEADER = ("[Memory: turns quoted verbatim from earlier conversations, grouped by conversation "
-          "with this one last, each labelled with its speaker and when it was said.]")
+          "with this one last, labelled with when they were said; [...] marks turns left out.]")
 CLOSING = "[End of quoted memory.]"
 
 
@@ -184,7 +184,7 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], stable: list[in
     return stable, new
 
 
-_LABEL_TOKENS = 6  # a label's share per row, for the first pass; the second pass measures
+_LABEL_TOKENS = 0  # a label's share per row, for the first pass; the second pass measures
 REBUILD_FILL = 0.7  # a frame rebuilt because it outgrew its budget refills this share of it
 
 
@@ -227,14 +227,22 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
             text = "\n".join(_quote(p) for p in parts)
             # A label opens each run of turns said together; within a run the alternation
             # itself tells the speakers apart, and a label per turn would cost a row's worth.
-            if previous is None or not _same_run(previous, first, adjacent):
-                text = _label(first, asked_at, current=c == conversation_id) + "\n" + text
-            turns.append(("assistant" if first.role == "assistant" else "user", text))
+            # Labels are a tenth of a frame: the conversation is named once per group, and a
+            # run resuming the same sitting after skipped turns is marked by SKIPPED alone.
+            if previous is None:
+                label = _label(first, asked_at, c == conversation_id)
+            elif not _same_run(previous, first, adjacent):
+                label = SKIPPED if first.at - previous.at <= RUN_GAP else _when(first, asked_at)
+            else:
+                label = ""
+            turns.append(("assistant" if first.role == "assistant" else "user",
+                          f"{label}\n{text}" if label else text))
             previous = first
     return turns
 
 
 RUN_GAP = 30 * 60  # turns further apart than this in time are labelled afresh
+SKIPPED = "[...]"  # the same sitting resumes after turns the frame leaves out
 
 
 @functools.lru_cache(maxsize=4096)
@@ -264,9 +272,13 @@ def _quote(r: Row) -> str:
 
 
 def _label(r: Row, asked_at: float, current: bool) -> str:
-    when = datetime.fromtimestamp(r.at, UTC)
     where = "this conversation" if current else f"conversation {r.conversation}"
-    return f"[{where}, {when:%Y-%m-%d %H:%M} UTC, {_ago(asked_at - r.at)} before]"
+    return f"[{where}, {_when(r, asked_at)[1:]}"
+
+
+def _when(r: Row, asked_at: float) -> str:
+    when = datetime.fromtimestamp(r.at, UTC)
+    return f"[{when:%Y-%m-%d %H:%M} UTC, {_ago(asked_at - r.at)} before]"
 
 
 def _ago(seconds: float) -> str:

@@ -18,6 +18,7 @@ better). Heat never enters the relevance score.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -43,8 +44,17 @@ HALF_LIFE = {
     Kind.MEDIA: 1_500.0,
     Kind.CONTEXT: 1.0,
 }
-# The oldest activation that can still be warm: the SQL prefilter for the warm set.
+# A person's standing instruction or preference ("always ...", "never ...", "I prefer ...") is
+# meant for every later turn, not the next few: it cools over millions of clock tokens, not
+# thousands. Recognised by its wording when it is born; nothing else about a row is guessed.
+STANDING_HALF_LIFE = 20_000_000.0
+_STANDING = re.compile(
+    r"(?:^|[.!?:]\s+)(?:please\s+)?(?:always|never|from now on|do not ever|don't ever)\b"
+    r"|\bI(?: would|'d)? prefer\b|\bmake sure (?:to|you) always\b|\bremember (?:that|to)\b",
+    re.IGNORECASE)
+# The oldest activation that can still be warm: the SQL prefilters for the warm set.
 _WINDOW = max(HALF_LIFE.values()) * float(np.log2(REHEAT_TOP / WARM_FLOOR))
+_STANDING_WINDOW = STANDING_HALF_LIFE * float(np.log2(REHEAT_TOP / WARM_FLOOR))
 
 
 def warmth(at: np.ndarray, peak: np.ndarray, half_life: np.ndarray, now: float) -> np.ndarray:
@@ -53,6 +63,13 @@ def warmth(at: np.ndarray, peak: np.ndarray, half_life: np.ndarray, now: float) 
 
 def reheat_peak(rank: int) -> float:
     return REHEAT_TOP / (1.0 + rank / REHEAT_RANK_SCALE)
+
+
+def half_life(kind: Kind, role: str, text: str) -> float:
+    """A row's half-life, fixed at birth by its kind, or by its wording for what a person said."""
+    if kind == Kind.TEXT and role == "user" and _STANDING.search(text):
+        return STANDING_HALF_LIFE
+    return HALF_LIFE[kind]
 
 
 def derive_activation(items: list[Item]) -> None:
@@ -67,7 +84,8 @@ def derive_activation(items: list[Item]) -> None:
         "INSERT INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
         " VALUES (?,?,?,?,?,?)",
         [(it.id, m.user_id, m.conversation_id, now,
-          0.0 if it.kind == Kind.CONTEXT else BIRTH_PEAK, HALF_LIFE[Kind(it.kind)])
+          0.0 if it.kind == Kind.CONTEXT else BIRTH_PEAK,
+          half_life(Kind(it.kind), m.role, it.text))
          for it in items])
 
 
@@ -100,8 +118,15 @@ def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
     conn = db.connection()
     rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation"
                         " WHERE user_id = ? AND at >= ?", (user_id, now - _WINDOW)).fetchall()
+    # Standing rows stay warm far longer than the window: read through their own small index.
+    seen = {r[0] for r in rows}
+    rows += [r for r in conn.execute(
+        "SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?"
+        f" AND half_life >= {STANDING_HALF_LIFE}", (user_id, now - _STANDING_WINDOW))
+        if r[0] not in seen]
     if reheats:
-        missing = [i for i in reheats if i not in {r[0] for r in rows}]
+        seen = {r[0] for r in rows}
+        missing = [i for i in reheats if i not in seen]
         if missing:
             rows += conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
                                  f" item_id IN ({','.join('?' * len(missing))})", missing).fetchall()

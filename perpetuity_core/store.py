@@ -163,8 +163,17 @@ def m004_recall(database: pw.Database) -> None:
     backfill_chains(database.connection())
 
 
+def m005_standing(database: pw.Database) -> None:
+    """Standing instructions and preferences (heat.STANDING_HALF_LIFE) stay warm beyond the
+    warm set's window: a partial index finds them without reading every activation."""
+    from .heat import STANDING_HALF_LIFE
+
+    database.execute_sql("CREATE INDEX activation_standing ON activation (user_id, at)"
+                         f" WHERE half_life >= {STANDING_HALF_LIFE}")
+
+
 MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
-                                                   m004_recall]
+                                                   m004_recall, m005_standing]
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]

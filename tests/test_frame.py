@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from perpetuity_core import cap, capture, frame, heat
-from perpetuity_core.conversation import Message, Provider, Reply, Usage, text_part
+from perpetuity_core.conversation import Kind, Message, Provider, Reply, Usage, text_part
 from perpetuity_core.pipeline import Pipeline
 from perpetuity_core.scan import Scanner
-from perpetuity_core.store import Store
+from perpetuity_core.store import Store, shown_rows
 from tests.conftest import Proxy, needs_fixtures
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import http_fixtures, replay, to_request
@@ -95,6 +95,40 @@ def test_an_idle_agent_forgets_nothing(store: Store) -> None:
     heat.advance(uid, 3_000)
     later = heat.warm_set(uid, heat.clock(uid), {})
     assert dict(zip(later.item_ids.tolist(), later.warmth))[int(first.item_ids[0])] < first.warmth[0]
+
+
+@pytest.mark.parametrize("text, standing", [
+    ("Always answer me in French, please.", True),
+    ("Thanks. From now on use pnpm, not npm.", True),
+    ("I'd prefer short answers with code first.", True),
+    ("Never commit straight to main.", True),
+    ("We always went camping in July as kids.", False),
+    ("The build failed again this morning.", False),
+])
+def test_a_standing_instruction_is_born_to_stay_warm(store: Store, text: str, standing: bool) -> None:
+    say(store, "c", text, "Understood. Always happy to help.")
+    (_, _, _, said), (_, _, _, replied) = activation(store)
+    assert (said == heat.STANDING_HALF_LIFE) == standing
+    assert replied == heat.HALF_LIFE[Kind.TEXT]  # the model's words are no one's instruction
+
+
+def test_standing_instructions_outlast_the_warm_window_and_reach_the_frame(store: Store) -> None:
+    say(store, "setup", "Always show timings in milliseconds.", "Will do.",
+        "The staging server is called kestrel.", "Noted.")
+    uid = store.find_user("u")
+    heat.advance(uid, 1_000_000)  # a long working life later: ordinary turns are cold
+    warm = heat.warm_set(uid, heat.clock(uid), {})
+    texts = {r.text for r in shown_rows(warm.item_ids.tolist()).values()}
+    assert texts == {"Always show timings in milliseconds."}
+    built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
+                        query="how fast is the deploy", exclude_messages=[],
+                        asked_at=time.time(), limits=cap.Cap())
+    text = "\n".join(p.text for m in built.messages for p in m.parts)
+    assert "Always show timings in milliseconds." in text and "kestrel" not in text
+    plan = sqlite3.connect(store.path).execute(
+        "EXPLAIN QUERY PLAN SELECT item_id FROM activation WHERE user_id = ? AND at >= ?"
+        f" AND half_life >= {heat.STANDING_HALF_LIFE}", (uid, 0.0)).fetchall()
+    assert "activation_standing" in str(plan)  # read through its own index, not a scan
 
 
 def test_budget_grows_with_the_spread_of_good_matches() -> None:
