@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -45,6 +45,7 @@ class Question:
     text: str
     at: float
     evidence: list[int]  # indexes into the thread's messages
+    category: str = ""  # the dataset's own: LoCoMo's question category, BEAM's ability
 
 
 @dataclass(slots=True)
@@ -54,6 +55,10 @@ class Case:
 
 
 # --------------------------------------------------------------------------- datasets
+
+
+# LoCoMo's category numbers, as its paper names them (5, adversarial, has no evidence to find).
+LOCOMO_CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 
 
 def locomo(path: Path) -> Iterator[Case]:
@@ -67,7 +72,8 @@ def locomo(path: Path) -> Iterator[Case]:
             ids = [e for x in qa.get("evidence", []) for e in re.split(r"[;,\s]+", x) if e]
             ev = [index[e] for e in ids if e in index]
             if ev and qa.get("category") != 5:  # category 5 is adversarial: nothing to find
-                case.questions.append(Question(str(qa["question"]), at, ev))
+                case.questions.append(Question(str(qa["question"]), at, ev,
+                                               LOCOMO_CATEGORIES.get(qa.get("category"), "")))
         yield case
 
 
@@ -78,11 +84,11 @@ def beam(path: Path) -> Iterator[Case]:
         index = {label: i for i, label in enumerate(t.labels)}
         at = max(t.times) + 86400
         case = Case(t)
-        for items in probes.values():
+        for ability, items in probes.items():
             for q in items:
                 ev = [index[str(i)] for i in _ints(q.get("source_chat_ids")) if str(i) in index]
                 if ev:
-                    case.questions.append(Question(str(q["question"]), at, ev))
+                    case.questions.append(Question(str(q["question"]), at, ev, ability))
         yield case
 
 
@@ -106,7 +112,8 @@ def longmemeval(path: Path) -> Iterator[Case]:
         ev = [i for i, label in enumerate(thread.labels) if label in answers]
         day, _, clock = str(q["question_date"]).split(" ")
         at = datetime.strptime(f"{day} {clock}", "%Y/%m/%d %H:%M").replace(tzinfo=UTC).timestamp()
-        yield Case(thread, [Question(str(q["question"]), at, ev)] if ev else [])
+        yield Case(thread, [Question(str(q["question"]), at, ev, str(q.get("question_type", "")))]
+                   if ev else [])
 
 
 def _lme_answers(q: dict[str, Any]) -> set[str]:
@@ -170,6 +177,16 @@ def feed(pipeline: Pipeline, thread: importers.Thread) -> None:
         turn = _Turn(conversation, pipeline.store_turn(d.job.pending), d.job.pending)
 
 
+class Result(NamedTuple):
+    """One question's outcome."""
+
+    all: bool  # every evidence turn in the request
+    any: bool
+    tokens: int  # the frame's
+    history: int  # the whole history's, up to the question
+    category: str
+
+
 @dataclass(slots=True)
 class _Turn:
     conversation_key: str
@@ -194,7 +211,7 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
     cases = list(DATASETS[dataset](path))
     if limit:
         cases = cases[:limit]
-    results: list[tuple[bool, bool, int, int]] = []
+    results: list[Result] = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         store: Store | None = None
@@ -220,14 +237,14 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
     return _report(dataset, pooled, limits, results)
 
 
-def _ask_all(pipeline: Pipeline, case: Case, frames: Path | None) -> list[tuple[bool, bool, int, int]]:
+def _ask_all(pipeline: Pipeline, case: Case, frames: Path | None) -> list[Result]:
     out = []
     for k, q in enumerate(case.questions):
         text, tokens = ask(pipeline, case.thread, q)
         found = [case.thread.messages[i].text in text for i in q.evidence]
         history = sum(token_estimate(m.text) for m, at in zip(case.thread.messages,
                                                                case.thread.times) if at <= q.at)
-        out.append((all(found), any(found), tokens, history))
+        out.append(Result(all(found), any(found), tokens, history, q.category))
         if frames is not None:
             frames.mkdir(parents=True, exist_ok=True)
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{case.thread.user_key}-{k}.txt")
@@ -236,10 +253,13 @@ def _ask_all(pipeline: Pipeline, case: Case, frames: Path | None) -> list[tuple[
 
 
 def _report(dataset: str, pooled: bool, limits: Cap,
-            results: list[tuple[bool, bool, int, int]]) -> dict[str, Any]:
+            results: list[Result]) -> dict[str, Any]:
     if not results:
         return {"dataset": dataset, "questions": 0}
-    all_, any_, tokens, history = (np.asarray(c) for c in zip(*results))
+    all_, any_, tokens, history = (np.asarray(c) for c in list(zip(*results))[:4])
+    by_category: dict[str, list[Result]] = {}
+    for r in results:
+        by_category.setdefault(r.category, []).append(r)
     return {
         "dataset": dataset, "memory": "pooled" if pooled else "per-conversation",
         "questions": len(results),
@@ -248,6 +268,10 @@ def _report(dataset: str, pooled: bool, limits: Cap,
                          "p95": int(np.percentile(tokens, 95))},
         "history_tokens": {"mean": round(float(history.mean()))},
         "cap": {"floor": limits.floor, "ceiling": limits.ceiling},
+        "by_category": {
+            c: {"questions": len(rs), "recall_all": round(sum(r.all for r in rs) / len(rs), 4),
+                "frame_tokens_mean": round(sum(r.tokens for r in rs) / len(rs))}
+            for c, rs in sorted(by_category.items()) if c},
     }
 
 

@@ -16,7 +16,7 @@ from perpetuity_core import cap, capture, frame, heat
 from perpetuity_core.conversation import Kind, Message, Provider, Reply, Usage, text_part
 from perpetuity_core.pipeline import Pipeline
 from perpetuity_core.scan import Scanner
-from perpetuity_core.store import Store, shown_rows
+from perpetuity_core.store import Row, Store, shown_rows
 from tests.conftest import Proxy, needs_fixtures
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import http_fixtures, replay, to_request
@@ -140,6 +140,24 @@ def test_budget_grows_with_the_spread_of_good_matches() -> None:
     closer = [cap.budget(np.array([10.0, s, s, s]), limits) for s in (5.0, 7.0, 9.0, 10.0)]
     assert closer == sorted(closer)
     assert cap.budget(np.array([]), limits) == limits.floor
+
+
+def test_the_budget_goes_to_the_most_warmth_per_token() -> None:
+    def row(i: int, words: int) -> Row:
+        return Row(i, i, 1, "c", "user", 0.0, Kind.TEXT.value, "", "word " * words)
+
+    rows = {1: row(1, 800), 2: row(2, 40), 3: row(3, 40), 4: row(4, 40), 5: row(5, 2)}
+    warm = heat.Warm(np.array([1, 2, 3, 4, 5]), np.array([1.0, 0.9, 0.9, 0.9, 0.9]))
+
+    def render(stable: list[int], new: list[int]) -> list[Message]:
+        return [Message("user", (text_part(rows[i].text),)) for i in stable + new]
+
+    _, new = frame._fill(rows, warm, set(), [], 400, render)
+    # The warmest row alone would spend the whole budget; three substantive turns and a
+    # two-word one give more warmth for it.
+    assert sorted(new) == [2, 3, 4, 5]
+    _, new = frame._fill(rows, warm, {1}, [], 400, render)
+    assert new[0] == 1  # a mandatory row is never traded away
 
 
 def test_cap_never_trims_the_top_hit(store: Store) -> None:
