@@ -291,6 +291,102 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     conn.close()
 
 
+def postings(arena: scan.Arena) -> np.ndarray:
+    """Every posting of the arena as (global row, term, tf), sorted, whatever the segments."""
+    parts = []
+    for seg in arena.segments:
+        if seg.terms is not None:
+            rows = seg.rows.astype(np.int64) + seg.start
+            terms = np.repeat(seg.terms, np.diff(seg.ptr))
+        else:
+            rows = np.repeat(np.arange(seg.n), np.diff(seg.row_ptr)) + seg.start
+            terms = seg.row_terms
+        parts.append(np.stack([rows, terms.astype(np.int64), seg.tf.astype(np.int64)], 1))
+    out = np.concatenate(parts) if parts else np.zeros((0, 3), np.int64)
+    return out[np.lexsort(out.T[::-1])]
+
+
+def same_arena(a: scan.Arena, b: scan.Arena) -> None:
+    for name in ("seq", "user", "conv", "length", "prev", "next"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert (a.n_rows, a.total_length, a.row_cursor) == (b.n_rows, b.total_length, b.row_cursor)
+    assert a.df is not None and b.df is not None
+    assert np.array_equal(a.df.dense, b.df.dense) and a.df.hashed == b.df.hashed
+    assert np.array_equal(postings(a), postings(b))
+    for seg in a.segments:
+        assert seg.n <= scan.SEGMENT_ROWS
+        if seg.terms is not None:  # term-major: terms ascend, each term's rows ascend
+            assert (np.diff(seg.terms) > 0).all()
+            for lo, hi in zip(seg.ptr[:-1], seg.ptr[1:], strict=True):
+                assert (np.diff(seg.rows[lo:hi].astype(np.int64)) > 0).all()
+    assert [s.start for s in a.segments] == list(np.cumsum([0] + [s.n for s in a.segments]))[:-1]
+
+
+@pytest.mark.parametrize("layout", [scan.TERMS, scan.ROWS])
+def test_catch_up_after_many_inserts_and_purges_equals_a_fresh_arena(
+        store: Store, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scan, "SEGMENT_ROWS", 23)  # every catch-up appends, most merge
+    rng = random.Random(17)
+    sc = scan.Scanner(store, store_rows=0, layout=layout, threads=2)
+    users = [store.user_id(f"u{i}") for i in range(3)]
+    for step in range(40):
+        for _ in range(rng.choice([0, 1, 2, 5, 9, 30, 70])):
+            user = f"u{rng.randrange(3)}"
+            add(store, user, f"{user}-c{rng.randrange(3)}",
+                [random_text(rng) + (" | " + random_text(rng) if rng.random() < 0.2 else "")],
+                at=float(step))
+        if rng.random() < 0.3:
+            live = [i for (i,) in db.connection().execute("SELECT item_id FROM retrieval")]
+            scan.purge(store, rng.sample(live, min(len(live), rng.randint(1, 6))))
+        sc.catch_up()
+        fresh = scan.Scanner(store, store_rows=0, layout=layout)
+        fresh.catch_up()
+        a, b = sc.arena, fresh.arena
+        live = a.user >= 0  # purged rows stay behind, invisible (user -1)
+        assert np.array_equal(a.seq[live], b.seq)
+        assert (a.n_rows, a.total_length) == (b.n_rows, b.total_length)
+        assert a.df is not None and b.df is not None
+        assert np.array_equal(a.df.dense, b.df.dense) and a.df.hashed == b.df.hashed
+        if step % 8 == 7:
+            q = " ".join(rng.choice(WORDS) for _ in range(3))
+            uid = rng.choice([*users, None])
+            same(ranked(sc.search(q, uid, 10)), reference(store, q, uid, 10))
+            same(ranked(fresh.search(q, uid, 10)), reference(store, q, uid, 10))
+    # Without purges in between, the caught-up arena is the fresh one, posting for posting.
+    again = scan.Scanner(store, store_rows=0, layout=layout)
+    again.catch_up()
+    for _ in range(12):
+        add(store, "u0", "u0-c0", [random_text(rng) for _ in range(rng.randint(1, 30))])
+        again.catch_up()
+    fresh = scan.Scanner(store, store_rows=0, layout=layout)
+    fresh.catch_up()
+    same_arena(again.arena, fresh.arena)
+
+
+def test_merged_segments_equal_one_built_from_all_their_rows() -> None:
+    rng = np.random.default_rng(5)
+
+    def rows(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        row_len = rng.integers(0, 4, n)  # some rows hold no term
+        terms = np.concatenate([np.sort(rng.choice(1 << 23, k, replace=False))
+                                for k in row_len.tolist()] or [np.zeros(0)]).astype(np.int32)
+        return row_len, terms, rng.integers(1, 256, terms.size).astype(np.uint8)
+
+    # Up to a full segment: the last local row is 65535, the top of uint16.
+    for n_old, n_new in ((0, 3), (5, 0), (1, 1), (40, 17), (40_000, 25_536)):
+        a, b = rows(n_old), rows(n_new)
+        for layout in (scan.TERMS, scan.ROWS):
+            older = scan.build_segment(7, *a, layout)
+            newer = scan.build_segment(7 + n_old, *b, layout)
+            both = scan.build_segment(7, *(np.concatenate(x) for x in zip(a, b, strict=True)),
+                                      layout)
+            merged = scan.merge_segments(older, newer)
+            assert (merged.start, merged.n) == (both.start, both.n)
+            for name in ("terms", "ptr", "rows", "row_ptr", "row_terms", "tf"):
+                x, y = getattr(merged, name), getattr(both, name)
+                assert (x is None and y is None) or (np.array_equal(x, y) and x.dtype == y.dtype)
+
+
 def test_pooled_visibility(store: Store) -> None:
     rng = random.Random(5)
     fill(store, rng, 150)
