@@ -177,16 +177,27 @@ def m005_standing(database: pw.Database) -> None:
 
 
 def m006_batched(database: pw.Database) -> None:
-    """Each message's commit writes one page per B-tree it touches, and the chains touched up to
-    seven (one per subject, one for their item index): they are now written a batch of
-    messages at a time (Store.flush), and `derived` holds how far, in retrieval.seq (which is
-    never reused, unlike item ids), each batched structure is written. Every row stored before
-    has its chains. The index on message.conversation_id alone goes too: the (conversation_id,
-    pair_key) index serves the same lookups, for one page less in every commit."""
+    """Fewer pages in each message's commit, which writes one per B-tree page it touches.
+
+    The chains touched up to seven (one per subject, one for their item index): they are now
+    written a batch of messages at a time (Store.flush), and `derived` holds how far, in
+    retrieval.seq (which is never reused, unlike item ids), each batched structure is written;
+    every row stored before has its chains. The index on message.conversation_id alone goes:
+    the (conversation_id, pair_key) index serves the same lookups. retrieval_total, updated
+    with every message, now counts only the rows up to its folded_seq, as retrieval_term does
+    (see scan.totals): rows past it, and unsettled deletions of them, leave its counts."""
+    past = "FROM retrieval WHERE seq > folded_seq"
+    gone = "FROM retrieval_gone WHERE settled = 0 AND row_seq > folded_seq"
     for sql in (
         "CREATE TABLE derived (name TEXT PRIMARY KEY, seq INTEGER NOT NULL) WITHOUT ROWID",
         "INSERT INTO derived SELECT 'chain', coalesce(max(seq), 0) FROM retrieval",
         "DROP INDEX IF EXISTS storedmessage_conversation_id",
+        "UPDATE retrieval_total SET"
+        f" rows = rows - (SELECT count(*) {past}) - (SELECT count(*) {gone}),"
+        f" length = length - (SELECT coalesce(sum(length), 0) {past})"
+        f" - (SELECT coalesce(sum(length), 0) {gone}),"
+        f" tokens = tokens - (SELECT coalesce(sum(tokens), 0) {past})"
+        f" - (SELECT coalesce(sum(tokens), 0) {gone})",
     ):
         database.execute_sql(sql)
 

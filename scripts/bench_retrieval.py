@@ -282,7 +282,7 @@ def run_size(size: int, data: Path, qs: list[tuple[str, int]], args: argparse.Na
     n_users_unit = len({u for u, _ in texts})
     res["replicate_seconds"] = replicate(copies) if copies else 0.0
     conn = db.connection()
-    n_rows, n_tokens = conn.execute("SELECT rows, tokens FROM retrieval_total").fetchone()
+    n_rows, _, n_tokens = scan.totals(conn)
     res.update(users=n_users_unit * (copies + 1), rows=n_rows, tokens=n_tokens,
                messages=conn.execute("SELECT count(*) FROM message").fetchone()[0])
     print(f"[{size:,}] {n_rows:,} rows, {n_tokens:,} tokens; ingest {ing}", file=sys.stderr)
