@@ -266,6 +266,7 @@ def rederive(store: Store, *, stale_only: bool = True) -> int:
                                         [(it.id,) for it in items])
             settle(store)
             derive_retrieval(items)
+    store.flush()  # the re-derived rows are past the chains' cursor: no reader derives them all
     return len(ids)
 
 

@@ -356,6 +356,9 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     conn.commit()
     conn.close()
     assert scan.rederive(store) > 0
+    # The re-derived rows are chained at once, not left for every chain reader to derive.
+    assert db.connection().execute("SELECT seq FROM derived").fetchone() == (
+        db.connection().execute("SELECT max(seq) FROM retrieval").fetchone())
     got = ranked(sc.search(q, uid, 10))
     same(got, reference(store, q, uid, 10))
     fresh = scan.Scanner(store, store_rows=store_rows)
