@@ -158,7 +158,8 @@ def ingest(store: Store, users: list[list[importers.Thread]], budget: int) -> di
 
 
 def replicate(copies: int) -> float:
-    """Copy every row of the store `copies` more times under new ids and users (SQL only)."""
+    """Copy every row of the store `copies` more times under new ids and users (SQL only),
+    with its chains (ingest wrote every base row's), so that no batch is left owed."""
     t0 = time.perf_counter()
     conn = db.connection()
     maxid = {t: conn.execute(f"SELECT coalesce(max(id), 0) FROM {t}").fetchone()[0]
@@ -173,7 +174,7 @@ def replicate(copies: int) -> float:
     conn.execute("BEGIN")
     scan.fold(conn)  # every base row in the counts, so that scaling them stays exact
     for r in range(1, copies + 1):
-        for table in ("user", "conversation", "message", "item", "retrieval"):
+        for table in ("user", "conversation", "message", "item", "retrieval", "chain"):
             names = cols(table)
             exprs = []
             for c in names:
@@ -187,11 +188,12 @@ def replicate(copies: int) -> float:
                     exprs.append(f"key || '#{r}'")
                 else:
                     exprs.append(c)
-            key = "seq" if table == "retrieval" else "id"
-            limit = maxseq if table == "retrieval" else maxid[table]
+            key, limit = {"retrieval": ("seq", maxseq),
+                          "chain": ("item_id", maxid["item"])}.get(table, ("id", maxid.get(table)))
             conn.execute(f"INSERT INTO {table} ({','.join(names)}) SELECT {','.join(exprs)}"
                          f" FROM {table} WHERE {key} <= {limit} ORDER BY {key}")
     conn.execute(f"UPDATE retrieval_term SET df = df * {copies + 1}")
+    conn.execute(f"UPDATE derived SET seq = {(copies + 1) * maxseq} WHERE name = 'chain'")
     conn.execute(f"UPDATE retrieval_total SET rows = rows * {copies + 1},"
                  f" length = length * {copies + 1}, tokens = tokens * {copies + 1},"
                  f" folded_seq = {(copies + 1) * maxseq}")
