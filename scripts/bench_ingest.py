@@ -5,9 +5,9 @@
 
 Every LoCoMo message (5,882) goes through the real write path (importers.write ->
 capture.record -> Store.add_message and its derivers, one transaction per message, then the
-writer's deferred work, so nothing is left owed), into a fresh database; FTS5 (porter
-unicode61, WAL, synchronous NORMAL, as bench_retrieval.py builds it) gets the same texts, one
-transaction per message. Each round times both, alternately, so a noisy machine slows both;
+writer's batched work, so nothing is left owed), into a fresh database; FTS5 (porter
+unicode61, WAL, synchronous NORMAL, a user column, as bench_retrieval.py builds it) gets the
+same texts, one transaction per message. Each round times both, alternately, so a noisy machine slows both;
 the report gives every round and the medians, and the ratio of the medians.
 
 `--without` drops derivers from the store (the ablation): the result is no longer a memory
@@ -50,15 +50,16 @@ def ours(path: Path, threads: list[importers.Thread], without: set[str]) -> floa
     return dt
 
 
-def fts5(path: Path, texts: list[str]) -> float:
+def fts5(path: Path, texts: list[tuple[int, str]]) -> float:
     conn = sqlite3.connect(path, isolation_level=None)
     for k, v in {"journal_mode": "wal", "synchronous": "normal"}.items():
         conn.execute(f"PRAGMA {k} = {v}")
-    conn.execute("CREATE VIRTUAL TABLE t USING fts5(text, tokenize = 'porter unicode61')")
+    conn.execute("CREATE VIRTUAL TABLE t USING fts5(text, user UNINDEXED,"
+                 " tokenize = 'porter unicode61')")
     t0 = time.perf_counter()
-    for text in texts:
+    for user, text in texts:
         conn.execute("BEGIN")
-        conn.execute("INSERT INTO t (text) VALUES (?)", (text,))
+        conn.execute("INSERT INTO t (text, user) VALUES (?, ?)", (text, user))
         conn.execute("COMMIT")
     dt = time.perf_counter() - t0
     conn.close()
@@ -77,7 +78,7 @@ def main() -> int:
     if unknown := without - DERIVERS.keys() - BATCHED.keys():
         raise SystemExit(f"unknown derivers {sorted(unknown)}")
     threads = list(importers.locomo(Path(args.data) / "locomo" / "locomo10.json"))
-    texts = [p.text for t in threads for m in t.messages for p in m.parts]
+    texts = [(u, p.text) for u, t in enumerate(threads) for m in t.messages for p in m.parts]
     n = sum(len(t.messages) for t in threads)
     rates: dict[str, list[float]] = {"ours": [], "fts5": []}
     with tempfile.TemporaryDirectory(prefix="perpetuity-ingest-") as tmp:
