@@ -285,6 +285,20 @@ def test_chains_are_written_in_batches_and_backfill_gives_the_same(memory: Store
     assert "2 rows about" in out and GREEN not in out
 
 
+def test_a_reader_on_its_own_thread_sees_the_chains_of_a_row_stored_just_before(
+        store: Store) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    # The proxy's recall tools run on another thread (their own connection) than its writer.
+    with ThreadPoolExecutor(1) as reader:
+        for i in range(5):
+            say(store, "c", [(T0 + i, f"The kayak number {i} is orange.")])
+            got = reader.submit(chain_answer, store, "kayak").result()
+            assert got == [item(f"The kayak number {k} is orange.") for k in range(i + 1)]
+        reader.submit(db.close).result()
+    assert all_chains() == []  # all of it from the pending rows: no batch was written yet
+
+
 def test_no_chain_is_lost_across_batches_a_crash_and_a_reused_item_id(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from perpetuity_core import store as store_module
