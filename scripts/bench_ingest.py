@@ -11,7 +11,8 @@ same texts, one transaction per message. Each round times both, alternately, so 
 the report gives every round and the medians, and the ratio of the medians.
 
 `--without` drops derivers from the store (the ablation): the result is no longer a memory
-the product could serve, only a measure of what each deriver costs.
+the product could serve, only a measure of what each deriver costs. The chains are derived
+from the retrieval rows, so without retrieval there are no chains either.
 """
 
 from __future__ import annotations
