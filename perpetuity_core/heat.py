@@ -80,8 +80,9 @@ def derive_activation(items: list[Item]) -> None:
     conn = db.connection()
     row = conn.execute("SELECT position FROM clock WHERE user_id = ?", (m.user_id,)).fetchone()
     now = row[0] if row else 0.0
+    # OR REPLACE: a purged item leaves its activation, and SQLite gives its id to the next item.
     conn.executemany(
-        "INSERT INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
+        "INSERT OR REPLACE INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
         " VALUES (?,?,?,?,?,?)",
         [(it.id, m.user_id, m.conversation_id, now,
           0.0 if it.kind == Kind.CONTEXT else BIRTH_PEAK,

@@ -2,8 +2,11 @@
 
 Every message is written in one transaction, as one `Message` row plus one `Item` row per part,
 and nothing is updated in place afterwards. Structures derived from the rows (retrieval rows,
-counts) are written by derivers registered on the store, inside that same transaction, so a
-reader never sees a row without what is derived from it.
+counts, activations) are written by derivers registered on the store, inside that same
+transaction, so a reader never sees a row without what is derived from it. Structures no
+retrieval needs at once (the chains) are written by the same writer a batch of messages at a
+time, one transaction per batch (`Store.flush`), each with a cursor: their readers add the rows
+past the cursor themselves, so they too never see a row without what is derived from it.
 
 Credentials never reach this module: identity arrives already hashed.
 """
@@ -63,7 +66,8 @@ class Conversation(BaseModel):
 
 
 class StoredMessage(BaseModel):
-    conversation = pw.ForeignKeyField(Conversation, backref="messages")
+    # Not indexed alone (m006): the (conversation, pair_key) index serves the same lookups.
+    conversation = pw.ForeignKeyField(Conversation, backref="messages", index=False)
     # No index: nothing looks messages up by user, and every index is one more page written
     # in each message's commit.
     user = pw.ForeignKeyField(User, index=False)
@@ -172,11 +176,42 @@ def m005_standing(database: pw.Database) -> None:
                          f" WHERE half_life >= {STANDING_HALF_LIFE}")
 
 
+def m006_batched(database: pw.Database) -> None:
+    """Fewer pages in each message's commit, which writes one per B-tree page it touches.
+
+    The chains touched up to seven (one per subject, one for their item index): they are now
+    written a batch of messages at a time (Store.flush), and `derived` holds how far, in
+    retrieval.seq (which is never reused, unlike item ids), each batched structure is written;
+    every row stored before has its chains. The index on message.conversation_id alone goes:
+    the (conversation_id, pair_key) index serves the same lookups. retrieval_total, updated
+    with every message, now counts only the rows up to its folded_seq, as retrieval_term does
+    (see scan.totals): rows past it, and unsettled deletions of them, leave its counts."""
+    past = "FROM retrieval WHERE seq > folded_seq"
+    gone = "FROM retrieval_gone WHERE settled = 0 AND row_seq > folded_seq"
+    for sql in (
+        "CREATE TABLE derived (name TEXT PRIMARY KEY, seq INTEGER NOT NULL) WITHOUT ROWID",
+        "INSERT INTO derived SELECT 'chain', coalesce(max(seq), 0) FROM retrieval",
+        "DROP INDEX IF EXISTS storedmessage_conversation_id",
+        "UPDATE retrieval_total SET"
+        f" rows = rows - (SELECT count(*) {past}) - (SELECT count(*) {gone}),"
+        f" length = length - (SELECT coalesce(sum(length), 0) {past})"
+        f" - (SELECT coalesce(sum(length), 0) {gone}),"
+        f" tokens = tokens - (SELECT coalesce(sum(tokens), 0) {past})"
+        f" - (SELECT coalesce(sum(tokens), 0) {gone})",
+    ):
+        database.execute_sql(sql)
+
+
 MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
-                                                   m004_recall, m005_standing]
+                                                   m004_recall, m005_standing, m006_batched]
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]
+# Called by Store.flush, inside the batch's transaction, for the rows with after < seq <= upto.
+BatchDeriver = Callable[[int, int], None]
+# Rows stored before the batched structures are written: larger batches dirty fewer pages per
+# message, and a reader derives at most this many rows itself (see tools.chain_of).
+BATCH_ROWS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,13 +238,19 @@ class Store:
         from .tools import derive_chains
 
         # Every store derives retrieval rows and activations: no item may exist without them.
-        self.derivers = [derive_retrieval, derive_activation, derive_chains, *derivers]
+        self.derivers = [derive_retrieval, derive_activation, *derivers]
+        self.batched: dict[str, BatchDeriver] = {"chain": derive_chains}
         try:
             _create_private(self.path)
             db.init(str(self.path), pragmas=PRAGMAS, check_same_thread=False)
             db.connect(reuse_if_open=True)
             self._migrate()
             self.salt = self._setting("identity_salt", lambda: secrets.token_hex(16))
+            # Rows left behind by a process that stopped before its batch: the next flush
+            # writes them (opening does not: a reader may open the store too).
+            (self._behind,) = db.connection().execute(
+                "SELECT count(*) FROM retrieval WHERE seq > (SELECT min(seq) FROM derived)"
+            ).fetchone()
         except (pw.PeeweeException, OSError) as e:
             raise StoreError(f"cannot open the memory database {self.path}: {e}") from e
 
@@ -337,7 +378,27 @@ class Store:
                     derive(items)
         except pw.PeeweeException as e:
             raise StoreError(f"could not store a {message.role} message: {e}") from e
+        self._behind += len(items)
+        if self._behind >= BATCH_ROWS:
+            self.flush()
         return Written(m.id, tuple(i.id for i in items))
+
+    def flush(self) -> None:
+        """Write the batched structures up to the last stored row, with their cursors, in one
+        transaction. Only the store's writer calls this (add_message, every BATCH_ROWS rows)."""
+        conn = db.connection()
+        try:
+            with db.atomic():
+                (upto,) = conn.execute("SELECT coalesce(max(seq), 0) FROM retrieval").fetchone()
+                for name, derive in self.batched.items():
+                    (after,) = conn.execute("SELECT seq FROM derived WHERE name = ?",
+                                            (name,)).fetchone()
+                    if upto > after:
+                        derive(after, upto)
+                        conn.execute("UPDATE derived SET seq = ? WHERE name = ?", (upto, name))
+        except pw.PeeweeException as e:
+            raise StoreError(f"could not write the batched derivations: {e}") from e
+        self._behind = 0
 
 
 # What a model may be shown of memory: what was said and done, not harness scaffolding or

@@ -17,8 +17,10 @@ Two structures are derived for the tools, each with one writer:
   turn; memory_cooccur reads it.
 - the chains (`chain`): every text row joins the chains of its subjects (`subjects`: its
   rarest non-trivial words, at most SUBJECTS a row), ordered by when it was said. `derive_chains`
-  writes them inside each message's transaction; memory_chains reads them, so a fact and its
-  later updates are one chain with the latest state last.
+  writes them from the store's writer a batch of messages at a time (Store.flush), up to a
+  cursor; memory_chains reads them and derives the rows past the cursor itself, so a row is in
+  its chains from the moment it is stored, and a fact and its later updates are one chain with
+  the latest state last.
 
 How it fails: `run` never raises. Bad arguments and unknown names get a one-line error the
 model can read and correct; a failure inside a tool is logged and reported the same way.
@@ -41,7 +43,7 @@ import numpy as np
 from . import dictionary
 from .conversation import Kind
 from .scan import Hit, Scanner
-from .store import SHOWN_KINDS, Item, Row, Store, db, shown_rows
+from .store import SHOWN_KINDS, Row, Store, db, shown_rows
 
 log = logging.getLogger("perpetuity")
 
@@ -733,14 +735,25 @@ def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
 def chain_of(user_id: int, stems: list[str]) -> tuple[list[int], int]:
     """The chain of rows about `stems`: the rows in the most of their chains (in all of them
     when any row is), ordered by when they were said, then by item id; and how many they
-    share."""
-    rows = db.connection().execute(
-        "SELECT item_id, at, count(*) FROM chain WHERE user_id = ? AND term IN"
-        f" ({','.join('?' * len(stems))}) GROUP BY item_id", (user_id, *stems)).fetchall()
-    if not rows:
+    share. Rows past the chains' cursor (at most a batch, see Store.flush) are chained here,
+    in the same snapshot as the table, so none is missed while its batch is pending."""
+    conn = db.connection()
+    with db.atomic():
+        rows = conn.execute(
+            "SELECT item_id, at, count(*) FROM chain WHERE user_id = ? AND term IN"
+            f" ({','.join('?' * len(stems))}) GROUP BY item_id", (user_id, *stems)).fetchall()
+        (after,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
+        pending = _text_rows(conn, after, None, user_id)
+    found = {i: (at, n) for i, at, n in rows}
+    wanted = set(stems)
+    for i, _, at, text in pending:
+        if n := len(wanted.intersection(subjects(text))):
+            found[i] = (at, n)  # a row re-derived since it was chained has the same subjects
+    if not found:
         return [], 0
-    best = max(n for _, _, n in rows)
-    return [i for i, _, n in sorted(rows, key=lambda r: (r[1], r[0])) if n == best], best
+    best = max(n for _, n in found.values())
+    return [i for i, (_, n) in sorted(found.items(), key=lambda r: (r[1][0], r[0]))
+            if n == best], best
 
 
 # --------------------------------------------------------------------------- the writers
@@ -806,17 +819,28 @@ def _rank(stem: str) -> int:
 _INSERT_CHAIN = "INSERT OR IGNORE INTO chain (user_id, term, at, item_id) VALUES (?, ?, ?, ?)"
 
 
-def derive_chains(items: list[Item]) -> None:
-    """Join each new text row to its subjects' chains (the store calls this inside the
-    message's transaction: the chains' only writer)."""
-    texts = [it for it in items if it.kind == Kind.TEXT.value and it.text.strip()]
-    if not texts:
-        return
-    m = items[0].message
+def derive_chains(after: int, upto: int) -> None:
+    """Join the text rows stored with after < retrieval.seq <= upto to their subjects' chains
+    (Store.flush calls this in the batch's transaction: the chains' only writer)."""
     conn = db.connection()
-    (at,) = conn.execute("SELECT at FROM message WHERE id = ?", (m.id,)).fetchone()
-    conn.executemany(_INSERT_CHAIN, [(m.user_id, s, at, it.id) for it in texts
-                                     for s in subjects(it.text)])
+    conn.executemany(_INSERT_CHAIN, [(user, s, at, i) for i, user, at, text
+                                     in _text_rows(conn, after, upto, None)
+                                     for s in subjects(text)])
+
+
+def _text_rows(conn: sqlite3.Connection, after: int, upto: int | None,
+               user_id: int | None) -> list[tuple[int, int, float, str]]:
+    """(item id, user id, when said, text) of the non-blank text rows past retrieval.seq
+    `after` (up to `upto`; of `user_id` only, when given)."""
+    where, args = "", [Kind.TEXT.value, after]
+    if upto is not None:
+        where, args = where + " AND r.seq <= ?", [*args, upto]
+    if user_id is not None:
+        where, args = where + " AND r.user_id = ?", [*args, user_id]
+    return [r for r in conn.execute(
+        "SELECT r.item_id, r.user_id, m.at, i.text FROM retrieval r"
+        " JOIN item i ON i.id = r.item_id JOIN message m ON m.id = r.message_id"
+        f" WHERE i.kind = ? AND r.seq > ?{where} ORDER BY r.seq", args) if r[3].strip()]
 
 
 def backfill_chains(conn: sqlite3.Connection) -> int:

@@ -196,6 +196,81 @@ def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store)
     conn.close()
 
 
+def recount(conn: sqlite3.Connection) -> tuple[tuple[int, int, int], dict[int, int]]:
+    """The pooled counts from scratch: (rows, length, tokens) and df of the live rows."""
+    rows = conn.execute("SELECT length, tokens, terms FROM retrieval").fetchall()
+    df: Counter[int] = Counter()
+    for r in rows:
+        df.update(np.frombuffer(r[2], "<i4").tolist())
+    return (len(rows), sum(r[0] for r in rows), sum(r[1] for r in rows)), dict(df)
+
+
+def pooled(conn: sqlite3.Connection) -> tuple[tuple[int, int, int], dict[int, int]]:
+    """The pooled counts as readers get them: folded, plus the rows stored since."""
+    terms = np.array(sorted({t for (b,) in conn.execute("SELECT terms FROM retrieval")
+                             for t in np.frombuffer(b, "<i4").tolist()}), np.int32)
+    df = scan.unfolded_df(conn, terms).tolist() if terms.size else []
+    return tuple(scan.totals(conn)), dict(zip(terms.tolist(), df, strict=True))
+
+
+def test_pooled_counts_stay_exact_through_folds_purges_and_deletions(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scan, "FOLD_EVERY", 9)
+    rng = random.Random(23)
+    conn = db.connection()
+    for step in range(30):
+        fill(store, rng, rng.randint(1, 12))
+        live = [i for (i,) in conn.execute("SELECT item_id FROM retrieval")]
+        if step % 3 == 0:
+            scan.purge(store, rng.sample(live, 2))
+        elif step % 3 == 1:
+            # Deleted behind the store's back, before its row is folded; settled only later
+            # (by the next fold or a reader's catch-up), after the cursor has passed it.
+            with db.atomic():
+                conn.execute("DELETE FROM item WHERE id = ?", (max(live),))
+        if step % 5 == 4:
+            scan.settle(store)
+        (unsettled,) = conn.execute(
+            "SELECT count(*) FROM retrieval_gone WHERE settled = 0").fetchone()
+        if not unsettled:
+            assert pooled(conn) == recount(conn)
+    scan.settle(store)
+    with db.atomic():
+        scan.fold(conn)
+    assert pooled(conn) == recount(conn)
+    (rows, length, tokens), df = recount(conn)
+    assert conn.execute("SELECT rows, length, tokens FROM retrieval_total").fetchone() == (
+        rows, length, tokens)
+    assert dict(conn.execute("SELECT term, df FROM retrieval_term").fetchall()) == df
+
+
+def test_totals_counted_with_every_message_are_migrated(tmp_path: Path) -> None:
+    s = Store(tmp_path / "old.db")
+    fill(s, random.Random(29), 40)
+    conn = db.connection()
+    with db.atomic():
+        scan.fold(conn)
+    fill(s, random.Random(31), 25)
+    with db.atomic():  # one unfolded row deleted and not yet settled
+        conn.execute("DELETE FROM item WHERE id = (SELECT max(item_id) FROM retrieval)")
+    # The database as before m006: totals counted every row with its message.
+    (rows, length, tokens), _ = recount(conn)
+    (g_len, g_tok) = conn.execute("SELECT length, tokens FROM retrieval_gone").fetchone()
+    with db.atomic():
+        conn.execute("UPDATE retrieval_total SET rows = ?, length = ?, tokens = ?",
+                     (rows + 1, length + g_len, tokens + g_tok))
+        conn.execute("DROP TABLE derived")
+        conn.execute("DELETE FROM migration WHERE name = 'm006_batched'")
+    s.close()
+    s = Store(tmp_path / "old.db")
+    try:
+        conn = db.connection()
+        scan.settle(s)
+        assert pooled(conn) == recount(conn)
+    finally:
+        s.close()
+
+
 # ------------------------------------------------------------------------------ the scan
 
 
@@ -281,6 +356,9 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     conn.commit()
     conn.close()
     assert scan.rederive(store) > 0
+    # The re-derived rows are chained at once, not left for every chain reader to derive.
+    assert db.connection().execute("SELECT seq FROM derived").fetchone() == (
+        db.connection().execute("SELECT max(seq) FROM retrieval").fetchone())
     got = ranked(sc.search(q, uid, 10))
     same(got, reference(store, q, uid, 10))
     fresh = scan.Scanner(store, store_rows=store_rows)
@@ -289,6 +367,102 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     assert {v for (v,) in conn.execute("SELECT DISTINCT version FROM retrieval")} == {
         dictionary.load().version}
     conn.close()
+
+
+def postings(arena: scan.Arena) -> np.ndarray:
+    """Every posting of the arena as (global row, term, tf), sorted, whatever the segments."""
+    parts = []
+    for seg in arena.segments:
+        if seg.terms is not None:
+            rows = seg.rows.astype(np.int64) + seg.start
+            terms = np.repeat(seg.terms, np.diff(seg.ptr))
+        else:
+            rows = np.repeat(np.arange(seg.n), np.diff(seg.row_ptr)) + seg.start
+            terms = seg.row_terms
+        parts.append(np.stack([rows, terms.astype(np.int64), seg.tf.astype(np.int64)], 1))
+    out = np.concatenate(parts) if parts else np.zeros((0, 3), np.int64)
+    return out[np.lexsort(out.T[::-1])]
+
+
+def same_arena(a: scan.Arena, b: scan.Arena) -> None:
+    for name in ("seq", "user", "conv", "length", "prev", "next"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert (a.n_rows, a.total_length, a.row_cursor) == (b.n_rows, b.total_length, b.row_cursor)
+    assert a.df is not None and b.df is not None
+    assert np.array_equal(a.df.dense, b.df.dense) and a.df.hashed == b.df.hashed
+    assert np.array_equal(postings(a), postings(b))
+    for seg in a.segments:
+        assert seg.n <= scan.SEGMENT_ROWS
+        if seg.terms is not None:  # term-major: terms ascend, each term's rows ascend
+            assert (np.diff(seg.terms) > 0).all()
+            for lo, hi in zip(seg.ptr[:-1], seg.ptr[1:], strict=True):
+                assert (np.diff(seg.rows[lo:hi].astype(np.int64)) > 0).all()
+    assert [s.start for s in a.segments] == list(np.cumsum([0] + [s.n for s in a.segments]))[:-1]
+
+
+@pytest.mark.parametrize("layout", [scan.TERMS, scan.ROWS])
+def test_catch_up_after_many_inserts_and_purges_equals_a_fresh_arena(
+        store: Store, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scan, "SEGMENT_ROWS", 23)  # every catch-up appends, most merge
+    rng = random.Random(17)
+    sc = scan.Scanner(store, store_rows=0, layout=layout, threads=2)
+    users = [store.user_id(f"u{i}") for i in range(3)]
+    for step in range(40):
+        for _ in range(rng.choice([0, 1, 2, 5, 9, 30, 70])):
+            user = f"u{rng.randrange(3)}"
+            add(store, user, f"{user}-c{rng.randrange(3)}",
+                [random_text(rng) + (" | " + random_text(rng) if rng.random() < 0.2 else "")],
+                at=float(step))
+        if rng.random() < 0.3:
+            live = [i for (i,) in db.connection().execute("SELECT item_id FROM retrieval")]
+            scan.purge(store, rng.sample(live, min(len(live), rng.randint(1, 6))))
+        sc.catch_up()
+        fresh = scan.Scanner(store, store_rows=0, layout=layout)
+        fresh.catch_up()
+        a, b = sc.arena, fresh.arena
+        live = a.user >= 0  # purged rows stay behind, invisible (user -1)
+        assert np.array_equal(a.seq[live], b.seq)
+        assert (a.n_rows, a.total_length) == (b.n_rows, b.total_length)
+        assert a.df is not None and b.df is not None
+        assert np.array_equal(a.df.dense, b.df.dense) and a.df.hashed == b.df.hashed
+        if step % 8 == 7:
+            q = " ".join(rng.choice(WORDS) for _ in range(3))
+            uid = rng.choice([*users, None])
+            same(ranked(sc.search(q, uid, 10)), reference(store, q, uid, 10))
+            same(ranked(fresh.search(q, uid, 10)), reference(store, q, uid, 10))
+    # Without purges in between, the caught-up arena is the fresh one, posting for posting.
+    again = scan.Scanner(store, store_rows=0, layout=layout)
+    again.catch_up()
+    for _ in range(12):
+        add(store, "u0", "u0-c0", [random_text(rng) for _ in range(rng.randint(1, 30))])
+        again.catch_up()
+    fresh = scan.Scanner(store, store_rows=0, layout=layout)
+    fresh.catch_up()
+    same_arena(again.arena, fresh.arena)
+
+
+def test_merged_segments_equal_one_built_from_all_their_rows() -> None:
+    rng = np.random.default_rng(5)
+
+    def rows(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        row_len = rng.integers(0, 4, n)  # some rows hold no term
+        terms = np.concatenate([np.sort(rng.choice(1 << 23, k, replace=False))
+                                for k in row_len.tolist()] or [np.zeros(0)]).astype(np.int32)
+        return row_len, terms, rng.integers(1, 256, terms.size).astype(np.uint8)
+
+    # Up to a full segment: the last local row is 65535, the top of uint16.
+    for n_old, n_new in ((0, 3), (5, 0), (1, 1), (40, 17), (40_000, 25_536)):
+        a, b = rows(n_old), rows(n_new)
+        for layout in (scan.TERMS, scan.ROWS):
+            older = scan.build_segment(7, *a, layout)
+            newer = scan.build_segment(7 + n_old, *b, layout)
+            both = scan.build_segment(7, *(np.concatenate(x) for x in zip(a, b, strict=True)),
+                                      layout)
+            merged = scan.merge_segments(older, newer)
+            assert (merged.start, merged.n) == (both.start, both.n)
+            for name in ("terms", "ptr", "rows", "row_ptr", "row_terms", "tf"):
+                x, y = getattr(merged, name), getattr(both, name)
+                assert (x is None and y is None) or (np.array_equal(x, y) and x.dtype == y.dtype)
 
 
 def test_pooled_visibility(store: Store) -> None:

@@ -12,10 +12,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import peewee as pw
 import pytest
 
 from perpetuity_core import capture, dictionary, scan, tools
 from perpetuity_core.conversation import Message, text_part
+from perpetuity_core.errors import StoreError
 from perpetuity_core.scan import Scanner
 from perpetuity_core.store import Store, db
 from perpetuity_core.tools import TurnMemory, run
@@ -240,16 +242,40 @@ def test_chains_follow_a_fact_to_its_latest_state_in_time_order(memory: Store) -
     assert "no distinctive word" in run("memory_chains", {"subject": "the time"}, m, scanner)
 
 
-def test_chains_are_written_with_each_row_and_backfill_gives_the_same(memory: Store) -> None:
+def all_chains() -> list[tuple]:
+    return db.connection().execute(
+        "SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall()
+
+
+def backfilled() -> list[tuple]:
+    """The chains every stored text row should have, derived from scratch (then put back)."""
     conn = db.connection()
-    before = conn.execute("SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall()
-    assert ("oslo" in {t for _, t, _, _ in before}) and len(before) > 10
-    with db.atomic():
+    with db.atomic() as tx:
         conn.execute("DELETE FROM chain")
         tools.backfill_chains(conn)
-    after = conn.execute("SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall()
-    assert after == before
+        out = all_chains()
+        tx.rollback()
+    return out
+
+
+def chain_answer(store: Store, subject: str, user: str = "u") -> list[int]:
+    uid = store.find_user(user)
+    assert uid is not None
+    return rows_of(run("memory_chains", {"subject": subject},
+                       TurnMemory(uid, None, ASKED, set(), []), Scanner(store)))
+
+
+def test_chains_are_written_in_batches_and_backfill_gives_the_same(memory: Store) -> None:
+    # Fewer rows than a batch: nothing is in the table yet, and memory_chains sees every row.
+    assert all_chains() == []
+    assert chain_answer(memory, "favourite colour") == [item(RED), item(BLUE), item(GREEN)]
+    memory.flush()
+    before = all_chains()
+    assert ("oslo" in {t for _, t, _, _ in before}) and len(before) > 10
+    assert before == backfilled()
+    assert chain_answer(memory, "favourite colour") == [item(RED), item(BLUE), item(GREEN)]
     # A purged row leaves its chains (and the binding log) with it.
+    conn = db.connection()
     tools.record_bindings(message_of(GREEN), [item(BLUE)])
     scan.purge(memory, [item(GREEN)])
     assert not conn.execute("SELECT 1 FROM chain WHERE item_id NOT IN (SELECT id FROM item)"
@@ -257,6 +283,62 @@ def test_chains_are_written_with_each_row_and_backfill_gives_the_same(memory: St
                             " (SELECT id FROM item)").fetchall()
     out = run("memory_chains", {"subject": "favourite colour"}, turn(memory), Scanner(memory))
     assert "2 rows about" in out and GREEN not in out
+
+
+def test_a_reader_on_its_own_thread_sees_the_chains_of_a_row_stored_just_before(
+        store: Store) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    # The proxy's recall tools run on another thread (their own connection) than its writer.
+    with ThreadPoolExecutor(1) as reader:
+        for i in range(5):
+            say(store, "c", [(T0 + i, f"The kayak number {i} is orange.")])
+            got = reader.submit(chain_answer, store, "kayak").result()
+            assert got == [item(f"The kayak number {k} is orange.") for k in range(i + 1)]
+        reader.submit(db.close).result()
+    assert all_chains() == []  # all of it from the pending rows: no batch was written yet
+
+
+def test_no_chain_is_lost_across_batches_a_crash_and_a_reused_item_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from perpetuity_core import store as store_module
+
+    monkeypatch.setattr(store_module, "BATCH_ROWS", 3)
+    rng = random.Random(7)
+    words = ["oslo", "hiking", "colour", "violin", "garden", "tomato", "sister", "kayak"]
+    texts = [" ".join(rng.choices(words, k=5)) + f" note{i}" for i in range(20)]
+    s = Store(tmp_path / "m.db")
+    say(s, "a", [(T0 + i, t) for i, t in enumerate(texts[:8])])
+    (cursor,) = db.connection().execute("SELECT seq FROM derived").fetchone()
+    assert 0 < cursor < 8  # batches were written, the last rows are still pending
+    want = chain_answer(s, "violin garden")
+    # The disk fails mid-batch: the batch leaves no chain and no cursor behind.
+    def failing(after: int, upto: int) -> None:
+        tools.derive_chains(after, upto)
+        assert all_chains()
+        raise pw.OperationalError("disk I/O error")
+
+    s.batched["chain"] = failing
+    with pytest.raises(StoreError):
+        s.flush()
+    assert all_chains() and len(all_chains()) < len(backfilled())
+    assert db.connection().execute("SELECT seq FROM derived").fetchone() == (cursor,)
+    s.close()
+    s = Store(tmp_path / "m.db")
+    try:
+        assert chain_answer(s, "violin garden") == want  # read before any batch is written
+        say(s, "a", [(T0 + i, t) for i, t in enumerate(texts)])  # the rest of the thread
+        # The newest row is purged after its batch, and its item id is given to the next row.
+        s.flush()
+        last = max(item(t) for t in texts)
+        scan.purge(s, [last])
+        say(s, "b", [(T0 + 99, "violin garden again")])
+        assert item("violin garden again") == last
+        assert chain_answer(s, "violin garden")[-1] == last
+        s.flush()
+        assert all_chains() == backfilled() and last in {r[3] for r in all_chains()}
+    finally:
+        s.close()
 
 
 def test_dates_give_elapsed_times_between_events(memory: Store) -> None:
@@ -331,6 +413,7 @@ def test_another_users_rows_never_appear(memory: Store) -> None:
 def test_a_memory_stored_before_chains_gets_them_when_migrated(tmp_path: Path) -> None:
     s = Store(tmp_path / "old.db")
     say(s, "trip", [(T0, HIKE), (T0 + 60, OSLO)])
+    s.flush()
     conn = db.connection()
     chained = conn.execute("SELECT * FROM chain ORDER BY term, item_id").fetchall()
     with db.atomic():  # the database as it was before m004_recall
