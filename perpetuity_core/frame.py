@@ -71,7 +71,12 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     seen = set(warm_ids)
     rows = _rows(warm_ids + [i for i in recent_items if i not in seen], excluded)
     recent_set = set(recent_items)
-    must = ({hits[0].item_id} if hits else set()) | recent_set
+    # The top hit comes with the other half of its exchange, unless that is a bulk (a long tool
+    # output) over half the largest frame.
+    other = [i for i in (_other_half(hits[0], excluded) if hits else []) if i in rows]
+    if sum(token_estimate(_quote(rows[i])) for i in other) > limits.ceiling // 2:
+        other = []
+    must = ({hits[0].item_id} if hits else set()) | set(other) | recent_set
     # The previous frame's sections stay in front, rendered as they were, while all of it is
     # still warm: providers cache by exact prefix. A row gone cold, or a frame that no longer
     # fits, rebuilds it from scratch.
@@ -122,6 +127,17 @@ def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
             ).fetchall()
             out += [(rank, item) for item, message in rows if message not in excluded]
     return out
+
+
+def _other_half(hit: Hit, excluded: set[int]) -> list[int]:
+    """The rows of the other half of a hit's exchange: the reply to it, or the question it
+    answers. The two travel together; either alone is often not the answer."""
+    cmp, order = (">", "ASC") if hit.role == "user" else ("<", "DESC")
+    row = db.connection().execute(
+        f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order}"
+        " LIMIT 1", (hit.conversation_id, hit.message_id)).fetchone()
+    other = row[0] if row and row[1] != hit.role and row[0] not in excluded else None
+    return _items_of({other} if other else set())
 
 
 def _items_of(message_ids: set[int]) -> list[int]:

@@ -174,6 +174,24 @@ def test_cap_never_trims_the_top_hit(store: Store) -> None:
     assert built.left_out > 0
 
 
+def test_the_top_hit_brings_the_other_half_of_its_exchange(store: Store) -> None:
+    answer = "Your degree: " + "a long and careful answer about paperwork " * 40
+    say(store, "old", "I graduated with a degree in Business Administration.", answer,
+        "Unrelated question about dinner plans?", "Pasta, then.")
+    uid = store.find_user("u")
+
+    def text(limits: cap.Cap) -> str:
+        built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
+                            query="what degree did I graduate with", exclude_messages=[],
+                            asked_at=time.time(), limits=limits)
+        return "\n".join(p.text for m in built.messages for p in m.parts)
+
+    # Over the budget, still there: the reply travels with the question it answers...
+    assert answer in text(cap.Cap(floor=50, ceiling=2000))
+    # ...unless it is a bulk over half the largest frame.
+    assert answer not in text(cap.Cap(floor=50, ceiling=500))
+
+
 def test_cap_never_trims_the_recent_stretch(store: Store) -> None:
     ids = say(store, "chat", *[f"turn {i} about gardening " * 30 for i in range(8)])
     uid = store.find_user("u")
