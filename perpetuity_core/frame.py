@@ -41,7 +41,7 @@ class Frame:
     tokens: int
     left_out: int  # warm rows the cap left out
     now: float  # the user's clock
-    reheats: dict[int, float] = field(default_factory=dict)  # to write unless probing
+    reheats: dict[int, float] = field(default_factory=dict)  # own rows only; written unless probing
     sticky: list[list[int]] = field(default_factory=list)  # sections to keep in front next turn
     below_cap: list[int] = field(default_factory=list)  # this turn's hits left out, best first
     hits: list[int] = field(default_factory=list)  # this turn's hits rendered, best first
@@ -108,8 +108,9 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     fresh = [i for i in new if i not in recent_set]
     sticky = (kept_sections if stable else []) + ([fresh] if fresh else [])
     shown = set(chosen)
+    own_reheats = {i: peak for i, peak in reheats.items() if i not in warm.foreign}
     return Frame(messages, chosen, budget, _tokens(messages), len(rows) - len(chosen), now,
-                 reheats, sticky, [h.item_id for h in hits if h.item_id not in shown],
+                 own_reheats, sticky, [h.item_id for h in hits if h.item_id not in shown],
                  [h.item_id for h in hits if h.item_id in shown])
 
 

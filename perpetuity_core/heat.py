@@ -111,11 +111,15 @@ class Warm:
 
     item_ids: np.ndarray  # int64
     warmth: np.ndarray  # float64
+    # Other users' rows (a shared pool) warm only through this turn's retrieval: their
+    # activations run on their owners' clocks, which this user's reheats never write.
+    foreign: frozenset[int] = frozenset()
 
 
 def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
     """Every row of `user_id` at least WARM_FLOOR warm at `now`, with `reheats` (item -> peak
-    reached now) applied where they beat the current trajectory. Reads only."""
+    reached now) applied where they beat the current trajectory, and other users' rows among
+    `reheats` at their reheat peak. Reads only."""
     conn = db.connection()
     rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation"
                         " WHERE user_id = ? AND at >= ?", (user_id, now - _WINDOW)).fetchall()
@@ -125,12 +129,17 @@ def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
         "SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?"
         f" AND half_life >= {STANDING_HALF_LIFE}", (user_id, now - _STANDING_WINDOW))
         if r[0] not in seen]
+    foreign: frozenset[int] = frozenset()
     if reheats:
         seen = {r[0] for r in rows}
         missing = [i for i in reheats if i not in seen]
         if missing:
-            rows += conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
-                                 f" item_id IN ({','.join('?' * len(missing))})", missing).fetchall()
+            own = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
+                               f" item_id IN ({','.join('?' * len(missing))}) AND user_id = ?",
+                               (*missing, user_id)).fetchall()
+            foreign = frozenset(missing) - {r[0] for r in own}
+            # A foreign row's own trajectory is on another clock: only the reheat counts.
+            rows += own + [(i, now, 0.0, 1.0) for i in sorted(foreign)]
     if not rows:
         return Warm(np.zeros(0, np.int64), np.zeros(0))
     ids, at, peak, half = (np.asarray(c) for c in zip(*rows))
@@ -141,7 +150,7 @@ def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
     keep = w >= WARM_FLOOR
     ids, w = ids[keep].astype(np.int64), w[keep]
     order = np.lexsort((ids, -w))  # warmest first; ties by store order, deterministic
-    return Warm(ids[order], w[order])
+    return Warm(ids[order], w[order], foreign)
 
 
 def reheat(now: float, reheats: dict[int, float]) -> int:

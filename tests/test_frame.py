@@ -131,6 +131,25 @@ def test_standing_instructions_outlast_the_warm_window_and_reach_the_frame(store
     assert "activation_standing" in str(plan)  # read through its own index, not a scan
 
 
+def test_a_pooled_hit_warms_on_the_askers_clock_only(store: Store) -> None:
+    """Each user's rows run on their own clock: another user's row that this retrieval finds
+    is as warm as its reheat, never warmer, and this user's reheats never write it."""
+    say(store, "mine", "notes on the lighthouse renovation budget", "ok", user="ann")
+    say(store, "theirs", "lighthouse renovation budget spreadsheet from Bo", "ok", user="bo")
+    ann, bo = store.find_user("ann"), store.find_user("bo")
+    heat.advance(bo, 5_000_000)  # Bo's agent has worked far longer than Ann's
+    say(store, "theirs", "a later lighthouse renovation budget question", user="bo")
+    before = activation(store)
+    built = frame.build(Scanner(store, share_pool=True), user_id=ann, conversation_id=None,
+                        query="lighthouse renovation budget", exclude_messages=[],
+                        asked_at=time.time(), limits=cap.Cap())
+    warm = heat.warm_set(ann, heat.clock(ann), heat.rank_reheats(built.hits + built.below_cap, []))
+    assert warm.foreign and max(warm.warmth) <= heat.REHEAT_TOP
+    assert warm.item_ids[0] not in warm.foreign  # Ann's own row ranked first stays first
+    assert not set(built.reheats) & warm.foreign
+    assert activation(store) == before  # building reads only
+
+
 def test_budget_grows_with_the_spread_of_good_matches() -> None:
     limits = cap.Cap(floor=1000, ceiling=8000)
     one_clear = cap.budget(np.array([10.0, 2.0, 1.5, 1.0]), limits)
