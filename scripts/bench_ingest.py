@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from perpetuity_core import heat, importers, scan  # noqa: E402
 from perpetuity_core.store import Store  # noqa: E402
+from scripts.bench_retrieval import fts5_insert  # noqa: E402
 
 DERIVERS = {"retrieval": scan.derive_retrieval, "activation": heat.derive_activation}
 BATCHED = {"chains": "chain"}
@@ -52,19 +52,9 @@ def ours(path: Path, threads: list[importers.Thread], without: set[str]) -> floa
 
 
 def fts5(path: Path, texts: list[tuple[int, str]]) -> float:
-    conn = sqlite3.connect(path, isolation_level=None)
-    for k, v in {"journal_mode": "wal", "synchronous": "normal"}.items():
-        conn.execute(f"PRAGMA {k} = {v}")
-    conn.execute("CREATE VIRTUAL TABLE t USING fts5(text, user UNINDEXED,"
-                 " tokenize = 'porter unicode61')")
-    t0 = time.perf_counter()
-    for user, text in texts:
-        conn.execute("BEGIN")
-        conn.execute("INSERT INTO t (text, user) VALUES (?, ?)", (text, user))
-        conn.execute("COMMIT")
-    dt = time.perf_counter() - t0
+    conn, seconds = fts5_insert(path, texts)
     conn.close()
-    return dt
+    return seconds
 
 
 def main() -> int:

@@ -201,18 +201,24 @@ def replicate(copies: int) -> float:
     return round(time.perf_counter() - t0, 2)
 
 
-def fts5_build(path: Path, texts: list[tuple[int, str]], copies: int, n_users: int) -> dict:
+def fts5_insert(path: Path, texts: list[tuple[int, str]]) -> tuple[sqlite3.Connection, float]:
+    """The FTS5 peer: (user, text) rows inserted one transaction each, as the write path
+    stores messages; returns the open database and the seconds the inserts took."""
     conn = sqlite3.connect(path, isolation_level=None)
     for k, v in {"journal_mode": "wal", "synchronous": "normal"}.items():
         conn.execute(f"PRAGMA {k} = {v}")
     conn.execute("CREATE VIRTUAL TABLE t USING fts5(text, user UNINDEXED,"
                  " tokenize = 'porter unicode61')")
     t0 = time.perf_counter()
-    for u, text in texts:  # one transaction per message, as the write path does
+    for u, text in texts:
         conn.execute("BEGIN")
         conn.execute("INSERT INTO t (text, user) VALUES (?, ?)", (text, u))
         conn.execute("COMMIT")
-    dt = time.perf_counter() - t0
+    return conn, time.perf_counter() - t0
+
+
+def fts5_build(path: Path, texts: list[tuple[int, str]], copies: int, n_users: int) -> dict:
+    conn, dt = fts5_insert(path, texts)
     toks = sum(scan.token_estimate(t) for _, t in texts)
     out = {"messages_per_s": round(len(texts) / dt), "tokens_per_s": round(toks / dt),
            "seconds": round(dt, 2)}
