@@ -48,6 +48,7 @@ HALF_LIFE = {
 # meant for every later turn, not the next few: it cools over millions of clock tokens, not
 # thousands. Recognised by its wording when it is born; nothing else about a row is guessed.
 STANDING_HALF_LIFE = 20_000_000.0
+STANDING_MAX_CHARS = 1_000  # an instruction is a sentence or two; a pasted log is not one
 _STANDING = re.compile(
     r"(?:^|[.!?:]\s+)(?:please\s+)?(?:always|never|from now on|do not ever|don't ever)\b"
     r"|\bI(?: would|'d)? prefer\b|\bmake sure (?:to|you) always\b|\bremember (?:that|to)\b",
@@ -67,7 +68,8 @@ def reheat_peak(rank: int) -> float:
 
 def half_life(kind: Kind, role: str, text: str) -> float:
     """A row's half-life, fixed at birth by its kind, or by its wording for what a person said."""
-    if kind == Kind.TEXT and role == "user" and _STANDING.search(text):
+    if (kind == Kind.TEXT and role == "user" and len(text) <= STANDING_MAX_CHARS
+            and _STANDING.search(text)):
         return STANDING_HALF_LIFE
     return HALF_LIFE[kind]
 

@@ -104,6 +104,7 @@ def test_an_idle_agent_forgets_nothing(store: Store) -> None:
     ("Never commit straight to main.", True),
     ("We always went camping in July as kids.", False),
     ("The build failed again this morning.", False),
+    ("Here is the log:\n" + "Never mind the warnings below. " * 40, False),
 ])
 def test_a_standing_instruction_is_born_to_stay_warm(store: Store, text: str, standing: bool) -> None:
     say(store, "c", text, "Understood. Always happy to help.")
