@@ -163,17 +163,12 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], stable: list[in
     measure, dropping the coolest added rows until the rendered frame fits. `must` is never
     dropped; a stable part that no longer fits beside it is given up (the frame is rebuilt).
     """
-    costs: dict[int, int] = {}
-
-    def cost(i: int) -> int:
-        if i not in costs:
-            costs[i] = token_estimate(_quote(rows[i])) + _LABEL_TOKENS
-        return costs[i]
-
+    costs = {i: token_estimate(_quote(r)) + _LABEL_TOKENS for i, r in rows.items()}
+    cost = costs.__getitem__
     # A budget is filled best by the most warmth per token (the greedy knapsack): one long
     # reply must earn its place against the several short turns it would push out.
     warmth = dict(zip(warm.item_ids.tolist(), warm.warmth.tolist()))
-    order = sorted((i for i in warmth if i in rows), key=lambda i: -warmth[i] / (cost(i) + ROW_FLOOR))
+    order = sorted((i for i in warmth if i in rows), key=lambda i: -warmth[i] / (costs[i] + ROW_FLOOR))
     ordered = set(order)
     order += [i for i in rows if i not in ordered]  # mandatory rows gone cold still come
 
@@ -289,10 +284,13 @@ def _same_run(previous: Row, row: Row, adjacent: frozenset[tuple[int, int]]) -> 
     return (previous.message_id, row.message_id) in adjacent and row.at - previous.at <= RUN_GAP
 
 
+_TOOL_CALL, _TOOL_RESULT = Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value  # hot: once, not per row
+
+
 def _quote(r: Row) -> str:
-    if r.kind == Kind.TOOL_CALL.value:
+    if r.kind == _TOOL_CALL:
         return f"[called {r.name}: {r.text}]"
-    if r.kind == Kind.TOOL_RESULT.value:
+    if r.kind == _TOOL_RESULT:
         return f"[tool result: {r.text}]"
     return r.text
 
