@@ -77,13 +77,14 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     if sum(token_estimate(_quote(rows[i])) for i in other) > limits.ceiling // 2:
         other = []
     must = ({hits[0].item_id} if hits else set()) | set(other) | recent_set
-    # The previous frame's sections stay in front, rendered as they were, while all of it is
-    # still warm: providers cache by exact prefix. A row gone cold, or a frame that no longer
-    # fits, rebuilds it from scratch.
-    kept_sections = [list(sec) for sec in previous]
-    flat = [i for sec in kept_sections for i in sec]
-    if any(i not in rows or i in recent_set for i in flat):
-        kept_sections, flat = [], []
+    # The previous frame's sections stay in front, rendered as they were: providers cache by
+    # exact prefix. The front keeps its sections up to the first that holds a row gone cold;
+    # from there on the frame is built anew.
+    kept_sections: list[list[int]] = []
+    for sec in previous:
+        if any(i not in rows or i in recent_set for i in sec):
+            break
+        kept_sections.append(list(sec))
 
     rendered: dict[tuple[int, ...], list[tuple[str, str]]] = {}
 
@@ -94,19 +95,18 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
             rendered[key] = _section([rows[i] for i in ids], asked_at, conversation_id)
         return rendered[key]
 
-    def render_ids(stable: list[int], new: list[int]) -> list[Message]:
-        front = kept_sections if stable else []
+    def render_ids(front: list[list[int]], new: list[int]) -> list[Message]:
         return _assemble([t for sec in front for t in section(sec)]
                          + section([i for i in new if i not in recent_set])
                          + section([i for i in new if i in recent_set]))
 
-    stable, new = _fill(rows, warm, must, flat, budget, render_ids)
-    if not stable and not new:
+    front, new = _fill(rows, warm, must, kept_sections, budget, render_ids)
+    if not front and not new:
         return None
-    messages = render_ids(stable, new)
-    chosen = stable + new
+    messages = render_ids(front, new)
+    chosen = [i for sec in front for i in sec] + new
     fresh = [i for i in new if i not in recent_set]
-    sticky = (kept_sections if stable else []) + ([fresh] if fresh else [])
+    sticky = front + ([fresh] if fresh else [])
     shown = set(chosen)
     own_reheats = {i: peak for i, peak in reheats.items() if i not in warm.foreign}
     return Frame(messages, chosen, budget, _tokens(messages), len(rows) - len(chosen), now,
@@ -154,16 +154,16 @@ def _rows(item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
     return {i: r for i, r in shown_rows(item_ids).items() if r.message_id not in excluded}
 
 
-def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], stable: list[int],
-          budget: int, render_ids: Callable[[list[int], list[int]], list[Message]],
-          ) -> tuple[list[int], list[int]]:
-    """(stable, new): the previous frame's rows kept in their order, and the rows added now.
+def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], front: list[list[int]],
+          budget: int, render_ids: Callable[[list[list[int]], list[int]], list[Message]],
+          ) -> tuple[list[list[int]], list[int]]:
+    """(front, new): the previous frame's sections kept in front, and the rows added now.
 
-    Two passes: take the warmest rows while their estimated size fits, then render and
-    measure, dropping the coolest added rows until the rendered frame fits. `must` is never
-    dropped; a stable part that no longer fits beside it is given up (the frame is rebuilt).
+    Two passes: take the rows with the most warmth per token while their estimated size fits,
+    then render and measure, dropping the last added rows until the rendered frame fits. `must`
+    is never dropped; when the front no longer fits beside it, its last sections are shed.
     """
-    costs = {i: token_estimate(_quote(r)) + _LABEL_TOKENS for i, r in rows.items()}
+    costs = {i: token_estimate(_quote(r)) for i, r in rows.items()}
     cost = costs.__getitem__
     # A budget is filled best by the most warmth per token (the greedy knapsack): one long
     # reply must earn its place against the several short turns it would push out.
@@ -172,41 +172,46 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], stable: list[in
     ordered = set(order)
     order += [i for i in rows if i not in ordered]  # mandatory rows gone cold still come
 
-    kept = set(stable)
-    new = [i for i in order if i in must and i not in kept]
-    used = sum(cost(i) for i in stable + new)
+    def start(front: list[list[int]]) -> tuple[set[int], list[int], int]:
+        kept = {i for sec in front for i in sec}
+        new = [i for i in order if i in must and i not in kept]
+        return kept, new, sum(map(cost, kept)) + sum(map(cost, new))
+
+    front = list(front)
+    kept, new, used = start(front)
     fill = budget
-    if stable and used > budget:
-        # Rebuilt, the frame leaves room to grow again in place for a few turns.
-        stable, kept, fill = [], set(), int(budget * REBUILD_FILL)
-        new = [i for i in order if i in must]
-        used = sum(cost(i) for i in new)
+    if front and used > budget:
+        # Shed from the end, and leave room to grow again in place for a few turns: what
+        # stays in front is still the prefix the provider has cached.
+        fill = int(budget * REBUILD_FILL)
+        while front and used > fill:
+            front.pop()
+            kept, new, used = start(front)
     for i in order:
         if i not in kept and i not in must and used + cost(i) <= fill:
             new.append(i)
             used += cost(i)
     droppable = [i for i in new if i not in must]
     while droppable:
-        over = _tokens(render_ids(stable, new)) - fill
+        over = _tokens(render_ids(front, new)) - fill
         if over <= 0:
             break
-        # Drop the coolest added rows worth the overshoot, then measure again: labels make
+        # Drop the last added rows worth the overshoot, then measure again: labels make
         # the estimate low, so this converges in a few renders, not one per row.
         while over > 0 and droppable:
             i = droppable.pop()
             new.remove(i)
             over -= cost(i)
-    return stable, new
+    return front, new
 
 
-_LABEL_TOKENS = 0  # a label's share per row, for the first pass; the second pass measures
 # What every row costs on top of its words when the fill weighs warmth per token, so that an
 # "ok" or a "thanks" does not outrank a turn with substance. Measured with HITS 200 (LoCoMo /
 # BEAM recall_all, `perpetuity eval`): warmth order 0.834 / 0.530; warmth per token 0.800 /
 # 0.699; per (tokens + 50) 0.827 / 0.766; per (tokens + 100) 0.831 / 0.749; per sqrt(tokens)
 # 0.822 / 0.704.
 ROW_FLOOR = 100
-REBUILD_FILL = 0.7  # a frame rebuilt because it outgrew its budget refills this share of it
+REBUILD_FILL = 0.7  # a frame that outgrew its budget sheds sections to this share of it
 
 
 def _assemble(turns: list[tuple[str, str]]) -> list[Message]:

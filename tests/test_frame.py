@@ -180,6 +180,24 @@ def test_the_budget_goes_to_the_most_warmth_per_token() -> None:
     assert new[0] == 1  # a mandatory row is never traded away
 
 
+def test_a_front_that_outgrew_the_budget_sheds_its_last_sections_only() -> None:
+    rows = {i: Row(i, i, 1, "c", "user", 0.0, Kind.TEXT.value, "", "word " * 80)
+            for i in range(1, 8)}  # 100 tokens each
+    warm = heat.Warm(np.arange(1, 8), np.full(7, 0.5))
+
+    def render(front: list[list[int]], new: list[int]) -> list[Message]:
+        return [Message("user", (text_part(rows[i].text),))
+                for i in [i for sec in front for i in sec] + new]
+
+    front = [[1, 2], [3, 4], [5, 6]]
+    kept, new = frame._fill(rows, warm, {7}, front, 1000, render)
+    assert kept == front and 7 in new  # it fits: all of it stays, in order
+    kept, new = frame._fill(rows, warm, {7}, front, 500, render)
+    # 700 tokens against 500: the last sections go until the rest and the mandatory row fit
+    # REBUILD_FILL of the budget; the first stays, still the provider's cached prefix.
+    assert kept == [[1, 2]] and new == [7]
+
+
 def test_cap_never_trims_the_top_hit(store: Store) -> None:
     say(store, "old", "the lighthouse keeper's name was Ingrid " + "filler " * 600, "ok")
     say(store, "new", *[f"unrelated chatter number {i} " * 20 for i in range(20)])
