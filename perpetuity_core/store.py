@@ -66,7 +66,7 @@ class Conversation(BaseModel):
 
 
 class StoredMessage(BaseModel):
-    # Not indexed alone (m006): the (conversation, pair_key) index serves the same lookups.
+    # Indexed by the migrations (m007, with id): lookups need the conversation in store order.
     conversation = pw.ForeignKeyField(Conversation, backref="messages", index=False)
     # No index: nothing looks messages up by user, and every index is one more page written
     # in each message's commit.
@@ -202,8 +202,17 @@ def m006_batched(database: pw.Database) -> None:
         database.execute_sql(sql)
 
 
+def m007_conversation_order(database: pw.Database) -> None:
+    """The messages of a conversation in store order. m006 dropped the index on
+    conversation_id as redundant, but the (conversation_id, pair_key) and (conversation_id,
+    fingerprint) indexes do not keep id order: every "latest / around message X" lookup read
+    and sorted the whole conversation, on every request of a long coding session."""
+    database.execute_sql("CREATE INDEX message_conversation_order ON message (conversation_id, id)")
+
+
 MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
-                                                   m004_recall, m005_standing, m006_batched]
+                                                   m004_recall, m005_standing, m006_batched,
+                                                   m007_conversation_order]
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]

@@ -151,6 +151,17 @@ def test_a_pooled_hit_warms_on_the_askers_clock_only(store: Store) -> None:
     assert activation(store) == before  # building reads only
 
 
+def test_lookups_around_a_message_read_its_conversation_in_store_order(store: Store) -> None:
+    """The latest stretch, a hit's neighbours, the other half of an exchange: each reads a few
+    index entries, never the whole conversation sorted (a long coding session)."""
+    conn = sqlite3.connect(store.path)
+    for sql in ("SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
+                "SELECT id FROM message WHERE conversation_id = ? AND id < ? ORDER BY id DESC"
+                " LIMIT ?"):
+        plan = str(conn.execute("EXPLAIN QUERY PLAN " + sql, (1,) * sql.count("?")).fetchall())
+        assert "message_conversation_order" in plan and "TEMP B-TREE" not in plan, plan
+
+
 def test_budget_grows_with_the_spread_of_good_matches() -> None:
     limits = cap.Cap(floor=1000, ceiling=8000)
     one_clear = cap.budget(np.array([10.0, 2.0, 1.5, 1.0]), limits)
