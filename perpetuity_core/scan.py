@@ -238,10 +238,12 @@ def settle_in(conn) -> int:  # noqa: ANN001 - a sqlite3 connection, inside a tra
 
 
 def purge(store: Store, item_ids: Iterable[int]) -> int:
-    """Delete items (and their retrieval rows and counts) in one transaction."""
+    """Delete items (and their retrieval rows, counts and activations) in one transaction."""
     ids = [(int(i),) for i in item_ids]
     with db.atomic():
-        db.connection().executemany("DELETE FROM item WHERE id = ?", ids)  # cascades
+        conn = db.connection()
+        conn.executemany("DELETE FROM item WHERE id = ?", ids)  # cascades
+        conn.executemany("DELETE FROM activation WHERE item_id = ?", ids)  # keyed, not linked
         settle(store)
     return len(ids)
 

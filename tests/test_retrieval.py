@@ -341,6 +341,9 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     scan.purge(store, gone)
     got = ranked(sc.search(q, uid, 10))
     assert not set(gone) & {i for i, _ in got}
+    marks = ",".join("?" * len(gone))
+    assert not sqlite3.connect(store.path).execute(
+        f"SELECT item_id FROM activation WHERE item_id IN ({marks})", gone).fetchall()
     same(got, reference(store, q, uid, 10))
     # A row removed behind the scanner's back (cascade from item) is also reflected.
     conn = sqlite3.connect(store.path)
