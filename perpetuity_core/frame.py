@@ -207,9 +207,9 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], front: list[lis
 
 # What every row costs on top of its words when the fill weighs warmth per token, so that an
 # "ok" or a "thanks" does not outrank a turn with substance. Measured with HITS 200 (LoCoMo /
-# BEAM recall_all, `perpetuity eval`): warmth order 0.834 / 0.530; warmth per token 0.800 /
-# 0.699; per (tokens + 50) 0.827 / 0.766; per (tokens + 100) 0.831 / 0.749; per sqrt(tokens)
-# 0.822 / 0.704.
+# BEAM recall_all, `perpetuity eval`): warmth order 0.834 / 0.530; warmth per token 0.798 /
+# 0.758; per (tokens + 50) 0.827 / 0.766; per (tokens + 100) 0.831 / 0.749; per sqrt(tokens)
+# 0.824 / 0.704.
 ROW_FLOOR = 100
 REBUILD_FILL = 0.7  # a frame that outgrew its budget sheds sections to this share of it
 

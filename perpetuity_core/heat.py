@@ -127,13 +127,14 @@ def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
                         " WHERE user_id = ? AND at >= ?", (user_id, now - _WINDOW)).fetchall()
     # Standing rows stay warm far longer than the window: read through their own small index.
     seen = {r[0] for r in rows}
-    rows += [r for r in conn.execute(
-        "SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?"
-        f" AND half_life >= {STANDING_HALF_LIFE}", (user_id, now - _STANDING_WINDOW))
-        if r[0] not in seen]
+    for r in conn.execute(
+            "SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?"
+            f" AND half_life >= {STANDING_HALF_LIFE}", (user_id, now - _STANDING_WINDOW)):
+        if r[0] not in seen:
+            rows.append(r)
+            seen.add(r[0])
     foreign: frozenset[int] = frozenset()
     if reheats:
-        seen = {r[0] for r in rows}
         missing = [i for i in reheats if i not in seen]
         if missing:
             own = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"

@@ -275,9 +275,8 @@ class ToolLoop:
         sse = SSEDecoder()
         async for chunk in resp.aiter_raw():
             for ev in sse.feed(chunk):
-                try:
-                    data = json.loads(ev.data)
-                except ValueError:
+                data = ev.json()
+                if data is None:
                     continue
                 if out := self.merger.feed(ev.event, data):
                     await self._write(out)

@@ -6,13 +6,23 @@ whole lines. Follows the WHATWG event-stream parsing rules for the fields provid
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
     event: str
     data: str
+
+    def json(self) -> dict[str, Any] | None:
+        """The data as a JSON object, or None for anything else ("[DONE]", a keep-alive)."""
+        try:
+            data = json.loads(self.data)
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
 
 
 class SSEDecoder:

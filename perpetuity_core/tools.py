@@ -397,7 +397,11 @@ def _holding(item_ids: list[int], terms: np.ndarray) -> set[int]:
 
 
 def _query_terms(text: str) -> np.ndarray:
-    return np.unique(dictionary.load().ids(text))
+    """The distinct term ids of a tool's query; a query of common words only is bad input."""
+    terms = np.unique(dictionary.load().ids(text))
+    if terms.size == 0:
+        raise BadArguments(f"{text!r} holds no searchable word (only common words)")
+    return terms
 
 
 # --------------------------------------------------------------------------- the tools
@@ -447,8 +451,6 @@ def _continue_row(item_id: int, offset: int, memory: TurnMemory) -> str:
 def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     category, match = args["category"], args["match"]
     terms = _query_terms(category)
-    if terms.size == 0:
-        raise BadArguments(f"{category!r} holds no searchable word (only common words)")
     f = _filters(args, memory, scanner.store)
     ids, at, conv = count_rows(memory.user_id, terms, match == "all", f)
     what = f"memory_count {category!r}{f.said}, rows holding {match} of its words"
@@ -569,8 +571,6 @@ def count_rows(user_id: int, terms: np.ndarray, every: bool,
 def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     query, limit = args["query"], args["limit"]
     terms = _query_terms(query)
-    if terms.size == 0:
-        raise BadArguments(f"{query!r} holds no searchable word (only common words)")
     f = _filters(args, memory, scanner.store)
     # Rows already shown are still events on the timeline: they come back as stubs.
     found = _search(scanner, memory, query, f, limit, (), holding=terms)
@@ -617,8 +617,6 @@ def span(seconds: float) -> str:
 def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     topic, limit = args["topic"], args["limit"]
     terms = _query_terms(topic)
-    if terms.size == 0:
-        raise BadArguments(f"{topic!r} holds no searchable word (only common words)")
     # The topic's matches are rows that mention it, not rows that only sit beside one.
     anchors = [h.item_id for h, _ in _search(scanner, memory, topic, Filters(), ANCHORS, (),
                                              holding=terms)]

@@ -120,9 +120,8 @@ class ReplyAssembler:
         if ev.data.strip() == "[DONE]":
             self._done = True
             return
-        try:
-            data = json.loads(ev.data)
-        except ValueError:
+        data = ev.json()
+        if data is None:
             return
         if data.get("usage"):
             self._usage = _usage(data["usage"])

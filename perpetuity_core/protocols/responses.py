@@ -147,9 +147,8 @@ class ReplyAssembler:
         self._done = False
 
     def feed(self, ev: Event) -> None:
-        try:
-            data = json.loads(ev.data)
-        except ValueError:
+        data = ev.json()
+        if data is None:
             return
         t = data.get("type", ev.event)
         idx = int(data.get("output_index", 0))
