@@ -148,9 +148,9 @@ def derive_retrieval(items: list[Item]) -> None:
         bag = d.bag(text)
         n_tokens = token_estimate(text)
         seq = conn.execute(
-            "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, length,"
-            " tokens, version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?)",
-            (it.id, m.id, m.user_id, m.conversation_id, bag.length, n_tokens, d.version,
+            "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
+            " tokens, version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (it.id, m.id, m.user_id, m.conversation_id, m.at, bag.length, n_tokens, d.version,
              bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes())).lastrowid
     (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
     if seq - folded >= FOLD_EVERY:
@@ -459,6 +459,7 @@ class NewRows:
     seq: np.ndarray  # int64
     user: np.ndarray  # int32
     conv: np.ndarray  # int32
+    at: np.ndarray  # float64: when the row's message was said
     length: np.ndarray  # int32
     row_len: np.ndarray  # int64: postings per row
     terms: np.ndarray  # int32, each row's ascending
@@ -470,20 +471,24 @@ class NewRows:
 # The aggregates read the subquery's rows in its order; read_rows checks that seq ascends.
 _NEW_ROWS = (
     "SELECT count(*), group_concat(seq), group_concat(user_id), group_concat(conversation_id),"
-    " group_concat(length), group_concat(length(counts)),"
+    " group_concat(length), group_concat(at), group_concat(length(counts)),"
     " CAST(group_concat(terms, '') AS BLOB), CAST(group_concat(counts, '') AS BLOB)"
     " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?)")
 
 
 def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 - sqlite3
     """At most `limit` retrieval rows past seq `after`, or None if there are none."""
-    count, *ints, terms, counts = conn.execute(_NEW_ROWS, (after, limit)).fetchone()
+    count, *ints, at, row_len, terms, counts = conn.execute(_NEW_ROWS, (after, limit)).fetchone()
     if count == 0:
         return None
-    seq, user, conv, length, row_len = (np.fromstring(x, np.int64, sep=",") for x in ints)
-    rows = NewRows(seq, user.astype(np.int32), conv.astype(np.int32), length.astype(np.int32),
-                   row_len, np.frombuffer(terms, "<i4"), np.frombuffer(counts, np.uint8))
-    if (seq.size != count or (np.diff(seq) <= 0).any() or rows.tf.size != rows.terms.size
+    seq, user, conv, length, row_len = (np.fromstring(x, np.int64, sep=",")
+                                         for x in (*ints, row_len))
+    # group_concat prints a REAL to 15 significant digits: epoch seconds to the 10 microseconds.
+    rows = NewRows(seq, user.astype(np.int32), conv.astype(np.int32), np.fromstring(at, sep=","),
+                   length.astype(np.int32), row_len, np.frombuffer(terms, "<i4"),
+                   np.frombuffer(counts, np.uint8))
+    if (seq.size != count or rows.at.size != count or (np.diff(seq) <= 0).any()
+            or rows.tf.size != rows.terms.size
             or rows.tf.size != int(row_len.sum())):
         raise AssertionError("retrieval rows read out of order or cut")
     return rows
@@ -492,8 +497,8 @@ def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 -
 class Arena:
     """The in-memory copy of every retrieval row of the store, for many users at once.
 
-    Per row: seq (int64), user and conversation (int32, user -1 once deleted), length and the
-    previous and next row of its conversation (int32): 24 bytes. Per posting 3 bytes
+    Per row: seq (int64), user and conversation (int32, user -1 once deleted), when it was said
+    (float64), length and the previous and next row of its conversation (int32): 32 bytes. Per posting 3 bytes
     (term-major) or 5 bytes (row-major). Document frequencies in a `Frequencies`.
     """
 
@@ -506,6 +511,7 @@ class Arena:
         self.seq = np.zeros(0, np.int64)
         self.user = np.zeros(0, np.int32)
         self.conv = np.zeros(0, np.int32)
+        self.at = np.zeros(0)
         self.length = np.zeros(0, np.int32)
         # The previous and next live row of the same conversation in store order (-1: none).
         # One extra last entry, -1, makes "none" follow itself: links[-1] == -1.
@@ -547,6 +553,7 @@ class Arena:
         self.seq = np.concatenate((self.seq, new.seq))
         self.user = np.concatenate((self.user, new.user))
         self.conv = np.concatenate((self.conv, new.conv))
+        self.at = np.concatenate((self.at, new.at))
         self.length = np.concatenate((self.length, new.length))
         self._link(new.seq.size)
         self.n_rows += new.seq.size
@@ -623,7 +630,8 @@ class Arena:
         self.next[rows] = nxt
 
     def nbytes(self) -> int:
-        rows = (self.seq.nbytes + self.user.nbytes + self.conv.nbytes + self.length.nbytes
+        rows = (self.seq.nbytes + self.user.nbytes + self.conv.nbytes + self.at.nbytes
+                + self.length.nbytes
                 + self.prev.nbytes + self.next.nbytes)
         return rows + sum(s.nbytes() for s in self.segments) + (
             self.df.nbytes() if self.df is not None else 0)
@@ -654,10 +662,11 @@ class Arena:
             for seg in self.segments:
                 fill(seg)
         # Context never crosses a conversation, so rows the asker cannot see are dropped
-        # before it is computed.
+        # before it is computed; a time span only picks among the scored rows, which score
+        # as they would without it.
         seen = visible.masks(self.user, self.conv)
         cand, score = self.context(bm25, q, seen[0] if seen[1] is None else seen[0] | seen[1])
-        own, other = visible.masks(self.user[cand], self.conv[cand])
+        own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
         parts = []
         for mask, flag in ((own, True), (other, False)):
             if mask is not None:
@@ -745,11 +754,17 @@ class Visibility:
     user_id: int | None
     share_pool: bool = False
     conversation_id: int | None = None
+    during: tuple[float, float] | None = None  # [start, end) of when the row was said
 
-    def masks(self, user: np.ndarray, conv: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    def masks(self, user: np.ndarray, conv: np.ndarray,
+              at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(own, others') rows, others' None unless the pool is shared; the time span applies
+        only where `at` is given."""
         live = user >= 0
         if self.conversation_id is not None:
             live = live & (conv == self.conversation_id)
+        if self.during is not None and at is not None:
+            live = live & (at >= self.during[0]) & (at < self.during[1])
         if self.user_id is None:
             return live, None
         mine = live & (user == self.user_id)
@@ -789,14 +804,15 @@ class Scanner:
         return self.arena.catch_up()
 
     def search(self, query: str, user_id: int | None, limit: int = 10,
-               exclude: Iterable[int] = frozenset(),
-               conversation_id: int | None = None) -> list[Hit]:
-        """Rank the rows `user_id` may see (all rows for None) against `query`."""
+               exclude: Iterable[int] = frozenset(), conversation_id: int | None = None,
+               during: tuple[float, float] | None = None) -> list[Hit]:
+        """Rank the rows `user_id` may see (all rows for None) against `query`; with `during`,
+        only the rows said in that [start, end) span of epoch seconds."""
         exclude = frozenset(exclude)
         if limit <= 0 or not query.strip():
             return []
         self.catch_up()
-        visible = Visibility(user_id, self.share_pool, conversation_id)
+        visible = Visibility(user_id, self.share_pool, conversation_id, during)
         k = limit + len(exclude)  # excluded rows are dropped after ranking: fetch enough
         if self._use_arena:
             q = self.arena.query(query, self.params)
@@ -818,15 +834,16 @@ class Scanner:
             where, args = "", []
             if visible.user_id is not None and not visible.share_pool:
                 where, args = "WHERE user_id = ?", [visible.user_id]
-            rows = conn.execute("SELECT seq, user_id, conversation_id, length, terms, counts"
+            rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts"
                                 f" FROM retrieval {where} ORDER BY seq", args).fetchall()
         if not rows:
             return []
         tmp = Arena(ROWS, threads=1)
-        seq, user, conv, length, terms_b, counts_b = zip(*rows)
+        seq, user, conv, at, length, terms_b, counts_b = zip(*rows)
         tmp.seq = np.asarray(seq, np.int64)
         tmp.user = np.asarray(user, np.int32)
         tmp.conv = np.asarray(conv, np.int32)
+        tmp.at = np.asarray(at, np.float64)
         tmp.length = np.asarray(length, np.int32)
         tmp.prev = tmp.next = np.full(1, -1, np.int32)
         tmp._link(len(rows))

@@ -210,9 +210,19 @@ def m007_conversation_order(database: pw.Database) -> None:
     database.execute_sql("CREATE INDEX message_conversation_order ON message (conversation_id, id)")
 
 
+def m008_retrieval_time(database: pw.Database) -> None:
+    """Each retrieval row carries when its message was said, so a search can rank the rows of a
+    day the question names first (dates.py) from the arena alone."""
+    for sql in (
+        "ALTER TABLE retrieval ADD COLUMN at REAL NOT NULL DEFAULT 0",
+        "UPDATE retrieval SET at = (SELECT at FROM message WHERE id = retrieval.message_id)",
+    ):
+        database.execute_sql(sql)
+
+
 MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
                                                    m004_recall, m005_standing, m006_batched,
-                                                   m007_conversation_order]
+                                                   m007_conversation_order, m008_retrieval_time]
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]
@@ -375,7 +385,7 @@ class Store:
                      pair_key, message.fingerprint(), source, complete, stop_reason,
                      json.dumps(dataclasses.asdict(usage)) if usage else ""))
                 m = StoredMessage(id=cur.lastrowid, conversation=conversation_id, user=user_id,
-                                  role=message.role)
+                                  role=message.role, at=at)
                 items = []
                 for i, p in enumerate(message.parts):
                     cur = conn.execute(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +222,26 @@ def test_cap_never_trims_the_top_hit(store: Store) -> None:
     text = "\n".join(p.text for m in built.messages for p in m.parts)
     assert "Ingrid" in text  # over budget, still there: it is the question's own top match
     assert built.left_out > 0
+
+
+def test_a_named_date_ranks_what_was_said_that_day_first(store: Store) -> None:
+    for conversation, day, text in (
+            ("march", datetime(2023, 3, 13, 15, tzinfo=UTC), "Jolene: can you help me, Deb?"),
+            ("june", datetime(2023, 6, 1, 15, tzinfo=UTC),
+             "Jolene: I asked Deb to help with the garden, and Deb helped me plant it.")):
+        capture.record(store, user_key="u", conversation_key=conversation, provider="anthropic",
+                       model="m", messages=[Message("user", (text_part(text),))],
+                       times=[day.timestamp()], source="import")
+    uid = store.find_user("u")
+
+    def top(query: str) -> str:
+        built = frame.build(Scanner(store), user_id=uid, conversation_id=None, query=query,
+                            exclude_messages=[], asked_at=time.time(), limits=cap.Cap(10, 10))
+        return shown_rows(built.hits[:1])[built.hits[0]].text
+
+    assert "garden" in top("What did Jolene ask Deb to help with?")
+    assert "can you help me" in top("What did Jolene ask Deb to help with on 13 March, 2023?")
+    assert "garden" in top("What did Jolene ask Deb to help with in June 2023?")
 
 
 def test_the_top_hit_brings_the_other_half_of_its_exchange(store: Store) -> None:

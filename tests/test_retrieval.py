@@ -76,16 +76,19 @@ def fill(store: Store, rng: random.Random, n: int = 300) -> None:
 
 def reference(store: Store, query: str, user_id: int | None, k: int, *, share: bool = False,
               conversation_id: int | None = None, exclude: frozenset[int] = frozenset(),
-              params: scan.Params = scan.Params()) -> list[tuple[int, float]]:
+              params: scan.Params = scan.Params(),
+              during: tuple[float, float] | None = None) -> list[tuple[int, float]]:
     """Brute-force score of every row, in plain Python: (item_id, score), best first.
 
     BM25 of each row, plus the weighted BM25 of the rows before and after it in its
-    conversation (store order), as scan.Params describes.
+    conversation (store order), as scan.Params describes; `during` keeps the rows said in
+    that span, scored as without it.
     """
     k1, b = params.k1, params.b
     conn = sqlite3.connect(store.path)
     rows = conn.execute("SELECT seq, item_id, user_id, conversation_id, length, terms, counts"
                         " FROM retrieval ORDER BY seq").fetchall()
+    said = dict(conn.execute("SELECT i.id, m.at FROM item i JOIN message m ON m.id = i.message_id"))
     conn.close()
     decoded = []
     df: Counter[int] = Counter()
@@ -124,6 +127,8 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
         for d, w in enumerate(params.after, 1):
             s = s + w * (bm25[chain[i + d]] if i + d < len(chain) else 0.0)
         if item in exclude or (conversation_id is not None and conv != conversation_id):
+            continue
+        if during is not None and not during[0] <= said[item] < during[1]:
             continue
         own = user_id is None or user == user_id
         if (own or share) and s > 0:
@@ -271,6 +276,24 @@ def test_totals_counted_with_every_message_are_migrated(tmp_path: Path) -> None:
         s.close()
 
 
+def test_rows_stored_before_m008_learn_when_they_were_said(tmp_path: Path) -> None:
+    s = Store(tmp_path / "old.db")
+    fill(s, random.Random(37), 30)
+    conn = db.connection()
+    with db.atomic():  # the database as before m008
+        conn.execute("ALTER TABLE retrieval DROP COLUMN at")
+        conn.execute("DELETE FROM migration WHERE name = 'm008_retrieval_time'")
+    s.close()
+    s = Store(tmp_path / "old.db")
+    try:
+        said = db.connection().execute(
+            "SELECT r.at, m.at FROM retrieval r JOIN message m ON m.id = r.message_id").fetchall()
+        assert len(said) >= 30 and all(a == b for a, b in said)
+        assert {a for a, _ in said} != {0.0}
+    finally:
+        s.close()
+
+
 # ------------------------------------------------------------------------------ the scan
 
 
@@ -304,6 +327,9 @@ def test_scan_is_exact_against_the_reference(store: Store, path: str, params: sc
         ex = frozenset(i for i, _ in full[:3])
         same(ranked(sc.search(q, uid, k, exclude=ex)),
              reference(store, q, uid, k, exclude=ex, params=params))
+        span = tuple(sorted(rng.uniform(0, 260) for _ in range(2)))
+        same(ranked(shared.search(q, uid, k, during=span)),
+             reference(store, q, uid, k, share=True, params=params, during=span))
 
 
 def test_same_ranking_whatever_the_threads_and_layout(store: Store,
