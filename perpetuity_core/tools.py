@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import math
 import sqlite3
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -339,6 +340,13 @@ class Filters:
                 and (self.before is None or r.at < self.before)
                 and (self.conversation_id is None or r.conversation_id == self.conversation_id))
 
+    def during(self) -> tuple[float, float] | None:
+        """The time span for the scan itself, which then ranks only rows said in it."""
+        if self.after is None and self.before is None:
+            return None
+        return (-math.inf if self.after is None else self.after,
+                math.inf if self.before is None else self.before)
+
 
 def _filters(args: dict[str, Any], memory: TurnMemory, store: Store) -> Filters:
     conv = None
@@ -368,13 +376,14 @@ def _instant(args: dict[str, Any], key: str) -> float | None:
 
 def _search(scanner: Scanner, memory: TurnMemory, query: str, f: Filters, want: int,
             exclude: Iterable[int], holding: np.ndarray | None = None) -> list[tuple[Hit, Row]]:
-    """The `want` best rows for `query` that pass the filters, best first. The scan ranks
-    before filtering, so it reads deeper (up to MAX_SCAN rows) while filters reject."""
+    """The `want` best rows for `query` that pass the filters, best first. The scan itself
+    keeps to the conversation and time span; for the other filters it reads deeper (up to
+    MAX_SCAN rows) while they reject."""
     exclude = frozenset(exclude)
     k = want
     while True:
         hits = scanner.search(query, memory.user_id, limit=k, exclude=exclude,
-                              conversation_id=f.conversation_id)
+                              conversation_id=f.conversation_id, during=f.during())
         rows = fetch_rows(memory.user_id, [h.item_id for h in hits])
         keep = [(h, rows[h.item_id]) for h in hits if h.item_id in rows
                 and f.admits(rows[h.item_id])]

@@ -144,6 +144,17 @@ def test_search_filters(memory: Store) -> None:
     assert got[0] == item(BLUE) and not {item(GREEN), item(RED)} & set(got)
 
 
+def test_a_time_span_is_searched_whole_however_many_better_rows_lie_outside_it(
+        memory: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tools, "MAX_SCAN", 8)
+    say(memory, "log", [(T0 + (30 + i) * DAY, f"lighthouse keeper lamp number {i}") for i in range(20)]
+        + [(T0 + 60 * DAY, "we passed a lighthouse on the way home")])
+    day = datetime.fromtimestamp(T0 + 60 * DAY, UTC).date().isoformat()
+    out = run("memory_search", {"query": "lighthouse keeper", "after": day}, turn(memory),
+              Scanner(memory))
+    assert "we passed a lighthouse" in out
+
+
 def test_more_pages_through_below_cap_then_continues_a_cut_row(memory: Store) -> None:
     scanner = Scanner(memory)
     ranked = [item(GREEN), item(BLUE), item(PURPLE), item(RED), item(REX), item(OSLO)]
