@@ -116,7 +116,8 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
 def _search(scanner: Scanner, query: str, user_id: int, excluded: set[int],
             during: dates.Window | None) -> list[Hit]:
     """This turn's hits, best first; when the question names a date, the rows said then come
-    first (LoCoMo recall_all within 4k tokens in rank order: 0.834 without, 0.846 with)."""
+    first, each part in the scan's order (LoCoMo recall_all, `perpetuity eval`: 0.830 without,
+    0.844 with, at the same mean frame; 199 of its 1,535 questions name a date)."""
     found: list[Hit] = []
     for span in ([during] if during else []) + [None]:
         seen = {h.item_id for h in found}

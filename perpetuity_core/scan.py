@@ -488,8 +488,7 @@ def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 -
                    length.astype(np.int32), row_len, np.frombuffer(terms, "<i4"),
                    np.frombuffer(counts, np.uint8))
     if (seq.size != count or rows.at.size != count or (np.diff(seq) <= 0).any()
-            or rows.tf.size != rows.terms.size
-            or rows.tf.size != int(row_len.sum())):
+            or rows.tf.size != rows.terms.size or rows.tf.size != int(row_len.sum())):
         raise AssertionError("retrieval rows read out of order or cut")
     return rows
 
@@ -498,8 +497,9 @@ class Arena:
     """The in-memory copy of every retrieval row of the store, for many users at once.
 
     Per row: seq (int64), user and conversation (int32, user -1 once deleted), when it was said
-    (float64), length and the previous and next row of its conversation (int32): 32 bytes. Per posting 3 bytes
-    (term-major) or 5 bytes (row-major). Document frequencies in a `Frequencies`.
+    (float64), length and the previous and next row of its conversation (int32): 32 bytes.
+    Per posting 3 bytes (term-major) or 5 bytes (row-major). Document frequencies in a
+    `Frequencies`.
     """
 
     def __init__(self, layout: str = TERMS, threads: int | None = None) -> None:
@@ -631,8 +631,7 @@ class Arena:
 
     def nbytes(self) -> int:
         rows = (self.seq.nbytes + self.user.nbytes + self.conv.nbytes + self.at.nbytes
-                + self.length.nbytes
-                + self.prev.nbytes + self.next.nbytes)
+                + self.length.nbytes + self.prev.nbytes + self.next.nbytes)
         return rows + sum(s.nbytes() for s in self.segments) + (
             self.df.nbytes() if self.df is not None else 0)
 
