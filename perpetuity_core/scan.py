@@ -150,7 +150,7 @@ def derive_retrieval(items: list[Item]) -> None:
         seq = conn.execute(
             "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
             " tokens, version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (it.id, m.id, m.user_id, m.conversation_id, m.at, bag.length, n_tokens, d.version,
+            (it.id, m.id, m.user_id, m.conversation_id, int(m.at), bag.length, n_tokens, d.version,
              bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes())).lastrowid
     (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
     if seq - folded >= FOLD_EVERY:
@@ -459,7 +459,7 @@ class NewRows:
     seq: np.ndarray  # int64
     user: np.ndarray  # int32
     conv: np.ndarray  # int32
-    at: np.ndarray  # float64: when the row's message was said
+    at: np.ndarray  # int64: when the row's message was said, in whole epoch seconds
     length: np.ndarray  # int32
     row_len: np.ndarray  # int64: postings per row
     terms: np.ndarray  # int32, each row's ascending
@@ -481,12 +481,10 @@ def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 -
     count, *ints, at, row_len, terms, counts = conn.execute(_NEW_ROWS, (after, limit)).fetchone()
     if count == 0:
         return None
-    seq, user, conv, length, row_len = (np.fromstring(x, np.int64, sep=",")
-                                         for x in (*ints, row_len))
-    # group_concat prints a REAL to 15 significant digits: epoch seconds to the 10 microseconds.
-    rows = NewRows(seq, user.astype(np.int32), conv.astype(np.int32), np.fromstring(at, sep=","),
-                   length.astype(np.int32), row_len, np.frombuffer(terms, "<i4"),
-                   np.frombuffer(counts, np.uint8))
+    seq, user, conv, length, at, row_len = (np.fromstring(x, np.int64, sep=",")
+                                             for x in (*ints, at, row_len))
+    rows = NewRows(seq, user.astype(np.int32), conv.astype(np.int32), at, length.astype(np.int32),
+                   row_len, np.frombuffer(terms, "<i4"), np.frombuffer(counts, np.uint8))
     if (seq.size != count or rows.at.size != count or (np.diff(seq) <= 0).any()
             or rows.tf.size != rows.terms.size or rows.tf.size != int(row_len.sum())):
         raise AssertionError("retrieval rows read out of order or cut")
@@ -497,7 +495,7 @@ class Arena:
     """The in-memory copy of every retrieval row of the store, for many users at once.
 
     Per row: seq (int64), user and conversation (int32, user -1 once deleted), when it was said
-    (float64), length and the previous and next row of its conversation (int32): 32 bytes.
+    (int64 seconds), length and the previous and next row of its conversation (int32): 32 bytes.
     Per posting 3 bytes (term-major) or 5 bytes (row-major). Document frequencies in a
     `Frequencies`.
     """
@@ -511,7 +509,7 @@ class Arena:
         self.seq = np.zeros(0, np.int64)
         self.user = np.zeros(0, np.int32)
         self.conv = np.zeros(0, np.int32)
-        self.at = np.zeros(0)
+        self.at = np.zeros(0, np.int64)
         self.length = np.zeros(0, np.int32)
         # The previous and next live row of the same conversation in store order (-1: none).
         # One extra last entry, -1, makes "none" follow itself: links[-1] == -1.
@@ -842,7 +840,7 @@ class Scanner:
         tmp.seq = np.asarray(seq, np.int64)
         tmp.user = np.asarray(user, np.int32)
         tmp.conv = np.asarray(conv, np.int32)
-        tmp.at = np.asarray(at, np.float64)
+        tmp.at = np.asarray(at, np.int64)
         tmp.length = np.asarray(length, np.int32)
         tmp.prev = tmp.next = np.full(1, -1, np.int32)
         tmp._link(len(rows))

@@ -88,7 +88,8 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     conn = sqlite3.connect(store.path)
     rows = conn.execute("SELECT seq, item_id, user_id, conversation_id, length, terms, counts"
                         " FROM retrieval ORDER BY seq").fetchall()
-    said = dict(conn.execute("SELECT i.id, m.at FROM item i JOIN message m ON m.id = i.message_id"))
+    said = {i: int(at) for i, at in conn.execute(  # whole seconds, as retrieval keeps them
+        "SELECT i.id, m.at FROM item i JOIN message m ON m.id = i.message_id")}
     conn.close()
     decoded = []
     df: Counter[int] = Counter()
@@ -288,7 +289,7 @@ def test_rows_stored_before_m008_learn_when_they_were_said(tmp_path: Path) -> No
     try:
         said = db.connection().execute(
             "SELECT r.at, m.at FROM retrieval r JOIN message m ON m.id = r.message_id").fetchall()
-        assert len(said) >= 30 and all(a == b for a, b in said)
+        assert len(said) >= 30 and all(a == int(b) for a, b in said)
         assert {a for a, _ in said} != {0.0}
     finally:
         s.close()
