@@ -4,9 +4,16 @@ Providers cache by exact prefix. This replays a LoCoMo conversation as a chat cl
 it (the whole history every turn, replies stored as replies) through the request pipeline and
 measures, for each request, the share of its characters that equal the previous request's
 prefix, with the frame and, side by side, with recall off (the history as the client sent it).
+Also what each request costs in units of an uncached input token, at Anthropic's prompt-cache
+prices: the prefix the previous request left cached is read at 0.1, the rest is written to the
+cache at 1.25 (a cache lives minutes; this counts every request as within its life).
 Prints JSON.
 
-    .venv/bin/python scripts/bench_prefix.py [--data ../shared/data/locomo/locomo10.json] [--turns 300]
+    .venv/bin/python scripts/bench_prefix.py [--format locomo|beam] [--data PATH] [--turns 300]
+
+The defaults replay LoCoMo's first conversation (a history of about 7,600 tokens a request on
+average over its first 300 turns); `--format beam` replays BEAM's first chat (long turns: the
+history passes 75,000 tokens), where re-sending the history costs more than a frame.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from perpetuity_core.pipeline import Pipeline
 from perpetuity_core.store import Store
 
 
+CACHE_READ, CACHE_WRITE = 0.1, 1.25  # Anthropic's prices, as multiples of an input token's
+
+
 def shared_prefix(a: bytes, b: bytes) -> int:
     n = min(len(a), len(b))
     lo, hi = 0, n
@@ -41,12 +51,13 @@ def shared_prefix(a: bytes, b: bytes) -> int:
 
 
 def replay(thread: importers.Thread, turns: int, recall: bool,
-           tmp: Path) -> tuple[list[float], list[int]]:
+           tmp: Path) -> tuple[list[float], list[int], list[int]]:
     store = Store(tmp / f"prefix-{recall}.db")
     pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider})
     history: list[dict[str, str]] = []
     shares: list[float] = []
     uncached: list[int] = []  # characters past the shared prefix, per request
+    sizes: list[int] = []  # characters sent, per request
     previous = b""
     turn = None
     for i, m in enumerate(thread.messages[:turns]):
@@ -65,28 +76,35 @@ def replay(thread: importers.Thread, turns: int, recall: bool,
             common = shared_prefix(previous, sent)
             shares.append(common / len(sent))
             uncached.append(len(sent) - common)
+            sizes.append(len(sent))
         previous = sent
         turn = pipeline.store_turn(d.job.pending)
     store.close()
-    return shares, uncached
+    return shares, uncached, sizes
 
 
 def main() -> None:
     here = Path(__file__).resolve().parent.parent
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--data", type=Path, default=here.parent / "shared/data/locomo/locomo10.json")
+    ap.add_argument("--format", choices=("locomo", "beam"), default="locomo")
+    ap.add_argument("--data", type=Path)
     ap.add_argument("--turns", type=int, default=300)
     args = ap.parse_args()
-    thread = next(importers.locomo(args.data))
+    data = args.data or here.parent / "shared/data" / {
+        "locomo": "locomo/locomo10.json", "beam": "beam-100k"}[args.format]
+    thread = next(getattr(importers, args.format)(data))
     with tempfile.TemporaryDirectory() as tmp:
         out = {}
         for recall in (True, False):
-            s, u = replay(thread, args.turns, recall, Path(tmp))
+            s, u, n = replay(thread, args.turns, recall, Path(tmp))
             out["frame" if recall else "history_as_sent"] = {
                 "requests": len(s) + 1, "prefix_share_mean": round(statistics.mean(s), 4),
                 "prefix_share_median": round(statistics.median(s), 4),
                 # characters / 4: the rule of thumb the frame's own token counts use
-                "uncached_tokens_mean": round(statistics.mean(u) / 4)}
+                "uncached_tokens_mean": round(statistics.mean(u) / 4),
+                "sent_tokens_mean": round(statistics.mean(n) / 4),
+                "cost_units_mean": round(statistics.mean(
+                    CACHE_WRITE * x + CACHE_READ * (t - x) for x, t in zip(u, n, strict=True)) / 4)}
     print(json.dumps(out, indent=2))
 
 
