@@ -94,15 +94,23 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
             rendered[key] = _section([rows[i] for i in ids], asked_at, conversation_id)
         return rendered[key]
 
+    def turns(front: list[list[int]], new: list[int]) -> tuple[list[tuple[str, str]], ...]:
+        return ([t for sec in front for t in section(sec)],
+                section([i for i in new if i not in recent_set]),
+                section([i for i in new if i in recent_set]))
+
     def render_ids(front: list[list[int]], new: list[int]) -> list[Message]:
-        return _assemble([t for sec in front for t in section(sec)]
-                         + section([i for i in new if i not in recent_set])
-                         + section([i for i in new if i in recent_set]))
+        return _assemble([t for part in turns(front, new) for t in part])
 
     front, new = _fill(rows, warm, must, kept_sections, budget, render_ids)
     if not front and not new:
         return None
-    messages = render_ids(front, new)
+    kept, fresh_turns, recent_turns = turns(front, new)
+    # Cache points where this frame's front ends (the previous frame's sticky part: a provider
+    # that caches only at marked points finds it there) and where its own sticky part ends
+    # (what the next frame keeps in front).
+    messages = _assemble(kept + fresh_turns + recent_turns,
+                         cache_after=(len(kept), len(kept) + len(fresh_turns)))
     chosen = [i for sec in front for i in sec] + new
     fresh = [i for i in new if i not in recent_set]
     sticky = front + ([fresh] if fresh else [])
@@ -226,22 +234,25 @@ ROW_FLOOR = 100
 REBUILD_FILL = 0.7  # a frame that outgrew its budget sheds sections to this share of it
 
 
-def _assemble(turns: list[tuple[str, str]]) -> list[Message]:
+def _assemble(turns: list[tuple[str, str]], cache_after: Iterable[int] = ()) -> list[Message]:
     """(role, text) turns, section after section, as alternating user and assistant messages
     under the header; within a section they are grouped by conversation (the current one
-    last), oldest first (`_section`)."""
+    last), oldest first (`_section`). The part holding turn n - 1 is a cache point for every n
+    in `cache_after`."""
     if not turns:
         return []
+    points = set(cache_after)
     messages: list[Message] = []
     if turns[0][0] != "user":
         messages.append(Message("user", (Part(Kind.TEXT, HEADER),)))
     else:
         turns[0] = ("user", HEADER + "\n\n" + turns[0][1])
-    for role, text in turns:
+    for n, (role, text) in enumerate(turns, 1):
+        part = Part(Kind.TEXT, text, cache_point=n in points)
         if messages and messages[-1].role == role:
-            messages[-1] = Message(role, messages[-1].parts + (Part(Kind.TEXT, text),))
+            messages[-1] = Message(role, messages[-1].parts + (part,))
         else:
-            messages.append(Message(role, (Part(Kind.TEXT, text),)))
+            messages.append(Message(role, (part,)))
     if messages[-1].role == "user":
         messages.append(Message("assistant", (Part(Kind.TEXT, CLOSING),)))
     return messages

@@ -14,8 +14,9 @@ import openai
 import pytest
 
 from perpetuity_core import cap, capture, frame, heat
-from perpetuity_core.conversation import Kind, Message, Provider, Reply, Usage, text_part
+from perpetuity_core.conversation import Kind, Message, Protocol, Provider, Reply, Usage, text_part
 from perpetuity_core.pipeline import Pipeline
+from perpetuity_core.protocols import ADAPTERS
 from perpetuity_core.scan import Scanner
 from perpetuity_core.store import Row, Store, shown_rows
 from tests.conftest import Proxy, needs_fixtures
@@ -386,3 +387,58 @@ def test_consecutive_turns_keep_the_previous_frame_in_front(tmp_path: Path) -> N
         assert after[0]["content"].startswith(before[0]["content"])
     assert "The basil recipe" in "".join(m["content"] for m in sent[1][:-1])
     store.close()
+
+
+def marked_prefixes(messages: list[dict]) -> set[str]:
+    """The request's prefixes that end at a cache marker: what Anthropic writes to its cache."""
+    blocks = [(m["role"], b) for m in messages for b in
+              (m["content"] if isinstance(m["content"], list) else [{"text": m["content"]}])]
+    return {json.dumps([(r, b["text"]) for r, b in blocks[:n + 1]])
+            for n, (_, b) in enumerate(blocks) if "cache_control" in b}
+
+
+def test_anthropic_markers_let_the_next_turn_read_what_this_one_kept(tmp_path: Path) -> None:
+    """Anthropic caches only at marked blocks: each turn marks where its front ends (read) and
+    where its sticky part ends (written for the next turn), within the limit of four."""
+    store = Store(tmp_path / "m.db")
+    say(store, "older", *[f"The {w} recipe needs {w} and salt." for w in
+                          ("lemon", "garlic", "basil", "ginger", "fennel", "thyme")], user="cook")
+    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
+    history: list[dict[str, str]] = []
+    sent = []
+    for question in ("Which recipe needs lemon?", "And which one needs basil?",
+                     "What about thyme?", "And ginger?"):
+        history.append({"role": "user", "content": question})
+        req = to_request({"method": "POST", "path": "/v1/messages", "headers": [
+            ["x-api-key", "k"], ["x-perpetuity-user", "cook"],
+            ["x-perpetuity-conversation", "kitchen"]],
+            "body": {"model": "m", "max_tokens": 100, "system": [
+                {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                "messages": history}})
+        d = pipeline.prepare(req)
+        body = json.loads(d.body)
+        assert json.dumps(body).count("cache_control") <= 4
+        sent.append(body["messages"])
+        turn = pipeline.store_turn(d.job.pending)
+        pipeline.store_reply(turn, Reply(Message("assistant", (text_part("Noted."),)), Usage()), 0)
+        history.append({"role": "assistant", "content": "Noted."})
+    for before, after in zip(sent, sent[1:]):
+        assert marked_prefixes(before) & marked_prefixes(after)  # a read hit at a marker
+    store.close()
+
+
+def test_markers_yield_to_the_harness_own() -> None:
+    frame_messages = frame._assemble([("user", "a"), ("assistant", "b"), ("user", "c"),
+                                      ("assistant", "d")], cache_after=(2, 3))
+    body = {"model": "m", "system": [{"type": "text", "text": "s", "cache_control": {}}] * 3,
+            "messages": [{"role": "user", "content": "old", "cache_control": {}},
+                         {"role": "user", "content": "live"}]}
+    out = ADAPTERS[Protocol.ANTHROPIC].replace_history(body, frame_messages, 1)
+    marked = [b["text"] for m in out["messages"] if isinstance(m["content"], list)
+              for b in m["content"] if "cache_control" in b]
+    assert marked == ["c"]  # one to spare (the stripped history's went with it): the latest point
+    body["system"] = body["system"][:1]
+    out = ADAPTERS[Protocol.ANTHROPIC].replace_history(body, frame_messages, 1)
+    marked = [b["text"] for m in out["messages"] if isinstance(m["content"], list)
+              for b in m["content"] if "cache_control" in b]
+    assert marked == ["b", "c", "d"]  # the front's end, the sticky end, the frame's end

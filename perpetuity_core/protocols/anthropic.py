@@ -41,17 +41,36 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) 
     """The body with messages before raw index `keep_from` replaced by the frame.
 
     System-role messages among them stay, after the frame; the rest of the body is untouched.
-    The frame's end gets a cache marker when the request has one to spare, so the system
-    prompt, tools and frame are cached together.
+    The frame's cache points, then its end, get cache markers while the request has markers to
+    spare (those in the stripped history go with it).
     """
     raw = body["messages"]
     kept_system = [m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
+    kept = kept_system + raw[keep_from:]
     blocks: list[list[dict[str, Any]]] = [[{"type": "text", "text": p.text} for p in m.parts]
                                           for m in frame]
-    if blocks and json.dumps(body).count('"cache_control"') < MAX_CACHE_MARKERS:
-        blocks[-1][-1]["cache_control"] = {"type": "ephemeral"}
+    spare = MAX_CACHE_MARKERS - json.dumps({**body, "messages": kept}).count('"cache_control"')
+    for i, j in _marker_places(frame)[:max(0, spare)]:
+        blocks[i][j]["cache_control"] = {"type": "ephemeral"}
     rendered = [{"role": m.role, "content": b} for m, b in zip(frame, blocks, strict=True)]
-    return {**body, "messages": rendered + kept_system + raw[keep_from:]}
+    return {**body, "messages": rendered + kept}
+
+
+def _marker_places(frame: list[Message]) -> list[tuple[int, int]]:
+    """(message, part) places for cache markers, the most useful first.
+
+    Anthropic reads a cached prefix only where this request has a marker, or up to 20 blocks
+    before one, and writes one only at a marker. The latest cache point (what the next frame
+    keeps in front) comes first: its marker writes what the next turn reads, and reads what
+    this turn kept when that lies within 20 blocks. The earlier one (this frame's front, the
+    previous frame's latest point) reads it wherever it lies. The frame's end last: the tool
+    loop's later rounds and retries re-send everything up to it.
+    """
+    points = [(i, j) for i, m in enumerate(frame) for j, p in enumerate(m.parts) if p.cache_point]
+    places = points[::-1]
+    if frame and frame[-1].parts:
+        places.append((len(frame) - 1, len(frame[-1].parts) - 1))
+    return list(dict.fromkeys(places))
 
 
 def _message(m: dict[str, Any]) -> Message:
