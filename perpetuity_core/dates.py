@@ -29,7 +29,8 @@ _SLACK = timedelta(days=1)  # the asker's day may start or end a day off UTC's
 
 _DAY_MONTH_YEAR = re.compile(rf"\b{_DAY}\s+(?:of\s+)?{_MONTH},?\s+{_YEAR}\b", re.I)
 _MONTH_DAY_YEAR = re.compile(rf"\b{_MONTH}\s+{_DAY},?\s+{_YEAR}\b", re.I)
-_ISO_DAY = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b")
+# A date with a time of day after it is a log line's timestamp, not a day asked about.
+_ISO_DAY = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b(?![T ]\d{1,2}:)")
 _MONTH_YEAR = re.compile(rf"\b{_MONTH},?\s+{_YEAR}\b", re.I)
 # A month or a year alone must follow a preposition: "May I" and "2048 tokens" are no dates.
 _IN_MONTH = re.compile(rf"\b(?:in|during|of|since|early|mid|late)[\s-]+{_MONTH}\b(?!\s*\d)", re.I)

@@ -50,6 +50,8 @@ def test_named_dates(text: str, span: tuple[float, float]) -> None:
     "May I ask what we discussed?",  # a modal verb, not the month
     "raise the limit to 2048 tokens",
     "the 2023 roadmap",  # a year without a preposition names a topic as often as a time
+    "why does it fail? 2023-10-02T14:03:11 ERROR pool exhausted",  # a pasted log line
+    "2023-10-02 14:03:11,207 WARNING retrying",
     "what is on 31 February, 2023",  # no such day
     "Where did Caroline move from?",
     "",
