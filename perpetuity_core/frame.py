@@ -2,9 +2,10 @@
 
 What enters is decided by heat; how much, by the breadth-sized cap. This turn's retrieval
 reheats its hits (peaks by rank, neighbours warming with them), then the warm rows that give
-the most warmth per token are rendered until the budget is spent, the top hit always among them. Rows are grouped by
-conversation, the current one last, oldest first within each, and labelled with the speaker and
-a time resolved now: the absolute date and how long before the live question.
+the most warmth per token are rendered until the budget is spent, the top hit always among
+them. Rows are grouped by conversation, the current one last, oldest first within each, and
+labelled with a time resolved now: the absolute date and how many days before the live
+question, whose own time closes the frame.
 
 The result is neutral messages that alternate user and assistant, all plain text (a tool call
 from memory is quoted, not replayed), so any protocol accepts them before the turns the harness
@@ -31,6 +32,7 @@ NEIGHBOUR_HITS = 20  # the hits whose neighbours warm
 HEADER = ("[Memory: turns quoted verbatim from earlier conversations, grouped by conversation "
           "with this one last, labelled with when they were said; [...] marks turns left out.]")
 CLOSING = "[End of quoted memory.]"
+NOW = "[End of quoted memory. Now: {:%Y-%m-%d %H:%M} UTC.]"
 
 
 @dataclass(slots=True)
@@ -100,7 +102,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
                 section([i for i in new if i in recent_set]))
 
     def render_ids(front: list[list[int]], new: list[int]) -> list[Message]:
-        return _assemble([t for part in turns(front, new) for t in part])
+        return _assemble([t for part in turns(front, new) for t in part], asked_at)
 
     front, new = _fill(rows, warm, must, kept_sections, budget, render_ids)
     if not front and not new:
@@ -109,7 +111,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     # Cache points where this frame's front ends (the previous frame's sticky part: a provider
     # that caches only at marked points finds it there) and where its own sticky part ends
     # (what the next frame keeps in front).
-    messages = _assemble(kept + fresh_turns + recent_turns,
+    messages = _assemble(kept + fresh_turns + recent_turns, asked_at,
                          cache_after=(len(kept), len(kept) + len(fresh_turns)))
     chosen = [i for sec in front for i in sec] + new
     fresh = [i for i in new if i not in recent_set]
@@ -234,11 +236,13 @@ ROW_FLOOR = 100
 REBUILD_FILL = 0.7  # a frame that outgrew its budget sheds sections to this share of it
 
 
-def _assemble(turns: list[tuple[str, str]], cache_after: Iterable[int] = ()) -> list[Message]:
+def _assemble(turns: list[tuple[str, str]], asked_at: float,
+              cache_after: Iterable[int] = ()) -> list[Message]:
     """(role, text) turns, section after section, as alternating user and assistant messages
     under the header; within a section they are grouped by conversation (the current one
     last), oldest first (`_section`). The part holding turn n - 1 is a cache point for every n
-    in `cache_after`."""
+    in `cache_after`. The closing line tells the time of the question: labels give only the
+    day's distance, which does not change from one turn to the next."""
     if not turns:
         return []
     points = set(cache_after)
@@ -253,8 +257,11 @@ def _assemble(turns: list[tuple[str, str]], cache_after: Iterable[int] = ()) -> 
             messages[-1] = Message(role, messages[-1].parts + (part,))
         else:
             messages.append(Message(role, (part,)))
+    closing = Part(Kind.TEXT, NOW.format(datetime.fromtimestamp(asked_at, UTC)))
     if messages[-1].role == "user":
-        messages.append(Message("assistant", (Part(Kind.TEXT, CLOSING),)))
+        messages.append(Message("assistant", (closing,)))
+    else:
+        messages[-1] = Message("assistant", messages[-1].parts + (closing,))
     return messages
 
 
@@ -330,17 +337,24 @@ def _label(r: Row, asked_at: float, current: bool) -> str:
 
 def _when(r: Row, asked_at: float) -> str:
     when = datetime.fromtimestamp(r.at, UTC)
-    return f"[{when:%Y-%m-%d %H:%M} UTC, {_ago(asked_at - r.at)} before]"
+    return f"[{when:%Y-%m-%d %H:%M} UTC, {_ago(when, datetime.fromtimestamp(asked_at, UTC))}]"
 
 
-def _ago(seconds: float) -> str:
-    s = max(0.0, seconds)
-    for unit, size in (("year", 365 * 86400), ("month", 30 * 86400), ("week", 7 * 86400),
-                       ("day", 86400), ("hour", 3600), ("minute", 60)):
-        if s >= size:
-            n = int(s // size)
-            return f"{n} {unit}{'s' if n > 1 else ''}"
-    return "moments"
+def _ago(when: datetime, asked: datetime) -> str:
+    """How long before the question, counted in calendar days (UTC): a label then changes
+    only at midnight, all labels at once, and the frame in front stays the prefix a provider
+    has cached. "3 minutes before" would change with every turn (measured with bench_prefix,
+    turns a minute apart: Anthropic's cost per request 3,044 units against 2,278 for the same
+    turns a second apart)."""
+    days = (asked.date() - when.date()).days
+    if days <= 0:
+        return "earlier today"
+    if days == 1:
+        return "yesterday"
+    unit, size = next((u, s) for u, s in (("year", 365), ("month", 30), ("week", 7), ("day", 1))
+                       if days >= s)
+    n = days // size
+    return f"{n} {unit}{'s' if n > 1 else ''} before"
 
 
 def _tokens(messages: list[Message]) -> int:

@@ -18,6 +18,11 @@ Costs are in units of one uncached input token, per request; tokens are characte
 rule of thumb the frame's own counts use. Prints JSON.
 
     .venv/bin/python scripts/bench_prefix.py [--format locomo|beam] [--data PATH] [--turns 300]
+                                             [--gap 60]
+
+Turns of one sitting are replayed a minute apart (`--gap`), as a person would type them: the
+frame's labels say how long before the question each turn was said, and that text changes as
+time passes.
 
 The defaults replay LoCoMo's first conversation (a history of about 7,600 tokens a request on
 average over its first 300 turns); `--format beam` replays BEAM's first chat (long turns: the
@@ -147,19 +152,31 @@ def _chat_request(user: str, conversation: str, at: float, history: list[dict[st
                        req.headers + (("x-perpetuity-recall", "off"),), req.body, True)
 
 
+def paced(times: list[float], gap: float) -> list[float]:
+    """The dataset's times with the turns of one sitting `gap` seconds apart (LoCoMo's are a
+    second apart), as a person types; sittings keep their dates."""
+    out: list[float] = []
+    for i, t in enumerate(times):
+        same_sitting = i > 0 and 0 <= t - times[i - 1] < 60
+        out.append(out[-1] + gap if same_sitting else t)
+    return out
+
+
 def replay(thread: importers.Thread, turns: int, recall: bool, tmp: Path,
-           build: Callable[..., HttpRequest], cache: OpenAICache | AnthropicCache) -> None:
+           build: Callable[..., HttpRequest], cache: OpenAICache | AnthropicCache,
+           gap: float) -> None:
     store = Store(tmp / f"prefix-{recall}-{type(cache).__name__}.db")
     pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider})
     history: list[dict[str, str]] = []
     turn = None
+    times = paced(thread.times, gap)
     for i, m in enumerate(thread.messages[:turns]):
         if m.role == "assistant" and turn is not None and history[-1]["role"] == "user":
             history.append({"role": "assistant", "content": m.text})
-            pipeline.store_reply(turn, Reply(m, Usage()), thread.times[i])
+            pipeline.store_reply(turn, Reply(m, Usage()), times[i])
             continue
         history.append({"role": "user", "content": m.text})
-        req = build(thread.user_key, thread.conversation_key, thread.times[i], history, recall)
+        req = build(thread.user_key, thread.conversation_key, times[i], history, recall)
         d = pipeline.prepare(req)
         cache.request(d.body if d.body is not None else req.body)
         turn = pipeline.store_turn(d.job.pending)
@@ -176,6 +193,8 @@ def main() -> None:
     ap.add_argument("--format", choices=("locomo", "beam"), default="locomo")
     ap.add_argument("--data", type=Path)
     ap.add_argument("--turns", type=int, default=300)
+    ap.add_argument("--gap", type=float, default=60.0,
+                    help="seconds between the turns of one sitting (default 60)")
     args = ap.parse_args()
     data = args.data or here.parent / "shared/data" / {
         "locomo": "locomo/locomo10.json", "beam": "beam-100k"}[args.format]
@@ -185,7 +204,7 @@ def main() -> None:
         for recall in (True, False):
             mode = "frame" if recall else "history_as_sent"
             oa = OpenAICache()
-            replay(thread, args.turns, recall, Path(tmp), _chat_request, oa)
+            replay(thread, args.turns, recall, Path(tmp), _chat_request, oa, args.gap)
             out["openai"][mode] = {
                 "requests": len(oa.rows) + 1,
                 "prefix_share_mean": _mean(oa.rows, "share", 4),
@@ -194,7 +213,7 @@ def main() -> None:
                 "sent_tokens_mean": _mean(oa.rows, "sent"),
                 "cost_units_mean": _mean(oa.rows, "cost")}
             an = AnthropicCache()
-            replay(thread, args.turns, recall, Path(tmp), _anthropic_request, an)
+            replay(thread, args.turns, recall, Path(tmp), _anthropic_request, an, args.gap)
             out["anthropic"][mode] = {
                 "requests": len(an.rows),
                 "read_tokens_mean": _mean(an.rows, "read"),

@@ -292,6 +292,24 @@ def test_frame_alternates_and_labels(store: Store) -> None:
     assert "2023-11-14" in first and "3 days before" in first
 
 
+def test_labels_count_calendar_days_and_the_closing_tells_the_time(store: Store) -> None:
+    say(store, "trip", "We fly to Lisbon on May 3rd.", "Lovely, enjoy Lisbon.")  # 22:13 UTC
+    uid = store.find_user("u")
+
+    def texts(minutes_later: int) -> list[str]:
+        built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
+                            query="when do we fly to Lisbon", exclude_messages=[],
+                            asked_at=1_700_000_000.0 + 60 * minutes_later, limits=cap.Cap())
+        return [p.text for m in built.messages for p in m.parts]
+
+    soon, later, tomorrow = texts(10), texts(40), texts(120)
+    assert soon[:-1] == later[:-1]  # the labels do not move with the clock: the prefix holds
+    assert "2023-11-14 22:13 UTC, earlier today]" in soon[0]
+    assert soon[-1] == "[End of quoted memory. Now: 2023-11-14 22:23 UTC.]"
+    assert later[-1] == "[End of quoted memory. Now: 2023-11-14 22:53 UTC.]"
+    assert "2023-11-14 22:13 UTC, yesterday]" in tomorrow[0]  # past midnight
+
+
 @needs_fixtures
 def test_every_capture_yields_a_valid_request(tmp_path: Path) -> None:
     """Fill memory from every harness's session, then replay every request through the frame
@@ -429,7 +447,8 @@ def test_anthropic_markers_let_the_next_turn_read_what_this_one_kept(tmp_path: P
 
 def test_markers_yield_to_the_harness_own() -> None:
     frame_messages = frame._assemble([("user", "a"), ("assistant", "b"), ("user", "c"),
-                                      ("assistant", "d")], cache_after=(2, 3))
+                                      ("assistant", "d")], 0.0, cache_after=(2, 3))
+    closing = frame.NOW.format(datetime.fromtimestamp(0.0, UTC))
     body = {"model": "m", "system": [{"type": "text", "text": "s", "cache_control": {}}] * 3,
             "messages": [{"role": "user", "content": "old", "cache_control": {}},
                          {"role": "user", "content": "live"}]}
@@ -441,4 +460,4 @@ def test_markers_yield_to_the_harness_own() -> None:
     out = ADAPTERS[Protocol.ANTHROPIC].replace_history(body, frame_messages, 1)
     marked = [b["text"] for m in out["messages"] if isinstance(m["content"], list)
               for b in m["content"] if "cache_control" in b]
-    assert marked == ["b", "c", "d"]  # the front's end, the sticky end, the frame's end
+    assert marked == ["b", "c", closing]  # the front's end, the sticky end, the frame's end
