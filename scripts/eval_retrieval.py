@@ -11,9 +11,14 @@ the turns of its own conversation. Reported per variant, as JSON:
   recall@2k/4k/8k   the same with a budget of tokens instead of a count of turns: turns are taken
   recall_all@...    in rank order while their tokens (4 characters a token) fit in the budget
 Variants: the scan with its BM25 parameters (k1, b) and conversational-context weights (see
-scan.Params), with and without the speaker's name in the row text; SQLite FTS5 (porter
+scan.Params), with and without the speaker's name in the row text, and with a date the question
+names ranking the turns said then first (dates.window, as the frame ranks); SQLite FTS5 (porter
 unicode61, OR query ranked by bm25()) and bm25s (Lucene BM25, English stop words) on the same
 turns (speaker names included) and questions.
+
+Also reported, once: how many questions have an evidence turn that shares no indexed word
+with the question (stems, stop words and the speakers' names left out). No lexical score
+ranks such a turn; it reaches a frame only beside a turn that does.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core import importers, scan  # noqa: E402
+from perpetuity_core import dates, dictionary, importers, scan  # noqa: E402
 from perpetuity_core.store import Store  # noqa: E402
 
 KS = (5, 10, 20, 50)
@@ -52,6 +57,7 @@ class Conv:
         self.turn_of_item = {i: n for n, i in enumerate(ids)}
         self.tokens = np.array([scan.token_estimate(t) for t in self.texts])
         self.user_id = user_id
+        self.asked_at = max(thread.times) + 86400  # as `perpetuity eval` asks: a day later
         self.questions = []
         for qa in sample["qa"]:
             if qa.get("category") == 5:
@@ -120,12 +126,38 @@ def scan_rankings(store: Store, convs: list[Conv], params: scan.Params) -> list:
     return out
 
 
+def dated_rankings(store: Store, convs: list[Conv]) -> list:
+    """The shipped scan, with the turns said on a date the question names ranked first."""
+    sc = scan.Scanner(store, store_rows=0)
+    out = []
+    for conv in convs:
+        for q, ev in conv.questions:
+            turns: list[int] = []
+            during = dates.window(q, conv.asked_at)
+            for span in ([during] if during else []) + [None]:
+                hits = sc.search(q, conv.user_id, limit=len(conv.labels), during=span)
+                turns += [t for h in hits if (t := conv.turn_of_item[h.item_id]) not in turns]
+            out.append((conv, _complete(turns, len(conv.labels)), ev))
+    return out
+
+
+def unreachable(convs: list[Conv]) -> dict[str, int]:
+    """Questions with an evidence turn sharing no indexed word with the question."""
+    d = dictionary.load()
+    n = 0
+    for conv in convs:
+        names = set(d.id_list(" ".join({t.split(":", 1)[0] for t in conv.texts})))
+        for q, ev in conv.questions:
+            words = set(d.id_list(q)) - names
+            n += any(not words & set(d.id_list(conv.texts[e].split(":", 1)[-1])) for e in ev)
+    return {"questions": sum(len(c.questions) for c in convs),
+            "with_an_evidence_turn_sharing_no_word_with_the_question": n}
+
+
 def phrase_rankings(store: Store, convs: list[Conv], weight: float) -> list:
     """Experiment (not in the engine): the shipped score plus `weight` times a BM25 over the
     pairs of adjacent indexed words (a phrase bonus), with the same conversational context."""
     from collections import Counter
-
-    from perpetuity_core import dictionary
 
     d = dictionary.load()
     p = scan.Params()
@@ -246,6 +278,7 @@ def main() -> int:
         "scan plain bm25 k1=1.2 b=0.75, no speaker name in rows":
             ranked_by(P(1.2, 0.75, (), ()), False),
         "scan shipped, no speaker name in rows": ranked_by(P(), False),
+        "scan shipped + a named date's turns first": lambda: dated_rankings(*memory(True)),
         "scan plain bm25 k1=1.2 b=0.3": ranked_by(P(1.2, 0.3, (), ())),
         "scan plain bm25 k1=2.0 b=0.75": ranked_by(P(2.0, 0.75, (), ())),
         "scan bm25 k1=0.9 b=0.4 plain": ranked_by(P(before=(), after=())),
@@ -264,7 +297,7 @@ def main() -> int:
         "bm25s (lucene, en stop words)": lambda: bm25s_rankings(memory(True)[1]),
     }
     wanted = [v for v in args.variants.split(",") if v] or list(variants)
-    report = {}
+    report: dict[str, dict] = {"lexical reach": unreachable(memory(True)[1])}
     for name in variants:
         if not any(w in name for w in wanted):
             continue
