@@ -4,9 +4,9 @@
 the turn repeats any of the question's words; the retrieval ranks the rows said then first
 (see frame.build). Absolute dates are read in the forms people write them (13 March 2023,
 March 13th, 2023, 2023-03-13, March 2023, in 2023, in March); relative ones (today, yesterday,
-last week, last month) count back from when the question is asked and are read only where no
-absolute date is named, since "last week, as mentioned on 6 November" means the week before
-that date, not this one.
+last week, last month, on Tuesday, last Friday, 3 days ago, two weeks ago) count back from when
+the question is asked and are read only where no absolute date is named, since "last week, as
+mentioned on 6 November" means the week before that date, not this one.
 
 Stored times are UTC and the asker's time zone is unknown, so a named day also takes in the day
 either side of it. Nothing here is fuzzy beyond that: no date named, no window.
@@ -36,6 +36,12 @@ _MONTH_YEAR = re.compile(rf"\b{_MONTH},?\s+{_YEAR}\b", re.I)
 _IN_MONTH = re.compile(rf"\b(?:in|during|of|since|early|mid|late)[\s-]+{_MONTH}\b(?!\s*\d)", re.I)
 _IN_YEAR = re.compile(rf"\b(?:in|during|of)\s+{_YEAR}\b(?!-)", re.I)
 _RELATIVE = re.compile(r"\b(today|yesterday|last\s+week|last\s+month)\b", re.I)
+_WEEKDAYS = {d.lower(): i for i, d in enumerate(calendar.day_name)}
+_WEEKDAY = re.compile(r"\b(on|last)\s+(" + "|".join(_WEEKDAYS) + r")\b", re.I)
+_NUMBERS = {w: n for n, w in enumerate(
+    "zero a two three four five six seven eight nine ten eleven twelve".split())} | {"one": 1}
+_AGO = re.compile(r"\b(\d{1,3}|" + "|".join(_NUMBERS) + r")\s+(day|week|month)s?\s+ago\b",
+                  re.I)
 
 
 def window(text: str, asked_at: float) -> Window | None:
@@ -44,6 +50,9 @@ def window(text: str, asked_at: float) -> Window | None:
     spans = [s for s in (*_days(text), *_months(text, now), *_years(text)) if s is not None]
     if not spans:
         spans = [_relative(m[1].lower(), now) for m in _RELATIVE.finditer(text)]
+        spans += [_weekday(m[1].lower(), _WEEKDAYS[m[2].lower()], now)
+                  for m in _WEEKDAY.finditer(text)]
+        spans += [_ago(m[1].lower(), m[2].lower(), now) for m in _AGO.finditer(text)]
     if not spans:
         return None
     return min(a for a, _ in spans).timestamp(), max(b for _, b in spans).timestamp()
@@ -87,6 +96,25 @@ def _month(year: int, month: int) -> Span:
 def _years(text: str) -> list[Span]:
     return [(datetime(int(m[1]), 1, 1, tzinfo=UTC), datetime(int(m[1]) + 1, 1, 1, tzinfo=UTC))
             for m in _IN_YEAR.finditer(text)]
+
+
+def _weekday(which: str, weekday: int, now: datetime) -> Span:
+    """"on Tuesday": the latest Tuesday up to today; "last Tuesday": the latest before today."""
+    today = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    back = (today.weekday() - weekday) % 7 or (7 if which == "last" else 0)
+    day = today - timedelta(days=back)
+    return day - _SLACK, day + timedelta(days=1) + _SLACK
+
+
+def _ago(count: str, unit: str, now: datetime) -> Span:
+    """"3 days ago" is that day; "two weeks ago" and "a month ago" the week or month around
+    that point, as people round."""
+    n = int(count) if count.isdigit() else _NUMBERS[count]
+    today = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    days, half = {"day": (1, 0), "week": (7, 4), "month": (30, 15)}[unit]
+    point = today - timedelta(days=n * days)
+    reach = _SLACK + timedelta(days=half)
+    return point - reach, point + timedelta(days=1) + reach
 
 
 def _relative(phrase: str, now: datetime) -> Span:

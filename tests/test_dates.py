@@ -19,7 +19,8 @@ DAY = 86400.0
 
 
 @pytest.mark.parametrize("text, span", [
-    ("What did Jolene ask Deb to help with on 13 March, 2023?", (day(2023, 3, 12), day(2023, 3, 15))),
+    ("What did Jolene ask Deb to help with on 13 March, 2023?",
+     (day(2023, 3, 12), day(2023, 3, 15))),
     ("What book did Tim just finish reading on 8th December, 2023?",
      (day(2023, 12, 7), day(2023, 12, 10))),
     ("Who did Maria have dinner with on May 3, 2023?", (day(2023, 5, 2), day(2023, 5, 5))),
@@ -38,6 +39,15 @@ DAY = 86400.0
     ("anything new today", (day(2023, 11, 14), day(2023, 11, 17))),
     ("the bug we fixed last week", (day(2023, 11, 5), day(2023, 11, 14))),
     ("the budget from last month", (day(2023, 10, 1), day(2023, 11, 1))),
+    # Weekdays: "on" the latest up to today, "last" the latest before today.
+    ("what did we do on Tuesday", (day(2023, 11, 13), day(2023, 11, 16))),
+    ("on Wednesday", (day(2023, 11, 14), day(2023, 11, 17))),
+    ("the call last Wednesday", (day(2023, 11, 7), day(2023, 11, 10))),
+    # "N units ago": that day, or the week or month around that point.
+    ("the error from 3 days ago", (day(2023, 11, 11), day(2023, 11, 14))),
+    ("a day ago", (day(2023, 11, 13), day(2023, 11, 16))),
+    ("the plan two weeks ago", (day(2023, 10, 27), day(2023, 11, 7))),
+    ("a month ago", (day(2023, 9, 30), day(2023, 11, 2))),
     # An absolute date wins: "last week" here is the week before 6 November, not this one.
     ("What was Tim's writing issue last week, as mentioned on November 6, 2023?",
      (day(2023, 11, 5), day(2023, 11, 8))),
@@ -54,6 +64,8 @@ def test_named_dates(text: str, span: tuple[float, float]) -> None:
     "2023-10-02 14:03:11,207 WARNING retrying",
     "what is on 31 February, 2023",  # no such day
     "Where did Caroline move from?",
+    "Monday's standup notes",  # a weekday without "on" or "last"
+    "it has been days, weeks ago was fine",
     "",
 ])
 def test_no_date_no_window(text: str) -> None:
