@@ -27,21 +27,21 @@ _DAY = r"(\d{1,2})(?:st|nd|rd|th)?"
 _YEAR = r"((?:19|20)\d\d)"
 _SLACK = timedelta(days=1)  # the asker's day may start or end a day off UTC's
 
-_DAY_MONTH_YEAR = re.compile(rf"\b{_DAY}\s+(?:of\s+)?{_MONTH},?\s+{_YEAR}\b", re.I)
-_MONTH_DAY_YEAR = re.compile(rf"\b{_MONTH}\s+{_DAY},?\s+{_YEAR}\b", re.I)
+_DAY_MONTH_YEAR = re.compile(rf"\b{_DAY}\s+(?:of\s+)?{_MONTH},?\s+{_YEAR}\b", re.IGNORECASE)
+_MONTH_DAY_YEAR = re.compile(rf"\b{_MONTH}\s+{_DAY},?\s+{_YEAR}\b", re.IGNORECASE)
 # A date with a time of day after it is a log line's timestamp, not a day asked about.
 _ISO_DAY = re.compile(r"\b(\d{4})-(\d{2})-(\d{2})\b(?![T ]\d{1,2}:)")
-_MONTH_YEAR = re.compile(rf"\b{_MONTH},?\s+{_YEAR}\b", re.I)
+_MONTH_YEAR = re.compile(rf"\b{_MONTH},?\s+{_YEAR}\b", re.IGNORECASE)
 # A month or a year alone must follow a preposition: "May I" and "2048 tokens" are no dates.
-_IN_MONTH = re.compile(rf"\b(?:in|during|of|since|early|mid|late)[\s-]+{_MONTH}\b(?!\s*\d)", re.I)
-_IN_YEAR = re.compile(rf"\b(?:in|during|of)\s+{_YEAR}\b(?!-)", re.I)
-_RELATIVE = re.compile(r"\b(today|yesterday|last\s+week|last\s+month)\b", re.I)
+_IN_MONTH = re.compile(rf"\b(?:in|during|of|since|early|mid|late)[\s-]+{_MONTH}\b(?!\s*\d)", re.IGNORECASE)
+_IN_YEAR = re.compile(rf"\b(?:in|during|of)\s+{_YEAR}\b(?!-)", re.IGNORECASE)
+_RELATIVE = re.compile(r"\b(today|yesterday|last\s+week|last\s+month)\b", re.IGNORECASE)
 _WEEKDAYS = {d.lower(): i for i, d in enumerate(calendar.day_name)}
-_WEEKDAY = re.compile(r"\b(on|last)\s+(" + "|".join(_WEEKDAYS) + r")\b", re.I)
-_NUMBERS = {w: n for n, w in enumerate(
-    "zero a two three four five six seven eight nine ten eleven twelve".split())} | {"one": 1}
+_WEEKDAY = re.compile(r"\b(on|last)\s+(" + "|".join(_WEEKDAYS) + r")\b", re.IGNORECASE)
+_NUMBERS = {w: n for n, w in enumerate(["zero", "a", "two", "three", "four", "five", "six", "seven",
+                                          "eight", "nine", "ten", "eleven", "twelve"])} | {"one": 1}
 _AGO = re.compile(r"\b(\d{1,3}|" + "|".join(_NUMBERS) + r")\s+(day|week|month)s?\s+ago\b",
-                  re.I)
+                  re.IGNORECASE)
 
 
 def window(text: str, asked_at: float) -> Window | None:

@@ -216,8 +216,8 @@ def m008_retrieval_time(database: pw.Database) -> None:
     reads integers as text several times faster than REALs, and days are what is asked."""
     for sql in (
         "ALTER TABLE retrieval ADD COLUMN at INTEGER NOT NULL DEFAULT 0",
-        "UPDATE retrieval SET at = (SELECT CAST(at AS INTEGER) FROM message"
-        " WHERE id = retrieval.message_id)",
+        ("UPDATE retrieval SET at = (SELECT CAST(m.at AS INTEGER) FROM message m"
+         " WHERE m.id = retrieval.message_id)"),
     ):
         database.execute_sql(sql)
 

@@ -3,6 +3,7 @@ SDK conversation whose second request upstream carries a frame instead of the hi
 
 from __future__ import annotations
 
+import itertools
 import json
 import sqlite3
 import time
@@ -440,7 +441,7 @@ def test_anthropic_markers_let_the_next_turn_read_what_this_one_kept(tmp_path: P
         turn = pipeline.store_turn(d.job.pending)
         pipeline.store_reply(turn, Reply(Message("assistant", (text_part("Noted."),)), Usage()), 0)
         history.append({"role": "assistant", "content": "Noted."})
-    for before, after in zip(sent, sent[1:]):
+    for before, after in itertools.pairwise(sent):
         assert marked_prefixes(before) & marked_prefixes(after)  # a read hit at a marker
     store.close()
 
