@@ -15,7 +15,7 @@ keeps as it sent them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -61,7 +61,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     """
     excluded = set(exclude_messages)
     recent = set(recent_messages) - excluded
-    hits = _search(scanner, query, user_id, excluded, dates.window(query, asked_at))
+    hits = search(scanner, query, user_id, asked_at, excluded)
     reheats = heat.rank_reheats([h.item_id for h in hits],
                                 _neighbours(hits[:NEIGHBOUR_HITS], excluded))
     now = heat.clock(user_id)
@@ -123,17 +123,19 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
                  [h.item_id for h in hits if h.item_id in shown])
 
 
-def _search(scanner: Scanner, query: str, user_id: int, excluded: set[int],
-            during: dates.Window | None) -> list[Hit]:
-    """This turn's hits, best first; when the question names a date, the rows said then come
-    first, each part in the scan's order (LoCoMo recall_all, `perpetuity eval`: 0.830 without,
-    0.844 with, at the same mean frame; 199 of its 1,535 questions name a date)."""
+def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
+           excluded: Collection[int] = frozenset(), limit: int = HITS) -> list[Hit]:
+    """A question's hits, best first, outside the `excluded` messages; when the question names
+    a date, the rows said then come first, each part in the scan's order (LoCoMo recall_all,
+    `perpetuity eval`: 0.830 without, 0.844 with, at the same mean frame; 200 of its 1,535
+    questions name a date)."""
+    during = dates.window(query, asked_at)
     found: list[Hit] = []
     for span in ([during] if during else []) + [None]:
         seen = {h.item_id for h in found}
-        found += [h for h in scanner.search(query, user_id, limit=HITS + len(excluded), during=span)
-                  if h.message_id not in excluded and h.item_id not in seen]
-    return found[:HITS]
+        hits = scanner.search(query, user_id, limit=limit + len(excluded), during=span)
+        found += [h for h in hits if h.message_id not in excluded and h.item_id not in seen]
+    return found[:limit]
 
 
 def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ the turns of its own conversation. Reported per variant, as JSON:
   recall_all@...    in rank order while their tokens (4 characters a token) fit in the budget
 Variants: the scan with its BM25 parameters (k1, b) and conversational-context weights (see
 scan.Params), with and without the speaker's name in the row text, and with a date the question
-names ranking the turns said then first (dates.window, as the frame ranks); SQLite FTS5 (porter
+names ranking the turns said then first (frame.search, as the frame ranks); SQLite FTS5 (porter
 unicode61, OR query ranked by bm25()) and bm25s (Lucene BM25, English stop words) on the same
 turns (speaker names included) and questions.
 
@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core import dates, dictionary, importers, scan  # noqa: E402
+from perpetuity_core import dictionary, frame, importers, scan  # noqa: E402
 from perpetuity_core.store import Store  # noqa: E402
 
 KS = (5, 10, 20, 50)
@@ -132,11 +132,8 @@ def dated_rankings(store: Store, convs: list[Conv]) -> list:
     out = []
     for conv in convs:
         for q, ev in conv.questions:
-            turns: list[int] = []
-            during = dates.window(q, conv.asked_at)
-            for span in ([during] if during else []) + [None]:
-                hits = sc.search(q, conv.user_id, limit=len(conv.labels), during=span)
-                turns += [t for h in hits if (t := conv.turn_of_item[h.item_id]) not in turns]
+            hits = frame.search(sc, q, conv.user_id, conv.asked_at, limit=len(conv.labels))
+            turns = [conv.turn_of_item[h.item_id] for h in hits]
             out.append((conv, _complete(turns, len(conv.labels)), ev))
     return out
 

@@ -7,6 +7,7 @@ import itertools
 import json
 import sqlite3
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -383,29 +384,40 @@ def test_probe_mode_has_no_side_effects(proxy: Proxy, fake: FakeProvider) -> Non
     assert fake.requests[-1].json == fake.requests[-2].json  # same question, same frame
 
 
-def test_consecutive_turns_keep_the_previous_frame_in_front(tmp_path: Path) -> None:
-    """Providers cache by exact prefix: the next turn's frame starts as the last one did."""
+def cook_turns(tmp_path: Path, questions: tuple[str, ...],
+               request: Callable[[list[dict[str, str]]], dict]) -> list[dict]:
+    """The bodies sent upstream for a chat about recipes kept in memory, one per question;
+    `request` makes the client's request from the history so far."""
     store = Store(tmp_path / "m.db")
     say(store, "older", *[f"The {w} recipe needs {w} and salt." for w in
                           ("lemon", "garlic", "basil", "ginger", "fennel", "thyme")], user="cook")
     pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
     history: list[dict[str, str]] = []
     sent = []
-    for question in ("Which recipe needs lemon?", "And which one needs basil?",
-                     "What about thyme?"):
+    for question in questions:
         history.append({"role": "user", "content": question})
-        req = to_request({"method": "POST", "path": "/v1/chat/completions", "headers": [
-            ["authorization", "Bearer k"], ["x-perpetuity-user", "cook"],
-            ["x-perpetuity-conversation", "kitchen"]], "body": {"model": "m", "messages": history}})
-        d = pipeline.prepare(req)
-        sent.append(json.loads(d.body)["messages"])
+        d = pipeline.prepare(to_request(request(history)))
+        sent.append(json.loads(d.body))
         turn = pipeline.store_turn(d.job.pending)
         pipeline.store_reply(turn, Reply(Message("assistant", (text_part("Noted."),)), Usage()), 0)
         history.append({"role": "assistant", "content": "Noted."})
-    for before, after in zip(sent, sent[1:]):
+    store.close()
+    return sent
+
+
+COOK = [["x-perpetuity-user", "cook"], ["x-perpetuity-conversation", "kitchen"]]
+
+
+def test_consecutive_turns_keep_the_previous_frame_in_front(tmp_path: Path) -> None:
+    """Providers cache by exact prefix: the next turn's frame starts as the last one did."""
+    sent = [b["messages"] for b in cook_turns(
+        tmp_path, ("Which recipe needs lemon?", "And which one needs basil?", "What about thyme?"),
+        lambda history: {"method": "POST", "path": "/v1/chat/completions",
+                         "headers": [["authorization", "Bearer k"], *COOK],
+                         "body": {"model": "m", "messages": history}})]
+    for before, after in itertools.pairwise(sent):
         assert after[0]["content"].startswith(before[0]["content"])
     assert "The basil recipe" in "".join(m["content"] for m in sent[1][:-1])
-    store.close()
 
 
 def marked_prefixes(messages: list[dict]) -> set[str]:
@@ -419,31 +431,17 @@ def marked_prefixes(messages: list[dict]) -> set[str]:
 def test_anthropic_markers_let_the_next_turn_read_what_this_one_kept(tmp_path: Path) -> None:
     """Anthropic caches only at marked blocks: each turn marks where its front ends (read) and
     where its sticky part ends (written for the next turn), within the limit of four."""
-    store = Store(tmp_path / "m.db")
-    say(store, "older", *[f"The {w} recipe needs {w} and salt." for w in
-                          ("lemon", "garlic", "basil", "ginger", "fennel", "thyme")], user="cook")
-    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
-    history: list[dict[str, str]] = []
-    sent = []
-    for question in ("Which recipe needs lemon?", "And which one needs basil?",
-                     "What about thyme?", "And ginger?"):
-        history.append({"role": "user", "content": question})
-        req = to_request({"method": "POST", "path": "/v1/messages", "headers": [
-            ["x-api-key", "k"], ["x-perpetuity-user", "cook"],
-            ["x-perpetuity-conversation", "kitchen"]],
-            "body": {"model": "m", "max_tokens": 100, "system": [
-                {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
-                "messages": history}})
-        d = pipeline.prepare(req)
-        body = json.loads(d.body)
-        assert json.dumps(body).count("cache_control") <= 4
-        sent.append(body["messages"])
-        turn = pipeline.store_turn(d.job.pending)
-        pipeline.store_reply(turn, Reply(Message("assistant", (text_part("Noted."),)), Usage()), 0)
-        history.append({"role": "assistant", "content": "Noted."})
-    for before, after in itertools.pairwise(sent):
+    system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    bodies = cook_turns(
+        tmp_path, ("Which recipe needs lemon?", "And which one needs basil?", "What about thyme?",
+                   "And ginger?"),
+        lambda history: {"method": "POST", "path": "/v1/messages",
+                         "headers": [["x-api-key", "k"], *COOK],
+                         "body": {"model": "m", "max_tokens": 100, "system": system,
+                                  "messages": history}})
+    assert all(json.dumps(b).count("cache_control") <= 4 for b in bodies)
+    for before, after in itertools.pairwise(b["messages"] for b in bodies):
         assert marked_prefixes(before) & marked_prefixes(after)  # a read hit at a marker
-    store.close()
 
 
 def test_markers_yield_to_the_harness_own() -> None:
