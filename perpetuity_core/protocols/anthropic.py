@@ -110,7 +110,7 @@ def _calls(m: dict[str, Any]) -> set[str]:
 def _count_markers(value: Any) -> int:
     """cache_control markers anywhere in the body: tools, system, messages, nested blocks."""
     if isinstance(value, dict):
-        own = 1 if value.get("cache_control") else 0
+        own = 1 if value.get("cache_control") is not None else 0
         return own + sum(_count_markers(v) for v in value.values())
     if isinstance(value, list):
         return sum(_count_markers(v) for v in value)
