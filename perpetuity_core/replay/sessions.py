@@ -43,6 +43,7 @@ class Call:
     at: float  # when it was sent: the last record before the reply
     replied_at: float
     live_from: int  # the message holding the person's latest prompt: the live task starts there
+    starts_task: bool = False  # the last message is a person's prompt (not tool results)
 
 
 @dataclass(slots=True)
@@ -167,7 +168,8 @@ class _Builder:
         self.current_id = mid
         self.session.calls.append(Call(list(self.messages), self.current["content"],
                                        str(message.get("model") or ""), self.last_time or at, at,
-                                       prompts[-1] if prompts else 0))
+                                       prompts[-1] if prompts else 0,
+                                       bool(prompts) and prompts[-1] == len(self.messages) - 1))
 
     def flush(self) -> None:
         """Close the assistant message being read, then the user message after it."""
