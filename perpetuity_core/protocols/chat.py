@@ -54,6 +54,33 @@ def _render(messages: list[Message]) -> list[dict[str, Any]]:
     return [{"role": m.role, "content": "\n\n".join(p.text for p in m.parts)} for m in messages]
 
 
+def check(body: dict[str, Any]) -> list[str]:
+    """Why Chat Completions would refuse this body ([] when it would not), as far as replacing
+    history can break it: every `tool` message answers a call of the assistant message before
+    it, and every call is answered before any other message (or the request's end)."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        return ["no messages"]
+    errors: list[str] = []
+    open_calls: set[str] = set()
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            errors.append(f"message {i} is not an object")
+            continue
+        if m.get("role") == "tool":
+            call = str(m.get("tool_call_id"))
+            if call not in open_calls:
+                errors.append(f"message {i}: tool message without its call: {call}")
+            open_calls.discard(call)
+            continue
+        if open_calls:
+            errors.append(f"message {i}: tool calls without results: {sorted(open_calls)}")
+        open_calls = {str(c.get("id")) for c in m.get("tool_calls") or [] if isinstance(c, dict)}
+    if open_calls:
+        errors.append(f"tool calls without results at the end: {sorted(open_calls)}")
+    return errors
+
+
 def _message(m: dict[str, Any]) -> Message:
     role = str(m.get("role", "user"))
     if role == "developer":
