@@ -23,10 +23,10 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from . import capture, frame, heat, notes, tools
+from . import capture, frame, heat, notes, repair, tools
 from .cap import Cap
 from .capture import TurnContext
-from .conversation import Kind, Message, ParsedRequest, Protocol, Provider, Reply
+from .conversation import Message, ParsedRequest, Protocol, Provider, Reply, is_prompt, prompt_text
 from .errors import PerpetuityError
 from .frame import Frame
 from .identity import Identity, identify
@@ -130,6 +130,7 @@ class Recall:
     memory: TurnMemory | None = None  # set when the recall tools ride along
     notes: list[str] = field(default_factory=list)  # the notes recall put before the model
     sticky_key: tuple[int, int | None] | None = None  # (user, conversation) the frame was for
+    note: str = ""  # why the history was kept further back than planned, or left as sent
 
 
 @dataclass(slots=True)
@@ -212,7 +213,7 @@ class Pipeline:
             recall = self._recall(body, parsed, ident, r.protocol, coding, at, tools_on)
         decision.body, decision.frame = recall.body, recall.frame
         if controls.probe or not controls.capture:
-            decision.note = "probe" if controls.probe else "capture off"
+            decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
             return decision
         built = recall.frame
         if built is not None and recall.sticky_key is not None:
@@ -232,7 +233,7 @@ class Pipeline:
                            parsed.stream, pending, at=controls.at, memory=recall.memory,
                            max_rounds=self.tool_rounds,
                            tool_specs=self._tool_specs() if recall.memory else [])
-        decision.note = "captured"
+        decision.note = _noted("captured", recall.note)
         return decision
 
     def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
@@ -255,8 +256,14 @@ class Pipeline:
         if note:
             rendered = frame.with_note(rendered, note)
         if rendered:
-            out.body = json.dumps(ADAPTERS[protocol].replace_history(
-                body, rendered, parsed.raw_index[out.keep]), ensure_ascii=False).encode()
+            replaced = repair.replace_history(ADAPTERS[protocol], body, parsed, rendered, out.keep)
+            if replaced.body is None:
+                log.warning("perpetuity: %s", replaced.why)
+                return Recall(note=replaced.why)
+            if replaced.why:
+                log.info("perpetuity: %s", replaced.why)
+            out.keep, out.note = replaced.keep, replaced.why
+            out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
         return out
 
     def _frame(self, ident: Identity, parsed: ParsedRequest, coding: bool,
@@ -360,28 +367,27 @@ def _tokens(messages: list[Message]) -> int:
 
 def starts_task(messages: list[Message]) -> bool:
     """A new prompt from the person, not a round of tool results."""
-    return bool(messages) and messages[-1].role == "user" and any(
-        p.kind == Kind.TEXT for p in messages[-1].parts)
+    return bool(messages) and is_prompt(messages[-1])
 
 
 def _keep_from(messages: list[Message], coding: bool) -> int:
     """Where the turns kept as the harness sent them begin: the live turn for a chat client,
     the last few human turns (with their tool rounds, so every call keeps its result) for a
     coding harness."""
-    human = [i for i, m in enumerate(messages)
-             if m.role == "user" and any(p.kind == Kind.TEXT for p in m.parts)]
+    human = [i for i, m in enumerate(messages) if is_prompt(m)]
     if not human:
-        return len(messages) - 1 if messages else 0
+        return repair.kept_start(messages, len(messages) - 1) if messages else 0
     turns = CODING_KEEP_TURNS if coding else 1
-    return human[-turns] if len(human) >= turns else human[0]
+    return repair.kept_start(messages, human[-turns] if len(human) >= turns else human[0])
 
 
 def _last_user_text(messages: list[Message]) -> str:
     """What the person last said: the query, and the command check."""
-    for m in reversed(messages):
-        if m.role == "user" and (text := m.text.strip()):
-            return text
-    return ""
+    return next((text for m in reversed(messages) if (text := prompt_text(m))), "")
+
+
+def _noted(what: str, why: str) -> str:
+    return f"{what}; {why}" if why else what
 
 
 def _curate(root: Path) -> str:
