@@ -40,7 +40,7 @@ from .tools import TurnMemory
 log = logging.getLogger("perpetuity")
 
 CURATE_COMMAND = "/perpetuity-curate"
-RECENT_STRETCH = 6  # the latest stored messages of the conversation, always in the frame
+RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame's tail comes from
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
 
