@@ -9,27 +9,45 @@ an interrupted tool call carries that call's result beside the new prompt).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from .conversation import Kind, Message, ParsedRequest
 
+log = logging.getLogger("perpetuity")
+
 
 def kept_start(messages: list[Message], start: int) -> int:
     """The latest index at or before `start` where the kept part may begin: a user message none
     of whose tool results answer a call made before it (0 when none does)."""
+    called_at = _calls(messages[:start])
+    for k in range(min(start, len(messages) - 1), 0, -1):
+        if messages[k].role == "user" and not _answers(messages[k], called_at, k):
+            return k
+    return 0
+
+
+def answers_earlier(messages: list[Message], i: int) -> bool:
+    """Message `i` holds results of calls made before it: nothing may go between them."""
+    return _answers(messages[i], _calls(messages[:i]), i)
+
+
+def _calls(messages: list[Message]) -> dict[str, int]:
+    """Each tool call's id, with the index of the message that made it."""
     called_at: dict[str, int] = {}
-    for i, m in enumerate(messages[:start]):
+    for i, m in enumerate(messages):
         for p in m.parts:
             if p.kind == Kind.TOOL_CALL:
                 called_at.setdefault(p.call_id, i)
-    for k in range(min(start, len(messages) - 1), 0, -1):
-        m = messages[k]
-        if m.role == "user" and not any(
-                p.kind == Kind.TOOL_RESULT and called_at.get(p.call_id, k) < k for p in m.parts):
-            return k
-    return 0
+    return called_at
+
+
+def _answers(message: Message, called_at: dict[str, int], i: int) -> bool:
+    return any(p.kind == Kind.TOOL_RESULT and called_at.get(p.call_id, i) < i
+               for p in message.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,24 +61,30 @@ class Replaced:
 
 
 def replace_history(adapter: ModuleType, body: dict[str, Any], parsed: ParsedRequest,
-                    rendered: list[Message], keep: int) -> Replaced:
-    """The body with the messages before `keep` replaced by `rendered`, as the provider accepts
-    it: when its check refuses the result, the boundary moves back to earlier user messages
-    (more of the harness's own history kept verbatim) until it accepts; when none is accepted
-    before the first message, the original goes, with the reason.
+                    front: list[Message], keep: int,
+                    inserts: Mapping[int, Sequence[Message]] | None = None) -> Replaced:
+    """The body with the messages before `keep` replaced by `front` and each of `inserts`
+    (message index -> messages) just before its message, as the provider accepts it: when its
+    check refuses the result, the boundary moves back to earlier user messages (more of the
+    harness's own history kept verbatim) until it accepts; when none is accepted before the
+    first message, the original goes. Either is logged, with the reason.
 
-    A boundary that was 0 to begin with (a first contact: everything is new) stays there.
+    A boundary that was 0 to begin with (a conversation shorter than a frame) stays there.
     """
     messages = parsed.messages
+    at_raw = {parsed.raw_index[i]: list(m) for i, m in (inserts or {}).items()}
     k = kept_start(messages, keep) if keep else 0
     errors: list[str] = []
-    while not keep or k:
-        out = adapter.replace_history(body, rendered, parsed.raw_index[k])
+    while True:
+        out = adapter.replace_history(body, front, parsed.raw_index[k], at_raw)
         if not (found := adapter.check(out)):
-            return Replaced(out, k, f"kept from message {k}, not {keep}: {errors[0]}" if errors else "")
+            if not errors:
+                return Replaced(out, k)
+            why = f"kept from message {k}, not {keep}: {errors[0]}"
+            log.info("perpetuity: %s", why)
+            return Replaced(out, k, why)
         errors = errors or found
-        if not keep:
-            break
-        k = kept_start(messages, k - 1)
-    return Replaced(None, 0, "history left as sent: "
-                    + ("; ".join(errors) or "no user message to keep after the frame"))
+        if k == 0 or (k := kept_start(messages, k - 1)) == 0:
+            why = "history left as sent: " + "; ".join(errors)
+            log.warning("perpetuity: %s", why)
+            return Replaced(None, 0, why)
