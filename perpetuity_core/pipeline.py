@@ -31,7 +31,7 @@ from .conversation import Message, ParsedRequest, Protocol, Provider, Reply, is_
 from .errors import PerpetuityError
 from .frame import Frame
 from .identity import Identity, identify
-from .plan import Plan, carried, place, should_rebuild, with_addendum
+from .plan import Plan, carried, mark, place, should_rebuild, with_addendum
 from .protocols import ADAPTERS
 from .route import CONTROL_PREFIX, Route, credential, parse_controls, route
 from .scan import Scanner, token_estimate
@@ -248,21 +248,21 @@ class Pipeline:
             return self._lesson_only(body, parsed, protocol)
         conv = self.store.find_conversation(user_id, ident.conversation)
         key = (user_id, conv)
-        fps = [m.fingerprint() for m in messages]
         query = prompt_text(messages[prompt])
         out = Recall(key=key)
         old = self._plans.get(key)
-        placed = place(old, fps) if old else None
+        placed = place(old, messages) if old else None
         if old and placed:
             kept = _tokens(messages[placed.keep:prompt]) + old.insert_tokens
-            if fps[prompt] == old.prompt:  # a tool round of the task in progress
-                out.plan = carried(old, kept, asked_at, fps[prompt])
+            here = mark(messages, prompt)
+            if here == old.prompt:  # a tool round of the task in progress
+                out.plan = carried(old, kept, asked_at, here)
             elif not should_rebuild(old, kept, asked_at, self.limits.ceiling):
-                out.plan = carried(old, kept, asked_at, fps[prompt])
+                out.plan = carried(old, kept, asked_at, here)
                 self._add(out, parsed, prompt, placed.keep, conv, query, asked_at)
         if out.plan is None:
             self._rebuild(out, parsed, prompt, conv, query, asked_at)
-        laid = place(out.plan, fps) if out.plan else None
+        laid = place(out.plan, messages) if out.plan else None
         if out.plan is None or laid is None:
             return out
         front = list(out.plan.frame)
@@ -275,7 +275,7 @@ class Pipeline:
             if replaced.body is None:
                 return Recall(note=replaced.why)
             if replaced.keep != laid.keep:  # later calls keep from there too, so the prefix holds
-                out.plan = dataclasses.replace(out.plan, anchor=fps[replaced.keep])
+                out.plan = dataclasses.replace(out.plan, anchor=mark(messages, replaced.keep))
             out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
             out.keep, out.note = replaced.keep, replaced.why
         out.sent_tokens = (_tokens(front) + out.plan.insert_tokens
@@ -313,7 +313,7 @@ class Pipeline:
             keep = 0  # nothing to stand in for the history
         out.built = built
         out.plan = Plan(
-            tuple(front), _tokens(front), fps[keep], fps[prompt], asked_at,
+            tuple(front), _tokens(front), mark(messages, keep), mark(messages, prompt), asked_at,
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0)
@@ -338,7 +338,7 @@ class Pipeline:
             added = frame.with_note(added, lesson.text)
         if added:
             out.built = more
-            out.plan = with_addendum(out.plan, messages[prompt].fingerprint(), added,
+            out.plan = with_addendum(out.plan, mark(messages, prompt), added,
                                           _tokens(added), more.item_ids if more else [])
 
     def _lesson_only(self, body: dict[str, Any], parsed: ParsedRequest,

@@ -41,12 +41,15 @@ rebuilds once. A plan whose anchor or addenda no longer appear in what the harne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .conversation import Message
 
 TTL = 300.0  # seconds: Anthropic's default cache lifetime, refreshed on use
 READ, WRITE = 0.1, 1.25  # cache read and write prices, in units of an uncached input token
+
+
+Mark = tuple[int, str]  # a message's index in the request and its fingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +58,13 @@ class Plan:
 
     frame: tuple[Message, ...]  # the frame in front, as sent (empty: none)
     frame_tokens: int
-    anchor: str  # fingerprint of the first harness message kept as sent
-    prompt: str  # fingerprint of the prompt of the task in progress
+    # Messages are named by (index, fingerprint): a harness only appends, so a message keeps
+    # its index, and the fingerprint proves it is still the same one.
+    anchor: Mark  # the first harness message kept as sent
+    prompt: Mark  # the prompt of the task in progress
     at: float  # the last call's time: the cache lives TTL seconds from its last use
-    # Addenda, by the fingerprint of the prompt each was built for (it goes just before it).
-    inserts: dict[str, tuple[Message, ...]] = field(default_factory=dict)
+    # Addenda, each before the prompt it was built for.
+    inserts: tuple[tuple[Mark, tuple[Message, ...]], ...] = ()
     insert_tokens: int = 0
     shown: frozenset[int] = frozenset()  # item ids the frame and the addenda show
     below_cap: tuple[int, ...] = ()  # the frame's hits left out, best first (memory_more)
@@ -75,20 +80,22 @@ class Placement:
     inserts: dict[int, tuple[Message, ...]]  # message index -> addendum before it
 
 
-def place(plan: Plan, fingerprints: list[str]) -> Placement | None:
+def mark(messages: list[Message], i: int) -> Mark:
+    return (i, messages[i].fingerprint())
+
+
+def holds(messages: list[Message], m: Mark) -> bool:
+    """Is the marked message still where it was?"""
+    return m[0] < len(messages) and messages[m[0]].fingerprint() == m[1]
+
+
+def place(plan: Plan, messages: list[Message]) -> Placement | None:
     """The plan laid over this request's messages, or None when its anchor or an addendum's
-    prompt is no longer there (the history changed under it)."""
-    at = {fp: i for i, fp in reversed(list(enumerate(fingerprints)))}
-    keep = at.get(plan.anchor)
-    if keep is None:
+    prompt is no longer where it was (the history changed under it: a compaction, an edit)."""
+    marks = [plan.anchor, *(m for m, _ in plan.inserts)]
+    if not all(holds(messages, m) for m in marks):
         return None
-    inserts: dict[int, tuple[Message, ...]] = {}
-    for fp, messages in plan.inserts.items():
-        i = at.get(fp)
-        if i is None or i < keep:
-            return None
-        inserts[i] = messages
-    return Placement(keep, inserts)
+    return Placement(plan.anchor[0], {m[0]: added for m, added in plan.inserts})
 
 
 def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> bool:
@@ -101,13 +108,13 @@ def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> 
     return plan.excess + READ * kept_tokens >= WRITE * frame_size
 
 
-def carried(plan: Plan, kept_tokens: int, at: float, prompt: str) -> Plan:
+def carried(plan: Plan, kept_tokens: int, at: float, prompt: Mark) -> Plan:
     """The plan after one more call that keeps it: what a rebuild would have dropped was
     re-read once more."""
     return replace(plan, at=at, prompt=prompt, excess=plan.excess + READ * kept_tokens)
 
 
-def with_addendum(plan: Plan, prompt: str, messages: list[Message], tokens: int,
+def with_addendum(plan: Plan, prompt: Mark, messages: list[Message], tokens: int,
                   items: list[int]) -> Plan:
-    return replace(plan, inserts={**plan.inserts, prompt: tuple(messages)},
+    return replace(plan, inserts=(*plan.inserts, (prompt, tuple(messages))),
                    insert_tokens=plan.insert_tokens + tokens, shown=plan.shown | set(items))
