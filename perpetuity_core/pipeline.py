@@ -11,7 +11,6 @@ as the client sent it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import secrets
@@ -19,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -268,21 +267,26 @@ class Pipeline:
         front = list(out.plan.frame)
         if front and tools_on:
             front = frame.with_note(front, _tools_note(out.plan.left_out))
-        out.keep = laid.keep
-        if front or laid.inserts:
-            replaced = repair.replace_history(ADAPTERS[protocol], body, parsed, front, laid.keep,
-                                              laid.inserts)
-            if replaced.body is None:
-                return Recall(note=replaced.why)
-            if replaced.keep != laid.keep:  # later calls keep from there too, so the prefix holds
-                out.plan = dataclasses.replace(out.plan, anchor=mark(messages, replaced.keep))
-            out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
-            out.keep, out.note = replaced.keep, replaced.why
-        out.sent_tokens = (_tokens(front) + out.plan.insert_tokens
-                           + _tokens(messages[out.keep:]))
         if tools_on and front:
             out.memory = TurnMemory(user_id, conv, asked_at, set(out.plan.shown),
                                     list(out.plan.below_cap))
+        if not front and not laid.inserts:
+            return out
+        replaced = repair.replace_history(
+            ADAPTERS[protocol], body, parsed, front, laid.keep,
+            {parsed.raw_index[i]: list(m) for i, m in laid.inserts.items()})
+        if replaced.body is None:
+            log.warning("perpetuity: %s", replaced.why)
+            return Recall(note=replaced.why)
+        if replaced.why:
+            log.info("perpetuity: %s", replaced.why)
+        if replaced.keep != laid.keep:
+            # The plan keeps what went upstream, so the next call grows from it.
+            out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
+        out.keep, out.note = replaced.keep, replaced.why
+        out.sent_tokens = (_tokens(front) + out.plan.insert_tokens
+                           + _tokens(messages[replaced.keep:]))
+        out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
         return out
 
     def _rebuild(self, out: Recall, parsed: ParsedRequest, prompt: int, conv: int | None,
@@ -298,7 +302,7 @@ class Pipeline:
             keep = 0
         elif new := capture.new_messages(self.store, conv, messages):
             keep = min(keep, new[0])  # what the store does not hold yet is never stripped
-        keep = repair.kept_start(messages, keep)
+        keep = repair.kept_start(messages, keep)  # never a result whose call is dropped
         fps = [m.fingerprint() for m in messages]
         kept = self.store.message_ids(conv, fps[keep:]) if conv else []
         recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
@@ -346,12 +350,10 @@ class Pipeline:
         """Before memory holds anything of this user: notes alone, when a task starts."""
         out = Recall()
         if starts_task(parsed.messages) and (lesson := self._notes_for(parsed)):
-            replaced = repair.replace_history(ADAPTERS[protocol], body, parsed,
-                                              frame.with_note([], lesson.text), 0)
-            out.note = replaced.why
-            if replaced.body is not None:
-                out.notes = lesson.names
-                out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
+            out.notes = lesson.names
+            out.body = json.dumps(ADAPTERS[protocol].replace_history(
+                body, frame.with_note([], lesson.text), parsed.raw_index[0]),
+                ensure_ascii=False).encode()
         return out
 
     def _remember(self, key: tuple[int, int | None], laid: Plan) -> None:

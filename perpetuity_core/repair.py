@@ -9,15 +9,12 @@ an interrupted tool call carries that call's result beside the new prompt).
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from .conversation import Kind, Message, ParsedRequest
-
-log = logging.getLogger("perpetuity")
 
 
 def kept_start(messages: list[Message], start: int) -> int:
@@ -61,30 +58,26 @@ class Replaced:
 
 
 def replace_history(adapter: ModuleType, body: dict[str, Any], parsed: ParsedRequest,
-                    front: list[Message], keep: int,
-                    inserts: Mapping[int, Sequence[Message]] | None = None) -> Replaced:
-    """The body with the messages before `keep` replaced by `front` and each of `inserts`
-    (message index -> messages) just before its message, as the provider accepts it: when its
-    check refuses the result, the boundary moves back to earlier user messages (more of the
-    harness's own history kept verbatim) until it accepts; when none is accepted before the
-    first message, the original goes. Either is logged, with the reason.
+                    rendered: list[Message], keep: int,
+                    inserts: Mapping[int, list[Message]] | None = None) -> Replaced:
+    """The body with the messages before `keep` replaced by `rendered`, as the provider accepts
+    it: when its check refuses the result, the boundary moves back to earlier user messages
+    (more of the harness's own history kept verbatim) until it accepts; when none is accepted
+    before the first message, the original goes, with the reason. `inserts` (raw index ->
+    messages) go just before the messages at those indexes.
 
-    A boundary that was 0 to begin with (a conversation shorter than a frame) stays there.
+    A boundary that was 0 to begin with (a first contact: everything is new) stays there.
     """
     messages = parsed.messages
-    at_raw = {parsed.raw_index[i]: list(m) for i, m in (inserts or {}).items()}
     k = kept_start(messages, keep) if keep else 0
     errors: list[str] = []
-    while True:
-        out = adapter.replace_history(body, front, parsed.raw_index[k], at_raw)
+    while not keep or k:
+        out = adapter.replace_history(body, rendered, parsed.raw_index[k], inserts)
         if not (found := adapter.check(out)):
-            if not errors:
-                return Replaced(out, k)
-            why = f"kept from message {k}, not {keep}: {errors[0]}"
-            log.info("perpetuity: %s", why)
-            return Replaced(out, k, why)
+            return Replaced(out, k, f"kept from message {k}, not {keep}: {errors[0]}" if errors else "")
         errors = errors or found
-        if k == 0 or (k := kept_start(messages, k - 1)) == 0:
-            why = "history left as sent: " + "; ".join(errors)
-            log.warning("perpetuity: %s", why)
-            return Replaced(None, 0, why)
+        if not keep:
+            break
+        k = kept_start(messages, k - 1)
+    return Replaced(None, 0, "history left as sent: "
+                    + ("; ".join(errors) or "no user message to keep after the frame"))

@@ -17,8 +17,16 @@ import pytest
 
 from perpetuity_core import repair
 from perpetuity_core.cap import Cap
-from perpetuity_core.conversation import Message, Protocol, Provider, Reply, Usage, is_prompt, \
-    prompt_text
+from perpetuity_core.conversation import (
+    Message,
+    Protocol,
+    Provider,
+    Reply,
+    Usage,
+    is_prompt,
+    prompt_text,
+    text_part,
+)
 from perpetuity_core.pipeline import Decision, Pipeline
 from perpetuity_core.protocols import ADAPTERS, anthropic, chat, responses
 from perpetuity_core.store import Store
@@ -380,6 +388,15 @@ def test_a_result_after_the_next_prompt_keeps_its_call(tmp_path: Path,
                  "arguments": json.dumps({"command": "pytest tests/lex " * 100})}
     session = [*head, {"type": "message", "role": "user", "content": "rerun the lexer"}, call_item,
                last, {"type": "function_call_output", "call_id": "late", "output": "ok"}]
+    body = {"model": "m", "input": session}
+    parsed = responses.parse_request(body)
+    front = [Message("user", (text_part("[Memory: ...]"),)),
+             Message("assistant", (text_part("[End of quoted memory.]"),))]
+    prompt = max(i for i, m in enumerate(parsed.messages) if is_prompt(m))
+    replaced = repair.replace_history(responses, body, parsed, front, prompt)
+    assert replaced.body is not None and replaced.keep < prompt
+    assert "not" in replaced.why and "output without its call" in replaced.why
+    assert responses.check(replaced.body) == [] and replaced.body["input"][-4:] == session[-4:]
     with caplog.at_level(logging.INFO, logger="perpetuity"):
         body, d = drive(tmp_path, RESPONSES, session)[-1]
     assert assert_accepted_and_live_task_kept(RESPONSES, [(body, d)]) == 1
