@@ -123,7 +123,7 @@ def test_calls_rebuilt_as_claude_code_sent_them(tmp_path: Path) -> None:
     assert fifth.messages[0]["content"][0]["text"].startswith("This session is being continued")
     assert fifth.live_from == 0 and fifth.starts_task
     assert s.prompts == 4
-    assert all(anthropic.check({"messages": c.messages}) == [] for c in s.calls[1:])
+    assert all(anthropic.check({"messages": c.messages}) == [] for c in s.calls)
 
 
 def test_a_stopped_tool_call_is_not_in_later_requests(tmp_path: Path) -> None:
@@ -174,8 +174,10 @@ def test_request_as_claude_code_sends_it(tmp_path: Path) -> None:
 
 def test_identifiers_are_code_names_not_words() -> None:
     found = identifiers("Edit src/app/main.py: call parse_when and HttpRequest, not Parser; "
-                        "store.find_user too. The quick brown fox.")
-    assert found == {"src/app/main.py", "parse_when", "HttpRequest", "store.find_user"}
+                        "store.find_user too, and/or Mind/Body in ~/notes/todo and lib/a/b. "
+                        "The quick brown fox.")
+    assert found == {"src/app/main.py", "parse_when", "HttpRequest", "store.find_user",
+                     "~/notes/todo", "lib/a/b"}
 
 
 # --------------------------------------------------------------------------- billing

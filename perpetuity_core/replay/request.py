@@ -41,7 +41,7 @@ class Template:
     extra: list[dict[str, Any]] = field(default_factory=list)  # system-role messages
     fields: dict[str, Any] = field(default_factory=dict)  # max_tokens, thinking, stream...
     headers: list[tuple[str, str]] = field(default_factory=list)
-    source: str = "built-in"
+    source: str = "built-in (no Claude Code capture: a short system prompt and no tools)"
 
     def harness_text(self) -> list[str]:
         """What every request carries whatever the person did: the system prompt, tools and
