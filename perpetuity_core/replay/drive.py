@@ -54,28 +54,20 @@ class Report:
 
 
 @contextlib.contextmanager
-def _memory(db: Path | None) -> Iterator[Store]:
-    """A fresh memory: at `db` (which must not exist yet, so no real memory is touched), else a
-    temporary file."""
-    if db is not None:
-        if db.exists():
-            raise ConfigError(f"{db} exists; replay fills a new memory, give a new path")
-        store = Store(db)
-        try:
-            yield store
-        finally:
-            store.close()
-        return
+def _pipeline(db: Path | None, limits: Cap, tools: bool) -> Iterator[Pipeline]:
+    """The pipeline as `perpetuity proxy` runs it, on a fresh memory: at `db` (which must not
+    exist yet, so no real memory is touched), else a temporary file. Its notes library is an
+    empty one of its own (a new user's): the note_capture tool rides along as in the proxy, and
+    no real library is read or marked."""
+    if db is not None and db.exists():
+        raise ConfigError(f"{db} exists; replay fills a new memory, give a new path")
     with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "replay.db")
+        store = Store(db or Path(tmp) / "replay.db")
         try:
-            yield store
+            yield Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider}, tools=tools,
+                           notes_root=Path(tmp) / "notes", limits=limits)
         finally:
             store.close()
-
-
-def _pipeline(store: Store, limits: Cap, tools: bool) -> Pipeline:
-    return Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider}, tools=tools, limits=limits)
 
 
 class _Side:
@@ -116,9 +108,9 @@ def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None
              enumerate(s.calls[:calls] if calls else s.calls)]
     heapq.heapify(queue)
     direct_cache, upstream_cache = AnthropicCache(), AnthropicCache()
-    with _memory(db) as store, tqdm(total=len(queue), disable=not progress, unit="call",
-                                    desc="replay") as bar:
-        side = _Side(_pipeline(store, limits, tools))
+    with _pipeline(db, limits, tools) as pipeline, tqdm(
+            total=len(queue), disable=not progress, unit="call", desc="replay") as bar:
+        side = _Side(pipeline)
         harness_ids = identifiers("\n".join(shape.harness_text()))
         while queue:
             _, n, _, call = heapq.heappop(queue)
@@ -173,9 +165,9 @@ def chat_locomo(path: Path, db: Path | None = None, limit: int = 0, turns: int =
     threads = list(importers.locomo(path))[: limit or None]
     report = Report([Tally(t.conversation_key) for t in threads], "chat client")
     direct_cache, upstream_cache = AnthropicCache(), AnthropicCache()
-    with _memory(db) as store, tqdm(total=len(threads), disable=not progress,
-                                    unit="conversation", desc="replay") as bar:
-        side = _Side(_pipeline(store, limits, tools))
+    with _pipeline(db, limits, tools) as pipeline, tqdm(
+            total=len(threads), disable=not progress, unit="conversation", desc="replay") as bar:
+        side = _Side(pipeline)
         for thread, tally in zip(threads, report.sessions, strict=True):
             _chat_thread(side, thread, tally, turns, gap, model, direct_cache, upstream_cache)
             bar.update()
