@@ -49,6 +49,7 @@ from perpetuity_core.pipeline import HttpRequest, Pipeline
 from perpetuity_core.replay.drive import paced
 from perpetuity_core.store import Store
 
+
 def _anthropic_request(user: str, conversation: str, at: float,
                        history: list[dict[str, str]], recall: bool) -> HttpRequest:
     messages: list[dict[str, Any]] = [dict(m) for m in history]

@@ -10,8 +10,13 @@ from typing import Any
 import pytest
 
 from perpetuity_core import replay
-from perpetuity_core.billing import (AnthropicCache, Block, OpenAICache, anthropic_blocks,
-                                     anthropic_min_tokens)
+from perpetuity_core.billing import (
+    AnthropicCache,
+    Block,
+    OpenAICache,
+    anthropic_blocks,
+    anthropic_min_tokens,
+)
 from perpetuity_core.cli import main
 from perpetuity_core.protocols import anthropic
 from perpetuity_core.replay.measure import identifiers
@@ -232,18 +237,20 @@ def test_anthropic_lookback_is_twenty_blocks() -> None:
 
 
 def test_anthropic_prefix_is_tools_system_messages() -> None:
+    mark = {"type": "ephemeral"}
     body = {"model": "claude-sonnet-4-5",
             "tools": [{"name": "Read", "description": "r " * 3000, "input_schema": {}}],
-            "system": [{"type": "text", "text": "s " * 2000, "cache_control": {"type": "ephemeral"}}],
+            "system": [{"type": "text", "text": "s " * 2000, "cache_control": mark}],
             "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "q " * 400, "cache_control": {"type": "ephemeral"}}]}]}
+                {"type": "text", "text": "q " * 400, "cache_control": mark}]}]}
     cache = AnthropicCache()
     cache.bill(body, 0)
     other_question = {**body, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "w " * 400, "cache_control": {"type": "ephemeral"}}]}]}
+        {"type": "text", "text": "w " * 400, "cache_control": mark}]}]}
     bill = cache.bill(other_question, 30)  # tools and system read, the new question written
     assert bill.read == sum(b.tokens for b in anthropic_blocks(body)[:2]) and bill.written == 200
-    other_tool = {**body, "tools": [{"name": "Read", "description": "x " * 3000, "input_schema": {}}]}
+    other_tool = {**body, "tools": [{"name": "Read", "description": "x " * 3000,
+                                     "input_schema": {}}]}
     assert cache.bill(other_tool, 40).read == 0  # a changed tool changes every prefix after it
 
 

@@ -190,8 +190,9 @@ def _chat_thread(side: _Side, thread: importers.Thread, tally: Tally, turns: int
     for k, (role, text, at) in enumerate(said):
         if role != "user":
             continue
-        history = [{"role": r, "content": x} for r, x, _ in said[:k]] + [{"role": "user", "content": [
-            {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]}]
+        last = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+        history = [{"role": r, "content": x} for r, x, _ in said[:k]] + [
+            {"role": "user", "content": [last]}]
         body = {"model": model, "max_tokens": 1024, "messages": history}
         reply = said[k + 1] if k + 1 < len(said) else ("assistant", "", at)
         tally.prompts += 1

@@ -78,7 +78,8 @@ def live_kept(direct: list[dict[str, Any]], upstream: list[dict[str, Any]], live
     tail = direct[live:]
     if len(upstream) < len(tail):
         return False
-    return json.dumps(_unmarked(tail)) == json.dumps(_unmarked(upstream[len(upstream) - len(tail):]))
+    sent = upstream[len(upstream) - len(tail):]
+    return json.dumps(_unmarked(tail)) == json.dumps(_unmarked(sent))
 
 
 @dataclass(slots=True)

@@ -98,7 +98,8 @@ def is_prompt(record: dict[str, Any], blocks: list[Any]) -> bool:
     for b in blocks:
         if isinstance(b, dict) and b.get("type") == "text":
             text = str(b.get("text", ""))
-            if text_part(text).kind == Kind.TEXT and not text.startswith(INTERRUPT) and text.strip():
+            said = text_part(text).kind == Kind.TEXT and text.strip()
+            if said and not text.startswith(INTERRUPT):
                 return True
     return False
 
@@ -108,7 +109,7 @@ def _time(record: dict[str, Any]) -> float | None:
     if not isinstance(raw, str):
         return None
     try:
-        return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+        return datetime.fromisoformat(raw).timestamp()
     except ValueError:
         return None
 
