@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
@@ -37,23 +38,29 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
 MAX_CACHE_MARKERS = 4  # the API refuses a request with more cache_control breakpoints
 
 
-def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) -> dict[str, Any]:
-    """The body with messages before raw index `keep_from` replaced by the frame.
+def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
+                    inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
+    """The body with messages before raw index `keep_from` replaced by the frame, and each of
+    `inserts` (raw index -> messages) put just before the message at that index.
 
-    System-role messages among them stay, after the frame; the rest of the body is untouched.
-    The frame's cache points, then its end, get cache markers while the request has markers to
-    spare (those in the stripped history go with it).
+    System-role messages among the replaced ones stay, after the frame; the rest of the body is
+    untouched. The frame's end gets a cache marker while the request has one to spare (those in
+    the stripped history go with it): the frame is the part of the request that stays the same
+    from call to call after the harness's own system prompt.
     """
     raw = body["messages"]
     kept_system = [m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
-    kept = kept_system + raw[keep_from:]
-    blocks: list[list[dict[str, Any]]] = [[{"type": "text", "text": p.text} for p in m.parts]
-                                          for m in frame]
+    kept = kept_system + _spliced(raw, keep_from, inserts or {})
+    rendered = _render(frame)
     spare = MAX_CACHE_MARKERS - _count_markers({**body, "messages": kept})
-    for i, j in _marker_places(frame)[:max(0, spare)]:
-        blocks[i][j]["cache_control"] = {"type": "ephemeral"}
-    rendered = [{"role": m.role, "content": b} for m, b in zip(frame, blocks, strict=True)]
+    if rendered and spare > 0:
+        rendered[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
     return {**body, "messages": rendered + kept}
+
+
+def _render(messages: list[Message]) -> list[dict[str, Any]]:
+    return [{"role": m.role, "content": [{"type": "text", "text": p.text} for p in m.parts]}
+            for m in messages]
 
 
 def check(body: dict[str, Any]) -> list[str]:
@@ -117,21 +124,13 @@ def _count_markers(value: Any) -> int:
     return 0
 
 
-def _marker_places(frame: list[Message]) -> list[tuple[int, int]]:
-    """(message, part) places for cache markers, the most useful first.
-
-    Anthropic reads a cached prefix only where this request has a marker, or up to 20 blocks
-    before one, and writes one only at a marker. The latest cache point (what the next frame
-    keeps in front) comes first: its marker writes what the next turn reads, and reads what
-    this turn kept when that lies within 20 blocks. The earlier one (this frame's front, the
-    previous frame's latest point) reads it wherever it lies. The frame's end last: the tool
-    loop's later rounds and retries re-send everything up to it.
-    """
-    points = [(i, j) for i, m in enumerate(frame) for j, p in enumerate(m.parts) if p.cache_point]
-    places = points[::-1]
-    if frame and frame[-1].parts:
-        places.append((len(frame) - 1, len(frame[-1].parts) - 1))
-    return list(dict.fromkeys(places))
+def _spliced(raw: list[Any], keep_from: int,
+             inserts: Mapping[int, list[Message]]) -> list[Any]:
+    out: list[Any] = []
+    for i in range(keep_from, len(raw)):
+        out += _render(inserts.get(i, []))
+        out.append(raw[i])
+    return out
 
 
 def _message(m: dict[str, Any]) -> Message:

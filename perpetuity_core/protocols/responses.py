@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
@@ -55,18 +56,27 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
     )
 
 
-def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) -> dict[str, Any]:
-    """The body with input items before `keep_from` replaced by the frame; system and developer
-    messages stay first, untouched."""
+def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
+                    inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
+    """The body with input items before `keep_from` replaced by the frame, and each of
+    `inserts` (raw index -> messages) put just before the item at that index; system and
+    developer messages stay first, untouched."""
     raw = body["input"]
     if isinstance(raw, str):
         raw, keep_from = [{"type": "message", "role": "user", "content": raw}], 0
     kept_system = [m for m in raw[:keep_from] if isinstance(m, dict)
                    and m.get("type", "message") == "message" and m.get("role") in ("system", "developer")]
-    rendered = [{"type": "message", "role": m.role, "content": [
+    kept: list[Any] = []
+    for i in range(keep_from, len(raw)):
+        kept += _render((inserts or {}).get(i, []))
+        kept.append(raw[i])
+    return {**body, "input": kept_system + _render(frame) + kept}
+
+
+def _render(messages: list[Message]) -> list[dict[str, Any]]:
+    return [{"type": "message", "role": m.role, "content": [
         {"type": "input_text" if m.role == "user" else "output_text", "text": p.text}
-        for p in m.parts]} for m in frame]
-    return {**body, "input": kept_system + rendered + raw[keep_from:]}
+        for p in m.parts]} for m in messages]
 
 
 _CALLS = ("function_call", "custom_tool_call")
