@@ -33,9 +33,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..conversation import Kind, text_part
+from .. import conversation
+from ..protocols import anthropic
 
-INTERRUPT = "[Request interrupted by user"
 SYNTHETIC = "<synthetic>"
 
 
@@ -91,17 +91,13 @@ def read_session(path: Path) -> Session:
     return session
 
 
-def is_prompt(record: dict[str, Any], blocks: list[Any]) -> bool:
-    """Text a person typed: not meta or reminder text, not a tool result, not an interrupt."""
+def is_prompt(record: dict[str, Any], blocks: list[dict[str, Any]]) -> bool:
+    """Text a person typed (`conversation.is_prompt`, as the proxy reads it), on a line that is
+    not meta or reminder text."""
     if record.get("isMeta") or record.get("isCompactSummary"):
         return False
-    for b in blocks:
-        if isinstance(b, dict) and b.get("type") == "text":
-            text = str(b.get("text", ""))
-            said = text_part(text).kind == Kind.TEXT and text.strip()
-            if said and not text.startswith(INTERRUPT):
-                return True
-    return False
+    message = anthropic.parse_request({"messages": [{"role": "user", "content": blocks}]})
+    return conversation.is_prompt(message.messages[0])
 
 
 def _time(record: dict[str, Any]) -> float | None:
