@@ -31,12 +31,11 @@ LOOKBACK = 20  # blocks before a mark where Anthropic still finds a cached prefi
 MAX_MARKS = 4  # the API refuses a request with more
 IMAGE_TOKENS = 1_600  # an image near Anthropic's 1.15-megapixel cap: (w*h)/750
 
-# The smallest prefix Anthropic caches, by model family (longest matching prefix of the model
-# name wins; Anthropic's prompt-caching documentation).
+# The smallest prefix Anthropic caches, by model family (the longest family name the model's
+# name starts with; Anthropic's prompt-caching documentation); any other model: 1,024.
 ANTHROPIC_MIN_TOKENS = {
     "claude-opus-4-5": 4_096, "claude-opus-4-6": 4_096, "claude-haiku-4-5": 4_096,
-    "claude-sonnet-4-6": 2_048, "claude-3-5-haiku": 2_048, "claude-3-haiku": 2_048,
-    "claude-haiku-3": 2_048, "claude": 1_024,
+    "claude-3-5-haiku": 2_048, "claude-3-haiku": 2_048, "claude-haiku-3": 2_048,
 }
 # OpenAI's cached-input price as a share of its input price, by model family.
 OPENAI_READ_PRICE = {

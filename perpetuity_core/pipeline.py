@@ -280,6 +280,7 @@ class Pipeline:
             return Recall(note=replaced.why)
         if replaced.why:
             log.info("perpetuity: %s", replaced.why)
+        if replaced.keep != laid.keep:
             # The plan keeps what went upstream, so the next call grows from it.
             out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
         out.keep, out.note = replaced.keep, replaced.why
@@ -296,12 +297,12 @@ class Pipeline:
         assert out.key is not None
         user_id = out.key[0]
         messages = parsed.messages
-        short = _tokens(messages[:prompt]) <= self.limits.ceiling
-        keep = 0 if short else repair.kept_start(messages, prompt)
+        keep = prompt if _tokens(messages[:prompt]) > self.limits.ceiling else 0
         if conv is None:
             keep = 0
         elif new := capture.new_messages(self.store, conv, messages):
             keep = min(keep, new[0])  # what the store does not hold yet is never stripped
+        keep = repair.kept_start(messages, keep)  # never a result whose call is dropped
         fps = [m.fingerprint() for m in messages]
         kept = self.store.message_ids(conv, fps[keep:]) if conv else []
         recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
@@ -323,9 +324,13 @@ class Pipeline:
 
     def _add(self, out: Recall, parsed: ParsedRequest, prompt: int, keep: int, conv: int | None,
              query: str, asked_at: float) -> None:
-        """An addendum for a new prompt under a frame that stays: its hits not yet in front."""
+        """An addendum for a new prompt under a frame that stays: its hits not yet in front.
+        None before a prompt that answers a call (an interrupted tool call's result rides with
+        the next prompt): it would part the call from its result."""
         assert out.key is not None and out.plan is not None
         messages = parsed.messages
+        if repair.answers_earlier(messages, prompt):
+            return
         kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
             if conv else []
         more = frame.addendum(self.scanner, user_id=out.key[0], conversation_id=conv,

@@ -10,14 +10,14 @@ from .measure import Tally
 
 def table(report: dict[str, Any]) -> str:
     """One row per session and the total: the figures a person checks first."""
-    head = (f"{'session':<14}{'calls':>6}{'prompts':>8}{'tokens direct':>15}{'upstream':>13}"
+    head = (f"{'session':<16}{'calls':>6}{'prompts':>8}{'tokens direct':>15}{'upstream':>13}"
             f"{'ratio':>7}{'cost direct':>13}{'upstream':>12}{'ratio':>7}{'invalid':>8}"
             f"{'skipped':>8}{'older kept':>11}{'live same':>10}")
     rows = [head, "-" * len(head)]
     for s in [*report["sessions"], report["total"]]:
         older = s["older_history"]["recall"]
         rows.append(
-            f"{s['name'][:13]:<14}{s['calls']:>6}{s['prompts']:>8}"
+            f"{s['name'][:15]:<16}{s['calls']:>6}{s['prompts']:>8}"
             f"{s['tokens']['direct']:>15,}{s['tokens']['upstream']:>13,}{_r(s['tokens']['ratio'])}"
             f"{s['cost']['direct']:>13,.0f}{s['cost']['upstream']:>12,.0f}{_r(s['cost']['ratio'])}"
             f"{s['invalid_requests']:>8}{s['skipped_invalid_calls']:>8}"
