@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import dictionary
+from .conversation import Kind, without_scaffold
 from .store import Item, Store, StoredMessage, db
 
 SEGMENT_ROWS = 1 << 16  # local row ids are uint16
@@ -121,7 +122,9 @@ def token_estimate(text: str) -> int:
 
 
 def item_text(kind: str, name: str, text: str) -> str:
-    """What a row is retrieved by: a tool call is found by its tool's name as well."""
+    """What a row is retrieved by: a tool call is found by its tool's name as well; the
+    reminders a harness appends to a tool result are not."""
+    text = without_scaffold(text)
     return f"{name} {text}" if name else text
 
 
@@ -135,6 +138,9 @@ def item_text(kind: str, name: str, text: str) -> str:
 FOLD_EVERY = 4096
 
 
+_CONTEXT = Kind.CONTEXT.value
+
+
 def derive_retrieval(items: list[Item]) -> None:
     """Write the retrieval rows and counts of a message's items (inside its transaction)."""
     if not items:
@@ -144,6 +150,8 @@ def derive_retrieval(items: list[Item]) -> None:
     conn = db.connection()
     seq = 0
     for it in items:
+        if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
+            continue
         text = item_text(it.kind, it.name, it.text)
         bag = d.bag(text)
         n_tokens = token_estimate(text)
