@@ -55,13 +55,14 @@ def folder(req: ParsedRequest) -> str:
     return ""
 
 
-def title(reply: Reply) -> str:
+def title(reply: Reply, structured: bool) -> str:
     """The title in a title side request's reply: Claude Code asks for JSON with a "title"
-    field, opencode for the bare title. "" when the reply holds none (a refusal, an error)."""
+    field (`structured`), opencode for the bare title. "" when the reply holds none (a refusal,
+    an error, text where JSON was asked for)."""
     text = reply.message.text.strip()
     if not text or not reply.complete:
         return ""
-    if text.startswith("{"):
+    if structured:
         try:
             data = json.loads(text)
         except ValueError:
@@ -69,8 +70,8 @@ def title(reply: Reply) -> str:
         text = data.get("title", "") if isinstance(data, dict) else ""
         if not isinstance(text, str):
             return ""
-    line = " ".join(text.split()).strip("\"'`* ")
-    # A title is a line of a few words: anything longer is not one.
+    line = " ".join(text.split()).strip("\"'`*# ")
+    # A title is one short line: anything longer is not one.
     return line if 0 < len(line) <= TITLE_CHARS and "\n" not in text.strip() else ""
 
 

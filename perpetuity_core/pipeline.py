@@ -88,6 +88,7 @@ class PendingTurn:
     folder: str = ""  # the working directory the harness states (names.py)
     # A title side request: nothing of it is a turn; its reply names the conversation.
     title: bool = False
+    structured: bool = False  # the title is asked for as JSON (Claude Code), else as text
 
 
 @dataclass(slots=True)
@@ -207,7 +208,8 @@ class Pipeline:
             if ident.side == "title" and controls.capture and not controls.probe:
                 # Forwarded as sent; only its reply is read, for the conversation's name.
                 pending = PendingTurn(ident.user, ident.conversation, r.provider.value,
-                                      parsed.model, [], time.time(), title=True)
+                                      parsed.model, [], time.time(), title=True,
+                                      structured=parsed.structured_output)
                 decision.job = Job(req.method, r.upstream_url, _forwarded(req), req.body,
                                    r.protocol, parsed.stream, pending)
             return decision
@@ -315,7 +317,8 @@ class Pipeline:
         was shown as bound to it (the store's writer); a recalled note the reply cites by name
         was used. A title side request's reply is not a turn: it names the conversation."""
         if pending and pending.title:
-            self.store.name_conversation(turn.conversation_id, title=names.title(reply))
+            self.store.name_conversation(turn.conversation_id,
+                                         title=names.title(reply, pending.structured))
             return
         message_id = capture.record_reply(self.store, turn, reply, at)
         if message_id is not None:
