@@ -38,8 +38,9 @@ def opening(messages: Sequence[Message]) -> str:
 
 
 def opening_words(text: str) -> str:
-    """A prompt's first words, cut at a word, with an ellipsis where it goes on."""
-    words = text.split()
+    """A prompt's first words, cut at a word, with an ellipsis where it goes on (a pasted
+    document's heading marks left out)."""
+    words = text.lstrip("#> \t\n").split()
     cut = " ".join(words[:OPENING_WORDS])
     short = cut if len(cut) <= OPENING_CHARS else cut[:OPENING_CHARS].rsplit(" ", 1)[0]
     return short + ("…" if len(words) > OPENING_WORDS or short != cut else "")
@@ -86,8 +87,13 @@ def label(titled: str, first_words: str, path: str) -> str:
 
 
 def _base(path: str) -> str:
-    """A folder's own name: what a person calls the project."""
+    """A folder's own name: what a person calls the project. A Claude Code worktree
+    (<repository>/.claude/worktrees/<generated name>) is its repository's."""
     if not path:
         return ""
     pure = PureWindowsPath(path) if re.match(r"[A-Za-z]:\\", path) else PurePosixPath(path)
+    parts = pure.parts
+    for i in range(1, len(parts) - 2):
+        if parts[i:i + 2] == (".claude", "worktrees"):
+            return parts[i - 1]
     return pure.name or str(pure)

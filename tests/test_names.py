@@ -267,3 +267,28 @@ def test_title_side_request_through_mitmdump(proxy: Proxy, fake: FakeProvider) -
                     "/home/ann/checkout-app")]
     # Only the turn and its reply are messages: the title exchange is not.
     assert [role for role, *_ in proxy.messages(DEVICE)] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize(("title", "opening", "folder", "expected"), [
+    ("Fix login", "fix the login", "/home/ann/shop", '"Fix login" in shop'),
+    ("", "fix the login", "", '"fix the login"'),
+    ("", "", "/home/ann/shop", ""),
+    # A Claude Code worktree is named by its repository, not its generated folder name.
+    ("", "tidy the docs", r"C:\Users\ann\Documents\Vault\.claude\worktrees\brave-otter",
+     '"tidy the docs" in Vault'),
+    ("", "tidy the docs", "/home/ann/vault/.claude/worktrees/brave-otter", '"tidy the docs" in vault'),
+])
+def test_label(title: str, opening: str, folder: str, expected: str) -> None:
+    assert names.label(title, opening, folder) == expected
+
+
+def test_opening_words_and_titles() -> None:
+    assert names.opening_words("# Release plan\n\nShip the beta on Monday, then") == \
+        "Release plan Ship the beta on Monday, then"
+    assert names.opening_words("x" * 100) == "x" * names.OPENING_CHARS + "…"
+    reply = Reply(Message("assistant", (text_part('{"title": "Ship the beta"}'),)), Usage())
+    assert names.title(reply, structured=True) == "Ship the beta"
+    for text, structured in (('{"name": "x"}', True), ("not json", True),
+                             ("line one\nline two", False), ("w " * 60, False)):
+        said = Reply(Message("assistant", (text_part(text),)), Usage())
+        assert names.title(said, structured=structured) == "", text

@@ -76,3 +76,17 @@ def test_codex_websocket_turns_are_captured(tmp_path: Path) -> None:
         "05-builtin_ws_basic-ws_handshake-v1_responses.json",
         "17-tui_ws_multiturn-ws_handshake-v1_responses.json")}
     assert {key for key, *_ in rows} == sessions
+
+
+@needs_fixtures
+def test_codex_title_thread_is_not_a_conversation(tmp_path: Path) -> None:
+    """Codex asks for a thread's title in a thread of its own (thread_source thread_title): its
+    prompt is harness text, and nothing of it is stored."""
+    db = tmp_path / "memory.db"
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(db), perpetuity_notes_dir=str(tmp_path / "notes"))
+        asyncio.run(drive(addon, CODEX / "20-tui_ws_multiturn-ws_handshake-v1_responses.json",
+                          session("2[12]-tui_ws_multiturn")))
+        addon.executor.submit(time.sleep, 0).result()
+    assert sqlite3.connect(db).execute("select count(*) from message").fetchone() == (0,)
