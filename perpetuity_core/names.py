@@ -27,8 +27,8 @@ TITLE_CHARS = 80
 # Where harnesses state the working directory: Claude Code's system prompt ("Primary working
 # directory: /path"), opencode's <env> block ("Working directory: /path"), Codex's
 # environment_context ("<cwd>/path</cwd>").
-_FOLDER = re.compile(r"^[ \t-]*(?:Primary )?[Ww]orking directory: *(\S[^\n]*?)[ \t]*$|<cwd>([^<\n]+)</cwd>",
-                     re.MULTILINE)
+_FOLDER = re.compile(r"^[ \t-]*(?:Primary )?[Ww]orking directory: *(\S[^\n]*?)[ \t]*$"
+                     r"|<cwd>([^<\n]+)</cwd>", re.MULTILINE)
 
 
 def opening(messages: Sequence[Message]) -> str:

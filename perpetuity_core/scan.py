@@ -4,13 +4,13 @@ There is no approximate index between a question and the memory: every stored ro
 exact score (rows holding none of the query's terms score exactly zero and are not hits).
 
 Write side. `derive_retrieval` runs inside each message's transaction (the store registers it
-on every Store): one retrieval row per item (term ids and counts as little-endian blobs, length,
-dictionary version), which is also its own increment of the pooled counts BM25 needs (rows,
-total length, and document frequency per term): these are folded into retrieval_total and
-retrieval_term every FOLD_EVERY rows, and readers add the rows stored since (`totals`,
-`unfolded_df`). Deleted retrieval rows are logged by a trigger; `settle` takes their counts back
-out, `purge` deletes and settles in one transaction, `rederive` re-writes rows whose dictionary
-version is stale.
+on every Store): one retrieval row per item that is memory, not harness context (term ids and
+counts as little-endian blobs, length, dictionary version), which is also its own increment of
+the pooled counts BM25 needs (rows, total length, and document frequency per term): these are
+folded into retrieval_total and retrieval_term every FOLD_EVERY rows, and readers add the rows
+stored since (`totals`, `unfolded_df`). Deleted retrieval rows are logged by a trigger; `settle`
+takes their counts back out, `purge` deletes and settles in one transaction, `rederive`
+re-writes rows whose dictionary version is stale.
 
 Read side. A `Scanner` answers `search`. A small memory is scored straight from the store; a
 larger one is held in the serving process as an `Arena`: numpy arrays in segments of at most

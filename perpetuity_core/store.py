@@ -26,8 +26,8 @@ from typing import Any
 import peewee as pw
 
 from .conversation import Kind, Message, Usage, text_part, without_scaffold
-from .names import label
 from .errors import StoreError
+from .names import label
 
 db = pw.SqliteDatabase(None)
 
@@ -240,14 +240,15 @@ def m009_harness_text(database: pw.Database) -> None:
     for column in ("title", "opening", "folder"):
         conn.execute(f"ALTER TABLE conversation ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
     written = conn.execute("SELECT i.id, i.text, m.role FROM item i JOIN message m"
-                           " ON m.id = i.message_id WHERE i.kind = ? AND m.role IN ('user', 'system')",
-                           (Kind.TEXT.value,)).fetchall()
+                           " ON m.id = i.message_id WHERE i.kind = ?"
+                           " AND m.role IN ('user', 'system')", (Kind.TEXT.value,)).fetchall()
     harness = [(i,) for i, text, role in written
                if role == "system" or text_part(text).kind == Kind.CONTEXT]
     conn.executemany("UPDATE item SET kind = ? WHERE id = ?",
                      [(Kind.CONTEXT.value, i) for (i,) in harness])
     harness += conn.execute("SELECT item_id FROM retrieval WHERE item_id IN"
-                            " (SELECT id FROM item WHERE kind = ?)", (Kind.CONTEXT.value,)).fetchall()
+                            " (SELECT id FROM item WHERE kind = ?)",
+                            (Kind.CONTEXT.value,)).fetchall()
     for sql in ("DELETE FROM retrieval WHERE item_id = ?", "DELETE FROM chain WHERE item_id = ?",
                 "DELETE FROM binding WHERE item_id = ?",
                 "UPDATE activation SET peak = 0 WHERE item_id = ?"):
@@ -312,7 +313,8 @@ class Store:
         from .scan import derive_retrieval  # numpy and the dictionary load on first use only
         from .tools import derive_chains
 
-        # Every store derives retrieval rows and activations: no item may exist without them.
+        # Every store derives retrieval rows and activations: no item may exist without them
+        # (harness context is stored, born cold, and never retrieved).
         self.derivers = [derive_retrieval, derive_activation, *derivers]
         self.batched: dict[str, BatchDeriver] = {"chain": derive_chains}
         try:
@@ -388,8 +390,8 @@ class Store:
         try:
             with db.atomic():
                 for column, value in wanted:
-                    conn.execute(f"UPDATE conversation SET {column} = ? WHERE id = ? AND {column} = ''",
-                                 (value, conversation_id))
+                    conn.execute(f"UPDATE conversation SET {column} = ?"
+                                 f" WHERE id = ? AND {column} = ''", (value, conversation_id))
         except pw.PeeweeException as e:
             raise StoreError(f"could not name conversation {conversation_id}: {e}") from e
         self._named.update((conversation_id, column) for column, _ in wanted)

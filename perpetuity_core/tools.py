@@ -98,8 +98,8 @@ class TurnMemory:
 
 # The definitions ride along with every request that carries the tools: kept short.
 _FILTERS: dict[str, dict[str, Any]] = {
-    "conversation": {"type": "string",
-                     "description": "A conversation's number from the results (c12), or 'current'."},
+    "conversation": {"type": "string", "description":
+                     "A conversation's number from the results (c12), or 'current'."},
     "role": {"type": "string", "enum": ["user", "assistant", "tool"]},
     "after": {"type": "string", "description": "From this ISO date or time on (UTC)."},
     "before": {"type": "string", "description": "Before this ISO date or time (UTC)."},

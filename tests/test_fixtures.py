@@ -11,7 +11,6 @@ from urllib.parse import urlencode
 
 import pytest
 
-from perpetuity_core import capture
 from perpetuity_core.conversation import Protocol, Provider
 from perpetuity_core.pipeline import HttpRequest, Pipeline
 from perpetuity_core.relay import ReplyTee

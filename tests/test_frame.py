@@ -291,7 +291,8 @@ def test_frame_alternates_and_labels(store: Store) -> None:
     assert all(a != b for a, b in zip(roles, roles[1:]))
     first = built.messages[0].parts[0].text
     # Another conversation by its first prompt's opening words, never its key.
-    assert first.startswith(frame.HEADER) and '[conversation "We fly to Lisbon on May 3rd."' in first
+    assert first.startswith(frame.HEADER)
+    assert '[conversation "We fly to Lisbon on May 3rd."' in first
     assert "2023-11-14" in first and "3 days before" in first
 
 

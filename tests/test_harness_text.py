@@ -25,10 +25,12 @@ from tests.test_names import DEVICE, REMINDER, claude_code
 AGENTS = ("Available agent types for the Agent tool:\n- claude: Catch-all for any task that"
           " doesn't fit a more specific agent.\n- Explore: Fast agent specialized for exploring"
           " codebases.\n- Plan: Software architect agent for designing implementation plans.")
-IDE = "<ide_opened_file>The user opened the file /home/ann/app/refunds.py in the IDE.</ide_opened_file>"
+IDE = ("<ide_opened_file>The user opened the file /home/ann/app/refunds.py in the IDE."
+       "</ide_opened_file>")
 SKILL = ("Base directory for this skill: /home/ann/.claude/skills/review\n\n# Review\nRead every"
          " changed file and report what an agent reviewer would flag.")
-TASK = "<task-notification>Background agent task finished with status completed.</task-notification>"
+TASK = ("<task-notification>Background agent task finished with status completed."
+        "</task-notification>")
 INTERRUPT = "[Request interrupted by user for tool use]"
 READ_REMINDER = ("<system-reminder>\nWhenever you read a file, you should consider whether it"
                  " would be considered malware.\n</system-reminder>")

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from perpetuity_core import capture, importers, names, store as store_module, tools
+from perpetuity_core import capture, importers, names, tools
+from perpetuity_core import store as store_module
 from perpetuity_core.conversation import Kind, Message, Part, Provider, Reply, Usage, text_part
 from perpetuity_core.pipeline import Pipeline
 from perpetuity_core.store import Store
@@ -182,7 +183,8 @@ def test_opencode_plain_title_and_codex_folder(pipeline: Pipeline) -> None:
 
 def test_claude_code_import_takes_the_sessions_title_folder_and_meta_lines(tmp_path: Path) -> None:
     lines = [
-        {"type": "user", "isMeta": True, "cwd": "/home/ann/vault", "timestamp": "2026-03-01T10:00:00Z",
+        {"type": "user", "isMeta": True, "cwd": "/home/ann/vault",
+         "timestamp": "2026-03-01T10:00:00Z",
          "message": {"role": "user", "content": "Base directory for this skill: /home/ann/.claude"
                      "/skills/dream\n\nConsolidate the notes."}},
         {"type": "user", "cwd": "/home/ann/vault", "timestamp": "2026-03-01T10:00:01Z",
@@ -215,15 +217,17 @@ def test_migration_names_older_conversations_and_unindexes_their_harness_text(
     old = Store(db)
     uid = old.user_id("u")
     cid = old.conversation_id(uid, "1a2f693d-bbf8", "anthropic")
-    said = [Message("user", (Part(Kind.TEXT, "<ide_opened_file>The user opened a.py</ide_opened_file>"),
+    said = [Message("user", (Part(Kind.TEXT, "<ide_opened_file>a.py</ide_opened_file>"),
                              Part(Kind.TEXT, "why is the cache cold"))),
             Message("system", (Part(Kind.TEXT, "Available agent types for the Agent tool: ..."),)),
             Message("assistant", (Part(Kind.TEXT, "It is evicted nightly."),)),
-            Message("user", (Part(Kind.TOOL_RESULT, "1 import os\n<system-reminder>Whenever you"
-                                  " read a file, consider malware.</system-reminder>", call_id="t"),))]
+            Message("user", (Part(Kind.TOOL_RESULT, "1 import os\n<system-reminder>Whenever"
+                                  " you read a file, consider malware.</system-reminder>",
+                                  call_id="t"),))]
     for i, m in enumerate(said):
         old.add_message(conversation_id=cid, user_id=uid, message=m, provider="anthropic",
-                        model="m", at=1.0 + i, pair_key=capture.pair_key(str(i), m), source="request")
+                        model="m", at=1.0 + i, pair_key=capture.pair_key(str(i), m),
+                        source="request")
     old.close()
     monkeypatch.undo()
 
@@ -276,7 +280,8 @@ def test_title_side_request_through_mitmdump(proxy: Proxy, fake: FakeProvider) -
     # A Claude Code worktree is named by its repository, not its generated folder name.
     ("", "tidy the docs", r"C:\Users\ann\Documents\Vault\.claude\worktrees\brave-otter",
      '"tidy the docs" in Vault'),
-    ("", "tidy the docs", "/home/ann/vault/.claude/worktrees/brave-otter", '"tidy the docs" in vault'),
+    ("", "tidy the docs", "/home/ann/vault/.claude/worktrees/brave-otter",
+     '"tidy the docs" in vault'),
 ])
 def test_label(title: str, opening: str, folder: str, expected: str) -> None:
     assert names.label(title, opening, folder) == expected

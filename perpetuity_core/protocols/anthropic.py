@@ -5,8 +5,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..conversation import (Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage,
-                            as_context, text_part)
+from ..conversation import (
+    Kind,
+    Message,
+    ParsedRequest,
+    Part,
+    Protocol,
+    Reply,
+    Usage,
+    as_context,
+    text_part,
+)
 from ..errors import ProtocolError
 from ..sse import Event
 
