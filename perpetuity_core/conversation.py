@@ -41,9 +41,6 @@ class Part:
     text: str = ""  # the text; a tool call's arguments as JSON; a tool result's content
     name: str = ""  # tool name for calls
     call_id: str = ""  # pairs a tool call with its result
-    # The request up to and including this part is worth caching: a protocol with explicit
-    # cache markers (Anthropic's cache_control) marks it; one that caches by itself ignores it.
-    cache_point: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,7 +146,11 @@ def test_without_a_title_the_first_prompt_names_it_and_a_late_title_changes_it_o
     assert conversation_names(pipeline)[session][0] == ""
     send(pipeline, claude_code(session, [{"role": "user", "content": "x"}], title=True),
          '{"title": "Fix flaky login test"}')
-    after = frame_text(pipeline, asked, "what about the flaky login test")
+    # The session that already quoted it keeps its frame as it was (the cached prefix); a new
+    # frame uses the title.
+    assert frame_text(pipeline, asked, "what about the flaky login test") == before
+    after = frame_text(pipeline, "4d5e6f70-0000-4000-8000-00000000000a",
+                       "is the flaky login test fixed yet")
     assert '[conversation "Fix flaky login test" in checkout-app, ' in after
 
 
