@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from pathlib import PurePosixPath, PureWindowsPath
 
-from .conversation import Kind, Message, ParsedRequest, Reply
+from .conversation import Kind, Message, ParsedRequest, Reply, prompt_text
 
 OPENING_WORDS = 8
 OPENING_CHARS = 60
@@ -33,8 +33,7 @@ _FOLDER = re.compile(r"^[ \t-]*(?:Primary )?[Ww]orking directory: *(\S[^\n]*?)[ 
 
 def opening(messages: Sequence[Message]) -> str:
     """The opening words of the first thing a person typed in `messages`, or ""."""
-    return next((opening_words(m.text) for m in messages if m.role == "user" and m.text.strip()),
-                "")
+    return next((opening_words(said) for m in messages if (said := prompt_text(m))), "")
 
 
 def opening_words(text: str) -> str:

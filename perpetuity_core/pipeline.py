@@ -18,15 +18,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
 
-from . import capture, frame, heat, names, notes, tools
+from . import capture, frame, heat, names, notes, repair, tools
 from .cap import Cap
 from .capture import TurnContext
-from .conversation import Kind, Message, ParsedRequest, Protocol, Provider, Reply
+from .conversation import Message, ParsedRequest, Protocol, Provider, Reply, is_prompt, prompt_text
 from .errors import PerpetuityError
 from .frame import Frame
 from .identity import Identity, identify
@@ -135,6 +135,7 @@ class Recall:
     key: tuple[int, int | None] | None = None  # (user, conversation) of the plan
     plan: Plan | None = None  # the conversation's plan after this request
     sent_tokens: int = 0  # what the model reads of the conversation: frame, addenda, kept turns
+    note: str = ""  # why the history was kept further back than planned, or left as sent
 
 
 @dataclass(slots=True)
@@ -222,7 +223,7 @@ class Pipeline:
             recall = self._recall(body, parsed, ident, r.protocol, at, tools_on)
         decision.body, decision.frame = recall.body, recall.built
         if controls.probe or not controls.capture:
-            decision.note = "probe" if controls.probe else "capture off"
+            decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
             return decision
         if recall.key is not None and recall.plan is not None:
             self._remember(recall.key, recall.plan)
@@ -240,7 +241,7 @@ class Pipeline:
                            parsed.stream, pending, at=controls.at, memory=recall.memory,
                            max_rounds=self.tool_rounds,
                            tool_specs=self._tool_specs() if recall.memory else [])
-        decision.note = "captured"
+        decision.note = _noted("captured", recall.note)
         return decision
 
     def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
@@ -256,7 +257,7 @@ class Pipeline:
             return self._lesson_only(body, parsed, protocol)
         conv = self.store.find_conversation(user_id, ident.conversation)
         key = (user_id, conv)
-        query = messages[prompt].text.strip()
+        query = prompt_text(messages[prompt])
         out = Recall(key=key)
         old = self._plans.get(key)
         placed = place(old, messages) if old else None
@@ -276,17 +277,25 @@ class Pipeline:
         front = list(out.plan.frame)
         if front and tools_on:
             front = frame.with_note(front, _tools_note(out.plan.left_out))
-        out.keep = laid.keep
-        out.sent_tokens = (_tokens(front) + out.plan.insert_tokens
-                           + _tokens(messages[laid.keep:]))
         if tools_on and front:
             out.memory = TurnMemory(user_id, conv, asked_at, set(out.plan.shown),
                                     list(out.plan.below_cap))
-        if front or laid.inserts:
-            out.body = json.dumps(ADAPTERS[protocol].replace_history(
-                body, front, parsed.raw_index[laid.keep],
-                {parsed.raw_index[i]: list(m) for i, m in laid.inserts.items()}),
-                ensure_ascii=False).encode()
+        if not front and not laid.inserts:
+            return out
+        replaced = repair.replace_history(
+            ADAPTERS[protocol], body, parsed, front, laid.keep,
+            {parsed.raw_index[i]: list(m) for i, m in laid.inserts.items()})
+        if replaced.body is None:
+            log.warning("perpetuity: %s", replaced.why)
+            return Recall(note=replaced.why)
+        if replaced.why:
+            log.info("perpetuity: %s", replaced.why)
+            # The plan keeps what went upstream, so the next call grows from it.
+            out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
+        out.keep, out.note = replaced.keep, replaced.why
+        out.sent_tokens = (_tokens(front) + out.plan.insert_tokens
+                           + _tokens(messages[replaced.keep:]))
+        out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
         return out
 
     def _rebuild(self, out: Recall, parsed: ParsedRequest, prompt: int, conv: int | None,
@@ -297,7 +306,8 @@ class Pipeline:
         assert out.key is not None
         user_id = out.key[0]
         messages = parsed.messages
-        keep = prompt if _tokens(messages[:prompt]) > self.limits.ceiling else 0
+        short = _tokens(messages[:prompt]) <= self.limits.ceiling
+        keep = 0 if short else repair.kept_start(messages, prompt)
         if conv is None:
             keep = 0
         elif new := capture.new_messages(self.store, conv, messages):
@@ -437,25 +447,21 @@ def _tokens(messages: list[Message]) -> int:
 
 def starts_task(messages: list[Message]) -> bool:
     """A new prompt from the person, not a round of tool results."""
-    return bool(messages) and messages[-1].role == "user" and any(
-        p.kind == Kind.TEXT for p in messages[-1].parts)
+    return bool(messages) and is_prompt(messages[-1])
 
 
 def _prompt_index(messages: list[Message]) -> int | None:
     """The person's latest prompt: where the live task begins."""
-    for i in range(len(messages) - 1, -1, -1):
-        m = messages[i]
-        if m.role == "user" and any(p.kind == Kind.TEXT and p.text.strip() for p in m.parts):
-            return i
-    return None
+    return next((i for i in range(len(messages) - 1, -1, -1) if is_prompt(messages[i])), None)
 
 
 def _last_user_text(messages: list[Message]) -> str:
     """What the person last said: the query, and the command check."""
-    for m in reversed(messages):
-        if m.role == "user" and (text := m.text.strip()):
-            return text
-    return ""
+    return next((text for m in reversed(messages) if (text := prompt_text(m))), "")
+
+
+def _noted(what: str, why: str) -> str:
+    return f"{what}; {why}" if why else what
 
 
 def _curate(root: Path) -> str:
