@@ -256,6 +256,17 @@ def purge(store: Store, item_ids: Iterable[int]) -> int:
     return len(ids)
 
 
+def items_by_message(item_ids: list[int]) -> list[list[Item]]:
+    """The items with these ids (their messages joined, as derive_retrieval reads them),
+    grouped by message."""
+    by_message: dict[int, list[Item]] = {}
+    for i in range(0, len(item_ids), 500):
+        for it in (Item.select(Item, StoredMessage).join(StoredMessage)
+                   .where(Item.id.in_(item_ids[i:i + 500])).order_by(Item.id)):
+            by_message.setdefault(it.message_id, []).append(it)
+    return list(by_message.values())
+
+
 def rederive(store: Store, *, stale_only: bool = True) -> int:
     """Re-write retrieval rows with the current dictionary (those of another version, or all).
 
@@ -265,12 +276,7 @@ def rederive(store: Store, *, stale_only: bool = True) -> int:
     version = dictionary.load().version
     sql = "SELECT item_id FROM retrieval" + (" WHERE version != ?" if stale_only else "")
     ids = [r[0] for r in db.connection().execute(sql, (version,) if stale_only else ())]
-    by_message: dict[int, list[Item]] = {}
-    for i in range(0, len(ids), 500):
-        for it in (Item.select(Item, StoredMessage).join(StoredMessage)
-                   .where(Item.id.in_(ids[i:i + 500])).order_by(Item.id)):
-            by_message.setdefault(it.message_id, []).append(it)
-    for items in by_message.values():
+    for items in items_by_message(ids):
         with db.atomic():
             db.connection().executemany("DELETE FROM retrieval WHERE item_id = ?",
                                         [(it.id,) for it in items])

@@ -234,7 +234,7 @@ def m009_harness_text(database: pw.Database) -> None:
     folder their label is made of; those stored before get their first prompt's opening words.
     """
     from .names import opening_words
-    from .scan import derive_retrieval, settle_in
+    from .scan import derive_retrieval, items_by_message, settle_in
 
     conn = database.connection()
     for column in ("title", "opening", "folder"):
@@ -258,12 +258,7 @@ def m009_harness_text(database: pw.Database) -> None:
         (Kind.TOOL_RESULT.value,))]
     conn.executemany("DELETE FROM retrieval WHERE item_id = ?", [(i,) for i in reminded])
     settle_in(conn)
-    by_message: dict[int, list[Item]] = {}
-    for start in range(0, len(reminded), 500):
-        for it in (Item.select(Item, StoredMessage).join(StoredMessage)
-                   .where(Item.id.in_(reminded[start:start + 500])).order_by(Item.id)):
-            by_message.setdefault(it.message_id, []).append(it)
-    for items in by_message.values():
+    for items in items_by_message(reminded):
         derive_retrieval(items)
     for (cid,) in conn.execute("SELECT id FROM conversation").fetchall():
         first = conn.execute(
