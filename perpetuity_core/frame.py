@@ -378,7 +378,9 @@ def _quote(r: Row) -> str:
 
 
 def _label(r: Row, asked_at: float, current: bool) -> str:
-    where = "this conversation" if current else f"conversation {r.conversation}"
+    # Another conversation by the name a person knows it by (names.py), never its session id.
+    where = ("this conversation" if current else
+             f"conversation {r.conversation}" if r.conversation else "another conversation")
     return f"[{where}, {_when(r, asked_at)[1:]}"
 
 

@@ -23,7 +23,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from . import capture, frame, heat, notes, repair, tools
+from . import capture, frame, heat, names, notes, repair, tools
 from .cap import Cap
 from .capture import TurnContext
 from .conversation import Message, ParsedRequest, Protocol, Provider, Reply, is_prompt, prompt_text
@@ -84,6 +84,10 @@ class PendingTurn:
     hits: set[int] = field(default_factory=set)
     shown: set[int] = field(default_factory=set)
     frame_rows: set[int] = field(default_factory=set)
+    folder: str = ""  # the working directory the harness states (names.py)
+    # A title side request: nothing of it is a turn; its reply names the conversation.
+    title: bool = False
+    structured: bool = False  # the title is asked for as JSON (Claude Code), else as text
 
 
 @dataclass(slots=True)
@@ -203,6 +207,13 @@ class Pipeline:
             return decision
         if ident.side:
             decision.note = f"side request: {ident.side}"
+            if ident.side == "title" and controls.capture and not controls.probe:
+                # Forwarded as sent; only its reply is read, for the conversation's name.
+                pending = PendingTurn(ident.user, ident.conversation, r.provider.value,
+                                      parsed.model, [], time.time(), title=True,
+                                      structured=parsed.structured_output)
+                decision.job = Job(req.method, r.upstream_url, _forwarded(req), req.body,
+                                   r.protocol, parsed.stream, pending)
             return decision
         at = controls.at if controls.at is not None else time.time()
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
@@ -223,10 +234,9 @@ class Pipeline:
                               built.now if built else 0.0, sent, recall.notes,
                               set(built.hits[:BOUND_HITS]) if built else set(),
                               recall.memory.shown if recall.memory else set(),
-                              set(recall.plan.shown) if recall.plan else set())
-        forwarded = [(k, v) for k, v in req.headers
-                     if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
-        decision.job = Job(req.method, r.upstream_url, forwarded,
+                              set(recall.plan.shown) if recall.plan else set(),
+                              names.folder(parsed))
+        decision.job = Job(req.method, r.upstream_url, _forwarded(req),
                            recall.body if recall.body is not None else req.body, r.protocol,
                            parsed.stream, pending, at=controls.at, memory=recall.memory,
                            max_rounds=self.tool_rounds,
@@ -370,7 +380,7 @@ class Pipeline:
         _, turn = capture.record(
             self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
             model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",
-        )
+            folder=p.folder)
         heat.advance(turn.user_id, p.sent_tokens)
         return turn
 
@@ -378,7 +388,11 @@ class Pipeline:
                     pending: PendingTurn | None = None) -> None:
         """Store the reply, move the clock by what the model sent back, and log what the turn
         was shown as bound to it (the store's writer); a recalled note the reply cites by name
-        was used."""
+        was used. A title side request's reply is not a turn: it names the conversation."""
+        if pending and pending.title:
+            self.store.name_conversation(turn.conversation_id,
+                                         title=names.title(reply, pending.structured))
+            return
         message_id = capture.record_reply(self.store, turn, reply, at)
         if message_id is not None:
             heat.advance(turn.user_id, _tokens([reply.message]))
@@ -418,6 +432,12 @@ class Pipeline:
             specs.append({"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
                           "input_schema": notes.CAPTURE_TOOL_SCHEMA})
         return specs
+
+
+def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
+    """The request's headers as they go upstream."""
+    return [(k, v) for k, v in req.headers
+            if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
 
 
 def _tools_note(left_out: int) -> str:
