@@ -18,6 +18,7 @@ from perpetuity_core.billing import (
     anthropic_min_tokens,
 )
 from perpetuity_core.cli import main
+from perpetuity_core.errors import ConfigError
 from perpetuity_core.protocols import anthropic
 from perpetuity_core.replay.measure import identifiers
 from perpetuity_core.replay.request import build, load_template
@@ -175,6 +176,15 @@ def test_request_as_claude_code_sends_it(tmp_path: Path) -> None:
     assert headers["user-agent"].startswith("claude-cli/2.1.90")
     assert json.loads(built.body["metadata"]["user_id"])["session_id"] == SID
     assert anthropic.check(built.body) == []
+
+
+def test_without_a_capture_a_built_in_prompt_stands_in(tmp_path: Path) -> None:
+    session = read_session(coding_session().write(tmp_path / "s.jsonl"))
+    shape = load_template(None, default=tmp_path / "absent.json")
+    assert shape.source.startswith("built-in") and not shape.tools
+    assert anthropic.check(build(session.calls[3], shape, session).body) == []
+    with pytest.raises(ConfigError):
+        load_template(tmp_path / "s.jsonl")  # not a captured request
 
 
 def test_identifiers_are_code_names_not_words() -> None:
