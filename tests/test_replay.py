@@ -139,9 +139,13 @@ def test_a_stopped_tool_call_is_not_in_later_requests(tmp_path: Path) -> None:
     r.assistant("msg_1", tool_use("t1", "GEMINI.md"))
     r.user("PING", parent=said)  # the person stopped the call: the chain goes on from the text
     r.assistant("msg_2", {"type": "text", "text": "Here."})
-    first, second = read_session(r.write(tmp_path / "s.jsonl")).calls
+    r.assistant("msg_2", {"type": "text", "text": "Anything else?"})
+    r.user("Yes", parent=said)  # a line of an older reply: the reply before it stays whole
+    r.assistant("msg_3", {"type": "text", "text": "Go on."})
+    first, second, third = read_session(r.write(tmp_path / "s.jsonl")).calls
     assert [b["type"] for b in first.reply] == ["text", "tool_use"]  # the reply as recorded
     assert [b["type"] for b in second.messages[1]["content"]] == ["text"]  # as sent after
+    assert len(third.messages[3]["content"]) == 2
     assert anthropic.check({"messages": second.messages}) == []
 
 
