@@ -18,6 +18,7 @@ from perpetuity_core.billing import (
     anthropic_min_tokens,
 )
 from perpetuity_core.cli import main
+from perpetuity_core.errors import ConfigError
 from perpetuity_core.protocols import anthropic
 from perpetuity_core.replay.measure import identifiers
 from perpetuity_core.replay.request import build, load_template
@@ -138,9 +139,13 @@ def test_a_stopped_tool_call_is_not_in_later_requests(tmp_path: Path) -> None:
     r.assistant("msg_1", tool_use("t1", "GEMINI.md"))
     r.user("PING", parent=said)  # the person stopped the call: the chain goes on from the text
     r.assistant("msg_2", {"type": "text", "text": "Here."})
-    first, second = read_session(r.write(tmp_path / "s.jsonl")).calls
+    r.assistant("msg_2", {"type": "text", "text": "Anything else?"})
+    r.user("Yes", parent=said)  # a line of an older reply: the reply before it stays whole
+    r.assistant("msg_3", {"type": "text", "text": "Go on."})
+    first, second, third = read_session(r.write(tmp_path / "s.jsonl")).calls
     assert [b["type"] for b in first.reply] == ["text", "tool_use"]  # the reply as recorded
     assert [b["type"] for b in second.messages[1]["content"]] == ["text"]  # as sent after
+    assert len(third.messages[3]["content"]) == 2
     assert anthropic.check({"messages": second.messages}) == []
 
 
@@ -175,6 +180,15 @@ def test_request_as_claude_code_sends_it(tmp_path: Path) -> None:
     assert headers["user-agent"].startswith("claude-cli/2.1.90")
     assert json.loads(built.body["metadata"]["user_id"])["session_id"] == SID
     assert anthropic.check(built.body) == []
+
+
+def test_without_a_capture_a_built_in_prompt_stands_in(tmp_path: Path) -> None:
+    session = read_session(coding_session().write(tmp_path / "s.jsonl"))
+    shape = load_template(None, default=tmp_path / "absent.json")
+    assert shape.source.startswith("built-in") and not shape.tools
+    assert anthropic.check(build(session.calls[3], shape, session).body) == []
+    with pytest.raises(ConfigError):
+        load_template(tmp_path / "s.jsonl")  # not a captured request
 
 
 def test_identifiers_are_code_names_not_words() -> None:

@@ -52,13 +52,13 @@ class Template:
                 + [str(m.get("content", "")) for m in self.extra])
 
 
-def load_template(path: Path | None) -> Template:
+def load_template(path: Path | None, default: Path = DEFAULT_TEMPLATE) -> Template:
     """The capture at `path`, else the default capture when ../shared is there, else the
     built-in stand-in."""
-    if path is None and not DEFAULT_TEMPLATE.exists():
+    if path is None and not default.exists():
         return Template([{"type": "text", "text": BUILT_IN_SYSTEM, "cache_control": MARK}],
                         fields={"max_tokens": 32000, "stream": True})
-    path = path or DEFAULT_TEMPLATE
+    path = path or default
     try:
         capture = json.loads(path.read_text(encoding="utf-8"))
         body = capture.get("body", capture)

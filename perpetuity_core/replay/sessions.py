@@ -123,7 +123,8 @@ class _Builder:
         self.current: dict[str, Any] | None = None  # the assistant message being read
         self.current_id = ""
         self.last_time = 0.0
-        self.block_count: dict[str, int] = {}  # uuid of a reply's line -> blocks up to it
+        # uuid of a line of the reply being read -> how many of its blocks end at that line
+        self.block_count: dict[str, int] = {}
 
     def add(self, record: dict[str, Any]) -> None:
         kind = record.get("type")
@@ -171,13 +172,13 @@ class _Builder:
         if self.current is not None and mid and mid == self.current_id:
             self.session.calls[-1].reply += content  # another block of the same reply
             self.session.calls[-1].replied_at = at
-            self.block_count[str(record.get("uuid"))] = len(self.current["content"])
+            self.block_count[str(record.get("uuid"))] = len(self.session.calls[-1].reply)
             return
         self.flush()
         prompts = [i for i, flag in enumerate(self.prompt_flags) if flag]
         self.current = {"role": "assistant", "content": content}
         self.current_id = mid
-        self.block_count[str(record.get("uuid"))] = len(content)
+        self.block_count = {str(record.get("uuid")): len(content)}
         self.session.calls.append(Call(list(self.messages), self.current["content"],
                                        str(message.get("model") or ""), self.last_time or at, at,
                                        prompts[-1] if prompts else 0,
