@@ -225,9 +225,11 @@ def _other_half(hit: Hit, excluded: set[int]) -> list[int]:
     """The rows of the other half of a hit's exchange: the reply to it, or the question it
     answers. The two travel together; either alone is often not the answer."""
     cmp, order = (">", "ASC") if hit.role == "user" else ("<", "DESC")
+    # Harness text between them (Claude Code's mid-conversation system message) is no half.
     row = db.connection().execute(
-        f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order}"
-        " LIMIT 1", (hit.conversation_id, hit.message_id)).fetchone()
+        f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ?"
+        f" AND role IN ('user', 'assistant') ORDER BY id {order} LIMIT 1",
+        (hit.conversation_id, hit.message_id)).fetchone()
     other = row[0] if row and row[1] != hit.role and row[0] not in excluded else None
     return _items_of({other} if other else set())
 

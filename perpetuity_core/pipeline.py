@@ -132,7 +132,7 @@ class Recall:
     keep: int = 0  # the first message kept as the harness sent it
     memory: TurnMemory | None = None  # set when the recall tools ride along
     notes: list[str] = field(default_factory=list)  # the notes recall put before the model
-    key: tuple[int, int | None] | None = None  # (user, conversation) of the plan
+    key: tuple[int, str] | None = None  # (user, conversation key) of the plan
     plan: Plan | None = None  # the conversation's plan after this request
     sent_tokens: int = 0  # what the model reads of the conversation: frame, addenda, kept turns
     note: str = ""  # why the history was kept further back than planned, or left as sent
@@ -164,7 +164,7 @@ class Pipeline:
         self.scanner = Scanner(store, share_pool=share_pool)
         # Each conversation's plan: when its frame changes (`perpetuity_core.plan`). Only the
         # preparing thread touches it; a restart costs one rebuilt frame.
-        self._plans: OrderedDict[tuple[int, int | None], Plan] = OrderedDict()
+        self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -256,7 +256,8 @@ class Pipeline:
         if user_id is None or prompt is None:
             return self._lesson_only(body, parsed, protocol)
         conv = self.store.find_conversation(user_id, ident.conversation)
-        key = (user_id, conv)
+        # By the conversation's key, not its row: a first request has no row yet.
+        key = (user_id, ident.conversation)
         query = prompt_text(messages[prompt])
         out = Recall(key=key)
         old = self._plans.get(key)
@@ -366,7 +367,7 @@ class Pipeline:
                 ensure_ascii=False).encode()
         return out
 
-    def _remember(self, key: tuple[int, int | None], laid: Plan) -> None:
+    def _remember(self, key: tuple[int, str], laid: Plan) -> None:
         self._plans[key] = laid
         self._plans.move_to_end(key)
         while len(self._plans) > PLANS:
