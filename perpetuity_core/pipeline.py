@@ -267,7 +267,7 @@ class Pipeline:
             here = mark(messages, prompt)
             if here == old.prompt:  # a tool round of the task in progress
                 out.plan = carried(old, kept, asked_at, here)
-            elif not should_rebuild(old, kept, asked_at, self.limits.ceiling):
+            elif not should_rebuild(old, kept, asked_at, max(old.frame_tokens, self.limits.floor)):
                 out.plan = carried(old, kept, asked_at, here)
                 self._add(out, parsed, prompt, placed.keep, conv, query, asked_at)
         if out.plan is None:

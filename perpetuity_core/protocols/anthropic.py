@@ -69,8 +69,10 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
 
 
 def _render(messages: list[Message]) -> list[dict[str, Any]]:
-    return [{"role": m.role, "content": [{"type": "text", "text": p.text} for p in m.parts]}
-            for m in messages]
+    """One text block a message: Anthropic finds a cached prefix only within 20 blocks before
+    a marker, so what we insert must not push the harness's last read point out of reach."""
+    return [{"role": m.role, "content": [{"type": "text", "text": "\n\n".join(
+        p.text for p in m.parts)}]} for m in messages]
 
 
 def check(body: dict[str, Any]) -> list[str]:
