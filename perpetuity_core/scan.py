@@ -8,9 +8,10 @@ on every Store): one retrieval row per item (term ids and counts as little-endia
 dictionary version), which is also its own increment of the pooled counts BM25 needs (rows,
 total length, and document frequency per term): these are folded into retrieval_total and
 retrieval_term every FOLD_EVERY rows, and readers add the rows stored since (`totals`,
-`unfolded_df`). Deleted retrieval rows are logged by a trigger; `settle` takes their counts back
-out, `purge` deletes and settles in one transaction, `rederive` re-writes rows whose dictionary
-version is stale.
+`unfolded_df`). Deleted retrieval rows are logged by a trigger; the writer settles them (takes
+their counts back out: `purge` deletes and settles in one transaction, `Store.flush` settles
+what was deleted behind its back) and readers take out the unsettled ones themselves, so no
+reader ever writes. A new dictionary is re-derived and flipped in by maintenance.py.
 
 Read side. A `Scanner` answers `search`. A small memory is scored straight from the store; a
 larger one is held in the serving process as an `Arena`: numpy arrays in segments of at most
@@ -67,7 +68,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import dictionary
-from .store import Item, Store, StoredMessage, db
+from .store import Item, Store, db, failing_as, live_dictionary, snapshot, writing
 
 SEGMENT_ROWS = 1 << 16  # local row ids are uint16
 TERMS = "terms"  # term-major layout (shipped)
@@ -139,9 +140,9 @@ def derive_retrieval(items: list[Item]) -> None:
     """Write the retrieval rows and counts of a message's items (inside its transaction)."""
     if not items:
         return
-    d = dictionary.load()
-    m = items[0].message
     conn = db.connection()
+    d = live_dictionary(conn)  # inside the write lock: a flip elsewhere is seen here
+    m = items[0].message
     seq = 0
     for it in items:
         text = item_text(it.kind, it.name, it.text)
@@ -185,34 +186,47 @@ def fold(conn) -> None:  # noqa: ANN001 - a sqlite3 connection, inside a transac
                  (len(rows), sum(r[1] for r in rows), sum(r[2] for r in rows), rows[-1][0]))
 
 
+# Deletions the writer has not settled yet, of rows already in the folded counts: every reader
+# takes them back out itself (only the writer settles, see Store.flush and fold).
+_UNSETTLED = ("FROM retrieval_gone g, retrieval_total t WHERE g.settled = 0"
+              " AND g.row_seq <= t.folded_seq")
+
+
 def totals(conn) -> tuple[int, int, int]:  # noqa: ANN001 - a sqlite3 connection
-    """Live rows, their total length and tokens: the folded counts plus the rows stored since.
-    (Deleted rows count until settled, as in the document frequencies.)"""
-    return conn.execute(
+    """Live rows, their total length and tokens: the folded counts plus the rows stored since,
+    less the deletions not settled yet."""
+    rows, length, tokens = conn.execute(
         "SELECT t.rows + count(r.seq), t.length + coalesce(sum(r.length), 0),"
         " t.tokens + coalesce(sum(r.tokens), 0) FROM retrieval_total t"
         " LEFT JOIN retrieval r ON r.seq > t.folded_seq WHERE t.id = 1").fetchone()
+    gone = conn.execute("SELECT count(*), coalesce(sum(g.length), 0), coalesce(sum(g.tokens), 0) "
+                        + _UNSETTLED).fetchone()
+    return rows - gone[0], length - gone[1], tokens - gone[2]
 
 
 def unfolded_df(conn, terms: np.ndarray) -> np.ndarray:  # noqa: ANN001
-    """Document frequency of `terms` (ascending): folded counts plus rows not folded yet."""
+    """Document frequency of `terms` (ascending): folded counts plus rows not folded yet, less
+    unsettled deletions of folded rows."""
     (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
     got = dict(conn.execute(
         f"SELECT term, df FROM retrieval_term WHERE term IN ({','.join('?' * terms.size)})",
         terms.tolist()).fetchall())
     df = np.asarray([got.get(t, 0) for t in terms.tolist()], np.int64)
     recent = conn.execute("SELECT terms FROM retrieval WHERE seq > ?", (folded,)).fetchall()
-    if recent:
-        t = np.frombuffer(b"".join(r[0] for r in recent), "<i4")
-        u, c = np.unique(t[np.isin(t, terms)], return_counts=True)
-        df[np.searchsorted(terms, u)] += c
+    gone = conn.execute("SELECT g.terms " + _UNSETTLED).fetchall()
+    for blobs, sign in ((recent, 1), (gone, -1)):
+        if blobs:
+            t = np.frombuffer(b"".join(r[0] for r in blobs), "<i4")
+            u, c = np.unique(t[np.isin(t, terms)], return_counts=True)
+            df[np.searchsorted(terms, u)] += sign * c
     return df
 
 
 def settle(store: Store) -> int:
-    """Take the counts of deleted retrieval rows back out; returns how many were settled."""
-    with db.atomic():
-        return settle_in(db.connection())
+    """Take the counts of deleted retrieval rows back out; returns how many were settled.
+    The store's writer calls this (or settle_in inside its own write)."""
+    with writing("settle deletions") as conn:
+        return settle_in(conn)
 
 
 def settle_in(conn) -> int:  # noqa: ANN001 - a sqlite3 connection, inside a transaction
@@ -240,35 +254,10 @@ def settle_in(conn) -> int:  # noqa: ANN001 - a sqlite3 connection, inside a tra
 def purge(store: Store, item_ids: Iterable[int]) -> int:
     """Delete items (and their retrieval rows, counts and activations) in one transaction."""
     ids = [(int(i),) for i in item_ids]
-    with db.atomic():
-        conn = db.connection()
+    with writing("purge rows") as conn:
         conn.executemany("DELETE FROM item WHERE id = ?", ids)  # cascades
         conn.executemany("DELETE FROM activation WHERE item_id = ?", ids)  # keyed, not linked
-        settle(store)
-    return len(ids)
-
-
-def rederive(store: Store, *, stale_only: bool = True) -> int:
-    """Re-write retrieval rows with the current dictionary (those of another version, or all).
-
-    Each row is deleted and inserted again, one message per transaction, so it gets a new seq
-    and readers pick it up on their next catch-up like any new row.
-    """
-    version = dictionary.load().version
-    sql = "SELECT item_id FROM retrieval" + (" WHERE version != ?" if stale_only else "")
-    ids = [r[0] for r in db.connection().execute(sql, (version,) if stale_only else ())]
-    by_message: dict[int, list[Item]] = {}
-    for i in range(0, len(ids), 500):
-        for it in (Item.select(Item, StoredMessage).join(StoredMessage)
-                   .where(Item.id.in_(ids[i:i + 500])).order_by(Item.id)):
-            by_message.setdefault(it.message_id, []).append(it)
-    for items in by_message.values():
-        with db.atomic():
-            db.connection().executemany("DELETE FROM retrieval WHERE item_id = ?",
-                                        [(it.id,) for it in items])
-            settle(store)
-            derive_retrieval(items)
-    store.flush()  # the re-derived rows are past the chains' cursor: no reader derives them all
+        settle_in(conn)
     return len(ids)
 
 
@@ -521,14 +510,29 @@ class Arena:
         self.total_length = 0
         self.row_cursor = 0  # last retrieval.seq read
         self.gone_cursor = 0  # last retrieval_gone.seq read
+        self.version: str | None = None  # the dictionary version and flip count of the rows
+        self._flipped = False  # rows of two dictionary versions were read
         self._pool: ThreadPoolExecutor | None = None
+
+    def stale(self) -> bool:
+        """Time to build a fresh arena: a flip re-derived the rows under another dictionary
+        (its term ids mean other words), or dead rows (purged, re-derived; they stay in place,
+        invisible) outnumber the live ones, so a rebuild costs less than the rows it frees."""
+        dead = self.seq.size - self.n_rows
+        return self._flipped or dead > max(self.n_rows, 1024)
 
     # -- catch-up ------------------------------------------------------------------------
 
     def catch_up(self) -> int:
         """Read what was stored or deleted since the last catch-up; returns rows read."""
-        with db.atomic():  # one snapshot: rows and deletions agree
-            conn = db.connection()
+        with snapshot("catch up on memory") as conn:  # one snapshot: rows and deletions agree
+            # A flip (maintenance.flip) re-writes every row without logging their deletions,
+            # and counts itself: a count read here that moved means rebuild.
+            version = conn.execute("SELECT group_concat(value) FROM (SELECT value FROM setting"
+                                   " WHERE key IN ('dictionary', 'flips') ORDER BY key)"
+                                   ).fetchone()[0]
+            self._flipped |= self.version is not None and version != self.version
+            self.version = version
             new = []
             cursor = self.row_cursor
             while (rows := read_rows(conn, cursor, SEGMENT_ROWS)) is not None:
@@ -788,17 +792,20 @@ class Scanner:
         self._use_arena = store_rows <= 0
 
     def catch_up(self) -> int:
-        """Settle deletions, then bring the arena (if in use) up to date; returns rows read."""
-        unsettled = db.connection().execute(
-            "SELECT 1 FROM retrieval_gone WHERE settled = 0 LIMIT 1").fetchone()
-        if unsettled:
-            settle(self.store)
-        if not self._use_arena:
-            rows, _, _ = totals(db.connection())
-            self._use_arena = rows > self.store_rows
+        """Bring the arena (if in use) up to date; returns rows read. Reads only: deletions
+        not settled yet are accounted for, not settled (the store's writer does that)."""
+        with snapshot("read the dictionary version") as conn:
+            live_dictionary(conn)  # a flip (maybe by another process) is followed here
+            if not self._use_arena:
+                rows, _, _ = totals(conn)
+                self._use_arena = rows > self.store_rows
         if not self._use_arena:
             return 0
-        return self.arena.catch_up()
+        read = self.arena.catch_up()
+        if self.arena.stale():  # a flip re-derived every row, or most rows are dead
+            self.arena = Arena(self.arena.layout, self.arena.threads)
+            read = self.arena.catch_up()
+        return read
 
     def search(self, query: str, user_id: int | None, limit: int = 10,
                exclude: Iterable[int] = frozenset(), conversation_id: int | None = None,
@@ -808,15 +815,16 @@ class Scanner:
         exclude = frozenset(exclude)
         if limit <= 0 or not query.strip():
             return []
-        self.catch_up()
-        visible = Visibility(user_id, self.share_pool, conversation_id, during)
-        k = limit + len(exclude)  # excluded rows are dropped after ranking: fetch enough
-        if self._use_arena:
-            q = self.arena.query(query, self.params)
-            ranked = self.arena.top(q, k, visible)
-        else:
-            ranked = self._store_top(query, k, visible)
-        hits = fetch_hits(ranked)
+        with failing_as("search memory"):
+            self.catch_up()
+            visible = Visibility(user_id, self.share_pool, conversation_id, during)
+            k = limit + len(exclude)  # excluded rows are dropped after ranking: fetch enough
+            if self._use_arena:
+                q = self.arena.query(query, self.params)
+                ranked = self.arena.top(q, k, visible)
+            else:
+                ranked = self._store_top(query, k, visible)
+            hits = fetch_hits(ranked)
         return [h for h in hits if h.item_id not in exclude][:limit]
 
     def _store_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
