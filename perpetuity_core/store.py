@@ -46,7 +46,13 @@ def failing_as(what: str) -> Iterator[None]:
     try:
         yield
     except (sqlite3.Error, pw.PeeweeException) as e:
-        raise StoreError(f"could not {what}: {e}") from e
+        # SQLite rolls a transaction back itself on some errors (a full disk): the rollback
+        # that follows fails, and that is not the error to report.
+        cause: BaseException = e
+        while "rollback" in str(cause) and isinstance(
+                cause.__context__, sqlite3.Error | pw.PeeweeException):
+            cause = cause.__context__
+        raise StoreError(f"could not {what}: {cause}") from e
 
 
 @contextmanager
