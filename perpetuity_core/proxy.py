@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,8 @@ class Perpetuity:
             f"  any other harness: HTTPS_PROXY=http://{host}:{port} with the mitmproxy CA trusted",
             flush=True,
         )
+        if self.store is not None and self.store.notice:
+            print(f"perpetuity: {self.store.notice}", flush=True)
 
     async def done(self) -> None:
         await self.relay.stop()
@@ -249,6 +251,7 @@ class Perpetuity:
         """Queue the request's write on the store's thread, once."""
         if job.turn is None and self.pipeline is not None:
             job.turn = self.executor.submit(self.pipeline.store_turn, job.pending)
+            job.turn.add_done_callback(_report_unstored)
 
     async def _run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
         """On the preparing thread: it owns the scanner, and the event loop never waits."""
@@ -273,6 +276,14 @@ class Perpetuity:
                 log.exception("perpetuity: could not store the reply")
 
         self.executor.submit(write)
+
+
+def _report_unstored(turn: Future) -> None:
+    """Fail open, not silent: the reply went to the client; the turn is stored when the
+    conversation's next request re-sends it (capture recognises what the store holds)."""
+    if not turn.cancelled() and (e := turn.exception()) is not None:
+        log.error("perpetuity: a turn was not stored (%s); the conversation's next request"
+                  " re-sends it and it is stored then", e)
 
 
 class StreamTee:
