@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -480,6 +481,11 @@ def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 -
     return rows
 
 
+# The arena's per-row columns and their types (see Arena).
+_COLUMNS = {"seq": np.int64, "user": np.int32, "conv": np.int32, "at": np.int64,
+            "length": np.int32, "prev": np.int32, "next": np.int32}
+
+
 class Arena:
     """The in-memory copy of every retrieval row of the store, for many users at once.
 
@@ -495,15 +501,16 @@ class Arena:
         self.layout = layout
         self.threads = threads or min(4, os.cpu_count() or 1)
         self.segments: list[Segment] = []
-        self.seq = np.zeros(0, np.int64)
-        self.user = np.zeros(0, np.int32)
-        self.conv = np.zeros(0, np.int32)
-        self.at = np.zeros(0, np.int64)
-        self.length = np.zeros(0, np.int32)
+        # Per-row columns live in buffers that double when full, and the attributes below are
+        # views of their first rows: a catch-up appends its few rows in place instead of
+        # copying every column (measured before: 13.5 ms a catch-up at 1M rows, 37.5 at 5M).
+        self._buffers: dict[str, np.ndarray] = {
+            name: np.zeros(1, dtype) for name, dtype in _COLUMNS.items()}
+        self.seq = self.user = self.conv = self.at = self.length = np.zeros(0, np.int64)
         # The previous and next live row of the same conversation in store order (-1: none).
         # One extra last entry, -1, makes "none" follow itself: links[-1] == -1.
-        self.prev = np.full(1, -1, np.int32)
-        self.next = np.full(1, -1, np.int32)
+        self.prev = self.next = np.full(1, -1, np.int32)
+        self._grow(0)
         self._tail: dict[int, int] = {}  # conversation -> its last live row
         self.df: Frequencies | None = None
         self.n_rows = 0  # live rows
@@ -549,15 +556,35 @@ class Arena:
             self._forget(gone)
         return sum(rows.seq.size for rows in new)
 
+    def _grow(self, n: int) -> None:
+        """Make the columns `n` rows long (capacity doubling: each row is copied O(1) times
+        on average), their new rows still to be written."""
+        cap = self._buffers["seq"].size - 1  # the links' extra "none" slot
+        if n > cap:
+            cap = max(n, 2 * cap, 1024)
+            for name, old in self._buffers.items():
+                buf = np.empty(cap + 1, old.dtype)
+                buf[:old.size] = old
+                self._buffers[name] = buf
+        b = self._buffers
+        self.seq, self.user, self.conv = b["seq"][:n], b["user"][:n], b["conv"][:n]
+        self.at, self.length = b["at"][:n], b["length"][:n]
+        self.prev, self.next = b["prev"][:n + 1], b["next"][:n + 1]
+        self.prev[n] = self.next[n] = -1
+
+    def put_rows(self, seq: np.ndarray, user: np.ndarray, conv: np.ndarray, at: np.ndarray,
+                 length: np.ndarray) -> None:
+        """Append rows' columns and chain them into their conversations."""
+        start = self.seq.size
+        self._grow(start + seq.size)
+        self.seq[start:], self.user[start:], self.conv[start:] = seq, user, conv
+        self.at[start:], self.length[start:] = at, length
+        self._link(seq.size)
+
     def _append(self, new: NewRows) -> None:
         """Add at most SEGMENT_ROWS rows as one new segment."""
         start = self.seq.size
-        self.seq = np.concatenate((self.seq, new.seq))
-        self.user = np.concatenate((self.user, new.user))
-        self.conv = np.concatenate((self.conv, new.conv))
-        self.at = np.concatenate((self.at, new.at))
-        self.length = np.concatenate((self.length, new.length))
-        self._link(new.seq.size)
+        self.put_rows(new.seq, new.user, new.conv, new.at, new.length)
         self.n_rows += new.seq.size
         self.total_length += int(new.length.sum(dtype=np.int64))
         self.row_cursor = int(new.seq[-1])
@@ -618,9 +645,6 @@ class Arena:
         nxt[:-1] = rows[1:]
         last = np.concatenate((first[1:], [True])) if count else np.zeros(0, bool)
         nxt[last] = -1
-        none = np.full(1, -1, np.int32)
-        self.prev = np.concatenate((self.prev[:start], np.empty(count, np.int32), none))
-        self.next = np.concatenate((self.next[:start], np.empty(count, np.int32), none))
         for j in np.flatnonzero(first).tolist():  # one per conversation in this batch
             tail = self._tail.get(int(c[j]), -1)
             prev[j] = tail
@@ -790,6 +814,10 @@ class Scanner:
         self.store_rows = store_rows
         self.arena = Arena(layout, threads)
         self._use_arena = store_rows <= 0
+        # The frame's searches and the recall tools' run on different threads: a catch-up
+        # and a ranking see the arena whole (each holds this a few milliseconds; reading the
+        # hits' text from the store happens outside it).
+        self._lock = threading.Lock()
 
     def catch_up(self) -> int:
         """Bring the arena (if in use) up to date; returns rows read. Reads only: deletions
@@ -815,15 +843,15 @@ class Scanner:
         exclude = frozenset(exclude)
         if limit <= 0 or not query.strip():
             return []
+        visible = Visibility(user_id, self.share_pool, conversation_id, during)
+        k = limit + len(exclude)  # excluded rows are dropped after ranking: fetch enough
         with failing_as("search memory"):
-            self.catch_up()
-            visible = Visibility(user_id, self.share_pool, conversation_id, during)
-            k = limit + len(exclude)  # excluded rows are dropped after ranking: fetch enough
-            if self._use_arena:
-                q = self.arena.query(query, self.params)
-                ranked = self.arena.top(q, k, visible)
-            else:
-                ranked = self._store_top(query, k, visible)
+            with self._lock:
+                self.catch_up()
+                if self._use_arena:
+                    ranked = self.arena.top(self.arena.query(query, self.params), k, visible)
+                else:
+                    ranked = self._store_top(query, k, visible)
             hits = fetch_hits(ranked)
         return [h for h in hits if h.item_id not in exclude][:limit]
 
@@ -845,13 +873,9 @@ class Scanner:
             return []
         tmp = Arena(ROWS, threads=1)
         seq, user, conv, at, length, terms_b, counts_b = zip(*rows)
-        tmp.seq = np.asarray(seq, np.int64)
-        tmp.user = np.asarray(user, np.int32)
-        tmp.conv = np.asarray(conv, np.int32)
-        tmp.at = np.asarray(at, np.int64)
-        tmp.length = np.asarray(length, np.int32)
-        tmp.prev = tmp.next = np.full(1, -1, np.int32)
-        tmp._link(len(rows))
+        tmp.put_rows(*(np.asarray(c, _COLUMNS[name]) for name, c in
+                       zip(("seq", "user", "conv", "at", "length"), (seq, user, conv, at, length),
+                           strict=True)))
         row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]
