@@ -31,44 +31,15 @@ def store(tmp_path: Path):
     s.close()
 
 
-WRITER = """
-import sys
-from perpetuity_core.conversation import Kind, Message, Part
-from perpetuity_core.errors import StoreError
-from perpetuity_core.store import Store
-s = Store(sys.argv[1])
-uid = s.user_id(sys.argv[2])
-cid = s.conversation_id(uid, "c", "anthropic")
-failed = 0
-for i in range(int(sys.argv[3])):
-    text = f"{sys.argv[2]} turn {i} about the garden and the violin"
-    try:
-        s.add_message(conversation_id=cid, user_id=uid, message=Message("user",
-                      (Part(Kind.TEXT, text),)), provider="anthropic", model="m", at=i,
-                      pair_key=f"{sys.argv[2]}-{i}", source="import")
-    except StoreError:
-        failed += 1
-s.flush()
-print(failed)
-"""
-
-
-def test_two_processes_writing_one_file_lose_nothing(tmp_path: Path) -> None:
-    path = tmp_path / "memory.db"
-    Store(path).close()  # migrated once, so both start on the same schema
-    n = 400
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), user, str(n)],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
-             for user in ("alice", "bob")]
-    failed = [int(p.communicate(timeout=300)[0]) for p in procs]
-    assert failed == [0, 0]
-    s = Store(path)
-    try:
-        (messages,) = db.connection().execute("SELECT count(*) FROM message").fetchone()
-        assert messages == 2 * n
-        assert check(s) == []
-    finally:
-        s.close()
+def test_two_processes_writing_one_file_lose_nothing() -> None:
+    """scripts/bench_writers.py: two real processes store 400 turns each into one file."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_writers.py"),
+                          "--messages", "400"], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["failures"] == [0, 0] and r["stored"] == r["expected"] == 800
+    assert r["check_violations"] == []
 
 
 def test_searches_never_fail_while_the_writer_stores_and_purges(store: Store) -> None:
