@@ -40,9 +40,6 @@ class Part:
     text: str = ""  # the text; a tool call's arguments as JSON; a tool result's content
     name: str = ""  # tool name for calls
     call_id: str = ""  # pairs a tool call with its result
-    # The request up to and including this part is worth caching: a protocol with explicit
-    # cache markers (Anthropic's cache_control) marks it; one that caches by itself ignores it.
-    cache_point: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +79,31 @@ def _fingerprint(message: Message) -> str:
 _SCAFFOLD = re.compile(
     r"\s*<(system-reminder|environment_context|user_instructions|permissions instructions|"
     r"skills_instructions|local-command-caveat|local-command-stdout|command-name|command-message|"
-    r"command-args)\b"
+    r"command-args|ide_opened_file|ide_selection)\b"
     # Claude Code's compaction summary, re-sent as the first user turn of the compacted session.
     r"|\s*This session is being continued from a previous conversation that ran out of context"
+    # Claude Code's mark of an interrupted reply or tool call, a block of its own.
+    r"|\s*\[Request interrupted by user( for tool use)?\]\s*$"
 )
+
+
+def prompt_text(message: Message) -> str:
+    """What a person typed in this message, "" when nothing: the text of a user message, without
+    its tool results, images, harness scaffolding (reminders, skill and command text, IDE
+    notices, the compaction summary) or interrupt markers.
+
+    A Claude Code interrupt sends one user message holding the interrupted call's tool_result,
+    the marker and the new prompt: that message is a prompt, and these are its new words.
+    """
+    if message.role != "user":
+        return ""
+    return "\n".join(p.text for p in message.parts if p.kind == Kind.TEXT).strip()
+
+
+def is_prompt(message: Message) -> bool:
+    """The message is a person's prompt (a task starts at it), not a round of tool results or
+    harness text."""
+    return bool(prompt_text(message))
 
 
 def text_part(text: str) -> Part:
