@@ -857,10 +857,8 @@ class Scanner:
 
     def _store_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The small-memory path: score the visible rows read straight from the store."""
-        conn = db.connection()
-        with db.atomic():
+        with snapshot("search memory") as conn:
             n_rows, total, _ = totals(conn)
-
             q = make_query(text, lambda t: unfolded_df(conn, t), n_rows, total, self.params)
             if q.empty:
                 return []
