@@ -8,6 +8,10 @@ retrieval needs at once (the chains) are written by the same writer a batch of m
 time, one transaction per batch (`Store.flush`), each with a cursor: their readers add the rows
 past the cursor themselves, so they too never see a row without what is derived from it.
 
+Every write goes through `writing` (BEGIN IMMEDIATE: a second process on the same file waits
+for the lock instead of failing), reads that must agree through `snapshot`, and SQLite's
+errors leave the store as StoreError (`failing_as`). Ids are never handed out twice (m010).
+
 Credentials never reach this module: identity arrives already hashed.
 """
 
