@@ -28,15 +28,13 @@ from .scan import token_estimate
 READ, WRITE_5M, WRITE_1H = 0.1, 1.25, 2.0
 TTL_5M, TTL_1H = 300.0, 3600.0
 LOOKBACK = 20  # blocks before a mark where Anthropic still finds a cached prefix
-MAX_MARKS = 4  # the API refuses a request with more
 IMAGE_TOKENS = 1_600  # an image near Anthropic's 1.15-megapixel cap: (w*h)/750
 
-# The smallest prefix Anthropic caches, by model family (longest matching prefix of the model
-# name wins; Anthropic's prompt-caching documentation).
+# The smallest prefix Anthropic caches, by model family (the longest family name the model's
+# name starts with; Anthropic's prompt-caching documentation); any other model: 1,024.
 ANTHROPIC_MIN_TOKENS = {
     "claude-opus-4-5": 4_096, "claude-opus-4-6": 4_096, "claude-haiku-4-5": 4_096,
-    "claude-sonnet-4-6": 2_048, "claude-3-5-haiku": 2_048, "claude-3-haiku": 2_048,
-    "claude-haiku-3": 2_048, "claude": 1_024,
+    "claude-3-5-haiku": 2_048, "claude-3-haiku": 2_048, "claude-haiku-3": 2_048,
 }
 # OpenAI's cached-input price as a share of its input price, by model family.
 OPENAI_READ_PRICE = {
@@ -71,7 +69,6 @@ class Bill:
     read_cost: float = 0.0
     write_cost: float = 0.0
     uncached_cost: float = 0.0
-    marks: int = 0
 
     @property
     def cost(self) -> float:
@@ -79,7 +76,7 @@ class Bill:
 
     def add(self, other: Bill) -> None:
         for name in ("tokens", "read", "written", "uncached", "read_cost", "write_cost",
-                     "uncached_cost", "marks"):
+                     "uncached_cost"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, float]:
@@ -205,7 +202,7 @@ class AnthropicCache:
             entry = self.entries[blocks[hit].key]
             entry.expires = max(entry.expires, at + entry.ttl)
         minimum = anthropic_min_tokens(model)
-        bill = Bill(tokens=total, read=read, read_cost=READ * read, marks=len(marks))
+        bill = Bill(tokens=total, read=read, read_cost=READ * read)
         covered = read
         for m in marks:
             if ends[m] < minimum:

@@ -55,8 +55,9 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
           recent_messages: Iterable[int] = ()) -> Frame | None:
     """The frame for one question, or None when memory holds nothing to show. Reads only.
 
-    Never trimmed: the question's top hit and `recent_messages`, the latest stretch of the
-    conversation that the harness did not keep as sent.
+    Never trimmed: the question's top hit and the latest stretch of the conversation that the
+    harness did not keep as sent (`recent_messages`, its rows newest first while they fit
+    RECENT_TOKENS, skipping bulk over RECENT_ROW).
     """
     excluded = set(exclude_messages)
     recent = set(recent_messages) - excluded
@@ -66,7 +67,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     warm_ids = warm.item_ids.tolist()
     seen = set(warm_ids)
     rows = _rows(warm_ids + [i for i in recent_items if i not in seen], excluded)
-    recent_set = set(recent_items)
+    recent_set = _latest(rows, recent_items)
     other = _companion(hits, excluded, rows, limits)
     must = ({hits[0].item_id} if hits else set()) | set(other) | recent_set
 
@@ -137,6 +138,29 @@ def _retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float, exclu
                                 _neighbours(hits[:NEIGHBOUR_HITS], excluded))
     return _Found(hits, reheats, heat.clock(user_id),
                   cap.budget(np.asarray([h.score for h in hits]), limits))
+
+
+# The latest stretch of the conversation, in tokens, and the largest row it takes. What a coding
+# task's next reply uses from before its prompt lies mostly in the task just before it (262 of
+# 458 identifiers on the six shared Claude Code sessions), and mostly in small rows: tool calls,
+# the assistant's own words (250 in a row under 200 tokens, 383 under 1,000).
+RECENT_TOKENS = 2_000
+RECENT_ROW = 1_000
+
+
+def _latest(rows: dict[int, Row], items: list[int]) -> set[int]:
+    """The conversation's latest rows, newest first, while they fit RECENT_TOKENS."""
+    out: set[int] = set()
+    used = 0
+    for i in sorted((i for i in items if i in rows), reverse=True):
+        cost = token_estimate(_quote(rows[i]))
+        if cost > RECENT_ROW:
+            continue
+        if used + cost > RECENT_TOKENS:
+            break
+        out.add(i)
+        used += cost
+    return out
 
 
 def _companion(hits: list[Hit], excluded: set[int], rows: dict[int, Row],
@@ -354,7 +378,9 @@ def _quote(r: Row) -> str:
 
 
 def _label(r: Row, asked_at: float, current: bool) -> str:
-    where = "this conversation" if current else f"conversation {r.conversation}"
+    # Another conversation by the name a person knows it by (names.py), never its session id.
+    where = ("this conversation" if current else
+             f"conversation {r.conversation}" if r.conversation else "another conversation")
     return f"[{where}, {_when(r, asked_at)[1:]}"
 
 

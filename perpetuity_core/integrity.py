@@ -2,8 +2,9 @@
 stored rows in one read snapshot (it runs beside a serving proxy and never writes).
 
 One line per violation; none means the memory is whole:
-- every item has exactly one retrieval row, of the live dictionary version, agreeing with its
-  message (user, conversation, time), and its own activation (born once: keyed by item);
+- every item but harness context has exactly one retrieval row (context none), of the live
+  dictionary version, agreeing with its message (user, conversation, time), and its own
+  activation (born once: keyed by item);
 - the pooled counts (rows, length, tokens, document frequency per term) equal a recount of
   the folded rows, less the deletions the writer has not settled yet;
 - nothing points at what is gone: items without a message, messages without a conversation
@@ -21,6 +22,7 @@ from collections import Counter
 import numpy as np
 
 from . import dictionary, tools
+from .conversation import Kind
 from .store import Store, live_dictionary, snapshot
 
 SHOWN = 5  # ids listed per violation
@@ -44,7 +46,10 @@ def _rows(conn: sqlite3.Connection) -> list[str]:
     live = dictionary.load().version
     return [
         *_ids_of(conn, "items without a retrieval row", "SELECT i.id FROM item i"
-                 " LEFT JOIN retrieval r ON r.item_id = i.id WHERE r.item_id IS NULL"),
+                 " LEFT JOIN retrieval r ON r.item_id = i.id WHERE r.item_id IS NULL"
+                 " AND i.kind != ?", Kind.CONTEXT.value),
+        *_ids_of(conn, "harness context with a retrieval row", "SELECT i.id FROM item i"
+                 " JOIN retrieval r ON r.item_id = i.id WHERE i.kind = ?", Kind.CONTEXT.value),
         *_ids_of(conn, f"retrieval rows not of the live dictionary {live}",
                  "SELECT item_id FROM retrieval WHERE version != ?", live),
         *_ids_of(conn, "retrieval rows disagreeing with their message",

@@ -31,6 +31,8 @@ from .errors import ConfigError
 from .scan import fold, item_text, settle_in, token_estimate
 from .store import Store, snapshot, writing
 
+_CONTEXT = Kind.CONTEXT.value  # harness text: stored, never retrieved (no retrieval row)
+
 # Items re-derived per transaction: each holds the write lock for a few tens of milliseconds,
 # so the proxy's writes interleave.
 REDERIVE_BATCH = 500
@@ -47,8 +49,9 @@ class Purged:
 
 def purge_user(store: Store, user_key: str) -> Purged:
     """Remove a user's memory as a unit: messages, rows, retrieval rows and their counts,
-    activations, clock, chains, and every binding to their rows, in one transaction. The user
-    and conversation rows stay (keys only, no content): a running proxy holds their ids."""
+    activations, clock, chains, conversation names, and every binding to their rows, in one
+    transaction. The user and conversation rows stay (keys only, no content): a running proxy
+    holds their ids."""
     with writing("purge a user") as conn:
         row = conn.execute("SELECT id FROM user WHERE key = ?", (user_key,)).fetchone()
         if row is None and user_key.isdigit():
@@ -64,6 +67,9 @@ def purge_user(store: Store, user_key: str) -> Purged:
         messages = conn.execute("DELETE FROM message WHERE user_id = ?", (uid,)).rowcount
         for table in ("activation", "clock", "chain"):
             conn.execute(f"DELETE FROM {table} WHERE user_id = ?", (uid,))
+        # A conversation's name is made of what was said in it (names.py).
+        conn.execute("UPDATE conversation SET title = '', opening = '', folder = ''"
+                     " WHERE user_id = ?", (uid,))
         settle_in(conn)
     return Purged(messages, items)
 
@@ -127,7 +133,8 @@ def rederive(store: Store, version: str, progress: bool = True) -> int:
     d = _dictionary(version)
     with writing("start re-deriving") as conn:  # rows of an abandoned version are dropped
         conn.execute("DELETE FROM retrieval_next WHERE version != ?", (version,))
-        (total,) = conn.execute("SELECT count(*) FROM item").fetchone()
+        (total,) = conn.execute("SELECT count(*) FROM item WHERE kind != ?",
+                                (_CONTEXT,)).fetchone()
         (done,) = conn.execute("SELECT count(*) FROM retrieval_next").fetchone()
     bar = tqdm(total=total, initial=done, unit="row", desc=f"re-deriving {version}",
                disable=not progress)
@@ -192,8 +199,8 @@ def _rederive_batch(d: dictionary.Dictionary, limit: int) -> int:
     """Re-derive the next `limit` items past the cursor under `d`; returns how many."""
     with writing("re-derive rows") as conn:
         (after,) = conn.execute("SELECT coalesce(max(item_id), 0) FROM retrieval_next").fetchone()
-        items = conn.execute("SELECT id, kind, name, text FROM item WHERE id > ? ORDER BY id"
-                             " LIMIT ?", (after, limit)).fetchall()
+        items = conn.execute("SELECT id, kind, name, text FROM item WHERE id > ? AND kind != ?"
+                             " ORDER BY id LIMIT ?", (after, _CONTEXT, limit)).fetchall()
         rows = []
         with dictionary.using(d):
             for i, kind, name, text in items:

@@ -23,7 +23,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from . import capture, frame, heat, notes, repair, tools
+from . import capture, frame, heat, names, notes, repair, tools
 from .cap import Cap
 from .capture import TurnContext
 from .conversation import Message, ParsedRequest, Protocol, Provider, Reply, is_prompt, prompt_text
@@ -40,7 +40,7 @@ from .tools import TurnMemory
 log = logging.getLogger("perpetuity")
 
 CURATE_COMMAND = "/perpetuity-curate"
-RECENT_STRETCH = 6  # the latest stored messages of the conversation, always in the frame
+RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame's tail comes from
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
 
@@ -84,6 +84,10 @@ class PendingTurn:
     hits: set[int] = field(default_factory=set)
     shown: set[int] = field(default_factory=set)
     frame_rows: set[int] = field(default_factory=set)
+    folder: str = ""  # the working directory the harness states (names.py)
+    # A title side request: nothing of it is a turn; its reply names the conversation.
+    title: bool = False
+    structured: bool = False  # the title is asked for as JSON (Claude Code), else as text
 
 
 @dataclass(slots=True)
@@ -203,6 +207,13 @@ class Pipeline:
             return decision
         if ident.side:
             decision.note = f"side request: {ident.side}"
+            if ident.side == "title" and controls.capture and not controls.probe:
+                # Forwarded as sent; only its reply is read, for the conversation's name.
+                pending = PendingTurn(ident.user, ident.conversation, r.provider.value,
+                                      parsed.model, [], time.time(), title=True,
+                                      structured=parsed.structured_output)
+                decision.job = Job(req.method, r.upstream_url, _forwarded(req), req.body,
+                                   r.protocol, parsed.stream, pending)
             return decision
         at = controls.at if controls.at is not None else time.time()
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
@@ -223,10 +234,9 @@ class Pipeline:
                               built.now if built else 0.0, sent, recall.notes,
                               set(built.hits[:BOUND_HITS]) if built else set(),
                               recall.memory.shown if recall.memory else set(),
-                              set(recall.plan.shown) if recall.plan else set())
-        forwarded = [(k, v) for k, v in req.headers
-                     if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
-        decision.job = Job(req.method, r.upstream_url, forwarded,
+                              set(recall.plan.shown) if recall.plan else set(),
+                              names.folder(parsed))
+        decision.job = Job(req.method, r.upstream_url, _forwarded(req),
                            recall.body if recall.body is not None else req.body, r.protocol,
                            parsed.stream, pending, at=controls.at, memory=recall.memory,
                            max_rounds=self.tool_rounds,
@@ -280,6 +290,7 @@ class Pipeline:
             return Recall(note=replaced.why)
         if replaced.why:
             log.info("perpetuity: %s", replaced.why)
+        if replaced.keep != laid.keep:
             # The plan keeps what went upstream, so the next call grows from it.
             out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
         out.keep, out.note = replaced.keep, replaced.why
@@ -296,12 +307,12 @@ class Pipeline:
         assert out.key is not None
         user_id = out.key[0]
         messages = parsed.messages
-        short = _tokens(messages[:prompt]) <= self.limits.ceiling
-        keep = 0 if short else repair.kept_start(messages, prompt)
+        keep = prompt if _tokens(messages[:prompt]) > self.limits.ceiling else 0
         if conv is None:
             keep = 0
         elif new := capture.new_messages(self.store, conv, messages):
             keep = min(keep, new[0])  # what the store does not hold yet is never stripped
+        keep = repair.kept_start(messages, keep)  # never a result whose call is dropped
         fps = [m.fingerprint() for m in messages]
         kept = self.store.message_ids(conv, fps[keep:]) if conv else []
         recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
@@ -323,9 +334,13 @@ class Pipeline:
 
     def _add(self, out: Recall, parsed: ParsedRequest, prompt: int, keep: int, conv: int | None,
              query: str, asked_at: float) -> None:
-        """An addendum for a new prompt under a frame that stays: its hits not yet in front."""
+        """An addendum for a new prompt under a frame that stays: its hits not yet in front.
+        None before a prompt that answers a call (an interrupted tool call's result rides with
+        the next prompt): it would part the call from its result."""
         assert out.key is not None and out.plan is not None
         messages = parsed.messages
+        if repair.answers_earlier(messages, prompt):
+            return
         kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
             if conv else []
         more = frame.addendum(self.scanner, user_id=out.key[0], conversation_id=conv,
@@ -365,7 +380,7 @@ class Pipeline:
         _, turn = capture.record(
             self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
             model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",
-        )
+            folder=p.folder)
         heat.advance(turn.user_id, p.sent_tokens)
         return turn
 
@@ -373,7 +388,11 @@ class Pipeline:
                     pending: PendingTurn | None = None) -> None:
         """Store the reply, move the clock by what the model sent back, and log what the turn
         was shown as bound to it (the store's writer); a recalled note the reply cites by name
-        was used."""
+        was used. A title side request's reply is not a turn: it names the conversation."""
+        if pending and pending.title:
+            self.store.name_conversation(turn.conversation_id,
+                                         title=names.title(reply, pending.structured))
+            return
         message_id = capture.record_reply(self.store, turn, reply, at)
         if message_id is not None:
             heat.advance(turn.user_id, _tokens([reply.message]))
@@ -413,6 +432,12 @@ class Pipeline:
             specs.append({"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
                           "input_schema": notes.CAPTURE_TOOL_SCHEMA})
         return specs
+
+
+def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
+    """The request's headers as they go upstream."""
+    return [(k, v) for k, v in req.headers
+            if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
 
 
 def _tools_note(left_out: int) -> str:

@@ -20,17 +20,31 @@ from .conversation import Kind, Message, ParsedRequest
 def kept_start(messages: list[Message], start: int) -> int:
     """The latest index at or before `start` where the kept part may begin: a user message none
     of whose tool results answer a call made before it (0 when none does)."""
+    called_at = _calls(messages[:start])
+    for k in range(min(start, len(messages) - 1), 0, -1):
+        if messages[k].role == "user" and not _answers(messages[k], called_at, k):
+            return k
+    return 0
+
+
+def answers_earlier(messages: list[Message], i: int) -> bool:
+    """Message `i` holds results of calls made before it: nothing may go between them."""
+    return _answers(messages[i], _calls(messages[:i]), i)
+
+
+def _calls(messages: list[Message]) -> dict[str, int]:
+    """Each tool call's id, with the index of the message that made it."""
     called_at: dict[str, int] = {}
-    for i, m in enumerate(messages[:start]):
+    for i, m in enumerate(messages):
         for p in m.parts:
             if p.kind == Kind.TOOL_CALL:
                 called_at.setdefault(p.call_id, i)
-    for k in range(min(start, len(messages) - 1), 0, -1):
-        m = messages[k]
-        if m.role == "user" and not any(
-                p.kind == Kind.TOOL_RESULT and called_at.get(p.call_id, k) < k for p in m.parts):
-            return k
-    return 0
+    return called_at
+
+
+def _answers(message: Message, called_at: dict[str, int], i: int) -> bool:
+    return any(p.kind == Kind.TOOL_RESULT and called_at.get(p.call_id, i) < i
+               for p in message.parts)
 
 
 @dataclass(frozen=True, slots=True)

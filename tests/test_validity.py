@@ -9,6 +9,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +52,12 @@ def text(t: str) -> dict[str, Any]:
     return {"type": "text", "text": t}
 
 
-def call(i: str) -> dict[str, Any]:
-    return {"type": "tool_use", "id": i, "name": "Bash", "input": {"command": "ls"}}
+def call(i: str, command: str = "ls") -> dict[str, Any]:
+    return {"type": "tool_use", "id": i, "name": "Bash", "input": {"command": command}}
 
 
-def result(i: str) -> dict[str, Any]:
-    return {"type": "tool_result", "tool_use_id": i, "content": "ok"}
+def result(i: str, content: str = "ok") -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": i, "content": content}
 
 
 def thinking(signature: str = "sig") -> dict[str, Any]:
@@ -186,10 +187,13 @@ COMPACT_SUMMARY = ("This session is being continued from a previous conversation
                    "Summary: the parser in src/parse.py drops trailing commas.")
 PNG = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0K"}}
 UPSTREAMS = {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"}
+REBUILD = 600.0  # seconds between calls: the cache has expired, so every prompt rebuilds
+ADDENDA = 10.0  # the cache holds: the frame stays and new prompts get addenda
 # Memory from an earlier conversation, large enough that a frame replaces the history.
 OLDER = [f"The parser in src/parse.py {w}; the tokenizer in src/lex.py handles {w} too."
          for w in ("drops trailing commas", "reads nested lists", "skips comments", "keeps quotes",
-                   "counts lines", "reports columns", "rejects tabs", "folds whitespace")]
+                   "counts lines", "reports columns", "rejects tabs", "folds whitespace")] + [
+    "The deploy script stages every build through zeppelin before release."]
 
 
 def calls(items: list[dict[str, Any]], reply_side: Callable[[dict[str, Any]], bool]
@@ -224,23 +228,22 @@ RESPONSES = Wire("/v1/responses", "input", Protocol.RESPONSES, ["authorization",
                                                                              "reasoning"))
 
 
-def drive(tmp_path: Path, wire: Wire, items: list[dict[str, Any]], harness: str = "coding",
+def drive(tmp_path: Path, wire: Wire, items: list[dict[str, Any]], gap: float = REBUILD,
           **extra: Any) -> list[tuple[dict[str, Any], Decision]]:
     """Each call of the session through a real pipeline on a store that already remembers an
-    earlier conversation; every reply stored as the relay would. (body sent, decision) each."""
+    earlier conversation, `gap` seconds apart, with frames small enough that the session's own
+    history outgrows them; every reply stored as the relay would. (body sent, decision) each."""
     store = Store(tmp_path / "m.db")
     say(store, "older", *[t for line in OLDER for t in (line, "Noted.")], user="dev")
-    # Frames of a hundred tokens: these sessions are longer than a frame, so their history is
-    # replaced as a long session's is.
-    pipeline = Pipeline(store, UPSTREAMS, limits=Cap(floor=50, ceiling=100))
-    headers = [wire.auth, ["x-perpetuity-user", "dev"], ["x-perpetuity-conversation", "live"],
-               ["x-perpetuity-harness", harness]]
+    pipeline = Pipeline(store, UPSTREAMS, limits=Cap(floor=60, ceiling=120))
+    headers = [wire.auth, ["x-perpetuity-user", "dev"], ["x-perpetuity-conversation", "live"]]
     adapter = ADAPTERS[wire.protocol]
     out = []
-    for history, reply in calls(items, wire.reply_side):
+    for n, (history, reply) in enumerate(calls(items, wire.reply_side)):
         body = {"model": "m", wire.key: history, **extra}
-        d = pipeline.prepare(to_request({"method": "POST", "path": wire.path, "headers": headers,
-                                         "body": body}))
+        when = datetime.fromtimestamp(1_700_000_000 + n * gap, UTC).isoformat()
+        d = pipeline.prepare(to_request({"method": "POST", "path": wire.path, "body": body,
+                                         "headers": [*headers, ["x-perpetuity-time", when]]}))
         out.append((body, d))
         turn = pipeline.store_turn(d.job.pending)
         if reply:
@@ -283,8 +286,10 @@ def claude_code_session() -> list[dict[str, Any]]:
         user(result("grep1"), result("grep2")),
         assistant(text("Fixed the comma handling.")),
         user(PNG, text("the tokenizer in src/lex.py now shows this error")),
-        assistant(thinking("sig-2"), call("run1")),
-        user(result("run1"), text(INTERRUPT), text("no, run only the lexer tests")),
+        # A long call, so that what accumulated since the last frame outgrows a frame: the
+        # interrupt's prompt is a rebuild.
+        assistant(thinking("sig-2"), call("run1", "pytest tests/lex/test_columns.py " * 60)),
+        user(result("run1"), text(INTERRUPT), text("no, first check how the deploy script uses zeppelin")),
         assistant(call("run2")),
         user(result("run2")),
         assistant(text("The lexer tests pass.")),
@@ -298,27 +303,28 @@ def claude_code_session() -> list[dict[str, Any]]:
     ]
 
 
-def test_claude_code_shapes_stay_valid_when_memory_replaces_history(tmp_path: Path) -> None:
-    sent = drive(tmp_path, ANTHROPIC, claude_code_session(),
+@pytest.mark.parametrize("gap", [REBUILD, ADDENDA])
+def test_claude_code_shapes_stay_valid_when_memory_replaces_history(tmp_path: Path,
+                                                                   gap: float) -> None:
+    sent = drive(tmp_path, ANTHROPIC, claude_code_session(), gap,
                  system=[{"type": "text", "text": "You are Claude Code.",
                           "cache_control": {"type": "ephemeral"}}])
     assert assert_accepted_and_live_task_kept(ANTHROPIC, sent) >= 4
 
 
 def test_the_interrupted_call_stays_with_its_result(tmp_path: Path) -> None:
-    """Three prompts back is the interrupt's message: the kept part starts at the prompt before
-    it, so the interrupted call's tool_use is kept beside its result."""
+    """A rebuild at the interrupt's message, a prompt that carries the interrupted call's
+    result: the history is kept from the prompt before the call, so the call stays with it."""
     session = claude_code_session()
     interrupted = next(i for i, m in enumerate(session)
                        if any(b.get("text") == INTERRUPT for b in m["content"]))
-    prompts = [i for i, m in enumerate(session) if m["role"] == "user" and i > interrupted
-               and not any(b["type"] == "tool_result" for b in m["content"])]
-    third = session[:prompts[1] + 1]  # the interrupt's message is three prompts back here
-    body, d = next((b, d) for b, d in drive(tmp_path, ANTHROPIC, session) if b["messages"] == third)
+    asked = session[:interrupted + 1]
+    body, d = next((b, d) for b, d in drive(tmp_path, ANTHROPIC, session)
+                   if b["messages"] == asked)
     upstream = json.loads(d.body)["messages"]
-    kept = third[interrupted - 2:]  # from the prompt before the interrupted call
+    kept = asked[interrupted - 2:]  # from the prompt before the interrupted call
     assert upstream[-len(kept):] == kept and upstream[-len(kept) - 1]["role"] == "assistant"
-    assert upstream[0] != third[0]  # the history before it was replaced
+    assert upstream[0] != asked[0]  # the history before it was replaced
 
 
 def test_a_compacted_session_stays_valid(tmp_path: Path) -> None:
@@ -332,7 +338,8 @@ def test_a_compacted_session_stays_valid(tmp_path: Path) -> None:
     assert assert_accepted_and_live_task_kept(ANTHROPIC, sent) >= 4
 
 
-def test_chat_sessions_with_parallel_calls_stay_valid(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gap", [REBUILD, ADDENDA])
+def test_chat_sessions_with_parallel_calls_stay_valid(tmp_path: Path, gap: float) -> None:
     def asks(i: str, *ids: str) -> list[dict[str, Any]]:
         return [{"role": "assistant", "content": None, "tool_calls": [
             {"id": c, "type": "function", "function": {"name": "read", "arguments": "{}"}}
@@ -343,7 +350,7 @@ def test_chat_sessions_with_parallel_calls_stay_valid(tmp_path: Path) -> None:
         session += [{"role": "user", "content": f"check that {line}"},
                     *asks(line, f"a{n}", f"b{n}"), {"role": "assistant", "content": "Checked."}]
     session.append({"role": "user", "content": "does the parser still skip comments?"})
-    sent = drive(tmp_path, CHAT, session)
+    sent = drive(tmp_path, CHAT, session, gap)
     assert assert_accepted_and_live_task_kept(CHAT, sent) >= 6
 
 
@@ -364,33 +371,38 @@ def responses_session() -> list[dict[str, Any]]:
     return session + [said("user", "does the parser still skip comments?")]
 
 
-def test_responses_sessions_stay_valid(tmp_path: Path) -> None:
-    sent = drive(tmp_path, RESPONSES, responses_session())
+@pytest.mark.parametrize("gap", [REBUILD, ADDENDA])
+def test_responses_sessions_stay_valid(tmp_path: Path, gap: float) -> None:
+    sent = drive(tmp_path, RESPONSES, responses_session(), gap)
     assert assert_accepted_and_live_task_kept(RESPONSES, sent) >= 6
 
 
 def test_a_result_after_the_next_prompt_keeps_its_call(tmp_path: Path,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """A call's output that arrives after the person's next prompt: kept from that prompt, it
-    would lose its call, so the check moves the boundary to the prompt before, and says why;
-    through the pipeline the request stays valid."""
+    would lose its call, so the check moves the boundary to the prompt before, and says why."""
     session = responses_session()
     *head, last = session
-    call_item = {"type": "function_call", "call_id": "late", "name": "shell", "arguments": "{}"}
+    # A long call, so that what accumulated since the last frame outgrows a frame: a rebuild.
+    call_item = {"type": "function_call", "call_id": "late", "name": "shell",
+                 "arguments": json.dumps({"command": "pytest tests/lex " * 100})}
     session = [*head, {"type": "message", "role": "user", "content": "rerun the lexer"}, call_item,
                last, {"type": "function_call_output", "call_id": "late", "output": "ok"}]
     body = {"model": "m", "input": session}
     parsed = responses.parse_request(body)
-    frame = [Message("user", (text_part("[Memory: ...]"),)),
+    front = [Message("user", (text_part("[Memory: ...]"),)),
              Message("assistant", (text_part("[End of quoted memory.]"),))]
     prompt = max(i for i, m in enumerate(parsed.messages) if is_prompt(m))
-    replaced = repair.replace_history(responses, body, parsed, frame, prompt)
+    replaced = repair.replace_history(responses, body, parsed, front, prompt)
     assert replaced.body is not None and replaced.keep < prompt
     assert "not" in replaced.why and "output without its call" in replaced.why
     assert responses.check(replaced.body) == [] and replaced.body["input"][-4:] == session[-4:]
     with caplog.at_level(logging.INFO, logger="perpetuity"):
-        body, d = drive(tmp_path, RESPONSES, session, harness="chat")[-1]
+        body, d = drive(tmp_path, RESPONSES, session)[-1]
     assert assert_accepted_and_live_task_kept(RESPONSES, [(body, d)]) == 1
+    assert "not" in d.note and "output without its call" in d.note
+    assert json.loads(d.body)["input"][-4:] == body["input"][-4:]
+    assert "output without its call" in caplog.text
 
 
 def test_a_request_that_cannot_be_made_valid_goes_as_sent(tmp_path: Path,

@@ -6,7 +6,17 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
+from ..conversation import (
+    Kind,
+    Message,
+    ParsedRequest,
+    Part,
+    Protocol,
+    Reply,
+    Usage,
+    as_context,
+    text_part,
+)
 from ..errors import ProtocolError
 from ..sse import Event
 
@@ -134,13 +144,15 @@ def _spliced(raw: list[Any], keep_from: int,
 
 
 def _message(m: dict[str, Any]) -> Message:
+    role = str(m.get("role", "user"))
     content = m.get("content")
     if isinstance(content, str):
-        return Message(str(m.get("role", "user")), (text_part(content),))
-    return Message(
-        str(m.get("role", "user")),
-        tuple(p for b in content or [] if isinstance(b, dict) and (p := _block(b))),
-    )
+        parts: tuple[Part, ...] = (text_part(content),)
+    else:
+        parts = tuple(p for b in content or [] if isinstance(b, dict) and (p := _block(b)))
+    # A system message among the turns is the harness's (Claude Code sends its list of agent
+    # types, 6,600 characters, in every session): context for this request, not memory.
+    return Message(role, as_context(parts) if role == "system" else parts)
 
 
 def _block(b: dict[str, Any]) -> Part | None:

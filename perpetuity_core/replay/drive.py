@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from .. import importers
 from ..billing import AnthropicCache
-from ..cap import Cap
 from ..conversation import Provider
 from ..errors import ConfigError
 from ..pipeline import HttpRequest, Pipeline
@@ -54,28 +53,20 @@ class Report:
 
 
 @contextlib.contextmanager
-def _memory(db: Path | None) -> Iterator[Store]:
-    """A fresh memory: at `db` (which must not exist yet, so no real memory is touched), else a
-    temporary file."""
-    if db is not None:
-        if db.exists():
-            raise ConfigError(f"{db} exists; replay fills a new memory, give a new path")
-        store = Store(db)
-        try:
-            yield store
-        finally:
-            store.close()
-        return
+def _pipeline(db: Path | None, options: dict[str, Any]) -> Iterator[Pipeline]:
+    """The pipeline as `perpetuity proxy` runs it, on a fresh memory: at `db` (which must not
+    exist yet, so no real memory is touched), else a temporary file. Its notes library is an
+    empty one of its own (a new user's): the note_capture tool rides along as in the proxy, and
+    no real library is read or marked."""
+    if db is not None and db.exists():
+        raise ConfigError(f"{db} exists; replay fills a new memory, give a new path")
     with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "replay.db")
+        store = Store(db or Path(tmp) / "replay.db")
         try:
-            yield store
+            yield Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider},
+                           **{"notes_root": Path(tmp) / "notes", **options})
         finally:
             store.close()
-
-
-def _pipeline(store: Store, limits: Cap, tools: bool) -> Pipeline:
-    return Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider}, tools=tools, limits=limits)
 
 
 class _Side:
@@ -102,10 +93,11 @@ class _Side:
 
 
 def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None = None,
-                template: Path | None = None, limits: Cap = Cap(), tools: bool = True,
-                progress: bool = False) -> Report:
+                template: Path | None = None, progress: bool = False,
+                **pipeline_options: Any) -> Report:
     """Replay Claude Code sessions (files, or folders searched for *.jsonl) into one memory,
-    in time order; `calls` keeps each session's first N calls."""
+    in time order; `calls` keeps each session's first N calls. `pipeline_options` go to
+    `Pipeline` as the proxy's options would (limits=Cap(...), tools=False, tool_rounds=...)."""
     shape = load_template(template)
     sessions = list(sessions_in_order(paths))
     if not sessions:
@@ -116,9 +108,9 @@ def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None
              enumerate(s.calls[:calls] if calls else s.calls)]
     heapq.heapify(queue)
     direct_cache, upstream_cache = AnthropicCache(), AnthropicCache()
-    with _memory(db) as store, tqdm(total=len(queue), disable=not progress, unit="call",
-                                    desc="replay") as bar:
-        side = _Side(_pipeline(store, limits, tools))
+    with _pipeline(db, pipeline_options) as pipeline, tqdm(
+            total=len(queue), disable=not progress, unit="call", desc="replay") as bar:
+        side = _Side(pipeline)
         harness_ids = identifiers("\n".join(shape.harness_text()))
         while queue:
             _, n, _, call = heapq.heappop(queue)
@@ -164,8 +156,8 @@ def paced(times: list[float], gap: float) -> list[float]:
 
 
 def chat_locomo(path: Path, db: Path | None = None, limit: int = 0, turns: int = 0,
-                gap: float = 60.0, model: str = "claude-sonnet-4-6", limits: Cap = Cap(),
-                tools: bool = True, progress: bool = False) -> Report:
+                gap: float = 60.0, model: str = "claude-sonnet-4-6", progress: bool = False,
+                **pipeline_options: Any) -> Report:
     """Each LoCoMo conversation re-sent turn by turn as a chat client sends it: the whole
     history every time, Anthropic Messages with a cache mark on the last message."""
     if not path.exists():
@@ -173,9 +165,9 @@ def chat_locomo(path: Path, db: Path | None = None, limit: int = 0, turns: int =
     threads = list(importers.locomo(path))[: limit or None]
     report = Report([Tally(t.conversation_key) for t in threads], "chat client")
     direct_cache, upstream_cache = AnthropicCache(), AnthropicCache()
-    with _memory(db) as store, tqdm(total=len(threads), disable=not progress,
-                                    unit="conversation", desc="replay") as bar:
-        side = _Side(_pipeline(store, limits, tools))
+    with _pipeline(db, pipeline_options) as pipeline, tqdm(
+            total=len(threads), disable=not progress, unit="conversation", desc="replay") as bar:
+        side = _Side(pipeline)
         for thread, tally in zip(threads, report.sessions, strict=True):
             _chat_thread(side, thread, tally, turns, gap, model, direct_cache, upstream_cache)
             bar.update()
@@ -198,8 +190,9 @@ def _chat_thread(side: _Side, thread: importers.Thread, tally: Tally, turns: int
     for k, (role, text, at) in enumerate(said):
         if role != "user":
             continue
-        history = [{"role": r, "content": x} for r, x, _ in said[:k]] + [{"role": "user", "content": [
-            {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}]}]
+        last = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+        history = [{"role": r, "content": x} for r, x, _ in said[:k]] + [
+            {"role": "user", "content": [last]}]
         body = {"model": model, "max_tokens": 1024, "messages": history}
         reply = said[k + 1] if k + 1 < len(said) else ("assistant", "", at)
         tally.prompts += 1

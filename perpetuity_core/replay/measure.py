@@ -22,19 +22,34 @@ from typing import Any
 
 from ..billing import Bill, block_text
 
-_CANDIDATE = re.compile(r"(?:[\w.\-]*/)+[\w.\-]+|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][\w]*)+"
+_CANDIDATE = re.compile(r"~?(?:[\w.\-]*/)+[\w.\-]+|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][\w]*)+"
                         r"|[A-Za-z_][A-Za-z0-9_]*")
 _CAMEL = re.compile(r"[a-z][A-Z]|[A-Z].*[A-Z].*[a-z]|[A-Z][a-z]+[A-Z]")
+_EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,8}$")
 
 
 def identifiers(text: str) -> set[str]:
     """File paths and code names in a text, not plain words."""
     out = set()
     for m in _CANDIDATE.finditer(text):
-        s = m.group().strip(".-")
-        if len(s) >= 4 and ("/" in s or "_" in s.strip("_") or "." in s or _CAMEL.search(s)):
+        s = m.group().rstrip(".-/")
+        if len(s) < 4:
+            continue
+        if "/" in s:
+            if _is_path(s):
+                out.add(s)
+        elif "_" in s.strip("_") or "." in s or _CAMEL.search(s):
             out.add(s)
     return out
+
+
+def _is_path(s: str) -> bool:
+    """A path, not words joined by slashes ("and/or", "Mind/Body"): it has an extension, is
+    rooted, or is three lower-case parts deep or more."""
+    if _EXTENSION.search(s) or s.startswith(("/", "~", "./", "../")):
+        return True
+    parts = s.split("/")
+    return len(parts) >= 3 and all(p == p.lower() for p in parts)
 
 
 def reply_text(blocks: list[dict[str, Any]]) -> str:
@@ -63,7 +78,8 @@ def live_kept(direct: list[dict[str, Any]], upstream: list[dict[str, Any]], live
     tail = direct[live:]
     if len(upstream) < len(tail):
         return False
-    return json.dumps(_unmarked(tail)) == json.dumps(_unmarked(upstream[len(upstream) - len(tail):]))
+    sent = upstream[len(upstream) - len(tail):]
+    return json.dumps(_unmarked(tail)) == json.dumps(_unmarked(sent))
 
 
 @dataclass(slots=True)
@@ -97,7 +113,7 @@ class Tally:
             (self.upstream_curve[-1] if self.upstream_curve else 0) + upstream.cost)
         if problems:
             self.invalid += 1
-            self.reasons += [p for p in problems if p not in self.reasons][:3]
+            self.reasons += [p for p in problems if p not in self.reasons][:5 - len(self.reasons)]
         self.live_identical += live_same
         self.framed += framed
         if older:
@@ -109,7 +125,7 @@ class Tally:
         for name in ("calls", "prompts", "skipped_calls", "skipped_lines", "invalid",
                      "older_used", "older_kept", "calls_using_older", "live_identical", "framed"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.reasons += [r for r in other.reasons if r not in self.reasons][:5]
+        self.reasons += [r for r in other.reasons if r not in self.reasons][:5 - len(self.reasons)]
         self.direct.add(other.direct)
         self.upstream.add(other.upstream)
 

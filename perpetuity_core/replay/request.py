@@ -41,7 +41,7 @@ class Template:
     extra: list[dict[str, Any]] = field(default_factory=list)  # system-role messages
     fields: dict[str, Any] = field(default_factory=dict)  # max_tokens, thinking, stream...
     headers: list[tuple[str, str]] = field(default_factory=list)
-    source: str = "built-in"
+    source: str = "built-in (no Claude Code capture: a short system prompt and no tools)"
 
     def harness_text(self) -> list[str]:
         """What every request carries whatever the person did: the system prompt, tools and
@@ -52,16 +52,16 @@ class Template:
                 + [str(m.get("content", "")) for m in self.extra])
 
 
-def load_template(path: Path | None) -> Template:
+def load_template(path: Path | None, default: Path = DEFAULT_TEMPLATE) -> Template:
     """The capture at `path`, else the default capture when ../shared is there, else the
     built-in stand-in."""
-    if path is None and not DEFAULT_TEMPLATE.exists():
+    if path is None and not default.exists():
         return Template([{"type": "text", "text": BUILT_IN_SYSTEM, "cache_control": MARK}],
                         fields={"max_tokens": 32000, "stream": True})
-    path = path or DEFAULT_TEMPLATE
+    path = path or default
     try:
         capture = json.loads(path.read_text(encoding="utf-8"))
-        body = capture["body"] if "body" in capture else capture
+        body = capture.get("body", capture)
         system, messages = body["system"], body["messages"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"cannot read a Claude Code request from {path}: {e}") from e
@@ -114,7 +114,7 @@ def build(call: Call, template: Template, session: Session) -> Built:
         ("x-api-key", "sk-ant-replay"), ("anthropic-version", "2023-06-01"),
         ("content-type", "application/json"),
         ("x-perpetuity-time", datetime.fromtimestamp(call.at, UTC).isoformat()))
-    return Built(body, live, tuple(dict((k.lower(), (k, v)) for k, v in headers).values()))
+    return Built(body, live, tuple({k.lower(): (k, v) for k, v in headers}.values()))
 
 
 def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:

@@ -12,7 +12,13 @@ Claude Code records one line per content block. Rebuilding what it sent:
 - `isCompactSummary` starts the history afresh with the summary;
 - `isSidechain` lines are a subagent's and never in this conversation's requests;
 - assistant lines of model `<synthetic>` (API errors, rate limits) were never sent;
-- thinking blocks keep their signatures and images stay content, as recorded.
+- thinking blocks keep their signatures and images stay content, as recorded;
+- a prompt whose `parentUuid` is an earlier block of the reply it follows (the person stopped
+  the reply before its tool call ran) continues from that block: the later blocks were in the
+  reply but never in a request (the API would have refused the unanswered call).
+
+A call whose rebuilt request would still be refused is Claude Code's record being incomplete:
+the replay skips it and counts it.
 
 A line that is not a JSON object, or a user/assistant line without a message, is skipped and
 counted.
@@ -27,9 +33,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..conversation import Kind, text_part
+from .. import conversation
+from ..protocols import anthropic
 
-INTERRUPT = "[Request interrupted by user"
 SYNTHETIC = "<synthetic>"
 
 
@@ -85,16 +91,13 @@ def read_session(path: Path) -> Session:
     return session
 
 
-def is_prompt(record: dict[str, Any], blocks: list[Any]) -> bool:
-    """Text a person typed: not meta or reminder text, not a tool result, not an interrupt."""
+def is_prompt(record: dict[str, Any], blocks: list[dict[str, Any]]) -> bool:
+    """Text a person typed (`conversation.is_prompt`, as the proxy reads it), on a line that is
+    not meta or reminder text."""
     if record.get("isMeta") or record.get("isCompactSummary"):
         return False
-    for b in blocks:
-        if isinstance(b, dict) and b.get("type") == "text":
-            text = str(b.get("text", ""))
-            if text_part(text).kind == Kind.TEXT and not text.startswith(INTERRUPT) and text.strip():
-                return True
-    return False
+    message = anthropic.parse_request({"messages": [{"role": "user", "content": blocks}]})
+    return conversation.is_prompt(message.messages[0])
 
 
 def _time(record: dict[str, Any]) -> float | None:
@@ -102,7 +105,7 @@ def _time(record: dict[str, Any]) -> float | None:
     if not isinstance(raw, str):
         return None
     try:
-        return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
+        return datetime.fromisoformat(raw).timestamp()
     except ValueError:
         return None
 
@@ -120,6 +123,8 @@ class _Builder:
         self.current: dict[str, Any] | None = None  # the assistant message being read
         self.current_id = ""
         self.last_time = 0.0
+        # uuid of a line of the reply being read -> how many of its blocks end at that line
+        self.block_count: dict[str, int] = {}
 
     def add(self, record: dict[str, Any]) -> None:
         kind = record.get("type")
@@ -137,7 +142,7 @@ class _Builder:
         if kind == "user":
             self._user(record, message)
         elif message.get("model") != SYNTHETIC:
-            self._assistant(message, at if at is not None else self.last_time)
+            self._assistant(record, message, at if at is not None else self.last_time)
         if at is not None:
             self.last_time = at
 
@@ -149,23 +154,31 @@ class _Builder:
             self.current = None
             self.messages, self.prompt_flags = [], []
             self.results, self.others, self.pending_prompt = [], [], False
+        parent = self.block_count.get(str(record.get("parentUuid")))
+        results = [b for b in blocks if b.get("type") == "tool_result"]
+        if self.current is not None and parent is not None and not results \
+                and parent < len(self.current["content"]):
+            # a copy: the recorded reply keeps every block
+            self.current = {**self.current, "content": self.current["content"][:parent]}
         if is_prompt(record, blocks):
             self.pending_prompt = True
             self.session.prompts += 1
-        self.results += [b for b in blocks if b.get("type") == "tool_result"]
+        self.results += results
         self.others += [b for b in blocks if b.get("type") != "tool_result"]
 
-    def _assistant(self, message: dict[str, Any], at: float) -> None:
+    def _assistant(self, record: dict[str, Any], message: dict[str, Any], at: float) -> None:
         content = [b for b in message.get("content") or [] if isinstance(b, dict)]
         mid = str(message.get("id") or "")
         if self.current is not None and mid and mid == self.current_id:
-            self.current["content"] += content  # another block of the same reply
+            self.session.calls[-1].reply += content  # another block of the same reply
             self.session.calls[-1].replied_at = at
+            self.block_count[str(record.get("uuid"))] = len(self.session.calls[-1].reply)
             return
         self.flush()
         prompts = [i for i, flag in enumerate(self.prompt_flags) if flag]
         self.current = {"role": "assistant", "content": content}
         self.current_id = mid
+        self.block_count = {str(record.get("uuid")): len(content)}
         self.session.calls.append(Call(list(self.messages), self.current["content"],
                                        str(message.get("model") or ""), self.last_time or at, at,
                                        prompts[-1] if prompts else 0,
