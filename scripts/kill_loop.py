@@ -14,7 +14,7 @@ store is compared with what the clients sent and received:
   - no partial message: every stored message's text is one the clients sent or received
     whole, or a reply cut by the kill (stored as incomplete).
 
-    .venv/bin/python scripts/kill_loop.py --kills 50 [--clients 2] [--seed 1]
+    .venv/bin/python scripts/kill_loop.py --kills 50 [--clients 2] [--seed 1] [--no-tools]
 
 Prints one JSON object.
 """
@@ -155,14 +155,17 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--min-gap", type=float, default=0.3, help="seconds of ingest before a kill")
     ap.add_argument("--max-gap", type=float, default=2.0)
+    ap.add_argument("--no-tools", action="store_true",
+                    help="recall tools off: replies on mitmproxy's own stream, not the relay")
     args = ap.parse_args()
+    extra = ("--set", "perpetuity_tools=false") if args.no_tools else ()
     rng = random.Random(args.seed)
     checks_failed: list[str] = []
     with FakeProvider() as fake, tempfile.TemporaryDirectory() as tmp:
         fake.script(*(Text(f"reply {i}: " + " ".join(rng.choices(WORDS, k=6)), chunks=3)
                       for i in range(200_000)))
         port = free_port()
-        proxy: Proxy = start_proxy(Path(tmp), fake.url, port=port)
+        proxy: Proxy = start_proxy(Path(tmp), fake.url, *extra, port=port)
         base = [proxy.url]
         stop = threading.Event()
         clients = [Client(f"conv-{i}", base, stop, args.seed * 100 + i)
@@ -175,7 +178,7 @@ def main() -> int:
             os.kill(proxy.process.pid, signal.SIGKILL)
             proxy.process.wait()
             t0 = time.perf_counter()
-            proxy = start_proxy(Path(tmp), fake.url, port=port)
+            proxy = start_proxy(Path(tmp), fake.url, *extra, port=port)
             restarts.append(time.perf_counter() - t0)
             checks_failed += check_memory(proxy.db)
         stop.set()
@@ -190,7 +193,7 @@ def main() -> int:
             c.history.append({"role": "assistant", "content": reply})
         time.sleep(1.0)  # the last reply is written just after the client saw it
         checks_failed += check_memory(proxy.db)
-        result = {"kills": args.kills, "clients": args.clients,
+        result = {"kills": args.kills, "clients": args.clients, "tools": not args.no_tools,
                   "failed_requests_retried": sum(c.failures for c in clients),
                   **tally(clients, proxy.db), "check_violations": checks_failed,
                   "restart_s_p50": round(sorted(restarts)[len(restarts) // 2], 2)
