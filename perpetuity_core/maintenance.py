@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from . import dictionary, tools
 from .conversation import Kind
 from .errors import ConfigError

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 import sqlite3
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def test_two_processes_writing_one_file_lose_nothing() -> None:
 
 
 def test_searches_never_fail_while_the_writer_stores_and_purges(store: Store) -> None:
-    fill(store, __import__("random").Random(3), 200)
+    fill(store, random.Random(3), 200)
     scanner = scan.Scanner(store, store_rows=0)
     uid = store.user_id("u1")
     errors: list[BaseException] = []
@@ -146,7 +147,7 @@ def small_dictionary(path: Path) -> str:
 
 def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
         store: Store, tmp_path: Path) -> None:
-    rng = __import__("random").Random(5)
+    rng = random.Random(5)
     fill(store, rng, 150)
     uid = store.user_id("u1")
     scanner = scan.Scanner(store, store_rows=0)
@@ -208,7 +209,7 @@ def test_memory_check_cli_reports_each_violation(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "memory.db"
     s = Store(path)
-    fill(s, __import__("random").Random(9), 40)
+    fill(s, random.Random(9), 40)
     with db.atomic():
         scan.fold(db.connection())
     s.close()

@@ -13,7 +13,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import peewee as pw
 import pytest
 
 from perpetuity_core import capture, dictionary, names, scan, tools
