@@ -22,12 +22,16 @@ import hashlib
 import json
 import re
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from .errors import ConfigError
 
 DATA_FILE = "retrieval-dictionary.json.gz"
 STOP_ID = 0  # stop words: counted nowhere, scored nowhere
@@ -127,9 +131,17 @@ class Dictionary:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Dictionary:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            data = json.load(f)
-        return cls(json.dumps(data["tokenizer"]), data["version"], data["stems"], data["term_of"])
+        return cls.from_bytes(Path(path).read_bytes())
+
+    @classmethod
+    def from_bytes(cls, body: bytes) -> Dictionary:
+        """A dictionary from its file's bytes (gzipped JSON), as the store keeps it."""
+        try:
+            data = json.loads(gzip.decompress(body))
+            return cls(json.dumps(data["tokenizer"]), data["version"], data["stems"],
+                       data["term_of"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"not a retrieval dictionary file: {e}") from e
 
     def _resolve(self, word: str) -> int:
         """The id of a word the word-level model did not know (the slow, rarer path)."""
@@ -209,9 +221,36 @@ def shipped_path() -> Path:
 
 
 @lru_cache(maxsize=1)
-def load() -> Dictionary:
+def shipped() -> Dictionary:
     """The dictionary shipped with the package, loaded on first use."""
     return Dictionary.from_file(shipped_path())
+
+
+_live: Dictionary | None = None
+
+
+def load() -> Dictionary:
+    """The live dictionary: the one the memory's rows are derived with (the store sets it on
+    open and follows a flip, see `use`), the shipped one until then."""
+    return _live if _live is not None else shipped()
+
+
+def use(d: Dictionary | None) -> None:
+    """Make `d` the live dictionary (None: the shipped one)."""
+    global _live
+    _live = d
+
+
+@contextmanager
+def using(d: Dictionary) -> Iterator[Dictionary]:
+    """`d` live for a while (re-deriving rows under a version before its flip), in a process
+    that does not serve meanwhile."""
+    before = _live
+    use(d)
+    try:
+        yield d
+    finally:
+        use(before)
 
 
 def build(word_counts: dict[str, int], min_count: int = 2) -> dict:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .conversation import Kind
-from .store import Item, db
+from .store import Item, db, writing
 
 BIRTH_PEAK = 1.0
 # Reheat peaks by rank: the best match burns hotter than a newborn row, the 20th about as hot.
@@ -96,9 +96,10 @@ def advance(user_id: int, tokens: float) -> None:
     """Move the user's clock by the tokens an exchange sent or received (the store's writer)."""
     if tokens <= 0:
         return
-    db.connection().execute(
-        "INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
-        " DO UPDATE SET position = position + excluded.position", (user_id, float(tokens)))
+    with writing("move the clock") as conn:
+        conn.execute(
+            "INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
+            " DO UPDATE SET position = position + excluded.position", (user_id, float(tokens)))
 
 
 def clock(user_id: int) -> float:
@@ -160,13 +161,12 @@ def reheat(now: float, reheats: dict[int, float]) -> int:
     """Write reheats that beat each row's current trajectory; the store's writer calls this."""
     if not reheats:
         return 0
-    conn = db.connection()
     ids = list(reheats)
-    rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
-                        f" item_id IN ({','.join('?' * len(ids))})", ids).fetchall()
-    better = [(now, reheats[i], i) for i, at, peak, half in rows
-              if reheats[i] > peak * 2.0 ** (-(now - at) / half)]
-    with db.atomic():
+    with writing("reheat rows") as conn:  # read and written under one lock
+        rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
+                            f" item_id IN ({','.join('?' * len(ids))})", ids).fetchall()
+        better = [(now, reheats[i], i) for i, at, peak, half in rows
+                  if reheats[i] > peak * 2.0 ** (-(now - at) / half)]
         conn.executemany("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?", better)
     return len(better)
 

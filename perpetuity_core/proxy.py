@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,9 @@ class Perpetuity:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-store")
         # Requests are parsed on their own thread, so a request never queues behind a write.
         self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-parse")
+        # The recall tools run on their own threads: a slow tool (a long scan, a cold catch-up)
+        # never queues another client's request behind it (the scanner guards its arena).
+        self.tools = ThreadPoolExecutor(max_workers=4, thread_name_prefix="perpetuity-tools")
 
     def load(self, loader: Any) -> None:
         loader.add_option("perpetuity_db", str, str(default_db_path()),
@@ -109,6 +112,8 @@ class Perpetuity:
             f"  any other harness: HTTPS_PROXY=http://{host}:{port} with the mitmproxy CA trusted",
             flush=True,
         )
+        if self.store is not None and self.store.notice:
+            print(f"perpetuity: {self.store.notice}", flush=True)
 
     async def done(self) -> None:
         await self.relay.stop()
@@ -116,6 +121,7 @@ class Perpetuity:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.store.close)
         self.executor.shutdown(wait=False)
         self.parser.shutdown(wait=False)
+        self.tools.shutdown(wait=False)
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live or self.pipeline is None:
@@ -249,16 +255,17 @@ class Perpetuity:
         """Queue the request's write on the store's thread, once."""
         if job.turn is None and self.pipeline is not None:
             job.turn = self.executor.submit(self.pipeline.store_turn, job.pending)
+            job.turn.add_done_callback(_report_unstored)
 
     async def _run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
-        """On the preparing thread: it owns the scanner, and the event loop never waits."""
+        """On the tools' threads, so the event loop and the preparing thread never wait."""
         pipeline = self.pipeline
         assert pipeline is not None
         if name == CAPTURE_TOOL_NAME:
             return await asyncio.get_running_loop().run_in_executor(
                 self.parser, pipeline.capture_note, arguments)
         return await asyncio.get_running_loop().run_in_executor(
-            self.parser, tools.run, name, arguments, memory, pipeline.scanner)
+            self.tools, tools.run, name, arguments, memory, pipeline.scanner)
 
     def _store_reply(self, job: Job, reply: Reply, at: float) -> None:
         """Queue the reply behind its request on the store's thread (FIFO: one writer, in order)."""
@@ -273,6 +280,14 @@ class Perpetuity:
                 log.exception("perpetuity: could not store the reply")
 
         self.executor.submit(write)
+
+
+def _report_unstored(turn: Future) -> None:
+    """Fail open, not silent: the reply went to the client; the turn is stored when the
+    conversation's next request re-sends it (capture recognises what the store holds)."""
+    if not turn.cancelled() and (e := turn.exception()) is not None:
+        log.error("perpetuity: a turn was not stored (%s); the conversation's next request"
+                  " re-sends it and it is stored then", e)
 
 
 class StreamTee:

@@ -8,6 +8,10 @@ retrieval needs at once (the chains) are written by the same writer a batch of m
 time, one transaction per batch (`Store.flush`), each with a cursor: their readers add the rows
 past the cursor themselves, so they too never see a row without what is derived from it.
 
+Every write goes through `writing` (BEGIN IMMEDIATE: a second process on the same file waits
+for the lock instead of failing), reads that must agree through `snapshot`, and SQLite's
+errors leave the store as StoreError (`failing_as`). Ids are never handed out twice (m010).
+
 Credentials never reach this module: identity arrives already hashed.
 """
 
@@ -15,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import secrets
+import sqlite3
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +37,48 @@ from .errors import StoreError
 from .names import label
 
 db = pw.SqliteDatabase(None)
+log = logging.getLogger("perpetuity")
 
 # WAL lets readers scan while the single writer appends; NORMAL is durable across process crashes
 # (only an OS crash can lose the last commits), which is the trade SQLite documents for WAL.
 PRAGMAS = {"journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1, "busy_timeout": 5000}
+
+
+@contextmanager
+def failing_as(what: str) -> Iterator[None]:
+    """The boundary: SQLite's errors (raw `sqlite3` ones from the per-request SQL as well as
+    peewee's) leave the store as StoreError, which every caller knows how to fail open on."""
+    try:
+        yield
+    except (sqlite3.Error, pw.PeeweeException) as e:
+        # SQLite rolls a transaction back itself on some errors (a full disk): the rollback
+        # that follows fails, and that is not the error to report.
+        cause: BaseException = e
+        while "rollback" in str(cause) and isinstance(
+                cause.__context__, sqlite3.Error | pw.PeeweeException):
+            cause = cause.__context__
+        raise StoreError(f"could not {what}: {cause}") from e
+
+
+@contextmanager
+def writing(what: str) -> Iterator[sqlite3.Connection]:
+    """The one way to write: a transaction that takes the write lock when it begins.
+
+    A deferred `BEGIN` that reads before it writes gets "database is locked" at once, busy
+    timeout ignored, when another connection committed in between (SQLite cannot upgrade a
+    stale read snapshot): two processes storing 1,500 messages each failed 36 and 40 writes in
+    the review, 4 and 2 in scripts/bench_writers.py here (the batched flush reads first); with
+    BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each. Nested, it is a
+    savepoint of the enclosing write."""
+    with failing_as(what), db.atomic("IMMEDIATE"):
+        yield db.connection()
+
+
+@contextmanager
+def snapshot(what: str) -> Iterator[sqlite3.Connection]:
+    """A read transaction: everything read inside it is of one commit (WAL: never blocked)."""
+    with failing_as(what), db.atomic():
+        yield db.connection()
 
 
 class BaseModel(pw.Model):
@@ -270,10 +315,53 @@ def m009_harness_text(database: pw.Database) -> None:
                          (opening_words(first[0]), cid))
 
 
+def m010_store_guarantees(database: pw.Database) -> None:
+    """Ids that are never handed out twice, and the retrieval dictionary kept as data.
+
+    SQLite gives a new row max(id) + 1, so a deleted newest message or item lent its id to the
+    next one, while frame caches assume ids only grow. A trigger keeps the highest id ever
+    deleted (`high_water`) and the write path numbers rows past both (no AUTOINCREMENT table
+    rebuild). `dictionary` holds every version uploaded (the live one named by the setting
+    `dictionary`), `retrieval_next` the dark rows a new version is re-derived into before its
+    flip (see maintenance.py). The live version is the one the stored rows were made with."""
+    from . import dictionary
+
+    shipped = dictionary.shipped()
+    versions = [v for (v,) in database.execute_sql("SELECT DISTINCT version FROM retrieval")]
+    live = versions[0] if len(versions) == 1 else shipped.version
+    for sql in (
+        "CREATE TABLE high_water (name TEXT PRIMARY KEY, id INTEGER NOT NULL) WITHOUT ROWID",
+        "INSERT INTO high_water SELECT 'message', coalesce(max(id), 0) FROM message",
+        "INSERT INTO high_water SELECT 'item', coalesce(max(id), 0) FROM item",
+        "CREATE TABLE dictionary (version TEXT PRIMARY KEY, body BLOB NOT NULL,"
+        " uploaded_at REAL NOT NULL)",
+        "CREATE TABLE retrieval_next (item_id INTEGER PRIMARY KEY REFERENCES item(id)"
+        " ON DELETE CASCADE, version TEXT NOT NULL, length INTEGER NOT NULL,"
+        " tokens INTEGER NOT NULL, terms BLOB NOT NULL, counts BLOB NOT NULL,"
+        " subjects TEXT NOT NULL)",  # the row's chains under that version, space-separated
+    ):
+        database.execute_sql(sql)
+    for table in ("message", "item"):
+        database.execute_sql(
+            f"CREATE TRIGGER {table}_high_water AFTER DELETE ON {table}"
+            f" WHEN old.id > (SELECT id FROM high_water WHERE name = '{table}') BEGIN"
+            f" UPDATE high_water SET id = old.id WHERE name = '{table}'; END")
+    if live == shipped.version:
+        database.execute_sql("INSERT INTO dictionary VALUES (?, ?, ?)",
+                             (live, dictionary.shipped_path().read_bytes(), time.time()))
+    database.execute_sql("INSERT OR REPLACE INTO setting (key, value) VALUES ('dictionary', ?)",
+                         (live,))
+
+
 MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
                                                    m004_recall, m005_standing, m006_batched,
                                                    m007_conversation_order, m008_retrieval_time,
-                                                   m009_harness_text]
+                                                   m009_harness_text, m010_store_guarantees]
+
+# The next id of a table whose rows can be deleted: past its newest row and past every id a
+# deletion ever freed (m010).
+_NEXT_ID = ("max((SELECT coalesce(max(id), 0) FROM {0}),"
+            " (SELECT id FROM high_water WHERE name = '{0}')) + 1")
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]
@@ -315,23 +403,28 @@ class Store:
         try:
             _create_private(self.path)
             db.init(str(self.path), pragmas=PRAGMAS, check_same_thread=False)
-            db.connect(reuse_if_open=True)
-            self._migrate()
-            self.salt = self._setting("identity_salt", lambda: secrets.token_hex(16))
-            # Rows left behind by a process that stopped before its batch: the next flush
-            # writes them (opening does not: a reader may open the store too).
-            (self._behind,) = db.connection().execute(
-                "SELECT count(*) FROM retrieval WHERE seq > (SELECT min(seq) FROM derived)"
-            ).fetchone()
-        except (pw.PeeweeException, OSError) as e:
+            with failing_as(f"open the memory database {self.path}"):
+                db.connect(reuse_if_open=True)
+                self._migrate()
+                self.salt = self._setting("identity_salt", lambda: secrets.token_hex(16))
+                # Rows left behind by a process that stopped before its batch: the next flush
+                # writes them (opening does not: a reader may open the store too).
+                (self._behind,) = db.connection().execute(
+                    "SELECT count(*) FROM retrieval WHERE seq > (SELECT min(seq) FROM derived)"
+                ).fetchone()
+                live_dictionary(db.connection())
+                self.notice = dictionary_notice(db.connection())
+        except OSError as e:
             raise StoreError(f"cannot open the memory database {self.path}: {e}") from e
+        if self.notice:
+            log.warning("perpetuity: %s", self.notice)
 
     def close(self) -> None:
         if not db.is_closed():
             db.close()
 
     def _migrate(self) -> None:
-        with db.atomic():
+        with writing("migrate the memory database"):
             db.create_tables([Migration])
             done = {m.name for m in Migration.select()}
             for migration in MIGRATIONS:
@@ -340,7 +433,7 @@ class Store:
                     Migration.create(name=migration.__name__, applied_at=time.time())
 
     def _setting(self, key: str, make: Callable[[], str]) -> str:
-        with db.atomic():
+        with writing(f"write the setting {key}"):
             row = Setting.get_or_none(Setting.key == key)
             if row is None:
                 row = Setting.create(key=key, value=make())
@@ -352,8 +445,7 @@ class Store:
     def user_id(self, key: str) -> int:
         if (cached := self._users.get(key)) is not None:
             return cached
-        conn = db.connection()
-        with db.atomic():
+        with writing("store a user") as conn:
             conn.execute("INSERT OR IGNORE INTO user (key, created_at) VALUES (?, ?)", (key, time.time()))
             (uid,) = conn.execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
         self._users[key] = uid
@@ -362,8 +454,7 @@ class Store:
     def conversation_id(self, user_id: int, key: str, provider: str) -> int:
         if (cached := self._conversations.get((user_id, key))) is not None:
             return cached
-        conn = db.connection()
-        with db.atomic():
+        with writing("store a conversation") as conn:
             conn.execute(
                 "INSERT OR IGNORE INTO conversation (user_id, key, provider, created_at)"
                 " VALUES (?, ?, ?, ?)", (user_id, key, provider, time.time()))
@@ -381,53 +472,55 @@ class Store:
                   if value and (conversation_id, column) not in self._named]
         if not wanted:
             return
-        conn = db.connection()
-        try:
-            with db.atomic():
-                for column, value in wanted:
-                    conn.execute(f"UPDATE conversation SET {column} = ?"
-                                 f" WHERE id = ? AND {column} = ''", (value, conversation_id))
-        except pw.PeeweeException as e:
-            raise StoreError(f"could not name conversation {conversation_id}: {e}") from e
+        with writing(f"name conversation {conversation_id}") as conn:
+            for column, value in wanted:
+                conn.execute(f"UPDATE conversation SET {column} = ?"
+                             f" WHERE id = ? AND {column} = ''", (value, conversation_id))
         self._named.update((conversation_id, column) for column, _ in wanted)
 
     def find_user(self, key: str) -> int | None:
         """Read only: the user's id, or None if the store has never seen them."""
         if (cached := self._users.get(key)) is not None:
             return cached
-        row = db.connection().execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
+        with failing_as("read a user"):
+            row = db.connection().execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
 
     def find_conversation(self, user_id: int, key: str) -> int | None:
         """Read only: the conversation's id, or None if the store has never seen it."""
         if (cached := self._conversations.get((user_id, key))) is not None:
             return cached
-        row = db.connection().execute("SELECT id FROM conversation WHERE user_id = ? AND key = ?",
-                                      (user_id, key)).fetchone()
+        with failing_as("read a conversation"):
+            row = db.connection().execute(
+                "SELECT id FROM conversation WHERE user_id = ? AND key = ?", (user_id, key)
+            ).fetchone()
         return row[0] if row else None
 
     def latest_messages(self, conversation_id: int, n: int) -> list[int]:
         """The ids of the conversation's last `n` stored messages."""
-        return [i for (i,) in db.connection().execute(
-            "SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
-            (conversation_id, n))]
+        with failing_as("read the latest messages"):
+            return [i for (i,) in db.connection().execute(
+                "SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
+                (conversation_id, n))]
 
     def message_ids(self, conversation_id: int, fingerprints: list[str]) -> list[int]:
         """The stored messages of a conversation with these fingerprints."""
-        return [i for (i,) in _in_query(
-            db.connection(), "SELECT id FROM message WHERE conversation_id = ? AND fingerprint IN",
-            conversation_id, fingerprints)]
+        with failing_as("read messages"):
+            return [i for (i,) in _in_query(
+                db.connection(),
+                "SELECT id FROM message WHERE conversation_id = ? AND fingerprint IN",
+                conversation_id, fingerprints)]
 
     def known(self, conversation_id: int, pair_keys: list[str],
               reply_fingerprints: list[str]) -> tuple[set[str], set[str]]:
         """Which pair keys, and which assistant fingerprints, this conversation already holds."""
-        conn = db.connection()
-        keys = {k for (k,) in _in_query(
-            conn, "SELECT pair_key FROM message WHERE conversation_id = ? AND pair_key IN",
-            conversation_id, pair_keys)}
-        replies = {f for (f,) in _in_query(
-            conn, "SELECT fingerprint FROM message WHERE conversation_id = ? AND role = 'assistant'"
-            " AND fingerprint IN", conversation_id, reply_fingerprints)}
+        with snapshot("read what a conversation holds") as conn:
+            keys = {k for (k,) in _in_query(
+                conn, "SELECT pair_key FROM message WHERE conversation_id = ? AND pair_key IN",
+                conversation_id, pair_keys)}
+            replies = {f for (f,) in _in_query(
+                conn, "SELECT fingerprint FROM message WHERE conversation_id = ?"
+                " AND role = 'assistant' AND fingerprint IN", conversation_id, reply_fingerprints)}
         return keys, replies
 
     def add_message(
@@ -446,29 +539,26 @@ class Store:
         complete: bool = True,
     ) -> Written:
         """Write one message and its rows, and everything derived from them, in one transaction."""
-        conn = db.connection()
-        try:
-            with db.atomic():
+        with writing(f"store a {message.role} message") as conn:
+            cur = conn.execute(
+                "INSERT INTO message (id, conversation_id, user_id, role, provider, model, at,"
+                " stored_at, pair_key, fingerprint, source, complete, stop_reason, usage)"
+                f" VALUES ({_NEXT_ID.format('message')},?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (conversation_id, user_id, message.role, provider, model, at, time.time(),
+                 pair_key, message.fingerprint(), source, complete, stop_reason,
+                 json.dumps(dataclasses.asdict(usage)) if usage else ""))
+            m = StoredMessage(id=cur.lastrowid, conversation=conversation_id, user=user_id,
+                              role=message.role, at=at)
+            items = []
+            for i, p in enumerate(message.parts):
                 cur = conn.execute(
-                    "INSERT INTO message (conversation_id, user_id, role, provider, model, at,"
-                    " stored_at, pair_key, fingerprint, source, complete, stop_reason, usage)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (conversation_id, user_id, message.role, provider, model, at, time.time(),
-                     pair_key, message.fingerprint(), source, complete, stop_reason,
-                     json.dumps(dataclasses.asdict(usage)) if usage else ""))
-                m = StoredMessage(id=cur.lastrowid, conversation=conversation_id, user=user_id,
-                                  role=message.role, at=at)
-                items = []
-                for i, p in enumerate(message.parts):
-                    cur = conn.execute(
-                        "INSERT INTO item (message_id, seq, kind, name, call_id, text)"
-                        " VALUES (?,?,?,?,?,?)", (m.id, i, p.kind.value, p.name, p.call_id, p.text))
-                    items.append(Item(id=cur.lastrowid, message=m, seq=i, kind=p.kind.value,
-                                      name=p.name, call_id=p.call_id, text=p.text))
-                for derive in self.derivers:
-                    derive(items)
-        except pw.PeeweeException as e:
-            raise StoreError(f"could not store a {message.role} message: {e}") from e
+                    "INSERT INTO item (id, message_id, seq, kind, name, call_id, text)"
+                    f" VALUES ({_NEXT_ID.format('item')},?,?,?,?,?,?)",
+                    (m.id, i, p.kind.value, p.name, p.call_id, p.text))
+                items.append(Item(id=cur.lastrowid, message=m, seq=i, kind=p.kind.value,
+                                  name=p.name, call_id=p.call_id, text=p.text))
+            for derive in self.derivers:
+                derive(items)
         self._behind += len(items)
         if self._behind >= BATCH_ROWS:
             self.flush()
@@ -477,18 +567,19 @@ class Store:
     def flush(self) -> None:
         """Write the batched structures up to the last stored row, with their cursors, in one
         transaction. Only the store's writer calls this (add_message, every BATCH_ROWS rows)."""
-        conn = db.connection()
-        try:
-            with db.atomic():
-                (upto,) = conn.execute("SELECT coalesce(max(seq), 0) FROM retrieval").fetchone()
-                for name, derive in self.batched.items():
-                    (after,) = conn.execute("SELECT seq FROM derived WHERE name = ?",
-                                            (name,)).fetchone()
-                    if upto > after:
-                        derive(after, upto)
-                        conn.execute("UPDATE derived SET seq = ? WHERE name = ?", (upto, name))
-        except pw.PeeweeException as e:
-            raise StoreError(f"could not write the batched derivations: {e}") from e
+        from .scan import settle_in
+
+        with writing("write the batched derivations") as conn:
+            # Deletions made behind the writer's back (another process, a cascade) are settled
+            # here too: the writer is the only one who settles (readers account for the rest).
+            settle_in(conn)
+            (upto,) = conn.execute("SELECT coalesce(max(seq), 0) FROM retrieval").fetchone()
+            for name, derive in self.batched.items():
+                (after,) = conn.execute("SELECT seq FROM derived WHERE name = ?",
+                                        (name,)).fetchone()
+                if upto > after:
+                    derive(after, upto)
+                    conn.execute("UPDATE derived SET seq = ? WHERE name = ?", (upto, name))
         self._behind = 0
 
 
@@ -517,7 +608,12 @@ def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int,
     SHOWN_KINDS, and not blank."""
     ids = list(dict.fromkeys(item_ids))
     out: dict[int, Row] = {}
-    conn = db.connection()
+    with snapshot("read rows") as conn:
+        return _shown_rows(conn, ids, user_id, out)
+
+
+def _shown_rows(conn: sqlite3.Connection, ids: list[int], user_id: int | None,
+                out: dict[int, Row]) -> dict[int, Row]:
     kinds = ",".join("?" * len(SHOWN_KINDS))
     owner = " AND m.user_id = ?" if user_id is not None else ""
     for start in range(0, len(ids), 500):
@@ -533,6 +629,47 @@ def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int,
                 out[item] = Row(item, message, conv, label(title, opening, folder), role, at,
                                 kind, name, shown)
     return out
+
+
+def live_dictionary(conn: sqlite3.Connection) -> Any:  # a dictionary.Dictionary
+    """The dictionary the database names live, made live in this process (loaded once per
+    version): a flip by another process is followed by the next write or catch-up."""
+    from . import dictionary
+
+    current = dictionary.load()
+    row = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
+    if row is None or row[0] == current.version or row[0] in _missing:
+        return current
+    if row[0] == dictionary.shipped().version:
+        d = dictionary.shipped()
+    elif body := conn.execute("SELECT body FROM dictionary WHERE version = ?",
+                              (row[0],)).fetchone():
+        d = dictionary.Dictionary.from_bytes(body[0])
+    else:
+        _missing.add(row[0])
+        return current
+    dictionary.use(d)
+    return d
+
+
+_missing: set[str] = set()  # live versions whose body the database does not hold
+
+
+def dictionary_notice(conn: sqlite3.Connection) -> str | None:
+    """One line when the memory's rows are not on the dictionary this release ships."""
+    from . import dictionary
+
+    (live,) = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
+    shipped = dictionary.shipped().version
+    if live == shipped:
+        return None
+    how = ("run `perpetuity memory dictionary rederive` (in the background, the proxy keeps"
+           " serving), then `perpetuity memory dictionary flip`")
+    if live in _missing:
+        return (f"the memory's rows are on retrieval dictionary {live}, which it does not hold:"
+                f" searches tokenise with the shipped {shipped} until re-derived; {how}")
+    return (f"the memory's rows are on retrieval dictionary {live}, this release ships"
+            f" {shipped}; {how}")
 
 
 def _in_query(conn: Any, sql: str, conversation_id: int, values: list[str]) -> list[tuple]:

@@ -45,7 +45,7 @@ from . import dictionary
 from .conversation import Kind
 from .names import label
 from .scan import Hit, Scanner
-from .store import SHOWN_KINDS, Row, db, shown_rows
+from .store import SHOWN_KINDS, Row, db, shown_rows, snapshot, writing
 
 log = logging.getLogger("perpetuity")
 
@@ -765,8 +765,7 @@ def chain_of(user_id: int, stems: list[str]) -> tuple[list[int], int]:
     when any row is), ordered by when they were said, then by item id; and how many they
     share. Rows past the chains' cursor (at most a batch, see Store.flush) are chained here,
     in the same snapshot as the table, so none is missed while its batch is pending."""
-    conn = db.connection()
-    with db.atomic():
+    with snapshot("read the chains") as conn:
         rows = conn.execute(
             "SELECT item_id, at, count(*) FROM chain WHERE user_id = ? AND term IN"
             f" ({','.join('?' * len(stems))}) GROUP BY item_id", (user_id, *stems)).fetchall()
@@ -797,7 +796,7 @@ def _subject_words(text: str) -> tuple[dict[str, int], dict[str, str]]:
         else dictionary.load().words(text))
     counts: dict[str, int] = {}
     forms: dict[str, str] = {}
-    cache = _SUBJECT_STEM
+    cache = _SUBJECT_STEM.setdefault(dictionary.load().version, {})
     # Counter counts in C, in order of first occurrence; stems are then looked up per distinct
     # word only (a text repeats most of its words).
     for w, n in Counter(words).items():
@@ -817,9 +816,10 @@ def _subject_words(text: str) -> tuple[dict[str, int], dict[str, str]]:
     return counts, forms
 
 
-# word -> (its stem, the word) when the word can be a subject, None when it cannot: stemming
-# every word of every stored row was most of the chains' write cost.
-_SUBJECT_STEM: dict[bytes | str, tuple[str, str] | None] = {}
+# Per dictionary version (a stem's rank decides), word -> (its stem, the word) when the word can
+# be a subject, None when it cannot: stemming every word of every stored row was most of the
+# chains' write cost.
+_SUBJECT_STEM: dict[str, dict[bytes | str, tuple[str, str] | None]] = {}
 
 
 def _subject_stem(word: str) -> tuple[str, str] | None:
@@ -891,8 +891,7 @@ def record_bindings(message_id: int, item_ids: Iterable[int]) -> int:
     reply), under that message. The store's writer calls this after each turn: it is the
     binding log's only writer. A row of another user than the message's is never bound.
     Returns how many rows the turn binds."""
-    conn = db.connection()
-    with db.atomic():
+    with writing("log the turn's bindings") as conn:
         row = conn.execute("SELECT user_id FROM message WHERE id = ?", (message_id,)).fetchone()
         if row is None:
             return 0

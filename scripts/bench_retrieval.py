@@ -159,7 +159,8 @@ def ingest(store: Store, users: list[list[importers.Thread]], budget: int) -> di
 
 def replicate(copies: int) -> float:
     """Copy every row of the store `copies` more times under new ids and users (SQL only),
-    with its chains (ingest wrote every base row's), so that no batch is left owed."""
+    with its chains (ingest wrote every base row's) and activations, so that no batch is left
+    owed and `memory check` holds."""
     t0 = time.perf_counter()
     conn = db.connection()
     maxid = {t: conn.execute(f"SELECT coalesce(max(id), 0) FROM {t}").fetchone()[0]
@@ -174,7 +175,8 @@ def replicate(copies: int) -> float:
     conn.execute("BEGIN")
     scan.fold(conn)  # every base row in the counts, so that scaling them stays exact
     for r in range(1, copies + 1):
-        for table in ("user", "conversation", "message", "item", "retrieval", "chain"):
+        for table in ("user", "conversation", "message", "item", "retrieval", "chain",
+                      "activation"):
             names = cols(table)
             exprs = []
             for c in names:
@@ -188,8 +190,9 @@ def replicate(copies: int) -> float:
                     exprs.append(f"key || '#{r}'")
                 else:
                     exprs.append(c)
-            key, limit = {"retrieval": ("seq", maxseq),
-                          "chain": ("item_id", maxid["item"])}.get(table, ("id", maxid.get(table)))
+            key, limit = {"retrieval": ("seq", maxseq), "chain": ("item_id", maxid["item"]),
+                          "activation": ("item_id", maxid["item"])}.get(
+                table, ("id", maxid.get(table)))
             conn.execute(f"INSERT INTO {table} ({','.join(names)}) SELECT {','.join(exprs)}"
                          f" FROM {table} WHERE {key} <= {limit} ORDER BY {key}")
     conn.execute(f"UPDATE retrieval_term SET df = df * {copies + 1}")

@@ -71,8 +71,8 @@ class Proxy:
         return self.process.poll() is None
 
 
-def start_proxy(tmp: Path, upstream: str, *extra: str) -> Proxy:
-    port = free_port()
+def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None) -> Proxy:
+    port = port or free_port()
     db = tmp / "memory.db"
     confdir = tmp / "mitm"
     log = tmp / "mitmdump.log"
@@ -87,13 +87,14 @@ def start_proxy(tmp: Path, upstream: str, *extra: str) -> Proxy:
         "--set", "connection_strategy=lazy",
         *extra,
     ]
-    out = open(log, "wb")
+    out = open(log, "ab")  # a restarted proxy (same tmp) appends to its log
+    start = out.tell()
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"mitmdump exited: {log.read_text()}")
-        if b"perpetuity: listening" in log.read_bytes():
+        if b"perpetuity: listening" in log.read_bytes()[start:]:
             return Proxy(f"http://127.0.0.1:{port}", port, db, confdir, proc, log)
         time.sleep(0.05)
     proc.kill()

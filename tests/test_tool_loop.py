@@ -318,3 +318,36 @@ def test_mixed_calls_in_openai_protocols(proxy: Proxy, fake: FakeProvider, api: 
         final = events[-1].response
         assert [(o.type, o.call_id) for o in final.output] == [("function_call", "call_theirs")]
     assert len(fake.requests) == 1  # the harness's call goes back to the harness
+
+
+def test_fifty_streams_never_wait_on_one_in_a_long_tool_round(proxy: Proxy,
+                                                              fake: FakeProvider) -> None:
+    """One client is inside a tool round whose second upstream round streams for ~10 s; 49
+    more streams, all at once, each get their whole reply before it ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    remember(proxy, fake, "t50")
+    fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="toolu_long"),
+                Text("slow " * 40, chunks=40, delay=0.25))
+    slow_done = threading.Event()
+
+    def slow() -> None:
+        with client(proxy).messages.stream(**ask("t50")) as s:
+            s.get_final_message()
+        slow_done.set()
+
+    long_round = threading.Thread(target=slow)
+    long_round.start()
+    fake.wait_requests(2)  # its tool ran; the second round is streaming
+    fake.script(*(Text(f"fast {i}", chunks=2) for i in range(49)))
+
+    def fast(i: int) -> str:
+        with client(proxy).messages.stream(**ask(f"s{i}", f"Question {i}?")) as s:
+            return s.get_final_message().content[0].text
+
+    with ThreadPoolExecutor(49) as pool:
+        got = list(pool.map(fast, range(49)))
+    assert sorted(got) == sorted(f"fast {i}" for i in range(49))
+    assert not slow_done.is_set()
+    long_round.join()
+    assert slow_done.is_set()

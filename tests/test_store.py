@@ -1,0 +1,230 @@
+"""Store guarantees under concurrency and faults: one write path, nothing lost, ids never
+reused, a user purged as a unit, the dictionary swapped as data, and the check that proves it.
+Real SQLite files, real second processes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from perpetuity_core import capture, cli, dictionary, heat, maintenance, scan
+from perpetuity_core.conversation import Kind, Message, Part
+from perpetuity_core.errors import StoreError
+from perpetuity_core.integrity import check
+from perpetuity_core.store import Store, db
+from tests.test_retrieval import WORDS, add, fill, ranked, reference, same
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = Store(tmp_path / "memory.db")
+    yield s
+    s.close()
+
+
+def test_two_processes_writing_one_file_lose_nothing() -> None:
+    """scripts/bench_writers.py: two real processes store 400 turns each into one file."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_writers.py"),
+                          "--messages", "400"], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["failures"] == [0, 0] and r["stored"] == r["expected"] == 800
+    assert r["check_violations"] == []
+
+
+def test_searches_never_fail_while_the_writer_stores_and_purges(store: Store) -> None:
+    fill(store, random.Random(3), 200)
+    scanner = scan.Scanner(store, store_rows=0)
+    uid = store.user_id("u1")
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def search() -> None:
+        while not done.is_set():
+            try:
+                scanner.search("garden violin support", uid, 10)
+            except BaseException as e:  # noqa: BLE001 - every failure counts
+                errors.append(e)
+
+    reader = threading.Thread(target=search)
+    reader.start()
+    try:
+        for i in range(60):
+            items = add(store, "u1", "u1-c0", [f"garden violin {i} | support group"])
+            if i % 3 == 0:
+                scan.purge(store, items[:1])
+    finally:
+        done.set()
+        reader.join()
+    assert errors == []
+    assert check(store) == []
+    # The reader never settled anything: only the writer wrote.
+    same(ranked(scanner.search("garden violin support", uid, 10)),
+         reference(store, "garden violin support", uid, 10))
+
+
+def test_ids_are_never_reused(store: Store) -> None:
+    items = add(store, "u", "c", ["first", "second | part"])
+    newest_message = db.connection().execute("SELECT max(id) FROM message").fetchone()[0]
+    with sqlite3.connect(store.path) as other:  # deleted behind the store's back, newest first
+        other.execute("PRAGMA foreign_keys = ON")
+        other.execute("DELETE FROM activation WHERE item_id IN (SELECT id FROM item"
+                      " WHERE message_id = ?)", (newest_message,))
+        other.execute("DELETE FROM item WHERE message_id = ?", (newest_message,))
+        other.execute("DELETE FROM message WHERE id = ?", (newest_message,))
+    again = add(store, "u", "c", ["third"])
+    assert again[0] > max(items)
+    assert db.connection().execute("SELECT max(id) FROM message").fetchone()[0] > newest_message
+    store.flush()  # the writer settles what was deleted behind its back
+    assert check(store) == []
+
+
+def test_sqlite_errors_become_store_errors_and_the_turn_is_stored_once_space_returns(
+        store: Store) -> None:
+    """Disk full, by SQLite's own page limit: the write fails as StoreError (what the proxy
+    logs and fails open on); the harness re-sends the history, which is stored exactly once."""
+    history = [Message("user", (Part(Kind.TEXT, f"message {i} " + " ".join(WORDS)),))
+               if i % 2 == 0 else Message("assistant", (Part(Kind.TEXT, f"reply {i}"),))
+               for i in range(40)]
+
+    def record(n: int) -> None:
+        capture.record(store, user_key="u", conversation_key="c", provider="anthropic",
+                       model="m", messages=history[:n], times=[0.0] * n, source="request")
+
+    record(10)
+    conn = db.connection()
+    (pages,) = conn.execute("PRAGMA page_count").fetchone()
+    conn.execute(f"PRAGMA max_page_count = {pages}")
+    with pytest.raises(StoreError, match="database or disk is full"):
+        record(40)
+    conn.execute("PRAGMA max_page_count = 1073741823")
+    record(40)
+    texts = [t for (t,) in conn.execute("SELECT text FROM item ORDER BY id")]
+    assert texts == [m.parts[0].text for m in history]
+    assert check(store) == []
+
+
+def test_purge_removes_a_user_as_a_unit(store: Store) -> None:
+    alice = add(store, "alice", "a1", ["garden violin", "violin lessons | on tuesday"])
+    bob = add(store, "bob", "b1", ["garden tomatoes", "violin concert"])
+    scanner = scan.Scanner(store, store_rows=0)
+    bob_id = store.user_id("bob")
+    before = ranked(scanner.search("garden violin", None, 10))
+    assert set(alice) <= {i for i, _ in before}
+    heat.advance(store.user_id("alice"), 100)
+    out = maintenance.purge_user(store, "alice")
+    assert (out.messages, out.items) == (2, 3)
+    got = ranked(scanner.search("garden violin", None, 10))
+    assert {i for i, _ in got} == set(bob)  # the arena caught up on the deletions
+    same(got, reference(store, "garden violin", None, 10))
+    same(ranked(scanner.search("violin", bob_id, 10)), reference(store, "violin", bob_id, 10))
+    conn = db.connection()
+    for table in ("activation", "clock", "chain"):
+        assert conn.execute(f"SELECT count(*) FROM {table} WHERE user_id = ?",
+                            (store.user_id("alice"),)).fetchone() == (0,)
+    assert check(store) == []
+    # Nobody's new rows take the purged ids.
+    assert min(add(store, "alice", "a1", ["again"])) > max(alice + bob)
+
+
+def small_dictionary(path: Path) -> str:
+    """Another version: a dictionary built from a few words only."""
+    data = dictionary.build({w: 5 for w in WORDS})
+    path.write_bytes(gzip.compress(json.dumps(data).encode()))
+    return data["version"]
+
+
+def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
+        store: Store, tmp_path: Path) -> None:
+    rng = random.Random(5)
+    fill(store, rng, 150)
+    uid = store.user_id("u1")
+    scanner = scan.Scanner(store, store_rows=0)
+    q = "support guitar concert zorblax"
+    served = ranked(scanner.search(q, uid, 10))
+    version = small_dictionary(tmp_path / "next.json.gz")
+    assert maintenance.upload(store, tmp_path / "next.json.gz") == version
+    assert maintenance.target(store) == version
+    # A re-derivation stopped after its first batch (killed) resumes where it stopped.
+    (items,) = db.connection().execute(
+        "SELECT count(*) FROM item WHERE kind != 'context'").fetchone()
+    assert maintenance._rederive_batch(maintenance._dictionary(version), 10) == 10
+    assert maintenance.rederive(store, version, progress=False) == items - 10
+    # Dark: the proxy keeps serving (and storing) on the live version meanwhile.
+    new = add(store, "u1", "u1-c0", ["zorblax concert guitar"])
+    assert {v for (v,) in db.connection().execute("SELECT version FROM retrieval")} == {
+        dictionary.shipped().version}
+    assert set(new) <= {i for i, _ in ranked(scanner.search(q, uid, 10))}
+    assert served  # (answered before the upload)
+    heat_before = db.connection().execute("SELECT * FROM activation ORDER BY item_id").fetchall()
+    rows = maintenance.flip(store, version)
+    assert rows == db.connection().execute("SELECT count(*) FROM item WHERE kind != 'context'"
+                                           ).fetchone()[0]
+    assert dictionary.load().version == version
+    assert {v for (v,) in db.connection().execute("SELECT version FROM retrieval")} == {version}
+    got = ranked(scanner.search(q, uid, 10))  # the arena rebuilds on the flip
+    same(got, reference(store, q, uid, 10))
+    assert set(new) <= {i for i, _ in got}
+    # Heat untouched: activations are keyed by item, and no item changed.
+    assert db.connection().execute(
+        "SELECT * FROM activation ORDER BY item_id").fetchall() == heat_before
+    assert check(store) == []
+    add(store, "u1", "u1-c1", ["written under the new version"])
+    assert check(store) == []
+
+
+def test_a_memory_on_another_dictionary_says_so_on_start(tmp_path: Path) -> None:
+    path = tmp_path / "memory.db"
+    Store(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE setting SET value = 'v-old' WHERE key = 'dictionary'")
+    s = Store(path)
+    try:
+        assert s.notice is not None and "v-old" in s.notice and "rederive" in s.notice
+        add(s, "u", "c", ["stored meanwhile"])
+        version = maintenance.target(s)
+        assert version == dictionary.shipped().version
+        maintenance.rederive(s, version, progress=False)
+        maintenance.flip(s, version)
+        assert check(s) == []
+    finally:
+        s.close()
+    s = Store(path)
+    s.close()
+    assert s.notice is None
+
+
+def test_memory_check_cli_reports_each_violation(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "memory.db"
+    s = Store(path)
+    fill(s, random.Random(9), 40)
+    with db.atomic():
+        scan.fold(db.connection())
+    s.close()
+    assert cli.main(["memory", "check", "--db", str(path)]) == 0
+    with sqlite3.connect(path) as conn:  # break two invariants behind the store's back
+        conn.execute("DELETE FROM activation WHERE item_id = (SELECT min(id) FROM item)")
+        conn.execute("UPDATE retrieval_term SET df = df + 1 WHERE term ="
+                     " (SELECT min(term) FROM retrieval_term)")
+    capsys.readouterr()
+    assert cli.main(["memory", "check", "--db", str(path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("items without an activation: 1")
+    assert lines[1].startswith("document frequencies != recount: 1 terms")
+    assert cli.main(["memory", "purge", "--user", "u1", "--db", str(path)]) == 0
+    assert cli.main(["memory", "purge", "--user", "nobody", "--db", str(path)]) == 1
+    assert cli.main(["memory", "dictionary", "list", "--db", str(path)]) == 0
+    assert "live" in capsys.readouterr().out
