@@ -448,4 +448,4 @@ def test_markers_yield_to_the_harness_own() -> None:
 
     assert marked() == ["live"]  # the harness's four (the stripped history's went with it)
     body["system"] = body["system"][:2]
-    assert marked() == [closing, "live"]  # one to spare: the frame's end
+    assert marked() == ["b\n\n" + closing, "live"]  # one to spare: the frame's end
