@@ -118,6 +118,14 @@ class Answer:
 
     content_type: str
     body: bytes
+    status: int = 200
+
+
+# A request to us whose provider nothing names: forwarding it anywhere could hand its
+# credential to the wrong host, and left alone it would loop back to us.
+UNKNOWN_PROVIDER = Answer("text/plain; charset=utf-8", b"perpetuity: cannot tell which provider "
+                          b"this request is for (no Anthropic or OpenAI credential, path or model "
+                          b"names one); it was not forwarded\n", 421)
 
 
 @dataclass(slots=True)
@@ -165,6 +173,8 @@ class Pipeline:
         headers = {k.lower(): v for k, v in req.headers}
         r = route(host=req.host, path=req.path, direct=req.direct, headers=headers, model=model,
                   upstreams=self.upstreams)
+        if r is None and req.direct:
+            return Decision(answer=UNKNOWN_PROVIDER, note="provider unknown")
         if r is None:
             return Decision(note="not provider traffic")  # untouched, our headers included
         strip = sorted({k for k, _ in req.headers if k.lower().startswith(CONTROL_PREFIX)})

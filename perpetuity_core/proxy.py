@@ -9,6 +9,7 @@ mitmproxy catches hook exceptions and carries on with whatever state the flow wa
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import time
@@ -32,6 +33,7 @@ from .store import Store, default_db_path
 from .tools import TurnMemory
 
 log = logging.getLogger("perpetuity")
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class Perpetuity:
@@ -43,6 +45,8 @@ class Perpetuity:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-store")
         # Requests are parsed on their own thread, so a request never queues behind a write.
         self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-parse")
+        self.tunnels: set[str] = set()  # client connections that opened a CONNECT tunnel
+        self._resolved: dict[str, frozenset[IPAddress | None]] = {}
 
     def load(self, loader: Any) -> None:
         loader.add_option("perpetuity_db", str, str(default_db_path()),
@@ -126,7 +130,7 @@ class Perpetuity:
             path=flow.request.path,
             headers=tuple(flow.request.headers.items(multi=True)),
             body=flow.request.raw_content or b"",
-            direct=self._is_direct(flow),
+            direct=await self._is_direct(flow),
         )
         loop = asyncio.get_running_loop()
         try:
@@ -167,16 +171,38 @@ class Perpetuity:
         except Exception:
             log.exception("perpetuity: could not capture a WebSocket message; it went through as sent")
 
-    def _is_direct(self, flow: http.HTTPFlow) -> bool:
-        """Did the client address us (a base URL) rather than a host through us?"""
-        if flow.request.pretty_host in PROVIDER_HOSTS:
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        """Whatever comes through a tunnel was addressed to the tunnel's host, never to us."""
+        self.tunnels.add(flow.client_conn.id)
+
+    def client_disconnected(self, client: Any) -> None:
+        self.tunnels.discard(client.id)
+
+    async def _is_direct(self, flow: http.HTTPFlow) -> bool:
+        """Did the client address us (a base URL) rather than a host through us? Only when the
+        request names one of our own listen addresses (the address it reached us on) and came
+        outside any CONNECT tunnel: comparing the port alone sent a token meant for another host
+        on the same port (`POST http://jenkins.internal:8080/...`) to a provider."""
+        req, sockname = flow.request, flow.client_conn.sockname
+        if (req.pretty_host in PROVIDER_HOSTS or flow.client_conn.id in self.tunnels
+                or not sockname or req.port != sockname[1]):
             return False
-        sockname = flow.client_conn.sockname
-        return bool(sockname) and flow.request.port == sockname[1]
+        ours = _address(sockname[0])
+        if (literal := _address(req.host)) is not None:
+            return literal == ours
+        if req.host not in self._resolved:  # a name: what it resolves to (once per name)
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(req.host, req.port)
+            except OSError:
+                infos = []
+            if len(self._resolved) > 1024:
+                self._resolved.clear()
+            self._resolved[req.host] = frozenset(_address(str(i[4][0])) for i in infos)
+        return ours in self._resolved[req.host]
 
     def _apply(self, flow: http.HTTPFlow, d: Decision) -> None:
         if d.answer is not None:
-            flow.response = http.Response.make(200, d.answer.body,
+            flow.response = http.Response.make(d.answer.status, d.answer.body,
                                                {"content-type": d.answer.content_type})
             flow.metadata["perpetuity"] = {"upstream": "", "note": d.note}
             return
@@ -273,6 +299,16 @@ class Perpetuity:
                 log.exception("perpetuity: could not store the reply")
 
         self.executor.submit(write)
+
+
+def _address(host: str) -> IPAddress | None:
+    """An IP literal as an address (IPv4-mapped IPv6 as IPv4), else None."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return mapped or ip
 
 
 class StreamTee:
