@@ -23,7 +23,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from . import capture, frame, heat, notes, tools
+from . import capture, frame, heat, notes, tenants, tools
 from .cap import Cap
 from .capture import TurnContext
 from .conversation import Kind, Message, ParsedRequest, Protocol, Provider, Reply
@@ -85,6 +85,7 @@ class PendingTurn:
     hits: set[int] = field(default_factory=set)
     shown: set[int] = field(default_factory=set)
     frame_rows: set[int] = field(default_factory=set)
+    library: Path | None = None  # the tenant's notes library the recalled notes came from
 
 
 @dataclass(slots=True)
@@ -104,6 +105,9 @@ class Job:
     memory: TurnMemory | None = None  # set when the recall tools ride along (relay only)
     max_rounds: int = 4
     tool_specs: list[dict[str, Any]] = field(default_factory=list)  # ours, beside the harness's
+    # The body exactly as the client sent it, when we changed it: a 400 on the first round is
+    # retried once with it (the rejection may be ours: the frame, a tool).
+    original: bytes | None = None
 
     @property
     def relay(self) -> bool:
@@ -155,15 +159,24 @@ class Decision:
 class Pipeline:
     def __init__(self, store: Store, upstreams: Mapping[Provider, str], tools: bool = True,
                  notes_root: Path | None = None, limits: Cap = Cap(),
-                 share_pool: bool = False, tool_rounds: int = 4) -> None:
+                 share_pool: bool | frozenset[str] = False, tool_rounds: int = 4,
+                 trust_identity: bool = False, notes_capture: bool = True) -> None:
+        """`share_pool`: True pools every user (offline evaluation); a set of tenants pools the
+        users of those tenants with each other (the proxy); False, each user sees their own.
+        `trust_identity`: claimed identities are authenticated upstream of us (see identity)."""
         self.store = store
         self.upstreams = dict(upstreams)
         self.tools = tools  # the deployment's default; x-perpetuity-tools: off turns them off
         self.tool_rounds = tool_rounds
         self.notes_root = notes_root
+        self.notes_capture = notes_capture  # note_capture and /perpetuity-curate through us
+        self.trust_identity = trust_identity
         self.limits = limits
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
-        self.scanner = Scanner(store, share_pool=share_pool)
+        pool = share_pool if isinstance(share_pool, frozenset) else None
+        self.scanner = Scanner(store, share_pool=bool(share_pool),
+                               pool_of=(lambda uid: tenants.pool_of(store, uid, pool))
+                               if pool is not None else None)
         # Each conversation's last frame, kept in front while it stays warm (prompt caching).
         # Only the preparing thread touches it; a restart costs one rebuilt frame.
         self._sticky: OrderedDict[tuple[int, int | None], list[list[int]]] = OrderedDict()
@@ -199,10 +212,13 @@ class Pipeline:
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
-        ident = identify(headers, parsed, credential(headers), self.store.salt)
+        ident = identify(headers, parsed, credential(headers), self.store.salt,
+                         self.trust_identity)
         decision.identity = ident
-        if _last_user_text(parsed.messages) == CURATE_COMMAND and self.notes_root is not None:
-            text = _curate(self.notes_root)
+        library = tenants.library(self.notes_root, ident.tenant)
+        if (_last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
+                and self.notes_capture):
+            text = _curate(library)
             decision.answer = Answer(
                 "text/event-stream; charset=utf-8" if parsed.stream else "application/json",
                 ADAPTERS[r.protocol].render_text(text, parsed.model, parsed.stream,
@@ -220,6 +236,9 @@ class Pipeline:
             coding = headers.get("x-perpetuity-harness", "coding" if ident.harness in CODING
                                  else "chat") == "coding"
             recall = self._recall(body, parsed, ident, r.protocol, coding, at, tools_on)
+        if recall.memory is not None:
+            recall.memory.library = library if self.notes_capture else None
+            recall.memory.untrusted = tenants.quotes_untrusted(parsed.messages)
         decision.body, decision.frame = recall.body, recall.frame
         if controls.probe or not controls.capture:
             decision.note = "probe" if controls.probe else "capture off"
@@ -234,14 +253,16 @@ class Pipeline:
                               (built.tokens if built else 0) + _tokens(sent), recall.notes,
                               set(built.hits[:BOUND_HITS]) if built else set(),
                               recall.memory.shown if recall.memory else set(),
-                              set(built.item_ids) if built else set())
+                              set(built.item_ids) if built else set(), library)
         forwarded = [(k, v) for k, v in req.headers
                      if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
         decision.job = Job(req.method, r.upstream_url, forwarded,
                            recall.body if recall.body is not None else req.body, r.protocol,
                            parsed.stream, pending, at=controls.at, memory=recall.memory,
                            max_rounds=self.tool_rounds,
-                           tool_specs=self._tool_specs() if recall.memory else [])
+                           tool_specs=self._tool_specs(recall.memory, parsed.tool_names)
+                           if recall.memory else [],
+                           original=req.body if recall.body is not None else None)
         decision.note = "captured"
         return decision
 
@@ -259,7 +280,7 @@ class Pipeline:
             if tools_on:
                 out.memory = memory
                 note = _tools_note(out.frame)
-        if starts_task(parsed.messages) and (lesson := self._notes_for(parsed)):
+        if starts_task(parsed.messages) and (lesson := self._notes_for(parsed, ident.tenant)):
             out.notes = lesson.names
             note = "\n\n".join(t for t in (note, lesson.text) if t)
         if note:
@@ -323,39 +344,47 @@ class Pipeline:
             if pending and (bound := pending.hits | (pending.shown - pending.frame_rows)):
                 tools.record_bindings(message_id, bound)
         recalled = pending.notes if pending else []
-        if recalled and self.notes_root is not None:
+        if recalled and pending and pending.library is not None:
             text = "\n".join(p.text for p in reply.message.parts)
             if cited := notes.cited_notes(text, recalled):
-                notes.mark_used(self.notes_root, cited, date.today())
+                notes.mark_used(pending.library, cited, date.today())
 
-    def _notes_for(self, parsed: ParsedRequest) -> notes.RecallResult | None:
-        """Notes recall for a task's first prompt; a library that cannot be read is skipped."""
-        if self.notes_root is None or not (self.notes_root / notes.NOTES_DIR).is_dir():
+    def _notes_for(self, parsed: ParsedRequest, tenant: str) -> notes.RecallResult | None:
+        """Notes recall for a task's first prompt, from the tenant's own library; a library
+        that cannot be read is skipped."""
+        root = tenants.library(self.notes_root, tenant)
+        if root is None or not (root / notes.NOTES_DIR).is_dir():
             return None
         try:
-            return notes.recall(self.notes_root, _last_user_text(parsed.messages))
-        except PerpetuityError as e:
+            return notes.recall(root, _last_user_text(parsed.messages))
+        except (PerpetuityError, OSError) as e:
             log.warning("perpetuity: notes recall skipped: %s", e)
             return None
 
-    def capture_note(self, arguments: Any) -> str:
-        """The note_capture tool: write or patch one note; its outcome, or why not, as text."""
-        if self.notes_root is None:
+    def capture_note(self, arguments: Any, memory: TurnMemory) -> str:
+        """The note_capture tool: write or patch one note in the asking tenant's library; its
+        outcome, or why not, as text. A lesson drawn from a conversation that quoted untrusted
+        content (a fetched page) is only a lead: tentative."""
+        if memory.library is None:
             return "note_capture: no notes library is configured"
         try:
             fields = json.loads(arguments) if isinstance(arguments, str) else arguments
-            return notes.capture(self.notes_root, fields, date.today()).text
+            if memory.untrusted and isinstance(fields, dict):
+                fields = {**fields, "confidence": "tentative"}
+            return notes.capture(memory.library, fields, date.today()).text
         except (PerpetuityError, ValueError, TypeError) as e:
             return f"note_capture refused: {e}"
 
-    def _tool_specs(self) -> list[dict[str, Any]]:
+    def _tool_specs(self, memory: TurnMemory, taken: list[str]) -> list[dict[str, Any]]:
+        """Our tools, never under a name the harness already uses (the model could not tell
+        them apart, and the provider may refuse the duplicate)."""
         specs: list[dict[str, Any]] = [
             {"name": t.name, "description": t.description, "input_schema": t.input_schema}
             for t in tools.TOOLS]
-        if self.notes_root is not None:
+        if memory.library is not None:
             specs.append({"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
                           "input_schema": notes.CAPTURE_TOOL_SCHEMA})
-        return specs
+        return [s for s in specs if s["name"] not in taken]
 
 
 def _tools_note(built: Frame) -> str:

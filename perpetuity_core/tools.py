@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,8 @@ class TurnMemory:
     asked_at: float  # wall time of the question, for "how long ago"
     shown: set[int] = field(default_factory=set)  # item ids the model has seen this turn
     below_cap: list[int] = field(default_factory=list)  # ranked retrieval the cap left out
+    library: Path | None = None  # the asking tenant's notes library, when note_capture rides
+    untrusted: bool = False  # the conversation quoted untrusted content (a fetched page)
 
 
 # --------------------------------------------------------------------------- definitions
