@@ -25,6 +25,7 @@ from . import cap, dates, heat
 from .conversation import Kind, Message, Part
 from .scan import Hit, Scanner, token_estimate
 from .store import Row, db, shown_rows
+from .tenants import withheld
 
 HITS = 200  # the ranked rows this turn's retrieval reheats
 NEIGHBOURS = 2  # messages each side of a hit that warm with it
@@ -282,7 +283,9 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
         previous: Row | None = None
         for parts in by_message.values():
             first = parts[0]
-            text = "\n".join(_quote(p) for p in parts)
+            # Another conversation's rows pass the notes' credential scan first.
+            text = "\n".join(_quote(p) if c == conversation_id else withheld(_quote(p))
+                             for p in parts)
             # A label opens each run of turns said together; within a run the alternation
             # itself tells the speakers apart, and a label per turn would cost a row's worth.
             # Labels are a tenth of a frame: the conversation is named once per group, and a

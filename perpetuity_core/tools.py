@@ -46,6 +46,7 @@ from . import dictionary
 from .conversation import Kind
 from .scan import Hit, Scanner
 from .store import SHOWN_KINDS, Row, Store, db, shown_rows
+from .tenants import withheld
 
 log = logging.getLogger("perpetuity")
 
@@ -272,11 +273,13 @@ def _label(r: Row, *extra: str) -> str:
 
 
 def _body(r: Row) -> str:
+    """A row as the model reads it; a row holding a credential is withheld (an answer can
+    carry it into any conversation)."""
     if r.kind == Kind.TOOL_CALL.value:
-        return f"called {r.name}: {r.text}"
+        return f"called {r.name}: {withheld(r.text)}"
     if r.kind == Kind.TOOL_RESULT.value:
-        return f"tool result: {r.text}"
-    return r.text
+        return f"tool result: {withheld(r.text)}"
+    return withheld(r.text)
 
 
 def clip(text: str, item_id: int, start: int, chars: int) -> str:
