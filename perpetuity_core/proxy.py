@@ -77,7 +77,7 @@ class Perpetuity:
                           "every identity is scoped under its request's credential.")
         loader.add_option("perpetuity_notes_capture", bool, True,
                           "Offer note_capture and answer /perpetuity-curate through the proxy.")
-        loader.add_option("perpetuity_tool_timeout", float, 30.0,
+        loader.add_option("perpetuity_tool_timeout", int, 30,
                           "Seconds one recall tool call may take before the model is told it "
                           "timed out.")
         loader.add_option("perpetuity_tool_rounds", int, 4,
@@ -283,7 +283,10 @@ class Perpetuity:
     async def response(self, flow: http.HTTPFlow) -> None:
         original = flow.metadata.pop("perpetuity_original", None)
         if original is not None and flow.response is not None and flow.response.status_code == 400:
-            await self._retry_as_sent(flow, original)
+            try:
+                await self._retry_as_sent(flow, original)
+            except Exception:
+                log.exception("perpetuity: the retry failed; the 400 stands")
         self._finish(flow)
         self._restore(flow)
 
@@ -306,7 +309,8 @@ class Perpetuity:
         flow.request.content = original
         flow.response = http.Response.make(
             resp.status_code, resp.content,
-            [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _NOT_RESENT])
+            [(k.encode(), v.encode()) for k, v in resp.headers.multi_items()
+             if k.lower() not in _NOT_RESENT])
         job: Job | None = flow.metadata.get("perpetuity_job")
         if job is not None and resp.status_code < 400:
             tee = ReplyTee(job, "")
