@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -44,6 +45,8 @@ CODING_KEEP_TURNS = 3  # a coding harness keeps its live turn and the two before
 RECENT_STRETCH = 6  # the latest stored messages of the conversation, always in the frame
 STICKY_CONVERSATIONS = 10_000
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's JSON escape, paired or not
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -199,7 +202,10 @@ class Pipeline:
         r = decision.route
         if r is None:
             return decision
-        headers = {k.lower(): v for k, v in req.headers}
+        # Read as text: a value that was not UTF-8 (mitmproxy's surrogate escapes) must never
+        # reach the store or a digest as it is.
+        headers = {k.lower(): v.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+                   for k, v in req.headers}
         controls = parse_controls(headers)
         if not controls.enabled:
             decision.note = "x-perpetuity: off"
@@ -436,6 +442,8 @@ def _json_body(raw: bytes) -> dict | None:
         return None
     try:
         data = json.loads(raw)
-    except ValueError:
+        if _SURROGATE.search(raw):  # a lone one (\ud800) cannot be stored: found by fuzzing
+            json.dumps(data, ensure_ascii=False).encode()
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
         return None
     return data if isinstance(data, dict) else None
