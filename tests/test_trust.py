@@ -14,7 +14,7 @@ from perpetuity_core import tenants
 from perpetuity_core.identity import tenant_of
 from perpetuity_core.store import Store
 from tests.conftest import FIXTURES, Proxy, needs_fixtures, start_proxy, stop_proxy
-from tests.fake_provider import FakeProvider, Text, ToolCall
+from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 
 JENKINS_TOKEN = "jenkins-token-1f2e3d4c5b6a"
 
@@ -273,3 +273,40 @@ def test_notes_capture_switched_off(fake: FakeProvider, tmp_path: Path) -> None:
         assert not tenants.library(notes, tenant_of(KEYS["ann"], salt)).exists()
     finally:
         stop_proxy(p)
+
+
+def test_credentials_reach_neither_the_database_nor_any_log(fake: FakeProvider,
+                                                            tmp_path: Path) -> None:
+    """Every path a credential rides (keys, OAuth, the tool loop, a 400 retried, an upstream
+    error, a request we refuse, another host through us), mitmdump logging at its most verbose
+    short of dumping headers: the database, its WAL and the log never hold one."""
+    creds = {"anthropic": "sk-ant-api03-LOGCHECK-anthropic-0000", "openai": "sk-proj-LOGCHECK-openai",
+             "oauth": "sk-ant-oat01-LOGCHECK-oauth-000000", "google": "AIzaLOGCHECK-google-0000",
+             "jenkins": "LOGCHECK-jenkins-token"}
+    p = start_proxy(tmp_path, fake.url, "--set", "termlog_verbosity=debug",
+                    "--set", "flow_detail=1", "--set", f"perpetuity_notes_dir={tmp_path / 'n'}")
+    try:
+        for key in ("anthropic", "oauth"):
+            auth = ({"x-api-key": creds[key]} if key == "anthropic" else
+                    {"authorization": f"Bearer {creds[key]}", "anthropic-beta": "oauth-2025-04-20"})
+            fake.script(Text("Noted."), ToolCall("memory_search", {"query": "x"}), Text("ok"),
+                        Error(400), Text("retried"), Error(500))
+            for text in ("remember the blue door", "which door?", "the door again?", "fail"):
+                httpx.post(p.url + "/v1/messages", headers=auth, timeout=30, json={
+                    "model": "claude-opus-4-8", "max_tokens": 20,
+                    "messages": [{"role": "user", "content": text}]})
+        fake.script(Text("hi"))
+        httpx.post(p.url + "/v1/chat/completions", timeout=30,
+                   headers={"authorization": f"Bearer {creds['openai']}"},
+                   json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hello"}]})
+        httpx.post(p.url + "/v1beta/models/gemini:generateContent", json={},
+                   headers={"x-goog-api-key": creds["google"]})
+        with httpx.Client(proxy=p.url, trust_env=False) as h:
+            h.post(f"http://127.0.0.2:{p.port}/api/json", timeout=10,  # nobody there
+                   headers={"authorization": f"Bearer {creds['jenkins']}"})
+        p.wait_messages("key-", 6)
+    finally:
+        stop_proxy(p)
+    raw = b"".join(f.read_bytes() for f in tmp_path.glob("memory.db*")) + p.log.read_bytes()
+    assert b"perpetuity: listening" in raw  # the log was read
+    assert [k for k, v in creds.items() if v.encode() in raw] == []
