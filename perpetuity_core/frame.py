@@ -284,7 +284,7 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
         for parts in by_message.values():
             first = parts[0]
             # Another conversation's rows pass the notes' credential scan first.
-            text = "\n".join(_quote(p) if c == conversation_id else withheld(_quote(p))
+            text = "\n".join(withheld(p) if p.secret and c != conversation_id else _quote(p)
                              for p in parts)
             # A label opens each run of turns said together; within a run the alternation
             # itself tells the speakers apart, and a label per turn would cost a row's worth.

@@ -27,6 +27,7 @@ import peewee as pw
 
 from .conversation import Kind, Message, Usage
 from .errors import StoreError
+from .notes import secret_kind
 
 db = pw.SqliteDatabase(None)
 
@@ -222,9 +223,24 @@ def m008_retrieval_time(database: pw.Database) -> None:
         database.execute_sql(sql)
 
 
+def m011_secret(database: pw.Database) -> None:
+    """Each row carries the kind of credential the notes' scan finds in it (capture-time, off
+    the request path): stored verbatim, it is shown to another conversation only as
+    `[secret withheld: <kind>]`. Rows stored before are scanned here."""
+    database.execute_sql("ALTER TABLE item ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
+    last = 0
+    while rows := database.execute_sql("SELECT id, text FROM item WHERE id > ? ORDER BY id"
+                                       " LIMIT 5000", (last,)).fetchall():
+        flagged = [(kind, i) for i, text in rows if (kind := secret_kind(text))]
+        for kind, i in flagged:
+            database.execute_sql("UPDATE item SET secret = ? WHERE id = ?", (kind, i))
+        last = rows[-1][0]
+
+
 MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
                                                    m004_recall, m005_standing, m006_batched,
-                                                   m007_conversation_order, m008_retrieval_time]
+                                                   m007_conversation_order, m008_retrieval_time,
+                                                   m011_secret]
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]
@@ -391,8 +407,9 @@ class Store:
                 items = []
                 for i, p in enumerate(message.parts):
                     cur = conn.execute(
-                        "INSERT INTO item (message_id, seq, kind, name, call_id, text)"
-                        " VALUES (?,?,?,?,?,?)", (m.id, i, p.kind.value, p.name, p.call_id, p.text))
+                        "INSERT INTO item (message_id, seq, kind, name, call_id, text, secret)"
+                        " VALUES (?,?,?,?,?,?,?)", (m.id, i, p.kind.value, p.name, p.call_id,
+                                                    p.text, secret_kind(p.text)))
                     items.append(Item(id=cur.lastrowid, message=m, seq=i, kind=p.kind.value,
                                       name=p.name, call_id=p.call_id, text=p.text))
                 for derive in self.derivers:
@@ -440,6 +457,7 @@ class Row:
     kind: str
     name: str
     text: str
+    secret: str = ""  # the kind of credential the row holds (m011), shown only as withheld
 
 
 def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int, Row]:
@@ -454,8 +472,8 @@ def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int,
         chunk = ids[start:start + 500]
         args = (*chunk, *SHOWN_KINDS, *(() if user_id is None else (user_id,)))
         for r in conn.execute(
-            "SELECT i.id, m.id, m.conversation_id, c.key, m.role, m.at, i.kind, i.name, i.text"
-            " FROM item i JOIN message m ON m.id = i.message_id"
+            "SELECT i.id, m.id, m.conversation_id, c.key, m.role, m.at, i.kind, i.name, i.text,"
+            " i.secret FROM item i JOIN message m ON m.id = i.message_id"
             " JOIN conversation c ON c.id = m.conversation_id"
             f" WHERE i.id IN ({','.join('?' * len(chunk))}) AND i.kind IN ({kinds}){owner}", args):
             if r[8].strip():

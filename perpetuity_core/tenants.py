@@ -8,8 +8,7 @@ import re
 from pathlib import Path
 
 from .conversation import Kind, Message
-from .notes import scan_credentials
-from .store import Store, db
+from .store import Row, Store, db
 
 TENANTS_DIR = "tenants"  # under the notes root: one library per tenant
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
@@ -50,8 +49,7 @@ def quotes_untrusted(messages: list[Message]) -> bool:
                for m in messages for p in m.parts)
 
 
-def withheld(text: str) -> str:
-    """A row as another conversation may see it: whole, or withheld when the notes' credential
-    scan finds a secret in it (the row stays stored verbatim: it is the user's data)."""
-    findings = scan_credentials(text)
-    return f"[secret withheld: {findings[0].kind}]" if findings else text
+def withheld(row: Row) -> str:
+    """A row flagged at capture (the notes' credential scan, store.m011) as another
+    conversation sees it; the row stays stored verbatim: it is the user's data."""
+    return f"[secret withheld: {row.secret}]"

@@ -275,11 +275,13 @@ def _label(r: Row, *extra: str) -> str:
 def _body(r: Row) -> str:
     """A row as the model reads it; a row holding a credential is withheld (an answer can
     carry it into any conversation)."""
+    if r.secret:
+        return withheld(r)
     if r.kind == Kind.TOOL_CALL.value:
-        return f"called {r.name}: {withheld(r.text)}"
+        return f"called {r.name}: {r.text}"
     if r.kind == Kind.TOOL_RESULT.value:
-        return f"tool result: {withheld(r.text)}"
-    return withheld(r.text)
+        return f"tool result: {r.text}"
+    return r.text
 
 
 def clip(text: str, item_id: int, start: int, chars: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from pathlib import Path
 
 import httpx
@@ -61,6 +62,18 @@ def sent_upstream(fake: FakeProvider) -> str:
     return json.dumps([r.json for r in fake.requests])
 
 
+def stored(p: Proxy) -> int:
+    return p.rows("select count(*) from message")[0][0]
+
+
+def wait_stored(p: Proxy, n: int) -> None:
+    """Replies are stored a moment after the client saw them."""
+    deadline = time.monotonic() + 5
+    while stored(p) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 CLAIMS = {
     "header": lambda who: {"headers": {"x-perpetuity-user": who}},
     "metadata": lambda who: {"metadata": {"user_id": who}},
@@ -73,19 +86,23 @@ CLAIMS = {
 @pytest.mark.parametrize("claim", CLAIMS)
 def test_a_claimed_identity_never_reaches_across_credentials(proxy: Proxy, fake: FakeProvider,
                                                              claim: str) -> None:
-    alice, mallory = f"alice-{claim}", "mallory"
+    alice, mallory = f"alice-{claim}", f"mallory-{claim}"
     fake.script(Text("Noted."))
     ask(proxy, "sk-ant-alice-key-000000000000", "My locker code is 8842 and my doctor is Dr Quill.",
         **CLAIMS[claim](alice))
     proxy.wait_messages(alice, 2)
+    before = stored(proxy)
     ask(proxy, "sk-ant-mallory-key-0000000000", "hello", **CLAIMS[claim](alice))  # history of her own
+    wait_stored(proxy, before + 2)
     fake.clear()
     ask(proxy, "sk-ant-mallory-key-0000000000", "What is my locker code and who is my doctor?",
         **CLAIMS[claim](alice))
     assert "8842" not in sent_upstream(fake) and "Quill" not in sent_upstream(fake)
     # Within a tenant, claims partition: the same key naming another user sees nothing of hers.
     fake.clear()
+    before = stored(proxy)
     ask(proxy, "sk-ant-alice-key-000000000000", "hello", **CLAIMS[claim](mallory))
+    wait_stored(proxy, before + 2)
     ask(proxy, "sk-ant-alice-key-000000000000", "What is my locker code and who is my doctor?",
         **CLAIMS[claim](mallory))
     assert "8842" not in sent_upstream(fake)
@@ -181,6 +198,7 @@ def test_pool_sharing_stays_within_the_named_tenants(fake: FakeProvider, tmp_pat
         p.wait_messages(tenant_of(KEYS["ann"], salt), 2)
         for who in ("ben", "cat"):
             ask(p, KEYS[who], "hello")
+        wait_stored(p, 6)
         fake.clear()
         ask(p, KEYS["ben"], "Where is the team offsite?")
         assert "Lisbon" in sent_upstream(fake)  # ann and ben pool their memory
@@ -204,6 +222,7 @@ def capture_through(p: Proxy, fake: FakeProvider, key: str, messages: list[dict]
     """A note_capture call the model makes mid-reply, with memory there to reach."""
     fake.script(Text("Noted."))
     ask(p, key, "The login test is flaky.")
+    wait_stored(p, 2)
     fake.clear()
     fake.script(ToolCall("note_capture", LESSON, call_id="toolu_cap"), Text("Saved."))
     ask(p, key, "", messages=messages, **({"tools": tools} if tools else {}))
@@ -261,6 +280,7 @@ def test_notes_capture_switched_off(fake: FakeProvider, tmp_path: Path) -> None:
     try:
         fake.script(Text("Noted."))
         ask(p, KEYS["ann"], "The login test is flaky.")
+        wait_stored(p, 2)
         fake.clear()
         fake.script(Text("ok"))
         ask(p, KEYS["ann"], "Fixed the flaky login test, remember how.")
