@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import names
 from .conversation import Message, Reply
 from .store import Store
 
@@ -85,10 +86,13 @@ def record(
     messages: Sequence[Message],
     times: Sequence[float],
     source: str,
+    folder: str = "",
 ) -> tuple[list[int], TurnContext]:
-    """Store the new messages of a request (or an imported history); returns their ids."""
+    """Store the new messages of a request (or an imported history); returns their ids. The
+    conversation is named by its first prompt and the `folder` its harness works in, once."""
     user_id = store.user_id(user_key)
     conversation_id = store.conversation_id(user_id, conversation_key, provider)
+    store.name_conversation(conversation_id, opening=names.opening(messages), folder=folder)
     keys = _keys(messages)
     ids = [
         store.add_message(

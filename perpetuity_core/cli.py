@@ -11,7 +11,8 @@ from .errors import PerpetuityError
 # Each module registers its own subcommands: register(subparsers) adds a parser whose
 # `func(args) -> int` runs it. Imported lazily so `perpetuity --help` stays fast.
 COMMAND_MODULES = ["perpetuity_core.launch", "perpetuity_core.notes_cli",
-                   "perpetuity_core.retrieval_cli", "perpetuity_core.evaluate"]
+                   "perpetuity_core.retrieval_cli", "perpetuity_core.evaluate",
+                   "perpetuity_core.replay"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,8 +25,9 @@ class Provider(StrEnum):
 
 class Kind(StrEnum):
     TEXT = "text"
-    # Harness scaffolding inside a user turn (Claude Code's <system-reminder> blocks): stored
-    # with the turn, but not what the person said.
+    # Harness text inside the conversation (Claude Code's <system-reminder> blocks, its
+    # mid-conversation system messages): stored with the turn, as sent, but not memory: no
+    # retrieval row, never quoted.
     CONTEXT = "context"
     THINKING = "thinking"
     TOOL_CALL = "tool_call"
@@ -40,9 +41,6 @@ class Part:
     text: str = ""  # the text; a tool call's arguments as JSON; a tool result's content
     name: str = ""  # tool name for calls
     call_id: str = ""  # pairs a tool call with its result
-    # The request up to and including this part is worth caching: a protocol with explicit
-    # cache markers (Anthropic's cache_control) marks it; one that caches by itself ignores it.
-    cache_point: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,19 +76,58 @@ def _fingerprint(message: Message) -> str:
     return h.hexdigest()
 
 
-# Blocks harnesses put inside user turns that the person did not write (Claude Code, Codex).
+# Text harnesses put inside a conversation that the person did not write: Claude Code's
+# reminders, IDE notes, slash-command echoes, background-task notices, skill text (its isMeta
+# lines) and interrupt markers; Codex's environment and instructions. Found in the harness
+# captures (../shared/fixtures/harness) and six real Claude Code sessions.
 _SCAFFOLD = re.compile(
     r"\s*<(system-reminder|environment_context|user_instructions|permissions instructions|"
     r"skills_instructions|local-command-caveat|local-command-stdout|command-name|command-message|"
-    r"command-args)\b"
+    r"command-args|ide_opened_file|ide_selection|task-notification)\b"
+    r"|\s*Base directory for this skill: "
     # Claude Code's compaction summary, re-sent as the first user turn of the compacted session.
     r"|\s*This session is being continued from a previous conversation that ran out of context"
+    # Claude Code's mark of an interrupted reply or tool call, a block of its own.
+    r"|\s*\[Request interrupted by user( for tool use)?\]\s*$"
 )
+# Claude Code appends reminders to tool results (the Read tool's, to every file it reads: 104
+# of the six real sessions' tool results): the result is memory, the reminder is not.
+_EMBEDDED = re.compile(r"\s*<system-reminder>.*?</system-reminder>\s*", re.DOTALL)
+
+
+def prompt_text(message: Message) -> str:
+    """What a person typed in this message, "" when nothing: the text of a user message, without
+    its tool results, images, harness scaffolding (reminders, skill and command text, IDE
+    notices, the compaction summary) or interrupt markers.
+
+    A Claude Code interrupt sends one user message holding the interrupted call's tool_result,
+    the marker and the new prompt: that message is a prompt, and these are its new words.
+    """
+    if message.role != "user":
+        return ""
+    return "\n".join(p.text for p in message.parts if p.kind == Kind.TEXT).strip()
+
+
+def is_prompt(message: Message) -> bool:
+    """The message is a person's prompt (a task starts at it), not a round of tool results or
+    harness text."""
+    return bool(prompt_text(message))
 
 
 def text_part(text: str) -> Part:
     """A text part, marked as context when it is harness scaffolding rather than speech."""
     return Part(Kind.CONTEXT if _SCAFFOLD.match(text) else Kind.TEXT, text)
+
+
+def as_context(parts: tuple[Part, ...]) -> tuple[Part, ...]:
+    """The parts of a message the harness wrote (a mid-conversation system message, a line
+    Claude Code records as meta): its text is context, not speech."""
+    return tuple(Part(Kind.CONTEXT, p.text) if p.kind == Kind.TEXT else p for p in parts)
+
+
+def without_scaffold(text: str) -> str:
+    """A row's text as memory shows and indexes it: reminders the harness appended removed."""
+    return _EMBEDDED.sub("\n", text).strip() if "<system-reminder>" in text else text
 
 
 @dataclass(slots=True)

@@ -32,6 +32,8 @@ NEIGHBOURS = 2  # messages each side of a hit that warm with it
 NEIGHBOUR_HITS = 20  # the hits whose neighbours warm
 HEADER = ("[Memory: turns quoted verbatim from earlier conversations, grouped by conversation "
           "with this one last, labelled with when they were said; [...] marks turns left out.]")
+MORE_HEADER = ("[Memory for the next message: more turns quoted verbatim from earlier"
+               " conversations, labelled with when they were said.]")
 CLOSING = "[End of quoted memory.]"
 NOW = "[End of quoted memory. Now: {:%Y-%m-%d %H:%M} UTC.]"
 
@@ -45,83 +47,148 @@ class Frame:
     left_out: int  # warm rows the cap left out
     now: float  # the user's clock
     reheats: dict[int, float] = field(default_factory=dict)  # own rows only; written unless probing
-    sticky: list[list[int]] = field(default_factory=list)  # sections to keep in front next turn
     below_cap: list[int] = field(default_factory=list)  # this turn's hits left out, best first
     hits: list[int] = field(default_factory=list)  # this turn's hits rendered, best first
 
 
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
           exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap,
-          recent_messages: Iterable[int] = (),
-          previous: Iterable[list[int]] = ()) -> Frame | None:
+          recent_messages: Iterable[int] = ()) -> Frame | None:
     """The frame for one question, or None when memory holds nothing to show. Reads only.
 
-    Never trimmed: the question's top hit and `recent_messages`, the latest stretch of the
-    conversation that the harness did not keep as sent. `previous` is the last frame's
-    `sticky` rows for this conversation.
+    Never trimmed: the question's top hit and the latest stretch of the conversation that the
+    harness did not keep as sent (`recent_messages`, its rows newest first while they fit
+    RECENT_TOKENS, skipping bulk over RECENT_ROW).
     """
     excluded = set(exclude_messages)
     recent = set(recent_messages) - excluded
-    hits = search(scanner, query, user_id, asked_at, excluded)
-    reheats = heat.rank_reheats([h.item_id for h in hits],
-                                _neighbours(hits[:NEIGHBOUR_HITS], excluded))
-    now = heat.clock(user_id)
-    warm = heat.warm_set(user_id, now, reheats)
-    budget = cap.budget(np.asarray([h.score for h in hits]), limits)
+    found = _retrieve(scanner, query, user_id, asked_at, excluded, limits)
+    hits, warm = found.hits, heat.warm_set(user_id, found.now, found.reheats)
     recent_items = _items_of(recent)
     warm_ids = warm.item_ids.tolist()
     seen = set(warm_ids)
     rows = _rows(warm_ids + [i for i in recent_items if i not in seen], excluded)
-    recent_set = set(recent_items)
-    # The top hit comes with the other half of its exchange, unless that is a bulk (a long tool
-    # output) over half the largest frame.
+    recent_set = _latest(rows, recent_items)
+    other = _companion(hits, excluded, rows, limits)
+    must = ({hits[0].item_id} if hits else set()) | set(other) | recent_set
+
+    def render_ids(new: list[int]) -> list[Message]:
+        return _assemble(_turns(rows, new, recent_set, asked_at, conversation_id), asked_at)
+
+    new = _fill(rows, warm, must, found.budget, render_ids)
+    if not new:
+        return None
+    return _frame(render_ids(new), new, rows, found, warm.foreign)
+
+
+def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
+             exclude_messages: Iterable[int], shown: Collection[int], asked_at: float,
+             limits: cap.Cap) -> Frame | None:
+    """Memory for a new prompt in a conversation whose frame stays as it was: the question's
+    own hits in rank order, not already in front of the model (`shown`, or in the messages the
+    harness sent as they were), within its breadth-sized budget; None when its best match is
+    already in front of the model, or nothing is left to add.
+
+    It is rendered like a frame and goes just before the prompt, so the request still only
+    grows at its end (the provider's cached prefix holds). Rank order, not warmth: what earlier
+    prompts made warm is already in front, and an addendum serves this prompt alone.
+    """
+    excluded = set(exclude_messages)
+    found = _retrieve(scanner, query, user_id, asked_at, excluded, limits)
+    if not found.hits or found.hits[0].item_id in shown:
+        return None
+    rows = _rows([h.item_id for h in found.hits], excluded)
+    other = _companion(found.hits, excluded, rows | _rows(_other_half(found.hits[0], excluded),
+                                                          excluded), limits)
+    rows |= _rows(other, excluded)
+    order = [i for i in [found.hits[0].item_id, *other] + [h.item_id for h in found.hits]
+             if i in rows and i not in shown]
+    order = list(dict.fromkeys(order))
+    new: list[int] = []
+    used = 0
+    for i in order:
+        cost = token_estimate(_quote(rows[i]))
+        if new and used + cost > found.budget:
+            continue
+        new.append(i)
+        used += cost
+    if not new:
+        return None
+
+    def render_ids(ids: list[int]) -> list[Message]:
+        return _assemble(_turns(rows, ids, set(), asked_at, conversation_id), asked_at,
+                         header=MORE_HEADER)
+
+    return _frame(render_ids(new), new, rows, found, frozenset())
+
+
+@dataclass(slots=True)
+class _Found:
+    hits: list[Hit]
+    reheats: dict[int, float]
+    now: float
+    budget: int
+
+
+def _retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float, excluded: set[int],
+              limits: cap.Cap) -> _Found:
+    """A question's hits, the reheats they bring (peaks by rank, neighbours warming with
+    them), the user's clock and the breadth-sized budget."""
+    hits = search(scanner, query, user_id, asked_at, excluded)
+    reheats = heat.rank_reheats([h.item_id for h in hits],
+                                _neighbours(hits[:NEIGHBOUR_HITS], excluded))
+    return _Found(hits, reheats, heat.clock(user_id),
+                  cap.budget(np.asarray([h.score for h in hits]), limits))
+
+
+# The latest stretch of the conversation, in tokens, and the largest row it takes. What a coding
+# task's next reply uses from before its prompt lies mostly in the task just before it (262 of
+# 458 identifiers on the six shared Claude Code sessions), and mostly in small rows: tool calls,
+# the assistant's own words (250 in a row under 200 tokens, 383 under 1,000).
+RECENT_TOKENS = 2_000
+RECENT_ROW = 1_000
+
+
+def _latest(rows: dict[int, Row], items: list[int]) -> set[int]:
+    """The conversation's latest rows, newest first, while they fit RECENT_TOKENS."""
+    out: set[int] = set()
+    used = 0
+    for i in sorted((i for i in items if i in rows), reverse=True):
+        cost = token_estimate(_quote(rows[i]))
+        if cost > RECENT_ROW:
+            continue
+        if used + cost > RECENT_TOKENS:
+            break
+        out.add(i)
+        used += cost
+    return out
+
+
+def _companion(hits: list[Hit], excluded: set[int], rows: dict[int, Row],
+               limits: cap.Cap) -> list[int]:
+    """The top hit comes with the other half of its exchange, unless that is a bulk (a long
+    tool output) over half the largest frame."""
     other = [i for i in (_other_half(hits[0], excluded) if hits else []) if i in rows]
     if sum(token_estimate(_quote(rows[i])) for i in other) > limits.ceiling // 2:
-        other = []
-    must = ({hits[0].item_id} if hits else set()) | set(other) | recent_set
-    # The previous frame's sections stay in front, rendered as they were: providers cache by
-    # exact prefix. The front keeps its sections up to the first that holds a row gone cold;
-    # from there on the frame is built anew.
-    kept_sections: list[list[int]] = []
-    for sec in previous:
-        if any(i not in rows or i in recent_set for i in sec):
-            break
-        kept_sections.append(list(sec))
+        return []
+    return other
 
-    rendered: dict[tuple[int, ...], list[tuple[str, str]]] = {}
 
-    def section(ids: list[int]) -> list[tuple[str, str]]:
-        # The trimming pass renders the frame a few times; the sections in front never change.
-        key = tuple(ids)
-        if key not in rendered:
-            rendered[key] = _section([rows[i] for i in ids], asked_at, conversation_id)
-        return rendered[key]
+def _turns(rows: dict[int, Row], ids: list[int], recent: set[int], asked_at: float,
+           conversation_id: int | None) -> list[tuple[str, str]]:
+    """The chosen rows as turns: the rows found, then the conversation's latest stretch."""
+    return (_section([rows[i] for i in ids if i not in recent], asked_at, conversation_id)
+            + _section([rows[i] for i in ids if i in recent], asked_at, conversation_id))
 
-    def turns(front: list[list[int]], new: list[int]) -> tuple[list[tuple[str, str]], ...]:
-        return ([t for sec in front for t in section(sec)],
-                section([i for i in new if i not in recent_set]),
-                section([i for i in new if i in recent_set]))
 
-    def render_ids(front: list[list[int]], new: list[int]) -> list[Message]:
-        return _assemble([t for part in turns(front, new) for t in part], asked_at)
-
-    front, new = _fill(rows, warm, must, kept_sections, budget, render_ids)
-    if not front and not new:
-        return None
-    kept, fresh_turns, recent_turns = turns(front, new)
-    # Cache points where this frame's front ends (the previous frame's sticky part: a provider
-    # that caches only at marked points finds it there) and where its own sticky part ends
-    # (what the next frame keeps in front).
-    messages = _assemble(kept + fresh_turns + recent_turns, asked_at,
-                         cache_after=(len(kept), len(kept) + len(fresh_turns)))
-    chosen = [i for sec in front for i in sec] + new
-    fresh = [i for i in new if i not in recent_set]
-    sticky = front + ([fresh] if fresh else [])
+def _frame(messages: list[Message], chosen: list[int], rows: dict[int, Row], found: _Found,
+           foreign: frozenset[int]) -> Frame:
     shown = set(chosen)
-    own_reheats = {i: peak for i, peak in reheats.items() if i not in warm.foreign}
-    return Frame(messages, chosen, budget, _tokens(messages), len(rows) - len(chosen), now,
-                 own_reheats, sticky, [h.item_id for h in hits if h.item_id not in shown],
-                 [h.item_id for h in hits if h.item_id in shown])
+    own_reheats = {i: peak for i, peak in found.reheats.items() if i not in foreign}
+    return Frame(messages, chosen, found.budget, _tokens(messages), len(rows) - len(chosen),
+                 found.now, own_reheats,
+                 [h.item_id for h in found.hits if h.item_id not in shown],
+                 [h.item_id for h in found.hits if h.item_id in shown])
 
 
 def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
@@ -159,9 +226,11 @@ def _other_half(hit: Hit, excluded: set[int]) -> list[int]:
     """The rows of the other half of a hit's exchange: the reply to it, or the question it
     answers. The two travel together; either alone is often not the answer."""
     cmp, order = (">", "ASC") if hit.role == "user" else ("<", "DESC")
+    # Harness text between them (Claude Code's mid-conversation system message) is no half.
     row = db.connection().execute(
-        f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order}"
-        " LIMIT 1", (hit.conversation_id, hit.message_id)).fetchone()
+        f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ?"
+        f" AND role IN ('user', 'assistant') ORDER BY id {order} LIMIT 1",
+        (hit.conversation_id, hit.message_id)).fetchone()
     other = row[0] if row and row[1] != hit.role and row[0] not in excluded else None
     return _items_of({other} if other else set())
 
@@ -179,46 +248,27 @@ def _rows(item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
     return {i: r for i, r in shown_rows(item_ids).items() if r.message_id not in excluded}
 
 
-def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], front: list[list[int]],
-          budget: int, render_ids: Callable[[list[list[int]], list[int]], list[Message]],
-          ) -> tuple[list[list[int]], list[int]]:
-    """(front, new): the previous frame's sections kept in front, and the rows added now.
-
-    Two passes: take the rows with the most warmth per token while their estimated size fits,
-    then render and measure, dropping the last added rows until the rendered frame fits. `must`
-    is never dropped; when the front no longer fits beside it, its last sections are shed.
-    """
+def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], budget: int,
+          render_ids: Callable[[list[int]], list[Message]]) -> list[int]:
+    """The rows to render: the rows with the most warmth per token while their estimated size
+    fits, then render and measure, dropping the last added rows until the rendered frame
+    fits. `must` is never dropped."""
     costs = {i: token_estimate(_quote(r)) for i, r in rows.items()}
-    cost = costs.__getitem__
     # A budget is filled best by the most warmth per token (the greedy knapsack): one long
     # reply must earn its place against the several short turns it would push out.
     warmth = dict(zip(warm.item_ids.tolist(), warm.warmth.tolist()))
     order = sorted((i for i in warmth if i in rows), key=lambda i: -warmth[i] / (costs[i] + ROW_FLOOR))
     ordered = set(order)
     order += [i for i in rows if i not in ordered]  # mandatory rows gone cold still come
-
-    def start(front: list[list[int]]) -> tuple[set[int], list[int], int]:
-        kept = {i for sec in front for i in sec}
-        new = [i for i in order if i in must and i not in kept]
-        return kept, new, sum(map(cost, kept)) + sum(map(cost, new))
-
-    front = list(front)
-    kept, new, used = start(front)
-    fill = budget
-    if front and used > budget:
-        # Shed from the end, and leave room to grow again in place for a few turns: what
-        # stays in front is still the prefix the provider has cached.
-        fill = int(budget * REBUILD_FILL)
-        while front and used > fill:
-            front.pop()
-            kept, new, used = start(front)
+    new = [i for i in order if i in must]
+    used = sum(costs[i] for i in new)
     for i in order:
-        if i not in kept and i not in must and used + cost(i) <= fill:
+        if i not in must and used + costs[i] <= budget:
             new.append(i)
-            used += cost(i)
+            used += costs[i]
     droppable = [i for i in new if i not in must]
     while droppable:
-        over = _tokens(render_ids(front, new)) - fill
+        over = _tokens(render_ids(new)) - budget
         if over <= 0:
             break
         # Drop the last added rows worth the overshoot, then measure again: labels make
@@ -226,8 +276,8 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], front: list[lis
         while over > 0 and droppable:
             i = droppable.pop()
             new.remove(i)
-            over -= cost(i)
-    return front, new
+            over -= costs[i]
+    return new
 
 
 # What every row costs on top of its words when the fill weighs warmth per token, so that an
@@ -236,26 +286,23 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], front: list[lis
 # 0.758; per (tokens + 50) 0.827 / 0.766; per (tokens + 100) 0.831 / 0.749; per sqrt(tokens)
 # 0.824 / 0.704.
 ROW_FLOOR = 100
-REBUILD_FILL = 0.7  # a frame that outgrew its budget sheds sections to this share of it
 
 
 def _assemble(turns: list[tuple[str, str]], asked_at: float,
-              cache_after: Iterable[int] = ()) -> list[Message]:
+              header: str = HEADER) -> list[Message]:
     """(role, text) turns, section after section, as alternating user and assistant messages
     under the header; within a section they are grouped by conversation (the current one
-    last), oldest first (`_section`). The part holding turn n - 1 is a cache point for every n
-    in `cache_after`. The closing line tells the time of the question: labels give only the
-    day's distance, which does not change from one turn to the next."""
+    last), oldest first (`_section`). The closing line tells the time of the question: labels
+    give only the day's distance."""
     if not turns:
         return []
-    points = set(cache_after)
     messages: list[Message] = []
     if turns[0][0] != "user":
-        messages.append(Message("user", (Part(Kind.TEXT, HEADER),)))
+        messages.append(Message("user", (Part(Kind.TEXT, header),)))
     else:
-        turns[0] = ("user", HEADER + "\n\n" + turns[0][1])
-    for n, (role, text) in enumerate(turns, 1):
-        part = Part(Kind.TEXT, text, cache_point=n in points)
+        turns[0] = ("user", header + "\n\n" + turns[0][1])
+    for role, text in turns:
+        part = Part(Kind.TEXT, text)
         if messages and messages[-1].role == role:
             messages[-1] = Message(role, messages[-1].parts + (part,))
         else:
@@ -336,7 +383,9 @@ def _quote(r: Row) -> str:
 
 
 def _label(r: Row, asked_at: float, current: bool) -> str:
-    where = "this conversation" if current else f"conversation {r.conversation}"
+    # Another conversation by the name a person knows it by (names.py), never its session id.
+    where = ("this conversation" if current else
+             f"conversation {r.conversation}" if r.conversation else "another conversation")
     return f"[{where}, {_when(r, asked_at)[1:]}"
 
 

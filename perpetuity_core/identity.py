@@ -111,6 +111,10 @@ def _side(headers: Mapping[str, str], req: ParsedRequest, harness: str) -> str:
     kind = turn_meta.get("request_kind")
     if isinstance(kind, str) and kind != "turn":
         return f"codex-{kind}"
+    # Codex asks for a thread's title in a thread of its own (its own session id, so the
+    # title cannot be tied to the conversation it names): harness text, not a turn.
+    if turn_meta.get("thread_source") == "thread_title":
+        return "codex-title"
     if harness == "claude-code":
         if req.structured_output and not req.tool_names:
             return "title"

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .conversation import Kind, Message, Part
+from .conversation import Kind, Message, Part, as_context
 from .errors import ConfigError
 from .store import Store
 
@@ -38,17 +38,20 @@ class Thread:
     labels: list[str] = field(default_factory=list)  # the source's id of each message
     provider: str = "import"
     model: str = ""
+    title: str = ""  # what the source calls the conversation, if anything (names.py)
+    folder: str = ""  # the project folder the conversation worked in
 
 
 def write(store: Store, thread: Thread, source: str = "import") -> list[int]:
     """Store a thread through the capture write path; returns the new message ids."""
     from . import capture
 
-    out = capture.record(store, user_key=thread.user_key,
-                         conversation_key=thread.conversation_key, provider=thread.provider,
-                         model=thread.model, messages=thread.messages, times=thread.times,
-                         source=source)
-    return list(out[0] if isinstance(out, tuple) else out)
+    ids, turn = capture.record(store, user_key=thread.user_key,
+                               conversation_key=thread.conversation_key, provider=thread.provider,
+                               model=thread.model, messages=thread.messages, times=thread.times,
+                               source=source, folder=thread.folder)
+    store.name_conversation(turn.conversation_id, title=thread.title)
+    return ids
 
 
 # ------------------------------------------------------------------------------ sources
@@ -152,7 +155,9 @@ def claude_code(path: str | Path, user_key: str = "claude-code:local") -> Iterat
     """Claude Code session files: one conversation per session, Anthropic message blocks.
 
     An assistant reply is written as one line per content block with the same message id;
-    those lines are folded back into one message. Sidechain (subagent) lines are skipped.
+    those lines are folded back into one message. Sidechain (subagent) lines are skipped. Meta
+    lines (skill text, command caveats) are the harness's: stored as context. The session's
+    title (its `ai-title` line) and working directory (`cwd`) name the conversation.
     """
     from .protocols.anthropic import _message
 
@@ -166,12 +171,19 @@ def claude_code(path: str | Path, user_key: str = "claude-code:local") -> Iterat
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            msg = rec.get("message") if isinstance(rec, dict) else None
+            if not isinstance(rec, dict):
+                continue
+            if rec.get("type") == "ai-title" and isinstance(rec.get("aiTitle"), str):
+                t.title = t.title or rec["aiTitle"]
+            msg = rec.get("message")
             if rec.get("type") not in ("user", "assistant") or not isinstance(msg, dict):
                 continue
             if rec.get("isSidechain"):
                 continue
+            t.folder = t.folder or str(rec.get("cwd") or "")
             m = _message(msg)
+            if rec.get("isMeta"):
+                m = Message(m.role, as_context(m.parts))
             if not m.parts:
                 continue
             t.model = str(msg.get("model", t.model) or t.model)

@@ -19,18 +19,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
 
-from . import capture, frame, heat, notes, tenants, tools
+from . import capture, frame, heat, names, notes, repair, tenants, tools
 from .cap import Cap
 from .capture import TurnContext
-from .conversation import Kind, Message, ParsedRequest, Protocol, Provider, Reply
+from .conversation import Message, ParsedRequest, Protocol, Provider, Reply, is_prompt, prompt_text
 from .errors import PerpetuityError
 from .frame import Frame
 from .identity import Identity, identify
+from .plan import Plan, carried, mark, place, should_rebuild, with_addendum
 from .protocols import ADAPTERS
 from .route import CONTROL_PREFIX, Route, credential, parse_controls, route
 from .scan import Scanner, token_estimate
@@ -40,10 +41,8 @@ from .tools import TurnMemory
 log = logging.getLogger("perpetuity")
 
 CURATE_COMMAND = "/perpetuity-curate"
-CODING = ("claude-code", "codex", "opencode")
-CODING_KEEP_TURNS = 3  # a coding harness keeps its live turn and the two before it as sent
-RECENT_STRETCH = 6  # the latest stored messages of the conversation, always in the frame
-STICKY_CONVERSATIONS = 10_000
+RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame's tail comes from
+PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's JSON escape, paired or not
@@ -88,6 +87,10 @@ class PendingTurn:
     hits: set[int] = field(default_factory=set)
     shown: set[int] = field(default_factory=set)
     frame_rows: set[int] = field(default_factory=set)
+    folder: str = ""  # the working directory the harness states (names.py)
+    # A title side request: nothing of it is a turn; its reply names the conversation.
+    title: bool = False
+    structured: bool = False  # the title is asked for as JSON (Claude Code), else as text
     library: Path | None = None  # the tenant's notes library the recalled notes came from
 
 
@@ -140,11 +143,15 @@ class Recall:
     """What memory adds to one request."""
 
     body: bytes | None = None  # the body to send instead
-    frame: Frame | None = None
+    built: Frame | None = None  # the frame or addendum built for this request, if any
     keep: int = 0  # the first message kept as the harness sent it
     memory: TurnMemory | None = None  # set when the recall tools ride along
     notes: list[str] = field(default_factory=list)  # the notes recall put before the model
-    sticky_key: tuple[int, int | None] | None = None  # (user, conversation) the frame was for
+    key: tuple[int, str] | None = None  # (user, conversation key) of the plan
+    plan: Plan | None = None  # the conversation's plan after this request
+    sent_tokens: int = 0  # what the model reads of the conversation: frame, addenda, kept turns
+    note: str = ""  # why the history was kept further back than planned, or left as sent
+    library: Path | None = None  # the tenant's notes library
 
 
 @dataclass(slots=True)
@@ -180,9 +187,9 @@ class Pipeline:
         self.scanner = Scanner(store, share_pool=bool(share_pool),
                                pool_of=(lambda uid: tenants.pool_of(store, uid, pool))
                                if pool is not None else None)
-        # Each conversation's last frame, kept in front while it stays warm (prompt caching).
-        # Only the preparing thread touches it; a restart costs one rebuilt frame.
-        self._sticky: OrderedDict[tuple[int, int | None], list[list[int]]] = OrderedDict()
+        # Each conversation's plan: when its frame changes (`perpetuity_core.plan`). Only the
+        # preparing thread touches it; a restart costs one rebuilt frame.
+        self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -233,99 +240,177 @@ class Pipeline:
             return decision
         if ident.side:
             decision.note = f"side request: {ident.side}"
+            if ident.side == "title" and controls.capture and not controls.probe:
+                # Forwarded as sent; only its reply is read, for the conversation's name.
+                pending = PendingTurn(ident.user, ident.conversation, r.provider.value,
+                                      parsed.model, [], time.time(), title=True,
+                                      structured=parsed.structured_output)
+                decision.job = Job(req.method, r.upstream_url, _forwarded(req), req.body,
+                                   r.protocol, parsed.stream, pending)
             return decision
         at = controls.at if controls.at is not None else time.time()
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
         tools_on = self.tools and controls.tools and not controls.probe and controls.capture
         recall = Recall()
         if controls.recall and "previous_response_id" not in parsed.hints:
-            coding = headers.get("x-perpetuity-harness", "coding" if ident.harness in CODING
-                                 else "chat") == "coding"
-            recall = self._recall(body, parsed, ident, r.protocol, coding, at, tools_on)
+            recall = self._recall(body, parsed, ident, r.protocol, at, tools_on, library)
         if recall.memory is not None:
             recall.memory.library = library if self.notes_capture else None
             recall.memory.untrusted = tenants.quotes_untrusted(parsed.messages)
-        decision.body, decision.frame = recall.body, recall.frame
+        decision.body, decision.frame = recall.body, recall.built
         if controls.probe or not controls.capture:
-            decision.note = "probe" if controls.probe else "capture off"
+            decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
             return decision
-        built = recall.frame
-        if built is not None and recall.sticky_key is not None:
-            self._remember(recall.sticky_key, built)
-        sent = parsed.messages[recall.keep:] if built else parsed.messages
+        if recall.key is not None and recall.plan is not None:
+            self._remember(recall.key, recall.plan)
+        built = recall.built
+        sent = recall.sent_tokens if recall.body is not None else _tokens(parsed.messages)
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
                               parsed.messages, at, built.reheats if built else {},
-                              built.now if built else 0.0,
-                              (built.tokens if built else 0) + _tokens(sent), recall.notes,
+                              built.now if built else 0.0, sent, recall.notes,
                               set(built.hits[:BOUND_HITS]) if built else set(),
                               recall.memory.shown if recall.memory else set(),
-                              set(built.item_ids) if built else set(), library)
-        forwarded = [(k, v) for k, v in req.headers
-                     if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
-        decision.job = Job(req.method, r.upstream_url, forwarded,
+                              set(recall.plan.shown) if recall.plan else set(),
+                              names.folder(parsed), library=library)
+        decision.job = Job(req.method, r.upstream_url, _forwarded(req),
                            recall.body if recall.body is not None else req.body, r.protocol,
                            parsed.stream, pending, at=controls.at, memory=recall.memory,
                            max_rounds=self.tool_rounds,
                            tool_specs=self._tool_specs(recall.memory, parsed.tool_names)
                            if recall.memory else [],
                            original=req.body if recall.body is not None else None)
-        decision.note = "captured"
+        decision.note = _noted("captured", recall.note)
         return decision
 
     def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
-                protocol: Protocol, coding: bool, asked_at: float, tools_on: bool) -> Recall:
-        """The request with its history replaced by the frame, notes when a task starts, and
-        the note on the recall tools when they ride along."""
-        out = Recall()
-        rendered: list[Message] = []
-        note = ""
-        if planned := self._frame(ident, parsed, coding, asked_at):
-            out.frame, out.keep, memory = planned
-            out.sticky_key = (memory.user_id, memory.conversation_id)
-            rendered = out.frame.messages
-            if tools_on:
-                out.memory = memory
-                note = _tools_note(out.frame)
-        if starts_task(parsed.messages) and (lesson := self._notes_for(parsed, ident.tenant)):
-            out.notes = lesson.names
-            note = "\n\n".join(t for t in (note, lesson.text) if t)
-        if note:
-            rendered = frame.with_note(rendered, note)
-        if rendered:
-            out.body = json.dumps(ADAPTERS[protocol].replace_history(
-                body, rendered, parsed.raw_index[out.keep]), ensure_ascii=False).encode()
+                protocol: Protocol, asked_at: float, tools_on: bool,
+                library: Path | None) -> Recall:
+        """The request laid out by its conversation's plan (`perpetuity_core.plan`): the frame
+        in front, the harness's messages from the anchor on, addenda before the prompts they
+        serve; notes when a task starts, and the note on the recall tools when they ride
+        along."""
+        messages = parsed.messages
+        prompt = _prompt_index(messages)
+        user_id = self.store.find_user(ident.user)
+        if user_id is None or prompt is None:
+            return self._lesson_only(body, parsed, protocol, library)
+        conv = self.store.find_conversation(user_id, ident.conversation)
+        # By the conversation's key, not its row: a first request has no row yet.
+        key = (user_id, ident.conversation)
+        query = prompt_text(messages[prompt])
+        out = Recall(key=key, library=library)
+        old = self._plans.get(key)
+        placed = place(old, messages) if old else None
+        if old and placed:
+            kept = _tokens(messages[placed.keep:prompt]) + old.insert_tokens
+            here = mark(messages, prompt)
+            if here == old.prompt:  # a tool round of the task in progress
+                out.plan = carried(old, kept, asked_at, here)
+            elif not should_rebuild(old, kept, asked_at, self.limits.ceiling):
+                out.plan = carried(old, kept, asked_at, here)
+                self._add(out, parsed, prompt, placed.keep, conv, query, asked_at)
+        if out.plan is None:
+            self._rebuild(out, parsed, prompt, conv, query, asked_at)
+        laid = place(out.plan, messages) if out.plan else None
+        if out.plan is None or laid is None:
+            return out
+        front = list(out.plan.frame)
+        if front and tools_on:
+            front = frame.with_note(front, _tools_note(out.plan.left_out))
+        if tools_on and front:
+            out.memory = TurnMemory(user_id, conv, asked_at, set(out.plan.shown),
+                                    list(out.plan.below_cap))
+        if not front and not laid.inserts:
+            return out
+        replaced = repair.replace_history(
+            ADAPTERS[protocol], body, parsed, front, laid.keep,
+            {parsed.raw_index[i]: list(m) for i, m in laid.inserts.items()})
+        if replaced.body is None:
+            log.warning("perpetuity: %s", replaced.why)
+            return Recall(note=replaced.why)
+        if replaced.why:
+            log.info("perpetuity: %s", replaced.why)
+        if replaced.keep != laid.keep:
+            # The plan keeps what went upstream, so the next call grows from it.
+            out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
+        out.keep, out.note = replaced.keep, replaced.why
+        out.sent_tokens = (_tokens(front) + out.plan.insert_tokens
+                           + _tokens(messages[replaced.keep:]))
+        out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
         return out
 
-    def _frame(self, ident: Identity, parsed: ParsedRequest, coding: bool,
-               asked_at: float) -> tuple[Frame, int, TurnMemory] | None:
-        """The frame for this request, the index of the first message kept as sent, and what
-        the recall tools start from."""
-        user_id = self.store.find_user(ident.user)
-        query = _last_user_text(parsed.messages)
-        if user_id is None or not query:
-            return None
-        conv = self.store.find_conversation(user_id, ident.conversation)
-        keep = _keep_from(parsed.messages, coding)
+    def _rebuild(self, out: Recall, parsed: ParsedRequest, prompt: int, conv: int | None,
+                 query: str, asked_at: float) -> None:
+        """A new frame for the prompt, the harness's messages before it dropped (memory holds
+        them); a conversation shorter than a frame keeps them all, with other conversations'
+        memory in front."""
+        assert out.key is not None
+        user_id = out.key[0]
+        messages = parsed.messages
+        keep = prompt if _tokens(messages[:prompt]) > self.limits.ceiling else 0
         if conv is None:
             keep = 0
-        elif new := capture.new_messages(self.store, conv, parsed.messages):
+        elif new := capture.new_messages(self.store, conv, messages):
             keep = min(keep, new[0])  # what the store does not hold yet is never stripped
-        kept = self.store.message_ids(conv, [m.fingerprint() for m in parsed.messages[keep:]]) \
-            if conv else []
+        keep = repair.kept_start(messages, keep)  # never a result whose call is dropped
+        fps = [m.fingerprint() for m in messages]
+        kept = self.store.message_ids(conv, fps[keep:]) if conv else []
         recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
         built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
-                            recent_messages=recent, previous=self._sticky.get((user_id, conv), []))
-        if built is None:
-            return None
-        return built, keep, TurnMemory(user_id, conv, asked_at, set(built.item_ids),
-                                       list(built.below_cap))
+                            recent_messages=recent)
+        front = built.messages if built else []
+        if starts_task(messages) and (lesson := self._notes_for(parsed, out.library)):
+            out.notes = lesson.names
+            front = frame.with_note(front, lesson.text)
+        if not built:
+            keep = 0  # nothing to stand in for the history
+        out.built = built
+        out.plan = Plan(
+            tuple(front), _tokens(front), mark(messages, keep), mark(messages, prompt), asked_at,
+            shown=frozenset(built.item_ids if built else ()),
+            below_cap=tuple(built.below_cap if built else ()),
+            left_out=built.left_out if built else 0)
 
-    def _remember(self, key: tuple[int, int | None], built: Frame) -> None:
-        self._sticky[key] = built.sticky
-        self._sticky.move_to_end(key)
-        while len(self._sticky) > STICKY_CONVERSATIONS:
-            self._sticky.popitem(last=False)
+    def _add(self, out: Recall, parsed: ParsedRequest, prompt: int, keep: int, conv: int | None,
+             query: str, asked_at: float) -> None:
+        """An addendum for a new prompt under a frame that stays: its hits not yet in front.
+        None before a prompt that answers a call (an interrupted tool call's result rides with
+        the next prompt): it would part the call from its result."""
+        assert out.key is not None and out.plan is not None
+        messages = parsed.messages
+        if repair.answers_earlier(messages, prompt):
+            return
+        kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
+            if conv else []
+        more = frame.addendum(self.scanner, user_id=out.key[0], conversation_id=conv,
+                              query=query, exclude_messages=kept, shown=out.plan.shown,
+                              asked_at=asked_at, limits=self.limits)
+        added = more.messages if more else []
+        if starts_task(messages) and (lesson := self._notes_for(parsed, out.library)):
+            out.notes = lesson.names
+            added = frame.with_note(added, lesson.text)
+        if added:
+            out.built = more
+            out.plan = with_addendum(out.plan, mark(messages, prompt), added,
+                                          _tokens(added), more.item_ids if more else [])
+
+    def _lesson_only(self, body: dict[str, Any], parsed: ParsedRequest,
+                     protocol: Protocol, library: Path | None) -> Recall:
+        """Before memory holds anything of this user: notes alone, when a task starts."""
+        out = Recall()
+        if starts_task(parsed.messages) and (lesson := self._notes_for(parsed, library)):
+            out.notes = lesson.names
+            out.body = json.dumps(ADAPTERS[protocol].replace_history(
+                body, frame.with_note([], lesson.text), parsed.raw_index[0]),
+                ensure_ascii=False).encode()
+        return out
+
+    def _remember(self, key: tuple[int, str], laid: Plan) -> None:
+        self._plans[key] = laid
+        self._plans.move_to_end(key)
+        while len(self._plans) > PLANS:
+            self._plans.popitem(last=False)
 
     def store_turn(self, p: PendingTurn) -> TurnContext:
         """Store what is new in the request, each message in its own transaction, this turn's
@@ -335,7 +420,7 @@ class Pipeline:
         _, turn = capture.record(
             self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
             model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",
-        )
+            folder=p.folder)
         heat.advance(turn.user_id, p.sent_tokens)
         return turn
 
@@ -343,7 +428,11 @@ class Pipeline:
                     pending: PendingTurn | None = None) -> None:
         """Store the reply, move the clock by what the model sent back, and log what the turn
         was shown as bound to it (the store's writer); a recalled note the reply cites by name
-        was used."""
+        was used. A title side request's reply is not a turn: it names the conversation."""
+        if pending and pending.title:
+            self.store.name_conversation(turn.conversation_id,
+                                         title=names.title(reply, pending.structured))
+            return
         message_id = capture.record_reply(self.store, turn, reply, at)
         if message_id is not None:
             heat.advance(turn.user_id, _tokens([reply.message]))
@@ -355,10 +444,9 @@ class Pipeline:
             if cited := notes.cited_notes(text, recalled):
                 notes.mark_used(pending.library, cited, date.today())
 
-    def _notes_for(self, parsed: ParsedRequest, tenant: str) -> notes.RecallResult | None:
-        """Notes recall for a task's first prompt, from the tenant's own library; a library
-        that cannot be read is skipped."""
-        root = tenants.library(self.notes_root, tenant)
+    def _notes_for(self, parsed: ParsedRequest, root: Path | None) -> notes.RecallResult | None:
+        """Notes recall for a task's first prompt, from the tenant's own library `root`; a
+        library that cannot be read is skipped."""
         if root is None or not (root / notes.NOTES_DIR).is_dir():
             return None
         try:
@@ -393,9 +481,15 @@ class Pipeline:
         return [s for s in specs if s["name"] not in taken]
 
 
-def _tools_note(built: Frame) -> str:
-    left = (f" {built.left_out} more remembered items were left out of this frame;"
-            " memory_more and memory_search reach them." if built.left_out else "")
+def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
+    """The request's headers as they go upstream."""
+    return [(k, v) for k, v in req.headers
+            if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
+
+
+def _tools_note(left_out: int) -> str:
+    left = (f" {left_out} more remembered items were left out of this frame;"
+            " memory_more and memory_search reach them." if left_out else "")
     return f"[{tools.INSTRUCTIONS}{left}]"
 
 
@@ -405,28 +499,21 @@ def _tokens(messages: list[Message]) -> int:
 
 def starts_task(messages: list[Message]) -> bool:
     """A new prompt from the person, not a round of tool results."""
-    return bool(messages) and messages[-1].role == "user" and any(
-        p.kind == Kind.TEXT for p in messages[-1].parts)
+    return bool(messages) and is_prompt(messages[-1])
 
 
-def _keep_from(messages: list[Message], coding: bool) -> int:
-    """Where the turns kept as the harness sent them begin: the live turn for a chat client,
-    the last few human turns (with their tool rounds, so every call keeps its result) for a
-    coding harness."""
-    human = [i for i, m in enumerate(messages)
-             if m.role == "user" and any(p.kind == Kind.TEXT for p in m.parts)]
-    if not human:
-        return len(messages) - 1 if messages else 0
-    turns = CODING_KEEP_TURNS if coding else 1
-    return human[-turns] if len(human) >= turns else human[0]
+def _prompt_index(messages: list[Message]) -> int | None:
+    """The person's latest prompt: where the live task begins."""
+    return next((i for i in range(len(messages) - 1, -1, -1) if is_prompt(messages[i])), None)
 
 
 def _last_user_text(messages: list[Message]) -> str:
     """What the person last said: the query, and the command check."""
-    for m in reversed(messages):
-        if m.role == "user" and (text := m.text.strip()):
-            return text
-    return ""
+    return next((text for m in reversed(messages) if (text := prompt_text(m))), "")
+
+
+def _noted(what: str, why: str) -> str:
+    return f"{what}; {why}" if why else what
 
 
 def _curate(root: Path) -> str:

@@ -4,13 +4,13 @@ There is no approximate index between a question and the memory: every stored ro
 exact score (rows holding none of the query's terms score exactly zero and are not hits).
 
 Write side. `derive_retrieval` runs inside each message's transaction (the store registers it
-on every Store): one retrieval row per item (term ids and counts as little-endian blobs, length,
-dictionary version), which is also its own increment of the pooled counts BM25 needs (rows,
-total length, and document frequency per term): these are folded into retrieval_total and
-retrieval_term every FOLD_EVERY rows, and readers add the rows stored since (`totals`,
-`unfolded_df`). Deleted retrieval rows are logged by a trigger; `settle` takes their counts back
-out, `purge` deletes and settles in one transaction, `rederive` re-writes rows whose dictionary
-version is stale.
+on every Store): one retrieval row per item that is memory, not harness context (term ids and
+counts as little-endian blobs, length, dictionary version), which is also its own increment of
+the pooled counts BM25 needs (rows, total length, and document frequency per term): these are
+folded into retrieval_total and retrieval_term every FOLD_EVERY rows, and readers add the rows
+stored since (`totals`, `unfolded_df`). Deleted retrieval rows are logged by a trigger; `settle`
+takes their counts back out, `purge` deletes and settles in one transaction, `rederive`
+re-writes rows whose dictionary version is stale.
 
 Read side. A `Scanner` answers `search`. A small memory is scored straight from the store; a
 larger one is held in the serving process as an `Arena`: numpy arrays in segments of at most
@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import dictionary
+from .conversation import Kind, without_scaffold
 from .store import Item, Store, StoredMessage, db
 
 SEGMENT_ROWS = 1 << 16  # local row ids are uint16
@@ -121,7 +122,9 @@ def token_estimate(text: str) -> int:
 
 
 def item_text(kind: str, name: str, text: str) -> str:
-    """What a row is retrieved by: a tool call is found by its tool's name as well."""
+    """What a row is retrieved by: a tool call is found by its tool's name as well; the
+    reminders a harness appends to a tool result are not."""
+    text = without_scaffold(text)
     return f"{name} {text}" if name else text
 
 
@@ -135,6 +138,9 @@ def item_text(kind: str, name: str, text: str) -> str:
 FOLD_EVERY = 4096
 
 
+_CONTEXT = Kind.CONTEXT.value
+
+
 def derive_retrieval(items: list[Item]) -> None:
     """Write the retrieval rows and counts of a message's items (inside its transaction)."""
     if not items:
@@ -144,6 +150,8 @@ def derive_retrieval(items: list[Item]) -> None:
     conn = db.connection()
     seq = 0
     for it in items:
+        if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
+            continue
         text = item_text(it.kind, it.name, it.text)
         bag = d.bag(text)
         n_tokens = token_estimate(text)
@@ -248,6 +256,17 @@ def purge(store: Store, item_ids: Iterable[int]) -> int:
     return len(ids)
 
 
+def items_by_message(item_ids: list[int]) -> list[list[Item]]:
+    """The items with these ids (their messages joined, as derive_retrieval reads them),
+    grouped by message."""
+    by_message: dict[int, list[Item]] = {}
+    for i in range(0, len(item_ids), 500):
+        for it in (Item.select(Item, StoredMessage).join(StoredMessage)
+                   .where(Item.id.in_(item_ids[i:i + 500])).order_by(Item.id)):
+            by_message.setdefault(it.message_id, []).append(it)
+    return list(by_message.values())
+
+
 def rederive(store: Store, *, stale_only: bool = True) -> int:
     """Re-write retrieval rows with the current dictionary (those of another version, or all).
 
@@ -257,12 +276,7 @@ def rederive(store: Store, *, stale_only: bool = True) -> int:
     version = dictionary.load().version
     sql = "SELECT item_id FROM retrieval" + (" WHERE version != ?" if stale_only else "")
     ids = [r[0] for r in db.connection().execute(sql, (version,) if stale_only else ())]
-    by_message: dict[int, list[Item]] = {}
-    for i in range(0, len(ids), 500):
-        for it in (Item.select(Item, StoredMessage).join(StoredMessage)
-                   .where(Item.id.in_(ids[i:i + 500])).order_by(Item.id)):
-            by_message.setdefault(it.message_id, []).append(it)
-    for items in by_message.values():
+    for items in items_by_message(ids):
         with db.atomic():
             db.connection().executemany("DELETE FROM retrieval WHERE item_id = ?",
                                         [(it.id,) for it in items])

@@ -25,8 +25,9 @@ from typing import Any
 
 import peewee as pw
 
-from .conversation import Kind, Message, Usage
+from .conversation import Kind, Message, Usage, text_part, without_scaffold
 from .errors import StoreError
+from .names import label
 from .notes import secret_kind
 
 db = pw.SqliteDatabase(None)
@@ -223,6 +224,53 @@ def m008_retrieval_time(database: pw.Database) -> None:
         database.execute_sql(sql)
 
 
+def m009_harness_text(database: pw.Database) -> None:
+    """Harness text is not memory; conversations have names (names.py).
+
+    Items the harness wrote, stored before this was told (Claude Code's mid-conversation system
+    messages, its IDE notes, task notices, skill text and interrupt markers: see
+    conversation.text_part), become context: their retrieval rows, chains and bindings go, and
+    they are cold, as context is born (heat.py). Rows that quote a reminder the harness appended
+    (tool results) are indexed again without it. Conversations get the title, opening words and
+    folder their label is made of; those stored before get their first prompt's opening words.
+    """
+    from .names import opening_words
+    from .scan import derive_retrieval, items_by_message, settle_in
+
+    conn = database.connection()
+    for column in ("title", "opening", "folder"):
+        conn.execute(f"ALTER TABLE conversation ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
+    written = conn.execute("SELECT i.id, i.text, m.role FROM item i JOIN message m"
+                           " ON m.id = i.message_id WHERE i.kind = ?"
+                           " AND m.role IN ('user', 'system')", (Kind.TEXT.value,)).fetchall()
+    harness = [(i,) for i, text, role in written
+               if role == "system" or text_part(text).kind == Kind.CONTEXT]
+    conn.executemany("UPDATE item SET kind = ? WHERE id = ?",
+                     [(Kind.CONTEXT.value, i) for (i,) in harness])
+    harness += conn.execute("SELECT item_id FROM retrieval WHERE item_id IN"
+                            " (SELECT id FROM item WHERE kind = ?)",
+                            (Kind.CONTEXT.value,)).fetchall()
+    for sql in ("DELETE FROM retrieval WHERE item_id = ?", "DELETE FROM chain WHERE item_id = ?",
+                "DELETE FROM binding WHERE item_id = ?",
+                "UPDATE activation SET peak = 0 WHERE item_id = ?"):
+        conn.executemany(sql, harness)
+    reminded = [i for (i,) in conn.execute(
+        "SELECT id FROM item WHERE kind = ? AND instr(text, '<system-reminder>') > 0",
+        (Kind.TOOL_RESULT.value,))]
+    conn.executemany("DELETE FROM retrieval WHERE item_id = ?", [(i,) for i in reminded])
+    settle_in(conn)
+    for items in items_by_message(reminded):
+        derive_retrieval(items)
+    for (cid,) in conn.execute("SELECT id FROM conversation").fetchall():
+        first = conn.execute(
+            "SELECT i.text FROM message m JOIN item i ON i.message_id = m.id WHERE"
+            " m.conversation_id = ? AND m.role = 'user' AND i.kind = ? AND trim(i.text) != ''"
+            " ORDER BY m.id, i.seq LIMIT 1", (cid, Kind.TEXT.value)).fetchone()
+        if first:
+            conn.execute("UPDATE conversation SET opening = ? WHERE id = ?",
+                         (opening_words(first[0]), cid))
+
+
 def m011_secret(database: pw.Database) -> None:
     """Each row carries the kind of credential the notes' scan finds in it (capture-time, off
     the request path): stored verbatim, it is shown to another conversation only as
@@ -240,7 +288,7 @@ def m011_secret(database: pw.Database) -> None:
 MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
                                                    m004_recall, m005_standing, m006_batched,
                                                    m007_conversation_order, m008_retrieval_time,
-                                                   m011_secret]
+                                                   m009_harness_text, m011_secret]
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[list[Item]], None]
@@ -270,11 +318,13 @@ class Store:
         self.path = Path(path).expanduser()
         self._users: dict[str, int] = {}
         self._conversations: dict[tuple[int, str], int] = {}
+        self._named: set[tuple[int, str]] = set()  # (conversation, name part) already stored
         from .heat import derive_activation
         from .scan import derive_retrieval  # numpy and the dictionary load on first use only
         from .tools import derive_chains
 
-        # Every store derives retrieval rows and activations: no item may exist without them.
+        # Every store derives retrieval rows and activations: no item may exist without them
+        # (harness context is stored, born cold, and never retrieved).
         self.derivers = [derive_retrieval, derive_activation, *derivers]
         self.batched: dict[str, BatchDeriver] = {"chain": derive_chains}
         try:
@@ -336,6 +386,25 @@ class Store:
                                   (user_id, key)).fetchone()
         self._conversations[(user_id, key)] = cid
         return cid
+
+    def name_conversation(self, conversation_id: int, *, title: str = "", opening: str = "",
+                          folder: str = "") -> None:
+        """Give a conversation the parts of its name (names.py) it does not have yet. The first
+        of each is kept, so its label changes at most once (when the title comes)."""
+        wanted = [(column, value) for column, value in
+                  (("title", title), ("opening", opening), ("folder", folder))
+                  if value and (conversation_id, column) not in self._named]
+        if not wanted:
+            return
+        conn = db.connection()
+        try:
+            with db.atomic():
+                for column, value in wanted:
+                    conn.execute(f"UPDATE conversation SET {column} = ?"
+                                 f" WHERE id = ? AND {column} = ''", (value, conversation_id))
+        except pw.PeeweeException as e:
+            raise StoreError(f"could not name conversation {conversation_id}: {e}") from e
+        self._named.update((conversation_id, column) for column, _ in wanted)
 
     def find_user(self, key: str) -> int | None:
         """Read only: the user's id, or None if the store has never seen them."""
@@ -451,7 +520,7 @@ class Row:
     item_id: int
     message_id: int
     conversation_id: int
-    conversation: str  # the conversation's key
+    conversation: str  # its name as a person knows it (names.label), "" when it has none
     role: str
     at: float  # wall time the turn was said
     kind: str
@@ -471,13 +540,16 @@ def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int,
     for start in range(0, len(ids), 500):
         chunk = ids[start:start + 500]
         args = (*chunk, *SHOWN_KINDS, *(() if user_id is None else (user_id,)))
-        for r in conn.execute(
-            "SELECT i.id, m.id, m.conversation_id, c.key, m.role, m.at, i.kind, i.name, i.text,"
-            " i.secret FROM item i JOIN message m ON m.id = i.message_id"
+        for (item, message, conv, title, opening, folder, role, at, kind, name,
+             text, secret) in conn.execute(
+            "SELECT i.id, m.id, m.conversation_id, c.title, c.opening, c.folder, m.role, m.at,"
+            " i.kind, i.name, i.text, i.secret FROM item i JOIN message m"
+            " ON m.id = i.message_id"
             " JOIN conversation c ON c.id = m.conversation_id"
             f" WHERE i.id IN ({','.join('?' * len(chunk))}) AND i.kind IN ({kinds}){owner}", args):
-            if r[8].strip():
-                out[r[0]] = Row(*r)
+            if (shown := without_scaffold(text)).strip():
+                out[item] = Row(item, message, conv, label(title, opening, folder), role, at,
+                                kind, name, shown, secret)
     return out
 
 

@@ -44,8 +44,9 @@ import numpy as np
 
 from . import dictionary
 from .conversation import Kind
+from .names import label
 from .scan import Hit, Scanner
-from .store import SHOWN_KINDS, Row, Store, db, shown_rows
+from .store import SHOWN_KINDS, Row, db, shown_rows
 from .tenants import withheld
 
 log = logging.getLogger("perpetuity")
@@ -54,7 +55,9 @@ LIMIT = 8  # rows an answer shows unless asked for more
 MAX_LIMIT = 50
 RESULT_CHARS = 8_000  # 2,000 tokens at four characters a token (scan.token_estimate's rule)
 MIN_ROW_CHARS = 400  # a row is never cut shorter than this, whatever the limit
-LABEL_CHARS = 80  # room a row's label takes, kept out of its text's share
+# Room a row's label takes, kept out of its text's share: the conversation's name is most
+# of it (a title of up to names.TITLE_CHARS, and the project folder).
+LABEL_CHARS = 160
 MAX_SCAN = 4_096  # the most ranked rows a filtered search reads through before giving up
 SNIPPET_CHARS = 100  # memory_count lists instances, not their whole text
 COUNT_LIST = 20  # instances memory_count lists unless asked for more
@@ -99,8 +102,8 @@ class TurnMemory:
 
 # The definitions ride along with every request that carries the tools: kept short.
 _FILTERS: dict[str, dict[str, Any]] = {
-    "conversation": {"type": "string",
-                     "description": "A conversation key from the results, or 'current'."},
+    "conversation": {"type": "string", "description":
+                     "A conversation's number from the results (c12), or 'current'."},
     "role": {"type": "string", "enum": ["user", "assistant", "tool"]},
     "after": {"type": "string", "description": "From this ISO date or time on (UTC)."},
     "before": {"type": "string", "description": "Before this ISO date or time (UTC)."},
@@ -120,8 +123,8 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "memory_search",
         "Search everything stored from earlier conversations with this user, best match first."
-        " Returns only rows you have not seen this turn, each as [#id · conversation · role ·"
-        " time] text.",
+        " Returns only rows you have not seen this turn, each as [#id · conversation number and"
+        " name · role · time] text.",
         _schema(["query"], query={"type": "string", "description": "Words said before."},
                 **_FILTERS, limit=_limit())),
     ToolSpec(
@@ -269,7 +272,14 @@ def _when(at: float) -> str:
 
 
 def _label(r: Row, *extra: str) -> str:
-    return "[" + " · ".join((f"#{r.item_id}", r.conversation, r.role, _when(r.at), *extra)) + "]"
+    return "[" + " · ".join((f"#{r.item_id}", _conversation(r.conversation_id, r.conversation),
+                             r.role, _when(r.at), *extra)) + "]"
+
+
+def _conversation(conversation_id: int, name: str) -> str:
+    """A conversation as an answer names it: the number a filter takes, and the name a person
+    knows it by (names.py), never its session id."""
+    return f"c{conversation_id} {name}" if name else f"c{conversation_id}"
 
 
 def _body(r: Row) -> str:
@@ -356,18 +366,27 @@ class Filters:
                 math.inf if self.before is None else self.before)
 
 
-def _filters(args: dict[str, Any], memory: TurnMemory, store: Store) -> Filters:
+def _filters(args: dict[str, Any], memory: TurnMemory) -> Filters:
     conv = None
     key = args.get("conversation")
     if key:
-        conv = (memory.conversation_id if key == "current"
-                else store.find_conversation(memory.user_id, key))
+        conv = memory.conversation_id if key == "current" else _own_conversation(memory, key)
         if conv is None:
             raise BadArguments(f"there is no conversation {key!r}")
     said = ", ".join(f"{k} {args[k]}" for k in ("conversation", "role", "after", "before")
                      if args.get(k))
     return Filters(conv, args.get("role"), _instant(args, "after"), _instant(args, "before"),
                    f" ({said})" if said else "")
+
+
+def _own_conversation(memory: TurnMemory, number: str) -> int | None:
+    """The id of the user's conversation an answer numbered `number` (c12), else None."""
+    digits = number.strip().removeprefix("c")
+    if not digits.isdigit():
+        return None
+    row = db.connection().execute("SELECT id FROM conversation WHERE id = ? AND user_id = ?",
+                                  (int(digits), memory.user_id)).fetchone()
+    return row[0] if row else None
 
 
 def _instant(args: dict[str, Any], key: str) -> float | None:
@@ -425,7 +444,7 @@ def _query_terms(text: str) -> np.ndarray:
 
 
 def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
-    f = _filters(args, memory, scanner.store)
+    f = _filters(args, memory)
     query, limit = args["query"], args["limit"]
     found = _search(scanner, memory, query, f, limit, memory.shown)
     if not found:
@@ -468,14 +487,14 @@ def _continue_row(item_id: int, offset: int, memory: TurnMemory) -> str:
 def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     category, match = args["category"], args["match"]
     terms = _query_terms(category)
-    f = _filters(args, memory, scanner.store)
+    f = _filters(args, memory)
     ids, at, conv = count_rows(memory.user_id, terms, match == "all", f)
     what = f"memory_count {category!r}{f.said}, rows holding {match} of its words"
     if ids.size == 0:
         return f"{what}: 0 rows."
     listed = ids[np.lexsort((ids, at))[:args["limit"]]].tolist()  # oldest first
     rows = fetch_rows(memory.user_id, listed)
-    keys = _conversation_keys(np.unique(conv).tolist())
+    keys = _conversation_names(np.unique(conv).tolist())
     days = np.datetime_as_string((at // 86_400).astype(np.int64).astype("datetime64[D]"))
     header = (f"{what}: {_n(ids.size, 'row')}, in {_n(np.unique(conv).size, 'conversation')},"
               f" on {_n(np.unique(days).size, 'day')}.")
@@ -513,7 +532,8 @@ def _instance(r: Row, marks: list[str], memory: TurnMemory) -> tuple[int | None,
     """One counted row, compactly: a snippet around the first of `marks` (the category's
     stems) it holds. Its id joins `shown` only when the snippet is the whole row: a row seen
     in part stays reachable in full by memory_search."""
-    head = f"#{r.item_id} {_when(r.at)[:16]} {r.conversation} {r.role}"
+    # By number only: the tally above names each conversation once.
+    head = f"#{r.item_id} {_when(r.at)[:16]} c{r.conversation_id} {r.role}"
     if r.item_id in memory.shown:
         return None, f"{head} (already shown)"
     body = " ".join(_body(r).split())
@@ -542,12 +562,13 @@ def _tally(values: np.ndarray) -> list[tuple[Any, int]]:
     return list(zip(u.tolist(), n.tolist(), strict=True))
 
 
-def _conversation_keys(conversation_ids: list[int]) -> dict[int, str]:
+def _conversation_names(conversation_ids: list[int]) -> dict[int, str]:
     if not conversation_ids:
         return {}
-    return dict(db.connection().execute(
-        f"SELECT id, key FROM conversation WHERE id IN ({','.join('?' * len(conversation_ids))})",
-        conversation_ids).fetchall())
+    return {c: _conversation(c, label(title, opening, folder)) for c, title, opening, folder
+            in db.connection().execute(
+                "SELECT id, title, opening, folder FROM conversation WHERE id IN"
+                f" ({','.join('?' * len(conversation_ids))})", conversation_ids)}
 
 
 def count_rows(user_id: int, terms: np.ndarray, every: bool,
@@ -588,7 +609,7 @@ def count_rows(user_id: int, terms: np.ndarray, every: bool,
 def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     query, limit = args["query"], args["limit"]
     terms = _query_terms(query)
-    f = _filters(args, memory, scanner.store)
+    f = _filters(args, memory)
     # Rows already shown are still events on the timeline: they come back as stubs.
     found = _search(scanner, memory, query, f, limit, (), holding=terms)
     if not found:

@@ -4,18 +4,16 @@ This replays a conversation as a chat client would send it (the whole history ev
 replies stored as replies) through the request pipeline, with the frame and, side by side, with
 recall off (the history as the client sent it), in two protocols whose caches work differently:
 
-  openai     Chat Completions. OpenAI caches every request's prefix by itself: reported are the
-             share of each request's characters that equal the previous request's prefix, the
-             tokens past it, and the cost with the prefix read at 0.1 and the rest at 1.
-  anthropic  Messages, the client marking its last message as a cache-aware client does.
-             Anthropic writes a prefix to its cache only where a block carries a cache marker,
-             and reads one only at a marker or up to 20 blocks before it; nothing under 1,024
-             tokens is cached. Simulated from the markers actually sent: the cost with the
-             longest cached prefix read at 0.1, the rest up to the last marker written at 1.25,
-             the tail at 1 (every request counted as within the cache's lifetime).
+  openai     Chat Completions, billed as gpt-5 (cached input at 0.1). OpenAI caches every
+             request's prefix by itself: reported are the share of each request's tokens read
+             from the cache, the tokens past it, and the cost.
+  anthropic  Messages, the client marking its last message as a cache-aware client does, billed
+             as a model with a 1,024-token minimum. Anthropic writes a prefix to its cache only
+             at a marked block and reads one only at a marker or up to 20 blocks before it.
 
-Costs are in units of one uncached input token, per request; tokens are characters / 4, the
-rule of thumb the frame's own counts use. Prints JSON.
+Both are billed by `perpetuity_core.billing` (the rules are in its docstring), on the replay's
+own clock, as `perpetuity replay` bills. Costs are in units of one uncached input token, per
+request. Prints JSON.
 
     .venv/bin/python scripts/bench_prefix.py [--format locomo|beam] [--data PATH] [--turns 300]
                                              [--gap 60]
@@ -32,7 +30,6 @@ history passes 75,000 tokens).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -45,89 +42,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perpetuity_core import importers
+from perpetuity_core.billing import AnthropicCache, Bill, OpenAICache
 from perpetuity_core.conversation import Provider, Reply, Usage
 from perpetuity_core.evaluate import _request
 from perpetuity_core.pipeline import HttpRequest, Pipeline
+from perpetuity_core.replay.drive import paced
 from perpetuity_core.store import Store
-
-CACHE_READ, CACHE_WRITE = 0.1, 1.25  # multiples of an input token's price
-LOOKBACK = 20  # blocks before a marker where Anthropic still finds a cached prefix
-MIN_CACHED = 1024  # tokens: shorter prefixes are not cached
-
-
-def shared_prefix(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    lo, hi = 0, n
-    while lo < hi:  # binary search on equal prefixes: bytes compare in C
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-class OpenAICache:
-    """Automatic prefix caching: whatever the previous request shares with this one is cached."""
-
-    def __init__(self) -> None:
-        self.previous = b""
-        self.rows: list[dict[str, float]] = []
-
-    def request(self, body: bytes) -> None:
-        if self.previous:
-            common = shared_prefix(self.previous, body)
-            self.rows.append({"share": common / len(body), "uncached": (len(body) - common) / 4,
-                              "sent": len(body) / 4,
-                              "cost": (CACHE_READ * common + len(body) - common) / 4})
-        self.previous = body
-
-
-class AnthropicCache:
-    """Prefixes written at marked blocks; read at a marker or up to LOOKBACK blocks before."""
-
-    def __init__(self) -> None:
-        self.cached: set[bytes] = set()
-        self.rows: list[dict[str, float]] = []
-
-    def request(self, body: bytes) -> None:
-        blocks = _blocks(json.loads(body))
-        keys, ends, marks = [], [], []
-        h = hashlib.blake2b(digest_size=16)
-        total = 0.0
-        for n, (text, marked) in enumerate(blocks):
-            h.update(text.encode() + b"\x00")
-            keys.append(h.copy().digest())
-            total += len(text) / 4
-            ends.append(total)
-            if marked:
-                marks.append(n)
-        read = 0.0
-        for m in marks:
-            for j in range(m, max(-1, m - LOOKBACK - 1), -1):
-                if keys[j] in self.cached:
-                    read = max(read, ends[j])
-                    break
-        marked_to = ends[marks[-1]] if marks else 0.0
-        written = max(0.0, marked_to - read)
-        self.rows.append({"read": read, "written": written, "sent": total,
-                          "cost": CACHE_READ * read + CACHE_WRITE * written
-                          + (total - max(read, marked_to))})
-        self.cached |= {keys[m] for m in marks if ends[m] >= MIN_CACHED}
-
-
-def _blocks(body: dict[str, Any]) -> list[tuple[str, bool]]:
-    """(text, marked) of every block in the order Anthropic caches them: system, then messages
-    (this replay sends no tools)."""
-    out = []
-    system = body.get("system") or []
-    for part in [{"text": system}] if isinstance(system, str) else system:
-        out.append((part["text"], "cache_control" in part))
-    for m in body["messages"]:
-        content = m["content"]
-        for b in [{"text": content}] if isinstance(content, str) else content:
-            out.append((m["role"] + ":" + b.get("text", ""), "cache_control" in b))
-    return out
 
 
 def _anthropic_request(user: str, conversation: str, at: float,
@@ -152,23 +72,14 @@ def _chat_request(user: str, conversation: str, at: float, history: list[dict[st
                        req.headers + (("x-perpetuity-recall", "off"),), req.body, True)
 
 
-def paced(times: list[float], gap: float) -> list[float]:
-    """The dataset's times with the turns of one sitting `gap` seconds apart (LoCoMo's are a
-    second apart), as a person types; sittings keep their dates."""
-    out: list[float] = []
-    for i, t in enumerate(times):
-        same_sitting = i > 0 and 0 <= t - times[i - 1] < 60
-        out.append(out[-1] + gap if same_sitting else t)
-    return out
-
-
 def replay(thread: importers.Thread, turns: int, recall: bool, tmp: Path,
            build: Callable[..., HttpRequest], cache: OpenAICache | AnthropicCache,
-           gap: float) -> None:
+           gap: float, model: str) -> list[Bill]:
     store = Store(tmp / f"prefix-{recall}-{type(cache).__name__}.db")
     pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider}, trust_identity=True)
     history: list[dict[str, str]] = []
     turn = None
+    bills = []
     times = paced(thread.times, gap)
     for i, m in enumerate(thread.messages[:turns]):
         if m.role == "assistant" and turn is not None and history[-1]["role"] == "user":
@@ -178,13 +89,15 @@ def replay(thread: importers.Thread, turns: int, recall: bool, tmp: Path,
         history.append({"role": "user", "content": m.text})
         req = build(thread.user_key, thread.conversation_key, times[i], history, recall)
         d = pipeline.prepare(req)
-        cache.request(d.body if d.body is not None else req.body)
+        sent = json.loads(d.body if d.body is not None else req.body)
+        bills.append(cache.bill({**sent, "model": model}, times[i]))
         turn = pipeline.store_turn(d.job.pending)
     store.close()
+    return bills
 
 
-def _mean(rows: list[dict[str, float]], key: str, digits: int = 0) -> float:
-    return round(statistics.mean(r[key] for r in rows), digits or None)
+def _mean(bills: list[Bill], key: str) -> float:
+    return round(statistics.mean(getattr(b, key) for b in bills))
 
 
 def main() -> None:
@@ -203,23 +116,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for recall in (True, False):
             mode = "frame" if recall else "history_as_sent"
-            oa = OpenAICache()
-            replay(thread, args.turns, recall, Path(tmp), _chat_request, oa, args.gap)
+            oa = replay(thread, args.turns, recall, Path(tmp), _chat_request, OpenAICache(),
+                        args.gap, "gpt-5")
             out["openai"][mode] = {
-                "requests": len(oa.rows) + 1,
-                "prefix_share_mean": _mean(oa.rows, "share", 4),
-                "prefix_share_median": round(statistics.median(r["share"] for r in oa.rows), 4),
-                "uncached_tokens_mean": _mean(oa.rows, "uncached"),
-                "sent_tokens_mean": _mean(oa.rows, "sent"),
-                "cost_units_mean": _mean(oa.rows, "cost")}
-            an = AnthropicCache()
-            replay(thread, args.turns, recall, Path(tmp), _anthropic_request, an, args.gap)
+                "requests": len(oa),
+                "prefix_share_mean": round(statistics.mean(b.read / b.tokens for b in oa), 4),
+                "uncached_tokens_mean": _mean(oa, "uncached"),
+                "sent_tokens_mean": _mean(oa, "tokens"),
+                "cost_units_mean": _mean(oa, "cost")}
+            an = replay(thread, args.turns, recall, Path(tmp), _anthropic_request,
+                        AnthropicCache(), args.gap, "claude-sonnet-4-5")
             out["anthropic"][mode] = {
-                "requests": len(an.rows),
-                "read_tokens_mean": _mean(an.rows, "read"),
-                "written_tokens_mean": _mean(an.rows, "written"),
-                "sent_tokens_mean": _mean(an.rows, "sent"),
-                "cost_units_mean": _mean(an.rows, "cost")}
+                "requests": len(an),
+                "read_tokens_mean": _mean(an, "read"),
+                "written_tokens_mean": _mean(an, "written"),
+                "sent_tokens_mean": _mean(an, "tokens"),
+                "cost_units_mean": _mean(an, "cost")}
     print(json.dumps(out, indent=2))
 
 

@@ -11,7 +11,6 @@ from urllib.parse import urlencode
 
 import pytest
 
-from perpetuity_core import capture
 from perpetuity_core.conversation import Protocol, Provider
 from perpetuity_core.pipeline import HttpRequest, Pipeline
 from perpetuity_core.relay import ReplyTee
@@ -70,7 +69,7 @@ def replay(pipeline: Pipeline, harness: str) -> list[tuple[Path, object]]:
             tee.feed(body.encode() if isinstance(body, str) else json.dumps(body).encode())
             reply = tee.reply()
             assert reply is not None and reply.complete, f
-            capture.record_reply(pipeline.store, turn, reply, 0.0)
+            pipeline.store_reply(turn, reply, 0.0, job.pending)
     return out
 
 
@@ -107,7 +106,10 @@ def test_protocol_identity_and_side_requests(pipeline: Pipeline, harness: str) -
                                  "opencode": "opencode"}.get(harness, "client"), f
         assert ident.side == ("title" if (harness, number) in TITLE else
                               "compaction" if (harness, number) in COMPACTION else ""), f
-        assert (d.job is None) == bool(ident.side), f
+        # A title request is forwarded with a job that reads its reply (the conversation's
+        # name) and stores no turn; other side requests have no job.
+        assert (d.job is None) == bool(ident.side and ident.side != "title"), f
+        assert not d.job or d.job.pending.title == (ident.side == "title"), f
         if harness == "claude-code":
             meta = json.loads(raw["body"]["metadata"]["user_id"])
             assert ident.user == f"{ident.tenant}/{meta['device_id']}"  # scoped by its key
@@ -132,7 +134,7 @@ def test_protocol_identity_and_side_requests(pipeline: Pipeline, harness: str) -
 
 
 def test_claude_code_sessions_store_each_typed_turn_once(pipeline: Pipeline) -> None:
-    captured = [d for _, d in replay(pipeline, "claude-code") if d.job]
+    captured = [d for _, d in replay(pipeline, "claude-code") if d.job and not d.job.pending.title]
     user_turns = [t for _, role, t in stored(pipeline) if role == "user"]
     assert user_turns == [
         "hello", "second turn: what did I say before?", "RUN_BASH please run echo hi",

@@ -184,33 +184,15 @@ def test_the_budget_goes_to_the_most_warmth_per_token() -> None:
     rows = {1: row(1, 800), 2: row(2, 40), 3: row(3, 40), 4: row(4, 40), 5: row(5, 2)}
     warm = heat.Warm(np.array([1, 2, 3, 4, 5]), np.array([1.0, 0.9, 0.9, 0.9, 0.9]))
 
-    def render(stable: list[int], new: list[int]) -> list[Message]:
-        return [Message("user", (text_part(rows[i].text),)) for i in stable + new]
+    def render(new: list[int]) -> list[Message]:
+        return [Message("user", (text_part(rows[i].text),)) for i in new]
 
-    _, new = frame._fill(rows, warm, set(), [], 400, render)
+    new = frame._fill(rows, warm, set(), 400, render)
     # The warmest row alone would spend the whole budget; three substantive turns and a
     # two-word one give more warmth for it.
     assert sorted(new) == [2, 3, 4, 5]
-    _, new = frame._fill(rows, warm, {1}, [], 400, render)
+    new = frame._fill(rows, warm, {1}, 400, render)
     assert new[0] == 1  # a mandatory row is never traded away
-
-
-def test_a_front_that_outgrew_the_budget_sheds_its_last_sections_only() -> None:
-    rows = {i: Row(i, i, 1, "c", "user", 0.0, Kind.TEXT.value, "", "word " * 80)
-            for i in range(1, 8)}  # 100 tokens each
-    warm = heat.Warm(np.arange(1, 8), np.full(7, 0.5))
-
-    def render(front: list[list[int]], new: list[int]) -> list[Message]:
-        return [Message("user", (text_part(rows[i].text),))
-                for i in [i for sec in front for i in sec] + new]
-
-    front = [[1, 2], [3, 4], [5, 6]]
-    kept, new = frame._fill(rows, warm, {7}, front, 1000, render)
-    assert kept == front and 7 in new  # it fits: all of it stays, in order
-    kept, new = frame._fill(rows, warm, {7}, front, 500, render)
-    # 700 tokens against 500: the last sections go until the rest and the mandatory row fit
-    # REBUILD_FILL of the budget; the first stays, still the provider's cached prefix.
-    assert kept == [[1, 2]] and new == [7]
 
 
 def test_cap_never_trims_the_top_hit(store: Store) -> None:
@@ -290,7 +272,9 @@ def test_frame_alternates_and_labels(store: Store) -> None:
     assert roles[0] == "user" and roles[-1] == "assistant"
     assert all(a != b for a, b in zip(roles, roles[1:]))
     first = built.messages[0].parts[0].text
-    assert first.startswith(frame.HEADER) and "conversation trip" in first
+    # Another conversation by its first prompt's opening words, never its key.
+    assert first.startswith(frame.HEADER)
+    assert '[conversation "We fly to Lisbon on May 3rd."' in first
     assert "2023-11-14" in first and "3 days before" in first
 
 
@@ -346,21 +330,27 @@ def test_every_capture_yields_a_valid_request(tmp_path: Path) -> None:
     assert framed >= 20, framed
 
 
-def test_second_request_upstream_carries_a_frame(proxy: Proxy, fake: FakeProvider) -> None:
+def test_a_new_conversation_gets_a_frame_and_a_short_one_stays_as_sent(
+        proxy: Proxy, fake: FakeProvider) -> None:
     c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0)
     history = [{"role": "user", "content": "My cat is called Miso."}]
-    fake.script(Text("Miso is a lovely name."), Text("Your cat is Miso."))
+    fake.script(Text("Miso is a lovely name."), Text("Your cat is Miso."), Text("Tabby."))
     r = c.chat.completions.create(model="gpt-4o", messages=history, user="frame-user")
-    history += [{"role": "assistant", "content": r.choices[0].message.content},
-                {"role": "user", "content": "What is my cat called?"}]
     proxy.wait_messages("frame-user", 2)
-    c.chat.completions.create(model="gpt-4o", messages=history, user="frame-user")
+    asked = [{"role": "user", "content": "What is my cat called?"}]
+    c.chat.completions.create(model="gpt-4o", messages=asked, user="frame-user")
     sent = fake.requests[-1].json["messages"]
     assert sent[-1] == {"role": "user", "content": "What is my cat called?"}
     assert sent[0]["content"].startswith(frame.HEADER)
     assert "My cat is called Miso." in sent[0]["content"]
     assert "Miso is a lovely name." in sent[1]["content"] and sent[1]["role"] == "assistant"
-    assert "this conversation" in sent[0]["content"]
+    # The first conversation goes on: its history is shorter than a frame, so it is sent as
+    # it is, with nothing in front (its own turns are all there).
+    proxy.wait_messages("frame-user", 4)
+    history += [{"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": "What colour is it?"}]
+    c.chat.completions.create(model="gpt-4o", messages=history, user="frame-user")
+    assert fake.requests[-1].json["messages"][-3:] == history
 
 
 def test_probe_mode_has_no_side_effects(proxy: Proxy, fake: FakeProvider) -> None:
@@ -410,15 +400,15 @@ def cook_turns(tmp_path: Path, questions: tuple[str, ...],
 COOK = [["x-perpetuity-user", "cook"], ["x-perpetuity-conversation", "kitchen"]]
 
 
-def test_consecutive_turns_keep_the_previous_frame_in_front(tmp_path: Path) -> None:
-    """Providers cache by exact prefix: the next turn's frame starts as the last one did."""
+def test_consecutive_turns_only_grow_at_the_end(tmp_path: Path) -> None:
+    """Providers cache by exact prefix: each request starts with the whole previous one."""
     sent = [b["messages"] for b in cook_turns(
         tmp_path, ("Which recipe needs lemon?", "And which one needs basil?", "What about thyme?"),
         lambda history: {"method": "POST", "path": "/v1/chat/completions",
                          "headers": [["authorization", "Bearer k"], *COOK],
                          "body": {"model": "m", "messages": history}})]
     for before, after in itertools.pairwise(sent):
-        assert after[0]["content"].startswith(before[0]["content"])
+        assert after[:len(before)] == before
     assert "The basil recipe" in "".join(m["content"] for m in sent[1][:-1])
 
 
@@ -431,8 +421,8 @@ def marked_prefixes(messages: list[dict]) -> set[str]:
 
 
 def test_anthropic_markers_let_the_next_turn_read_what_this_one_kept(tmp_path: Path) -> None:
-    """Anthropic caches only at marked blocks: each turn marks where its front ends (read) and
-    where its sticky part ends (written for the next turn), within the limit of four."""
+    """Anthropic caches only at marked blocks: the frame's end is marked, and the next turn
+    reads it there, within the limit of four markers."""
     system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
     bodies = cook_turns(
         tmp_path, ("Which recipe needs lemon?", "And which one needs basil?", "What about thyme?",
@@ -447,18 +437,17 @@ def test_anthropic_markers_let_the_next_turn_read_what_this_one_kept(tmp_path: P
 
 
 def test_markers_yield_to_the_harness_own() -> None:
-    frame_messages = frame._assemble([("user", "a"), ("assistant", "b"), ("user", "c"),
-                                      ("assistant", "d")], 0.0, cache_after=(2, 3))
+    frame_messages = frame._assemble([("user", "a"), ("assistant", "b")], 0.0)
     closing = frame.NOW.format(datetime.fromtimestamp(0.0, UTC))
+    live = {"role": "user", "content": [{"type": "text", "text": "live", "cache_control": {}}]}
     body = {"model": "m", "system": [{"type": "text", "text": "s", "cache_control": {}}] * 3,
-            "messages": [{"role": "user", "content": "old", "cache_control": {}},
-                         {"role": "user", "content": "live"}]}
-    out = ADAPTERS[Protocol.ANTHROPIC].replace_history(body, frame_messages, 1)
-    marked = [b["text"] for m in out["messages"] if isinstance(m["content"], list)
-              for b in m["content"] if "cache_control" in b]
-    assert marked == ["c"]  # one to spare (the stripped history's went with it): the latest point
-    body["system"] = body["system"][:1]
-    out = ADAPTERS[Protocol.ANTHROPIC].replace_history(body, frame_messages, 1)
-    marked = [b["text"] for m in out["messages"] if isinstance(m["content"], list)
-              for b in m["content"] if "cache_control" in b]
-    assert marked == ["b", "c", closing]  # the front's end, the sticky end, the frame's end
+            "messages": [{"role": "user", "content": "old", "cache_control": {}}, live]}
+
+    def marked() -> list[str]:
+        out = ADAPTERS[Protocol.ANTHROPIC].replace_history(body, frame_messages, 1)
+        return [b["text"] for m in out["messages"] if isinstance(m["content"], list)
+                for b in m["content"] if "cache_control" in b]
+
+    assert marked() == ["live"]  # the harness's four (the stripped history's went with it)
+    body["system"] = body["system"][:2]
+    assert marked() == [closing, "live"]  # one to spare: the frame's end

@@ -15,7 +15,7 @@ from typing import Any
 import peewee as pw
 import pytest
 
-from perpetuity_core import capture, dictionary, scan, tools
+from perpetuity_core import capture, dictionary, names, scan, tools
 from perpetuity_core.conversation import Message, text_part
 from perpetuity_core.errors import StoreError
 from perpetuity_core.scan import Scanner
@@ -51,6 +51,12 @@ def item(text: str) -> int:
 def message_of(text: str) -> int:
     (m,) = db.connection().execute("SELECT message_id FROM item WHERE text = ?", (text,)).fetchone()
     return m
+
+
+def number(key: str) -> str:
+    """How the tools' answers number the conversation stored as `key` (what a filter takes)."""
+    (c,) = db.connection().execute("SELECT id FROM conversation WHERE key = ?", (key,)).fetchone()
+    return f"c{c}"
 
 
 def ids(out: str) -> list[int]:
@@ -115,7 +121,9 @@ def test_search_labels_rows_and_never_repeats_within_a_turn(memory: Store, store
     got = ids(first)
     assert len(got) == 2 and item(HIKE) not in got
     assert item(OSLO) in got
-    assert f"[#{item(OSLO)} · trip · assistant · 2023-11-14 22:14 UTC] {OSLO}" in first
+    # The conversation by its number and its first prompt's opening words, never its key.
+    named = f'{number("trip")} "{names.opening_words(HIKE)}"'
+    assert f"[#{item(OSLO)} · {named} · assistant · 2023-11-14 22:14 UTC] {OSLO}" in first
     second = run("memory_search", {"query": "hiking Oslo", "limit": 2}, m, scanner)
     assert not set(ids(second)) & set(got) and not set(ids(second)) & {item(HIKE)}
     assert m.shown == {item(HIKE), *got, *ids(second)}
@@ -132,12 +140,13 @@ def test_search_filters(memory: Store) -> None:
     # Rows that hold the words first; rows beside them follow on their context's score.
     assert set(ids(out)[:3]) == {item(BLUE), item(GREEN), item(RED)}
     assert {m.group(3) for m in LABEL.finditer(out)} == {"user"}
-    out = run("memory_search", {"query": "favourite colour", "conversation": "pets"},
+    out = run("memory_search", {"query": "favourite colour", "conversation": number("pets")},
               turn(memory), scanner)
-    assert item(GREEN) in ids(out) and {m.group(2) for m in LABEL.finditer(out)} == {"pets"}
+    assert item(GREEN) in ids(out)
+    assert {m.group(2).split()[0] for m in LABEL.finditer(out)} == {number("pets")}
     out = run("memory_search", {"query": "favourite colour", "conversation": "current"},
               turn(memory, "old"), scanner)
-    assert {m.group(2) for m in LABEL.finditer(out)} == {"old"}
+    assert {m.group(2).split()[0] for m in LABEL.finditer(out)} == {number("old")}
     out = run("memory_search", {"query": "favourite colour", "after": "2023-11-14",
                                 "before": "2023-12-01", "role": "user"}, turn(memory), scanner)
     got = ids(out)
@@ -210,7 +219,7 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
                      else want & set(d.ids(text).tolist()))]
         args = {"category": category, "match": match, "limit": 200}
         if conversation:
-            args["conversation"] = conversation
+            args["conversation"] = number(conversation)
         out = run("memory_count", args, turn(store, None), scanner)
         assert f": {len(hits)} rows," in out.splitlines()[0], out
         days = Counter(datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
@@ -219,7 +228,7 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
         assert by_date == "by date: " + ", ".join(f"{k} {n}" for k, n in sorted(days.items()))
         by_conv = next(ln for ln in out.splitlines() if ln.startswith("by conversation: "))
         for key, n in Counter(k for _, k in hits).items():
-            assert f"{key} {n} (" in by_conv
+            assert re.search(rf'{number(key)} "[^"]*" {n} \(', by_conv), by_conv
         assert len(re.findall(r"^#\d+ ", out, re.MULTILINE)) == len(hits)  # every instance listed
     listed = run("memory_count", {"category": "apple", "limit": 3}, turn(store, None), scanner)
     assert len(re.findall(r"^#\d+ ", listed, re.MULTILINE)) == 3

@@ -51,17 +51,23 @@ async def drive(addon: Perpetuity, handshake: Path, exchanges: list[tuple[dict, 
             await addon.websocket_message(flow)
 
 
-@needs_fixtures
-def test_codex_websocket_turns_are_captured(tmp_path: Path) -> None:
+def captured(tmp_path: Path, *sessions: tuple[str, str]) -> Path:
+    """The store after the addon saw these (handshake file, message files' prefix) sessions."""
     db = tmp_path / "memory.db"
     addon = Perpetuity()
     with taddons.context(addon) as tctx:
         tctx.configure(addon, perpetuity_db=str(db), perpetuity_notes_dir=str(tmp_path / "notes"))
-        asyncio.run(drive(addon, CODEX / "05-builtin_ws_basic-ws_handshake-v1_responses.json",
-                          session("0[67]-builtin_ws_basic")))
-        asyncio.run(drive(addon, CODEX / "17-tui_ws_multiturn-ws_handshake-v1_responses.json",
-                          session("1[89]-tui_ws_multiturn")))
+        for handshake, prefix in sessions:
+            asyncio.run(drive(addon, CODEX / handshake, session(prefix)))
         addon.executor.submit(time.sleep, 0).result()  # every queued write done
+    return db
+
+
+@needs_fixtures
+def test_codex_websocket_turns_are_captured(tmp_path: Path) -> None:
+    db = captured(tmp_path,
+                  ("05-builtin_ws_basic-ws_handshake-v1_responses.json", "0[67]-builtin_ws_basic"),
+                  ("17-tui_ws_multiturn-ws_handshake-v1_responses.json", "1[89]-tui_ws_multiturn"))
     rows = sqlite3.connect(db).execute(
         "select c.key, m.role, m.source, group_concat(i.text, '|') from message m join item i"
         " on i.message_id = m.id join conversation c on c.id = m.conversation_id"
@@ -76,3 +82,12 @@ def test_codex_websocket_turns_are_captured(tmp_path: Path) -> None:
         "05-builtin_ws_basic-ws_handshake-v1_responses.json",
         "17-tui_ws_multiturn-ws_handshake-v1_responses.json")}
     assert {key for key, *_ in rows} == sessions
+
+
+@needs_fixtures
+def test_codex_title_thread_is_not_a_conversation(tmp_path: Path) -> None:
+    """Codex asks for a thread's title in a thread of its own (thread_source thread_title): its
+    prompt is harness text, and nothing of it is stored."""
+    db = captured(tmp_path,
+                  ("20-tui_ws_multiturn-ws_handshake-v1_responses.json", "2[12]-tui_ws_multiturn"))
+    assert sqlite3.connect(db).execute("select count(*) from message").fetchone() == (0,)

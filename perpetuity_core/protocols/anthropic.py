@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
-from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
+from ..conversation import (
+    Kind,
+    Message,
+    ParsedRequest,
+    Part,
+    Protocol,
+    Reply,
+    Usage,
+    as_context,
+    text_part,
+)
 from ..errors import ProtocolError
 from ..sse import Event
 
@@ -37,50 +48,111 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
 MAX_CACHE_MARKERS = 4  # the API refuses a request with more cache_control breakpoints
 
 
-def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) -> dict[str, Any]:
-    """The body with messages before raw index `keep_from` replaced by the frame.
+def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
+                    inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
+    """The body with messages before raw index `keep_from` replaced by the frame, and each of
+    `inserts` (raw index -> messages) put just before the message at that index.
 
-    System-role messages among them stay, after the frame; the rest of the body is untouched.
-    The frame's cache points, then its end, get cache markers while the request has markers to
-    spare (those in the stripped history go with it).
+    System-role messages among the replaced ones stay, after the frame; the rest of the body is
+    untouched. The frame's end gets a cache marker while the request has one to spare (those in
+    the stripped history go with it): the frame is the part of the request that stays the same
+    from call to call after the harness's own system prompt.
     """
     raw = body["messages"]
     kept_system = [m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
-    kept = kept_system + raw[keep_from:]
-    blocks: list[list[dict[str, Any]]] = [[{"type": "text", "text": p.text} for p in m.parts]
-                                          for m in frame]
-    spare = MAX_CACHE_MARKERS - json.dumps({**body, "messages": kept}).count('"cache_control"')
-    for i, j in _marker_places(frame)[:max(0, spare)]:
-        blocks[i][j]["cache_control"] = {"type": "ephemeral"}
-    rendered = [{"role": m.role, "content": b} for m, b in zip(frame, blocks, strict=True)]
+    kept = kept_system + _spliced(raw, keep_from, inserts or {})
+    rendered = _render(frame)
+    spare = MAX_CACHE_MARKERS - _count_markers({**body, "messages": kept})
+    if rendered and spare > 0:
+        rendered[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
     return {**body, "messages": rendered + kept}
 
 
-def _marker_places(frame: list[Message]) -> list[tuple[int, int]]:
-    """(message, part) places for cache markers, the most useful first.
+def _render(messages: list[Message]) -> list[dict[str, Any]]:
+    return [{"role": m.role, "content": [{"type": "text", "text": p.text} for p in m.parts]}
+            for m in messages]
 
-    Anthropic reads a cached prefix only where this request has a marker, or up to 20 blocks
-    before one, and writes one only at a marker. The latest cache point (what the next frame
-    keeps in front) comes first: its marker writes what the next turn reads, and reads what
-    this turn kept when that lies within 20 blocks. The earlier one (this frame's front, the
-    previous frame's latest point) reads it wherever it lies. The frame's end last: the tool
-    loop's later rounds and retries re-send everything up to it.
+
+def check(body: dict[str, Any]) -> list[str]:
+    """Why the Messages API would refuse this body ([] when it would not), as far as replacing
+    history can break it: role order, tool pairing, thinking signatures and cache markers.
+
+    System-role messages (Claude Code puts one inside `messages`) are read past. A thinking
+    block's position is kept by construction: kept messages are the harness's own, verbatim.
     """
-    points = [(i, j) for i, m in enumerate(frame) for j, p in enumerate(m.parts) if p.cache_point]
-    places = points[::-1]
-    if frame and frame[-1].parts:
-        places.append((len(frame) - 1, len(frame[-1].parts) - 1))
-    return list(dict.fromkeys(places))
+    raw = body.get("messages")
+    if not isinstance(raw, list):
+        return ["no messages list"]
+    msgs = [m for m in raw if isinstance(m, dict) and m.get("role") != "system"]
+    errors: list[str] = []
+    if not msgs or msgs[0].get("role") != "user":
+        errors.append("the first message is not the user's")
+    for i, m in enumerate(msgs):
+        blocks = _blocks(m)
+        if i and m.get("role") == msgs[i - 1].get("role"):
+            errors.append(f"message {i}: two {m.get('role')} messages in a row")
+        results = [str(b.get("tool_use_id")) for b in blocks if b.get("type") == "tool_result"]
+        if results:
+            called = _calls(msgs[i - 1]) if i and msgs[i - 1].get("role") == "assistant" else set()
+            if missing := [r for r in results if r not in called]:
+                errors.append(f"message {i}: tool_result without its tool_use just before: {missing}")
+            first_other = next((k for k, b in enumerate(blocks) if b.get("type") != "tool_result"),
+                               len(blocks))
+            if any(b.get("type") == "tool_result" for b in blocks[first_other:]):
+                errors.append(f"message {i}: tool_result after other content")
+        if (calls := _calls(m)) and i + 1 < len(msgs):
+            answered = {str(b.get("tool_use_id")) for b in _blocks(msgs[i + 1])
+                        if b.get("type") == "tool_result"}
+            if unanswered := sorted(calls - answered):
+                errors.append(f"message {i}: tool_use not answered in the next message: {unanswered}")
+        for b in blocks:
+            if b.get("type") == "thinking" and not b.get("signature"):
+                errors.append(f"message {i}: thinking block without its signature")
+            elif b.get("type") == "redacted_thinking" and not b.get("data"):
+                errors.append(f"message {i}: redacted_thinking block without its data")
+    if (markers := _count_markers(body)) > MAX_CACHE_MARKERS:
+        errors.append(f"{markers} cache_control markers (at most {MAX_CACHE_MARKERS})")
+    return errors
+
+
+def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
+    content = m.get("content")
+    return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+
+
+def _calls(m: dict[str, Any]) -> set[str]:
+    return {str(b.get("id")) for b in _blocks(m) if b.get("type") == "tool_use"}
+
+
+def _count_markers(value: Any) -> int:
+    """cache_control markers anywhere in the body: tools, system, messages, nested blocks."""
+    if isinstance(value, dict):
+        own = 1 if value.get("cache_control") is not None else 0
+        return own + sum(_count_markers(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_count_markers(v) for v in value)
+    return 0
+
+
+def _spliced(raw: list[Any], keep_from: int,
+             inserts: Mapping[int, list[Message]]) -> list[Any]:
+    out: list[Any] = []
+    for i in range(keep_from, len(raw)):
+        out += _render(inserts.get(i, []))
+        out.append(raw[i])
+    return out
 
 
 def _message(m: dict[str, Any]) -> Message:
+    role = str(m.get("role", "user"))
     content = m.get("content")
     if isinstance(content, str):
-        return Message(str(m.get("role", "user")), (text_part(content),))
-    return Message(
-        str(m.get("role", "user")),
-        tuple(p for b in content or [] if isinstance(b, dict) and (p := _block(b))),
-    )
+        parts: tuple[Part, ...] = (text_part(content),)
+    else:
+        parts = tuple(p for b in content or [] if isinstance(b, dict) and (p := _block(b)))
+    # A system message among the turns is the harness's (Claude Code sends its list of agent
+    # types, 6,600 characters, in every session): context for this request, not memory.
+    return Message(role, as_context(parts) if role == "system" else parts)
 
 
 def _block(b: dict[str, Any]) -> Part | None:

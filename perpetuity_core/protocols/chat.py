@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
@@ -35,14 +35,50 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
     )
 
 
-def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) -> dict[str, Any]:
-    """The body with messages before raw index `keep_from` replaced by the frame; system and
+def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
+                    inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
+    """The body with messages before raw index `keep_from` replaced by the frame, and each of
+    `inserts` (raw index -> messages) put just before the message at that index; system and
     developer messages stay first, untouched."""
     raw = body["messages"]
     kept_system = [m for m in raw[:keep_from]
                    if isinstance(m, dict) and m.get("role") in ("system", "developer")]
-    rendered = [{"role": m.role, "content": "\n\n".join(p.text for p in m.parts)} for m in frame]
-    return {**body, "messages": kept_system + rendered + raw[keep_from:]}
+    kept: list[Any] = []
+    for i in range(keep_from, len(raw)):
+        kept += _render((inserts or {}).get(i, []))
+        kept.append(raw[i])
+    return {**body, "messages": kept_system + _render(frame) + kept}
+
+
+def _render(messages: list[Message]) -> list[dict[str, Any]]:
+    return [{"role": m.role, "content": "\n\n".join(p.text for p in m.parts)} for m in messages]
+
+
+def check(body: dict[str, Any]) -> list[str]:
+    """Why Chat Completions would refuse this body ([] when it would not), as far as replacing
+    history can break it: every `tool` message answers a call of the assistant message before
+    it, and every call is answered before any other message (or the request's end)."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        return ["no messages"]
+    errors: list[str] = []
+    open_calls: set[str] = set()
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            errors.append(f"message {i} is not an object")
+            continue
+        if m.get("role") == "tool":
+            call = str(m.get("tool_call_id"))
+            if call not in open_calls:
+                errors.append(f"message {i}: tool message without its call: {call}")
+            open_calls.discard(call)
+            continue
+        if open_calls:
+            errors.append(f"message {i}: tool calls without results: {sorted(open_calls)}")
+        open_calls = {str(c.get("id")) for c in m.get("tool_calls") or [] if isinstance(c, dict)}
+    if open_calls:
+        errors.append(f"tool calls without results at the end: {sorted(open_calls)}")
+    return errors
 
 
 def _message(m: dict[str, Any]) -> Message:

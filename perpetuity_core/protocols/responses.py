@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from ..conversation import Kind, Message, ParsedRequest, Part, Protocol, Reply, Usage, text_part
@@ -55,18 +56,58 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
     )
 
 
-def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int) -> dict[str, Any]:
-    """The body with input items before `keep_from` replaced by the frame; system and developer
-    messages stay first, untouched."""
+def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
+                    inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
+    """The body with input items before `keep_from` replaced by the frame, and each of
+    `inserts` (raw index -> messages) put just before the item at that index; system and
+    developer messages stay first, untouched."""
     raw = body["input"]
     if isinstance(raw, str):
         raw, keep_from = [{"type": "message", "role": "user", "content": raw}], 0
     kept_system = [m for m in raw[:keep_from] if isinstance(m, dict)
                    and m.get("type", "message") == "message" and m.get("role") in ("system", "developer")]
-    rendered = [{"type": "message", "role": m.role, "content": [
+    kept: list[Any] = []
+    for i in range(keep_from, len(raw)):
+        kept += _render((inserts or {}).get(i, []))
+        kept.append(raw[i])
+    return {**body, "input": kept_system + _render(frame) + kept}
+
+
+def _render(messages: list[Message]) -> list[dict[str, Any]]:
+    return [{"type": "message", "role": m.role, "content": [
         {"type": "input_text" if m.role == "user" else "output_text", "text": p.text}
-        for p in m.parts]} for m in frame]
-    return {**body, "input": kept_system + rendered + raw[keep_from:]}
+        for p in m.parts]} for m in messages]
+
+
+_CALLS = ("function_call", "custom_tool_call")
+_OUTPUTS = ("function_call_output", "custom_tool_call_output")
+
+
+def check(body: dict[str, Any]) -> list[str]:
+    """Why the Responses API would refuse this body ([] when it would not), as far as replacing
+    history can break it: every call output has its call earlier, every call has its output.
+    A string input or a `previous_response_id` chain holds no pairs to break."""
+    items = body.get("input")
+    if isinstance(items, str) or body.get("previous_response_id"):
+        return []
+    if not isinstance(items, list):
+        return ["no input"]
+    errors: list[str] = []
+    called: set[str] = set()
+    answered: set[str] = set()
+    for i, it in enumerate(items):
+        if not isinstance(it, dict):
+            continue
+        if it.get("type") in _CALLS:
+            called.add(str(it.get("call_id")))
+        elif it.get("type") in _OUTPUTS:
+            call = str(it.get("call_id"))
+            if call not in called:
+                errors.append(f"item {i}: output without its call earlier: {call}")
+            answered.add(call)
+    if unanswered := sorted(called - answered):
+        errors.append(f"calls without output: {unanswered}")
+    return errors
 
 
 def _item(item: dict[str, Any]) -> tuple[str, list[Part]] | None:
@@ -91,10 +132,10 @@ def _item(item: dict[str, Any]) -> tuple[str, list[Part]] | None:
     if t == "reasoning":
         summary = "\n".join(str(s.get("text", "")) for s in item.get("summary") or [] if isinstance(s, dict))
         return "assistant", [Part(Kind.THINKING, summary)]
-    if t in ("function_call", "custom_tool_call"):
+    if t in _CALLS:
         args = item.get("arguments", item.get("input", ""))
         return "assistant", [Part(Kind.TOOL_CALL, _args(args), name=str(item.get("name", "")), call_id=str(item.get("call_id", "")))]
-    if t in ("function_call_output", "custom_tool_call_output"):
+    if t in _OUTPUTS:
         out = item.get("output", "")
         if isinstance(out, list):
             out = "\n".join(str(o.get("text", "")) for o in out if isinstance(o, dict))
@@ -308,7 +349,7 @@ class StreamMerger:
                  self.items[i].get("arguments", "")) for i in sorted(self.hidden)]
 
     def others_called(self) -> bool:
-        return any(item.get("type") in ("function_call", "custom_tool_call") and i not in self.hidden
+        return any(item.get("type") in _CALLS and i not in self.hidden
                    for i, item in self.items.items())
 
     def assistant_blocks(self) -> list[dict[str, Any]]:
@@ -347,7 +388,7 @@ class BodyMerger:
                 for i in self.round if _ours(i, self.ours)]
 
     def others_called(self) -> bool:
-        return any(i.get("type") in ("function_call", "custom_tool_call") and not _ours(i, self.ours)
+        return any(i.get("type") in _CALLS and not _ours(i, self.ours)
                    for i in self.round)
 
     def assistant_blocks(self) -> list[dict[str, Any]]:

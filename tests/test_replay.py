@@ -1,0 +1,322 @@
+"""`perpetuity replay`: Claude Code sessions rebuilt call by call, billed under the cache rules."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perpetuity_core import replay
+from perpetuity_core.billing import (
+    AnthropicCache,
+    Block,
+    OpenAICache,
+    anthropic_blocks,
+    anthropic_min_tokens,
+)
+from perpetuity_core.cli import main
+from perpetuity_core.errors import ConfigError
+from perpetuity_core.protocols import anthropic
+from perpetuity_core.replay.measure import identifiers
+from perpetuity_core.replay.request import build, load_template
+from perpetuity_core.replay.sessions import read_session
+from tests.conftest import SHARED
+from tests.test_evaluate import tiny_locomo
+
+SESSIONS = SHARED / "data" / "claude-code"
+SID = "5e55104e-0000-4000-8000-000000000001"
+
+# --------------------------------------------------------------------------- a session file
+
+
+class Recorder:
+    """Writes a session file the way Claude Code does: one line per content block."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.n = 0
+        self.last = ""
+
+    def _base(self, kind: str, parent: str | None = None, **flags: Any) -> dict[str, Any]:
+        self.n += 1
+        uuid = f"u{self.n}"
+        record = {"type": kind, "uuid": uuid, "parentUuid": self.last if parent is None else parent,
+                  "sessionId": SID, "version": "2.1.90", "cwd": "/home/dev/proj",
+                  "timestamp": f"2026-03-01T10:{self.n // 60:02d}:{self.n % 60:02d}.000Z", **flags}
+        self.last = uuid
+        return record
+
+    def user(self, content: Any, parent: str | None = None, **flags: Any) -> str:
+        r = self._base("user", parent, **flags)
+        r["message"] = {"role": "user", "content": content}
+        self.lines.append(json.dumps(r))
+        return r["uuid"]
+
+    def assistant(self, mid: str, block: dict[str, Any], model: str = "claude-sonnet-4-6",
+                  **flags: Any) -> str:
+        r = self._base("assistant", **flags)
+        r["message"] = {"id": mid, "role": "assistant", "model": model, "content": [block]}
+        self.lines.append(json.dumps(r))
+        return r["uuid"]
+
+    def write(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(self.lines) + "\n")
+        return path
+
+
+def tool_use(call_id: str, path: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call_id, "name": "Read", "input": {"file_path": path}}
+
+
+def result(call_id: str, text: str, error: bool = False) -> list[dict[str, Any]]:
+    return [{"type": "tool_result", "tool_use_id": call_id, "content": text, "is_error": error}]
+
+
+def coding_session() -> Recorder:
+    r = Recorder()
+    r.user("Fix the bug in the date parser, please")
+    r.assistant("msg_1", {"type": "thinking", "thinking": "Look first.", "signature": "sig-1"})
+    r.assistant("msg_1", tool_use("t1", "src/dates/parse_util.py"))
+    r.user(result("t1", "def parse_when(text): ..."))
+    r.assistant("msg_1", tool_use("t2", "tests/test_dates.py"))  # parallel: results interleave
+    r.user(result("t2", "def test_parse_when(): ..."))
+    r.assistant("msg_2", {"type": "text", "text": "Fixed parse_when in src/dates/parse_util.py."})
+    r.user([{"type": "text", "text": "Skill: how to write tests."}], isMeta=True)
+    r.user([{"type": "text", "text": "Now run the test suite"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}}])
+    r.assistant("msg_3", {"type": "tool_use", "id": "t3", "name": "Bash",
+                          "input": {"command": "pytest -q"}})
+    r.user(result("t3", "The user doesn't want to proceed with this tool use.", error=True))
+    r.user([{"type": "text", "text": "[Request interrupted by user for tool use]"}])
+    r.user("Use make test instead")
+    r.assistant("msg_x", {"type": "text", "text": "API Error: rate limited"}, model="<synthetic>")
+    r.assistant("msg_side", {"type": "text", "text": "subagent work"}, isSidechain=True)
+    r.assistant("msg_4", {"type": "text", "text": "Running make test."})
+    r.user("This session is being continued from a previous conversation. Summary: parse_when.",
+           isCompactSummary=True)
+    r.user("What did we change?")
+    r.assistant("msg_5", {"type": "text", "text": "We changed parse_when."})
+    r.lines.append("{not json")
+    return r
+
+
+# --------------------------------------------------------------------------- reconstruction
+
+
+def test_calls_rebuilt_as_claude_code_sent_them(tmp_path: Path) -> None:
+    s = read_session(coding_session().write(tmp_path / "s.jsonl"))
+    assert s.id == SID and s.version == "2.1.90" and s.skipped_lines == 1
+    assert [len(c.messages) for c in s.calls] == [1, 3, 5, 7, 1]  # synthetic, sidechain: none
+    first, second, third, fourth, fifth = s.calls
+    # parallel calls: one reply of three blocks (the thinking keeps its signature), one message
+    # of results
+    assert [b["type"] for b in first.reply] == ["thinking", "tool_use", "tool_use"]
+    assert second.messages[1]["content"][0]["signature"] == "sig-1"
+    assert [b["tool_use_id"] for b in second.messages[2]["content"]] == ["t1", "t2"]
+    # meta text and the prompt after it are one message; the prompt starts the live task
+    assert [b["type"] for b in third.messages[4]["content"]] == ["text", "text", "image"]
+    assert third.live_from == 4 and third.starts_task and not second.starts_task
+    # the interrupted call: its result, the marker and the next prompt in one message, result first
+    assert [b.get("text", b["type"]) for b in fourth.messages[6]["content"]] == [
+        "tool_result", "[Request interrupted by user for tool use]", "Use make test instead"]
+    assert fourth.live_from == 6
+    # compaction starts afresh: the summary (not a prompt) and the next prompt
+    assert fifth.messages[0]["content"][0]["text"].startswith("This session is being continued")
+    assert fifth.live_from == 0 and fifth.starts_task
+    assert s.prompts == 4
+    assert all(anthropic.check({"messages": c.messages}) == [] for c in s.calls)
+
+
+def test_a_stopped_tool_call_is_not_in_later_requests(tmp_path: Path) -> None:
+    r = Recorder()
+    r.user("Comment on the ticket, then edit GEMINI.md")
+    said = r.assistant("msg_1", {"type": "text", "text": "Commenting first."})
+    r.assistant("msg_1", tool_use("t1", "GEMINI.md"))
+    r.user("PING", parent=said)  # the person stopped the call: the chain goes on from the text
+    r.assistant("msg_2", {"type": "text", "text": "Here."})
+    r.assistant("msg_2", {"type": "text", "text": "Anything else?"})
+    r.user("Yes", parent=said)  # a line of an older reply: the reply before it stays whole
+    r.assistant("msg_3", {"type": "text", "text": "Go on."})
+    first, second, third = read_session(r.write(tmp_path / "s.jsonl")).calls
+    assert [b["type"] for b in first.reply] == ["text", "tool_use"]  # the reply as recorded
+    assert [b["type"] for b in second.messages[1]["content"]] == ["text"]  # as sent after
+    assert len(third.messages[3]["content"]) == 2
+    assert anthropic.check({"messages": second.messages}) == []
+
+
+def template_file(path: Path) -> Path:
+    body = {"model": "claude-sonnet-4-6", "max_tokens": 32000, "stream": True,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1"},
+                       {"type": "text", "text": "You are Claude Code. " * 400,
+                        "cache_control": {"type": "ephemeral"}}],
+            "tools": [{"name": "Read", "description": "Read a file. " * 200,
+                       "input_schema": {"type": "object"}}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>Today is 2026-03-01.</system-reminder>"},
+                {"type": "text", "text": "hello", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "system", "content": "Available agent types: general-purpose"}]}
+    path.write_text(json.dumps({"headers": [["anthropic-beta", "claude-code-20250219"],
+                                            ["x-api-key", "REDACTED"]], "body": body}))
+    return path
+
+
+def test_request_as_claude_code_sends_it(tmp_path: Path) -> None:
+    session = read_session(coding_session().write(tmp_path / "s.jsonl"))
+    shape = load_template(template_file(tmp_path / "t.json"))
+    built = build(session.calls[2], shape, session)
+    messages = built.body["messages"]
+    assert messages[0]["content"][0]["text"].startswith("<system-reminder>")  # the preamble
+    assert messages[1] == {"role": "system", "content": "Available agent types: general-purpose"}
+    assert built.live_from == 5 and messages[5]["content"][-1]["cache_control"]  # marked last
+    assert json.dumps(built.body).count("cache_control") == 2  # system block + last block
+    assert session.calls[2].messages[-1]["content"][-1].get("cache_control") is None  # a copy
+    headers = dict(built.headers)
+    assert headers["x-claude-code-session-id"] == SID and "x-api-key" in headers
+    assert headers["user-agent"].startswith("claude-cli/2.1.90")
+    assert json.loads(built.body["metadata"]["user_id"])["session_id"] == SID
+    assert anthropic.check(built.body) == []
+
+
+def test_without_a_capture_a_built_in_prompt_stands_in(tmp_path: Path) -> None:
+    session = read_session(coding_session().write(tmp_path / "s.jsonl"))
+    shape = load_template(None, default=tmp_path / "absent.json")
+    assert shape.source.startswith("built-in") and not shape.tools
+    assert anthropic.check(build(session.calls[3], shape, session).body) == []
+    with pytest.raises(ConfigError):
+        load_template(tmp_path / "s.jsonl")  # not a captured request
+
+
+def test_identifiers_are_code_names_not_words() -> None:
+    found = identifiers("Edit src/app/main.py: call parse_when and HttpRequest, not Parser; "
+                        "store.find_user too, and/or Mind/Body in ~/notes/todo and lib/a/b. "
+                        "The quick brown fox.")
+    assert found == {"src/app/main.py", "parse_when", "HttpRequest", "store.find_user",
+                     "~/notes/todo", "lib/a/b"}
+
+
+# --------------------------------------------------------------------------- billing
+
+
+def blocks(*spec: tuple[str, int, float]) -> list[Block]:
+    """Blocks whose keys are the prefix so far: ("a", 1500, 300) is a 1,500-token marked block."""
+    out, prefix = [], ""
+    for key, tokens, ttl in spec:
+        prefix += key + "|"
+        out.append(Block(prefix.encode(), tokens, ttl))
+    return out
+
+
+def test_anthropic_writes_at_marks_and_reads_within_their_lifetime() -> None:
+    cache = AnthropicCache()
+    first = cache.bill_blocks(blocks(("a", 1500, 300), ("b", 100, 0)), 0, "claude-sonnet-4-5")
+    assert (first.written, first.uncached, first.cost) == (1500, 100, 1500 * 1.25 + 100)
+    second = cache.bill_blocks(blocks(("a", 1500, 0), ("b", 600, 300)), 100, "claude-sonnet-4-5")
+    assert (second.read, second.written, second.cost) == (1500, 600, 150 + 750)
+    # 5 minutes from last use: read at 100, gone after 400
+    late = cache.bill_blocks(blocks(("a", 1500, 0), ("b", 600, 300)), 401, "claude-sonnet-4-5")
+    assert (late.read, late.written) == (0, 2100)
+    hour = AnthropicCache()
+    assert hour.bill_blocks(blocks(("a", 2000, 3600)), 0, "claude-sonnet-4-5").cost == 4000
+    assert hour.bill_blocks(blocks(("a", 2000, 3600)), 1800, "claude-sonnet-4-5").cost == 200
+
+
+def test_anthropic_minimum_by_model_family() -> None:
+    assert anthropic_min_tokens("claude-opus-4-6") == 4096
+    assert anthropic_min_tokens("claude-haiku-4-5-20251001") == 4096
+    assert anthropic_min_tokens("claude-3-5-haiku-20241022") == 2048
+    assert anthropic_min_tokens("claude-sonnet-4-5-20250929") == 1024
+    cache = AnthropicCache()
+    for at in (0, 10):  # under Opus 4.6's 4,096 tokens nothing is cached: full price each time
+        bill = cache.bill_blocks(blocks(("a", 3000, 300)), at, "claude-opus-4-6")
+        assert (bill.read, bill.written, bill.cost) == (0, 0, 3000)
+
+
+def test_anthropic_lookback_is_twenty_blocks() -> None:
+    def grown(n: int) -> list[Block]:
+        return blocks(("a", 1100, 0), *[(f"x{i}", 10, 300 if i == n - 1 else 0)
+                                        for i in range(n)])
+
+    near, far = AnthropicCache(), AnthropicCache()
+    for cache in (near, far):
+        cache.bill_blocks(blocks(("a", 1100, 300)), 0, "claude-sonnet-4-5")
+    hit = near.bill_blocks(grown(20), 60, "claude-sonnet-4-5")  # the mark 20 blocks after
+    assert (hit.read, hit.written) == (1100, 200)
+    miss = far.bill_blocks(grown(21), 60, "claude-sonnet-4-5")  # 21 blocks after: not found
+    assert (miss.read, miss.written) == (0, 1310)
+
+
+def test_anthropic_prefix_is_tools_system_messages() -> None:
+    mark = {"type": "ephemeral"}
+    body = {"model": "claude-sonnet-4-5",
+            "tools": [{"name": "Read", "description": "r " * 3000, "input_schema": {}}],
+            "system": [{"type": "text", "text": "s " * 2000, "cache_control": mark}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "q " * 400, "cache_control": mark}]}]}
+    cache = AnthropicCache()
+    cache.bill(body, 0)
+    other_question = {**body, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "w " * 400, "cache_control": mark}]}]}
+    bill = cache.bill(other_question, 30)  # tools and system read, the new question written
+    assert bill.read == sum(b.tokens for b in anthropic_blocks(body)[:2]) and bill.written == 200
+    other_tool = {**body, "tools": [{"name": "Read", "description": "x " * 3000,
+                                     "input_schema": {}}]}
+    assert cache.bill(other_tool, 40).read == 0  # a changed tool changes every prefix after it
+
+
+def test_openai_prefix_cache() -> None:
+    cache = OpenAICache()
+    assert cache.bill_blocks(blocks(("a", 1500, 0), ("b", 500, 0)), 0, "gpt-4o").cost == 2000
+    bill = cache.bill_blocks(blocks(("a", 1500, 0), ("b", 500, 0), ("c", 300, 0)), 60, "gpt-4o")
+    assert bill.read == 1024 + 896 and bill.cost == 1920 * 0.5 + 380  # 128-token steps
+    gpt5 = cache.bill_blocks(blocks(("a", 1500, 0)), 120, "gpt-5")
+    assert gpt5.read == 1024 + 384 and gpt5.cost == pytest.approx(1408 * 0.1 + 92)
+    small = OpenAICache()
+    small.bill_blocks(blocks(("a", 900, 0)), 0, "gpt-4o")
+    assert small.bill_blocks(blocks(("a", 900, 0)), 1, "gpt-4o").read == 0  # under 1,024
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_replay_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    coding_session().write(tmp_path / "projects" / "-home-dev-proj" / f"{SID}.jsonl")
+    db, png = tmp_path / "memory.db", tmp_path / "cost.png"
+    assert main(["replay", "claude-code", str(tmp_path / "projects"), "--db", str(db), "--json",
+                 "--plot", str(png), "--request-template",
+                 str(template_file(tmp_path / "t.json"))]) == 0
+    out = json.loads(capsys.readouterr().out)
+    total = out["total"]
+    assert (total["calls"], total["prompts"], total["skipped_lines"]) == (5, 4, 1)
+    assert total["invalid_requests"] == 0 and total["skipped_invalid_calls"] == 0
+    assert total["cost"]["direct"] > 0 and total["tokens"]["direct"] > 0
+    assert total["live_task_identical"] == 1.0
+    assert png.stat().st_size > 0
+    with sqlite3.connect(db) as conn:  # the memory holds the conversation
+        assert conn.execute("select count(*) from message").fetchone()[0] >= 9
+    assert main(["replay", "claude-code", str(tmp_path / "projects"), "--db", str(db)]) == 1
+    assert main(["replay", "claude-code", str(tmp_path / "nowhere")]) == 1
+    assert main(["replay", "claude-code", str(tmp_path / "projects"), "--calls", "2",
+                 "--request-template", str(tmp_path / "t.json")]) == 0
+    assert "total" in capsys.readouterr().out
+
+
+def test_chat_replay(tmp_path: Path) -> None:
+    report = replay.chat_locomo(tiny_locomo(tmp_path / "locomo.json"))
+    total = report.total
+    assert total.calls == 2 and total.invalid == 0
+    assert total.direct.tokens > 0 and total.upstream.tokens > 0
+
+
+@pytest.mark.skipif(not SESSIONS.is_dir(), reason=f"Claude Code sessions not at {SESSIONS}")
+def test_real_session(tmp_path: Path) -> None:
+    path = min(SESSIONS.glob("*.jsonl"))
+    report = replay.claude_code([path], calls=20)
+    s = report.sessions[0].as_dict()
+    assert s["calls"] == 20 and s["skipped_invalid_calls"] == 0 and s["skipped_lines"] == 0
+    assert s["cost"]["direct"] > 0 and s["cost"]["ratio"] is not None
+    assert 0 < s["direct"]["read_tokens"] < s["tokens"]["direct"]  # the cache works direct

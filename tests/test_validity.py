@@ -1,0 +1,449 @@
+"""Never an invalid request: each adapter's `check` against the independent rules in
+tests/validity.py; what a person's prompt is; and sessions through a real pipeline whose memory
+replaces their history (interrupts, parallel calls, compaction, images, thinking, every harness
+capture), each request upstream accepted and its live task kept byte for byte."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perpetuity_core import repair
+from perpetuity_core.cap import Cap
+from perpetuity_core.conversation import (
+    Message,
+    Protocol,
+    Provider,
+    Reply,
+    Usage,
+    is_prompt,
+    prompt_text,
+    text_part,
+)
+from perpetuity_core.pipeline import Decision, Pipeline
+from perpetuity_core.protocols import ADAPTERS, anthropic, chat, responses
+from perpetuity_core.store import Store
+from tests.conftest import needs_fixtures
+from tests.test_fixtures import http_fixtures, replay, to_request
+from tests.test_frame import say
+from tests.validity import CHECKS
+
+PRODUCTION = {"/v1/messages": anthropic.check, "/v1/chat/completions": chat.check,
+              "/v1/responses": responses.check}
+INTERRUPT = "[Request interrupted by user for tool use]"
+
+
+def user(*blocks: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "user", "content": list(blocks)}
+
+
+def assistant(*blocks: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "assistant", "content": list(blocks)}
+
+
+def text(t: str) -> dict[str, Any]:
+    return {"type": "text", "text": t}
+
+
+def call(i: str, command: str = "ls") -> dict[str, Any]:
+    return {"type": "tool_use", "id": i, "name": "Bash", "input": {"command": command}}
+
+
+def result(i: str, content: str = "ok") -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": i, "content": content}
+
+
+def thinking(signature: str = "sig") -> dict[str, Any]:
+    return {"type": "thinking", "thinking": "hm", "signature": signature}
+
+
+VALID_ANTHROPIC = [
+    # The exact Claude Code interrupt: the interrupted call's result, the marker, the new prompt.
+    [user(text("list files")), assistant(thinking(), call("t1")),
+     user(result("t1"), text(INTERRUPT), text("no, list only the tests"))],
+    # Parallel calls answered in one user message; a system message read past.
+    [user(text("read both")), {"role": "system", "content": "agents: ..."},
+     assistant(call("a"), call("b")), user(result("b"), result("a"))],
+    # A tool_use in the last message is the model's own prefill, not yet answered.
+    [user(text("go")), assistant(call("a"))],
+    [user(text("what is this"), {"type": "image", "source": {"type": "base64",
+          "media_type": "image/png", "data": "iVBO"}})],
+]
+
+INVALID_ANTHROPIC = {
+    "result without its call (the frame replaced the tool_use)": [
+        user(text("[memory]")), assistant(text("[end]")),
+        user(result("t1"), text(INTERRUPT), text("no, list only the tests"))],
+    "call not answered by the next message": [
+        user(text("go")), assistant(call("a"), call("b")), user(result("a"))],
+    "starts with the assistant": [assistant(text("hi")), user(text("go"))],
+    "two users in a row": [user(text("a")), user(text("b"))],
+    "thinking without its signature": [user(text("go")), assistant(thinking(""), text("x")),
+                                       user(text("next"))],
+}
+
+
+@pytest.mark.parametrize("messages", VALID_ANTHROPIC)
+def test_anthropic_accepts_what_the_api_accepts(messages: list[dict[str, Any]]) -> None:
+    body = {"model": "claude", "messages": messages}
+    assert anthropic.check(body) == []
+    assert CHECKS["/v1/messages"](body) == []
+
+
+@pytest.mark.parametrize("why", sorted(INVALID_ANTHROPIC))
+def test_anthropic_refuses_what_the_api_refuses(why: str) -> None:
+    assert anthropic.check({"model": "claude", "messages": INVALID_ANTHROPIC[why]}), why
+
+
+def test_anthropic_counts_cache_markers_across_tools_system_and_messages() -> None:
+    mark = {"cache_control": {"type": "ephemeral"}}
+    body = {"tools": [{"name": "t", **mark}], "system": [{"type": "text", "text": "s", **mark}],
+            "messages": [user({**text("a"), **mark}, {**result("x"), "content": [
+                {**text("r"), **mark}]})]}
+    assert [e for e in anthropic.check(body) if "cache_control" in e] == []
+    body["system"].append({"type": "text", "text": "t", **mark})
+    assert any("5 cache_control markers" in e for e in anthropic.check(body))
+
+
+def test_anthropic_tool_results_come_before_text() -> None:
+    body = {"messages": [user(text("go")), assistant(call("a")), user(text("and"), result("a"))]}
+    assert anthropic.check(body)
+
+
+def test_chat_pairs_tool_messages_with_the_calls_before_them() -> None:
+    def calls(*ids: str) -> dict[str, Any]:
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids]}
+
+    def tool(i: str) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": i, "content": "ok"}
+
+    go = {"role": "user", "content": "go"}
+    assert chat.check({"messages": [go, calls("a", "b"), tool("b"), tool("a"), go]}) == []
+    assert chat.check({"messages": [{"role": "user", "content": "[memory]"}, tool("a"), go]})
+    assert chat.check({"messages": [go, calls("a", "b"), tool("a"), go]})
+    assert chat.check({"messages": [go, calls("a")]})  # a call must be answered before sending
+
+
+def test_responses_pairs_outputs_with_earlier_calls() -> None:
+    def fc(i: str) -> dict[str, Any]:
+        return {"type": "function_call", "call_id": i, "name": "f", "arguments": "{}"}
+
+    def out(i: str) -> dict[str, Any]:
+        return {"type": "function_call_output", "call_id": i, "output": "ok"}
+
+    go = {"type": "message", "role": "user", "content": "go"}
+    assert responses.check({"input": [go, fc("a"), out("a")]}) == []
+    assert responses.check({"input": [go, out("a"), fc("a")]})
+    assert responses.check({"input": [go, fc("a"), go]})
+    assert responses.check({"input": "go"}) == []
+    assert responses.check({"input": [out("a")], "previous_response_id": "resp_1"}) == []
+
+
+@needs_fixtures
+def test_every_capture_is_valid_to_production_and_reference_alike() -> None:
+    checked = 0
+    for harness in ("claude-code", "codex", "opencode", "anthropic-python", "openai-python"):
+        for f in http_fixtures(harness):
+            raw = json.loads(f.read_text())
+            if (path := raw["path"]) in PRODUCTION:
+                assert PRODUCTION[path](raw["body"]) == [] == CHECKS[path](raw["body"]), f
+                checked += 1
+    assert checked >= 30, checked
+
+
+# --------------------------------------------------------------------------- a person's prompt
+
+
+def parsed_user(*blocks: dict[str, Any]) -> Message:
+    return anthropic.parse_request({"messages": [user(*blocks)]}).messages[0]
+
+
+def test_a_prompt_is_what_the_person_typed() -> None:
+    interrupt = parsed_user(result("t1"), text(INTERRUPT), text("no, list only the tests"))
+    assert prompt_text(interrupt) == "no, list only the tests"
+    assert not is_prompt(parsed_user(text("[Request interrupted by user]")))
+    assert not is_prompt(parsed_user(result("t1"), text(INTERRUPT)))
+    assert not is_prompt(parsed_user(result("t1")))
+    assert not is_prompt(parsed_user(text("<system-reminder>Today is Monday.</system-reminder>")))
+    assert not is_prompt(parsed_user(text(COMPACT_SUMMARY)))
+    assert not is_prompt(parsed_user(text("<ide_opened_file>The user opened src/a.py</ide_opened_file>")))
+    said = parsed_user(text("<system-reminder>skills: ...</system-reminder>"), text("fix the parser"))
+    assert prompt_text(said) == "fix the parser"
+    assert not is_prompt(anthropic.parse_request({"messages": [assistant(text("done"))]}).messages[0])
+
+
+# --------------------------------------------------------------------------- sessions through a pipeline
+
+COMPACT_SUMMARY = ("This session is being continued from a previous conversation that ran out of "
+                   "context. The summary below covers the earlier portion of the conversation.\n"
+                   "Summary: the parser in src/parse.py drops trailing commas.")
+PNG = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0K"}}
+UPSTREAMS = {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"}
+REBUILD = 600.0  # seconds between calls: the cache has expired, so every prompt rebuilds
+ADDENDA = 10.0  # the cache holds: the frame stays and new prompts get addenda
+# Memory from an earlier conversation, large enough that a frame replaces the history.
+OLDER = [f"The parser in src/parse.py {w}; the tokenizer in src/lex.py handles {w} too."
+         for w in ("drops trailing commas", "reads nested lists", "skips comments", "keeps quotes",
+                   "counts lines", "reports columns", "rejects tabs", "folds whitespace")] + [
+    "The deploy script stages every build through zeppelin before release."]
+
+
+def calls(items: list[dict[str, Any]], reply_side: Callable[[dict[str, Any]], bool]
+          ) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """A harness's calls over a session: the history before each run of reply items, with that
+    run (what the provider answered), then the whole session as the last call."""
+    out = []
+    for i, item in enumerate(items):
+        if i and reply_side(item) and not reply_side(items[i - 1]):
+            run = i
+            while run < len(items) and reply_side(items[run]):
+                run += 1
+            out.append((items[:i], items[i:run]))
+    return out + [(items, [])]
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    path: str
+    key: str  # where the body holds its history
+    protocol: Protocol
+    auth: list[str]
+    reply_side: Callable[[dict[str, Any]], bool]
+
+
+ANTHROPIC = Wire("/v1/messages", "messages", Protocol.ANTHROPIC, ["x-api-key", "k"],
+                 lambda m: m["role"] == "assistant")
+CHAT = Wire("/v1/chat/completions", "messages", Protocol.CHAT, ["authorization", "Bearer k"],
+            lambda m: m["role"] == "assistant")
+RESPONSES = Wire("/v1/responses", "input", Protocol.RESPONSES, ["authorization", "Bearer k"],
+                 lambda i: i.get("role") == "assistant" or i.get("type") in ("function_call",
+                                                                             "reasoning"))
+
+
+def drive(tmp_path: Path, wire: Wire, items: list[dict[str, Any]], gap: float = REBUILD,
+          **extra: Any) -> list[tuple[dict[str, Any], Decision]]:
+    """Each call of the session through a real pipeline on a store that already remembers an
+    earlier conversation, `gap` seconds apart, with frames small enough that the session's own
+    history outgrows them; every reply stored as the relay would. (body sent, decision) each."""
+    store = Store(tmp_path / "m.db")
+    say(store, "older", *[t for line in OLDER for t in (line, "Noted.")], user="dev")
+    pipeline = Pipeline(store, UPSTREAMS, limits=Cap(floor=60, ceiling=120), trust_identity=True)
+    headers = [wire.auth, ["x-perpetuity-user", "dev"], ["x-perpetuity-conversation", "live"]]
+    adapter = ADAPTERS[wire.protocol]
+    out = []
+    for n, (history, reply) in enumerate(calls(items, wire.reply_side)):
+        body = {"model": "m", wire.key: history, **extra}
+        when = datetime.fromtimestamp(1_700_000_000 + n * gap, UTC).isoformat()
+        d = pipeline.prepare(to_request({"method": "POST", "path": wire.path, "body": body,
+                                         "headers": [*headers, ["x-perpetuity-time", when]]}))
+        out.append((body, d))
+        turn = pipeline.store_turn(d.job.pending)
+        if reply:
+            said = adapter.parse_request({wire.key: reply}).messages[0]
+            pipeline.store_reply(turn, Reply(said, Usage()), 0.0)
+    store.close()
+    return out
+
+
+def assert_accepted_and_live_task_kept(wire: Wire, sent: list[tuple[dict[str, Any], Decision]]
+                                       ) -> int:
+    """Every request upstream passes the production and the reference check, and keeps the
+    live task (the person's last prompt on) byte for byte; how many had their history replaced."""
+    replaced = 0
+    for body, d in sent:
+        upstream = json.loads(d.body) if d.body is not None else body
+        assert ADAPTERS[wire.protocol].check(upstream) == [], (d.note, upstream[wire.key])
+        assert CHECKS[wire.path](upstream) == [], d.note
+        assert "left as sent" not in d.note, d.note
+        parsed = ADAPTERS[wire.protocol].parse_request(body)
+        live = next(i for i in reversed(range(len(parsed.messages)))
+                    if is_prompt(parsed.messages[i]))
+        task = body[wire.key][parsed.raw_index[live]:]
+        assert json.dumps(upstream[wire.key][-len(task):]) == json.dumps(task), d.note
+        history = body[wire.key]
+        replaced += upstream[wire.key][-len(history):] != history  # some of it was dropped
+    return replaced
+
+
+def claude_code_session() -> list[dict[str, Any]]:
+    """A Claude Code session with every shape that has broken a frame: thinking with signatures,
+    parallel calls, an image, and an interrupted tool call whose result shares the user message
+    with the marker and the person's next prompt."""
+    return [
+        user(text("<system-reminder>skills: ...</system-reminder>"),
+             text("the parser in src/parse.py drops trailing commas, fix it")),
+        assistant(thinking("sig-1"), text("Reading it."), call("read1")),
+        user(result("read1")),
+        assistant(call("grep1"), call("grep2")),
+        user(result("grep1"), result("grep2")),
+        assistant(text("Fixed the comma handling.")),
+        user(PNG, text("the tokenizer in src/lex.py now shows this error")),
+        # A long call, so that what accumulated since the last frame outgrows a frame: the
+        # interrupt's prompt is a rebuild.
+        assistant(thinking("sig-2"), call("run1", "pytest tests/lex/test_columns.py " * 60)),
+        user(result("run1"), text(INTERRUPT), text("no, first check how the deploy script uses zeppelin")),
+        assistant(call("run2")),
+        user(result("run2")),
+        assistant(text("The lexer tests pass.")),
+        user(text("now make the parser report columns")),
+        assistant(thinking("sig-3"), text("Done: columns are reported.")),
+        user(text("and have it reject tabs like the lexer")),
+        assistant(call("edit1")),
+        user(result("edit1")),
+        assistant(text("Tabs are rejected.")),
+        user(text("does the parser still skip comments?")),
+    ]
+
+
+@pytest.mark.parametrize("gap", [REBUILD, ADDENDA])
+def test_claude_code_shapes_stay_valid_when_memory_replaces_history(tmp_path: Path,
+                                                                   gap: float) -> None:
+    sent = drive(tmp_path, ANTHROPIC, claude_code_session(), gap,
+                 system=[{"type": "text", "text": "You are Claude Code.",
+                          "cache_control": {"type": "ephemeral"}}])
+    assert assert_accepted_and_live_task_kept(ANTHROPIC, sent) >= 4
+
+
+def test_the_interrupted_call_stays_with_its_result(tmp_path: Path) -> None:
+    """A rebuild at the interrupt's message, a prompt that carries the interrupted call's
+    result: the history is kept from the prompt before the call, so the call stays with it."""
+    session = claude_code_session()
+    interrupted = next(i for i, m in enumerate(session)
+                       if any(b.get("text") == INTERRUPT for b in m["content"]))
+    asked = session[:interrupted + 1]
+    body, d = next((b, d) for b, d in drive(tmp_path, ANTHROPIC, session)
+                   if b["messages"] == asked)
+    upstream = json.loads(d.body)["messages"]
+    kept = asked[interrupted - 2:]  # from the prompt before the interrupted call
+    assert upstream[-len(kept):] == kept and upstream[-len(kept) - 1]["role"] == "assistant"
+    assert upstream[0] != asked[0]  # the history before it was replaced
+
+
+def test_a_compacted_session_stays_valid(tmp_path: Path) -> None:
+    """After /compact, Claude Code's first user turn is the summary (not a prompt) with the
+    command's scaffolding and the next prompt beside it."""
+    session = [user(text("<system-reminder>date</system-reminder>"), text(COMPACT_SUMMARY),
+                    text("<command-name>/compact</command-name>"),
+                    text("keep going on the parser columns")),
+               *claude_code_session()[1:]]
+    sent = drive(tmp_path, ANTHROPIC, session)
+    assert assert_accepted_and_live_task_kept(ANTHROPIC, sent) >= 4
+
+
+@pytest.mark.parametrize("gap", [REBUILD, ADDENDA])
+def test_chat_sessions_with_parallel_calls_stay_valid(tmp_path: Path, gap: float) -> None:
+    def asks(i: str, *ids: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": c, "type": "function", "function": {"name": "read", "arguments": "{}"}}
+            for c in ids]}, *[{"role": "tool", "tool_call_id": c, "content": f"{i} ok"} for c in ids]]
+
+    session: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."}]
+    for n, line in enumerate(OLDER[:6]):
+        session += [{"role": "user", "content": f"check that {line}"},
+                    *asks(line, f"a{n}", f"b{n}"), {"role": "assistant", "content": "Checked."}]
+    session.append({"role": "user", "content": "does the parser still skip comments?"})
+    sent = drive(tmp_path, CHAT, session, gap)
+    assert assert_accepted_and_live_task_kept(CHAT, sent) >= 6
+
+
+def responses_session() -> list[dict[str, Any]]:
+    def said(role: str, words: str) -> dict[str, Any]:
+        kind = "input_text" if role == "user" else "output_text"
+        return {"type": "message", "role": role, "content": [{"type": kind, "text": words}]}
+
+    session: list[dict[str, Any]] = [said("developer", "You are Codex.")]
+    for n, line in enumerate(OLDER[:6]):
+        session += [said("user", f"check that {line}"),
+                    {"type": "reasoning", "summary": [], "encrypted_content": f"enc{n}"},
+                    {"type": "function_call", "call_id": f"c{n}", "name": "shell", "arguments": "{}"},
+                    {"type": "function_call", "call_id": f"d{n}", "name": "shell", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": f"c{n}", "output": "ok"},
+                    {"type": "function_call_output", "call_id": f"d{n}", "output": "ok"},
+                    said("assistant", "Checked.")]
+    return session + [said("user", "does the parser still skip comments?")]
+
+
+@pytest.mark.parametrize("gap", [REBUILD, ADDENDA])
+def test_responses_sessions_stay_valid(tmp_path: Path, gap: float) -> None:
+    sent = drive(tmp_path, RESPONSES, responses_session(), gap)
+    assert assert_accepted_and_live_task_kept(RESPONSES, sent) >= 6
+
+
+def test_a_result_after_the_next_prompt_keeps_its_call(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A call's output that arrives after the person's next prompt: kept from that prompt, it
+    would lose its call, so the check moves the boundary to the prompt before, and says why."""
+    session = responses_session()
+    *head, last = session
+    # A long call, so that what accumulated since the last frame outgrows a frame: a rebuild.
+    call_item = {"type": "function_call", "call_id": "late", "name": "shell",
+                 "arguments": json.dumps({"command": "pytest tests/lex " * 100})}
+    session = [*head, {"type": "message", "role": "user", "content": "rerun the lexer"}, call_item,
+               last, {"type": "function_call_output", "call_id": "late", "output": "ok"}]
+    body = {"model": "m", "input": session}
+    parsed = responses.parse_request(body)
+    front = [Message("user", (text_part("[Memory: ...]"),)),
+             Message("assistant", (text_part("[End of quoted memory.]"),))]
+    prompt = max(i for i, m in enumerate(parsed.messages) if is_prompt(m))
+    replaced = repair.replace_history(responses, body, parsed, front, prompt)
+    assert replaced.body is not None and replaced.keep < prompt
+    assert "not" in replaced.why and "output without its call" in replaced.why
+    assert responses.check(replaced.body) == [] and replaced.body["input"][-4:] == session[-4:]
+    with caplog.at_level(logging.INFO, logger="perpetuity"):
+        body, d = drive(tmp_path, RESPONSES, session)[-1]
+    assert assert_accepted_and_live_task_kept(RESPONSES, [(body, d)]) == 1
+    assert "not" in d.note and "output without its call" in d.note
+    assert json.loads(d.body)["input"][-4:] == body["input"][-4:]
+    assert "output without its call" in caplog.text
+
+
+def test_a_request_that_cannot_be_made_valid_goes_as_sent(tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Claude Code's own record is sometimes invalid (a result whose call it never recorded):
+    no boundary mends that, so the request goes as the harness sent it, and the log says why."""
+    session = claude_code_session()
+    session[-1] = user(result("never-called"), text("does the parser still skip comments?"))
+    with caplog.at_level(logging.WARNING, logger="perpetuity"):
+        body, d = drive(tmp_path, ANTHROPIC, session)[-1]
+    assert d.body is None and d.frame is None and d.job is not None
+    assert "history left as sent" in d.note and "never-called" in d.note
+    assert "never-called" in caplog.text
+
+
+def test_kept_start_never_splits_a_call_from_its_result() -> None:
+    parsed = anthropic.parse_request({"messages": claude_code_session()})
+    interrupted = 8
+    assert is_prompt(parsed.messages[interrupted])
+    assert repair.kept_start(parsed.messages, interrupted) == 6  # the prompt before the call
+    assert repair.kept_start(parsed.messages, 2) == 0  # a tool round: back to the first prompt
+    assert repair.kept_start(parsed.messages, 12) == 12
+
+
+@needs_fixtures
+def test_every_capture_through_a_remembering_pipeline_is_accepted(tmp_path: Path) -> None:
+    """Each harness's session replayed once to fill memory, then every request again: each goes
+    upstream accepted by the production check, with its live task as the harness sent it."""
+    store = Store(tmp_path / "m.db")
+    pipeline = Pipeline(store, UPSTREAMS, trust_identity=True)
+    harnesses = ("claude-code", "codex", "opencode", "anthropic-python", "openai-python")
+    for harness in harnesses:
+        replay(pipeline, harness)
+    wires = {w.path: w for w in (ANTHROPIC, CHAT, RESPONSES)}
+    replaced = 0
+    for harness in harnesses:
+        for f in http_fixtures(harness):
+            raw = json.loads(f.read_text())
+            if (wire := wires.get(raw["path"])) is None or not isinstance(raw["body"].get(wire.key), list):
+                continue
+            replaced += assert_accepted_and_live_task_kept(
+                wire, [(raw["body"], pipeline.prepare(to_request(raw)))])
+    store.close()
+    assert replaced >= 10, replaced
