@@ -330,7 +330,8 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
         previous: Row | None = None
         for parts in by_message.values():
             first = parts[0]
-            # Another conversation's rows pass the notes' credential scan first.
+            # A row flagged at capture as holding a credential (store.m011) is withheld
+            # from every other conversation's frame.
             text = "\n".join(withheld(p) if p.secret and c != conversation_id else _quote(p)
                              for p in parts)
             # A label opens each run of turns said together; within a run the alternation
