@@ -221,7 +221,8 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
                     store.close()
                 store = Store(Path(tmp) / f"memory-{n}.db")
                 pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider},
-                                    limits=limits, share_pool=pooled)
+                                    limits=limits, share_pool=pooled,
+                                    trust_identity=True)  # the dataset's own speakers
             feed(pipeline, case.thread)
             if pooled and n < len(cases) - 1:
                 continue

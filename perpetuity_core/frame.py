@@ -25,6 +25,7 @@ from . import cap, dates, heat
 from .conversation import Kind, Message, Part
 from .scan import Hit, Scanner, token_estimate
 from .store import Row, db, shown_rows
+from .tenants import withheld
 
 HITS = 200  # the ranked rows this turn's retrieval reheats
 NEIGHBOURS = 2  # messages each side of a hit that warm with it
@@ -337,7 +338,10 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
         previous: Row | None = None
         for parts in by_message.values():
             first = parts[0]
-            text = "\n".join(_quote(p) for p in parts)
+            # A row flagged at capture as holding a credential (store.m011) is withheld
+            # from every other conversation's frame.
+            text = "\n".join(withheld(p) if p.secret and c != conversation_id else _quote(p)
+                             for p in parts)
             # A label opens each run of turns said together; within a run the alternation
             # itself tells the speakers apart, and a label per turn would cost a row's worth.
             # Labels are a tenth of a frame: the conversation is named once per group, and a

@@ -1,9 +1,13 @@
 """Whose conversation is this, which harness sent it, and is it a turn at all?
 
-Explicit `x-perpetuity-user` / `x-perpetuity-conversation` headers win; then what each harness
-sends; else a salted hash of the credential for the user (the credential itself never leaves this
-module) and a derivation from the conversation's first user turn, which every later request of
-that conversation re-sends unchanged.
+The credential is the tenant: a salted hash of it (the credential itself never leaves this
+module), or `anonymous` for every request that carries none. Explicit `x-perpetuity-user` /
+`x-perpetuity-conversation` headers win, then what each harness sends; every identity a request
+claims is scoped under its tenant, so a claim partitions the tenant's memory but never reaches
+into another's (a `device_id` or `x-perpetuity-user: alice` sent with someone else's key used to
+read Alice's turns). Only a deployment whose own gateway authenticates the headers trusts them
+globally (`trust`). A conversation without an id is derived from its first user turn, which
+every later request of that conversation re-sends unchanged.
 """
 
 from __future__ import annotations
@@ -18,34 +22,48 @@ from .conversation import Kind, ParsedRequest
 CLAUDE_CODE_COMPACT = "Your task is to create a detailed summary of the conversation so far"
 OPENCODE_TITLE = "You are a title generator"
 CODEX_TURN = "x-codex-turn-metadata"
+ANONYMOUS = "anonymous"  # the one tenant every request without a credential shares
 
 
 @dataclass(frozen=True, slots=True)
 class Identity:
-    user: str
+    user: str  # the store's user key: "<tenant>/<claimed>", the tenant alone, or (trusted) the claim
     conversation: str
     harness: str  # "claude-code" | "codex" | "opencode" | "client"
     side: str = ""  # why this request is a harness side request and not a turn ("" for turns)
+    tenant: str = ANONYMOUS  # whose memory and notes this request may reach
 
 
-def identify(headers: Mapping[str, str], req: ParsedRequest, credential: str, salt: str) -> Identity:
-    """`headers` must have lower-case keys."""
+def identify(headers: Mapping[str, str], req: ParsedRequest, credential: str, salt: str,
+             trust: bool = False) -> Identity:
+    """`headers` must have lower-case keys; `trust`: the identity headers are authenticated
+    upstream of us, so a claimed user is the user, whatever the credential."""
     harness = _harness(headers)
     cc = _claude_code_metadata(req.hints.get("metadata.user_id", ""))
-    user = (
+    tenant = tenant_of(credential, salt)
+    claimed = (
         headers.get("x-perpetuity-user")
         or (cc and (cc.get("account_uuid") or cc.get("device_id")))
         or (not cc and req.hints.get("metadata.user_id"))
         or req.hints.get("user")
         or req.hints.get("safety_identifier")
-        or (credential and "key-" + _digest(salt, credential))
-        or "anonymous"
+        or ""
     )
+    if trust:
+        user = str(claimed) or tenant
+        tenant = user
+    else:
+        user = f"{tenant}/{claimed}" if claimed else tenant
     conversation = headers.get("x-perpetuity-conversation") or _harness_conversation(headers, req, cc)
     if not conversation:
         seed = "\x00".join((user, req.protocol.value, _first_user_turn(req)))
         conversation = "derived-" + _digest(salt, seed)
-    return Identity(str(user), conversation, harness, _side(headers, req, harness))
+    return Identity(user, conversation, harness, _side(headers, req, harness), tenant)
+
+
+def tenant_of(credential: str, salt: str) -> str:
+    """The tenant a credential names: its salted hash, or the one anonymous tenant."""
+    return "key-" + _digest(salt, credential) if credential else ANONYMOUS
 
 
 def _harness(headers: Mapping[str, str]) -> str:

@@ -845,6 +845,23 @@ def scan_credentials(text: str, field_name: str = "text") -> list[CredentialFind
     return findings
 
 
+# Lower-case literals at least one of which every CREDENTIAL_PATTERNS match contains: a text
+# holding none is clean without running the patterns (a substring test is C speed; the patterns
+# cost about 50 us a short row and a millisecond per 4 KB).
+_TRIGGERS = ("sk-", "k_live_", "akia", "asia", "ghp_", "gho_", "ghu_", "ghs_", "ghr_",
+             "github_pat_", "xox", "aiza", "-----begin", "eyj", "bearer", "pass", "secret",
+             "api", "auth", "access")
+
+
+def secret_kind(text: str) -> str:
+    """The kind of the first credential the scan finds in `text`, else ""."""
+    low = text.lower()
+    if not any(t in low for t in _TRIGGERS):
+        return ""
+    findings = scan_credentials(text)
+    return findings[0].kind if findings else ""
+
+
 def _refuse_credentials(fields: Mapping[str, object]) -> None:
     findings = []
     for key, value in fields.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from . import capture, frame, heat, names, notes, repair, tools
+from . import capture, frame, heat, names, notes, repair, tenants, tools
 from .cap import Cap
 from .capture import TurnContext
 from .conversation import Message, ParsedRequest, Protocol, Provider, Reply, is_prompt, prompt_text
@@ -43,6 +44,8 @@ CURATE_COMMAND = "/perpetuity-curate"
 RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame's tail comes from
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's JSON escape, paired or not
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -88,6 +91,7 @@ class PendingTurn:
     # A title side request: nothing of it is a turn; its reply names the conversation.
     title: bool = False
     structured: bool = False  # the title is asked for as JSON (Claude Code), else as text
+    library: Path | None = None  # the tenant's notes library the recalled notes came from
 
 
 @dataclass(slots=True)
@@ -107,6 +111,9 @@ class Job:
     memory: TurnMemory | None = None  # set when the recall tools ride along (relay only)
     max_rounds: int = 4
     tool_specs: list[dict[str, Any]] = field(default_factory=list)  # ours, beside the harness's
+    # The body exactly as the client sent it, when we changed it: a 400 on the first round is
+    # retried once with it (the rejection may be ours: the frame, a tool).
+    original: bytes | None = None
 
     @property
     def relay(self) -> bool:
@@ -121,6 +128,14 @@ class Answer:
 
     content_type: str
     body: bytes
+    status: int = 200
+
+
+# A request to us whose provider nothing names: forwarding it anywhere could hand its
+# credential to the wrong host, and left alone it would loop back to us.
+UNKNOWN_PROVIDER = Answer("text/plain; charset=utf-8", b"perpetuity: cannot tell which provider "
+                          b"this request is for (no Anthropic or OpenAI credential, path or model "
+                          b"names one); it was not forwarded\n", 421)
 
 
 @dataclass(slots=True)
@@ -136,6 +151,7 @@ class Recall:
     plan: Plan | None = None  # the conversation's plan after this request
     sent_tokens: int = 0  # what the model reads of the conversation: frame, addenda, kept turns
     note: str = ""  # why the history was kept further back than planned, or left as sent
+    library: Path | None = None  # the tenant's notes library
 
 
 @dataclass(slots=True)
@@ -153,15 +169,24 @@ class Decision:
 class Pipeline:
     def __init__(self, store: Store, upstreams: Mapping[Provider, str], tools: bool = True,
                  notes_root: Path | None = None, limits: Cap = Cap(),
-                 share_pool: bool = False, tool_rounds: int = 4) -> None:
+                 share_pool: bool | frozenset[str] = False, tool_rounds: int = 4,
+                 trust_identity: bool = False, notes_capture: bool = True) -> None:
+        """`share_pool`: True pools every user (offline evaluation); a set of tenants pools the
+        users of those tenants with each other (the proxy); False, each user sees their own.
+        `trust_identity`: claimed identities are authenticated upstream of us (see identity)."""
         self.store = store
         self.upstreams = dict(upstreams)
         self.tools = tools  # the deployment's default; x-perpetuity-tools: off turns them off
         self.tool_rounds = tool_rounds
         self.notes_root = notes_root
+        self.notes_capture = notes_capture  # note_capture and /perpetuity-curate through us
+        self.trust_identity = trust_identity
         self.limits = limits
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
-        self.scanner = Scanner(store, share_pool=share_pool)
+        pool = share_pool if isinstance(share_pool, frozenset) else None
+        self.scanner = Scanner(store, share_pool=bool(share_pool),
+                               pool_of=(lambda uid: tenants.pool_of(store, uid, pool))
+                               if pool is not None else None)
         # Each conversation's plan: when its frame changes (`perpetuity_core.plan`). Only the
         # preparing thread touches it; a restart costs one rebuilt frame.
         self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
@@ -171,6 +196,8 @@ class Pipeline:
         headers = {k.lower(): v for k, v in req.headers}
         r = route(host=req.host, path=req.path, direct=req.direct, headers=headers, model=model,
                   upstreams=self.upstreams)
+        if r is None and req.direct:
+            return Decision(answer=UNKNOWN_PROVIDER, note="provider unknown")
         if r is None:
             return Decision(note="not provider traffic")  # untouched, our headers included
         strip = sorted({k for k, _ in req.headers if k.lower().startswith(CONTROL_PREFIX)})
@@ -182,7 +209,10 @@ class Pipeline:
         r = decision.route
         if r is None:
             return decision
-        headers = {k.lower(): v for k, v in req.headers}
+        # Read as text: a value that was not UTF-8 (mitmproxy's surrogate escapes) must never
+        # reach the store or a digest as it is.
+        headers = {k.lower(): v.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+                   for k, v in req.headers}
         controls = parse_controls(headers)
         if not controls.enabled:
             decision.note = "x-perpetuity: off"
@@ -195,10 +225,13 @@ class Pipeline:
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
-        ident = identify(headers, parsed, credential(headers), self.store.salt)
+        ident = identify(headers, parsed, credential(headers), self.store.salt,
+                         self.trust_identity)
         decision.identity = ident
-        if _last_user_text(parsed.messages) == CURATE_COMMAND and self.notes_root is not None:
-            text = _curate(self.notes_root)
+        library = tenants.library(self.notes_root, ident.tenant)
+        if (_last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
+                and self.notes_capture):
+            text = _curate(library)
             decision.answer = Answer(
                 "text/event-stream; charset=utf-8" if parsed.stream else "application/json",
                 ADAPTERS[r.protocol].render_text(text, parsed.model, parsed.stream,
@@ -220,7 +253,10 @@ class Pipeline:
         tools_on = self.tools and controls.tools and not controls.probe and controls.capture
         recall = Recall()
         if controls.recall and "previous_response_id" not in parsed.hints:
-            recall = self._recall(body, parsed, ident, r.protocol, at, tools_on)
+            recall = self._recall(body, parsed, ident, r.protocol, at, tools_on, library)
+        if recall.memory is not None:
+            recall.memory.library = library if self.notes_capture else None
+            recall.memory.untrusted = tenants.quotes_untrusted(parsed.messages)
         decision.body, decision.frame = recall.body, recall.built
         if controls.probe or not controls.capture:
             decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
@@ -235,17 +271,20 @@ class Pipeline:
                               set(built.hits[:BOUND_HITS]) if built else set(),
                               recall.memory.shown if recall.memory else set(),
                               set(recall.plan.shown) if recall.plan else set(),
-                              names.folder(parsed))
+                              names.folder(parsed), library=library)
         decision.job = Job(req.method, r.upstream_url, _forwarded(req),
                            recall.body if recall.body is not None else req.body, r.protocol,
                            parsed.stream, pending, at=controls.at, memory=recall.memory,
                            max_rounds=self.tool_rounds,
-                           tool_specs=self._tool_specs() if recall.memory else [])
+                           tool_specs=self._tool_specs(recall.memory, parsed.tool_names)
+                           if recall.memory else [],
+                           original=req.body if recall.body is not None else None)
         decision.note = _noted("captured", recall.note)
         return decision
 
     def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
-                protocol: Protocol, asked_at: float, tools_on: bool) -> Recall:
+                protocol: Protocol, asked_at: float, tools_on: bool,
+                library: Path | None) -> Recall:
         """The request laid out by its conversation's plan (`perpetuity_core.plan`): the frame
         in front, the harness's messages from the anchor on, addenda before the prompts they
         serve; notes when a task starts, and the note on the recall tools when they ride
@@ -254,12 +293,12 @@ class Pipeline:
         prompt = _prompt_index(messages)
         user_id = self.store.find_user(ident.user)
         if user_id is None or prompt is None:
-            return self._lesson_only(body, parsed, protocol)
+            return self._lesson_only(body, parsed, protocol, library)
         conv = self.store.find_conversation(user_id, ident.conversation)
         # By the conversation's key, not its row: a first request has no row yet.
         key = (user_id, ident.conversation)
         query = prompt_text(messages[prompt])
-        out = Recall(key=key)
+        out = Recall(key=key, library=library)
         old = self._plans.get(key)
         placed = place(old, messages) if old else None
         if old and placed:
@@ -321,7 +360,7 @@ class Pipeline:
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
                             recent_messages=recent)
         front = built.messages if built else []
-        if starts_task(messages) and (lesson := self._notes_for(parsed)):
+        if starts_task(messages) and (lesson := self._notes_for(parsed, out.library)):
             out.notes = lesson.names
             front = frame.with_note(front, lesson.text)
         if not built:
@@ -348,7 +387,7 @@ class Pipeline:
                               query=query, exclude_messages=kept, shown=out.plan.shown,
                               asked_at=asked_at, limits=self.limits)
         added = more.messages if more else []
-        if starts_task(messages) and (lesson := self._notes_for(parsed)):
+        if starts_task(messages) and (lesson := self._notes_for(parsed, out.library)):
             out.notes = lesson.names
             added = frame.with_note(added, lesson.text)
         if added:
@@ -357,10 +396,10 @@ class Pipeline:
                                           _tokens(added), more.item_ids if more else [])
 
     def _lesson_only(self, body: dict[str, Any], parsed: ParsedRequest,
-                     protocol: Protocol) -> Recall:
+                     protocol: Protocol, library: Path | None) -> Recall:
         """Before memory holds anything of this user: notes alone, when a task starts."""
         out = Recall()
-        if starts_task(parsed.messages) and (lesson := self._notes_for(parsed)):
+        if starts_task(parsed.messages) and (lesson := self._notes_for(parsed, library)):
             out.notes = lesson.names
             out.body = json.dumps(ADAPTERS[protocol].replace_history(
                 body, frame.with_note([], lesson.text), parsed.raw_index[0]),
@@ -400,39 +439,46 @@ class Pipeline:
             if pending and (bound := pending.hits | (pending.shown - pending.frame_rows)):
                 tools.record_bindings(message_id, bound)
         recalled = pending.notes if pending else []
-        if recalled and self.notes_root is not None:
+        if recalled and pending and pending.library is not None:
             text = "\n".join(p.text for p in reply.message.parts)
             if cited := notes.cited_notes(text, recalled):
-                notes.mark_used(self.notes_root, cited, date.today())
+                notes.mark_used(pending.library, cited, date.today())
 
-    def _notes_for(self, parsed: ParsedRequest) -> notes.RecallResult | None:
-        """Notes recall for a task's first prompt; a library that cannot be read is skipped."""
-        if self.notes_root is None or not (self.notes_root / notes.NOTES_DIR).is_dir():
+    def _notes_for(self, parsed: ParsedRequest, root: Path | None) -> notes.RecallResult | None:
+        """Notes recall for a task's first prompt, from the tenant's own library `root`; a
+        library that cannot be read is skipped."""
+        if root is None or not (root / notes.NOTES_DIR).is_dir():
             return None
         try:
-            return notes.recall(self.notes_root, _last_user_text(parsed.messages))
-        except PerpetuityError as e:
+            return notes.recall(root, _last_user_text(parsed.messages))
+        except (PerpetuityError, OSError) as e:
             log.warning("perpetuity: notes recall skipped: %s", e)
             return None
 
-    def capture_note(self, arguments: Any) -> str:
-        """The note_capture tool: write or patch one note; its outcome, or why not, as text."""
-        if self.notes_root is None:
+    def capture_note(self, arguments: Any, memory: TurnMemory) -> str:
+        """The note_capture tool: write or patch one note in the asking tenant's library; its
+        outcome, or why not, as text. A lesson drawn from a conversation that quoted untrusted
+        content (a fetched page) is only a lead: tentative."""
+        if memory.library is None:
             return "note_capture: no notes library is configured"
         try:
             fields = json.loads(arguments) if isinstance(arguments, str) else arguments
-            return notes.capture(self.notes_root, fields, date.today()).text
+            if memory.untrusted and isinstance(fields, dict):
+                fields = {**fields, "confidence": "tentative"}
+            return notes.capture(memory.library, fields, date.today()).text
         except (PerpetuityError, ValueError, TypeError) as e:
             return f"note_capture refused: {e}"
 
-    def _tool_specs(self) -> list[dict[str, Any]]:
+    def _tool_specs(self, memory: TurnMemory, taken: list[str]) -> list[dict[str, Any]]:
+        """Our tools, never under a name the harness already uses (the model could not tell
+        them apart, and the provider may refuse the duplicate)."""
         specs: list[dict[str, Any]] = [
             {"name": t.name, "description": t.description, "input_schema": t.input_schema}
             for t in tools.TOOLS]
-        if self.notes_root is not None:
+        if memory.library is not None:
             specs.append({"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
                           "input_schema": notes.CAPTURE_TOOL_SCHEMA})
-        return specs
+        return [s for s in specs if s["name"] not in taken]
 
 
 def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
@@ -483,6 +529,8 @@ def _json_body(raw: bytes) -> dict | None:
         return None
     try:
         data = json.loads(raw)
-    except ValueError:
+        if _SURROGATE.search(raw):  # a lone one (\ud800) cannot be stored: found by fuzzing
+            json.dumps(data, ensure_ascii=False).encode()
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
         return None
     return data if isinstance(data, dict) else None

@@ -9,6 +9,7 @@ mitmproxy catches hook exceptions and carries on with whatever state the flow wa
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import time
@@ -16,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 from mitmproxy import ctx, exceptions, http
 
 from . import tools
@@ -32,6 +34,10 @@ from .store import Store, default_db_path
 from .tools import TurnMemory
 
 log = logging.getLogger("perpetuity")
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+# Not carried onto a retry: hop-by-hop, and encodings (httpx decodes what it reads).
+_NOT_RESENT = {"host", "content-length", "transfer-encoding", "connection", "keep-alive",
+               "proxy-connection", "content-encoding"}
 
 
 class Perpetuity:
@@ -46,6 +52,10 @@ class Perpetuity:
         # The recall tools run on their own threads: a slow tool (a long scan, a cold catch-up)
         # never queues another client's request behind it (the scanner guards its arena).
         self.tools = ThreadPoolExecutor(max_workers=4, thread_name_prefix="perpetuity-tools")
+        self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-notes")
+        self.serving = False  # from the running hook on, the database is fixed
+        self.tunnels: set[str] = set()  # client connections that opened a CONNECT tunnel
+        self._resolved: dict[str, frozenset[IPAddress | None]] = {}
 
     def load(self, loader: Any) -> None:
         loader.add_option("perpetuity_db", str, str(default_db_path()),
@@ -60,9 +70,19 @@ class Perpetuity:
         loader.add_option("perpetuity_frame_ceiling", int, Cap().ceiling,
                           "The largest frame of memory a request gets, in tokens; a narrow "
                           "question gets less (the breadth-sized cap).")
-        loader.add_option("perpetuity_share_pool", bool, False,
-                          "Let every user's retrieval see the whole pool (own rows ranked "
-                          "first); off, each user sees only their own memory.")
+        loader.add_option("perpetuity_share_pool", str, "",
+                          "Tenants whose users see each other's memory (own rows ranked first), "
+                          "comma-separated (key-<hash>, anonymous); empty, each user sees only "
+                          "their own.")
+        loader.add_option("perpetuity_trust_identity", bool, False,
+                          "Trust x-perpetuity-user and the harnesses' identity fields across "
+                          "credentials: only behind a gateway that authenticates them. Off, "
+                          "every identity is scoped under its request's credential.")
+        loader.add_option("perpetuity_notes_capture", bool, True,
+                          "Offer note_capture and answer /perpetuity-curate through the proxy.")
+        loader.add_option("perpetuity_tool_timeout", int, 30,
+                          "Seconds one recall tool call may take before the model is told it "
+                          "timed out.")
         loader.add_option("perpetuity_tool_rounds", int, 4,
                           "Upstream rounds one reply may take for the recall tools; the last "
                           "round must answer.")
@@ -73,15 +93,31 @@ class Perpetuity:
     def configure(self, updated: set[str]) -> None:
         keys = {"perpetuity_db", "perpetuity_anthropic_upstream", "perpetuity_openai_upstream",
                 "perpetuity_tools", "perpetuity_notes_dir", "perpetuity_frame_ceiling",
-                "perpetuity_share_pool", "perpetuity_tool_rounds"}
+                "perpetuity_share_pool", "perpetuity_tool_rounds", "perpetuity_trust_identity",
+                "perpetuity_notes_capture", "perpetuity_tool_timeout"}
         if not updated & keys:
             return
+        moved = ("perpetuity_db" in updated and self.store is not None
+                 and Path(ctx.options.perpetuity_db).expanduser() != self.store.path)
+        if moved and self.serving:
+            # The preparing thread's reads would stay on the old file while writes went to the
+            # new one: one memory split in two.
+            raise exceptions.OptionsError(
+                f"perpetuity_db cannot change while running (memory is in {self.store.path}); "
+                "restart the proxy to use another file")
+        pooled = frozenset(t.strip() for t in ctx.options.perpetuity_share_pool.split(",")
+                           if t.strip())
+        if pooled & {"true", "false", "1", "0", "yes", "no", "on", "off"}:
+            raise exceptions.OptionsError(
+                "perpetuity_share_pool names the tenants that pool their memory "
+                "(comma-separated key-<hash> or anonymous); it no longer shares with everyone")
+        self.relay.tool_timeout = ctx.options.perpetuity_tool_timeout
         try:
             upstreams = {
                 Provider.ANTHROPIC: parse_upstream(ctx.options.perpetuity_anthropic_upstream),
                 Provider.OPENAI: parse_upstream(ctx.options.perpetuity_openai_upstream),
             }
-            if "perpetuity_db" in updated or self.store is None:
+            if self.store is None or moved:  # before serving: the file given at start-up
                 self.store = self.executor.submit(self._open, ctx.options.perpetuity_db).result()
         except PerpetuityError as e:
             raise exceptions.OptionsError(str(e)) from e
@@ -91,8 +127,10 @@ class Perpetuity:
             raise exceptions.OptionsError(f"perpetuity_frame_ceiling must be at least {Cap().floor}")
         self.pipeline = Pipeline(self.store, upstreams, ctx.options.perpetuity_tools,
                                  Path(notes_dir).expanduser() if notes_dir else notes_root(),
-                                 Cap(ceiling=ceiling), ctx.options.perpetuity_share_pool,
-                                 max(1, ctx.options.perpetuity_tool_rounds))
+                                 Cap(ceiling=ceiling), pooled,
+                                 max(1, ctx.options.perpetuity_tool_rounds),
+                                 ctx.options.perpetuity_trust_identity,
+                                 ctx.options.perpetuity_notes_capture)
 
     def _open(self, path: str) -> Store:
         if self.store is not None:
@@ -100,6 +138,7 @@ class Perpetuity:
         return Store(path)
 
     async def running(self) -> None:
+        self.serving = True
         await self.relay.start()
         host = ctx.options.listen_host or "127.0.0.1"
         port = ctx.options.listen_port or 8080
@@ -122,6 +161,7 @@ class Perpetuity:
         self.executor.shutdown(wait=False)
         self.parser.shutdown(wait=False)
         self.tools.shutdown(wait=False)
+        self.notes.shutdown(wait=False)
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live or self.pipeline is None:
@@ -132,7 +172,7 @@ class Perpetuity:
             path=flow.request.path,
             headers=tuple(flow.request.headers.items(multi=True)),
             body=flow.request.raw_content or b"",
-            direct=self._is_direct(flow),
+            direct=await self._is_direct(flow),
         )
         loop = asyncio.get_running_loop()
         try:
@@ -173,16 +213,38 @@ class Perpetuity:
         except Exception:
             log.exception("perpetuity: could not capture a WebSocket message; it went through as sent")
 
-    def _is_direct(self, flow: http.HTTPFlow) -> bool:
-        """Did the client address us (a base URL) rather than a host through us?"""
-        if flow.request.pretty_host in PROVIDER_HOSTS:
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        """Whatever comes through a tunnel was addressed to the tunnel's host, never to us."""
+        self.tunnels.add(flow.client_conn.id)
+
+    def client_disconnected(self, client: Any) -> None:
+        self.tunnels.discard(client.id)
+
+    async def _is_direct(self, flow: http.HTTPFlow) -> bool:
+        """Did the client address us (a base URL) rather than a host through us? Only when the
+        request names one of our own listen addresses (the address it reached us on) and came
+        outside any CONNECT tunnel: comparing the port alone sent a token meant for another host
+        on the same port (`POST http://jenkins.internal:8080/...`) to a provider."""
+        req, sockname = flow.request, flow.client_conn.sockname
+        if (req.pretty_host in PROVIDER_HOSTS or flow.client_conn.id in self.tunnels
+                or not sockname or req.port != sockname[1]):
             return False
-        sockname = flow.client_conn.sockname
-        return bool(sockname) and flow.request.port == sockname[1]
+        ours = _address(sockname[0])
+        if (literal := _address(req.host)) is not None:
+            return literal == ours
+        if req.host not in self._resolved:  # a name: what it resolves to (once per name)
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(req.host, req.port)
+            except OSError:
+                infos = []
+            if len(self._resolved) > 1024:
+                self._resolved.clear()
+            self._resolved[req.host] = frozenset(_address(str(i[4][0])) for i in infos)
+        return ours in self._resolved[req.host]
 
     def _apply(self, flow: http.HTTPFlow, d: Decision) -> None:
         if d.answer is not None:
-            flow.response = http.Response.make(200, d.answer.body,
+            flow.response = http.Response.make(d.answer.status, d.answer.body,
                                                {"content-type": d.answer.content_type})
             flow.metadata["perpetuity"] = {"upstream": "", "note": d.note}
             return
@@ -197,6 +259,7 @@ class Perpetuity:
             if d.job:  # the reply is read by our tee, which cannot read every encoding
                 flow.request.headers.pop("accept-encoding", None)
             if d.body is not None:
+                flow.metadata["perpetuity_original"] = flow.request.raw_content
                 flow.request.content = d.body
         if d.route:
             flow.metadata["perpetuity"] = {
@@ -215,15 +278,50 @@ class Perpetuity:
         if "perpetuity" not in flow.metadata or flow.response is None:
             return
         job: Job | None = flow.metadata.get("perpetuity_job")
+        if flow.response.status_code == 400 and "perpetuity_original" in flow.metadata:
+            return  # buffered: the response hook retries it as the client sent it
         if job and flow.response.status_code < 400:
             flow.metadata["perpetuity_tee"] = ReplyTee(job, flow.response.headers.get("content-encoding", ""))
             flow.response.stream = StreamTee(self, flow, job)
         else:
             flow.response.stream = True  # no buffering: every chunk goes to the client as it comes
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    async def response(self, flow: http.HTTPFlow) -> None:
+        original = flow.metadata.pop("perpetuity_original", None)
+        if original is not None and flow.response is not None and flow.response.status_code == 400:
+            try:
+                await self._retry_as_sent(flow, original)
+            except Exception:
+                log.exception("perpetuity: the retry failed; the 400 stands")
         self._finish(flow)
         self._restore(flow)
+
+    async def _retry_as_sent(self, flow: http.HTTPFlow, original: bytes) -> None:
+        """A 400 for a request we changed may be our doing (the frame): sent once more exactly
+        as the client sent it, and that answer is the client's."""
+        client = self.relay.client
+        if client is None:
+            return
+        log.warning("perpetuity: upstream refused the request with our frame (400); retrying "
+                    "it as the client sent it")
+        headers = [(k, v) for k, v in flow.request.headers.items(multi=True)
+                   if k.lower() not in _NOT_RESENT]
+        try:
+            resp = await client.request(flow.request.method, flow.request.url, headers=headers,
+                                        content=original)
+        except httpx.HTTPError as e:
+            log.warning("perpetuity: the retry failed (%s); the 400 stands", type(e).__name__)
+            return
+        flow.request.content = original
+        flow.response = http.Response.make(
+            resp.status_code, resp.content,
+            [(k.encode(), v.encode()) for k, v in resp.headers.multi_items()
+             if k.lower() not in _NOT_RESENT])
+        job: Job | None = flow.metadata.get("perpetuity_job")
+        if job is not None and resp.status_code < 400:
+            tee = ReplyTee(job, "")
+            tee.feed(resp.content)
+            flow.metadata["perpetuity_tee"] = tee  # stored by _finish
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._finish(flow)
@@ -255,15 +353,15 @@ class Perpetuity:
         """Queue the request's write on the store's thread, once."""
         if job.turn is None and self.pipeline is not None:
             job.turn = self.executor.submit(self.pipeline.store_turn, job.pending)
-            job.turn.add_done_callback(_report_unstored)
+            job.turn.add_done_callback(_report_unstored)  # read even when no reply follows
 
     async def _run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
         """On the tools' threads, so the event loop and the preparing thread never wait."""
         pipeline = self.pipeline
         assert pipeline is not None
-        if name == CAPTURE_TOOL_NAME:
+        if name == CAPTURE_TOOL_NAME:  # its own thread: a hung disk never holds up requests
             return await asyncio.get_running_loop().run_in_executor(
-                self.parser, pipeline.capture_note, arguments)
+                self.notes, pipeline.capture_note, arguments, memory)
         return await asyncio.get_running_loop().run_in_executor(
             self.tools, tools.run, name, arguments, memory, pipeline.scanner)
 
@@ -274,6 +372,8 @@ class Perpetuity:
             return
 
         def write() -> None:
+            if turn.exception() is not None:
+                return  # the turn's failure is logged; a reply cannot be stored without it
             try:
                 pipeline.store_reply(turn.result(), reply, at, job.pending)
             except Exception:
@@ -288,6 +388,16 @@ def _report_unstored(turn: Future) -> None:
     if not turn.cancelled() and (e := turn.exception()) is not None:
         log.error("perpetuity: a turn was not stored (%s); the conversation's next request"
                   " re-sends it and it is stored then", e)
+
+
+def _address(host: str) -> IPAddress | None:
+    """An IP literal as an address (IPv4-mapped IPv6 as IPv4), else None."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return mapped or ip
 
 
 class StreamTee:

@@ -94,6 +94,7 @@ class Relay:
         self.store_reply = store_reply
         self.run_tool = run_tool
         self.port = 0
+        self.tool_timeout = 30.0  # seconds one tool call may take (perpetuity_tool_timeout)
         self._jobs: dict[str, tuple[float, Job]] = {}
         self._server: asyncio.Server | None = None
         self._client: httpx.AsyncClient | None = None
@@ -105,6 +106,10 @@ class Relay:
         )
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def client(self) -> httpx.AsyncClient | None:
+        return self._client
 
     async def stop(self) -> None:
         if self._server:
@@ -236,6 +241,12 @@ class ToolLoop:
                                                content=json.dumps(sent).encode())
                 resp = await client.send(request, stream=True)
                 try:
+                    if resp.status_code == 400 and round_ == 0:
+                        # The rejection may be ours (the frame, a tool): once, as the client sent it.
+                        log.warning("perpetuity: upstream refused the request with our changes "
+                                    "(400); retrying it as the client sent it")
+                        job.body, job.original = job.original or job.body, None
+                        return await self.relay._forward(job, self.writer)
                     if resp.status_code >= 400:
                         return await self._upstream_error(resp)
                     await self._round(resp)
@@ -255,17 +266,21 @@ class ToolLoop:
             self.writer.write(b"0\r\n\r\n")
             await self.writer.drain()
             return True
-        except (httpx.HTTPError, ValueError) as e:
-            self.relay.store_request(job)
-            if not self.started:
-                return await self.relay._forward(job, self.writer)  # fall back, untouched
-            await self._write(self.adapter.error_event(f"perpetuity: upstream failed: {e}"))
-            self.writer.write(b"0\r\n\r\n")
-            await self.writer.drain()
-            return True
         except ConnectionError:
             self.relay.store_request(job)
             return False
+        except Exception as e:  # upstream, a tool (an OSError from a notes root), our own bug
+            if not isinstance(e, httpx.HTTPError | ValueError):
+                log.exception("perpetuity: the recall tools failed")
+            self.relay.store_request(job)
+            if not self.started:  # fall back to the client's own request, untouched
+                job.body, job.original = job.original or job.body, None
+                return await self.relay._forward(job, self.writer)
+            what = "upstream" if isinstance(e, httpx.HTTPError | ValueError) else "a recall tool"
+            await self._write(self.adapter.error_event(f"perpetuity: {what} failed: {e}"))
+            self.writer.write(b"0\r\n\r\n")
+            await self.writer.drain()
+            return True
 
     async def _round(self, resp: httpx.Response) -> None:
         if not self.job.stream:
@@ -300,11 +315,14 @@ class ToolLoop:
         """Our calls' results, pinging the client while they run; None if it went away."""
         assert self.job.memory is not None
         results = []
+        loop = asyncio.get_running_loop()
         for call_id, name, args in calls:
             task = asyncio.ensure_future(self.relay.run_tool(name, args, self.job.memory))
+            deadline = loop.time() + self.relay.tool_timeout
             while True:
-                done, _ = await asyncio.wait({task}, timeout=PING_EVERY)
-                if done:
+                left = deadline - loop.time()
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, min(PING_EVERY, left)))
+                if done or left <= 0:
                     break
                 if self.job.stream:
                     try:
@@ -312,6 +330,12 @@ class ToolLoop:
                     except ConnectionError:
                         task.cancel()
                         return None
+            if not task.done():
+                # The model is told and the reply goes on; the tool's thread finishes on its own.
+                task.cancel()
+                log.warning("perpetuity: %s timed out after %g s", name, self.relay.tool_timeout)
+                results.append((call_id, f"{name}: timed out after {self.relay.tool_timeout:g} s"))
+                continue
             results.append((call_id, task.result()))
         await asyncio.sleep(0)  # let a hang-up that already arrived be seen
         if self.writer.is_closing() or self.reader.at_eof():

@@ -19,6 +19,7 @@ PROVIDER_HOSTS = {"api.anthropic.com": Provider.ANTHROPIC, "api.openai.com": Pro
 DEFAULT_UPSTREAMS = {Provider.ANTHROPIC: "https://api.anthropic.com", Provider.OPENAI: "https://api.openai.com"}
 
 CONTROL_PREFIX = "x-perpetuity"
+OPENAI_MODELS = ("gpt-", "o1", "o3", "o4", "codex", "chatgpt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +59,20 @@ def protocol_of(path: str) -> Protocol | None:
     return None
 
 
-def provider_of(path: str, headers: Mapping[str, str], model: str) -> Provider:
-    """`headers` lower-cased. Anthropic credentials and versions are unmistakable; models next."""
+def provider_of(path: str, headers: Mapping[str, str], model: str) -> Provider | None:
+    """`headers` lower-cased. Anthropic credentials and versions are unmistakable; then the
+    path and the model. None when nothing names a provider: a credential must never be sent to
+    a provider it was not meant for (a Gemini key, a CI token), so such a request is not ours."""
     auth = headers.get("authorization", "")
     if "x-api-key" in headers or "anthropic-version" in headers or auth.startswith("Bearer sk-ant-"):
         return Provider.ANTHROPIC
     if model.startswith("claude") or protocol_of(path) == Protocol.ANTHROPIC:
         return Provider.ANTHROPIC
-    return Provider.OPENAI
+    if protocol_of(path) is not None or model.startswith(OPENAI_MODELS):
+        return Provider.OPENAI
+    if path.startswith("/v1/") and auth.lower().startswith("bearer "):
+        return Provider.OPENAI  # the OpenAI API's other endpoints (models, embeddings, files)
+    return None
 
 
 def route(
@@ -77,16 +84,17 @@ def route(
     model: str,
     upstreams: Mapping[Provider, str],
 ) -> Route | None:
-    """Where a request goes; None when it is not provider traffic and must pass untouched.
+    """Where a request goes; None when it is not provider traffic (another host through us) or
+    its provider cannot be told (a request to us naming none).
 
     `direct` is true when the client addressed the proxy itself (a base URL pointing at us);
     otherwise the client used us as its HTTP(S) proxy to reach `host`.
     """
     if direct:
         provider = provider_of(path, headers, model)
-    elif host in PROVIDER_HOSTS:
-        provider = PROVIDER_HOSTS[host]
     else:
+        provider = PROVIDER_HOSTS.get(host)
+    if provider is None:
         return None
     base = upstreams[provider]
     # Clients configured with ".../v1" as base URL and upstreams given the same way: one "/v1".

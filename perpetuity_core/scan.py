@@ -800,6 +800,7 @@ class Visibility:
     share_pool: bool = False
     conversation_id: int | None = None
     during: tuple[float, float] | None = None  # [start, end) of when the row was said
+    pool: frozenset[int] | None = None  # with share_pool: the only others visible (None: all)
 
     def masks(self, user: np.ndarray, conv: np.ndarray,
               at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -813,7 +814,12 @@ class Visibility:
         if self.user_id is None:
             return live, None
         mine = live & (user == self.user_id)
-        return mine, (live & (user != self.user_id)) if self.share_pool else None
+        if not self.share_pool:
+            return mine, None
+        others = live & (user != self.user_id)
+        if self.pool is not None:
+            others &= np.isin(user, np.fromiter(self.pool, np.int32, len(self.pool)))
+        return mine, others
 
 
 # --------------------------------------------------------------------------- the scanner
@@ -827,9 +833,12 @@ class Scanner:
     """
 
     def __init__(self, store: Store, *, share_pool: bool = False, threads: int | None = None,
-                 layout: str = TERMS, params: Params = Params(), store_rows: int = 2000) -> None:
+                 layout: str = TERMS, params: Params = Params(), store_rows: int = 2000,
+                 pool_of: Callable[[int], frozenset[int]] | None = None) -> None:
+        """`pool_of`: with `share_pool`, the users a user's pool holds (default: everyone)."""
         self.store = store
         self.share_pool = share_pool
+        self.pool_of = pool_of
         self.params = params
         self.store_rows = store_rows
         self.arena = Arena(layout, threads)
@@ -863,7 +872,8 @@ class Scanner:
         exclude = frozenset(exclude)
         if limit <= 0 or not query.strip():
             return []
-        visible = Visibility(user_id, self.share_pool, conversation_id, during)
+        pool = self.pool_of(user_id) if self.pool_of and self.share_pool and user_id else None
+        visible = Visibility(user_id, self.share_pool, conversation_id, during, pool)
         k = limit + len(exclude)  # excluded rows are dropped after ranking: fetch enough
         with failing_as("search memory"):
             with self._lock:
@@ -885,6 +895,9 @@ class Scanner:
             where, args = "", []
             if visible.user_id is not None and not visible.share_pool:
                 where, args = "WHERE user_id = ?", [visible.user_id]
+            elif visible.user_id is not None and visible.pool is not None:
+                args = [visible.user_id, *visible.pool]
+                where = f"WHERE user_id IN ({','.join('?' * len(args))})"
             rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts"
                                 f" FROM retrieval {where} ORDER BY seq", args).fetchall()
         if not rows:

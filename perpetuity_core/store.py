@@ -35,6 +35,7 @@ import peewee as pw
 from .conversation import Kind, Message, Usage, text_part, without_scaffold
 from .errors import StoreError
 from .names import label
+from .notes import secret_kind
 
 db = pw.SqliteDatabase(None)
 log = logging.getLogger("perpetuity")
@@ -351,12 +352,25 @@ def m010_store_guarantees(database: pw.Database) -> None:
                              (live, dictionary.shipped_path().read_bytes(), time.time()))
     database.execute_sql("INSERT OR REPLACE INTO setting (key, value) VALUES ('dictionary', ?)",
                          (live,))
+def m011_secret(database: pw.Database) -> None:
+    """Each row carries the kind of credential the notes' scan finds in it (capture-time, off
+    the request path): stored verbatim, it is shown to another conversation only as
+    `[secret withheld: <kind>]`. Rows stored before are scanned here."""
+    database.execute_sql("ALTER TABLE item ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
+    last = 0
+    while rows := database.execute_sql("SELECT id, text FROM item WHERE id > ? ORDER BY id"
+                                       " LIMIT 5000", (last,)).fetchall():
+        flagged = [(kind, i) for i, text in rows if (kind := secret_kind(text))]
+        for kind, i in flagged:
+            database.execute_sql("UPDATE item SET secret = ? WHERE id = ?", (kind, i))
+        last = rows[-1][0]
 
 
 MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
                                                    m004_recall, m005_standing, m006_batched,
                                                    m007_conversation_order, m008_retrieval_time,
-                                                   m009_harness_text, m010_store_guarantees]
+                                                   m009_harness_text, m010_store_guarantees,
+                                                   m011_secret]
 
 # The next id of a table whose rows can be deleted: past its newest row and past every id a
 # deletion ever freed (m010).
@@ -552,9 +566,9 @@ class Store:
             items = []
             for i, p in enumerate(message.parts):
                 cur = conn.execute(
-                    "INSERT INTO item (id, message_id, seq, kind, name, call_id, text)"
-                    f" VALUES ({_NEXT_ID.format('item')},?,?,?,?,?,?)",
-                    (m.id, i, p.kind.value, p.name, p.call_id, p.text))
+                    "INSERT INTO item (id, message_id, seq, kind, name, call_id, text, secret)"
+                    f" VALUES ({_NEXT_ID.format('item')},?,?,?,?,?,?,?)",
+                    (m.id, i, p.kind.value, p.name, p.call_id, p.text, secret_kind(p.text)))
                 items.append(Item(id=cur.lastrowid, message=m, seq=i, kind=p.kind.value,
                                   name=p.name, call_id=p.call_id, text=p.text))
             for derive in self.derivers:
@@ -601,6 +615,7 @@ class Row:
     kind: str
     name: str
     text: str
+    secret: str = ""  # the kind of credential the row holds (m011), shown only as withheld
 
 
 def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int, Row]:
@@ -620,14 +635,15 @@ def _shown_rows(conn: sqlite3.Connection, ids: list[int], user_id: int | None,
         chunk = ids[start:start + 500]
         args = (*chunk, *SHOWN_KINDS, *(() if user_id is None else (user_id,)))
         for (item, message, conv, title, opening, folder, role, at, kind, name,
-             text) in conn.execute(
+             text, secret) in conn.execute(
             "SELECT i.id, m.id, m.conversation_id, c.title, c.opening, c.folder, m.role, m.at,"
-            " i.kind, i.name, i.text FROM item i JOIN message m ON m.id = i.message_id"
+            " i.kind, i.name, i.text, i.secret FROM item i JOIN message m"
+            " ON m.id = i.message_id"
             " JOIN conversation c ON c.id = m.conversation_id"
             f" WHERE i.id IN ({','.join('?' * len(chunk))}) AND i.kind IN ({kinds}){owner}", args):
             if (shown := without_scaffold(text)).strip():
                 out[item] = Row(item, message, conv, label(title, opening, folder), role, at,
-                                kind, name, shown)
+                                kind, name, shown, secret)
     return out
 
 

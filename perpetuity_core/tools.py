@@ -37,6 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ from .conversation import Kind
 from .names import label
 from .scan import Hit, Scanner
 from .store import SHOWN_KINDS, Row, db, shown_rows, snapshot, writing
+from .tenants import withheld
 
 log = logging.getLogger("perpetuity")
 
@@ -92,6 +94,8 @@ class TurnMemory:
     asked_at: float  # wall time of the question, for "how long ago"
     shown: set[int] = field(default_factory=set)  # item ids the model has seen this turn
     below_cap: list[int] = field(default_factory=list)  # ranked retrieval the cap left out
+    library: Path | None = None  # the asking tenant's notes library, when note_capture rides
+    untrusted: bool = False  # the conversation quoted untrusted content (a fetched page)
 
 
 # --------------------------------------------------------------------------- definitions
@@ -279,6 +283,10 @@ def _conversation(conversation_id: int, name: str) -> str:
 
 
 def _body(r: Row) -> str:
+    """A row as the model reads it; a row holding a credential is withheld (an answer can
+    carry it into any conversation)."""
+    if r.secret:
+        return withheld(r)
     if r.kind == Kind.TOOL_CALL.value:
         return f"called {r.name}: {r.text}"
     if r.kind == Kind.TOOL_RESULT.value:

@@ -76,7 +76,7 @@ def replay(thread: importers.Thread, turns: int, recall: bool, tmp: Path,
            build: Callable[..., HttpRequest], cache: OpenAICache | AnthropicCache,
            gap: float, model: str) -> list[Bill]:
     store = Store(tmp / f"prefix-{recall}-{type(cache).__name__}.db")
-    pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider})
+    pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider}, trust_identity=True)
     history: list[dict[str, str]] = []
     turn = None
     bills = []

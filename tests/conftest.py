@@ -53,10 +53,11 @@ class Proxy:
         sql = (
             "select m.role, m.source, group_concat(i.text, '|'), m.complete from message m "
             "join user u on u.id = m.user_id left join item i on i.message_id = m.id "
-            + ("where u.key = ? " if user else "")
+            # A claimed user is stored under its tenant: "<tenant>/<user>".
+            + ("where (u.key = ? or substr(u.key, instr(u.key, '/') + 1) = ?) " if user else "")
             + "group by m.id order by m.id"
         )
-        return self.rows(sql, *([user] if user else []))
+        return self.rows(sql, *([user, user] if user else []))
 
     def wait_messages(self, user: str, n: int, timeout: float = 5.0) -> list[tuple]:
         """Replies are stored after the stream ends, a moment after the client saw it."""

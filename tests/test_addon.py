@@ -50,6 +50,6 @@ def test_mitmweb_shows_the_real_destination_not_the_relay(tmp_path: Path) -> Non
         flow.request.url = "http://127.0.0.1:5555/v1/messages"
         flow.request.headers[JOB_HEADER] = "token"
         flow.metadata["perpetuity"] = {"upstream": "https://api.anthropic.com/v1/messages"}
-        addon.response(flow)
+        asyncio.run(addon.response(flow))
         assert flow.request.url == "https://api.anthropic.com/v1/messages"
         assert JOB_HEADER not in flow.request.headers

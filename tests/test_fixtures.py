@@ -112,7 +112,8 @@ def test_protocol_identity_and_side_requests(pipeline: Pipeline, harness: str) -
         assert not d.job or d.job.pending.title == (ident.side == "title"), f
         if harness == "claude-code":
             meta = json.loads(raw["body"]["metadata"]["user_id"])
-            assert ident.user == meta["device_id"]
+            assert ident.user == f"{ident.tenant}/{meta['device_id']}"  # scoped by its key
+            assert ident.tenant.startswith("key-")
             session = headers["x-claude-code-session-id"]
             agent = headers.get("x-claude-code-agent-id")
             assert ident.conversation == (f"{session}/agent-{agent}" if agent else session)
@@ -124,7 +125,8 @@ def test_protocol_identity_and_side_requests(pipeline: Pipeline, harness: str) -
         else:
             body = raw["body"]
             expected = (body.get("metadata") or {}).get("user_id") or body.get("user")
-            assert ident.user == expected if expected else ident.user.startswith("key-")
+            assert ident.user == (f"{ident.tenant}/{expected}" if expected else ident.tenant)
+            assert ident.tenant.startswith("key-")
             assert ident.conversation.startswith("derived-")
         # The credential never becomes part of an identity.
         for secret in (headers.get("x-api-key"), headers.get("authorization")):

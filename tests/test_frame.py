@@ -301,7 +301,8 @@ def test_every_capture_yields_a_valid_request(tmp_path: Path) -> None:
     """Fill memory from every harness's session, then replay every request through the frame
     builder: each request upstream must still be one the provider accepts."""
     store = Store(tmp_path / "m.db")
-    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
+    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
+                        trust_identity=True)
     for harness in ("claude-code", "codex", "opencode", "anthropic-python", "openai-python"):
         replay(pipeline, harness)
     framed = 0
@@ -381,7 +382,8 @@ def cook_turns(tmp_path: Path, questions: tuple[str, ...],
     store = Store(tmp_path / "m.db")
     say(store, "older", *[f"The {w} recipe needs {w} and salt." for w in
                           ("lemon", "garlic", "basil", "ginger", "fennel", "thyme")], user="cook")
-    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
+    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
+                        trust_identity=True)
     history: list[dict[str, str]] = []
     sent = []
     for question in questions:

@@ -67,7 +67,8 @@ def session_one() -> list[list[dict]]:
 @pytest.fixture
 def pipeline(tmp_path: Path):
     store = Store(tmp_path / "m.db")
-    yield Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
+    yield Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
+                   trust_identity=True)  # the captures name their device
     store.close()
 
 

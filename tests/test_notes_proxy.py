@@ -13,6 +13,7 @@ import anthropic
 import openai
 import pytest
 
+from perpetuity_core.identity import tenant_of
 from tests.conftest import Proxy, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text, ToolCall
 
@@ -49,27 +50,36 @@ It works.
 """
 
 
+KEY = "sk-ant-x"
+
+
 @pytest.fixture(scope="module")
-def notes_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("notes")
-    (root / "notes").mkdir()
+def proxy(fake: FakeProvider, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    p = start_proxy(tmp_path_factory.mktemp("curate"), fake.url,
+                    "--set", f"perpetuity_notes_dir={tmp_path_factory.mktemp('notes')}")
+    yield p
+    stop_proxy(p)
+
+
+def library(proxy: Proxy, key: str) -> Path:
+    """The notes library of the tenant `key` names (see tenants.library)."""
+    ((salt,),) = proxy.rows("select value from setting where key = 'identity_salt'")
+    (root,) = [a.split("=", 1)[1] for a in proxy.process.args if a.startswith("perpetuity_notes_dir=")]
+    return Path(root) / "tenants" / tenant_of(key, salt)
+
+
+@pytest.fixture(scope="module")
+def notes_dir(proxy: Proxy) -> Path:
+    root = library(proxy, KEY)
+    (root / "notes").mkdir(parents=True)
     old = (date.today() - timedelta(days=40)).isoformat()
     (root / "notes" / "rebuild-wheels.md").write_text(NOTE.format(name="rebuild-wheels", created=old))
     return root
 
 
-@pytest.fixture(scope="module")
-def proxy(fake: FakeProvider, notes_dir: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
-    p = start_proxy(tmp_path_factory.mktemp("curate"), fake.url,
-                    "--set", f"perpetuity_notes_dir={notes_dir}")
-    yield p
-    stop_proxy(p)
-
-
 def test_curate_command_answered_without_the_model(proxy: Proxy, fake: FakeProvider,
                                                    notes_dir: Path) -> None:
-    c = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", max_retries=0)
+    c = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
     with c.messages.stream(model="claude-opus-4-8", max_tokens=50,
                            messages=[{"role": "user", "content": "/perpetuity-curate"}]) as s:
         text = "".join(s.text_stream)
@@ -97,7 +107,7 @@ def test_recall_at_a_task_start_and_use_counted(proxy: Proxy, fake: FakeProvider
     today = date.today().isoformat()
     (notes_dir / "notes" / "pytest-mismatch.md").write_text(
         LESSON.format(name="pytest-mismatch", created=today))
-    c = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", max_retries=0)
+    c = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
     fake.script(Text("Following pytest-mismatch: add __init__.py files."))
     c.messages.create(model="claude-opus-4-8", max_tokens=50,
                       messages=[{"role": "user", "content":
@@ -127,7 +137,7 @@ def test_recall_at_a_task_start_and_use_counted(proxy: Proxy, fake: FakeProvider
 
 def test_note_capture_through_the_tool_loop(proxy: Proxy, fake: FakeProvider,
                                             notes_dir: Path) -> None:
-    c = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", max_retries=0)
+    c = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
     fake.script(Text("Noted."))
     c.messages.create(model="claude-opus-4-8", max_tokens=50,
                       messages=[{"role": "user", "content": "The build needs NODE_OPTIONS set."}],

@@ -148,7 +148,7 @@ def test_control_headers_stripped_and_switches(proxy: Proxy, fake: FakeProvider)
     got = proxy.wait_messages("dave", 2)
     assert [t for _, _, t, _ in got] == ["recall and tools off", "Hello from the fake provider."]
     (at,) = proxy.rows("select m.at from message m join user u on u.id=m.user_id "
-                       "where u.key='dave' and m.role='user'")[0]
+                       "where u.key like '%/dave' and m.role='user'")[0]
     assert at == 1683554160.0
 
 
