@@ -11,6 +11,13 @@ labelled evidence turn in it, verbatim?
 
 Per-conversation: each conversation is its own memory (its own database). Pooled: every
 conversation in one memory, each its own user, with pool sharing on (own rows first).
+
+In sequence (`--sequence`), a conversation's questions are asked one after another in one
+conversation, as a person asks them (a minute apart, each answered "Noted."), and stored: the
+frame then lives as it does for a person (`perpetuity_core.plan`: kept, added to, rebuilt).
+Beside the request's recall, the ranking's own: its top rows within as many tokens as the
+memory the request carried (`memory_tokens`: the frame and its addenda), and within as many as
+the memory chosen for that question (`new_memory_tokens`: a new frame or an addendum).
 """
 
 from __future__ import annotations
@@ -29,13 +36,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import capture, importers
+from . import capture, frame, importers
 from .cap import Cap
-from .conversation import Provider, Reply, Usage
+from .conversation import Kind, Message, Part, Provider, Reply, Usage
 from .errors import ConfigError
 from .pipeline import HttpRequest, PendingTurn, Pipeline
 from .scan import token_estimate
-from .store import Store
+from .store import Store, shown_rows
 
 HISTORY = 2  # earlier turns each fed request carries, as a chat client's window would
 
@@ -185,6 +192,12 @@ class Result(NamedTuple):
     tokens: int  # the frame's
     history: int  # the whole history's, up to the question
     category: str
+    # In sequence: the memory the request carried (frame and addenda), the memory chosen for
+    # this question, and whether the ranking's top rows held all the evidence within each.
+    memory: int = 0
+    new_memory: int = 0
+    ranked_all: bool = False
+    ranked_new_all: bool = False
 
 
 @dataclass(slots=True)
@@ -205,7 +218,8 @@ def ask(pipeline: Pipeline, thread: importers.Thread, q: Question) -> tuple[str,
 
 
 def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Cap(),
-             frames: Path | None = None, limit: int = 0, progress: bool = True) -> dict[str, Any]:
+             frames: Path | None = None, limit: int = 0, progress: bool = True,
+             sequence: bool = False) -> dict[str, Any]:
     if dataset not in DATASETS:
         raise ConfigError(f"unknown dataset {dataset!r}; one of {', '.join(DATASETS)}")
     cases = list(DATASETS[dataset](path))
@@ -227,7 +241,8 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
             if pooled and n < len(cases) - 1:
                 continue
             for c in cases[: n + 1] if pooled else [case]:
-                results += _ask_all(pipeline, c, frames)
+                results += (_ask_in_sequence(pipeline, c, limits) if sequence
+                            else _ask_all(pipeline, c, frames))
             if progress:
                 print(f"\r{dataset}: {n + 1}/{len(cases)} conversations, {len(results)} questions,"
                       f" {time.monotonic() - started:.0f}s", end="", file=sys.stderr, flush=True)
@@ -235,7 +250,10 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
             store.close()
     if progress:
         print(file=sys.stderr)
-    return _report(dataset, pooled, limits, results)
+    report = _report(dataset, pooled, limits, results)
+    if sequence:
+        report["sequence"] = _sequence_report(results)
+    return report
 
 
 def _ask_all(pipeline: Pipeline, case: Case, frames: Path | None) -> list[Result]:
@@ -251,6 +269,74 @@ def _ask_all(pipeline: Pipeline, case: Case, frames: Path | None) -> list[Result
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{case.thread.user_key}-{k}.txt")
             (frames / name).write_text(f"Q: {q.text}\nfound: {found}\n\n{text}", encoding="utf-8")
     return out
+
+
+SEQUENCE_GAP = 60.0  # seconds between questions asked in sequence
+
+
+def _ask_in_sequence(pipeline: Pipeline, case: Case, limits: Cap) -> list[Result]:
+    """The case's questions, one after another in one conversation, each stored with its
+    reply; the request that went upstream checked for the evidence."""
+    user = case.thread.user_key
+    conversation = user + ":sequence"
+    history: list[dict[str, str]] = []
+    out = []
+    for k, q in enumerate(case.questions):
+        at = q.at + k * SEQUENCE_GAP
+        history.append({"role": "user", "content": q.text})
+        d = pipeline.prepare(_request(user, conversation, at, history))
+        sent = json.loads(d.body)["messages"] if d.body is not None else history
+        text = "\n".join(str(m.get("content", "")) for m in sent)
+        memory = token_estimate(text) - token_estimate("\n".join(m["content"] for m in history))
+        new = d.frame.tokens if d.frame else 0
+        evidence = [case.thread.messages[i].text for i in q.evidence]
+        found = [e in text for e in evidence]
+        history_tokens = sum(token_estimate(m.text) for m, t in zip(
+            case.thread.messages, case.thread.times) if t <= q.at)
+        out.append(Result(all(found), any(found), new, history_tokens, q.category, memory, new,
+                          _ranked_holds(pipeline, user, q.text, at, memory, evidence),
+                          _ranked_holds(pipeline, user, q.text, at, new, evidence)))
+        if d.job is not None:
+            turn = pipeline.store_turn(d.job.pending)
+            pipeline.store_reply(turn, Reply(_noted(), Usage()), at, d.job.pending)
+        history.append({"role": "assistant", "content": "Noted."})
+    return out
+
+
+def _noted() -> Message:
+    return Message("assistant", (Part(Kind.TEXT, "Noted."),))
+
+
+def _ranked_holds(pipeline: Pipeline, user: str, query: str, at: float, tokens: int,
+                  evidence: list[str]) -> bool:
+    """Do the ranking's top rows, taken best first while they fit `tokens`, hold every piece
+    of evidence?"""
+    user_id = pipeline.store.find_user(user)
+    if user_id is None or tokens <= 0:
+        return False
+    hits = frame.search(pipeline.scanner, query, user_id, at)
+    rows = shown_rows([h.item_id for h in hits])
+    taken: list[str] = []
+    used = 0
+    for h in hits:
+        r = rows.get(h.item_id)
+        if r is not None and used + (cost := token_estimate(r.text)) <= tokens:
+            taken.append(r.text)
+            used += cost
+    text = "\n".join(taken)
+    return all(e in text for e in evidence)
+
+
+def _sequence_report(results: list[Result]) -> dict[str, Any]:
+    n = len(results)
+    return {
+        "recall_all": round(sum(r.all for r in results) / n, 4),
+        "memory_tokens_mean": round(sum(r.memory for r in results) / n),
+        "ranking_recall_all_within_memory_tokens": round(sum(r.ranked_all for r in results) / n, 4),
+        "new_memory_tokens_mean": round(sum(r.new_memory for r in results) / n),
+        "ranking_recall_all_within_new_memory_tokens": round(
+            sum(r.ranked_new_all for r in results) / n, 4),
+    }
 
 
 def _report(dataset: str, pooled: bool, limits: Cap,
@@ -286,6 +372,8 @@ def register(sub: Any) -> None:
     p.add_argument("--ceiling", type=int, default=Cap().ceiling, help="largest frame, in tokens")
     p.add_argument("--limit", type=int, default=0, help="only the first N conversations")
     p.add_argument("--frames", type=Path, help="write every rendered request to this folder")
+    p.add_argument("--sequence", action="store_true",
+                   help="ask each conversation's questions one after another in one conversation")
     p.set_defaults(func=_run)
 
 
@@ -293,6 +381,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.path.exists():
         raise ConfigError(f"no such dataset path: {args.path}")
     report = evaluate(args.dataset, args.path, pooled=args.pooled,
-                      limits=Cap(args.floor, args.ceiling), frames=args.frames, limit=args.limit)
+                      limits=Cap(args.floor, args.ceiling), frames=args.frames, limit=args.limit,
+                      sequence=args.sequence)
     print(json.dumps(report, indent=2))
     return 0

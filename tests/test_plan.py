@@ -1,0 +1,169 @@
+"""When the frame changes (perpetuity_core.plan): append-only within a task and across prompts,
+addenda before new prompts, a rebuild when the arithmetic says so, and never a stale plan."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perpetuity_core import frame, plan
+from perpetuity_core.cap import Cap
+from perpetuity_core.conversation import Message, Provider, Reply, Usage, text_part
+from perpetuity_core.pipeline import Decision, Pipeline
+from perpetuity_core.store import Store
+from tests.test_fixtures import to_request
+from tests.test_frame import say
+
+UPSTREAMS = {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"}
+T0 = 1_800_000_000.0
+
+
+def test_rebuild_arithmetic() -> None:
+    p = plan.Plan((), 1_000, (0, "a"), (1, "b"), at=T0)
+    assert not plan.should_rebuild(p, 900, T0 + 10, 1_000)  # it would not shrink the request
+    assert plan.should_rebuild(p, 1_100, T0 + 301, 1_000)  # the cache expired: keeping is rewritten
+    # Re-read 0.1 K a call since the frame, against writing a frame once at 1.25 F.
+    assert not plan.should_rebuild(p, 5_000, T0 + 10, 1_000)  # 500 < 1,250
+    worn = plan.carried(plan.carried(p, 5_000, T0 + 20, (3, "c")), 5_000, T0 + 30, (3, "c"))
+    assert worn.excess == pytest.approx(1_000)
+    assert plan.should_rebuild(worn, 5_000, T0 + 40, 1_000)  # 1,000 + 500 >= 1,250
+
+
+def test_a_plan_holds_only_while_its_messages_are_where_they_were() -> None:
+    said = [Message("user", (text_part(t),)) for t in ("one", "two", "three")]
+    p = plan.Plan((), 0, plan.mark(said, 1), plan.mark(said, 2), at=T0,
+                  inserts=((plan.mark(said, 2), (said[0],)),))
+    assert plan.place(p, said) == plan.Placement(1, {2: (said[0],)})
+    assert plan.place(p, said + [said[0]]) is not None  # the harness appended
+    edited = [said[0], Message("user", (text_part("two, rewritten"),)), said[2]]
+    assert plan.place(p, edited) is None  # a compaction or an edit: a new frame
+    assert plan.place(p, said[:2]) is None
+
+
+class Session:
+    """A coding session through a real pipeline: prompts, tool rounds, replies stored."""
+
+    def __init__(self, tmp_path: Path, limits: Cap = Cap()) -> None:
+        self.store = Store(tmp_path / "m.db")
+        # Memory of an earlier session, long enough that this one's frame has rows to show.
+        say(self.store, "earlier", *[f"The {w} module parses {w} files and its tests live in"
+                                     f" tests/test_{w}.py. " + "detail " * 60
+                                     for w in ("toml", "yaml", "json", "csv", "ini", "xml")],
+            user="dev")
+        self.pipeline = Pipeline(self.store, UPSTREAMS, limits=limits, trust_identity=True)
+        self.history: list[dict[str, Any]] = []
+        self.at = T0
+        self.calls = 0
+
+    def send(self, gap: float = 10.0) -> tuple[list[dict[str, Any]], Decision]:
+        """(the messages that went upstream, the decision); `asked` keeps what the harness sent."""
+        self.at += gap
+        self.asked = list(self.history)
+        body = {"model": "m", "max_tokens": 100, "messages": self.asked}
+        d = self.pipeline.prepare(to_request({
+            "method": "POST", "path": "/v1/messages",
+            "headers": [["x-api-key", "k"], ["x-perpetuity-user", "dev"],
+                        ["x-perpetuity-conversation", "now"],
+                        ["x-perpetuity-time", datetime.fromtimestamp(self.at, UTC).isoformat()]],
+            "body": body}))
+        assert d.job is not None
+        turn = self.pipeline.store_turn(d.job.pending)
+        reply = self._reply()
+        self.pipeline.store_reply(turn, Reply(reply, Usage()), self.at)
+        self.history.append(_wire(reply))
+        return (json.loads(d.body)["messages"] if d.body else list(body["messages"])), d
+
+    def _reply(self) -> Message:
+        self.calls += 1
+        return Message("assistant", (text_part(f"Reading the file for step {self.calls}. "
+                                               + "words " * 200),))
+
+    def prompt(self, text: str, gap: float = 10.0) -> tuple[list[dict[str, Any]], Decision]:
+        self.history.append({"role": "user", "content": [{"type": "text", "text": text}]})
+        return self.send(gap)
+
+    def tool_round(self, output: str) -> tuple[list[dict[str, Any]], Decision]:
+        n = self.calls
+        self.history[-1] = {"role": "assistant", "content": [
+            *self.history[-1]["content"],
+            {"type": "tool_use", "id": f"t{n}", "name": "Read", "input": {"path": f"f{n}.py"}}]}
+        self.history.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"t{n}", "content": output}]})
+        return self.send()
+
+
+def _wire(m: Message) -> dict[str, Any]:
+    return {"role": m.role, "content": [{"type": "text", "text": p.text} for p in m.parts]}
+
+
+def _unmarked(messages: list[dict[str, Any]]) -> str:
+    return json.dumps(messages).replace(', "cache_control": {"type": "ephemeral"}', "")
+
+
+def test_within_a_task_the_request_only_grows_and_no_frame_is_built(tmp_path: Path) -> None:
+    s = Session(tmp_path, Cap(floor=100, ceiling=300))
+    s.prompt("Which module parses toml files?")
+    for k in range(3):
+        s.tool_round(f"line {k} " * 300)
+    first, d = s.prompt("Now add a test for the toml module")
+    assert d.frame is not None and first[0]["content"][0]["text"].startswith(frame.HEADER)
+    previous = first
+    for k in range(4):
+        sent, d = s.tool_round(f"output {k} " * 100)
+        assert d.frame is None  # nothing built: the plan is reused as it was
+        # Byte for byte, the previous request (its cache marks aside) starts this one.
+        assert _unmarked(sent).startswith(_unmarked(previous)[:-1])
+        live = s.asked[-(2 * k + 3):]  # from the prompt on
+        assert live[0]["content"][0]["text"] == "Now add a test for the toml module"
+        assert sent[-len(live):] == live  # the live task exactly as the harness sent it
+        previous = sent
+
+
+def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path) -> None:
+    s = Session(tmp_path, Cap(floor=100, ceiling=300))
+    s.prompt("Which module parses toml files?")
+    s.tool_round("toml " * 300)
+    before, _ = s.prompt("Add a test for the toml module")
+    s.tool_round("ok " * 50)
+    after, d = s.prompt("And where do the csv tests live?")
+    assert _unmarked(after).startswith(_unmarked(before)[:-1])  # still append-only
+    assert after[-1] == s.asked[-1]  # the prompt itself, as sent
+    grown = json.dumps(after[len(before):-1])
+    assert frame.MORE_HEADER in grown and "tests/test_csv.py" in grown
+    assert d.frame is not None and after[-2]["role"] == "assistant"
+
+
+def test_history_is_replaced_once_re_reading_it_costs_more_than_a_new_frame(
+        tmp_path: Path) -> None:
+    s = Session(tmp_path, Cap(floor=100, ceiling=300))
+    s.prompt("Which module parses toml files?")
+    for n in range(8):
+        for k in range(3):
+            s.tool_round(f"round {n}.{k} " * 200)
+        sent, _ = s.prompt(f"Step {n}: what parses the yaml files?")
+    assert "round 0.0" not in json.dumps(sent)  # the old rounds are gone: memory holds them
+    assert len(json.dumps(sent)) < len(json.dumps(s.asked)) / 2
+    assert sent[0]["content"][0]["text"].startswith(frame.HEADER) and sent[-1] == s.asked[-1]
+
+
+def test_after_the_cache_expired_a_new_prompt_gets_a_new_frame(tmp_path: Path) -> None:
+    s = Session(tmp_path, Cap(floor=100, ceiling=300))
+    s.prompt("Which module parses toml files?")
+    for k in range(2):
+        s.tool_round(f"round {k} " * 200)
+    first, _ = s.prompt("Which module parses yaml?")
+    later, d = s.prompt("Which module parses ini files?", gap=plan.TTL + 1)
+    assert d.frame is not None and later[0] != first[0]
+    assert later[-1] == s.asked[-1] and len(later) < len(s.asked)
+
+
+def test_a_short_conversation_is_sent_as_it_is(tmp_path: Path) -> None:
+    s = Session(tmp_path)  # frames up to 5,000 tokens: this history is far shorter
+    first, _ = s.prompt("Which module parses toml files?")
+    second, _ = s.prompt("And the json one?")
+    assert second[-3:] == s.asked  # its own turns all kept as sent
+    assert _unmarked(second).startswith(_unmarked(first)[:-1])
