@@ -28,16 +28,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core import heat, importers, scan  # noqa: E402
-from perpetuity_core.store import Store  # noqa: E402
+from perpetuity_core.memory import heat, importers, index  # noqa: E402
+from perpetuity_core.memory.schema import open_memory
 from scripts.bench_retrieval import fts5_insert  # noqa: E402
 
-DERIVERS = {"retrieval": scan.derive_retrieval, "activation": heat.derive_activation}
+DERIVERS = {"retrieval": index.derive_retrieval, "activation": heat.derive_activation}
 BATCHED = {"chains": "chain"}
 
 
 def ours(path: Path, threads: list[importers.Thread], without: set[str]) -> float:
-    store = Store(path)
+    store = open_memory(path)
     dropped = {DERIVERS[name] for name in without & DERIVERS.keys()}
     store.derivers = [d for d in store.derivers if d not in dropped]
     for name in without & BATCHED.keys():

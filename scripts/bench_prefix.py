@@ -41,13 +41,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from perpetuity_core import importers
-from perpetuity_core.billing import AnthropicCache, Bill, OpenAICache
-from perpetuity_core.conversation import Provider, Reply, Usage
-from perpetuity_core.evaluate import _request
-from perpetuity_core.pipeline import HttpRequest, Pipeline
-from perpetuity_core.replay.drive import paced
-from perpetuity_core.store import Store
+from perpetuity_core.cli.eval import _request
+from perpetuity_core.cli.replay.billing import AnthropicCache, Bill, OpenAICache
+from perpetuity_core.cli.replay.drive import paced
+from perpetuity_core.memory import importers
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.serve.exchange import HttpRequest
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.conversation import Provider, Reply, Usage
 
 
 def _anthropic_request(user: str, conversation: str, at: float,
@@ -75,7 +76,7 @@ def _chat_request(user: str, conversation: str, at: float, history: list[dict[st
 def replay(thread: importers.Thread, turns: int, recall: bool, tmp: Path,
            build: Callable[..., HttpRequest], cache: OpenAICache | AnthropicCache,
            gap: float, model: str) -> list[Bill]:
-    store = Store(tmp / f"prefix-{recall}-{type(cache).__name__}.db")
+    store = open_memory(tmp / f"prefix-{recall}-{type(cache).__name__}.db")
     pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider}, trust_identity=True)
     history: list[dict[str, str]] = []
     turn = None

@@ -48,8 +48,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core import importers, scan  # noqa: E402
-from perpetuity_core.store import Store, db  # noqa: E402
+from perpetuity_core.memory import (
+    importers,  # noqa: E402
+    index,
+    scan,
+)
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Store, db  # noqa: E402
 
 UNIT_USERS = 20
 
@@ -122,7 +127,7 @@ def questions(data: Path) -> list[tuple[str, list[int]]]:
 
 
 def tokens_of(thread: importers.Thread) -> int:
-    return sum(scan.token_estimate(p.text) for m in thread.messages for p in m.parts)
+    return sum(index.token_estimate(p.text) for m in thread.messages for p in m.parts)
 
 
 # ------------------------------------------------------------------------------ building
@@ -140,7 +145,7 @@ def ingest(store: Store, users: list[list[importers.Thread]], budget: int) -> di
             if toks + tokens_of(t) > budget:  # the last thread is cut to fit the size
                 keep, acc = 0, toks
                 for m in t.messages:
-                    acc += scan.token_estimate(m.parts[0].text)
+                    acc += index.token_estimate(m.parts[0].text)
                     keep += 1
                     if acc >= budget:
                         break
@@ -173,7 +178,7 @@ def replicate(copies: int) -> float:
         return [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
 
     conn.execute("BEGIN")
-    scan.fold(conn)  # every base row in the counts, so that scaling them stays exact
+    index.fold(conn)  # every base row in the counts, so that scaling them stays exact
     for r in range(1, copies + 1):
         for table in ("user", "conversation", "message", "item", "retrieval", "chain",
                       "activation"):
@@ -222,7 +227,7 @@ def fts5_insert(path: Path, texts: list[tuple[int, str]]) -> tuple[sqlite3.Conne
 
 def fts5_build(path: Path, texts: list[tuple[int, str]], copies: int, n_users: int) -> dict:
     conn, dt = fts5_insert(path, texts)
-    toks = sum(scan.token_estimate(t) for _, t in texts)
+    toks = sum(index.token_estimate(t) for _, t in texts)
     out = {"messages_per_s": round(len(texts) / dt), "tokens_per_s": round(toks / dt),
            "seconds": round(dt, 2)}
     t0 = time.perf_counter()
@@ -270,7 +275,7 @@ def timed(fn, items) -> tuple[list, list[float]]:  # noqa: ANN001
 def run_size(size: int, data: Path, qs: list[tuple[str, int]], args: argparse.Namespace,
              tmp: Path) -> dict:
     res: dict = {"target_tokens": size}
-    store = Store(tmp / f"mem-{size}.db")
+    store = open_memory(tmp / f"mem-{size}.db")
     users = unit_threads(data)
     unit_tokens = sum(tokens_of(t) for u in users for t in u)
     copies = max(0, round(size / unit_tokens) - 1)
@@ -283,17 +288,17 @@ def run_size(size: int, data: Path, qs: list[tuple[str, int]], args: argparse.Na
         # The same messages through the same path without the retrieval deriver: what the
         # store and capture cost by themselves. (The global database handle is re-pointed.)
         store.close()
-        bare = Store(tmp / f"bare-{size}.db")
-        bare.derivers = [d for d in bare.derivers if d is not scan.derive_retrieval]
+        bare = open_memory(tmp / f"bare-{size}.db")
+        bare.derivers = [d for d in bare.derivers if d is not index.derive_retrieval]
         base = ingest(bare, users, size if copies == 0 else 10**12)
         base.pop("_texts")
         res["ingest_write_path_without_retrieval"] = base
         bare.close()
-        store = Store(tmp / f"mem-{size}.db")
+        store = open_memory(tmp / f"mem-{size}.db")
     n_users_unit = len({u for u, _ in texts})
     res["replicate_seconds"] = replicate(copies) if copies else 0.0
     conn = db.connection()
-    n_rows, _, n_tokens = scan.totals(conn)
+    n_rows, _, n_tokens = index.totals(conn)
     res.update(users=n_users_unit * (copies + 1), rows=n_rows, tokens=n_tokens,
                messages=conn.execute("SELECT count(*) FROM message").fetchone()[0])
     print(f"[{size:,}] {n_rows:,} rows, {n_tokens:,} tokens; ingest {ing}", file=sys.stderr)

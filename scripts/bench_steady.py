@@ -26,14 +26,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core import capture, importers, scan  # noqa: E402
-from perpetuity_core.store import Store, db  # noqa: E402
+from perpetuity_core.memory import capture, importers, index, scan  # noqa: E402
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import db  # noqa: E402
 from scripts.bench_retrieval import (  # noqa: E402
-    UNIT_USERS, ingest, parse_size, pct, questions, replicate, tokens_of, unit_threads)
+    UNIT_USERS,
+    ingest,
+    parse_size,
+    pct,
+    questions,
+    replicate,
+    tokens_of,
+    unit_threads,
+)
 
 
 def run_size(size: int, data: Path, args: argparse.Namespace, tmp: Path) -> dict:
-    store = Store(tmp / f"steady-{size}.db")
+    store = open_memory(tmp / f"steady-{size}.db")
     users = unit_threads(data)
     unit_tokens = sum(tokens_of(t) for u in users for t in u)
     copies = max(0, round(size / unit_tokens) - 1)
@@ -45,7 +54,7 @@ def run_size(size: int, data: Path, args: argparse.Namespace, tmp: Path) -> dict
         replicate(copies)
     built = time.perf_counter() - t0
     conn = db.connection()
-    n_rows, _, n_tokens = scan.totals(conn)
+    n_rows, _, n_tokens = index.totals(conn)
     print(f"[{size:,}] built {n_rows:,} rows, {n_tokens:,} tokens in {built:.0f}s",
           file=sys.stderr)
     uid = {i: r[0] for i in range(UNIT_USERS)

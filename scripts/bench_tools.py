@@ -23,10 +23,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from perpetuity_core import importers, tools
-from perpetuity_core.protocols import anthropic
-from perpetuity_core.scan import Scanner, token_estimate
-from perpetuity_core.store import Store
+from perpetuity_core.memory import importers
+from perpetuity_core.memory.index import token_estimate
+from perpetuity_core.memory.scan import Scanner
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Store
+from perpetuity_core.recall import answers, tools
+from perpetuity_core.wire.protocols import anthropic
 
 CALLS = ("memory_search", "memory_dates", "memory_count", "memory_cooccur", "memory_chains")
 
@@ -68,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     rng = random.Random(7)
     with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "memory.db")
+        store = open_memory(Path(tmp) / "memory.db")
         stored, users, seconds = build(store, args.data, args.tokens)
         scanner = Scanner(store)
         qs = questions(args.data)
@@ -83,7 +86,7 @@ def main() -> None:
         for n in range(args.calls):
             name = CALLS[n % len(CALLS)]
             q = rng.choice(qs)
-            memory = tools.TurnMemory(rng.choice(users), None, time.time())
+            memory = answers.TurnMemory(rng.choice(users), None, time.time())
             arguments = {"query": q} if name not in ("memory_cooccur", "memory_chains") else (
                 {"topic": q} if name == "memory_cooccur" else {"subject": q})
             if name == "memory_count":

@@ -19,17 +19,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from perpetuity_core.memory.schema import open_memory
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
 def write(path: str, user: str, n: int) -> None:
     """One writer process: `n` turns, then the number of failed writes on stdout."""
-    from perpetuity_core.conversation import Kind, Message, Part
     from perpetuity_core.errors import StoreError
-    from perpetuity_core.store import Store
+    from perpetuity_core.wire.conversation import Kind, Message, Part
 
-    s = Store(path)
+    s = open_memory(path)
     uid = s.user_id(user)
     cid = s.conversation_id(uid, "c", "anthropic")
     failed = 0
@@ -59,17 +60,17 @@ def main() -> int:
         if args.write:
             write(str(path), args.write[0], int(args.write[1]))
             return 0
-        from perpetuity_core.integrity import check
-        from perpetuity_core.store import Store, db
+        from perpetuity_core.memory.integrity import check
+        from perpetuity_core.memory.store import db
 
-        Store(path).close()  # migrated once, so every writer starts on the same schema
+        open_memory(path).close()  # migrated once, so every writer starts on the same schema
         t0 = time.perf_counter()
         procs = [subprocess.Popen([sys.executable, __file__, "--db", str(path), "--write",
                                    f"writer-{i}", str(args.messages)], stdout=subprocess.PIPE,
                                   text=True) for i in range(args.processes)]
         failures = [int(p.communicate()[0]) for p in procs]
         seconds = time.perf_counter() - t0
-        store = Store(path)
+        store = open_memory(path)
         (stored,) = db.connection().execute("SELECT count(*) FROM message").fetchone()
         violations = check(store)
         store.close()

@@ -11,7 +11,7 @@ the turns of its own conversation. Reported per variant, as JSON:
   recall@2k/4k/8k   the same with a budget of tokens instead of a count of turns: turns are taken
   recall_all@...    in rank order while their tokens (4 characters a token) fit in the budget
 Variants: the scan with its BM25 parameters (k1, b) and conversational-context weights (see
-scan.Params), with and without the speaker's name in the row text, and with a date the question
+bm25.Params), with and without the speaker's name in the row text, and with a date the question
 names ranking the turns said then first (frame.search, as the frame ranks); SQLite FTS5 (porter
 unicode61, OR query ranked by bm25()) and bm25s (Lucene BM25, English stop words) on the same
 turns (speaker names included) and questions.
@@ -38,8 +38,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core import dictionary, frame, importers, scan  # noqa: E402
-from perpetuity_core.store import Store  # noqa: E402
+from perpetuity_core.memory import bm25, dictionary, frame, importers, index, scan  # noqa: E402
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Store  # noqa: E402
 
 KS = (5, 10, 20, 50)
 BUDGETS = (2000, 4000, 8000)
@@ -55,7 +56,7 @@ class Conv:
         self.texts = [m.parts[0].text for m in thread.messages]
         self.item_of = dict(zip(thread.labels, ids, strict=True))  # one item per turn
         self.turn_of_item = {i: n for n, i in enumerate(ids)}
-        self.tokens = np.array([scan.token_estimate(t) for t in self.texts])
+        self.tokens = np.array([index.token_estimate(t) for t in self.texts])
         self.user_id = user_id
         self.asked_at = max(thread.times) + 86400  # as `perpetuity eval` asks: a day later
         self.questions = []
@@ -71,7 +72,7 @@ class Conv:
 def load(data: Path, speaker_prefix: bool, db_dir: Path) -> tuple[Store, list[Conv]]:
     samples = json.loads((data / "locomo" / "locomo10.json").read_text())
     # A fresh file every time: re-importing into an old one would skip every message.
-    store = Store(Path(tempfile.mkstemp(".db", f"locomo-{int(speaker_prefix)}-", db_dir)[1]))
+    store = open_memory(Path(tempfile.mkstemp(".db", f"locomo-{int(speaker_prefix)}-", db_dir)[1]))
     convs = []
     for sample, thread in zip(samples, importers.locomo(data / "locomo" / "locomo10.json",
                                                         speaker_prefix=speaker_prefix),
@@ -115,7 +116,7 @@ def metrics(rankings: list[tuple[Conv, list[int], list[int]]]) -> dict:
     return out
 
 
-def scan_rankings(store: Store, convs: list[Conv], params: scan.Params) -> list:
+def scan_rankings(store: Store, convs: list[Conv], params: bm25.Params) -> list:
     sc = scan.Scanner(store, params=params, store_rows=0)
     out = []
     for conv in convs:
@@ -157,7 +158,7 @@ def phrase_rankings(store: Store, convs: list[Conv], weight: float) -> list:
     from collections import Counter
 
     d = dictionary.load()
-    p = scan.Params()
+    p = bm25.Params()
 
     def pairs(text: str) -> Counter:
         ids = d.id_list(text)
@@ -263,10 +264,10 @@ def main() -> int:
             stores[prefix] = load(data, prefix, tmp)
         return stores[prefix]
 
-    def ranked_by(params: scan.Params, prefix: bool = True) -> Callable:
+    def ranked_by(params: bm25.Params, prefix: bool = True) -> Callable:
         return lambda: scan_rankings(*memory(prefix), params)
 
-    P = scan.Params
+    P = bm25.Params
     variants: dict[str, Callable[[], list]] = {
         "scan shipped: bm25 k1=0.9 b=0.4 + context before .5/.3/.2 after .3/.2/.1":
             ranked_by(P()),

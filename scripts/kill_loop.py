@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from perpetuity_core.memory.schema import open_memory
 from tests.conftest import Proxy, free_port, start_proxy  # noqa: E402
 from tests.fake_provider import FakeProvider, Text  # noqa: E402
 
@@ -95,10 +96,9 @@ class Client(threading.Thread):
 
 def check_memory(db: Path) -> list[str]:
     """`perpetuity memory check` against the live file (a second process: this one)."""
-    from perpetuity_core.integrity import check
-    from perpetuity_core.store import Store
+    from perpetuity_core.memory.integrity import check
 
-    store = Store(db)
+    store = open_memory(db)
     try:
         return check(store)
     finally:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from mitmproxy.test import taddons, tflow
 
-from perpetuity_core.pipeline import Pipeline
-from perpetuity_core.proxy import Perpetuity
-from perpetuity_core.relay import JOB_HEADER
+from perpetuity_core.serve.addon import Perpetuity
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.relay import JOB_HEADER
 
 
 def direct_flow(body: bytes) -> tflow.http.HTTPFlow:

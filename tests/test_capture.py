@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from perpetuity_core import capture
-from perpetuity_core.conversation import Kind, Message, Part, Reply, Usage, text_part
-from perpetuity_core.sse import SSEDecoder
-from perpetuity_core.store import Store
+from perpetuity_core.memory import capture
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Store
+from perpetuity_core.wire.conversation import Kind, Message, Part, Reply, Usage, text_part
+from perpetuity_core.wire.sse import SSEDecoder
 
 
 def msg(role: str, text: str) -> Message:
@@ -18,7 +19,7 @@ def msg(role: str, text: str) -> Message:
 
 @pytest.fixture
 def store(tmp_path: Path):
-    s = Store(tmp_path / "m.db")
+    s = open_memory(tmp_path / "m.db")
     yield s
     s.close()
 

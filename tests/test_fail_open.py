@@ -17,10 +17,10 @@ import pytest
 from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
-from perpetuity_core import tenants
-from perpetuity_core.identity import tenant_of
-from perpetuity_core.proxy import Perpetuity
-from perpetuity_core.store import Store
+from perpetuity_core.memory import tenants
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.serve.addon import Perpetuity
+from perpetuity_core.wire.identity import tenant_of
 from tests.conftest import Proxy, start_proxy, stop_proxy
 from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 
@@ -30,7 +30,7 @@ LESSON = {"name": "slow-disk", "description": "A lesson.", "tags": ["disk"], "wh
 
 
 def salted(tmp: Path) -> str:
-    store = Store(tmp / "memory.db")
+    store = open_memory(tmp / "memory.db")
     salt = store.salt
     store.close()
     return salt

@@ -11,10 +11,11 @@ from urllib.parse import urlencode
 
 import pytest
 
-from perpetuity_core.conversation import Protocol, Provider
-from perpetuity_core.pipeline import HttpRequest, Pipeline
-from perpetuity_core.relay import ReplyTee
-from perpetuity_core.store import Store
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.serve.exchange import HttpRequest
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.relay import ReplyTee
+from perpetuity_core.wire.conversation import Protocol, Provider
 from tests.conftest import FIXTURES, needs_fixtures
 
 pytestmark = needs_fixtures
@@ -49,7 +50,7 @@ def to_request(d: dict) -> HttpRequest:
 
 @pytest.fixture
 def pipeline(tmp_path: Path):
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     yield Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
     store.close()
 

@@ -15,12 +15,21 @@ import numpy as np
 import openai
 import pytest
 
-from perpetuity_core import cap, capture, frame, heat
-from perpetuity_core.conversation import Kind, Message, Protocol, Provider, Reply, Usage, text_part
-from perpetuity_core.pipeline import Pipeline
-from perpetuity_core.protocols import ADAPTERS
-from perpetuity_core.scan import Scanner
-from perpetuity_core.store import Row, Store, shown_rows
+from perpetuity_core.memory import cap, capture, frame, heat
+from perpetuity_core.memory.scan import Scanner
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Row, Store, shown_rows
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.conversation import (
+    Kind,
+    Message,
+    Protocol,
+    Provider,
+    Reply,
+    Usage,
+    text_part,
+)
+from perpetuity_core.wire.protocols import ADAPTERS
 from tests.conftest import Proxy, needs_fixtures
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import http_fixtures, replay, to_request
@@ -29,7 +38,7 @@ from tests.validity import CHECKS
 
 @pytest.fixture
 def store(tmp_path: Path):
-    s = Store(tmp_path / "m.db")
+    s = open_memory(tmp_path / "m.db")
     yield s
     s.close()
 
@@ -62,7 +71,7 @@ def test_rows_are_born_hot_at_the_clock_and_only_exchanges_move_it(store: Store)
 
 
 def test_an_exchange_advances_the_clock_by_what_it_sent_and_received(tmp_path: Path) -> None:
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
     body = {"model": "m", "messages": [{"role": "user", "content": "q" * 400}]}
     req = to_request({"method": "POST", "path": "/v1/chat/completions", "headers": [
@@ -300,7 +309,7 @@ def test_labels_count_calendar_days_and_the_closing_tells_the_time(store: Store)
 def test_every_capture_yields_a_valid_request(tmp_path: Path) -> None:
     """Fill memory from every harness's session, then replay every request through the frame
     builder: each request upstream must still be one the provider accepts."""
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
                         trust_identity=True)
     for harness in ("claude-code", "codex", "opencode", "anthropic-python", "openai-python"):
@@ -379,7 +388,7 @@ def cook_turns(tmp_path: Path, questions: tuple[str, ...],
                request: Callable[[list[dict[str, str]]], dict]) -> list[dict]:
     """The bodies sent upstream for a chat about recipes kept in memory, one per question;
     `request` makes the client's request from the history so far."""
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     say(store, "older", *[f"The {w} recipe needs {w} and salt." for w in
                           ("lemon", "garlic", "basil", "ginger", "fennel", "thyme")], user="cook")
     pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},

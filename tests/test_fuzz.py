@@ -15,9 +15,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from perpetuity_core.conversation import Provider
-from perpetuity_core.pipeline import HttpRequest, Pipeline
-from perpetuity_core.store import Store
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.serve.exchange import HttpRequest
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.conversation import Provider
 
 CASES = 400  # per protocol
 
@@ -102,7 +103,7 @@ HEADERS = st.lists(st.sampled_from([
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     root = tmp_path_factory.mktemp("fuzz")
-    store = Store(root / "m.db")
+    store = open_memory(root / "m.db")
     yield Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider}, notes_root=root / "notes")
     store.close()
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from perpetuity_core import tools
-from perpetuity_core.conversation import Message, Provider, Reply, Usage, text_part
-from perpetuity_core.pipeline import Pipeline
-from perpetuity_core.store import Store
-from perpetuity_core.tools import TurnMemory
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.recall import tools
+from perpetuity_core.recall.answers import TurnMemory
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.conversation import Message, Provider, Reply, Usage, text_part
 from tests.conftest import FIXTURES, needs_fixtures
 from tests.test_fixtures import replay, to_request
 from tests.test_names import DEVICE, REMINDER, claude_code
@@ -66,7 +66,7 @@ def session_one() -> list[list[dict]]:
 
 @pytest.fixture
 def pipeline(tmp_path: Path):
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     yield Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
                    trust_identity=True)  # the captures name their device
     store.close()

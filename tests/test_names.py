@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from perpetuity_core import capture, importers, names, tools
-from perpetuity_core import store as store_module
-from perpetuity_core.conversation import Kind, Message, Part, Provider, Reply, Usage, text_part
-from perpetuity_core.pipeline import Pipeline
-from perpetuity_core.store import Store
-from perpetuity_core.tools import TurnMemory
+from perpetuity_core.memory import capture, importers, names, schema
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.recall import tools
+from perpetuity_core.recall.answers import TurnMemory
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.conversation import Kind, Message, Part, Provider, Reply, Usage, text_part
 from tests.conftest import Proxy
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import to_request
@@ -70,7 +70,7 @@ def send(pipeline: Pipeline, request: dict, answer: str) -> None:
 
 @pytest.fixture
 def pipeline(tmp_path: Path):
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     yield Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
                    trust_identity=True)  # the captures name their device
     store.close()
@@ -201,7 +201,7 @@ def test_claude_code_import_takes_the_sessions_title_folder_and_meta_lines(tmp_p
     ]
     path = tmp_path / "s1.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     importers.run(store, "claude-code", path, progress=False)
     con = sqlite3.connect(store.path)
     assert con.execute("SELECT title, opening, folder FROM conversation").fetchone() == (
@@ -218,9 +218,9 @@ def test_migration_names_older_conversations_and_unindexes_their_harness_text(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store written before m009: system messages and IDE notes stored as text and indexed."""
     db = tmp_path / "m.db"
-    monkeypatch.setattr(store_module, "MIGRATIONS", [  # the later ones this code needs stay
-        m for m in store_module.MIGRATIONS if m is not store_module.m009_harness_text])
-    old = Store(db)
+    monkeypatch.setattr(schema, "MIGRATIONS", [  # the later ones this code needs stay
+        m for m in schema.MIGRATIONS if m is not schema.m009_harness_text])
+    old = open_memory(db)
     uid = old.user_id("u")
     cid = old.conversation_id(uid, "1a2f693d-bbf8", "anthropic")
     said = [Message("user", (Part(Kind.TEXT, "<ide_opened_file>a.py</ide_opened_file>"),
@@ -239,7 +239,7 @@ def test_migration_names_older_conversations_and_unindexes_their_harness_text(
 
     with pytest.raises(sqlite3.OperationalError):  # the old store has no names yet
         sqlite3.connect(db).execute("SELECT opening FROM conversation").fetchall()
-    store = Store(db)
+    store = open_memory(db)
     con = sqlite3.connect(db)
     assert con.execute("SELECT title, opening, folder FROM conversation").fetchone() == (
         "", "why is the cache cold", "")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from perpetuity_core import cli, notes
+from perpetuity_core import notes
+from perpetuity_core.cli import main as cli
 from perpetuity_core.errors import PerpetuityError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -728,11 +729,11 @@ def test_archiving_never_overwrites(tmp_path: Path) -> None:
 def only_notes_commands(monkeypatch: pytest.MonkeyPatch) -> None:
     """Build the real `perpetuity` parser with only this module's commands, so these tests do
     not depend on other command modules being importable; registration is checked below."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.notes_cli"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.cli.notes"])
 
 
 def test_notes_commands_are_registered() -> None:
-    assert "perpetuity_core.notes_cli" in REGISTERED_COMMANDS
+    assert "perpetuity_core.cli.notes" in REGISTERED_COMMANDS
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -13,7 +13,7 @@ import anthropic
 import openai
 import pytest
 
-from perpetuity_core.identity import tenant_of
+from perpetuity_core.wire.identity import tenant_of
 from tests.conftest import Proxy, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text, ToolCall
 

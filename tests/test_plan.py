@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 
-from perpetuity_core import frame, plan
-from perpetuity_core.cap import Cap
-from perpetuity_core.conversation import Message, Provider, Reply, Usage, text_part
-from perpetuity_core.pipeline import Decision, Pipeline
-from perpetuity_core.store import Store
+from perpetuity_core.memory import frame
+from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.serve import plan
+from perpetuity_core.serve.exchange import Decision
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.conversation import Message, Provider, Reply, Usage, text_part
 from tests.test_fixtures import to_request
 from tests.test_frame import say
 
@@ -48,7 +50,7 @@ class Session:
     """A coding session through a real pipeline: prompts, tool rounds, replies stored."""
 
     def __init__(self, tmp_path: Path, limits: Cap = Cap()) -> None:
-        self.store = Store(tmp_path / "m.db")
+        self.store = open_memory(tmp_path / "m.db")
         # Memory of an earlier session, long enough that this one's frame has rows to show.
         say(self.store, "earlier", *[f"The {w} module parses {w} files and its tests live in"
                                      f" tests/test_{w}.py. " + "detail " * 60

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-from perpetuity_core import tools
-from perpetuity_core.conversation import Protocol
-from perpetuity_core.pipeline import Job, PendingTurn
-from perpetuity_core.relay import JOB_HEADER, Relay
-from perpetuity_core.tools import TurnMemory
+from perpetuity_core.recall import tools
+from perpetuity_core.recall.answers import TurnMemory
+from perpetuity_core.serve.exchange import Job, PendingTurn
+from perpetuity_core.serve.relay import JOB_HEADER, Relay
+from perpetuity_core.wire.conversation import Protocol
 from tests.fake_provider import FakeProvider, Text, ToolCall
 
 

@@ -9,20 +9,20 @@ from typing import Any
 
 import pytest
 
-from perpetuity_core import replay
-from perpetuity_core.billing import (
+from perpetuity_core.cli import replay
+from perpetuity_core.cli.main import main
+from perpetuity_core.cli.replay.billing import (
     AnthropicCache,
     Block,
     OpenAICache,
     anthropic_blocks,
     anthropic_min_tokens,
 )
-from perpetuity_core.cli import main
+from perpetuity_core.cli.replay.measure import identifiers
+from perpetuity_core.cli.replay.request import build, load_template
+from perpetuity_core.cli.replay.sessions import read_session
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.protocols import anthropic
-from perpetuity_core.replay.measure import identifiers
-from perpetuity_core.replay.request import build, load_template
-from perpetuity_core.replay.sessions import read_session
+from perpetuity_core.wire.protocols import anthropic
 from tests.conftest import SHARED
 from tests.test_evaluate import tiny_locomo
 

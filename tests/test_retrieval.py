@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perpetuity_core import dictionary, maintenance, scan
-from perpetuity_core.conversation import Kind, Message, Part
-from perpetuity_core.store import Store, db
+from perpetuity_core.memory import arena, bm25, dictionary, index, maintenance, scan
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Store, db
+from perpetuity_core.wire.conversation import Kind, Message, Part
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
@@ -34,7 +35,7 @@ STOP = "the a of to and was is i you we".split()
 
 @pytest.fixture
 def store(tmp_path: Path):
-    s = Store(tmp_path / "memory.db")
+    s = open_memory(tmp_path / "memory.db")
     yield s
     s.close()
 
@@ -76,12 +77,12 @@ def fill(store: Store, rng: random.Random, n: int = 300) -> None:
 
 def reference(store: Store, query: str, user_id: int | None, k: int, *, share: bool = False,
               conversation_id: int | None = None, exclude: frozenset[int] = frozenset(),
-              params: scan.Params = scan.Params(),
+              params: bm25.Params = bm25.Params(),
               during: tuple[float, float] | None = None) -> list[tuple[int, float]]:
     """Brute-force score of every row, in plain Python: (item_id, score), best first.
 
     BM25 of each row, plus the weighted BM25 of the rows before and after it in its
-    conversation (store order), as scan.Params describes; `during` keeps the rows said in
+    conversation (store order), as bm25.Params describes; `during` keeps the rows said in
     that span, scored as without it.
     """
     k1, b = params.k1, params.b
@@ -175,7 +176,7 @@ def test_unknown_words_hash_deterministically_into_the_reserved_range() -> None:
     (t,) = d.ids("zorblaxification")
     assert d.hash_base <= t < d.n_terms
     assert t == dictionary.hash_term(dictionary.stem("zorblaxification"), d.hash_base)
-    code = ("from perpetuity_core import dictionary;"
+    code = ("from perpetuity_core.memory import dictionary;"
             "print(int(dictionary.load().ids('zorblaxification')[0]))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            cwd=ROOT, check=True)
@@ -194,8 +195,8 @@ def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store)
         df.update(np.frombuffer(r[2], "<i4").tolist())
     terms = np.array(sorted(df), np.int32)
     with db.atomic():
-        assert scan.unfolded_df(db.connection(), terms).tolist() == [df[t] for t in terms]
-        scan.fold(db.connection())
+        assert index.unfolded_df(db.connection(), terms).tolist() == [df[t] for t in terms]
+        index.fold(db.connection())
     assert dict(conn.execute("SELECT term, df FROM retrieval_term").fetchall()) == dict(df)
     assert conn.execute("SELECT rows, length FROM retrieval_total").fetchone() == (
         len(rows), sum(r[3] for r in rows))
@@ -215,32 +216,32 @@ def pooled(conn: sqlite3.Connection) -> tuple[tuple[int, int, int], dict[int, in
     """The pooled counts as readers get them: folded, plus the rows stored since."""
     terms = np.array(sorted({t for (b,) in conn.execute("SELECT terms FROM retrieval")
                              for t in np.frombuffer(b, "<i4").tolist()}), np.int32)
-    df = scan.unfolded_df(conn, terms).tolist() if terms.size else []
-    return tuple(scan.totals(conn)), dict(zip(terms.tolist(), df, strict=True))
+    df = index.unfolded_df(conn, terms).tolist() if terms.size else []
+    return tuple(index.totals(conn)), dict(zip(terms.tolist(), df, strict=True))
 
 
 def test_pooled_counts_stay_exact_through_folds_purges_and_deletions(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scan, "FOLD_EVERY", 9)
+    monkeypatch.setattr(index, "FOLD_EVERY", 9)
     rng = random.Random(23)
     conn = db.connection()
     for step in range(30):
         fill(store, rng, rng.randint(1, 12))
         live = [i for (i,) in conn.execute("SELECT item_id FROM retrieval")]
         if step % 3 == 0:
-            scan.purge(store, rng.sample(live, 2))
+            index.purge(store, rng.sample(live, 2))
         elif step % 3 == 1:
             # Deleted behind the store's back, before its row is folded; settled only later
             # (by the next fold or a reader's catch-up), after the cursor has passed it.
             with db.atomic():
                 conn.execute("DELETE FROM item WHERE id = ?", (max(live),))
         if step % 5 == 4:
-            scan.settle(store)
+            index.settle(store)
         # Readers take unsettled deletions out themselves: exact at every step.
         assert pooled(conn) == recount(conn)
-    scan.settle(store)
+    index.settle(store)
     with db.atomic():
-        scan.fold(conn)
+        index.fold(conn)
     assert pooled(conn) == recount(conn)
     (rows, length, tokens), df = recount(conn)
     assert conn.execute("SELECT rows, length, tokens FROM retrieval_total").fetchone() == (
@@ -249,11 +250,11 @@ def test_pooled_counts_stay_exact_through_folds_purges_and_deletions(
 
 
 def test_totals_counted_with_every_message_are_migrated(tmp_path: Path) -> None:
-    s = Store(tmp_path / "old.db")
+    s = open_memory(tmp_path / "old.db")
     fill(s, random.Random(29), 40)
     conn = db.connection()
     with db.atomic():
-        scan.fold(conn)
+        index.fold(conn)
     fill(s, random.Random(31), 25)
     with db.atomic():  # one unfolded row deleted and not yet settled
         conn.execute("DELETE FROM item WHERE id = (SELECT max(item_id) FROM retrieval)")
@@ -266,24 +267,24 @@ def test_totals_counted_with_every_message_are_migrated(tmp_path: Path) -> None:
         conn.execute("DROP TABLE derived")
         conn.execute("DELETE FROM migration WHERE name = 'm006_batched'")
     s.close()
-    s = Store(tmp_path / "old.db")
+    s = open_memory(tmp_path / "old.db")
     try:
         conn = db.connection()
-        scan.settle(s)
+        index.settle(s)
         assert pooled(conn) == recount(conn)
     finally:
         s.close()
 
 
 def test_rows_stored_before_m008_learn_when_they_were_said(tmp_path: Path) -> None:
-    s = Store(tmp_path / "old.db")
+    s = open_memory(tmp_path / "old.db")
     fill(s, random.Random(37), 30)
     conn = db.connection()
     with db.atomic():  # the database as before m008
         conn.execute("ALTER TABLE retrieval DROP COLUMN at")
         conn.execute("DELETE FROM migration WHERE name = 'm008_retrieval_time'")
     s.close()
-    s = Store(tmp_path / "old.db")
+    s = open_memory(tmp_path / "old.db")
     try:
         said = db.connection().execute(
             "SELECT r.at, m.at FROM retrieval r JOIN message m ON m.id = r.message_id").fetchall()
@@ -296,19 +297,19 @@ def test_rows_stored_before_m008_learn_when_they_were_said(tmp_path: Path) -> No
 # ------------------------------------------------------------------------------ the scan
 
 
-PLAIN = scan.Params(before=(), after=())  # BM25 alone, no conversational context
+PLAIN = bm25.Params(before=(), after=())  # BM25 alone, no conversational context
 
 
-@pytest.mark.parametrize("params", [scan.Params(), PLAIN, scan.Params(1.2, 0.75, idf_power=2.0)],
+@pytest.mark.parametrize("params", [bm25.Params(), PLAIN, bm25.Params(1.2, 0.75, idf_power=2.0)],
                          ids=["context", "plain", "rare-terms"])
 @pytest.mark.parametrize("path", ["store", "terms", "rows"])
-def test_scan_is_exact_against_the_reference(store: Store, path: str, params: scan.Params,
+def test_scan_is_exact_against_the_reference(store: Store, path: str, params: bm25.Params,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scan, "SEGMENT_ROWS", 37)  # many segments, merges, partial tails
+    monkeypatch.setattr(arena, "SEGMENT_ROWS", 37)  # many segments, merges, partial tails
     rng = random.Random(7)
     fill(store, rng, 250)
     store_rows = 10**9 if path == "store" else 0
-    sc = scan.Scanner(store, layout=scan.ROWS if path == "rows" else scan.TERMS,
+    sc = scan.Scanner(store, layout=arena.ROWS if path == "rows" else arena.TERMS,
                       store_rows=store_rows, threads=2, params=params)
     shared = scan.Scanner(store, share_pool=True, store_rows=store_rows, params=params)
     users = [store.user_id(f"u{i}") for i in range(3)]
@@ -333,13 +334,13 @@ def test_scan_is_exact_against_the_reference(store: Store, path: str, params: sc
 
 def test_same_ranking_whatever_the_threads_and_layout(store: Store,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scan, "SEGMENT_ROWS", 16)
+    monkeypatch.setattr(arena, "SEGMENT_ROWS", 16)
     rng = random.Random(3)
     fill(store, rng, 200)
     for i in range(30):  # identical rows: exact ties, broken by store order
         add(store, "u0", "u0-c0", ["support group guitar"], at=1000.0 + i)
     scanners = [scan.Scanner(store, threads=t, layout=lay, store_rows=0)
-                for t in (1, 2, 3, 4) for lay in (scan.TERMS, scan.ROWS)]
+                for t in (1, 2, 3, 4) for lay in (arena.TERMS, arena.ROWS)]
     scanners.append(scan.Scanner(store, store_rows=10**9))
     uid = store.user_id("u0")
     for q in ["support group guitar", "guitar", "memory arena segment query", "dog the cat"]:
@@ -350,8 +351,8 @@ def test_same_ranking_whatever_the_threads_and_layout(store: Store,
 @pytest.mark.parametrize("store_rows", [0, 10**9], ids=["arena", "store"])
 def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_rows: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scan, "SEGMENT_ROWS", 50)
-    monkeypatch.setattr(scan, "FOLD_EVERY", 7)  # purges hit folded and unfolded rows alike
+    monkeypatch.setattr(arena, "SEGMENT_ROWS", 50)
+    monkeypatch.setattr(index, "FOLD_EVERY", 7)  # purges hit folded and unfolded rows alike
     rng = random.Random(11)
     fill(store, rng, 120)
     sc = scan.Scanner(store, store_rows=store_rows)
@@ -363,7 +364,7 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     assert set(new) <= {i for i, _ in got}  # no query misses a committed row
     same(got, reference(store, q, uid, 10))
     gone = [i for i, _ in got[:4]]
-    scan.purge(store, gone)
+    index.purge(store, gone)
     got = ranked(sc.search(q, uid, 10))
     assert not set(gone) & {i for i, _ in got}
     marks = ",".join("?" * len(gone))
@@ -399,7 +400,7 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     conn.close()
 
 
-def postings(arena: scan.Arena) -> np.ndarray:
+def postings(arena: arena.Arena) -> np.ndarray:
     """Every posting of the arena as (global row, term, tf), sorted, whatever the segments."""
     parts = []
     for seg in arena.segments:
@@ -414,7 +415,7 @@ def postings(arena: scan.Arena) -> np.ndarray:
     return out[np.lexsort(out.T[::-1])]
 
 
-def same_arena(a: scan.Arena, b: scan.Arena) -> None:
+def same_arena(a: arena.Arena, b: arena.Arena) -> None:
     for name in ("seq", "user", "conv", "length", "prev", "next"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert (a.n_rows, a.total_length, a.row_cursor) == (b.n_rows, b.total_length, b.row_cursor)
@@ -422,7 +423,7 @@ def same_arena(a: scan.Arena, b: scan.Arena) -> None:
     assert np.array_equal(a.df.dense, b.df.dense) and a.df.hashed == b.df.hashed
     assert np.array_equal(postings(a), postings(b))
     for seg in a.segments:
-        assert seg.n <= scan.SEGMENT_ROWS
+        assert seg.n <= arena.SEGMENT_ROWS
         if seg.terms is not None:  # term-major: terms ascend, each term's rows ascend
             assert (np.diff(seg.terms) > 0).all()
             for lo, hi in zip(seg.ptr[:-1], seg.ptr[1:], strict=True):
@@ -430,10 +431,10 @@ def same_arena(a: scan.Arena, b: scan.Arena) -> None:
     assert [s.start for s in a.segments] == list(np.cumsum([0] + [s.n for s in a.segments]))[:-1]
 
 
-@pytest.mark.parametrize("layout", [scan.TERMS, scan.ROWS])
+@pytest.mark.parametrize("layout", [arena.TERMS, arena.ROWS])
 def test_catch_up_after_many_inserts_and_purges_equals_a_fresh_arena(
         store: Store, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(scan, "SEGMENT_ROWS", 23)  # every catch-up appends, most merge
+    monkeypatch.setattr(arena, "SEGMENT_ROWS", 23)  # every catch-up appends, most merge
     rng = random.Random(17)
     sc = scan.Scanner(store, store_rows=0, layout=layout, threads=2)
     users = [store.user_id(f"u{i}") for i in range(3)]
@@ -445,7 +446,7 @@ def test_catch_up_after_many_inserts_and_purges_equals_a_fresh_arena(
                 at=float(step))
         if rng.random() < 0.3:
             live = [i for (i,) in db.connection().execute("SELECT item_id FROM retrieval")]
-            scan.purge(store, rng.sample(live, min(len(live), rng.randint(1, 6))))
+            index.purge(store, rng.sample(live, min(len(live), rng.randint(1, 6))))
         sc.catch_up()
         fresh = scan.Scanner(store, store_rows=0, layout=layout)
         fresh.catch_up()
@@ -483,12 +484,12 @@ def test_merged_segments_equal_one_built_from_all_their_rows() -> None:
     # Up to a full segment: the last local row is 65535, the top of uint16.
     for n_old, n_new in ((0, 3), (5, 0), (1, 1), (40, 17), (40_000, 25_536)):
         a, b = rows(n_old), rows(n_new)
-        for layout in (scan.TERMS, scan.ROWS):
-            older = scan.build_segment(7, *a, layout)
-            newer = scan.build_segment(7 + n_old, *b, layout)
-            both = scan.build_segment(7, *(np.concatenate(x) for x in zip(a, b, strict=True)),
+        for layout in (arena.TERMS, arena.ROWS):
+            older = arena.build_segment(7, *a, layout)
+            newer = arena.build_segment(7 + n_old, *b, layout)
+            both = arena.build_segment(7, *(np.concatenate(x) for x in zip(a, b, strict=True)),
                                       layout)
-            merged = scan.merge_segments(older, newer)
+            merged = arena.merge_segments(older, newer)
             assert (merged.start, merged.n) == (both.start, both.n)
             for name in ("terms", "ptr", "rows", "row_ptr", "row_terms", "tf"):
                 x, y = getattr(merged, name), getattr(both, name)
@@ -532,17 +533,17 @@ def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
-    from perpetuity_core import cli
+    from perpetuity_core.cli import main as cli
 
     # Only this module's commands: the test does not depend on the others importing.
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.retrieval_cli"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.cli.search"])
     path = tmp_path / "m.db"
-    store = Store(path)
+    store = open_memory(path)
     add(store, "alice", "c1", ["we adopted a dog named Biscuit", "the concert was loud"])
     store.close()
     assert cli.main(["search", "--db", str(path), "--json", "--user", "alice", "dog"]) == 0
     out = json.loads(capsys.readouterr().out)
-    # The next turn follows on conversational context (scan.Params.after), behind it.
+    # The next turn follows on conversational context (bm25.Params.after), behind it.
     assert [h["text"] for h in out["hits"]] == ["we adopted a dog named Biscuit",
                                                 "the concert was loud"]
     monkeypatch.setattr(sys, "stdin", io.StringIO("biscuit\nconcert\n\n"))
@@ -560,9 +561,9 @@ def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture
 
 @needs_shared
 def test_import_the_benchmark_formats(tmp_path: Path) -> None:
-    from perpetuity_core import importers
+    from perpetuity_core.memory import importers
 
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     lme = importers.run(store, "longmemeval",
                         SHARED / "longmemeval" / "longmemeval_s_one_question.json",
                         progress=False)
@@ -583,7 +584,7 @@ def test_import_the_benchmark_formats(tmp_path: Path) -> None:
 
 
 def test_import_claude_code_sessions(tmp_path: Path) -> None:
-    from perpetuity_core import importers
+    from perpetuity_core.memory import importers
 
     project = tmp_path / "projects" / "-home-dev-app"
     project.mkdir(parents=True)
@@ -604,7 +605,7 @@ def test_import_claude_code_sessions(tmp_path: Path) -> None:
         {"type": "user", "isSidechain": True, "message": {"role": "user", "content": "sub"}},
     ]
     (project / "s1.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     out = importers.run(store, "claude-code", tmp_path / "projects", progress=False)
     assert (out.threads, out.messages) == (1, 3)  # the split reply folded into one message
     uid = store.user_id("claude-code:local")

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from perpetuity_core import capture, cli, dictionary, heat, maintenance, scan
-from perpetuity_core.conversation import Kind, Message, Part
+from perpetuity_core.cli import main as cli
 from perpetuity_core.errors import StoreError
-from perpetuity_core.integrity import check
-from perpetuity_core.store import Store, db
+from perpetuity_core.memory import capture, dictionary, heat, index, maintenance, scan
+from perpetuity_core.memory.integrity import check
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Store, db
+from perpetuity_core.wire.conversation import Kind, Message, Part
 from tests.test_retrieval import WORDS, add, fill, ranked, reference, same
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def store(tmp_path: Path):
-    s = Store(tmp_path / "memory.db")
+    s = open_memory(tmp_path / "memory.db")
     yield s
     s.close()
 
@@ -63,7 +65,7 @@ def test_searches_never_fail_while_the_writer_stores_and_purges(store: Store) ->
         for i in range(60):
             items = add(store, "u1", "u1-c0", [f"garden violin {i} | support group"])
             if i % 3 == 0:
-                scan.purge(store, items[:1])
+                index.purge(store, items[:1])
     finally:
         done.set()
         reader.join()
@@ -186,10 +188,10 @@ def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
 
 def test_a_memory_on_another_dictionary_says_so_on_start(tmp_path: Path) -> None:
     path = tmp_path / "memory.db"
-    Store(path).close()
+    open_memory(path).close()
     with sqlite3.connect(path) as conn:
         conn.execute("UPDATE setting SET value = 'v-old' WHERE key = 'dictionary'")
-    s = Store(path)
+    s = open_memory(path)
     try:
         assert s.notice is not None and "v-old" in s.notice and "rederive" in s.notice
         add(s, "u", "c", ["stored meanwhile"])
@@ -200,7 +202,7 @@ def test_a_memory_on_another_dictionary_says_so_on_start(tmp_path: Path) -> None
         assert check(s) == []
     finally:
         s.close()
-    s = Store(path)
+    s = open_memory(path)
     s.close()
     assert s.notice is None
 
@@ -208,10 +210,10 @@ def test_a_memory_on_another_dictionary_says_so_on_start(tmp_path: Path) -> None
 def test_memory_check_cli_reports_each_violation(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "memory.db"
-    s = Store(path)
+    s = open_memory(path)
     fill(s, random.Random(9), 40)
     with db.atomic():
-        scan.fold(db.connection())
+        index.fold(db.connection())
     s.close()
     assert cli.main(["memory", "check", "--db", str(path)]) == 0
     with sqlite3.connect(path) as conn:  # break two invariants behind the store's back

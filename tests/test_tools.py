@@ -15,12 +15,15 @@ from typing import Any
 
 import pytest
 
-from perpetuity_core import capture, dictionary, names, scan, tools
-from perpetuity_core.conversation import Message, text_part
 from perpetuity_core.errors import StoreError
-from perpetuity_core.scan import Scanner
-from perpetuity_core.store import Store, db
-from perpetuity_core.tools import TurnMemory, run
+from perpetuity_core.memory import bindings, capture, chains, dictionary, index, names
+from perpetuity_core.memory.scan import Scanner
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Store, db
+from perpetuity_core.recall import answers, queries, tools
+from perpetuity_core.recall.answers import TurnMemory
+from perpetuity_core.recall.tools import run
+from perpetuity_core.wire.conversation import Message, text_part
 
 T0 = 1_700_000_000.0
 DAY = 86_400.0
@@ -30,7 +33,7 @@ LABEL = re.compile(r"\[#(\d+) · ([^·\]]+) · (\w+) · (\d{4}-\d\d-\d\d \d\d:\d
 
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(tmp_path / "m.db")
+    s = open_memory(tmp_path / "m.db")
     yield s
     s.close()
 
@@ -155,7 +158,7 @@ def test_search_filters(memory: Store) -> None:
 
 def test_a_time_span_is_searched_whole_however_many_better_rows_lie_outside_it(
         memory: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tools, "MAX_SCAN", 8)
+    monkeypatch.setattr(queries, "MAX_SCAN", 8)
     say(memory, "log", [(T0 + (30 + i) * DAY, f"lighthouse keeper lamp number {i}") for i in range(20)]
         + [(T0 + 60 * DAY, "we passed a lighthouse on the way home")])
     day = datetime.fromtimestamp(T0 + 60 * DAY, UTC).date().isoformat()
@@ -179,7 +182,7 @@ def test_more_pages_through_below_cap_then_continues_a_cut_row(memory: Store) ->
     m = turn(memory)
     out = run("memory_search", {"query": "lighthouse"}, m, scanner)
     cut = re.search(r"memory_more\(item=(\d+), offset=(\d+)\)", out)
-    assert cut and int(cut.group(1)) == item(long) and len(out) <= tools.RESULT_CHARS
+    assert cut and int(cut.group(1)) == item(long) and len(out) <= answers.RESULT_CHARS
     offset = int(cut.group(2))
     assert long[:offset] in out and long[offset:offset + 50] not in out
     rest = run("memory_more", {"item": item(long), "offset": offset}, m, scanner)
@@ -191,7 +194,7 @@ def test_answers_stay_within_the_size_cap_and_the_rest_comes_next(store: Store) 
                        for k in range(25)])
     scanner, m = Scanner(store), turn(store, None)
     first = run("memory_search", {"query": "lighthouse", "limit": 50}, m, scanner)
-    assert len(first) <= tools.RESULT_CHARS and "more left out for size" in first
+    assert len(first) <= answers.RESULT_CHARS and "more left out for size" in first
     second = run("memory_search", {"query": "lighthouse", "limit": 50}, m, scanner)
     assert ids(second) and not set(ids(first)) & set(ids(second))
 
@@ -235,8 +238,8 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
     assert "more instances not listed" in listed
     # A long instance is quoted around the word that made it count.
     long = "filler words " * 40 + "then the apple pie"
-    assert tools.snippet(long, ["appl"]).endswith("then the apple pie")
-    assert len(tools.snippet(long, ["appl"])) <= tools.SNIPPET_CHARS + 2
+    assert answers.snippet(long, ["appl"]).endswith("then the apple pie")
+    assert len(answers.snippet(long, ["appl"])) <= answers.SNIPPET_CHARS + 2
 
 
 def test_chains_follow_a_fact_to_its_latest_state_in_time_order(memory: Store) -> None:
@@ -272,7 +275,7 @@ def backfilled() -> list[tuple]:
     conn = db.connection()
     with db.atomic() as tx:
         conn.execute("DELETE FROM chain")
-        tools.backfill_chains(conn)
+        chains.backfill_chains(conn)
         out = all_chains()
         tx.rollback()
     return out
@@ -296,8 +299,8 @@ def test_chains_are_written_in_batches_and_backfill_gives_the_same(memory: Store
     assert chain_answer(memory, "favourite colour") == [item(RED), item(BLUE), item(GREEN)]
     # A purged row leaves its chains (and the binding log) with it.
     conn = db.connection()
-    tools.record_bindings(message_of(GREEN), [item(BLUE)])
-    scan.purge(memory, [item(GREEN)])
+    bindings.record_bindings(message_of(GREEN), [item(BLUE)])
+    index.purge(memory, [item(GREEN)])
     assert not conn.execute("SELECT 1 FROM chain WHERE item_id NOT IN (SELECT id FROM item)"
                             " UNION ALL SELECT 1 FROM binding WHERE item_id NOT IN"
                             " (SELECT id FROM item)").fetchall()
@@ -321,20 +324,20 @@ def test_a_reader_on_its_own_thread_sees_the_chains_of_a_row_stored_just_before(
 
 def test_no_chain_is_lost_across_batches_a_crash_and_a_purged_newest_row(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from perpetuity_core import store as store_module
+    from perpetuity_core.memory import store as store_module
 
     monkeypatch.setattr(store_module, "BATCH_ROWS", 3)
     rng = random.Random(7)
     words = ["oslo", "hiking", "colour", "violin", "garden", "tomato", "sister", "kayak"]
     texts = [" ".join(rng.choices(words, k=5)) + f" note{i}" for i in range(20)]
-    s = Store(tmp_path / "m.db")
+    s = open_memory(tmp_path / "m.db")
     say(s, "a", [(T0 + i, t) for i, t in enumerate(texts[:8])])
     (cursor,) = db.connection().execute("SELECT seq FROM derived").fetchone()
     assert 0 < cursor < 8  # batches were written, the last rows are still pending
     want = chain_answer(s, "violin garden")
     # The disk fails mid-batch: the batch leaves no chain and no cursor behind.
     def failing(after: int, upto: int) -> None:
-        tools.derive_chains(after, upto)
+        chains.derive_chains(after, upto)
         assert all_chains()
         raise sqlite3.OperationalError("disk I/O error")  # what raw SQL raises, not peewee's
 
@@ -344,14 +347,14 @@ def test_no_chain_is_lost_across_batches_a_crash_and_a_purged_newest_row(
     assert all_chains() and len(all_chains()) < len(backfilled())
     assert db.connection().execute("SELECT seq FROM derived").fetchone() == (cursor,)
     s.close()
-    s = Store(tmp_path / "m.db")
+    s = open_memory(tmp_path / "m.db")
     try:
         assert chain_answer(s, "violin garden") == want  # read before any batch is written
         say(s, "a", [(T0 + i, t) for i, t in enumerate(texts)])  # the rest of the thread
         # The newest row is purged after its batch; its item id is never given out again.
         s.flush()
         last = max(item(t) for t in texts)
-        scan.purge(s, [last])
+        index.purge(s, [last])
         say(s, "b", [(T0 + 99, "violin garden again")])
         assert item("violin garden again") == last + 1
         assert chain_answer(s, "violin garden")[-1] == last + 1
@@ -367,8 +370,8 @@ def test_dates_give_elapsed_times_between_events(memory: Store) -> None:
     head = out.splitlines()[0]
     assert "first to last 10 days" in head and "the latest 30 days" in head
     assert "+10 days" in out.splitlines()[2]
-    assert tools.span(90) == "1 minute" and tools.span(3 * DAY + 7200) == "3 days 2 hours"
-    assert tools.span(400 * DAY).startswith("400 days (about 1.1 years)")
+    assert answers.span(90) == "1 minute" and answers.span(3 * DAY + 7200) == "3 days 2 hours"
+    assert answers.span(400 * DAY).startswith("400 days (about 1.1 years)")
 
 
 def test_cooccur_reads_the_binding_log(memory: Store) -> None:
@@ -376,9 +379,9 @@ def test_cooccur_reads_the_binding_log(memory: Store) -> None:
     m = turn(memory)
     assert "not come up in a recorded turn" in run("memory_cooccur", {"topic": "Rex"}, m, scanner)
     # A turn about Rex retrieved the hiking rows; another turn about colours.
-    assert tools.record_bindings(message_of("Rex sounds fun."),
+    assert bindings.record_bindings(message_of("Rex sounds fun."),
                                  [item(REX), item(HIKE), item(OSLO), item(PURPLE)]) == 4
-    tools.record_bindings(message_of(GREEN), [item(BLUE), item(RED)])
+    bindings.record_bindings(message_of(GREEN), [item(BLUE), item(RED)])
     out = run("memory_cooccur", {"topic": "Rex"}, m, scanner)
     got = ids(out)
     assert set(got) == {item(HIKE), item(OSLO)}  # Rex's own rows are the topic, not its company
@@ -431,7 +434,7 @@ def test_another_users_rows_never_appear(memory: Store) -> None:
 
 
 def test_a_memory_stored_before_chains_gets_them_when_migrated(tmp_path: Path) -> None:
-    s = Store(tmp_path / "old.db")
+    s = open_memory(tmp_path / "old.db")
     say(s, "trip", [(T0, HIKE), (T0 + 60, OSLO)])
     s.flush()
     conn = db.connection()
@@ -441,7 +444,7 @@ def test_a_memory_stored_before_chains_gets_them_when_migrated(tmp_path: Path) -
         conn.execute("DROP TABLE binding")
         conn.execute("DELETE FROM migration WHERE name = 'm004_recall'")
     s.close()
-    s = Store(tmp_path / "old.db")
+    s = open_memory(tmp_path / "old.db")
     try:
         assert db.connection().execute(
             "SELECT * FROM chain ORDER BY term, item_id").fetchall() == chained

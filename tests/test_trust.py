@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from perpetuity_core import tenants
-from perpetuity_core.identity import tenant_of
-from perpetuity_core.store import Store
+from perpetuity_core.memory import tenants
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.wire.identity import tenant_of
 from tests.conftest import FIXTURES, Proxy, needs_fixtures, start_proxy, stop_proxy
 from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 
@@ -179,7 +179,7 @@ def test_a_pasted_secret_is_withheld_from_another_conversations_frame(proxy: Pro
 
 def salted(tmp: Path) -> str:
     """Create the database a proxy will use, so its tenants' names are known before it starts."""
-    store = Store(tmp / "memory.db")
+    store = open_memory(tmp / "memory.db")
     salt = store.salt
     store.close()
     return salt

@@ -15,9 +15,12 @@ from typing import Any
 
 import pytest
 
-from perpetuity_core import repair
-from perpetuity_core.cap import Cap
-from perpetuity_core.conversation import (
+from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.serve.exchange import Decision
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire import repair
+from perpetuity_core.wire.conversation import (
     Message,
     Protocol,
     Provider,
@@ -27,9 +30,7 @@ from perpetuity_core.conversation import (
     prompt_text,
     text_part,
 )
-from perpetuity_core.pipeline import Decision, Pipeline
-from perpetuity_core.protocols import ADAPTERS, anthropic, chat, responses
-from perpetuity_core.store import Store
+from perpetuity_core.wire.protocols import ADAPTERS, anthropic, chat, responses
 from tests.conftest import needs_fixtures
 from tests.test_fixtures import http_fixtures, replay, to_request
 from tests.test_frame import say
@@ -233,7 +234,7 @@ def drive(tmp_path: Path, wire: Wire, items: list[dict[str, Any]], gap: float = 
     """Each call of the session through a real pipeline on a store that already remembers an
     earlier conversation, `gap` seconds apart, with frames small enough that the session's own
     history outgrows them; every reply stored as the relay would. (body sent, decision) each."""
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     say(store, "older", *[t for line in OLDER for t in (line, "Noted.")], user="dev")
     pipeline = Pipeline(store, UPSTREAMS, limits=Cap(floor=60, ceiling=120), trust_identity=True)
     headers = [wire.auth, ["x-perpetuity-user", "dev"], ["x-perpetuity-conversation", "live"]]
@@ -431,7 +432,7 @@ def test_kept_start_never_splits_a_call_from_its_result() -> None:
 def test_every_capture_through_a_remembering_pipeline_is_accepted(tmp_path: Path) -> None:
     """Each harness's session replayed once to fill memory, then every request again: each goes
     upstream accepted by the production check, with its live task as the harness sent it."""
-    store = Store(tmp_path / "m.db")
+    store = open_memory(tmp_path / "m.db")
     pipeline = Pipeline(store, UPSTREAMS, trust_identity=True)
     harnesses = ("claude-code", "codex", "opencode", "anthropic-python", "openai-python")
     for harness in harnesses:

@@ -13,7 +13,7 @@ from mitmproxy import websocket
 from mitmproxy.test import taddons, tflow
 from wsproto.frame_protocol import Opcode
 
-from perpetuity_core.proxy import Perpetuity
+from perpetuity_core.serve.addon import Perpetuity
 from tests.conftest import FIXTURES, needs_fixtures
 
 CODEX = FIXTURES / "codex"
