@@ -39,8 +39,7 @@ from perpetuity_core.memory.schema import open_memory
 from tests.conftest import Proxy, free_port, start_proxy  # noqa: E402
 from tests.fake_provider import FakeProvider, Text  # noqa: E402
 
-WORDS = ("garden violin harbour lantern copper meadow thunder pepper orbit canvas willow "
-         "marble falcon ember quartz saddle").split()
+WORDS = ["garden", "violin", "harbour", "lantern", "copper", "meadow", "thunder", "pepper", "orbit", "canvas", "willow", "marble", "falcon", "ember", "quartz", "saddle"]
 
 
 class Client(threading.Thread):
@@ -138,7 +137,7 @@ def tally(clients: list[Client], db: Path) -> dict[str, int]:
                 t[f"{key}_lost"] += n == 0
             if role == "user" and [h for h in have if h in sent] != sent:
                 t["out_of_order"] += 1
-            for text, complete in ((x, k) for r, x, k in rows if r == role and x not in sent):
+            for _text, complete in ((x, k) for r, x, k in rows if r == role and x not in sent):
                 # A reply the client never got whole: stored complete, the orphan of a retried
                 # turn; stored incomplete, a stream the kill cut. Anything else is partial.
                 if role == "assistant":

@@ -88,9 +88,9 @@ def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None) 
         "--set", "connection_strategy=lazy",
         *extra,
     ]
-    out = open(log, "ab")  # a restarted proxy (same tmp) appends to its log
-    start = out.tell()
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    with open(log, "ab") as out:  # a restarted proxy (same tmp) appends to its log
+        start = out.tell()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:

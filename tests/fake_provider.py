@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import http
 import json
@@ -661,10 +662,9 @@ class FakeProvider:
         if thread is None or loop is None:
             return
         if not loop.is_closed():
-            try:
+            # Best effort: we are tearing down.
+            with contextlib.suppress(Exception):
                 asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=10)
-            except Exception:  # noqa: BLE001 - best effort; we are tearing down
-                pass
             loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         self._thread = None
@@ -724,10 +724,8 @@ class FakeProvider:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._server is not None:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
-            except TimeoutError:
-                pass
 
     def _record(self, req: h11.Request, body: bytes) -> Recorded:
         split = urlsplit(req.target.decode("latin-1"))
@@ -844,10 +842,8 @@ class FakeProvider:
             if task is not None:
                 self._tasks.discard(task)
             writer.close()
-            try:
+            with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
                 await writer.wait_closed()
-            except (ConnectionError, OSError, asyncio.CancelledError):
-                pass
 
     async def _read_request(
         self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

@@ -16,9 +16,10 @@ import openai
 import pytest
 
 from perpetuity_core.memory import cap, capture, frame, heat
+from perpetuity_core.memory.rows import Row, shown_rows
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Row, Store, shown_rows
+from perpetuity_core.memory.store import Store
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.wire.conversation import (
     Kind,

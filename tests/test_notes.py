@@ -670,7 +670,8 @@ def test_curate_never_shrinks_and_snapshots_first(tmp_path: Path) -> None:
     notes.reindex(tmp_path)
     before = all_files(tmp_path)
     count = count_notes_and_archive(tmp_path)
-    clock = lambda: datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+    def clock():
+        return datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
     summary = notes.curate(tmp_path, TODAY, clock=clock)
     assert summary.snapshot == tmp_path / ".archive/snapshot-20261130T120000Z"
     snap = {

@@ -49,3 +49,36 @@ def test_pings_keep_the_stream_alive_while_a_tool_runs() -> None:
     assert raw.index(b"event: content_block_start") > raw.index(b"event: ping", raw.index(b"event: ping") + 1)
     assert raw.count(b"event: message_start") == 1 and raw.count(b"event: message_stop") == 1
     assert b"memory_search" not in raw
+
+
+async def _after_a_chunked_request(fake: FakeProvider) -> tuple[bytes, bytes]:
+    relay = Relay(lambda job: None, lambda job, reply, at: None, None)  # type: ignore[arg-type]
+    await relay.start()
+    body = {"model": "claude-opus-4-8", "max_tokens": 20,
+            "messages": [{"role": "user", "content": "hello"}]}
+    job = Job("POST", fake.url + "/v1/messages", [("x-api-key", "k")], json.dumps(body).encode(),
+              Protocol.ANTHROPIC, False, PendingTurn("u", "c", "anthropic", "m", [], 0.0))
+    token = relay.submit(job)
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    # Two requests on one connection, as mitmproxy reuses it: the first one's body chunked
+    # (its job unknown), the second a real job.
+    writer.write(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\nx-perpetuity-job: nothing\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+    writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                 "content-length: 0\r\n\r\n".encode())
+    await writer.drain()
+    first = await asyncio.wait_for(reader.readuntil(b"unknown relay job"), 20)
+    second = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+    writer.close()
+    await relay.stop()
+    return first, second
+
+
+def test_a_chunked_request_body_is_read_whole() -> None:
+    with FakeProvider() as fake:
+        fake.script(Text("Hi there."))
+        first, second = asyncio.run(_after_a_chunked_request(fake))
+    assert first.startswith(b"HTTP/1.1 502 ")
+    # The second request reached its job: the chunked body was not read as a request.
+    assert second.lstrip().startswith(b"HTTP/1.1 200 "), second[:200]
+    assert b"Hi there." in second

@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -35,13 +33,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from tqdm import tqdm
 
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory import capture, frame, importers
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.index import token_estimate
+from perpetuity_core.memory.rows import shown_rows
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, shown_rows
+from perpetuity_core.memory.store import Store
 from perpetuity_core.serve.exchange import HttpRequest, PendingTurn
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.wire.conversation import Kind, Message, Part, Provider, Reply, Usage
@@ -228,8 +228,8 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
     if limit:
         cases = cases[:limit]
     results: list[Result] = []
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, tqdm(
+            total=len(cases), desc=dataset, unit="conversation", disable=not progress) as bar:
         store: Store | None = None
         for n, case in enumerate(cases):
             if store is None or not pooled:
@@ -240,18 +240,15 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
                                     limits=limits, share_pool=pooled,
                                     trust_identity=True)  # the dataset's own speakers
             feed(pipeline, case.thread)
+            bar.update(1)
             if pooled and n < len(cases) - 1:
                 continue
             for c in cases[: n + 1] if pooled else [case]:
                 results += (_ask_in_sequence(pipeline, c, limits) if sequence
                             else _ask_all(pipeline, c, frames))
-            if progress:
-                print(f"\r{dataset}: {n + 1}/{len(cases)} conversations, {len(results)} questions,"
-                      f" {time.monotonic() - started:.0f}s", end="", file=sys.stderr, flush=True)
+            bar.set_postfix(questions=len(results))
         if store is not None:
             store.close()
-    if progress:
-        print(file=sys.stderr)
     report = _report(dataset, pooled, limits, results)
     if sequence:
         report["sequence"] = _sequence_report(results)

@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import json
 import re
+import sqlite3
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,15 +48,7 @@ MAX_TF = 255
 # Common English function words: near-zero idf, and a third of all word occurrences, so leaving
 # them out halves the postings a query has to read.
 STOP_WORDS = frozenset(
-    """a about above after again against all am an and any are as at be because been before
-    being below between both but by can could did do does doing don down during each few for
-    from further had has have having he her here hers herself him himself his how i if in into
-    is it its itself just ll me might more most my myself no nor not now of off on once only or
-    other our ours ourselves out over own re s same she should so some such t than that the
-    their theirs them themselves then there these they this those through to too under until up
-    us very was we were what when where which while who whom why will with would you your
-    yours yourself yourselves d m ve y o isn aren wasn weren hasn haven hadn doesn didn won
-    wouldn shan shouldn can couldn mustn let also get got""".split()
+    ["a", "about", "above", "after", "again", "against", "all", "am", "an", "and", "any", "are", "as", "at", "be", "because", "been", "before", "being", "below", "between", "both", "but", "by", "can", "could", "did", "do", "does", "doing", "don", "down", "during", "each", "few", "for", "from", "further", "had", "has", "have", "having", "he", "her", "here", "hers", "herself", "him", "himself", "his", "how", "i", "if", "in", "into", "is", "it", "its", "itself", "just", "ll", "me", "might", "more", "most", "my", "myself", "no", "nor", "not", "now", "of", "off", "on", "once", "only", "or", "other", "our", "ours", "ourselves", "out", "over", "own", "re", "s", "same", "she", "should", "so", "some", "such", "t", "than", "that", "the", "their", "theirs", "them", "themselves", "then", "there", "these", "they", "this", "those", "through", "to", "too", "under", "until", "up", "us", "very", "was", "we", "were", "what", "when", "where", "which", "while", "who", "whom", "why", "will", "with", "would", "you", "your", "yours", "yourself", "yourselves", "d", "m", "ve", "y", "o", "isn", "aren", "wasn", "weren", "hasn", "haven", "hadn", "doesn", "didn", "won", "wouldn", "shan", "shouldn", "can", "couldn", "mustn", "let", "also", "get", "got"]
 )
 
 # ASCII letters and digits to themselves (upper case lowered), every other byte to a space.
@@ -305,3 +298,44 @@ def make_pre_tokenizer():  # noqa: ANN201 - a tokenizers object
     # Words are runs of letters and digits; apostrophes split ("don't" -> "don", "t"), and the
     # leftover fragments are stop words.
     return pre_tokenizers.Split(Regex(r"[^\p{L}\p{N}]+"), behavior="removed")
+
+
+# --- The live version of a memory
+
+
+def live_dictionary(conn: sqlite3.Connection) -> Dictionary:
+    """The dictionary the database names live, made live in this process (loaded once per
+    version): a flip by another process is followed by the next write or catch-up."""
+    current = load()
+    row = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
+    if row is None or row[0] == current.version or row[0] in _missing:
+        return current
+    if row[0] == shipped().version:
+        d = shipped()
+    elif body := conn.execute("SELECT body FROM dictionary WHERE version = ?",
+                              (row[0],)).fetchone():
+        d = Dictionary.from_bytes(body[0])
+    else:
+        _missing.add(row[0])
+        return current
+    use(d)
+    return d
+
+
+_missing: set[str] = set()  # live versions whose body the database does not hold
+
+
+def dictionary_notice(conn: sqlite3.Connection) -> str | None:
+    """One line when the memory's rows are not on the dictionary this release ships."""
+    (live,) = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
+    ours = shipped().version
+    if live == ours:
+        return None
+    how = ("run `perpetuity memory dictionary rederive` (in the background, the proxy keeps"
+           " serving), then `perpetuity memory dictionary flip`")
+    if live in _missing:
+        return (f"the memory's rows are on retrieval dictionary {live}, which it does not hold:"
+                f" searches tokenise with the shipped {ours} until re-derived; {how}")
+    return (f"the memory's rows are on retrieval dictionary {live}, this release ships"
+            f" {ours}; {how}")
+

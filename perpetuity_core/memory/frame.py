@@ -22,9 +22,10 @@ from datetime import UTC, datetime
 import numpy as np
 
 from perpetuity_core.memory import cap, dates, heat
-from perpetuity_core.memory.index import token_estimate
+from perpetuity_core.memory.index import messages_tokens, token_estimate
+from perpetuity_core.memory.rows import Row, quoted, shown_rows, time_label
 from perpetuity_core.memory.scan import Hit, Scanner
-from perpetuity_core.memory.store import Row, db, in_list, shown_rows
+from perpetuity_core.memory.store import db, in_list
 from perpetuity_core.memory.tenants import withheld
 from perpetuity_core.wire.conversation import Kind, Message, Part
 
@@ -194,7 +195,7 @@ def _frame(messages: list[Message], chosen: list[int], rows: dict[int, Row], fou
            foreign: frozenset[int]) -> Frame:
     shown = set(chosen)
     own_reheats = {i: peak for i, peak in found.reheats.items() if i not in foreign}
-    return Frame(messages, chosen, found.budget, _tokens(messages), len(rows) - len(chosen),
+    return Frame(messages, chosen, found.budget, messages_tokens(messages), len(rows) - len(chosen),
                  found.now, own_reheats,
                  [h.item_id for h in found.hits if h.item_id not in shown],
                  [h.item_id for h in found.hits if h.item_id in shown])
@@ -277,7 +278,7 @@ def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], budget: int,
             used += costs[i]
     droppable = [i for i in new if i not in must]
     while droppable:
-        over = _tokens(render_ids(new)) - budget
+        over = messages_tokens(render_ids(new)) - budget
         if over <= 0:
             break
         # Drop the last added rows worth the overshoot, then measure again: labels make
@@ -381,15 +382,11 @@ def _same_run(previous: Row, row: Row, adjacent: frozenset[tuple[int, int]]) -> 
     return (previous.message_id, row.message_id) in adjacent and row.at - previous.at <= RUN_GAP
 
 
-_TOOL_CALL, _TOOL_RESULT = Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value  # hot: once, not per row
+_TOOLS = (Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value)  # hot: once, not per row
 
 
 def _quote(r: Row) -> str:
-    if r.kind == _TOOL_CALL:
-        return f"[called {r.name}: {r.text}]"
-    if r.kind == _TOOL_RESULT:
-        return f"[tool result: {r.text}]"
-    return r.text
+    return f"[{quoted(r)}]" if r.kind in _TOOLS else r.text
 
 
 def _label(r: Row, asked_at: float, current: bool) -> str:
@@ -401,7 +398,7 @@ def _label(r: Row, asked_at: float, current: bool) -> str:
 
 def _when(r: Row, asked_at: float) -> str:
     when = datetime.fromtimestamp(r.at, UTC)
-    return f"[{when:%Y-%m-%d %H:%M} UTC, {_ago(when, datetime.fromtimestamp(asked_at, UTC))}]"
+    return f"[{time_label(r.at)}, {_ago(when, datetime.fromtimestamp(asked_at, UTC))}]"
 
 
 def _ago(when: datetime, asked: datetime) -> str:
@@ -419,10 +416,6 @@ def _ago(when: datetime, asked: datetime) -> str:
                        if days >= s)
     n = days // size
     return f"{n} {unit}{'s' if n > 1 else ''} before"
-
-
-def _tokens(messages: list[Message]) -> int:
-    return sum(token_estimate(p.text) for m in messages for p in m.parts)
 
 
 def with_note(messages: list[Message], note: str) -> list[Message]:

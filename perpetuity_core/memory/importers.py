@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory.store import Store
@@ -166,35 +167,36 @@ def claude_code(path: str | Path, user_key: str = "claude-code:local") -> Iterat
     for f in files:
         t = Thread(user_key, f"claude-code:{f.stem}", provider="anthropic")
         last_id = None
-        for line in f.open(encoding="utf-8", errors="replace"):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(rec, dict):
-                continue
-            if rec.get("type") == "ai-title" and isinstance(rec.get("aiTitle"), str):
-                t.title = t.title or rec["aiTitle"]
-            msg = rec.get("message")
-            if rec.get("type") not in ("user", "assistant") or not isinstance(msg, dict):
-                continue
-            if rec.get("isSidechain"):
-                continue
-            t.folder = t.folder or str(rec.get("cwd") or "")
-            m = message_from(msg)
-            if rec.get("isMeta"):
-                m = Message(m.role, as_context(m.parts))
-            if not m.parts:
-                continue
-            t.model = str(msg.get("model", t.model) or t.model)
-            mid = msg.get("id")
-            if mid and mid == last_id and t.messages and t.messages[-1].role == m.role:
-                t.messages[-1] = Message(m.role, t.messages[-1].parts + m.parts)
-                continue
-            last_id = mid
-            t.messages.append(m)
-            t.times.append(_iso_time(rec.get("timestamp")))
-            t.labels.append(str(rec.get("uuid", "")))
+        with f.open(encoding="utf-8", errors="replace") as records:
+            for line in records:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(rec, dict):
+                    continue
+                if rec.get("type") == "ai-title" and isinstance(rec.get("aiTitle"), str):
+                    t.title = t.title or rec["aiTitle"]
+                msg = rec.get("message")
+                if rec.get("type") not in ("user", "assistant") or not isinstance(msg, dict):
+                    continue
+                if rec.get("isSidechain"):
+                    continue
+                t.folder = t.folder or str(rec.get("cwd") or "")
+                m = message_from(msg)
+                if rec.get("isMeta"):
+                    m = Message(m.role, as_context(m.parts))
+                if not m.parts:
+                    continue
+                t.model = str(msg.get("model", t.model) or t.model)
+                mid = msg.get("id")
+                if mid and mid == last_id and t.messages and t.messages[-1].role == m.role:
+                    t.messages[-1] = Message(m.role, t.messages[-1].parts + m.parts)
+                    continue
+                last_id = mid
+                t.messages.append(m)
+                t.times.append(_iso_time(rec.get("timestamp")))
+                t.labels.append(str(rec.get("uuid", "")))
         if t.messages:
             yield t
 
@@ -238,39 +240,14 @@ def run(store: Store, source: str, path: str | Path, *, progress: bool = True,
         raise ConfigError(f"nothing to import at {path}")
     threads = list(SOURCES[source](path, **options))
     total = sum(len(t.messages) for t in threads)
-    bar = Progress(f"import {source}", total, enabled=progress)
+    bar = tqdm(total=total, desc=f"import {source}", unit="message", disable=not progress)
     out = Imported()
     t0 = time.perf_counter()
     for t in threads:
         out.messages += len(write(store, t))
         out.seen += len(t.messages)
         out.threads += 1
-        bar.update(out.seen)
+        bar.update(len(t.messages))
     out.seconds = time.perf_counter() - t0
     bar.close()
     return out
-
-
-class Progress:
-    """A one-line progress bar on stderr, redrawn at most five times a second."""
-
-    def __init__(self, label: str, total: int, enabled: bool = True) -> None:
-        self.label, self.total, self.enabled = label, max(total, 1), enabled
-        self.start = self.last = time.perf_counter()
-
-    def update(self, done: int, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self.last < 0.2 and not force):
-            return
-        self.last = now
-        frac = min(done / self.total, 1.0)
-        bar = "#" * int(frac * 30)
-        rate = done / max(now - self.start, 1e-9)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {done}/{self.total} messages "
-                         f"{frac:4.0%} {rate:,.0f}/s")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.update(self.total, force=True)
-            sys.stderr.write("\n")

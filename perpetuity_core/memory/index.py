@@ -19,21 +19,19 @@ from collections.abc import Iterable
 import numpy as np
 import peewee as pw
 
-from perpetuity_core.memory.store import (
-    Store,
-    StoredItem,
-    db,
-    in_chunks,
-    in_list,
-    live_dictionary,
-    writing,
-)
-from perpetuity_core.wire.conversation import Kind, without_scaffold
+from perpetuity_core.memory.dictionary import live_dictionary
+from perpetuity_core.memory.store import Store, StoredItem, db, in_chunks, in_list, writing
+from perpetuity_core.wire.conversation import Kind, Message, without_scaffold
 
 
 def token_estimate(text: str) -> int:
     """Model tokens of a text, by the usual rule of four characters a token."""
     return (len(text) + 3) // 4
+
+
+def messages_tokens(messages: Iterable[Message]) -> int:
+    """The estimated tokens of messages' text (token_estimate's rule)."""
+    return sum(token_estimate(p.text) for m in messages for p in m.parts)
 
 
 def item_text(kind: str, name: str, text: str) -> str:

@@ -22,7 +22,8 @@ from collections import Counter
 import numpy as np
 
 from perpetuity_core.memory import chains, dictionary
-from perpetuity_core.memory.store import Store, live_dictionary, snapshot
+from perpetuity_core.memory.dictionary import live_dictionary
+from perpetuity_core.memory.store import Store, snapshot
 from perpetuity_core.wire.conversation import Kind
 
 SHOWN = 5  # ids listed per violation

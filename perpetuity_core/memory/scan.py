@@ -68,15 +68,9 @@ import numpy as np
 
 from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, Visibility, build_segment
 from perpetuity_core.memory.bm25 import Params, make_query
+from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.index import item_text, totals, unfolded_df
-from perpetuity_core.memory.store import (
-    Store,
-    db,
-    failing_as,
-    in_list,
-    live_dictionary,
-    snapshot,
-)
+from perpetuity_core.memory.store import Store, db, failing_as, in_list, snapshot
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,14 +28,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Siz
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
-from perpetuity_core.memory.names import label
 from perpetuity_core.memory.secrets import secret_kind
-from perpetuity_core.wire.conversation import Kind, Message, Usage, without_scaffold
+from perpetuity_core.wire.conversation import Message, Usage
 
 db = pw.SqliteDatabase(None)
 log = logging.getLogger("perpetuity")
@@ -151,9 +150,6 @@ class Item(BaseModel):
 def m001_initial(database: pw.Database) -> None:
     """The spine: users, conversations, messages and their rows."""
     database.create_tables([Setting, User, Conversation, StoredMessage, Item])
-
-
-# Append only: a shipped migration is never edited, its name is recorded in the database.
 
 
 def m006_batched(database: pw.Database) -> None:
@@ -301,6 +297,8 @@ class Store:
         self.derivers = list(derivers)
         self.batched = dict(batched)
         self._settle = settle
+        from perpetuity_core.memory.dictionary import dictionary_notice, live_dictionary
+
         try:
             _create_private(self.path)
             db.init(str(self.path), pragmas=PRAGMAS, check_same_thread=False)
@@ -482,96 +480,6 @@ class Store:
         self._behind = 0
 
 
-# What a model may be shown of memory: what was said and done, not harness scaffolding or
-# thinking.
-SHOWN_KINDS = (Kind.TEXT.value, Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value, Kind.MEDIA.value)
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """A stored row as the frame and the recall tools show it."""
-
-    item_id: int
-    message_id: int
-    conversation_id: int
-    conversation: str  # its name as a person knows it (names.label), "" when it has none
-    role: str
-    at: float  # wall time the turn was said
-    kind: str
-    name: str
-    text: str
-    secret: str = ""  # the kind of credential the row holds (m011), shown only as withheld
-
-
-def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int, Row]:
-    """The rows among `item_ids` (of `user_id` only, when given) that a model may be shown:
-    SHOWN_KINDS, and not blank."""
-    ids = list(dict.fromkeys(item_ids))
-    out: dict[int, Row] = {}
-    with snapshot("read rows") as conn:
-        return _shown_rows(conn, ids, user_id, out)
-
-
-def _shown_rows(conn: sqlite3.Connection, ids: list[int], user_id: int | None,
-                out: dict[int, Row]) -> dict[int, Row]:
-    kinds = ",".join("?" * len(SHOWN_KINDS))
-    owner = " AND m.user_id = ?" if user_id is not None else ""
-    for chunk in in_chunks(ids):
-        args = (*chunk, *SHOWN_KINDS, *(() if user_id is None else (user_id,)))
-        for (item, message, conv, title, opening, folder, role, at, kind, name,
-             text, secret) in conn.execute(
-            "SELECT i.id, m.id, m.conversation_id, c.title, c.opening, c.folder, m.role, m.at,"
-            " i.kind, i.name, i.text, i.secret FROM item i JOIN message m"
-            " ON m.id = i.message_id"
-            " JOIN conversation c ON c.id = m.conversation_id"
-            f" WHERE i.id IN ({in_list(chunk)}) AND i.kind IN ({kinds}){owner}", args):
-            if (shown := without_scaffold(text)).strip():
-                out[item] = Row(item, message, conv, label(title, opening, folder), role, at,
-                                kind, name, shown, secret)
-    return out
-
-
-def live_dictionary(conn: sqlite3.Connection) -> Any:  # a dictionary.Dictionary
-    """The dictionary the database names live, made live in this process (loaded once per
-    version): a flip by another process is followed by the next write or catch-up."""
-    from perpetuity_core.memory import dictionary
-
-    current = dictionary.load()
-    row = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
-    if row is None or row[0] == current.version or row[0] in _missing:
-        return current
-    if row[0] == dictionary.shipped().version:
-        d = dictionary.shipped()
-    elif body := conn.execute("SELECT body FROM dictionary WHERE version = ?",
-                              (row[0],)).fetchone():
-        d = dictionary.Dictionary.from_bytes(body[0])
-    else:
-        _missing.add(row[0])
-        return current
-    dictionary.use(d)
-    return d
-
-
-_missing: set[str] = set()  # live versions whose body the database does not hold
-
-
-def dictionary_notice(conn: sqlite3.Connection) -> str | None:
-    """One line when the memory's rows are not on the dictionary this release ships."""
-    from perpetuity_core.memory import dictionary
-
-    (live,) = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
-    shipped = dictionary.shipped().version
-    if live == shipped:
-        return None
-    how = ("run `perpetuity memory dictionary rederive` (in the background, the proxy keeps"
-           " serving), then `perpetuity memory dictionary flip`")
-    if live in _missing:
-        return (f"the memory's rows are on retrieval dictionary {live}, which it does not hold:"
-                f" searches tokenise with the shipped {shipped} until re-derived; {how}")
-    return (f"the memory's rows are on retrieval dictionary {live}, this release ships"
-            f" {shipped}; {how}")
-
-
 # The most values one IN-list takes: SQLite's host parameters were limited to 999 before 3.32.
 IN_CHUNK = 500
 
@@ -581,7 +489,7 @@ def in_list(values: Sized) -> str:
     return ",".join("?" * len(values))
 
 
-def in_chunks(values: Sequence[T]) -> Iterator[list[T]]:
+def in_chunks[T](values: Sequence[T]) -> Iterator[list[T]]:
     """`values` in chunks of at most IN_CHUNK, each small enough for one IN-list."""
     for start in range(0, len(values), IN_CHUNK):
         yield list(values[start:start + IN_CHUNK])
@@ -599,3 +507,4 @@ def _create_private(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
     os.close(fd)
+

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 
-from perpetuity_core.memory.store import Row, shown_rows
+from perpetuity_core.memory.rows import Row, quoted, shown_rows, time_label
 from perpetuity_core.memory.tenants import withheld
-from perpetuity_core.wire.conversation import Kind
 
 SNIPPET_CHARS = 100  # memory_count lists instances, not their whole text
 RESULT_CHARS = 8_000  # 2,000 tokens at four characters a token (scan.token_estimate's rule)
@@ -50,13 +48,9 @@ def fetch_rows(user_id: int, item_ids: Iterable[int]) -> dict[int, Row]:
     return shown_rows(item_ids, user_id)
 
 
-def _when(at: float) -> str:
-    return f"{datetime.fromtimestamp(at, UTC):%Y-%m-%d %H:%M} UTC"
-
-
 def _label(r: Row, *extra: str) -> str:
     return "[" + " · ".join((f"#{r.item_id}", _conversation(r.conversation_id, r.conversation),
-                             r.role, _when(r.at), *extra)) + "]"
+                             r.role, time_label(r.at), *extra)) + "]"
 
 
 def _conversation(conversation_id: int, name: str) -> str:
@@ -70,11 +64,7 @@ def _body(r: Row) -> str:
     carry it into any conversation)."""
     if r.secret:
         return withheld(r)
-    if r.kind == Kind.TOOL_CALL.value:
-        return f"called {r.name}: {r.text}"
-    if r.kind == Kind.TOOL_RESULT.value:
-        return f"tool result: {r.text}"
-    return r.text
+    return quoted(r)
 
 
 def clip(text: str, item_id: int, start: int, chars: int) -> str:
@@ -125,7 +115,7 @@ def _answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, s
 
 
 def _day(at: float) -> str:
-    return _when(at)[:10]
+    return time_label(at)[:10]
 
 
 def _days(at: np.ndarray) -> str:
@@ -142,7 +132,7 @@ def _instance(r: Row, marks: list[str], memory: TurnMemory) -> tuple[int | None,
     stems) it holds. Its id joins `shown` only when the snippet is the whole row: a row seen
     in part stays reachable in full by memory_search."""
     # By number only: the tally above names each conversation once.
-    head = f"#{r.item_id} {_when(r.at)[:16]} c{r.conversation_id} {r.role}"
+    head = f"#{r.item_id} {time_label(r.at)[:16]} c{r.conversation_id} {r.role}"
     if r.item_id in memory.shown:
         return None, f"{head} (already shown)"
     body = " ".join(_body(r).split())

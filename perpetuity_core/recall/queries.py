@@ -18,8 +18,9 @@ import numpy as np
 from perpetuity_core.memory import dictionary
 from perpetuity_core.memory.chains import _rank, _subject_words, chain_of
 from perpetuity_core.memory.names import label
+from perpetuity_core.memory.rows import SHOWN_KINDS, Row
 from perpetuity_core.memory.scan import Hit, Scanner
-from perpetuity_core.memory.store import SHOWN_KINDS, Row, db, in_chunks, in_list
+from perpetuity_core.memory.store import db, in_chunks, in_list
 from perpetuity_core.recall.answers import (
     LABEL_CHARS,
     RESULT_CHARS,

@@ -29,7 +29,7 @@ from perpetuity_core.memory import bindings, capture, frame, heat, names, tenant
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.capture import TurnContext
 from perpetuity_core.memory.frame import Frame
-from perpetuity_core.memory.index import token_estimate
+from perpetuity_core.memory.index import messages_tokens
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.memory.store import Store
 from perpetuity_core.recall import tools
@@ -189,7 +189,7 @@ class Pipeline:
         if recall.key is not None and recall.plan is not None:
             self._remember(recall.key, recall.plan)
         built = recall.built
-        sent = recall.sent_tokens if recall.body is not None else _tokens(parsed.messages)
+        sent = recall.sent_tokens if recall.body is not None else messages_tokens(parsed.messages)
         pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
                               parsed.messages, at, built.reheats if built else {},
                               built.now if built else 0.0, sent, recall.notes,
@@ -227,7 +227,7 @@ class Pipeline:
         old = self._plans.get(key)
         placed = place(old, messages) if old else None
         if old and placed:
-            kept = _tokens(messages[placed.keep:prompt]) + old.insert_tokens
+            kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
             here = mark(messages, prompt)
             if here == old.prompt:  # a tool round of the task in progress
                 out.plan = carried(old, kept, asked_at, here)
@@ -259,8 +259,8 @@ class Pipeline:
             # The plan keeps what went upstream, so the next call grows from it.
             out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
         out.keep, out.note = replaced.keep, replaced.why
-        out.sent_tokens = (_tokens(front) + out.plan.insert_tokens
-                           + _tokens(messages[replaced.keep:]))
+        out.sent_tokens = (messages_tokens(front) + out.plan.insert_tokens
+                           + messages_tokens(messages[replaced.keep:]))
         out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
         return out
 
@@ -272,7 +272,7 @@ class Pipeline:
         assert out.key is not None
         user_id = out.key[0]
         messages = parsed.messages
-        keep = prompt if _tokens(messages[:prompt]) > self.limits.ceiling else 0
+        keep = prompt if messages_tokens(messages[:prompt]) > self.limits.ceiling else 0
         if conv is None:
             keep = 0
         elif new := capture.new_messages(self.store, conv, messages):
@@ -292,7 +292,7 @@ class Pipeline:
             keep = 0  # nothing to stand in for the history
         out.built = built
         out.plan = Plan(
-            tuple(front), _tokens(front), mark(messages, keep), mark(messages, prompt), asked_at,
+            tuple(front), messages_tokens(front), mark(messages, keep), mark(messages, prompt), asked_at,
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0)
@@ -318,7 +318,7 @@ class Pipeline:
         if added:
             out.built = more
             out.plan = with_addendum(out.plan, mark(messages, prompt), added,
-                                          _tokens(added), more.item_ids if more else [])
+                                          messages_tokens(added), more.item_ids if more else [])
 
     def _lesson_only(self, body: dict[str, Any], parsed: ParsedRequest,
                      protocol: Protocol, library: Path | None) -> Recall:
@@ -360,7 +360,7 @@ class Pipeline:
             return
         message_id = capture.record_reply(self.store, turn, reply, at)
         if message_id is not None:
-            heat.advance(turn.user_id, _tokens([reply.message]))
+            heat.advance(turn.user_id, messages_tokens([reply.message]))
             if pending and (bound := pending.hits | (pending.shown - pending.frame_rows)):
                 bindings.record_bindings(message_id, bound)
         recalled = pending.notes if pending else []
@@ -428,10 +428,6 @@ def _tools_note(left_out: int) -> str:
     left = (f" {left_out} more remembered items were left out of this frame;"
             " memory_more and memory_search reach them." if left_out else "")
     return f"[{tools.INSTRUCTIONS}{left}]"
-
-
-def _tokens(messages: list[Message]) -> int:
-    return sum(token_estimate(p.text) for m in messages for p in m.parts)
 
 
 def starts_task(messages: list[Message]) -> bool:

@@ -22,10 +22,12 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
+import h11
 import httpx
 
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.exchange import Job
+from perpetuity_core.serve.http11 import Http11
 from perpetuity_core.wire.conversation import Reply
 from perpetuity_core.wire.protocols import ADAPTERS
 from perpetuity_core.wire.protocols.base import BodyMerging, StreamMerging
@@ -128,19 +130,15 @@ class Relay:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One mitmproxy server connection; kept alive across requests, as mitmproxy reuses it."""
+        http = Http11(reader, writer)
         try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                headers = _parse_head(head)
-                length = int(headers.get("content-length", "0") or 0)
-                if length:
-                    await reader.readexactly(length)  # the job carries the body; this copy is unused
+            while (headers := await http.request()) is not None:
                 entry = self._jobs.pop(headers.get(JOB_HEADER, ""), None)
                 if entry is None:
-                    await _respond(writer, 502, b"perpetuity: unknown relay job")
-                elif not await self._exchange(entry[1], reader, writer):
+                    await http.respond(502, b"perpetuity: unknown relay job")
+                elif not await self._exchange(entry[1], http):
                     return
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+        except (h11.ProtocolError, ConnectionError):
             pass
         except asyncio.CancelledError:
             # Shutdown: a cancelled connection callback would be logged as an error by asyncio's
@@ -152,14 +150,13 @@ class Relay:
             if not writer.is_closing():
                 writer.close()
 
-    async def _exchange(self, job: Job, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter) -> bool:
+    async def _exchange(self, job: Job, http: Http11) -> bool:
         """Relay one exchange; False when the connection to mitmproxy can no longer be used."""
         if job.memory is not None:
-            return await ToolLoop(self, job, reader, writer).run()
-        return await self._forward(job, writer)
+            return await ToolLoop(self, job, http).run()
+        return await self._forward(job, http)
 
-    async def _forward(self, job: Job, writer: asyncio.StreamWriter) -> bool:
+    async def _forward(self, job: Job, http: Http11) -> bool:
         """The plain exchange: upstream's bytes to the client as they come."""
         assert self._client is not None
         request = self._client.build_request(job.method, job.url, headers=job.headers, content=job.body)
@@ -167,31 +164,30 @@ class Relay:
             resp = await self._client.send(request, stream=True)
         except httpx.HTTPError as e:
             self.store_request(job)
-            await _respond(writer, 502, f"perpetuity: upstream {job.url} failed: {e}".encode())
+            await http.respond(502, f"perpetuity: upstream {job.url} failed: {e}".encode())
             return True
         tee = ReplyTee(job, resp.headers.get("content-encoding", "")) if resp.status_code < 400 else None
         try:
             # Always chunked, so the reply can be handed to the store before the client sees
             # its end: the harness's next request must find it stored (one writer, in order).
-            writer.write(_head(resp))
-            await writer.drain()
+            _start(http, resp)
+            await http.drain()
             async for chunk in resp.aiter_raw():
                 if not chunk:
                     continue
-                writer.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                http.send(chunk)
                 if tee:
                     tee.feed(chunk)
-                await writer.drain()
+                await http.drain()
                 # Once the first bytes are on their way, so the write never delays them.
                 self.store_request(job)
             self.store_request(job)  # (a body with no bytes) the request before its reply
             self._store(job, tee)
             tee = None
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
+            await http.end()
         except httpx.HTTPError:
             # The provider cut the stream: cut the client the same way, keep what came.
-            writer.transport.abort()
+            http.abort()
             return False
         except ConnectionError:
             return False  # the client went away; closing the upstream response stops the provider
@@ -220,9 +216,8 @@ class ToolLoop:
     to the plain exchange; after, it ends the stream with the protocol's error event.
     """
 
-    def __init__(self, relay: Relay, job: Job, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
-        self.relay, self.job, self.reader, self.writer = relay, job, reader, writer
+    def __init__(self, relay: Relay, job: Job, http: Http11) -> None:
+        self.relay, self.job, self.http = relay, job, http
         self.adapter = ADAPTERS[job.protocol]
         self.merger = (self.adapter.StreamMerger if job.stream else self.adapter.BodyMerger)(
             frozenset(str(t["name"]) for t in job.tool_specs))
@@ -247,7 +242,7 @@ class ToolLoop:
                         log.warning("perpetuity: upstream refused the request with our changes "
                                     "(400); retrying it as the client sent it")
                         job.body, job.original = job.original or job.body, None
-                        return await self.relay._forward(job, self.writer)
+                        return await self.relay._forward(job, self.http)
                     if resp.status_code >= 400:
                         return await self._upstream_error(resp)
                     await self._round(resp)
@@ -264,8 +259,7 @@ class ToolLoop:
             await self._write(self.merger.finish())
             self.relay.store_request(job)  # the request before its reply: one writer, in order
             self.relay._store(job, self.tee)
-            self.writer.write(b"0\r\n\r\n")
-            await self.writer.drain()
+            await self.http.end()
             return True
         except ConnectionError:
             self.relay.store_request(job)
@@ -276,11 +270,10 @@ class ToolLoop:
             self.relay.store_request(job)
             if not self.started:  # fall back to the client's own request, untouched
                 job.body, job.original = job.original or job.body, None
-                return await self.relay._forward(job, self.writer)
+                return await self.relay._forward(job, self.http)
             what = "upstream" if isinstance(e, httpx.HTTPError | ValueError) else "a recall tool"
             await self._write(self.adapter.error_event(f"perpetuity: {what} failed: {e}"))
-            self.writer.write(b"0\r\n\r\n")
-            await self.writer.drain()
+            await self.http.end()
             return True
 
     async def _round(self, resp: httpx.Response) -> None:
@@ -301,16 +294,15 @@ class ToolLoop:
     async def _start(self, resp: httpx.Response) -> None:
         if not self.started:
             self.started = True
-            self.writer.write(_head(resp))
+            _start(self.http, resp)
 
     async def _write(self, data: bytes) -> None:
         if not self.started:  # a whole body: its head goes out with it
             self.started = True
-            self.writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                              b"transfer-encoding: chunked\r\n\r\n")
-        self.writer.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self.http.start(200, "OK", [("content-type", "application/json")])
+        self.http.send(data)
         self.tee.feed(data)
-        await self.writer.drain()
+        await self.http.drain()
 
     async def _run_tools(self, calls: list[tuple[str, str, Any]]) -> list[tuple[str, str]] | None:
         """Our calls' results, pinging the client while they run; None if it went away."""
@@ -339,7 +331,7 @@ class ToolLoop:
                 continue
             results.append((call_id, task.result()))
         await asyncio.sleep(0)  # let a hang-up that already arrived be seen
-        if self.writer.is_closing() or self.reader.at_eof():
+        if self.http.hung_up():
             return None  # mitmproxy closed our connection: its client is gone
         return results
 
@@ -349,37 +341,16 @@ class ToolLoop:
         self.relay.store_request(self.job)
         if not self.started:
             self.started = True
-            self.writer.write(_head(resp) + b"%x\r\n%b\r\n0\r\n\r\n" % (len(raw), raw))
-            await self.writer.drain()
+            _start(self.http, resp)
+            self.http.send(raw)
+            await self.http.end()
             return True
         await self._write(self.adapter.error_event(raw.decode("utf-8", "replace")[:2000]))
-        self.writer.write(b"0\r\n\r\n")
-        await self.writer.drain()
+        await self.http.end()
         return True
 
 
-def _parse_head(head: bytes) -> dict[str, str]:
-    lines = head.decode("latin-1").split("\r\n")[1:]
-    out: dict[str, str] = {}
-    for line in lines:
-        name, sep, value = line.partition(":")
-        if sep:
-            out[name.strip().lower()] = value.strip()
-    return out
-
-
-def _head(resp: httpx.Response) -> bytes:
-    lines = [f"HTTP/1.1 {resp.status_code} {resp.reason_phrase}"]
-    for name, value in resp.headers.multi_items():
-        if name.lower() not in _HOP:
-            lines.append(f"{name}: {value}")
-    lines.append("transfer-encoding: chunked")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
-    writer.write(
-        b"HTTP/1.1 %d Bad Gateway\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%b"
-        % (status, len(body), body)
-    )
-    await writer.drain()
+def _start(http: Http11, resp: httpx.Response) -> None:
+    """Upstream's head, hop-by-hop headers left out; the body follows chunked."""
+    http.start(resp.status_code, resp.reason_phrase,
+               [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _HOP])

@@ -90,10 +90,7 @@ def route(
     `direct` is true when the client addressed the proxy itself (a base URL pointing at us);
     otherwise the client used us as its HTTP(S) proxy to reach `host`.
     """
-    if direct:
-        provider = provider_of(path, headers, model)
-    else:
-        provider = PROVIDER_HOSTS.get(host)
+    provider = provider_of(path, headers, model) if direct else PROVIDER_HOSTS.get(host)
     if provider is None:
         return None
     base = upstreams[provider]

@@ -26,30 +26,41 @@ class Event:
 
 
 class SSEDecoder:
+    """Linear in what it is fed: each byte is searched once and copied at most twice (into the
+    buffer, out as its line). Slicing the remainder off after every line, as this once did, is
+    quadratic in a chunk's length: one 2.3 MB chunk of small events held mitmproxy's event
+    loop for 4.9 s."""
+
     def __init__(self) -> None:
-        self._buf = b""
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already searched for a line end
         self._event = ""
         self._data: list[str] = []
 
     def feed(self, chunk: bytes) -> list[Event]:
-        self._buf += chunk
+        buf = self._buf
+        buf += chunk
         out: list[Event] = []
-        while True:
-            nl = self._buf.find(b"\n")
-            if nl < 0:
-                return out
-            line = self._buf[:nl].rstrip(b"\r").decode("utf-8", "replace")
-            self._buf = self._buf[nl + 1 :]
-            if not line:
-                if self._data:
-                    out.append(Event(self._event or "message", "\n".join(self._data)))
-                self._event, self._data = "", []
-                continue
-            if line.startswith(":"):
-                continue
-            name, _, value = line.partition(":")
-            value = value.removeprefix(" ")
-            if name == "event":
-                self._event = value
-            elif name == "data":
-                self._data.append(value)
+        start = 0
+        while (nl := buf.find(b"\n", max(start, self._scanned))) >= 0:
+            line = bytes(buf[start:nl]).rstrip(b"\r").decode("utf-8", "replace")
+            start = nl + 1
+            self._line(line, out)
+        del buf[:start]
+        self._scanned = len(buf)
+        return out
+
+    def _line(self, line: str, out: list[Event]) -> None:
+        if not line:
+            if self._data:
+                out.append(Event(self._event or "message", "\n".join(self._data)))
+            self._event, self._data = "", []
+            return
+        if line.startswith(":"):
+            return
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
