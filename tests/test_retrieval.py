@@ -534,7 +534,8 @@ def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     from perpetuity_core.cli import main as cli
 
     # Only this module's commands: the test does not depend on the others importing.
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.cli.search"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.cli.search",
+                                                "perpetuity_core.cli.memory"])
     path = tmp_path / "m.db"
     store = open_memory(path)
     add(store, "alice", "c1", ["we adopted a dog named Biscuit", "the concert was loud"])
@@ -555,6 +556,11 @@ def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     stats = json.loads(capsys.readouterr().out)
     assert (stats["users"], stats["messages"], stats["rows"]) == (1, 2, 2)
     assert stats["row_versions"] == {dictionary.load().version: 2}
+    # The same verbs under their noun; the top-level names above are their aliases.
+    assert cli.main(["memory", "search", "--db", str(path), "--json", "--user", "alice", "dog"]) == 0
+    assert json.loads(capsys.readouterr().out)["hits"][0]["text"] == "we adopted a dog named Biscuit"
+    assert cli.main(["memory", "stats", "--db", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 2
 
 
 @needs_shared

@@ -1,4 +1,5 @@
-"""`perpetuity memory {check,purge,dictionary}`: keep a memory whole, beside a serving proxy."""
+"""`perpetuity memory {import,search,stats,check,purge,dictionary}`: load and query a memory
+(cli/search.py), and keep it whole beside a serving proxy."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from perpetuity_core.cli import search
+
 DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    memory = sub.add_parser("memory", help="check, purge, and the retrieval dictionary",
-                            description=__doc__)
+    memory = sub.add_parser("memory", help="import, search, stats, check, purge, and the"
+                            " retrieval dictionary", description=__doc__)
     verbs = memory.add_subparsers(dest="verb", required=True)
+    search.add_verbs(verbs)
     p = verbs.add_parser("check", help=cmd_check.__doc__, description=cmd_check.__doc__)
     p.add_argument("--db", help=DB_HELP)
     p.set_defaults(func=cmd_check)

@@ -1,4 +1,5 @@
-"""`perpetuity import`, `perpetuity search` and `perpetuity stats`: memory from the command line."""
+"""`perpetuity memory import`, `search` and `stats`: memory from the command line (also
+`perpetuity import`, `search` and `stats`, as before the nouns)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ from perpetuity_core.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("import", help=cmd_import.__doc__, description=cmd_import.__doc__)
+    """Today's top-level commands, kept as aliases of `perpetuity memory <verb>`."""
+    add_verbs(sub, alias=True)
+
+
+def add_verbs(sub: argparse._SubParsersAction, alias: bool = False) -> None:
+    """import, search and stats, as `perpetuity memory`'s verbs (or, `alias`, top-level)."""
+    def said(func: object) -> str:
+        doc = str(getattr(func, "__doc__", ""))
+        return f"same as `perpetuity memory {getattr(func, '__name__', '')[4:]}`" if alias else doc
+
+    p = sub.add_parser("import", help=said(cmd_import), description=cmd_import.__doc__)
     p.add_argument("source", choices=["claude-code", "locomo", "beam", "longmemeval"])
     p.add_argument("path", nargs="?", help="default for claude-code: ~/.claude/projects")
     p.add_argument("--db", help="memory database (default: $PERPETUITY_DB or ~/.perpetuity)")
@@ -21,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_import)
 
-    p = sub.add_parser("search", help=cmd_search.__doc__, description=cmd_search.__doc__)
+    p = sub.add_parser("search", help=said(cmd_search), description=cmd_search.__doc__)
     p.add_argument("query", nargs="?", help="without it: one query per line of standard input")
     p.add_argument("--db", help="memory database (default: $PERPETUITY_DB or ~/.perpetuity)")
     p.add_argument("--user", help="user key or id whose rows to search (default: every row)")
@@ -31,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("stats", help=cmd_stats.__doc__, description=cmd_stats.__doc__)
+    p = sub.add_parser("stats", help=said(cmd_stats), description=cmd_stats.__doc__)
     p.add_argument("--db", help="memory database (default: $PERPETUITY_DB or ~/.perpetuity)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)

@@ -18,6 +18,7 @@ from perpetuity_core.wire.conversation import (
     as_context,
     text_part,
 )
+from perpetuity_core.wire.protocols.base import BodyMergerBase
 from perpetuity_core.wire.sse import Event
 
 
@@ -438,25 +439,19 @@ class StreamMerger:
         return _event("message_delta", delta) + _event("message_stop", {"type": "message_stop"})
 
 
-class BodyMerger:
+class BodyMerger(BodyMergerBase):
     """Rounds of whole (not streamed) Messages replies merged into the one the client sees."""
 
-    def __init__(self, ours: frozenset[str]) -> None:
-        self.ours = ours
-        self.first: dict[str, Any] | None = None
-        self.last: dict[str, Any] = {}
-        self.visible: list[dict[str, Any]] = []
-        self.round: list[dict[str, Any]] = []
-        self.usage = {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0,
-                      "cache_read_input_tokens": 0}
+    USAGE = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
+             "cache_read_input_tokens")
 
-    def feed_body(self, body: dict[str, Any]) -> None:
-        self.first = self.first or body
-        self.last = body
+    def __init__(self, ours: frozenset[str]) -> None:
+        super().__init__(ours)
+        self.round: list[dict[str, Any]] = []
+
+    def _take(self, body: dict[str, Any]) -> None:
         self.round = [b for b in body.get("content") or [] if isinstance(b, dict)]
         self.visible += [b for b in self.round if not self._ours(b)]
-        for key in self.usage:
-            self.usage[key] += int((body.get("usage") or {}).get(key) or 0)
 
     def _ours(self, block: dict[str, Any]) -> bool:
         return block.get("type") == "tool_use" and block.get("name") in self.ours

@@ -29,6 +29,31 @@ class Merger(Protocol):
     def finish(self) -> bytes: ...
 
 
+class BodyMergerBase:
+    """Rounds of whole (not streamed) reply bodies merged into the one the client sees: the
+    first round's fields, the last round's ending, the usage of every round summed. A protocol
+    says what a round is (`_take`) and how the merged body reads (`finish`)."""
+
+    USAGE: tuple[str, ...] = ()  # the usage counters summed over rounds
+
+    def __init__(self, ours: frozenset[str]) -> None:
+        self.ours = ours
+        self.first: dict[str, Any] | None = None
+        self.last: dict[str, Any] = {}
+        self.visible: list[dict[str, Any]] = []
+        self.usage = dict.fromkeys(self.USAGE, 0)
+
+    def feed_body(self, body: dict[str, Any]) -> None:
+        self.first = self.first or body
+        self.last = body
+        self._take(body)
+        for key in self.usage:
+            self.usage[key] += int((body.get("usage") or {}).get(key) or 0)
+
+    def _take(self, body: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
 class StreamMerging(Merger, Protocol):
     def feed(self, name: str, data: dict[str, Any]) -> bytes: ...
 

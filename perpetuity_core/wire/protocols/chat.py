@@ -18,6 +18,7 @@ from perpetuity_core.wire.conversation import (
     Usage,
     text_part,
 )
+from perpetuity_core.wire.protocols.base import BodyMergerBase
 from perpetuity_core.wire.sse import Event
 
 HINT_FIELDS = ("user", "safety_identifier", "prompt_cache_key")
@@ -344,28 +345,22 @@ class StreamMerger:
         return (out + "data: [DONE]\n\n").encode()
 
 
-class BodyMerger:
+class BodyMerger(BodyMergerBase):
     """Rounds of whole chat.completion bodies merged into the one the client sees."""
 
-    def __init__(self, ours: frozenset[str]) -> None:
-        self.ours = ours
-        self.first: dict[str, Any] | None = None
-        self.last: dict[str, Any] = {}
-        self.text: list[str] = []
-        self.visible: list[dict[str, Any]] = []
-        self.round: dict[str, Any] = {}
-        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    USAGE = ("prompt_tokens", "completion_tokens", "total_tokens")
 
-    def feed_body(self, body: dict[str, Any]) -> None:
-        self.first = self.first or body
-        self.last = body
+    def __init__(self, ours: frozenset[str]) -> None:
+        super().__init__(ours)
+        self.text: list[str] = []
+        self.round: dict[str, Any] = {}
+
+    def _take(self, body: dict[str, Any]) -> None:
         self.round = ((body.get("choices") or [{}])[0].get("message")) or {}
         if isinstance(self.round.get("content"), str):
             self.text.append(self.round["content"])
         self.visible += [c for c in self.round.get("tool_calls") or []
                          if (c.get("function") or {}).get("name") not in self.ours]
-        for key in self.usage:
-            self.usage[key] += int((body.get("usage") or {}).get(key) or 0)
 
     def our_calls(self) -> list[tuple[str, str, Any]]:
         return [(str(c.get("id", "")), str(c["function"]["name"]), c["function"].get("arguments", ""))

@@ -23,6 +23,7 @@ from perpetuity_core.wire.conversation import (
     Usage,
     text_part,
 )
+from perpetuity_core.wire.protocols.base import BodyMergerBase
 from perpetuity_core.wire.protocols.chat import HINT_FIELDS, _args
 from perpetuity_core.wire.sse import Event
 
@@ -373,24 +374,18 @@ class StreamMerger:
         return self._emit(str(final.get("type", "response.completed")), {**final, "response": resp})
 
 
-class BodyMerger:
+class BodyMerger(BodyMergerBase):
     """Rounds of whole response bodies merged into the one the client sees."""
 
-    def __init__(self, ours: frozenset[str]) -> None:
-        self.ours = ours
-        self.first: dict[str, Any] | None = None
-        self.last: dict[str, Any] = {}
-        self.visible: list[dict[str, Any]] = []
-        self.round: list[dict[str, Any]] = []
-        self.usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+    USAGE = ("input_tokens", "output_tokens", "total_tokens")
 
-    def feed_body(self, body: dict[str, Any]) -> None:
-        self.first = self.first or body
-        self.last = body
+    def __init__(self, ours: frozenset[str]) -> None:
+        super().__init__(ours)
+        self.round: list[dict[str, Any]] = []
+
+    def _take(self, body: dict[str, Any]) -> None:
         self.round = [i for i in body.get("output") or [] if isinstance(i, dict)]
         self.visible += [i for i in self.round if not _ours(i, self.ours)]
-        for key in self.usage:
-            self.usage[key] += int((body.get("usage") or {}).get(key) or 0)
 
     def our_calls(self) -> list[tuple[str, str, Any]]:
         return [(str(i.get("call_id", "")), str(i.get("name", "")), i.get("arguments", ""))

@@ -1,0 +1,1 @@
+"""The `perpetuity` command: main dispatches to one module per noun."""

@@ -1,0 +1,139 @@
+"""`perpetuity memory {import,search,stats,check,purge,dictionary}`: load and query a memory
+(cli/search.py), and keep it whole beside a serving proxy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from perpetuity_core.cli import search
+
+DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    memory = sub.add_parser("memory", help="import, search, stats, check, purge, and the"
+                            " retrieval dictionary", description=__doc__)
+    verbs = memory.add_subparsers(dest="verb", required=True)
+    search.add_verbs(verbs)
+    p = verbs.add_parser("check", help=cmd_check.__doc__, description=cmd_check.__doc__)
+    p.add_argument("--db", help=DB_HELP)
+    p.set_defaults(func=cmd_check)
+    p = verbs.add_parser("purge", help=cmd_purge.__doc__, description=cmd_purge.__doc__)
+    p.add_argument("--user", required=True, help="user key (or id)")
+    p.add_argument("--db", help=DB_HELP)
+    p.set_defaults(func=cmd_purge)
+
+    d = verbs.add_parser("dictionary", help="the retrieval dictionary as data",
+                         description="Upload a version dark, re-derive every row under it in the "
+                         "background, flip it live in one transaction.")
+    dv = d.add_subparsers(dest="action", required=True)
+    p = dv.add_parser("list", help=cmd_list.__doc__, description=cmd_list.__doc__)
+    p.add_argument("--db", help=DB_HELP)
+    p.set_defaults(func=cmd_list)
+    p = dv.add_parser("upload", help=cmd_upload.__doc__, description=cmd_upload.__doc__)
+    p.add_argument("file", type=Path)
+    p.add_argument("--db", help=DB_HELP)
+    p.set_defaults(func=cmd_upload)
+    for name, func in (("rederive", cmd_rederive), ("flip", cmd_flip)):
+        p = dv.add_parser(name, help=func.__doc__, description=func.__doc__)
+        p.add_argument("--version", help="default: the newest uploaded version not live, else"
+                       " the shipped one")
+        p.add_argument("--db", help=DB_HELP)
+        if name == "rederive":
+            p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.set_defaults(func=func)
+
+
+def _open(db: str | None):  # noqa: ANN202 - a Store
+    from perpetuity_core.memory.schema import open_memory
+    from perpetuity_core.memory.store import default_db_path
+
+    return open_memory(Path(db) if db else default_db_path())
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Recompute every invariant; one line per violation, exit status 1 when any."""
+    from perpetuity_core.memory.integrity import check
+
+    store = _open(args.db)
+    try:
+        problems = check(store)
+    finally:
+        store.close()
+    for p in problems:
+        print(p)
+    if not problems:
+        print(f"memory {store.path}: every invariant holds", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    """Remove a user's memory as a unit (notes are untouched)."""
+    from perpetuity_core.memory.maintenance import purge_user
+
+    store = _open(args.db)
+    try:
+        out = purge_user(store, args.user)
+    finally:
+        store.close()
+    print(f"purged {args.user}: {out.messages} messages, {out.items} rows", file=sys.stderr)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """The dictionary versions this memory holds: which is live, how far each is re-derived."""
+    from perpetuity_core.memory.maintenance import versions
+
+    store = _open(args.db)
+    try:
+        for v in versions(store):
+            when = datetime.fromtimestamp(v.uploaded_at, UTC).strftime("%Y-%m-%d %H:%M")
+            state = "live" if v.live else f"dark, {v.rederived} rows re-derived"
+            print(f"{v.version}  uploaded {when}  {state}")
+    finally:
+        store.close()
+    return 0
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    """Store a dictionary file dark (nothing changes until it is re-derived and flipped)."""
+    from perpetuity_core.memory.maintenance import upload
+
+    store = _open(args.db)
+    try:
+        print(upload(store, args.file))
+    finally:
+        store.close()
+    return 0
+
+
+def cmd_rederive(args: argparse.Namespace) -> int:
+    """Re-derive every row under a dark version (resumable; the proxy keeps serving)."""
+    from perpetuity_core.memory.maintenance import rederive, target
+
+    store = _open(args.db)
+    try:
+        version = target(store, args.version)
+        n = rederive(store, version, progress=not args.quiet)
+    finally:
+        store.close()
+    print(f"re-derived {n} rows under {version}; `perpetuity memory dictionary flip` makes it"
+          " live", file=sys.stderr)
+    return 0
+
+
+def cmd_flip(args: argparse.Namespace) -> int:
+    """Make the re-derived version live, in one transaction (heat and novelty untouched)."""
+    from perpetuity_core.memory.maintenance import flip, target
+
+    store = _open(args.db)
+    try:
+        version = target(store, args.version)
+        rows = flip(store, version)
+    finally:
+        store.close()
+    print(f"dictionary {version} is live: {rows} rows", file=sys.stderr)
+    return 0

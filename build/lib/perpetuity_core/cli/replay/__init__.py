@@ -1,0 +1,74 @@
+"""`perpetuity replay`: what would Perpetuity have saved me?
+
+Recorded conversations go through the real request pipeline, one memory for all of them, in
+time order, each call answered with its recorded reply and billed twice under the provider's
+prompt-cache rules: as the harness sent it (direct) and as it reached the provider.
+
+    perpetuity replay claude-code PATH... [--db DB] [--calls N] [--json] [--plot FILE.png]
+    perpetuity replay chat locomo PATH [--db DB] [--limit N] [--json] [--plot FILE.png]
+
+PATH may be session files or folders (such as ~/.claude/projects, searched for *.jsonl).
+Costs are in units of one uncached input token (billing.py has the rules). The system prompt
+and tools are a real Claude Code request's: ../shared's capture by default, or
+--request-template FILE; without either, a short built-in system prompt stands in and the
+report says so.
+
+From Python: `replay.claude_code(paths, ...)` and `replay.chat_locomo(path, ...)` return a
+`Report` (`.sessions`, `.total`, `.as_dict()`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from perpetuity_core.cli.replay.drive import Report, chat_locomo, claude_code
+from perpetuity_core.cli.replay.report import plot, table
+from perpetuity_core.errors import ConfigError
+from perpetuity_core.memory.cap import Cap
+
+__all__ = ["Report", "chat_locomo", "claude_code", "register"]
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("replay", help="what would Perpetuity have saved? recorded sessions, "
+                       "billed direct and through the proxy", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    kinds = p.add_subparsers(dest="kind", required=True)
+    cc = kinds.add_parser("claude-code", help="Claude Code session files (~/.claude/projects)")
+    cc.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    cc.add_argument("--calls", type=int, help="only each session's first N calls")
+    cc.add_argument("--request-template", type=Path, metavar="FILE",
+                    help="a captured Claude Code request giving the system prompt and tools")
+    chat = kinds.add_parser("chat", help="a chat dataset re-sent turn by turn (LoCoMo)")
+    chat.add_argument("dataset", choices=["locomo"])
+    chat.add_argument("path", type=Path, help="locomo10.json")
+    chat.add_argument("--limit", type=int, default=0, help="only the first N conversations")
+    chat.add_argument("--turns", type=int, default=0, help="only each conversation's first N turns")
+    for q in (cc, chat):
+        q.add_argument("--db", type=Path, help="the memory to fill (a new file; default temporary)")
+        q.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        q.add_argument("--plot", type=Path, metavar="FILE.png", help="cumulative cost plot")
+        q.add_argument("--ceiling", type=int, default=Cap().ceiling, help="largest frame, tokens")
+        q.add_argument("--no-tools", action="store_true", help="without the recall tools")
+        q.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    limits = Cap(Cap().floor, args.ceiling)
+    if args.kind == "claude-code":
+        if missing := [str(p) for p in args.paths if not p.exists()]:
+            raise ConfigError(f"no such path: {', '.join(missing)}")
+        report = claude_code(args.paths, db=args.db, calls=args.calls,
+                             template=args.request_template, limits=limits,
+                             tools=not args.no_tools, progress=True)
+    else:
+        report = chat_locomo(args.path, db=args.db, limit=args.limit, turns=args.turns,
+                             limits=limits, tools=not args.no_tools, progress=True)
+    data = report.as_dict()
+    print(json.dumps(data, indent=2) if args.json else table(data))
+    if args.plot:
+        plot(report.sessions, args.plot)
+    return 0

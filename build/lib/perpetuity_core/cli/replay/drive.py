@@ -1,0 +1,214 @@
+"""Recorded conversations through the real request pipeline, billed both ways.
+
+Each call goes through `Pipeline.prepare` in-process, as the proxy runs it; what would go
+upstream is `decision.body` (or the request untouched), with the recall tools added as the relay
+adds them when they ride along. The answer is the recorded reply, stored as the relay stores a
+reply (`store_turn`, then `store_reply` at the reply's own time). Both requests are billed on
+the conversation's own timestamps, each world with its own prompt cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import json
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from perpetuity_core.cli.replay.billing import AnthropicCache
+from perpetuity_core.cli.replay.measure import (
+    Tally,
+    identifiers,
+    live_kept,
+    reply_text,
+    request_text,
+)
+from perpetuity_core.cli.replay.request import Template, build, load_template
+from perpetuity_core.cli.replay.sessions import Call, Session, sessions_in_order
+from perpetuity_core.errors import ConfigError
+from perpetuity_core.memory import importers
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.serve.exchange import HttpRequest
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.conversation import Provider
+from perpetuity_core.wire.protocols import ADAPTERS, anthropic
+
+
+@dataclass(slots=True)
+class Report:
+    """Per session (or conversation) and in total; `as_dict()` is what `--json` prints."""
+
+    sessions: list[Tally] = field(default_factory=list)
+    template: str = ""
+
+    @property
+    def total(self) -> Tally:
+        t = Tally("total")
+        for s in self.sessions:
+            t.merge(s)
+        return t
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"template": self.template, "sessions": [s.as_dict() for s in self.sessions],
+                "total": self.total.as_dict()}
+
+
+@contextlib.contextmanager
+def _pipeline(db: Path | None, options: dict[str, Any]) -> Iterator[Pipeline]:
+    """The pipeline as `perpetuity proxy` runs it, on a fresh memory: at `db` (which must not
+    exist yet, so no real memory is touched), else a temporary file. Its notes library is an
+    empty one of its own (a new user's): the note_capture tool rides along as in the proxy, and
+    no real library is read or marked."""
+    if db is not None and db.exists():
+        raise ConfigError(f"{db} exists; replay fills a new memory, give a new path")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = open_memory(db or Path(tmp) / "replay.db")
+        try:
+            yield Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider},
+                           **{"notes_root": Path(tmp) / "notes", **options})
+        finally:
+            store.close()
+
+
+class _Side:
+    """One call through the pipeline: the body that goes upstream, and the reply stored."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def send(self, path: str, headers: tuple[tuple[str, str], ...], body: dict[str, Any],
+             reply: dict[str, Any], replied_at: float) -> tuple[dict[str, Any], bool]:
+        """(the body as it reached the provider, whether the history was replaced)."""
+        req = HttpRequest("POST", "127.0.0.1", path, headers, json.dumps(body).encode(), True)
+        d = self.pipeline.prepare(req)
+        sent = json.loads(d.body) if d.body is not None else body
+        job = d.job
+        if job is None:
+            return sent, False
+        if job.relay:  # the recall tools ride along, as the relay's first round sends them
+            sent = ADAPTERS[job.protocol].add_tools(sent, job.tool_specs, job.max_rounds == 1)
+        turn = self.pipeline.store_turn(job.pending)
+        self.pipeline.store_reply(turn, ADAPTERS[job.protocol].reply_from_body(reply), replied_at,
+                                  job.pending)
+        return sent, d.body is not None
+
+
+def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None = None,
+                template: Path | None = None, progress: bool = False,
+                **pipeline_options: Any) -> Report:
+    """Replay Claude Code sessions (files, or folders searched for *.jsonl) into one memory,
+    in time order; `calls` keeps each session's first N calls. `pipeline_options` go to
+    `Pipeline` as the proxy's options would (limits=Cap(...), tools=False, tool_rounds=...)."""
+    shape = load_template(template)
+    sessions = list(sessions_in_order(paths))
+    if not sessions:
+        raise ConfigError("no Claude Code session files (*.jsonl) under the given paths")
+    report = Report([Tally(s.id, skipped_lines=s.skipped_lines)
+                     for s in sessions], shape.source)
+    queue = [(c.at, n, i, c) for n, s in enumerate(sessions) for i, c in
+             enumerate(s.calls[:calls] if calls else s.calls)]
+    heapq.heapify(queue)
+    direct_cache, upstream_cache = AnthropicCache(), AnthropicCache()
+    with _pipeline(db, pipeline_options) as pipeline, tqdm(
+            total=len(queue), disable=not progress, unit="call", desc="replay") as bar:
+        side = _Side(pipeline)
+        harness_ids = identifiers("\n".join(shape.harness_text()))
+        while queue:
+            _, n, _, call = heapq.heappop(queue)
+            _replay_call(side, sessions[n], call, shape, report.sessions[n], harness_ids,
+                         direct_cache, upstream_cache)
+            bar.update()
+    return report
+
+
+def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tally: Tally,
+                 harness_ids: set[str], direct_cache: AnthropicCache,
+                 upstream_cache: AnthropicCache) -> None:
+    built = build(call, shape, session)
+    tally.prompts += call.starts_task
+    if anthropic.check(built.body):  # Claude Code's own record is not a valid request
+        tally.skipped_calls += 1
+        return
+    sent, framed = side.send("/v1/messages?beta=true", built.headers, built.body,
+                             {"content": call.reply}, call.replied_at)
+    direct = direct_cache.bill(built.body, call.at)
+    upstream = upstream_cache.bill(sent, call.at)
+    messages = built.body["messages"]
+    live_text = request_text({"messages": messages[built.live_from:]})
+    older = identifiers(reply_text(call.reply)) & identifiers(
+        request_text({"messages": messages[:built.live_from]}))
+    older -= identifiers(live_text) | harness_ids
+    tally.add(direct, upstream, anthropic.check(sent),
+              live_kept(messages, sent.get("messages") or [], built.live_from), older,
+              request_text(sent), framed)
+
+
+# --------------------------------------------------------------------------- chat replay
+
+
+def paced(times: list[float], gap: float) -> list[float]:
+    """A dataset's times with the turns of one sitting `gap` seconds apart (LoCoMo's are a
+    second apart), as a person types; sittings keep their dates."""
+    out: list[float] = []
+    for i, t in enumerate(times):
+        same_sitting = i > 0 and 0 <= t - times[i - 1] < 60
+        out.append(out[-1] + gap if same_sitting else t)
+    return out
+
+
+def chat_locomo(path: Path, db: Path | None = None, limit: int = 0, turns: int = 0,
+                gap: float = 60.0, model: str = "claude-sonnet-4-6", progress: bool = False,
+                **pipeline_options: Any) -> Report:
+    """Each LoCoMo conversation re-sent turn by turn as a chat client sends it: the whole
+    history every time, Anthropic Messages with a cache mark on the last message."""
+    if not path.exists():
+        raise ConfigError(f"no such dataset path: {path}")
+    threads = list(importers.locomo(path))[: limit or None]
+    report = Report([Tally(t.conversation_key) for t in threads], "chat client")
+    direct_cache, upstream_cache = AnthropicCache(), AnthropicCache()
+    with _pipeline(db, pipeline_options) as pipeline, tqdm(
+            total=len(threads), disable=not progress, unit="conversation", desc="replay") as bar:
+        side = _Side(pipeline)
+        for thread, tally in zip(threads, report.sessions, strict=True):
+            _chat_thread(side, thread, tally, turns, gap, model, direct_cache, upstream_cache)
+            bar.update()
+    return report
+
+
+def _chat_thread(side: _Side, thread: importers.Thread, tally: Tally, turns: int, gap: float,
+                 model: str, direct_cache: AnthropicCache,
+                 upstream_cache: AnthropicCache) -> None:
+    # A chat client sends when the person has finished: consecutive turns of one side are one
+    # message (sent at its last part's time); a conversation opening with the other side's
+    # turn sends it as the person's.
+    said: list[tuple[str, str, float]] = []
+    for m, at in zip(thread.messages[: turns or None], paced(thread.times, gap), strict=False):
+        role = m.role if said or m.role == "user" else "user"
+        if said and said[-1][0] == role:
+            said[-1] = (role, said[-1][1] + "\n" + m.text, at)
+        else:
+            said.append((role, m.text, at))
+    for k, (role, text, at) in enumerate(said):
+        if role != "user":
+            continue
+        last = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+        history = [{"role": r, "content": x} for r, x, _ in said[:k]] + [
+            {"role": "user", "content": [last]}]
+        body = {"model": model, "max_tokens": 1024, "messages": history}
+        reply = said[k + 1] if k + 1 < len(said) else ("assistant", "", at)
+        tally.prompts += 1
+        headers = (("x-api-key", "sk-ant-replay"), ("anthropic-version", "2023-06-01"),
+                   ("content-type", "application/json"), ("x-perpetuity-user", thread.user_key),
+                   ("x-perpetuity-conversation", thread.conversation_key),
+                   ("x-perpetuity-time", datetime.fromtimestamp(at, UTC).isoformat()))
+        sent, framed = side.send("/v1/messages", headers, body,
+                                 {"content": [{"type": "text", "text": reply[1]}]}, reply[2])
+        tally.add(direct_cache.bill(body, at), upstream_cache.bill(sent, at),
+                  anthropic.check(sent), live_kept(history, sent.get("messages") or [], k),
+                  set(), "", framed)

@@ -1,0 +1,150 @@
+"""What one replayed call cost each way, and what the upstream request kept.
+
+Per call, `Tally.add` records:
+
+- the bill of the request as the harness sent it (direct) and as it reached the provider;
+- whether the provider would have refused the upstream request (the adapter's `check`);
+- "uses older history": the identifiers (file paths, snake_case, CamelCase and dotted names of
+  four characters or more) the recorded reply uses in its text and tool-call arguments that
+  the older history held (before the person's latest prompt) but neither the live task nor the
+  harness's own text (system prompt, tools, reminders) did; and how many of them the upstream
+  request still held (the direct request holds them all by construction);
+- whether the live task (the messages from the person's latest prompt on) reached the provider
+  byte-identical, compared as JSON without cache marks (marks are where the proxy places them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from perpetuity_core.cli.replay.billing import Bill, block_text
+
+_CANDIDATE = re.compile(r"~?(?:[\w.\-]*/)+[\w.\-]+|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][\w]*)+"
+                        r"|[A-Za-z_][A-Za-z0-9_]*")
+_CAMEL = re.compile(r"[a-z][A-Z]|[A-Z].*[A-Z].*[a-z]|[A-Z][a-z]+[A-Z]")
+_EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,8}$")
+
+
+def identifiers(text: str) -> set[str]:
+    """File paths and code names in a text, not plain words."""
+    out = set()
+    for m in _CANDIDATE.finditer(text):
+        s = m.group().rstrip(".-/")
+        if len(s) < 4:
+            continue
+        if "/" in s:
+            if _is_path(s):
+                out.add(s)
+        elif "_" in s.strip("_") or "." in s or _CAMEL.search(s):
+            out.add(s)
+    return out
+
+
+def _is_path(s: str) -> bool:
+    """A path, not words joined by slashes ("and/or", "Mind/Body"): it has an extension, is
+    rooted, or is three lower-case parts deep or more."""
+    if _EXTENSION.search(s) or s.startswith(("/", "~", "./", "../")):
+        return True
+    parts = s.split("/")
+    return len(parts) >= 3 and all(p == p.lower() for p in parts)
+
+
+def reply_text(blocks: list[dict[str, Any]]) -> str:
+    """What a reply says and calls with: its text and tool-call arguments (not its thinking)."""
+    return "\n".join(block_text(b) for b in blocks if b.get("type") in ("text", "tool_use"))
+
+
+def request_text(body: dict[str, Any]) -> str:
+    parts = [block_text(b) for b in body.get("system") or [] if isinstance(b, dict)]
+    for m in body.get("messages") or []:
+        content = m.get("content")
+        parts += [content] if isinstance(content, str) else [block_text(b) for b in content or []]
+    return "\n".join(parts)
+
+
+def _unmarked(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _unmarked(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_unmarked(v) for v in value]
+    return value
+
+
+def live_kept(direct: list[dict[str, Any]], upstream: list[dict[str, Any]], live: int) -> bool:
+    """The live task at the end of the upstream messages, as the harness sent it."""
+    tail = direct[live:]
+    if len(upstream) < len(tail):
+        return False
+    sent = upstream[len(upstream) - len(tail):]
+    return json.dumps(_unmarked(tail)) == json.dumps(_unmarked(sent))
+
+
+@dataclass(slots=True)
+class Tally:
+    """One session's figures (or the total's)."""
+
+    name: str
+    calls: int = 0
+    prompts: int = 0
+    skipped_calls: int = 0  # Claude Code's own record would have been refused
+    skipped_lines: int = 0
+    invalid: int = 0  # upstream requests the provider would refuse
+    reasons: list[str] = field(default_factory=list)
+    direct: Bill = field(default_factory=Bill)
+    upstream: Bill = field(default_factory=Bill)
+    older_used: int = 0  # identifiers a reply used that only older history held
+    older_kept: int = 0  # ... and the upstream request still held
+    calls_using_older: int = 0
+    live_identical: int = 0
+    framed: int = 0  # calls whose history the proxy replaced
+    direct_curve: list[float] = field(default_factory=list)  # cumulative cost
+    upstream_curve: list[float] = field(default_factory=list)
+
+    def add(self, direct: Bill, upstream: Bill, problems: list[str], live_same: bool,
+            older: set[str], upstream_text: str, framed: bool) -> None:
+        self.calls += 1
+        self.direct.add(direct)
+        self.upstream.add(upstream)
+        self.direct_curve.append((self.direct_curve[-1] if self.direct_curve else 0) + direct.cost)
+        self.upstream_curve.append(
+            (self.upstream_curve[-1] if self.upstream_curve else 0) + upstream.cost)
+        if problems:
+            self.invalid += 1
+            self.reasons += [p for p in problems if p not in self.reasons][:5 - len(self.reasons)]
+        self.live_identical += live_same
+        self.framed += framed
+        if older:
+            self.calls_using_older += 1
+            self.older_used += len(older)
+            self.older_kept += sum(1 for name in older if name in upstream_text)
+
+    def merge(self, other: Tally) -> None:
+        for name in ("calls", "prompts", "skipped_calls", "skipped_lines", "invalid",
+                     "older_used", "older_kept", "calls_using_older", "live_identical", "framed"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.reasons += [r for r in other.reasons if r not in self.reasons][:5 - len(self.reasons)]
+        self.direct.add(other.direct)
+        self.upstream.add(other.upstream)
+
+    def as_dict(self) -> dict[str, Any]:
+        def ratio(a: float, b: float) -> float | None:
+            return round(a / b, 4) if b else None
+
+        return {
+            "name": self.name, "calls": self.calls, "prompts": self.prompts,
+            "framed_calls": self.framed,
+            "tokens": {"direct": self.direct.tokens, "upstream": self.upstream.tokens,
+                       "ratio": ratio(self.upstream.tokens, self.direct.tokens)},
+            "cost": {"direct": round(self.direct.cost, 1), "upstream": round(self.upstream.cost, 1),
+                     "ratio": ratio(self.upstream.cost, self.direct.cost)},
+            "direct": self.direct.as_dict(), "upstream": self.upstream.as_dict(),
+            "invalid_requests": self.invalid, "invalid_reasons": self.reasons[:5],
+            "skipped_invalid_calls": self.skipped_calls, "skipped_lines": self.skipped_lines,
+            "older_history": {"calls": self.calls_using_older, "identifiers": self.older_used,
+                              "kept": self.older_kept,
+                              "recall": ratio(self.older_kept, self.older_used)},
+            "live_task_identical": ratio(self.live_identical, self.calls),
+        }

@@ -1,0 +1,107 @@
+"""The score as array maths: BM25 with conversational context, and the top-k merge (memory.scan
+explains the formula and the measured choices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from perpetuity_core.memory import dictionary
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """The score's parameters.
+
+    k1 and b are BM25's (Robertson & Zaragoza 2009 suggest k1 in 1.2-2.0, b = 0.75); on LoCoMo
+    a lower k1 = 0.9 and b = 0.4 rank evidence higher (recall@5 0.61 against 0.58 with the
+    context below, the same within token budgets), conversation turns being short and their
+    lengths telling little about relevance. `before` and `after` weigh the
+    conversational context: a row also earns these fractions of the BM25 score of the 1st,
+    2nd, 3rd row before (after) it in its conversation. In a dialogue the evidence is often the
+    answer to the turn that shares the question's words, or the turn that announced the topic;
+    on LoCoMo this context lifts recall_all within 2k tokens from 0.68 to about 0.78 (see the
+    evaluation). It is still relevance to the query only: it mixes scores, never recency.
+    """
+
+    k1: float = 0.9
+    b: float = 0.4
+    before: tuple[float, ...] = (0.5, 0.3, 0.2)
+    after: tuple[float, ...] = (0.3, 0.2, 0.1)
+    # Rare-term weighting, idf ** idf_power: 1.5 or 2 moved LoCoMo recall by half a point at
+    # most, inside what tuning on one dataset can fake, so it stays off.
+    idf_power: float = 1.0
+
+
+def idf(n_rows: int, df: np.ndarray) -> np.ndarray:
+    """Okapi idf with Lucene's +1 inside the log, so no term ever weighs below zero."""
+    df = df.astype(np.float64)
+    return np.log1p((n_rows - df + 0.5) / (df + 0.5))
+
+
+@dataclass(slots=True)
+class Query:
+    """A query resolved against the pooled statistic: distinct terms ascending, their weights."""
+
+    terms: np.ndarray  # int32, ascending
+    weights: np.ndarray  # float64: qtf * idf * (k1 + 1)
+    a: float  # k1 * (1 - b)
+    c: float  # k1 * b / avgdl
+    before: tuple[float, ...] = ()
+    after: tuple[float, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return self.terms.size == 0
+
+
+def make_query(text: str, df_of: Callable[[np.ndarray], np.ndarray], n_rows: int,
+               total_length: int, params: Params) -> Query:
+    """`df_of(terms) -> df array` reads the pooled document frequencies."""
+    ids = dictionary.load().ids(text)
+    terms, qtf = np.unique(ids, return_counts=True)
+    if n_rows == 0 or terms.size == 0:
+        return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0)
+    k1, b = params.k1, params.b
+    df = np.asarray(df_of(terms), dtype=np.int64)
+    keep = df > 0  # a term no row holds scores every row zero
+    terms, qtf, df = terms[keep].astype(np.int32), qtf[keep], df[keep]
+    avgdl = max(total_length / n_rows, 1e-9)
+    w = idf(n_rows, df)
+    if params.idf_power != 1.0:
+        w = w ** params.idf_power
+    return Query(terms, qtf * w * (k1 + 1), k1 * (1 - b), k1 * b / avgdl,
+                 params.before, params.after)
+
+
+def contributions(q: Query, slot: np.ndarray, tf: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """w * tf / (tf + a + c * |d|) per posting, in float64 (the reference uses the same order)."""
+    tf = tf.astype(np.float64)
+    return q.weights[slot] * tf / (tf + (q.a + q.c * length))
+
+
+def top_k(scores: np.ndarray, cand: np.ndarray, seq: np.ndarray, k: int) -> np.ndarray:
+    """The k candidates with the best score, ties by lower seq; argpartition keeps it O(n).
+
+    `scores` and `seq` are indexed by the candidates' values."""
+    if cand.size > k:
+        s = scores[cand]
+        kth = s[np.argpartition(-s, k - 1)[k - 1]]
+        cand = cand[s >= kth]  # everything tied with the k-th stays in for the tie-break
+    order = np.lexsort((seq[cand], -scores[cand]))
+    return cand[order[:k]]
+
+
+def merge(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+          k: int) -> list[tuple[float, int, bool]]:
+    """One ranking from per-segment tops: own rows first, then score, then seq."""
+    scores = np.concatenate([p[0] for p in parts])
+    seqs = np.concatenate([p[1] for p in parts])
+    own = np.concatenate([p[2] for p in parts])
+    order = np.lexsort((seqs, -scores, ~own))[:k]
+    return list(zip(scores[order].tolist(), seqs[order].tolist(), own[order].tolist(),
+                    strict=True))
+

@@ -1,0 +1,130 @@
+"""Capture: store what is new in a request, then the reply, each message in one transaction.
+
+Harnesses re-send the whole history on every request. A message is recognised as already stored
+by its pair key, a digest of (previous message, this message): it survives a harness rewriting or
+dropping older turns (resume, compaction) and still tells a second "yes" after a different
+question from the first. Everything after the last recognised message is new.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from perpetuity_core.memory import names
+from perpetuity_core.memory.store import Store
+from perpetuity_core.wire.conversation import Message, Reply
+
+
+@dataclass(frozen=True, slots=True)
+class TurnContext:
+    """What the reply needs to be stored beside the request that asked for it."""
+
+    user_id: int
+    conversation_id: int
+    provider: str
+    model: str
+    at: float
+    after: str  # fingerprint of the last message the request sent
+
+
+def pair_key(previous_fingerprint: str, message: Message) -> str:
+    return _pair(previous_fingerprint, message.fingerprint())
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _pair(previous: str, this: str) -> str:
+    # Every request re-sends the history: each pair is digested once, not once per request.
+    return hashlib.blake2b((previous + ":" + this).encode(), digest_size=16).hexdigest()
+
+
+TAIL = 16
+
+
+def _keys(messages: Sequence[Message]) -> list[str]:
+    prev = ""
+    keys = []
+    for m in messages:
+        keys.append(pair_key(prev, m))
+        prev = m.fingerprint()
+    return keys
+
+
+def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]) -> list[int]:
+    """Indexes of the messages the store has not seen in this conversation.
+
+    An assistant message in a request is history the harness re-sends, so it is recognised by
+    its own fingerprint too: after a compaction its predecessor changes, the reply does not.
+    """
+    keys = _keys(messages)
+
+    def last_known(start: int) -> int:
+        tail = range(start, len(messages))
+        known, replies = store.known(
+            conversation_id, [keys[i] for i in tail],
+            [messages[i].fingerprint() for i in tail if messages[i].role == "assistant"])
+        return max((i for i in tail if keys[i] in known or (
+            messages[i].role == "assistant" and messages[i].fingerprint() in replies)), default=-1)
+
+    # Usually only the newest turn is new: look at the tail first, the whole history only when
+    # nothing there is known (a first contact, a rewritten history).
+    last = last_known(max(0, len(messages) - TAIL))
+    if last < 0 and len(messages) > TAIL:
+        last = last_known(0)
+    return list(range(last + 1, len(messages)))
+
+
+def record(
+    store: Store,
+    *,
+    user_key: str,
+    conversation_key: str,
+    provider: str,
+    model: str,
+    messages: Sequence[Message],
+    times: Sequence[float],
+    source: str,
+    folder: str = "",
+) -> tuple[list[int], TurnContext]:
+    """Store the new messages of a request (or an imported history); returns their ids. The
+    conversation is named by its first prompt and the `folder` its harness works in, once."""
+    user_id = store.user_id(user_key)
+    conversation_id = store.conversation_id(user_id, conversation_key, provider)
+    store.name_conversation(conversation_id, opening=names.opening(messages), folder=folder)
+    keys = _keys(messages)
+    ids = [
+        store.add_message(
+            conversation_id=conversation_id,
+            user_id=user_id,
+            message=messages[i],
+            provider=provider,
+            model=model,
+            at=times[i],
+            pair_key=keys[i],
+            source=source,
+        ).message_id
+        for i in new_messages(store, conversation_id, messages)
+    ]
+    after = messages[-1].fingerprint() if messages else ""
+    return ids, TurnContext(user_id, conversation_id, provider, model, times[-1] if times else 0.0, after)
+
+
+def record_reply(store: Store, turn: TurnContext, reply: Reply, at: float) -> int | None:
+    """Store the assistant's reply; an empty one (a stream cut before any content) is not a turn."""
+    if not reply.message.parts:
+        return None
+    return store.add_message(
+        conversation_id=turn.conversation_id,
+        user_id=turn.user_id,
+        message=reply.message,
+        provider=turn.provider,
+        model=turn.model,
+        at=at,
+        pair_key=pair_key(turn.after, reply.message),
+        source="reply",
+        usage=reply.usage,
+        stop_reason=reply.stop_reason,
+        complete=reply.complete,
+    ).message_id

@@ -1,0 +1,235 @@
+"""The write side of retrieval: one retrieval row per stored item that is memory, and the pooled counts.
+
+`derive_retrieval` runs inside each message's transaction (memory.schema.open_memory wires it
+into every Store): one retrieval row per item that is memory, not harness context (term ids and
+counts as little-endian blobs, length, dictionary version), which is also its own increment of
+the pooled counts BM25 needs (rows, total length, and document frequency per term): these are
+folded into retrieval_total and retrieval_term every FOLD_EVERY rows, and readers add the rows
+stored since (`totals`, `unfolded_df`). Deleted retrieval rows are logged by a trigger; the
+writer settles them (takes their counts back out: `purge` deletes and settles in one
+transaction, `Store.flush` settles what was deleted behind its back) and readers take out the
+unsettled ones themselves, so no reader ever writes. A new dictionary is re-derived and
+flipped in by maintenance.py. The read side is memory.scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import peewee as pw
+
+from perpetuity_core.memory.dictionary import live_dictionary
+from perpetuity_core.memory.store import Store, StoredItem, db, in_chunks, in_list, writing
+from perpetuity_core.wire.conversation import Kind, Message, without_scaffold
+
+
+def token_estimate(text: str) -> int:
+    """Model tokens of a text, by the usual rule of four characters a token."""
+    return (len(text) + 3) // 4
+
+
+def messages_tokens(messages: Iterable[Message]) -> int:
+    """The estimated tokens of messages' text (token_estimate's rule)."""
+    return sum(token_estimate(p.text) for m in messages for p in m.parts)
+
+
+def item_text(kind: str, name: str, text: str) -> str:
+    """What a row is retrieved by: a tool call is found by its tool's name as well; the
+    reminders a harness appends to a tool result are not."""
+    text = without_scaffold(text)
+    return f"{name} {text}" if name else text
+
+
+# The pooled counts are folded in every FOLD_EVERY rows, inside the transaction of the message
+# that crosses the mark: each row is its own count increment, and upserting a batch's distinct
+# terms once costs a fraction of upserting every row's terms (a 600-word turn holds ~150
+# distinct terms; a batch shares most of them). Measured on LoCoMo's 5,882 messages through the
+# write path: updating the totals with every message cost 25 us of its ~290, folding every 256
+# rows 15 us, every 4,096 rows 3 us. Only the small-memory path (store_rows) reads the
+# unfolded rows, and it reads every row anyway.
+FOLD_EVERY = 4096
+
+
+_CONTEXT = Kind.CONTEXT.value
+
+
+def derive_retrieval(items: list[StoredItem]) -> None:
+    """Write the retrieval rows and counts of a message's items (inside its transaction)."""
+    if not items:
+        return
+    conn = db.connection()
+    d = live_dictionary(conn)  # inside the write lock: a flip elsewhere is seen here
+    m = items[0]
+    seq = 0
+    for it in items:
+        if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
+            continue
+        text = item_text(it.kind, it.name, it.text)
+        bag = d.bag(text)
+        n_tokens = token_estimate(text)
+        seq = conn.execute(
+            "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
+            " tokens, version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (it.id, m.message_id, m.user_id, m.conversation_id, int(m.at), bag.length, n_tokens, d.version,
+             bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes())).lastrowid
+    (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
+    if seq - folded >= FOLD_EVERY:
+        fold(conn)
+
+
+_UPSERT_DF = ("INSERT INTO retrieval_term (term, df) VALUES (?, ?)"
+              " ON CONFLICT(term) DO UPDATE SET df = df + excluded.df")
+
+
+def _count(conn, terms: np.ndarray, sign: int) -> None:  # noqa: ANN001 - a sqlite3 connection
+    """Add (or take back) one to the document frequency of each occurrence in `terms`."""
+    if terms.size == 0:
+        return
+    t, n = np.unique(terms, return_counts=True)
+    conn.executemany(_UPSERT_DF, zip(t.tolist(), (n * sign).tolist(), strict=True))
+
+
+def fold(conn) -> None:  # noqa: ANN001 - a sqlite3 connection, inside a transaction
+    """Add the rows stored since the last fold to the pooled counts."""
+    # Deletions first: a row deleted before this fold was never counted, and settling it
+    # after the cursor passed its seq would take it out all the same.
+    settle_in(conn)
+    (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
+    rows = conn.execute("SELECT seq, length, tokens, terms FROM retrieval WHERE seq > ?"
+                        " ORDER BY seq", (folded,)).fetchall()
+    if not rows:
+        return
+    _count(conn, np.frombuffer(b"".join(r[3] for r in rows), "<i4"), +1)
+    conn.execute("UPDATE retrieval_total SET rows = rows + ?, length = length + ?,"
+                 " tokens = tokens + ?, folded_seq = ? WHERE id = 1",
+                 (len(rows), sum(r[1] for r in rows), sum(r[2] for r in rows), rows[-1][0]))
+
+
+# Deletions the writer has not settled yet, of rows already in the folded counts: every reader
+# takes them back out itself (only the writer settles, see Store.flush and fold).
+_UNSETTLED = ("FROM retrieval_gone g, retrieval_total t WHERE g.settled = 0"
+              " AND g.row_seq <= t.folded_seq")
+
+
+def totals(conn) -> tuple[int, int, int]:  # noqa: ANN001 - a sqlite3 connection
+    """Live rows, their total length and tokens: the folded counts plus the rows stored since,
+    less the deletions not settled yet."""
+    rows, length, tokens = conn.execute(
+        "SELECT t.rows + count(r.seq), t.length + coalesce(sum(r.length), 0),"
+        " t.tokens + coalesce(sum(r.tokens), 0) FROM retrieval_total t"
+        " LEFT JOIN retrieval r ON r.seq > t.folded_seq WHERE t.id = 1").fetchone()
+    gone = conn.execute("SELECT count(*), coalesce(sum(g.length), 0), coalesce(sum(g.tokens), 0) "
+                        + _UNSETTLED).fetchone()
+    return rows - gone[0], length - gone[1], tokens - gone[2]
+
+
+def unfolded_df(conn, terms: np.ndarray) -> np.ndarray:  # noqa: ANN001
+    """Document frequency of `terms` (ascending): folded counts plus rows not folded yet, less
+    unsettled deletions of folded rows."""
+    (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
+    got = dict(conn.execute(
+        f"SELECT term, df FROM retrieval_term WHERE term IN ({','.join('?' * terms.size)})",
+        terms.tolist()).fetchall())
+    df = np.asarray([got.get(t, 0) for t in terms.tolist()], np.int64)
+    recent = conn.execute("SELECT terms FROM retrieval WHERE seq > ?", (folded,)).fetchall()
+    gone = conn.execute("SELECT g.terms " + _UNSETTLED).fetchall()
+    for blobs, sign in ((recent, 1), (gone, -1)):
+        if blobs:
+            t = np.frombuffer(b"".join(r[0] for r in blobs), "<i4")
+            u, c = np.unique(t[np.isin(t, terms)], return_counts=True)
+            df[np.searchsorted(terms, u)] += sign * c
+    return df
+
+
+def settle(store: Store) -> int:
+    """Take the counts of deleted retrieval rows back out; returns how many were settled.
+    The store's writer calls this (or settle_in inside its own write)."""
+    with writing("settle deletions") as conn:
+        return settle_in(conn)
+
+
+def settle_in(conn) -> int:  # noqa: ANN001 - a sqlite3 connection, inside a transaction
+    gone = conn.execute(
+        "SELECT seq, length, tokens, terms, row_seq FROM retrieval_gone WHERE settled = 0"
+    ).fetchall()
+    if not gone:
+        return 0
+    (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
+    # Only rows already folded are in the counts; a later fold will not see the others.
+    counted = [g for g in gone if g[4] <= folded]
+    if counted:
+        terms = np.frombuffer(b"".join(g[3] for g in counted), "<i4")
+        _count(conn, terms, -1)
+        conn.executemany("DELETE FROM retrieval_term WHERE term = ? AND df <= 0",
+                         [(t,) for t in np.unique(terms).tolist()])
+        conn.execute("UPDATE retrieval_total SET rows = rows - ?, length = length - ?,"
+                     " tokens = tokens - ? WHERE id = 1",
+                     (len(counted), sum(g[1] for g in counted), sum(g[2] for g in counted)))
+    conn.executemany("UPDATE retrieval_gone SET settled = 1 WHERE seq = ?",
+                     [(g[0],) for g in gone])
+    return len(gone)
+
+
+def purge(store: Store, item_ids: Iterable[int]) -> int:
+    """Delete items (and their retrieval rows, counts and activations) in one transaction."""
+    ids = [(int(i),) for i in item_ids]
+    with writing("purge rows") as conn:
+        conn.executemany("DELETE FROM item WHERE id = ?", ids)  # cascades
+        conn.executemany("DELETE FROM activation WHERE item_id = ?", ids)  # keyed, not linked
+        settle_in(conn)
+    return len(ids)
+
+
+def items_by_message(item_ids: list[int]) -> list[list[StoredItem]]:
+    """The items with these ids (their messages joined, as derive_retrieval reads them),
+    grouped by message."""
+    by_message: dict[int, list[StoredItem]] = {}
+    for chunk in in_chunks(item_ids):
+        for row in db.connection().execute(
+                "SELECT i.id, m.id, m.user_id, m.conversation_id, m.role, m.at, i.seq, i.kind,"
+                " i.name, i.call_id, i.text FROM item i JOIN message m ON m.id = i.message_id"
+                f" WHERE i.id IN ({in_list(chunk)}) ORDER BY i.id", chunk):
+            by_message.setdefault(row[1], []).append(StoredItem(*row))
+    return list(by_message.values())
+
+
+def m002_retrieval(database: pw.Database) -> None:
+    """Retrieval rows (see scan.py): one per item, with the pooled frequency counts BM25 needs.
+
+    `seq` only grows, so a reader catches up by reading rows past its cursor; a re-derived row
+    is deleted and inserted again under a new seq. Deletions are logged by trigger (with the
+    terms, so the counts can be settled) and a reader catches up on them the same way.
+    """
+    for sql in (
+        "CREATE TABLE retrieval (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " item_id INTEGER NOT NULL UNIQUE REFERENCES item(id) ON DELETE CASCADE,"
+        " message_id INTEGER NOT NULL, user_id INTEGER NOT NULL, conversation_id INTEGER NOT NULL,"
+        " length INTEGER NOT NULL, tokens INTEGER NOT NULL, version TEXT NOT NULL,"
+        " terms BLOB NOT NULL, counts BLOB NOT NULL)",
+        "CREATE TABLE retrieval_term (term INTEGER PRIMARY KEY, df INTEGER NOT NULL)",
+        "CREATE TABLE retrieval_total (id INTEGER PRIMARY KEY CHECK (id = 1),"
+        " rows INTEGER NOT NULL, length INTEGER NOT NULL, tokens INTEGER NOT NULL,"
+        " folded_seq INTEGER NOT NULL)",  # retrieval_term counts rows up to this seq
+        "INSERT INTO retrieval_total VALUES (1, 0, 0, 0, 0)",
+        "CREATE TABLE retrieval_gone (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " row_seq INTEGER NOT NULL, item_id INTEGER NOT NULL, length INTEGER NOT NULL,"
+        " tokens INTEGER NOT NULL, terms BLOB NOT NULL, settled INTEGER NOT NULL DEFAULT 0)",
+        "CREATE INDEX retrieval_gone_unsettled ON retrieval_gone (seq) WHERE settled = 0",
+        "CREATE TRIGGER retrieval_deleted AFTER DELETE ON retrieval BEGIN"
+        " INSERT INTO retrieval_gone (row_seq, item_id, length, tokens, terms)"
+        " VALUES (old.seq, old.item_id, old.length, old.tokens, old.terms); END",
+    ):
+        database.execute_sql(sql)
+
+
+def m008_retrieval_time(database: pw.Database) -> None:
+    """Each retrieval row carries when its message was said, so a search can rank the rows of a
+    day the question names first (dates.py) from the arena alone. Whole seconds: a catch-up
+    reads integers as text several times faster than REALs, and days are what is asked."""
+    for sql in (
+        "ALTER TABLE retrieval ADD COLUMN at INTEGER NOT NULL DEFAULT 0",
+        ("UPDATE retrieval SET at = (SELECT CAST(m.at AS INTEGER) FROM message m"
+         " WHERE m.id = retrieval.message_id)"),
+    ):
+        database.execute_sql(sql)

@@ -1,0 +1,147 @@
+"""`perpetuity memory check`: every invariant the write path promises, recomputed from the
+stored rows in one read snapshot (it runs beside a serving proxy and never writes).
+
+One line per violation; none means the memory is whole:
+- every item but harness context has exactly one retrieval row (context none), of the live
+  dictionary version, agreeing with its message (user, conversation, time), and its own
+  activation (born once: keyed by item);
+- the pooled counts (rows, length, tokens, document frequency per term) equal a recount of
+  the folded rows, less the deletions the writer has not settled yet;
+- nothing points at what is gone: items without a message, messages without a conversation
+  or user, activations, chains, bindings or dark rows without their item;
+- the chains up to their cursor are exactly what the live dictionary derives from the rows'
+  text, and the binding log binds rows of the turn's own user only;
+- ids are never handed out twice: the high-water marks of deleted ids are kept.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import Counter
+
+import numpy as np
+
+from perpetuity_core.memory import chains, dictionary
+from perpetuity_core.memory.dictionary import live_dictionary
+from perpetuity_core.memory.store import Store, snapshot
+from perpetuity_core.wire.conversation import Kind
+
+SHOWN = 5  # ids listed per violation
+
+
+def check(store: Store) -> list[str]:
+    with snapshot("check the memory") as conn:
+        live_dictionary(conn)
+        out: list[str] = []
+        for check_one in (_rows, _counts, _orphans, _chains, _ids):
+            out += check_one(conn)
+        return out
+
+
+def _ids_of(conn: sqlite3.Connection, what: str, sql: str, *args: object) -> list[str]:
+    """One violation line when `sql` (selecting ids) finds any."""
+    return _listed(what, [r[0] for r in conn.execute(sql, args)])
+
+
+def _rows(conn: sqlite3.Connection) -> list[str]:
+    live = dictionary.load().version
+    return [
+        *_ids_of(conn, "items without a retrieval row", "SELECT i.id FROM item i"
+                 " LEFT JOIN retrieval r ON r.item_id = i.id WHERE r.item_id IS NULL"
+                 " AND i.kind != ?", Kind.CONTEXT.value),
+        *_ids_of(conn, "harness context with a retrieval row", "SELECT i.id FROM item i"
+                 " JOIN retrieval r ON r.item_id = i.id WHERE i.kind = ?", Kind.CONTEXT.value),
+        *_ids_of(conn, f"retrieval rows not of the live dictionary {live}",
+                 "SELECT item_id FROM retrieval WHERE version != ?", live),
+        *_ids_of(conn, "retrieval rows disagreeing with their message",
+                 "SELECT r.item_id FROM retrieval r JOIN item i ON i.id = r.item_id"
+                 " JOIN message m ON m.id = i.message_id WHERE r.message_id != m.id"
+                 " OR r.user_id != m.user_id OR r.conversation_id != m.conversation_id"
+                 " OR r.at != CAST(m.at AS INTEGER)"),
+        *_ids_of(conn, "items without an activation", "SELECT i.id FROM item i"
+                 " LEFT JOIN activation a ON a.item_id = i.id WHERE a.item_id IS NULL"),
+        *_ids_of(conn, "activations disagreeing with their message",
+                 "SELECT a.item_id FROM activation a JOIN item i ON i.id = a.item_id"
+                 " JOIN message m ON m.id = i.message_id WHERE a.user_id != m.user_id"
+                 " OR a.conversation_id != m.conversation_id"),
+    ]
+
+
+def _counts(conn: sqlite3.Connection) -> list[str]:
+    (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total").fetchone()
+    rows = length = tokens = 0
+    df: Counter[int] = Counter()
+    last = 0
+    while chunk := conn.execute("SELECT seq, length, tokens, terms FROM retrieval WHERE seq > ?"
+                                " AND seq <= ? ORDER BY seq LIMIT 50000",
+                                (last, folded)).fetchall():
+        rows += len(chunk)
+        length += sum(r[1] for r in chunk)
+        tokens += sum(r[2] for r in chunk)
+        t, n = np.unique(np.frombuffer(b"".join(r[3] for r in chunk), "<i4"), return_counts=True)
+        df.update(dict(zip(t.tolist(), n.tolist(), strict=True)))
+        last = chunk[-1][0]
+    # Deletions of folded rows not settled yet are still in the stored counts.
+    gone = conn.execute("SELECT length, tokens, terms FROM retrieval_gone"
+                        " WHERE settled = 0 AND row_seq <= ?", (folded,)).fetchall()
+    stored_df: Counter[int] = Counter(dict(conn.execute("SELECT term, df FROM retrieval_term")))
+    for g in gone:
+        stored_df.subtract(np.frombuffer(g[2], "<i4").tolist())
+    stored = conn.execute("SELECT rows, length, tokens FROM retrieval_total").fetchone()
+    stored = (stored[0] - len(gone), stored[1] - sum(g[0] for g in gone),
+              stored[2] - sum(g[1] for g in gone))
+    out = []
+    if stored != (rows, length, tokens):
+        out.append(f"pooled totals (rows, length, tokens) {stored} != recount"
+                   f" {(rows, length, tokens)}")
+    wrong = sorted(t for t in df.keys() | stored_df.keys() if df[t] != stored_df[t])
+    if wrong:
+        shown = ", ".join(f"{t}: {stored_df[t]} != {df[t]}" for t in wrong[:SHOWN])
+        out.append(f"document frequencies != recount: {len(wrong)} terms ({shown})")
+    return out
+
+
+def _orphans(conn: sqlite3.Connection) -> list[str]:
+    def missing(child: str, column: str, parent: str) -> list[str]:
+        return _ids_of(conn, f"{child} rows whose {parent} is gone",
+                       f"SELECT c.{column} FROM {child} c LEFT JOIN {parent} p"
+                       f" ON p.id = c.{column} WHERE p.id IS NULL")
+
+    return [
+        *missing("item", "message_id", "message"),
+        *missing("message", "conversation_id", "conversation"),
+        *missing("message", "user_id", "user"),
+        *missing("conversation", "user_id", "user"),
+        *missing("activation", "item_id", "item"),
+        *missing("chain", "item_id", "item"),
+        *missing("binding", "item_id", "item"),
+        *missing("binding", "turn_message_id", "message"),
+        *missing("retrieval_next", "item_id", "item"),
+        *_ids_of(conn, "bindings to another user's rows", "SELECT b.item_id FROM binding b"
+                 " JOIN message t ON t.id = b.turn_message_id JOIN item i ON i.id = b.item_id"
+                 " JOIN message m ON m.id = i.message_id WHERE m.user_id != t.user_id"),
+    ]
+
+
+def _chains(conn: sqlite3.Connection) -> list[str]:
+    (cursor,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
+    want = {(user, s, at, i) for i, user, at, text in chains._text_rows(conn, 0, cursor, None)
+            for s in chains.subjects(text)}
+    have = set(conn.execute(
+        "SELECT c.user_id, c.term, c.at, c.item_id FROM chain c"
+        " JOIN retrieval r ON r.item_id = c.item_id WHERE r.seq <= ?", (cursor,)).fetchall())
+    return [*_listed("rows missing from their chains", sorted({r[3] for r in want - have})),
+            *_listed("chain entries no row derives", sorted({r[3] for r in have - want}))]
+
+
+def _ids(conn: sqlite3.Connection) -> list[str]:
+    marks = dict(conn.execute("SELECT name, id FROM high_water"))
+    return [f"no high-water mark for {t} ids" for t in ("message", "item") if t not in marks]
+
+
+def _listed(what: str, ids: list[int]) -> list[str]:
+    if not ids:
+        return []
+    shown = ", ".join(str(i) for i in ids[:SHOWN]) + (" ..." if len(ids) > SHOWN else "")
+    return [f"{what}: {len(ids)} ({shown})"]
+

@@ -1,0 +1,80 @@
+"""Stored rows as the frame and the recall tools show them: what a model may be shown of memory
+(SHOWN_KINDS, not blank), each with its conversation's name.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from perpetuity_core.memory.names import label
+from perpetuity_core.memory.store import in_chunks, in_list, snapshot
+from perpetuity_core.wire.conversation import Kind, without_scaffold
+
+# What a model may be shown of memory: what was said and done, not harness scaffolding or
+# thinking.
+SHOWN_KINDS = (Kind.TEXT.value, Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value, Kind.MEDIA.value)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """A stored row as the frame and the recall tools show it."""
+
+    item_id: int
+    message_id: int
+    conversation_id: int
+    conversation: str  # its name as a person knows it (names.label), "" when it has none
+    role: str
+    at: float  # wall time the turn was said
+    kind: str
+    name: str
+    text: str
+    secret: str = ""  # the kind of credential the row holds (m011), shown only as withheld
+
+
+def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int, Row]:
+    """The rows among `item_ids` (of `user_id` only, when given) that a model may be shown:
+    SHOWN_KINDS, and not blank."""
+    ids = list(dict.fromkeys(item_ids))
+    out: dict[int, Row] = {}
+    with snapshot("read rows") as conn:
+        return _shown_rows(conn, ids, user_id, out)
+
+
+def _shown_rows(conn: sqlite3.Connection, ids: list[int], user_id: int | None,
+                out: dict[int, Row]) -> dict[int, Row]:
+    kinds = ",".join("?" * len(SHOWN_KINDS))
+    owner = " AND m.user_id = ?" if user_id is not None else ""
+    for chunk in in_chunks(ids):
+        args = (*chunk, *SHOWN_KINDS, *(() if user_id is None else (user_id,)))
+        for (item, message, conv, title, opening, folder, role, at, kind, name,
+             text, secret) in conn.execute(
+            "SELECT i.id, m.id, m.conversation_id, c.title, c.opening, c.folder, m.role, m.at,"
+            " i.kind, i.name, i.text, i.secret FROM item i JOIN message m"
+            " ON m.id = i.message_id"
+            " JOIN conversation c ON c.id = m.conversation_id"
+            f" WHERE i.id IN ({in_list(chunk)}) AND i.kind IN ({kinds}){owner}", args):
+            if (shown := without_scaffold(text)).strip():
+                out[item] = Row(item, message, conv, label(title, opening, folder), role, at,
+                                kind, name, shown, secret)
+    return out
+
+
+def quoted(r: Row) -> str:
+    """A row's text as the model reads it in a frame or an answer: a tool call or result says
+    so."""
+    if r.kind == _TOOL_CALL:
+        return f"called {r.name}: {r.text}"
+    if r.kind == _TOOL_RESULT:
+        return f"tool result: {r.text}"
+    return r.text
+
+
+_TOOL_CALL, _TOOL_RESULT = Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value  # hot: once, not per row
+
+
+def time_label(at: float) -> str:
+    """When a row was said, as frames and answers label it (UTC, to the minute)."""
+    return f"{datetime.fromtimestamp(at, UTC):%Y-%m-%d %H:%M} UTC"

@@ -1,0 +1,510 @@
+"""The store: users, conversations, messages and their immutable rows, in SQLite via peewee.
+
+Every message is written in one transaction, as one `Message` row plus one `Item` row per part,
+and nothing is updated in place afterwards. Structures derived from the rows (retrieval rows,
+counts, activations) are written by derivers registered on the store, inside that same
+transaction, so a reader never sees a row without what is derived from it. Structures no
+retrieval needs at once (the chains) are written by the same writer a batch of messages at a
+time, one transaction per batch (`Store.flush`), each with a cursor: their readers add the rows
+past the cursor themselves, so they too never see a row without what is derived from it.
+
+Every write goes through `writing` (BEGIN IMMEDIATE: a second process on the same file waits
+for the lock instead of failing), reads that must agree through `snapshot`, and SQLite's
+errors leave the store as StoreError (`failing_as`). Ids are never handed out twice (m010).
+
+Credentials never reach this module: identity arrives already hashed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import peewee as pw
+
+from perpetuity_core.errors import StoreError
+from perpetuity_core.memory.secrets import secret_kind
+from perpetuity_core.wire.conversation import Message, Usage
+
+db = pw.SqliteDatabase(None)
+log = logging.getLogger("perpetuity")
+T = TypeVar("T")
+
+# WAL lets readers scan while the single writer appends; NORMAL is durable across process crashes
+# (only an OS crash can lose the last commits), which is the trade SQLite documents for WAL.
+PRAGMAS = {"journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1, "busy_timeout": 5000}
+
+
+@contextmanager
+def failing_as(what: str) -> Iterator[None]:
+    """The boundary: SQLite's errors (raw `sqlite3` ones from the per-request SQL as well as
+    peewee's) leave the store as StoreError, which every caller knows how to fail open on."""
+    try:
+        yield
+    except (sqlite3.Error, pw.PeeweeException) as e:
+        # SQLite rolls a transaction back itself on some errors (a full disk): the rollback
+        # that follows fails, and that is not the error to report.
+        cause: BaseException = e
+        while "rollback" in str(cause) and isinstance(
+                cause.__context__, sqlite3.Error | pw.PeeweeException):
+            cause = cause.__context__
+        raise StoreError(f"could not {what}: {cause}") from e
+
+
+@contextmanager
+def writing(what: str) -> Iterator[sqlite3.Connection]:
+    """The one way to write: a transaction that takes the write lock when it begins.
+
+    A deferred `BEGIN` that reads before it writes gets "database is locked" at once, busy
+    timeout ignored, when another connection committed in between (SQLite cannot upgrade a
+    stale read snapshot): two processes storing 1,500 messages each failed 36 and 40 writes in
+    the review, 4 and 2 in scripts/bench_writers.py here (the batched flush reads first); with
+    BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each. Nested, it is a
+    savepoint of the enclosing write."""
+    with failing_as(what), db.atomic("IMMEDIATE"):
+        yield db.connection()
+
+
+@contextmanager
+def snapshot(what: str) -> Iterator[sqlite3.Connection]:
+    """A read transaction: everything read inside it is of one commit (WAL: never blocked)."""
+    with failing_as(what), db.atomic():
+        yield db.connection()
+
+
+class BaseModel(pw.Model):
+    class Meta:
+        database = db
+
+
+class Setting(BaseModel):
+    key = pw.TextField(primary_key=True)
+    value = pw.TextField()
+
+
+class Migration(BaseModel):
+    name = pw.TextField(primary_key=True)
+    applied_at = pw.FloatField()
+
+
+class User(BaseModel):
+    key = pw.TextField(unique=True)
+    created_at = pw.FloatField()
+
+
+class Conversation(BaseModel):
+    user = pw.ForeignKeyField(User, backref="conversations")
+    key = pw.TextField()
+    provider = pw.TextField()
+    created_at = pw.FloatField()
+
+    class Meta:
+        indexes = ((("user", "key"), True),)
+
+
+class StoredMessage(BaseModel):
+    # Indexed by the migrations (m007, with id): lookups need the conversation in store order.
+    conversation = pw.ForeignKeyField(Conversation, backref="messages", index=False)
+    # No index: nothing looks messages up by user, and every index is one more page written
+    # in each message's commit.
+    user = pw.ForeignKeyField(User, index=False)
+    role = pw.TextField()
+    provider = pw.TextField()
+    model = pw.TextField()
+    at = pw.FloatField()  # when the turn happened (epoch seconds; x-perpetuity-time can set it)
+    stored_at = pw.FloatField()
+    # Recognises re-sent history: digest of (previous message, this message), see capture.py.
+    pair_key = pw.TextField()
+    fingerprint = pw.TextField()  # Message.fingerprint(): recognises replies re-sent elsewhere
+    source = pw.TextField()  # "request" | "reply" | "import"
+    complete = pw.BooleanField(default=True)
+    stop_reason = pw.TextField(default="")
+    usage = pw.TextField(default="")  # JSON of the provider's usage figures, replies only
+
+    class Meta:
+        table_name = "message"
+        indexes = ((("conversation", "pair_key"), False), (("conversation", "fingerprint"), False))
+
+
+class Item(BaseModel):
+    """One immutable row: a part of a message (text, tool call, tool result, thinking...)."""
+
+    message = pw.ForeignKeyField(StoredMessage, backref="items")
+    seq = pw.IntegerField()
+    kind = pw.TextField()
+    name = pw.TextField(default="")
+    call_id = pw.TextField(default="")
+    text = pw.TextField()
+
+
+def m001_initial(database: pw.Database) -> None:
+    """The spine: users, conversations, messages and their rows."""
+    database.create_tables([Setting, User, Conversation, StoredMessage, Item])
+
+
+def m006_batched(database: pw.Database) -> None:
+    """Fewer pages in each message's commit, which writes one per B-tree page it touches.
+
+    The chains touched up to seven (one per subject, one for their item index): they are now
+    written a batch of messages at a time (Store.flush), and `derived` holds how far, in
+    retrieval.seq (which is never reused, unlike item ids), each batched structure is written;
+    every row stored before has its chains. The index on message.conversation_id alone goes:
+    the (conversation_id, pair_key) index serves the same lookups. retrieval_total, updated
+    with every message, now counts only the rows up to its folded_seq, as retrieval_term does
+    (see scan.totals): rows past it, and unsettled deletions of them, leave its counts."""
+    past = "FROM retrieval WHERE seq > folded_seq"
+    gone = "FROM retrieval_gone WHERE settled = 0 AND row_seq > folded_seq"
+    for sql in (
+        "CREATE TABLE derived (name TEXT PRIMARY KEY, seq INTEGER NOT NULL) WITHOUT ROWID",
+        "INSERT INTO derived SELECT 'chain', coalesce(max(seq), 0) FROM retrieval",
+        "DROP INDEX IF EXISTS storedmessage_conversation_id",
+        "UPDATE retrieval_total SET"
+        f" rows = rows - (SELECT count(*) {past}) - (SELECT count(*) {gone}),"
+        f" length = length - (SELECT coalesce(sum(length), 0) {past})"
+        f" - (SELECT coalesce(sum(length), 0) {gone}),"
+        f" tokens = tokens - (SELECT coalesce(sum(tokens), 0) {past})"
+        f" - (SELECT coalesce(sum(tokens), 0) {gone})",
+    ):
+        database.execute_sql(sql)
+
+
+def m007_conversation_order(database: pw.Database) -> None:
+    """The messages of a conversation in store order. m006 dropped the index on
+    conversation_id as redundant, but the (conversation_id, pair_key) and (conversation_id,
+    fingerprint) indexes do not keep id order: every "latest / around message X" lookup read
+    and sorted the whole conversation, on every request of a long coding session."""
+    database.execute_sql("CREATE INDEX message_conversation_order ON message (conversation_id, id)")
+
+
+def m010_store_guarantees(database: pw.Database) -> None:
+    """Ids that are never handed out twice, and the retrieval dictionary kept as data.
+
+    SQLite gives a new row max(id) + 1, so a deleted newest message or item lent its id to the
+    next one, while frame caches assume ids only grow. A trigger keeps the highest id ever
+    deleted (`high_water`) and the write path numbers rows past both (no AUTOINCREMENT table
+    rebuild). `dictionary` holds every version uploaded (the live one named by the setting
+    `dictionary`), `retrieval_next` the dark rows a new version is re-derived into before its
+    flip (see maintenance.py). The live version is the one the stored rows were made with."""
+    from perpetuity_core.memory import dictionary
+
+    shipped = dictionary.shipped()
+    versions = [v for (v,) in database.execute_sql("SELECT DISTINCT version FROM retrieval")]
+    live = versions[0] if len(versions) == 1 else shipped.version
+    for sql in (
+        "CREATE TABLE high_water (name TEXT PRIMARY KEY, id INTEGER NOT NULL) WITHOUT ROWID",
+        "INSERT INTO high_water SELECT 'message', coalesce(max(id), 0) FROM message",
+        "INSERT INTO high_water SELECT 'item', coalesce(max(id), 0) FROM item",
+        "CREATE TABLE dictionary (version TEXT PRIMARY KEY, body BLOB NOT NULL,"
+        " uploaded_at REAL NOT NULL)",
+        "CREATE TABLE retrieval_next (item_id INTEGER PRIMARY KEY REFERENCES item(id)"
+        " ON DELETE CASCADE, version TEXT NOT NULL, length INTEGER NOT NULL,"
+        " tokens INTEGER NOT NULL, terms BLOB NOT NULL, counts BLOB NOT NULL,"
+        " subjects TEXT NOT NULL)",  # the row's chains under that version, space-separated
+    ):
+        database.execute_sql(sql)
+    for table in ("message", "item"):
+        database.execute_sql(
+            f"CREATE TRIGGER {table}_high_water AFTER DELETE ON {table}"
+            f" WHEN old.id > (SELECT id FROM high_water WHERE name = '{table}') BEGIN"
+            f" UPDATE high_water SET id = old.id WHERE name = '{table}'; END")
+    if live == shipped.version:
+        database.execute_sql("INSERT INTO dictionary VALUES (?, ?, ?)",
+                             (live, dictionary.shipped_path().read_bytes(), time.time()))
+    database.execute_sql("INSERT OR REPLACE INTO setting (key, value) VALUES ('dictionary', ?)",
+                         (live,))
+def m011_secret(database: pw.Database) -> None:
+    """Each row carries the kind of credential the notes' scan finds in it (capture-time, off
+    the request path): stored verbatim, it is shown to another conversation only as
+    `[secret withheld: <kind>]`. Rows stored before are scanned here."""
+    database.execute_sql("ALTER TABLE item ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
+    last = 0
+    while rows := database.execute_sql("SELECT id, text FROM item WHERE id > ? ORDER BY id"
+                                       " LIMIT 5000", (last,)).fetchall():
+        flagged = [(kind, i) for i, text in rows if (kind := secret_kind(text))]
+        for kind, i in flagged:
+            database.execute_sql("UPDATE item SET secret = ? WHERE id = ?", (kind, i))
+        last = rows[-1][0]
+
+
+# The next id of a table whose rows can be deleted: past its newest row and past every id a
+# deletion ever freed (m010).
+_NEXT_ID = ("max((SELECT coalesce(max(id), 0) FROM {0}),"
+            " (SELECT id FROM high_water WHERE name = '{0}')) + 1")
+
+@dataclass(frozen=True, slots=True)
+class StoredItem:
+    """A row just written, with its message's fields, as the derivers read it."""
+
+    id: int
+    message_id: int
+    user_id: int
+    conversation_id: int
+    role: str
+    at: float  # wall time the turn was said
+    seq: int  # the part's place in its message
+    kind: str
+    name: str
+    call_id: str
+    text: str
+
+
+# Called inside each message's transaction with the rows just written; one writer per structure.
+Deriver = Callable[[list[StoredItem]], None]
+# Called by Store.flush, inside the batch's transaction, for the rows with after < seq <= upto.
+BatchDeriver = Callable[[int, int], None]
+# Takes the counts of deleted retrieval rows back out, inside the flush's transaction.
+Settle = Callable[[sqlite3.Connection], int]
+Migrate = Callable[[pw.Database], None]
+# Rows stored before the batched structures are written: larger batches dirty fewer pages per
+# message, and a reader derives at most this many rows itself (see tools.chain_of).
+BATCH_ROWS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    message_id: int
+    item_ids: tuple[int, ...]
+
+
+def default_db_path() -> Path:
+    """Where memory lives: $PERPETUITY_DB, else ~/.perpetuity/memory.db."""
+    env = os.environ.get("PERPETUITY_DB")
+    return Path(env).expanduser() if env else Path.home() / ".perpetuity" / "memory.db"
+
+
+class Store:
+    """The one handle on a database file. Use it from one thread (the proxy gives it its own)."""
+
+    def __init__(self, path: str | Path, *, migrations: Sequence[Migrate],
+                 derivers: Iterable[Deriver], batched: Mapping[str, BatchDeriver],
+                 settle: Settle) -> None:
+        """Open through memory.schema.open_memory, which wires the derivers."""
+        self.path = Path(path).expanduser()
+        self._users: dict[str, int] = {}
+        self._conversations: dict[tuple[int, str], int] = {}
+        self._named: set[tuple[int, str]] = set()  # (conversation, name part) already stored
+        self.migrations = list(migrations)
+        self.derivers = list(derivers)
+        self.batched = dict(batched)
+        self._settle = settle
+        from perpetuity_core.memory.dictionary import dictionary_notice, live_dictionary
+
+        try:
+            _create_private(self.path)
+            db.init(str(self.path), pragmas=PRAGMAS, check_same_thread=False)
+            with failing_as(f"open the memory database {self.path}"):
+                db.connect(reuse_if_open=True)
+                self._migrate()
+                self.salt = self._setting("identity_salt", lambda: secrets.token_hex(16))
+                # Rows left behind by a process that stopped before its batch: the next flush
+                # writes them (opening does not: a reader may open the store too).
+                (self._behind,) = db.connection().execute(
+                    "SELECT count(*) FROM retrieval WHERE seq > (SELECT min(seq) FROM derived)"
+                ).fetchone()
+                live_dictionary(db.connection())
+                self.notice = dictionary_notice(db.connection())
+        except OSError as e:
+            raise StoreError(f"cannot open the memory database {self.path}: {e}") from e
+        if self.notice:
+            log.warning("perpetuity: %s", self.notice)
+
+    def close(self) -> None:
+        if not db.is_closed():
+            db.close()
+
+    def _migrate(self) -> None:
+        with writing("migrate the memory database"):
+            db.create_tables([Migration])
+            done = {m.name for m in Migration.select()}
+            for migration in self.migrations:
+                if migration.__name__ not in done:
+                    migration(db)
+                    Migration.create(name=migration.__name__, applied_at=time.time())
+
+    def _setting(self, key: str, make: Callable[[], str]) -> str:
+        with writing(f"write the setting {key}"):
+            row = Setting.get_or_none(Setting.key == key)
+            if row is None:
+                row = Setting.create(key=key, value=make())
+        return row.value
+
+    # The per-request path below is raw SQL: peewee's query building cost more than SQLite's
+    # work here (measured: 1.3 ms of a 1.5 ms store_turn), and this runs on every model call.
+
+    def user_id(self, key: str) -> int:
+        if (cached := self._users.get(key)) is not None:
+            return cached
+        with writing("store a user") as conn:
+            conn.execute("INSERT OR IGNORE INTO user (key, created_at) VALUES (?, ?)", (key, time.time()))
+            (uid,) = conn.execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
+        self._users[key] = uid
+        return uid
+
+    def conversation_id(self, user_id: int, key: str, provider: str) -> int:
+        if (cached := self._conversations.get((user_id, key))) is not None:
+            return cached
+        with writing("store a conversation") as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO conversation (user_id, key, provider, created_at)"
+                " VALUES (?, ?, ?, ?)", (user_id, key, provider, time.time()))
+            (cid,) = conn.execute("SELECT id FROM conversation WHERE user_id = ? AND key = ?",
+                                  (user_id, key)).fetchone()
+        self._conversations[(user_id, key)] = cid
+        return cid
+
+    def name_conversation(self, conversation_id: int, *, title: str = "", opening: str = "",
+                          folder: str = "") -> None:
+        """Give a conversation the parts of its name (names.py) it does not have yet. The first
+        of each is kept, so its label changes at most once (when the title comes)."""
+        wanted = [(column, value) for column, value in
+                  (("title", title), ("opening", opening), ("folder", folder))
+                  if value and (conversation_id, column) not in self._named]
+        if not wanted:
+            return
+        with writing(f"name conversation {conversation_id}") as conn:
+            for column, value in wanted:
+                conn.execute(f"UPDATE conversation SET {column} = ?"
+                             f" WHERE id = ? AND {column} = ''", (value, conversation_id))
+        self._named.update((conversation_id, column) for column, _ in wanted)
+
+    def find_user(self, key: str) -> int | None:
+        """Read only: the user's id, or None if the store has never seen them."""
+        if (cached := self._users.get(key)) is not None:
+            return cached
+        with failing_as("read a user"):
+            row = db.connection().execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def find_conversation(self, user_id: int, key: str) -> int | None:
+        """Read only: the conversation's id, or None if the store has never seen it."""
+        if (cached := self._conversations.get((user_id, key))) is not None:
+            return cached
+        with failing_as("read a conversation"):
+            row = db.connection().execute(
+                "SELECT id FROM conversation WHERE user_id = ? AND key = ?", (user_id, key)
+            ).fetchone()
+        return row[0] if row else None
+
+    def latest_messages(self, conversation_id: int, n: int) -> list[int]:
+        """The ids of the conversation's last `n` stored messages."""
+        with failing_as("read the latest messages"):
+            return [i for (i,) in db.connection().execute(
+                "SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
+                (conversation_id, n))]
+
+    def message_ids(self, conversation_id: int, fingerprints: list[str]) -> list[int]:
+        """The stored messages of a conversation with these fingerprints."""
+        with failing_as("read messages"):
+            return [i for (i,) in _in_query(
+                db.connection(),
+                "SELECT id FROM message WHERE conversation_id = ? AND fingerprint IN",
+                conversation_id, fingerprints)]
+
+    def known(self, conversation_id: int, pair_keys: list[str],
+              reply_fingerprints: list[str]) -> tuple[set[str], set[str]]:
+        """Which pair keys, and which assistant fingerprints, this conversation already holds."""
+        with snapshot("read what a conversation holds") as conn:
+            keys = {k for (k,) in _in_query(
+                conn, "SELECT pair_key FROM message WHERE conversation_id = ? AND pair_key IN",
+                conversation_id, pair_keys)}
+            replies = {f for (f,) in _in_query(
+                conn, "SELECT fingerprint FROM message WHERE conversation_id = ?"
+                " AND role = 'assistant' AND fingerprint IN", conversation_id, reply_fingerprints)}
+        return keys, replies
+
+    def add_message(
+        self,
+        *,
+        conversation_id: int,
+        user_id: int,
+        message: Message,
+        provider: str,
+        model: str,
+        at: float,
+        pair_key: str,
+        source: str,
+        usage: Usage | None = None,
+        stop_reason: str = "",
+        complete: bool = True,
+    ) -> Written:
+        """Write one message and its rows, and everything derived from them, in one transaction."""
+        with writing(f"store a {message.role} message") as conn:
+            cur = conn.execute(
+                "INSERT INTO message (id, conversation_id, user_id, role, provider, model, at,"
+                " stored_at, pair_key, fingerprint, source, complete, stop_reason, usage)"
+                f" VALUES ({_NEXT_ID.format('message')},?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (conversation_id, user_id, message.role, provider, model, at, time.time(),
+                 pair_key, message.fingerprint(), source, complete, stop_reason,
+                 json.dumps(dataclasses.asdict(usage)) if usage else ""))
+            message_id = int(cur.lastrowid or 0)
+            items = []
+            for i, p in enumerate(message.parts):
+                cur = conn.execute(
+                    "INSERT INTO item (id, message_id, seq, kind, name, call_id, text, secret)"
+                    f" VALUES ({_NEXT_ID.format('item')},?,?,?,?,?,?,?)",
+                    (message_id, i, p.kind.value, p.name, p.call_id, p.text, secret_kind(p.text)))
+                items.append(StoredItem(int(cur.lastrowid or 0), message_id, user_id,
+                                        conversation_id, message.role, at, i, p.kind.value,
+                                        p.name, p.call_id, p.text))
+            for derive in self.derivers:
+                derive(items)
+        self._behind += len(items)
+        if self._behind >= BATCH_ROWS:
+            self.flush()
+        return Written(message_id, tuple(i.id for i in items))
+
+    def flush(self) -> None:
+        """Write the batched structures up to the last stored row, with their cursors, in one
+        transaction. Only the store's writer calls this (add_message, every BATCH_ROWS rows)."""
+        with writing("write the batched derivations") as conn:
+            # Deletions made behind the writer's back (another process, a cascade) are settled
+            # here too: the writer is the only one who settles (readers account for the rest).
+            self._settle(conn)
+            (upto,) = conn.execute("SELECT coalesce(max(seq), 0) FROM retrieval").fetchone()
+            for name, derive in self.batched.items():
+                (after,) = conn.execute("SELECT seq FROM derived WHERE name = ?",
+                                        (name,)).fetchone()
+                if upto > after:
+                    derive(after, upto)
+                    conn.execute("UPDATE derived SET seq = ? WHERE name = ?", (upto, name))
+        self._behind = 0
+
+
+# The most values one IN-list takes: SQLite's host parameters were limited to 999 before 3.32.
+IN_CHUNK = 500
+
+
+def in_list(values: Sized) -> str:
+    """The `?` placeholders of an IN-list of `values`."""
+    return ",".join("?" * len(values))
+
+
+def in_chunks[T](values: Sequence[T]) -> Iterator[list[T]]:
+    """`values` in chunks of at most IN_CHUNK, each small enough for one IN-list."""
+    for start in range(0, len(values), IN_CHUNK):
+        yield list(values[start:start + IN_CHUNK])
+
+
+def _in_query(conn: sqlite3.Connection, sql: str, conversation_id: int,
+              values: list[str]) -> list[tuple]:
+    if not values:
+        return []
+    return conn.execute(f"{sql} ({in_list(values)})", (conversation_id, *values)).fetchall()
+
+
+def _create_private(path: Path) -> None:
+    """Create the database file readable by its owner only, before SQLite opens it."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+

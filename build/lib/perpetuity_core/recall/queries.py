@@ -1,0 +1,412 @@
+"""The six recall tools, each a function of its checked arguments, the turn's memory and the
+scanner, returning the text the model reads (recall.tools dispatches to them).
+
+Ties are broken by item id, so the same memory gives the same answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from perpetuity_core.memory import dictionary
+from perpetuity_core.memory.chains import _rank, _subject_words, chain_of
+from perpetuity_core.memory.names import label
+from perpetuity_core.memory.rows import SHOWN_KINDS, Row
+from perpetuity_core.memory.scan import Hit, Scanner
+from perpetuity_core.memory.store import db, in_chunks, in_list
+from perpetuity_core.recall.answers import (
+    LABEL_CHARS,
+    RESULT_CHARS,
+    BadArguments,
+    TurnMemory,
+    _answer,
+    _body,
+    _conversation,
+    _day,
+    _days,
+    _event,
+    _instance,
+    _label,
+    _line,
+    _n,
+    _row_chars,
+    clip,
+    fetch_rows,
+    span,
+)
+
+MAX_SCAN = 4_096  # the most ranked rows a filtered search reads through before giving up
+COUNT_LIST = 20  # instances memory_count lists unless asked for more
+DAYS_LISTED = 40  # dates memory_count spells out in its by-date tally
+ANCHORS = 10  # a topic's top matches that memory_cooccur follows through the binding log
+COOCCUR_ROWS = 200  # co-bound rows whose words are counted for memory_cooccur's terms
+COOCCUR_TERMS = 8
+LINKED = 5  # other subjects memory_chains points to from a chain
+
+
+@dataclass(frozen=True, slots=True)
+class Filters:
+    conversation_id: int | None = None
+    role: str | None = None
+    after: float | None = None  # inclusive
+    before: float | None = None  # exclusive
+    said: str = ""  # how the header describes them
+
+    def admits(self, r: Row) -> bool:
+        return ((self.role is None or r.role == self.role)
+                and (self.after is None or r.at >= self.after)
+                and (self.before is None or r.at < self.before)
+                and (self.conversation_id is None or r.conversation_id == self.conversation_id))
+
+    def during(self) -> tuple[float, float] | None:
+        """The time span for the scan itself, which then ranks only rows said in it."""
+        if self.after is None and self.before is None:
+            return None
+        return (-math.inf if self.after is None else self.after,
+                math.inf if self.before is None else self.before)
+
+
+def _filters(args: dict[str, Any], memory: TurnMemory) -> Filters:
+    conv = None
+    key = args.get("conversation")
+    if key:
+        conv = memory.conversation_id if key == "current" else _own_conversation(memory, key)
+        if conv is None:
+            raise BadArguments(f"there is no conversation {key!r}")
+    said = ", ".join(f"{k} {args[k]}" for k in ("conversation", "role", "after", "before")
+                     if args.get(k))
+    return Filters(conv, args.get("role"), _instant(args, "after"), _instant(args, "before"),
+                   f" ({said})" if said else "")
+
+
+def _own_conversation(memory: TurnMemory, number: str) -> int | None:
+    """The id of the user's conversation an answer numbered `number` (c12), else None."""
+    digits = number.strip().removeprefix("c")
+    if not digits.isdigit():
+        return None
+    row = db.connection().execute("SELECT id FROM conversation WHERE id = ? AND user_id = ?",
+                                  (int(digits), memory.user_id)).fetchone()
+    return row[0] if row else None
+
+
+def _instant(args: dict[str, Any], key: str) -> float | None:
+    value = args.get(key)
+    if not value:
+        return None
+    try:
+        dt = datetime.fromisoformat(value)
+    except ValueError as e:
+        raise BadArguments(f"{key!r} must be an ISO date like 2024-05-01 or 2024-05-01T14:30,"
+                           f" not {value!r}") from e
+    return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
+
+
+def _search(scanner: Scanner, memory: TurnMemory, query: str, f: Filters, want: int,
+            exclude: Iterable[int], holding: np.ndarray | None = None) -> list[tuple[Hit, Row]]:
+    """The `want` best rows for `query` that pass the filters, best first. The scan itself
+    keeps to the conversation and time span; for the other filters it reads deeper (up to
+    MAX_SCAN rows) while they reject."""
+    exclude = frozenset(exclude)
+    k = want
+    while True:
+        hits = scanner.search(query, memory.user_id, limit=k, exclude=exclude,
+                              conversation_id=f.conversation_id, during=f.during())
+        rows = fetch_rows(memory.user_id, [h.item_id for h in hits])
+        keep = [(h, rows[h.item_id]) for h in hits if h.item_id in rows
+                and f.admits(rows[h.item_id])]
+        if holding is not None:
+            held = _holding([h.item_id for h, _ in keep], holding)
+            keep = [(h, r) for h, r in keep if h.item_id in held]
+        if len(keep) >= want or len(hits) < k or k >= MAX_SCAN:
+            return keep[:want]
+        k = min(k * 4, MAX_SCAN)
+
+
+def _holding(item_ids: list[int], terms: np.ndarray) -> set[int]:
+    """Which of the rows hold at least one of `terms` themselves (not only their context)."""
+    if not item_ids or terms.size == 0:
+        return set()
+    rows = db.connection().execute(
+        f"SELECT item_id, terms FROM retrieval WHERE item_id IN ({in_list(item_ids)})",
+        item_ids).fetchall()
+    return {i for i, blob in rows if np.isin(np.frombuffer(blob, "<i4"), terms).any()}
+
+
+def _query_terms(text: str) -> np.ndarray:
+    """The distinct term ids of a tool's query; a query of common words only is bad input."""
+    terms = np.unique(dictionary.load().ids(text))
+    if terms.size == 0:
+        raise BadArguments(f"{text!r} holds no searchable word (only common words)")
+    return terms
+
+
+def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
+    f = _filters(args, memory)
+    query, limit = args["query"], args["limit"]
+    found = _search(scanner, memory, query, f, limit, memory.shown)
+    if not found:
+        return f"memory_search {query!r}{f.said}: nothing you have not seen this turn matches."
+    chars = _row_chars(limit)
+    return _answer(memory, f"memory_search {query!r}{f.said}: {_n(len(found), 'row')}, best first",
+                   [(r.item_id, _line(r, chars)) for _, r in found])
+
+
+def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
+    if "item" in args:
+        return _continue_row(args["item"], args["offset"], memory)
+    limit, page = args["limit"], args["page"]
+    rows = fetch_rows(memory.user_id, [i for i in memory.below_cap if i not in memory.shown])
+    left = [rows[i] for i in dict.fromkeys(memory.below_cap) if i in rows]
+    if not left:
+        return "memory_more: nothing this turn's retrieval found is left unseen; try memory_search."
+    pages = -(-len(left) // limit)
+    if page > pages:
+        return f"memory_more: there are {_n(pages, 'page')} ({_n(len(left), 'row')} not seen yet)."
+    chars = _row_chars(limit)
+    part = left[(page - 1) * limit:page * limit]
+    return _answer(memory, f"memory_more: page {page} of {pages} ({_n(len(left), 'row')} found"
+                           " this turn and not seen yet), best first",
+                   [(r.item_id, _line(r, chars)) for r in part])
+
+
+def _continue_row(item_id: int, offset: int, memory: TurnMemory) -> str:
+    r = fetch_rows(memory.user_id, [item_id]).get(item_id)
+    if r is None:
+        return f"memory_more: there is no row #{item_id} in your memory."
+    body = _body(r)
+    if offset >= len(body):
+        return f"memory_more: row #{item_id} has {len(body):,} characters; nothing after {offset}."
+    header = f"{_label(r)} from character {offset:,} of {len(body):,}:"
+    memory.shown.add(item_id)
+    return header + "\n" + clip(body, item_id, offset, RESULT_CHARS - len(header) - LABEL_CHARS)
+
+
+def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
+    category, match = args["category"], args["match"]
+    terms = _query_terms(category)
+    f = _filters(args, memory)
+    ids, at, conv = count_rows(memory.user_id, terms, match == "all", f)
+    what = f"memory_count {category!r}{f.said}, rows holding {match} of its words"
+    if ids.size == 0:
+        return f"{what}: 0 rows."
+    listed = ids[np.lexsort((ids, at))[:args["limit"]]].tolist()  # oldest first
+    rows = fetch_rows(memory.user_id, listed)
+    keys = _conversation_names(np.unique(conv).tolist())
+    days = np.datetime_as_string((at // 86_400).astype(np.int64).astype("datetime64[D]"))
+    header = (f"{what}: {_n(ids.size, 'row')}, in {_n(np.unique(conv).size, 'conversation')},"
+              f" on {_n(np.unique(days).size, 'day')}.")
+    by_conv = sorted(_tally(conv), key=lambda cn: (-cn[1], keys.get(cn[0], "")))
+    by_day = _tally(days)
+    entries: list[tuple[int | None, str]] = [
+        (None, "by conversation: " + "; ".join(
+            f"{keys.get(c, str(c))} {n} ({_days(at[conv == c])})" for c, n in by_conv)),
+        (None, "by date: " + ", ".join(f"{d} {n}" for d, n in by_day[:DAYS_LISTED])
+         + (f", and {len(by_day) - DAYS_LISTED} more days" if len(by_day) > DAYS_LISTED else "")),
+    ]
+    marks = [dictionary.stem(w) for w in dictionary.load().words(category)
+             if w not in dictionary.STOP_WORDS]
+    entries += [_instance(rows[i], marks, memory) for i in listed if i in rows]
+    if ids.size > len(listed):
+        entries.append((None, (f"[{ids.size - len(listed)} more instances not listed: raise"
+                               " limit, or narrow by conversation, role or dates]")))
+    return _answer(memory, header, entries)
+
+
+def _tally(values: np.ndarray) -> list[tuple[Any, int]]:
+    """Distinct values in ascending order, each with how often it occurs."""
+    u, n = np.unique(values, return_counts=True)
+    return list(zip(u.tolist(), n.tolist(), strict=True))
+
+
+def _conversation_names(conversation_ids: list[int]) -> dict[int, str]:
+    if not conversation_ids:
+        return {}
+    return {c: _conversation(c, label(title, opening, folder)) for c, title, opening, folder
+            in db.connection().execute(
+                "SELECT id, title, opening, folder FROM conversation WHERE id IN"
+                f" ({in_list(conversation_ids)})", conversation_ids)}
+
+
+def count_rows(user_id: int, terms: np.ndarray, every: bool,
+               f: Filters) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every row of `user_id` passing the filters that holds every one of `terms` (or, unless
+    `every`, any of them): (item ids, times, conversation ids), by item id. Exact: every
+    retrieval row of the user is read and matched in numpy over its term blob; only the
+    matches are then joined to their messages for the other filters."""
+    sql, params = "SELECT item_id, terms FROM retrieval WHERE user_id = ?", [user_id]
+    if f.conversation_id is not None:
+        sql, params = sql + " AND conversation_id = ?", [user_id, f.conversation_id]
+    conn = db.connection()
+    rows = conn.execute(sql, params).fetchall()
+    empty = np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
+    if not rows:
+        return empty
+    ids, blobs = zip(*rows, strict=True)
+    lengths = np.fromiter((len(b) // 4 for b in blobs), np.int64, len(blobs))
+    held_terms = np.frombuffer(b"".join(blobs), "<i4")
+    owner = np.repeat(np.arange(len(rows)), lengths)
+    # A row's terms are distinct, so the matches per row are the query terms it holds.
+    held = np.bincount(owner[np.isin(held_terms, terms)], minlength=len(rows))
+    matched = np.sort(np.asarray(ids, np.int64)[held >= (terms.size if every else 1)]).tolist()
+    kept: list[tuple[int, float, int]] = []
+    for chunk in in_chunks(matched):
+        kept += [(i, at, conv) for i, at, conv, role, kind in conn.execute(
+            "SELECT i.id, m.at, m.conversation_id, m.role, i.kind FROM item i JOIN message m"
+            f" ON m.id = i.message_id WHERE i.id IN ({in_list(chunk)}) ORDER BY i.id",
+            chunk) if kind in SHOWN_KINDS and (f.role is None or role == f.role)
+            and (f.after is None or at >= f.after) and (f.before is None or at < f.before)]
+    if not kept:
+        return empty
+    i, at, conv = zip(*kept, strict=True)
+    return np.asarray(i, np.int64), np.asarray(at, np.float64), np.asarray(conv, np.int64)
+
+
+def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
+    query, limit = args["query"], args["limit"]
+    terms = _query_terms(query)
+    f = _filters(args, memory)
+    # Rows already shown are still events on the timeline: they come back as stubs.
+    found = _search(scanner, memory, query, f, limit, (), holding=terms)
+    if not found:
+        return f"memory_dates {query!r}{f.said}: no stored row mentions it."
+    rows = sorted((r for _, r in found), key=lambda r: (r.at, r.item_id))
+    header = (f"memory_dates {query!r}{f.said}: {_n(len(rows), 'row')}, oldest first; first to last"
+              f" {span(rows[-1].at - rows[0].at)}; the latest {span(memory.asked_at - rows[-1].at)}"
+              " before this question")
+    chars = _row_chars(limit)
+    entries = [_event(r, chars, memory, *([f"+{span(r.at - p.at)}"] if p else []))
+               for p, r in zip([None, *rows[:-1]], rows, strict=True)]
+    return _answer(memory, header, entries)
+
+
+def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
+    topic, limit = args["topic"], args["limit"]
+    terms = _query_terms(topic)
+    # The topic's matches are rows that mention it, not rows that only sit beside one.
+    anchors = [h.item_id for h, _ in _search(scanner, memory, topic, Filters(), ANCHORS, (),
+                                             holding=terms)]
+    if not anchors:
+        return f"memory_cooccur {topic!r}: nothing stored matches it."
+    turns, bound, together = cooccurring(anchors)
+    rows = fetch_rows(memory.user_id, bound[:COOCCUR_ROWS].tolist())
+    near = [i for i in bound[:COOCCUR_ROWS].tolist() if i in rows]
+    if not near:
+        return (f"memory_cooccur {topic!r}: its matches have not come up in a recorded turn with"
+                " anything else yet; memory_search finds them.")
+    times = dict(zip(bound.tolist(), together.tolist(), strict=True))
+    topic_stems = set(_subject_words(topic)[0])
+    words = frequent_words([rows[i].text for i in near], topic_stems)
+    new = [rows[i] for i in near if i not in memory.shown][:limit]
+    header = (f"memory_cooccur {topic!r}: its best matches came up in {_n(turns, 'recorded turn')},"
+              f" with {_n(len(near), 'other row')}; the most often first")
+    said = ", ".join(f"{w} ({n})" for w, n in words)
+    entries: list[tuple[int | None, str]] = [(None, f"words most frequent among them: {said}")]
+    chars = _row_chars(limit)
+    entries += [(r.item_id, _line(r, chars, f"together in {_n(times[r.item_id], 'turn')}"))
+                for r in new]
+    if not new:
+        entries.append((None, "(every one of those rows has been shown this turn)"))
+    return _answer(memory, header, entries)
+
+
+def cooccurring(anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
+    """From the binding log: how many turns bound any of `anchors` (a topic's matches, best
+    first), and the other rows bound in those turns, most strongly first, with how many of
+    those turns each shares. A turn weighs 1 / (1 + rank) of the best anchor it holds, a row
+    the sum of its turns' weights; ties by item id."""
+    conn = db.connection()
+    pairs = conn.execute(
+        f"SELECT turn_message_id, item_id FROM binding WHERE item_id IN"
+        f" ({in_list(anchors)})", anchors).fetchall()
+    empty = np.zeros(0, np.int64)
+    if not pairs:
+        return 0, empty, empty
+    rank = {a: r for r, a in enumerate(anchors)}
+    weight: dict[int, float] = {}
+    for t, i in pairs:
+        weight[t] = max(weight.get(t, 0.0), 1.0 / (1 + rank[i]))
+    turns = sorted(weight)
+    bound: list[tuple[int, int]] = []
+    for chunk in in_chunks(turns):
+        bound += conn.execute(
+            "SELECT turn_message_id, item_id FROM binding WHERE turn_message_id IN"
+            f" ({in_list(chunk)}) ORDER BY turn_message_id, item_id", chunk).fetchall()
+    turn = np.asarray([b[0] for b in bound], np.int64)
+    item = np.asarray([b[1] for b in bound], np.int64)
+    w = np.asarray([weight[t] for t in turns])[np.searchsorted(turns, turn)]
+    other = ~np.isin(item, anchors)
+    ids, inverse = np.unique(item[other], return_inverse=True)
+    # bincount adds in input order (turn, then item): the same sums on every run.
+    score = np.bincount(inverse, weights=w[other], minlength=ids.size)
+    together = np.bincount(inverse, minlength=ids.size)
+    order = np.lexsort((ids, -score))
+    return len(turns), ids[order], together[order]
+
+
+def frequent_words(texts: Iterable[str], leave_out: set[str]) -> list[tuple[str, int]]:
+    """The subject words found in most of `texts` (each text counts a word once), with how
+    many texts hold them; ties go to the rarer word, which tells more, then by stem."""
+    rows: Counter[str] = Counter()
+    surface: dict[str, str] = {}
+    for text in texts:
+        counts, forms = _subject_words(text)
+        rows.update(s for s in counts if s not in leave_out)
+        for s, w in forms.items():
+            surface.setdefault(s, w)
+    best = sorted(rows.items(), key=lambda sn: (-sn[1], -_rank(sn[0]), sn[0]))[:COOCCUR_TERMS]
+    return [(surface[s], n) for s, n in best]
+
+
+def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
+    subject, limit, page = args["subject"], args["limit"], args["page"]
+    counts, forms = _subject_words(subject)
+    stems = sorted(counts)
+    if not stems:
+        raise BadArguments(f"{subject!r} has no distinctive word to follow (common words are"
+                           " not chained; memory_search finds them)")
+    ids, covered = chain_of(memory.user_id, stems)
+    words = " and ".join(forms[s] for s in stems)
+    rows = fetch_rows(memory.user_id, ids)
+    chain = [rows[i] for i in ids if i in rows]
+    if not chain:
+        return f"memory_chains {subject!r}: no stored row is about {words}."
+    pages = -(-len(chain) // limit)
+    if page > pages:
+        return (f"memory_chains {subject!r}: the chain has {_n(len(chain), 'row')},"
+                f" {_n(pages, 'page')}.")
+    end = len(chain) - (page - 1) * limit
+    start = max(0, end - limit)
+    partial = (f" (no row mentions all of {words}; these mention {covered} of them)"
+               if covered < len(stems) else "")
+    header = (f"memory_chains {subject!r}: {_n(len(chain), 'row')} about {words}{partial},"
+              f" {_day(chain[0].at)} to {_day(chain[-1].at)}; oldest first, the latest state last")
+    entries: list[tuple[int | None, str]] = []
+    if start > 0:
+        entries.append((None, f"[{_n(start, 'earlier row')}: memory_chains page={page + 1}]"))
+    chars = _row_chars(limit)
+    for k in range(start, end):
+        gap = [f"+{span(chain[k].at - chain[k - 1].at)}"] if k > 0 else []
+        entries.append(_event(chain[k], chars, memory, *gap))
+    # Linked subjects of the rows on this page: a long chain's whole would cost a read per row.
+    linked = frequent_words((r.text for r in chain[start:end]), set(stems))
+    if linked := [(w, n) for w, n in linked if n > 1][:LINKED]:
+        entries.append((None, "linked subjects: " + ", ".join(f"{w} ({n})" for w, n in linked)))
+    return _answer(memory, header, entries)
+
+
+_RUNNERS: dict[str, Callable[[dict[str, Any], TurnMemory, Scanner], str]] = {
+    "memory_search": memory_search,
+    "memory_more": memory_more,
+    "memory_cooccur": memory_cooccur,
+    "memory_count": memory_count,
+    "memory_chains": memory_chains,
+    "memory_dates": memory_dates,
+}
+

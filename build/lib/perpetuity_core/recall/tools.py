@@ -1,0 +1,204 @@
+"""The recall tools: what the model can ask its memory mid-reply, and the answers.
+
+The frame is what the model remembers at the start of a turn; these tools reach the rest. The
+proxy runs them inside the streamed reply (relay.py). Here they are neutral: a name, a
+description and a JSON schema each (`TOOLS`), the paragraph that tells the model how to use them
+(`INSTRUCTIONS`), and `run`, which executes one call and returns the text the model reads.
+
+Every answer is for one user (another user's rows never appear, pooled or not) and one turn:
+`TurnMemory.shown` holds the rows the model has seen this turn (the frame's, then every row a
+call returned), and no call shows a row's text twice. Answers are compact: LIMIT rows by
+default, each cut to its share of RESULT_CHARS (2,000 tokens at four characters a token) with a
+note how to read on. Ties are broken by item id, so the same memory gives the same answer.
+
+Two structures are derived for the tools, each with one writer:
+- the binding log (`binding`): the rows that came up together in one turn, what the turn
+  retrieved and what it stored. `record_bindings` writes it from the store's writer after each
+  turn; memory_cooccur reads it.
+- the chains (`chain`): every text row joins the chains of its subjects (`subjects`: its
+  rarest non-trivial words, at most SUBJECTS a row), ordered by when it was said. `derive_chains`
+  writes them from the store's writer a batch of messages at a time (Store.flush), up to a
+  cursor; memory_chains reads them and derives the rows past the cursor itself, so a row is in
+  its chains from the moment it is stored, and a fact and its later updates are one chain with
+  the latest state last.
+
+How it fails: `run` never raises. Bad arguments and unknown names get a one-line error the
+model can read and correct; a failure inside a tool is logged and reported the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from perpetuity_core.memory.scan import Scanner
+from perpetuity_core.recall.answers import BadArguments, TurnMemory
+from perpetuity_core.recall.queries import _RUNNERS, COUNT_LIST
+
+log = logging.getLogger("perpetuity")
+
+LIMIT = 8  # rows an answer shows unless asked for more
+MAX_LIMIT = 50
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    input_schema: dict[str, Any]  # JSON schema of the arguments
+
+
+# The definitions ride along with every request that carries the tools: kept short.
+_FILTERS: dict[str, dict[str, Any]] = {
+    "conversation": {"type": "string", "description":
+                     "A conversation's number from the results (c12), or 'current'."},
+    "role": {"type": "string", "enum": ["user", "assistant", "tool"]},
+    "after": {"type": "string", "description": "From this ISO date or time on (UTC)."},
+    "before": {"type": "string", "description": "Before this ISO date or time (UTC)."},
+}
+
+
+def _limit(default: int = LIMIT, most: int = MAX_LIMIT) -> dict[str, Any]:
+    return {"type": "integer", "minimum": 1, "maximum": most, "default": default}
+
+
+def _schema(required: Sequence[str], **properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(required),
+            "additionalProperties": False}
+
+
+TOOLS: tuple[ToolSpec, ...] = (
+    ToolSpec(
+        "memory_search",
+        "Search everything stored from earlier conversations with this user, best match first."
+        " Returns only rows you have not seen this turn, each as [#id · conversation number and"
+        " name · role · time] text.",
+        _schema(["query"], query={"type": "string", "description": "Words said before."},
+                **_FILTERS, limit=_limit())),
+    ToolSpec(
+        "memory_more",
+        "More of what this turn's retrieval found but the frame left out, best first, one page"
+        " per call. With `item`, the rest of a row that an answer cut short.",
+        _schema([], page={"type": "integer", "minimum": 1, "default": 1},
+                limit=_limit(),
+                item={"type": "integer", "minimum": 1, "description": "A cut row's #id."},
+                offset={"type": "integer", "minimum": 0, "default": 0,
+                        "description": "As the cut note says."})),
+    ToolSpec(
+        "memory_cooccur",
+        "What came up together with a topic in earlier turns: the rows retrieved or said in the"
+        " same turns as the topic's best matches, and the words most frequent among them.",
+        _schema(["topic"], topic={"type": "string"}, limit=_limit())),
+    ToolSpec(
+        "memory_count",
+        "Count exactly every stored row that mentions something (every row is read), grouped"
+        " by conversation and date, instances listed compactly. A row counts when it holds every"
+        " word of `category` (word forms fold: hike, hiking), or any of them with match='any'."
+        " Use the words an instance would use.",
+        _schema(["category"], category={"type": "string"},
+                match={"type": "string", "enum": ["all", "any"], "default": "all"},
+                **_FILTERS, limit=_limit(COUNT_LIST, 200) | {
+                    "description": "Instances to list; the count is always complete."})),
+    ToolSpec(
+        "memory_chains",
+        "Follow a subject through time: every row about it (a name, a place, a thing), oldest"
+        " first, so a fact that changed can be followed to its latest state, which comes last."
+        " Also names the subjects linked to it.",
+        _schema(["subject"], subject={"type": "string", "description":
+                                      "One or two distinctive words (e.g. 'Oslo', 'vault code')."},
+                limit=_limit(),
+                page={"type": "integer", "minimum": 1, "default": 1,
+                      "description": "1 is the latest rows, 2 the ones before."})),
+    ToolSpec(
+        "memory_dates",
+        "When something happened: the stored rows that mention it, oldest first, with their"
+        " dates, the time elapsed between consecutive ones, from the first to the last, and"
+        " before now.",
+        _schema(["query"], query={"type": "string", "description": "What happened."},
+                **_FILTERS, limit=_limit())),
+)
+TOOL_NAMES = frozenset(t.name for t in TOOLS)
+_SPECS = {t.name: t for t in TOOLS}
+
+INSTRUCTIONS = (
+    "The quoted turns are what you remember of earlier conversations with this user, not all"
+    " of it; the memory tools reach the rest. memory_search finds stored turns by their words"
+    " (filter by conversation, role or dates); memory_more continues what this frame left out,"
+    " or a row that was cut short; memory_count counts every mention exactly; memory_dates tells"
+    " when things happened and how long apart; memory_chains follows a subject through time to"
+    " its latest state; memory_cooccur shows what came up together with a topic before. Use"
+    " them when the answer needs something the quoted turns do not show, before saying you do"
+    " not know; never for what is already in front of you. Each call returns only what you have"
+    " not seen this turn."
+)
+
+
+def run(call_name: str, arguments: dict | str, memory: TurnMemory, scanner: Scanner) -> str:
+    """Execute one call and return the text the model reads. Never raises."""
+    spec = _SPECS.get(call_name)
+    if spec is None:
+        return f"Unknown tool {call_name!r}: the memory tools are {', '.join(sorted(TOOL_NAMES))}."
+    try:
+        args = parse_arguments(spec, arguments)
+        return _RUNNERS[call_name](args, memory, scanner)
+    except BadArguments as e:
+        return f"{call_name}: {e}. It takes {_signature(spec)}."
+    except Exception as e:  # the reply goes on: the model reads that the call failed
+        log.exception("perpetuity: %s failed", call_name)
+        return f"{call_name} failed ({type(e).__name__}); answer without it or try another call."
+
+
+def parse_arguments(spec: ToolSpec, arguments: dict | str) -> dict[str, Any]:
+    """The arguments checked against the spec's schema (types, bounds, enums, required)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise BadArguments(f"the arguments are not valid JSON ({e.msg})") from e
+    if not isinstance(arguments, dict):
+        raise BadArguments("the arguments must be a JSON object")
+    props = spec.input_schema["properties"]
+    out: dict[str, Any] = {}
+    for key, value in arguments.items():
+        if key not in props:
+            raise BadArguments(f"unknown argument {key!r}")
+        if value is not None:
+            out[key] = _check(key, value, props[key])
+    for key in spec.input_schema["required"]:
+        if key not in out or out[key] == "":
+            raise BadArguments(f"{key!r} is required")
+    for key, prop in props.items():
+        if key not in out and "default" in prop:
+            out[key] = prop["default"]
+    return out
+
+
+def _check(key: str, value: Any, prop: dict[str, Any]) -> Any:
+    if prop["type"] == "integer":
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)  # models sometimes quote numbers
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise BadArguments(f"{key!r} must be a whole number, not {value!r}")
+        lo, hi = prop.get("minimum"), prop.get("maximum")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            most = hi if hi is not None else "any"
+            raise BadArguments(f"{key!r} must be between {lo} and {most}")
+        return value
+    if not isinstance(value, str):
+        raise BadArguments(f"{key!r} must be a string, not {value!r}")
+    value = value.strip()
+    if "enum" in prop and value not in prop["enum"]:
+        raise BadArguments(f"{key!r} must be one of {', '.join(prop['enum'])}")
+    return value
+
+
+def _signature(spec: ToolSpec) -> str:
+    required = spec.input_schema["required"]
+    names = [k if k in required else k + "?" for k in spec.input_schema["properties"]]
+    return f"{spec.name}({', '.join(names)})"
+

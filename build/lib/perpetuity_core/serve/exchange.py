@@ -1,0 +1,116 @@
+"""What passes between the addon, the pipeline and the relay: a request as the proxy received it
+(`HttpRequest`), what the pipeline decided for it (`Decision`), the exchange the relay runs
+(`Job`), and the turn it stores off the request path (`PendingTurn`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from perpetuity_core.memory.capture import TurnContext
+from perpetuity_core.memory.frame import Frame
+from perpetuity_core.recall.answers import TurnMemory
+from perpetuity_core.wire.conversation import (
+    Message,
+    Protocol,
+)
+from perpetuity_core.wire.identity import Identity
+from perpetuity_core.wire.route import Route
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    method: str
+    host: str
+    path: str  # with the query string
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    direct: bool  # the client addressed the proxy itself (base URL), not a host through it
+
+
+@dataclass(frozen=True, slots=True)
+class PendingTurn:
+    """A request's messages, to be stored off the request path while it goes upstream."""
+
+    user: str
+    conversation: str
+    provider: str
+    model: str
+    messages: list[Message]
+    at: float
+    # This turn's retrieval reheats (item -> peak) at the user's clock position `clock`.
+    reheats: dict[int, float] = field(default_factory=dict)
+    clock: float = 0.0
+    sent_tokens: int = 0  # the conversation the model reads: frame and turns kept as sent
+    notes: list[str] = field(default_factory=list)  # notes recall put before the model
+    # What the binding log binds to the reply: the turn's own retrieval as rendered, and the
+    # rows the tools showed (`shown` grows as they run; the frame's warm rows are left out,
+    # since warmth is not topic).
+    hits: set[int] = field(default_factory=set)
+    shown: set[int] = field(default_factory=set)
+    frame_rows: set[int] = field(default_factory=set)
+    folder: str = ""  # the working directory the harness states (names.py)
+    # A title side request: nothing of it is a turn; its reply names the conversation.
+    title: bool = False
+    structured: bool = False  # the title is asked for as JSON (Claude Code), else as text
+    library: Path | None = None  # the tenant's notes library the recalled notes came from
+
+
+@dataclass(slots=True)
+class Job:
+    """One exchange for the relay: what to send upstream and how to store what comes back."""
+
+    method: str
+    url: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    protocol: Protocol
+    stream: bool
+    pending: PendingTurn
+    # The request's write on the store's thread; the reply's write is queued behind it.
+    turn: Future[TurnContext] | None = None
+    at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
+    memory: TurnMemory | None = None  # set when the recall tools ride along (relay only)
+    max_rounds: int = 4
+    tool_specs: list[dict[str, Any]] = field(default_factory=list)  # ours, beside the harness's
+    # The body exactly as the client sent it, when we changed it: a 400 on the first round is
+    # retried once with it (the rejection may be ours: the frame, a tool).
+    original: bytes | None = None
+
+    @property
+    def relay(self) -> bool:
+        """Through the relay when our tools ride along (their loop runs there); else on
+        mitmproxy's own stream, which adds less to every request."""
+        return self.memory is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A reply the proxy gives itself, with no model call (the /perpetuity-curate command)."""
+
+    content_type: str
+    body: bytes
+    status: int = 200
+
+
+# A request to us whose provider nothing names: forwarding it anywhere could hand its
+# credential to the wrong host, and left alone it would loop back to us.
+UNKNOWN_PROVIDER = Answer("text/plain; charset=utf-8", b"perpetuity: cannot tell which provider "
+                          b"this request is for (no Anthropic or OpenAI credential, path or model "
+                          b"names one); it was not forwarded\n", 421)
+
+
+@dataclass(slots=True)
+class Decision:
+    route: Route | None = None  # None: not provider traffic, the flow's destination stays
+    strip: list[str] = field(default_factory=list)  # control headers to remove
+    job: Job | None = None
+    answer: Answer | None = None
+    body: bytes | None = None  # the request body to send instead, with the frame
+    frame: Frame | None = None
+    identity: Identity | None = None
+    note: str = ""  # why, for flow.metadata and logs
+

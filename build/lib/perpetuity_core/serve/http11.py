@@ -1,0 +1,68 @@
+"""The relay's side of one HTTP/1.1 connection from mitmproxy, framed by h11: requests read
+whole (Content-Length or chunked), replies sent chunked so the store can take a reply before
+the client sees its end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import h11
+
+READ = 64 * 1024
+
+
+class Http11:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self._conn = h11.Connection(h11.SERVER)
+
+    async def request(self) -> dict[str, str] | None:
+        """The next request's headers (names lower-case), its body read and dropped (the relay's
+        job carries it); None when mitmproxy closed the connection or it cannot be reused."""
+        conn = self._conn
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()
+        elif conn.our_state is not h11.IDLE:
+            return None
+        headers: dict[str, str] = {}
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await self.reader.read(READ))  # b"" is the peer's close
+            elif isinstance(event, h11.Request):
+                headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+            elif isinstance(event, h11.EndOfMessage):
+                return headers
+            elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+                return None
+
+    def start(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
+        """The reply's head; its body follows chunked."""
+        self.writer.write(self._conn.send(h11.Response(
+            status_code=status, reason=reason.encode("latin-1"),
+            headers=[*headers, ("transfer-encoding", "chunked")])))
+
+    def send(self, data: bytes) -> None:
+        if data:  # an empty chunk would end the body
+            self.writer.write(self._conn.send(h11.Data(data=data)))
+
+    async def end(self) -> None:
+        self.writer.write(self._conn.send(h11.EndOfMessage()))
+        await self.writer.drain()
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+    async def respond(self, status: int, body: bytes) -> None:
+        """A whole reply of our own (the relay's errors)."""
+        self.writer.write(self._conn.send(h11.Response(
+            status_code=status, reason=b"Bad Gateway",
+            headers=[("content-type", "text/plain"), ("content-length", str(len(body)))])))
+        self.writer.write(self._conn.send(h11.Data(data=body)))
+        await self.end()
+
+    def hung_up(self) -> bool:
+        return self.writer.is_closing() or self.reader.at_eof()
+
+    def abort(self) -> None:
+        self.writer.transport.abort()

@@ -1,0 +1,470 @@
+"""The per-request path, in the order data flows: route → identity → retrieve → render, then a
+job to forward and capture.
+
+`prepare` turns one HTTP request into a `Decision`: leave it alone, send it upstream untouched,
+or forward it, its history replaced by the frame (and notes, when a task starts), as a `Job`
+that captures the reply (through the relay when the recall tools ride along). It only reads:
+the writes (`store_turn`, `store_reply`) run on the store's one writer thread while the request
+is already on its way. It never raises for bad input: anything it cannot read passes through
+as the client sent it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from perpetuity_core import notes
+from perpetuity_core.errors import PerpetuityError
+from perpetuity_core.memory import bindings, capture, frame, heat, names, tenants
+from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.capture import TurnContext
+from perpetuity_core.memory.frame import Frame
+from perpetuity_core.memory.index import messages_tokens
+from perpetuity_core.memory.scan import Scanner
+from perpetuity_core.memory.store import Store
+from perpetuity_core.recall import tools
+from perpetuity_core.recall.answers import TurnMemory
+from perpetuity_core.serve.exchange import (
+    UNKNOWN_PROVIDER,
+    Answer,
+    Decision,
+    HttpRequest,
+    Job,
+    PendingTurn,
+)
+from perpetuity_core.serve.plan import Plan, carried, mark, place, should_rebuild, with_addendum
+from perpetuity_core.wire import repair
+from perpetuity_core.wire.conversation import (
+    Message,
+    ParsedRequest,
+    Protocol,
+    Provider,
+    Reply,
+    is_prompt,
+    prompt_text,
+)
+from perpetuity_core.wire.identity import Identity, identify
+from perpetuity_core.wire.protocols import ADAPTERS
+from perpetuity_core.wire.route import CONTROL_PREFIX, credential, parse_controls, route
+
+log = logging.getLogger("perpetuity")
+
+CURATE_COMMAND = "/perpetuity-curate"
+RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame's tail comes from
+PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
+BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's JSON escape, paired or not
+
+# Bodies above this are forwarded untouched rather than parsed on the request path.
+MAX_BODY = 32 * 1024 * 1024
+
+# Dropped from what goes upstream: hop-by-hop headers, and encodings, since the relay must read
+# the reply to store it (providers stream SSE uncompressed anyway).
+_DROP_UPSTREAM = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+                  "proxy-connection", "proxy-authorization", "accept-encoding", "te", "upgrade"}
+
+
+@dataclass(slots=True)
+class Recall:
+    """What memory adds to one request."""
+
+    body: bytes | None = None  # the body to send instead
+    built: Frame | None = None  # the frame or addendum built for this request, if any
+    keep: int = 0  # the first message kept as the harness sent it
+    memory: TurnMemory | None = None  # set when the recall tools ride along
+    notes: list[str] = field(default_factory=list)  # the notes recall put before the model
+    key: tuple[int, str] | None = None  # (user, conversation key) of the plan
+    plan: Plan | None = None  # the conversation's plan after this request
+    sent_tokens: int = 0  # what the model reads of the conversation: frame, addenda, kept turns
+    note: str = ""  # why the history was kept further back than planned, or left as sent
+    library: Path | None = None  # the tenant's notes library
+
+
+class Pipeline:
+    def __init__(self, store: Store, upstreams: Mapping[Provider, str], tools: bool = True,
+                 notes_root: Path | None = None, limits: Cap = Cap(),
+                 share_pool: bool | frozenset[str] = False, tool_rounds: int = 4,
+                 trust_identity: bool = False, notes_capture: bool = True) -> None:
+        """`share_pool`: True pools every user (offline evaluation); a set of tenants pools the
+        users of those tenants with each other (the proxy); False, each user sees their own.
+        `trust_identity`: claimed identities are authenticated upstream of us (see identity)."""
+        self.store = store
+        self.upstreams = dict(upstreams)
+        self.tools = tools  # the deployment's default; x-perpetuity-tools: off turns them off
+        self.tool_rounds = tool_rounds
+        self.notes_root = notes_root
+        self.notes_capture = notes_capture  # note_capture and /perpetuity-curate through us
+        self.trust_identity = trust_identity
+        self.limits = limits
+        # Reads only, on the thread that prepares requests; the store's thread does the writing.
+        pool = share_pool if isinstance(share_pool, frozenset) else None
+        self.scanner = Scanner(store, share_pool=bool(share_pool),
+                               pool_of=(lambda uid: tenants.pool_of(store, uid, pool))
+                               if pool is not None else None)
+        # Each conversation's plan: when its frame changes (`perpetuity_core.plan`). Only the
+        # preparing thread touches it; a restart costs one rebuilt frame.
+        self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
+
+    def route_only(self, req: HttpRequest, model: str = "") -> Decision:
+        """Where the request goes and which headers to strip, touching nothing else."""
+        headers = {k.lower(): v for k, v in req.headers}
+        r = route(host=req.host, path=req.path, direct=req.direct, headers=headers, model=model,
+                  upstreams=self.upstreams)
+        if r is None and req.direct:
+            return Decision(answer=UNKNOWN_PROVIDER, note="provider unknown")
+        if r is None:
+            return Decision(note="not provider traffic")  # untouched, our headers included
+        strip = sorted({k for k, _ in req.headers if k.lower().startswith(CONTROL_PREFIX)})
+        return Decision(route=r, strip=strip)
+
+    def prepare(self, req: HttpRequest) -> Decision:
+        body = _json_body(req.body) if req.method == "POST" else None
+        decision = self.route_only(req, str(body.get("model", "")) if body else "")
+        r = decision.route
+        if r is None:
+            return decision
+        # Read as text: a value that was not UTF-8 (mitmproxy's surrogate escapes) must never
+        # reach the store or a digest as it is.
+        headers = {k.lower(): v.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+                   for k, v in req.headers}
+        controls = parse_controls(headers)
+        if not controls.enabled:
+            decision.note = "x-perpetuity: off"
+            return decision
+        if r.protocol is None or body is None:
+            decision.note = "no turn in this request"
+            return decision
+        try:
+            parsed = ADAPTERS[r.protocol].parse_request(body)
+        except Exception as e:  # fail open: an unreadable body goes through as sent
+            decision.note = f"unparsed: {e}"
+            return decision
+        ident = identify(headers, parsed, credential(headers), self.store.salt,
+                         self.trust_identity)
+        decision.identity = ident
+        library = tenants.library(self.notes_root, ident.tenant)
+        if (_last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
+                and self.notes_capture):
+            text = _curate(library)
+            decision.answer = Answer(
+                "text/event-stream; charset=utf-8" if parsed.stream else "application/json",
+                ADAPTERS[r.protocol].render_text(text, parsed.model, parsed.stream,
+                                                 "resp_perpetuity_" + secrets.token_hex(8)))
+            decision.note = "answered /perpetuity-curate"
+            return decision
+        if ident.side:
+            decision.note = f"side request: {ident.side}"
+            if ident.side == "title" and controls.capture and not controls.probe:
+                # Forwarded as sent; only its reply is read, for the conversation's name.
+                pending = PendingTurn(ident.user, ident.conversation, r.provider.value,
+                                      parsed.model, [], time.time(), title=True,
+                                      structured=parsed.structured_output)
+                decision.job = Job(req.method, r.upstream_url, _forwarded(req), req.body,
+                                   r.protocol, parsed.stream, pending)
+            return decision
+        at = controls.at if controls.at is not None else time.time()
+        # The recall tools ride along with a frame (there is memory to reach) and a model call.
+        tools_on = self.tools and controls.tools and not controls.probe and controls.capture
+        recall = Recall()
+        if controls.recall and "previous_response_id" not in parsed.hints:
+            recall = self._recall(body, parsed, ident, r.protocol, at, tools_on, library)
+        if recall.memory is not None:
+            recall.memory.library = library if self.notes_capture else None
+            recall.memory.untrusted = tenants.quotes_untrusted(parsed.messages)
+        decision.body, decision.frame = recall.body, recall.built
+        if controls.probe or not controls.capture:
+            decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
+            return decision
+        if recall.key is not None and recall.plan is not None:
+            self._remember(recall.key, recall.plan)
+        built = recall.built
+        sent = recall.sent_tokens if recall.body is not None else messages_tokens(parsed.messages)
+        pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
+                              parsed.messages, at, built.reheats if built else {},
+                              built.now if built else 0.0, sent, recall.notes,
+                              set(built.hits[:BOUND_HITS]) if built else set(),
+                              recall.memory.shown if recall.memory else set(),
+                              set(recall.plan.shown) if recall.plan else set(),
+                              names.folder(parsed), library=library)
+        decision.job = Job(req.method, r.upstream_url, _forwarded(req),
+                           recall.body if recall.body is not None else req.body, r.protocol,
+                           parsed.stream, pending, at=controls.at, memory=recall.memory,
+                           max_rounds=self.tool_rounds,
+                           tool_specs=self._tool_specs(recall.memory, parsed.tool_names)
+                           if recall.memory else [],
+                           original=req.body if recall.body is not None else None)
+        decision.note = _noted("captured", recall.note)
+        return decision
+
+    def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
+                protocol: Protocol, asked_at: float, tools_on: bool,
+                library: Path | None) -> Recall:
+        """The request laid out by its conversation's plan (`perpetuity_core.plan`): the frame
+        in front, the harness's messages from the anchor on, addenda before the prompts they
+        serve; notes when a task starts, and the note on the recall tools when they ride
+        along."""
+        messages = parsed.messages
+        prompt = _prompt_index(messages)
+        user_id = self.store.find_user(ident.user)
+        if user_id is None or prompt is None:
+            return self._lesson_only(body, parsed, protocol, library)
+        conv = self.store.find_conversation(user_id, ident.conversation)
+        # By the conversation's key, not its row: a first request has no row yet.
+        key = (user_id, ident.conversation)
+        query = prompt_text(messages[prompt])
+        out = Recall(key=key, library=library)
+        old = self._plans.get(key)
+        placed = place(old, messages) if old else None
+        if old and placed:
+            kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
+            here = mark(messages, prompt)
+            if here == old.prompt:  # a tool round of the task in progress
+                out.plan = carried(old, kept, asked_at, here)
+            elif not should_rebuild(old, kept, asked_at, max(old.frame_tokens, self.limits.floor)):
+                out.plan = carried(old, kept, asked_at, here)
+                self._add(out, parsed, prompt, placed.keep, conv, query, asked_at)
+        if out.plan is None:
+            self._rebuild(out, parsed, prompt, conv, query, asked_at)
+        laid = place(out.plan, messages) if out.plan else None
+        if out.plan is None or laid is None:
+            return out
+        front = list(out.plan.frame)
+        if front and tools_on:
+            front = frame.with_note(front, _tools_note(out.plan.left_out))
+        if tools_on and front:
+            out.memory = TurnMemory(user_id, conv, asked_at, set(out.plan.shown),
+                                    list(out.plan.below_cap))
+        if not front and not laid.inserts:
+            return out
+        replaced = repair.replace_history(
+            ADAPTERS[protocol], body, parsed, front, laid.keep,
+            {parsed.raw_index[i]: list(m) for i, m in laid.inserts.items()})
+        if replaced.body is None:
+            log.warning("perpetuity: %s", replaced.why)
+            return Recall(note=replaced.why)
+        if replaced.why:
+            log.info("perpetuity: %s", replaced.why)
+        if replaced.keep != laid.keep:
+            # The plan keeps what went upstream, so the next call grows from it.
+            out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
+        out.keep, out.note = replaced.keep, replaced.why
+        out.sent_tokens = (messages_tokens(front) + out.plan.insert_tokens
+                           + messages_tokens(messages[replaced.keep:]))
+        out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
+        return out
+
+    def _rebuild(self, out: Recall, parsed: ParsedRequest, prompt: int, conv: int | None,
+                 query: str, asked_at: float) -> None:
+        """A new frame for the prompt, the harness's messages before it dropped (memory holds
+        them); a conversation shorter than a frame keeps them all, with other conversations'
+        memory in front."""
+        assert out.key is not None
+        user_id = out.key[0]
+        messages = parsed.messages
+        keep = prompt if messages_tokens(messages[:prompt]) > self.limits.ceiling else 0
+        if conv is None:
+            keep = 0
+        elif new := capture.new_messages(self.store, conv, messages):
+            keep = min(keep, new[0])  # what the store does not hold yet is never stripped
+        keep = repair.kept_start(messages, keep)  # never a result whose call is dropped
+        fps = [m.fingerprint() for m in messages]
+        kept = self.store.message_ids(conv, fps[keep:]) if conv else []
+        recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
+        built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
+                            exclude_messages=kept, asked_at=asked_at, limits=self.limits,
+                            recent_messages=recent)
+        front = built.messages if built else []
+        if starts_task(messages) and (lesson := self._notes_for(parsed, out.library)):
+            out.notes = lesson.names
+            front = frame.with_note(front, lesson.text)
+        if not built:
+            keep = 0  # nothing to stand in for the history
+        out.built = built
+        out.plan = Plan(
+            tuple(front), messages_tokens(front), mark(messages, keep), mark(messages, prompt), asked_at,
+            shown=frozenset(built.item_ids if built else ()),
+            below_cap=tuple(built.below_cap if built else ()),
+            left_out=built.left_out if built else 0)
+
+    def _add(self, out: Recall, parsed: ParsedRequest, prompt: int, keep: int, conv: int | None,
+             query: str, asked_at: float) -> None:
+        """An addendum for a new prompt under a frame that stays: its hits not yet in front.
+        None before a prompt that answers a call (an interrupted tool call's result rides with
+        the next prompt): it would part the call from its result."""
+        assert out.key is not None and out.plan is not None
+        messages = parsed.messages
+        if repair.answers_earlier(messages, prompt):
+            return
+        kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
+            if conv else []
+        more = frame.addendum(self.scanner, user_id=out.key[0], conversation_id=conv,
+                              query=query, exclude_messages=kept, shown=out.plan.shown,
+                              asked_at=asked_at, limits=self.limits)
+        added = more.messages if more else []
+        if starts_task(messages) and (lesson := self._notes_for(parsed, out.library)):
+            out.notes = lesson.names
+            added = frame.with_note(added, lesson.text)
+        if added:
+            out.built = more
+            out.plan = with_addendum(out.plan, mark(messages, prompt), added,
+                                          messages_tokens(added), more.item_ids if more else [])
+
+    def _lesson_only(self, body: dict[str, Any], parsed: ParsedRequest,
+                     protocol: Protocol, library: Path | None) -> Recall:
+        """Before memory holds anything of this user: notes alone, when a task starts."""
+        out = Recall()
+        if starts_task(parsed.messages) and (lesson := self._notes_for(parsed, library)):
+            out.notes = lesson.names
+            out.body = json.dumps(ADAPTERS[protocol].replace_history(
+                body, frame.with_note([], lesson.text), parsed.raw_index[0]),
+                ensure_ascii=False).encode()
+        return out
+
+    def _remember(self, key: tuple[int, str], laid: Plan) -> None:
+        self._plans[key] = laid
+        self._plans.move_to_end(key)
+        while len(self._plans) > PLANS:
+            self._plans.popitem(last=False)
+
+    def store_turn(self, p: PendingTurn) -> TurnContext:
+        """Store what is new in the request, each message in its own transaction, this turn's
+        reheats (retrieval is the only writer of activation after birth), and move the clock
+        by what the model was sent. The store's writer calls this."""
+        heat.reheat(p.clock, p.reheats)
+        _, turn = capture.record(
+            self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
+            model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",
+            folder=p.folder)
+        heat.advance(turn.user_id, p.sent_tokens)
+        return turn
+
+    def store_reply(self, turn: TurnContext, reply: Reply, at: float,
+                    pending: PendingTurn | None = None) -> None:
+        """Store the reply, move the clock by what the model sent back, and log what the turn
+        was shown as bound to it (the store's writer); a recalled note the reply cites by name
+        was used. A title side request's reply is not a turn: it names the conversation."""
+        if pending and pending.title:
+            self.store.name_conversation(turn.conversation_id,
+                                         title=names.title(reply, pending.structured))
+            return
+        message_id = capture.record_reply(self.store, turn, reply, at)
+        if message_id is not None:
+            heat.advance(turn.user_id, messages_tokens([reply.message]))
+            if pending and (bound := pending.hits | (pending.shown - pending.frame_rows)):
+                bindings.record_bindings(message_id, bound)
+        recalled = pending.notes if pending else []
+        if recalled and pending and pending.library is not None:
+            text = "\n".join(p.text for p in reply.message.parts)
+            if cited := notes.cited_notes(text, recalled):
+                notes.mark_used(pending.library, cited, date.today())
+
+    def _notes_for(self, parsed: ParsedRequest, root: Path | None) -> notes.RecallResult | None:
+        """Notes recall for a task's first prompt, from the tenant's own library `root`; a
+        library that cannot be read is skipped."""
+        if root is None or not (root / notes.NOTES_DIR).is_dir():
+            return None
+        try:
+            return notes.recall(root, _last_user_text(parsed.messages))
+        except (PerpetuityError, OSError) as e:
+            log.warning("perpetuity: notes recall skipped: %s", e)
+            return None
+
+    def run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
+        """One call of a tool we added (the recall tools, note_capture): the text the model
+        reads. Never raises."""
+        if self.writes_notes(name):
+            return self.capture_note(arguments, memory)
+        return tools.run(name, arguments, memory, self.scanner)
+
+    @staticmethod
+    def writes_notes(name: str) -> bool:
+        """The tool writes the notes library (the addon runs it on the notes' own thread)."""
+        return name == notes.CAPTURE_TOOL_NAME
+
+    def capture_note(self, arguments: Any, memory: TurnMemory) -> str:
+        """The note_capture tool: write or patch one note in the asking tenant's library; its
+        outcome, or why not, as text. A lesson drawn from a conversation that quoted untrusted
+        content (a fetched page) is only a lead: tentative."""
+        if memory.library is None:
+            return "note_capture: no notes library is configured"
+        try:
+            fields = json.loads(arguments) if isinstance(arguments, str) else arguments
+            if memory.untrusted and isinstance(fields, dict):
+                fields = {**fields, "confidence": "tentative"}
+            return notes.capture(memory.library, fields, date.today()).text
+        except (PerpetuityError, ValueError, TypeError) as e:
+            return f"note_capture refused: {e}"
+
+    def _tool_specs(self, memory: TurnMemory, taken: list[str]) -> list[dict[str, Any]]:
+        """Our tools, never under a name the harness already uses (the model could not tell
+        them apart, and the provider may refuse the duplicate)."""
+        specs: list[dict[str, Any]] = [
+            {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+            for t in tools.TOOLS]
+        if memory.library is not None:
+            specs.append({"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
+                          "input_schema": notes.CAPTURE_TOOL_SCHEMA})
+        return [s for s in specs if s["name"] not in taken]
+
+
+def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
+    """The request's headers as they go upstream."""
+    return [(k, v) for k, v in req.headers
+            if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
+
+
+def _tools_note(left_out: int) -> str:
+    left = (f" {left_out} more remembered items were left out of this frame;"
+            " memory_more and memory_search reach them." if left_out else "")
+    return f"[{tools.INSTRUCTIONS}{left}]"
+
+
+def starts_task(messages: list[Message]) -> bool:
+    """A new prompt from the person, not a round of tool results."""
+    return bool(messages) and is_prompt(messages[-1])
+
+
+def _prompt_index(messages: list[Message]) -> int | None:
+    """The person's latest prompt: where the live task begins."""
+    return next((i for i in range(len(messages) - 1, -1, -1) if is_prompt(messages[i])), None)
+
+
+def _last_user_text(messages: list[Message]) -> str:
+    """What the person last said: the query, and the command check."""
+    return next((text for m in reversed(messages) if (text := prompt_text(m))), "")
+
+
+def _noted(what: str, why: str) -> str:
+    return f"{what}; {why}" if why else what
+
+
+def _curate(root: Path) -> str:
+    """Curate the notes library; its summary, or why it could not, as the reply."""
+    try:
+        return notes.curate(root, date.today()).text
+    except PerpetuityError as e:
+        return f"perpetuity: curate failed: {e}"
+
+
+def _json_body(raw: bytes) -> dict | None:
+    if not raw or len(raw) > MAX_BODY:
+        return None
+    try:
+        data = json.loads(raw)
+        if _SURROGATE.search(raw):  # a lone one (\ud800) cannot be stored: found by fuzzing
+            json.dumps(data, ensure_ascii=False).encode()
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
+        return None
+    return data if isinstance(data, dict) else None
+

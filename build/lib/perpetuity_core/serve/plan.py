@@ -1,0 +1,120 @@
+"""When the frame changes: one plan per conversation, so that the provider's prompt cache holds.
+
+Providers bill a request by exact prefix. Anthropic reads a cached prefix at 0.1 of the input
+price and writes one at 1.25; OpenAI reads at a tenth to a half and writes at 1. A harness that
+re-sends its whole history pays 0.1 a token for it, and 1.25 only for what is new. Anything we
+change early in a request is written again at 1.25, with everything after it. So the request
+that goes upstream is
+
+    frame · the harness's messages from the anchor on, addenda before the prompts they serve
+
+and it changes in only three ways:
+
+- Within one task (a person's prompt and every tool round after it) nothing changes but what
+  the harness appends: the frame chosen at the prompt is re-sent byte-identical, the live task
+  is never cut or reordered. The request only grows at its end, as the harness's own does, and
+  no frame is built (the scan runs once a prompt, not once a call).
+- A new prompt whose best match is not already in front of the model gets an addendum: its own
+  hits in rank order, within its breadth-sized budget, inserted just before the prompt. That is
+  still growth at the end (written once at 1.25, read at 0.1 after), so the frame in front
+  stays cached and a change of subject costs one addendum, not a new frame.
+- A rebuild: a new frame for the prompt, and the harness's messages before it dropped (memory
+  holds them). It writes the new frame once (1.25 F); keeping instead re-reads, on every later
+  call, the turns accumulated since the last rebuild (0.1 K a call, K growing). A cost that
+  grows by 0.1 K per call against a one-time 1.25 F is the ski-rental problem: rebuilding when
+  the re-read cost paid since the last rebuild reaches the write cost of a frame is within a
+  factor of two of the best schedule whatever the future holds (and, for K growing linearly,
+  it is the best periodic schedule: rebuild every sqrt(25 F / g) calls for growth g a call).
+  So a plan rebuilds at a prompt when `excess`, the 0.1 K paid since its frame was built,
+  reaches 1.25 F, F the largest frame (`Cap.ceiling`); and it always rebuilds when the cache
+  has expired (no call within `TTL`), when keeping would be written again in full anyway, if
+  what it drops is larger than a frame.
+
+A conversation whose history is shorter than a frame is never replaced at all (a chat of a few
+thousand tokens is cheapest sent as it is): it gets a frame of other conversations' memory in
+front, its own turns kept as sent, until its history outgrows the frame.
+
+Plans live in memory, on the thread that prepares requests; after a restart the next call
+rebuilds once. A plan whose anchor or addenda no longer appear in what the harness sends
+(compaction, an edited history, another branch) is dropped and rebuilt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from perpetuity_core.wire.conversation import Message
+
+TTL = 300.0  # seconds: Anthropic's default cache lifetime, refreshed on use
+READ, WRITE = 0.1, 1.25  # cache read and write prices, in units of an uncached input token
+
+
+Mark = tuple[int, str]  # a message's index in the request and its fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One conversation's request plan, kept between calls."""
+
+    frame: tuple[Message, ...]  # the frame in front, as sent (empty: none)
+    frame_tokens: int
+    # Messages are named by (index, fingerprint): a harness only appends, so a message keeps
+    # its index, and the fingerprint proves it is still the same one.
+    anchor: Mark  # the first harness message kept as sent
+    prompt: Mark  # the prompt of the task in progress
+    at: float  # the last call's time: the cache lives TTL seconds from its last use
+    # Addenda, each before the prompt it was built for.
+    inserts: tuple[tuple[Mark, tuple[Message, ...]], ...] = ()
+    insert_tokens: int = 0
+    shown: frozenset[int] = frozenset()  # item ids the frame and the addenda show
+    below_cap: tuple[int, ...] = ()  # the frame's hits left out, best first (memory_more)
+    left_out: int = 0  # warm rows the frame's cap left out
+    excess: float = 0.0  # re-read cost paid since the frame was built for what a rebuild drops
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a plan's parts go in this request's messages."""
+
+    keep: int  # index of the anchor: the first message kept as sent
+    inserts: dict[int, tuple[Message, ...]]  # message index -> addendum before it
+
+
+def mark(messages: list[Message], i: int) -> Mark:
+    return (i, messages[i].fingerprint())
+
+
+def holds(messages: list[Message], m: Mark) -> bool:
+    """Is the marked message still where it was?"""
+    return m[0] < len(messages) and messages[m[0]].fingerprint() == m[1]
+
+
+def place(plan: Plan, messages: list[Message]) -> Placement | None:
+    """The plan laid over this request's messages, or None when its anchor or an addendum's
+    prompt is no longer where it was (the history changed under it: a compaction, an edit)."""
+    marks = [plan.anchor, *(m for m, _ in plan.inserts)]
+    if not all(holds(messages, m) for m in marks):
+        return None
+    return Placement(plan.anchor[0], {m[0]: added for m, added in plan.inserts})
+
+
+def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> bool:
+    """At a new prompt: is a new frame cheaper than keeping what accumulated since the last
+    one (`kept_tokens`: the harness's turns before the prompt and the addenda)?"""
+    if kept_tokens <= frame_size:
+        return False  # a rebuild would not shrink the request
+    if at - plan.at > TTL:
+        return True  # the cache has expired: keeping is written again in full anyway
+    return plan.excess + READ * kept_tokens >= WRITE * frame_size
+
+
+def carried(plan: Plan, kept_tokens: int, at: float, prompt: Mark) -> Plan:
+    """The plan after one more call that keeps it: what a rebuild would have dropped was
+    re-read once more."""
+    return replace(plan, at=at, prompt=prompt, excess=plan.excess + READ * kept_tokens)
+
+
+def with_addendum(plan: Plan, prompt: Mark, messages: list[Message], tokens: int,
+                  items: list[int]) -> Plan:
+    return replace(plan, inserts=(*plan.inserts, (prompt, tuple(messages))),
+                   insert_tokens=plan.insert_tokens + tokens, shown=plan.shown | set(items))

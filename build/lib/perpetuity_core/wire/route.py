@@ -1,0 +1,130 @@
+"""Which provider and wire protocol a request speaks, where it goes, and what the caller asked of us.
+
+One listening port serves every client: the path names the protocol, the credential and the
+model's name tell Anthropic from OpenAI. As a regular HTTPS proxy, the provider hosts are
+recognised by name and every other host is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from urllib.parse import urlsplit
+
+from perpetuity_core.errors import ConfigError
+from perpetuity_core.wire.conversation import Protocol, Provider
+
+PROVIDER_HOSTS = {"api.anthropic.com": Provider.ANTHROPIC, "api.openai.com": Provider.OPENAI}
+DEFAULT_UPSTREAMS = {Provider.ANTHROPIC: "https://api.anthropic.com", Provider.OPENAI: "https://api.openai.com"}
+
+CONTROL_PREFIX = "x-perpetuity"
+OPENAI_MODELS = ("gpt-", "o1", "o3", "o4", "codex", "chatgpt")
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    provider: Provider
+    protocol: Protocol | None  # None: a provider endpoint that carries no turn (count_tokens, models)
+    upstream_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Controls:
+    """The per-request `x-perpetuity-*` headers; all are stripped before anything goes upstream."""
+
+    enabled: bool = True
+    capture: bool = True
+    recall: bool = True
+    tools: bool = True
+    probe: bool = False
+    at: float | None = None  # the time to record for this turn
+
+
+def parse_upstream(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"upstream must be an http(s) URL, got {url!r}")
+    return url.rstrip("/")
+
+
+def protocol_of(path: str) -> Protocol | None:
+    p = path.split("?", 1)[0].rstrip("/")
+    if p.endswith("/messages"):
+        return Protocol.ANTHROPIC
+    if p.endswith("/chat/completions"):
+        return Protocol.CHAT
+    if p.endswith("/responses"):
+        return Protocol.RESPONSES
+    return None
+
+
+def provider_of(path: str, headers: Mapping[str, str], model: str) -> Provider | None:
+    """`headers` lower-cased. Anthropic credentials and versions are unmistakable; then the
+    path and the model. None when nothing names a provider: a credential must never be sent to
+    a provider it was not meant for (a Gemini key, a CI token), so such a request is not ours."""
+    auth = headers.get("authorization", "")
+    if "x-api-key" in headers or "anthropic-version" in headers or auth.startswith("Bearer sk-ant-"):
+        return Provider.ANTHROPIC
+    if model.startswith("claude") or protocol_of(path) == Protocol.ANTHROPIC:
+        return Provider.ANTHROPIC
+    if protocol_of(path) is not None or model.startswith(OPENAI_MODELS):
+        return Provider.OPENAI
+    if path.startswith("/v1/") and auth.lower().startswith("bearer "):
+        return Provider.OPENAI  # the OpenAI API's other endpoints (models, embeddings, files)
+    return None
+
+
+def route(
+    *,
+    host: str,
+    path: str,
+    direct: bool,
+    headers: Mapping[str, str],
+    model: str,
+    upstreams: Mapping[Provider, str],
+) -> Route | None:
+    """Where a request goes; None when it is not provider traffic (another host through us) or
+    its provider cannot be told (a request to us naming none).
+
+    `direct` is true when the client addressed the proxy itself (a base URL pointing at us);
+    otherwise the client used us as its HTTP(S) proxy to reach `host`.
+    """
+    provider = provider_of(path, headers, model) if direct else PROVIDER_HOSTS.get(host)
+    if provider is None:
+        return None
+    base = upstreams[provider]
+    # Clients configured with ".../v1" as base URL and upstreams given the same way: one "/v1".
+    if base.endswith("/v1") and path.startswith("/v1/"):
+        base = base[:-3]
+    return Route(provider, protocol_of(path), base + path)
+
+
+def parse_controls(headers: Mapping[str, str]) -> Controls:
+    def off(name: str) -> bool:
+        return headers.get(name, "").strip().lower() in ("off", "0", "false", "no")
+
+    at = None
+    if raw := headers.get("x-perpetuity-time", "").strip():
+        try:
+            when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+        except ValueError:
+            when = None  # a bad time is ignored, not fatal: the turn is stored at arrival time
+        if when is not None:
+            at = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+    return Controls(
+        enabled=not off("x-perpetuity"),
+        capture=not off("x-perpetuity-capture"),
+        recall=not off("x-perpetuity-recall"),
+        tools=not off("x-perpetuity-tools"),
+        probe=headers.get("x-perpetuity-probe", "").strip().lower() in ("on", "1", "true", "yes"),
+        at=at,
+    )
+
+
+def credential(headers: Mapping[str, str]) -> str:
+    key = headers.get("x-api-key") or headers.get("api-key")
+    if key:
+        return key
+    auth = headers.get("authorization", "")
+    return auth[7:] if auth.lower().startswith("bearer ") else auth
