@@ -19,11 +19,11 @@ from perpetuity_core.cli.replay.billing import (
     anthropic_min_tokens,
 )
 from perpetuity_core.cli.replay.measure import identifiers
-from perpetuity_core.cli.replay.request import build, load_template
+from perpetuity_core.cli.replay.request import DEFAULT_TEMPLATE, build, load_template
 from perpetuity_core.cli.replay.sessions import read_session
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.wire.protocols import anthropic
-from tests.conftest import SHARED
+from tests.conftest import FIXTURES, SHARED, needs_fixtures
 from tests.test_evaluate import tiny_locomo
 
 SESSIONS = SHARED / "data" / "claude-code"
@@ -320,3 +320,11 @@ def test_real_session(tmp_path: Path) -> None:
     assert s["calls"] == 20 and s["skipped_invalid_calls"] == 0 and s["skipped_lines"] == 0
     assert s["cost"]["direct"] > 0 and s["cost"]["ratio"] is not None
     assert 0 < s["direct"]["read_tokens"] < s["tokens"]["direct"]  # the cache works direct
+
+
+@needs_fixtures
+def test_the_default_template_is_shareds_claude_code_capture() -> None:
+    # A path computed from this package's place in the checkout: moving the module must not
+    # silently fall back to the short built-in prompt (the replay's figures depend on it).
+    assert DEFAULT_TEMPLATE == FIXTURES / "claude-code" / "02-basic-messages-stream.json"
+    assert DEFAULT_TEMPLATE.is_file()

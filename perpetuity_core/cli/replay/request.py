@@ -23,7 +23,7 @@ from perpetuity_core.cli.replay.sessions import Call, Session
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.wire.conversation import Kind, text_part
 
-DEFAULT_TEMPLATE = (Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "harness"
+DEFAULT_TEMPLATE = (Path(__file__).resolve().parents[3].parent / "shared" / "fixtures" / "harness"
                     / "claude-code" / "02-basic-messages-stream.json")
 MARK = {"type": "ephemeral"}
 BUILT_IN_SYSTEM = ("You are Claude Code, Anthropic's official CLI for Claude. You are an "
