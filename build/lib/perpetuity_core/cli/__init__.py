@@ -1,1 +1,0 @@
-"""The `perpetuity` command: main dispatches to one module per noun."""
