@@ -12,7 +12,8 @@ from .errors import PerpetuityError
 # `func(args) -> int` runs it. Imported lazily so `perpetuity --help` stays fast.
 COMMAND_MODULES = ["perpetuity_core.launch", "perpetuity_core.notes_cli",
                    "perpetuity_core.retrieval_cli", "perpetuity_core.memory_cli",
-                   "perpetuity_core.evaluate", "perpetuity_core.replay"]
+                   "perpetuity_core.evaluate", "perpetuity_core.replay",
+                   "perpetuity_core.flowview"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,6 +49,13 @@ class Frame:
     reheats: dict[int, float] = field(default_factory=dict)  # own rows only; written unless probing
     below_cap: list[int] = field(default_factory=list)  # this turn's hits left out, best first
     hits: list[int] = field(default_factory=list)  # this turn's hits rendered, best first
+    # For inspection (perpetuity_core.inspection), references only, read after the reply: the
+    # ranked hits with their scores, the rows considered, the warm set, and why each row that
+    # could not be left out was in.
+    ranked: list[Hit] = field(default_factory=list)
+    rows: dict[int, Row] = field(default_factory=dict)
+    warm: heat.Warm | None = None
+    must: dict[int, str] = field(default_factory=dict)
 
 
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
@@ -78,7 +85,15 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     new = _fill(rows, warm, must, found.budget, render_ids)
     if not new:
         return None
-    return _frame(render_ids(new), new, rows, found, warm.foreign)
+    built = _frame(render_ids(new), new, rows, found, warm.foreign)
+    built.warm = warm
+    built.must = {**dict.fromkeys(recent_set, MUST_RECENT), **dict.fromkeys(other, MUST_HALF),
+                  **({hits[0].item_id: MUST_TOP} if hits else {})}
+    return built
+
+
+MUST_TOP, MUST_HALF, MUST_RECENT = ("the top hit", "the other half of the top hit's exchange",
+                                    "the conversation's latest stretch")
 
 
 def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
@@ -127,7 +142,9 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
         return _assemble(_turns(rows, ids, set(), asked_at, conversation_id), asked_at,
                          header=MORE_HEADER)
 
-    return _frame(render_ids(new), new, rows, found, frozenset())
+    more = _frame(render_ids(new), new, rows, found, frozenset())
+    more.must = {hits[0].item_id: MUST_TOP, **dict.fromkeys(other, MUST_HALF)}
+    return more
 
 
 @dataclass(slots=True)
@@ -196,7 +213,7 @@ def _frame(messages: list[Message], chosen: list[int], rows: dict[int, Row], fou
     return Frame(messages, chosen, found.budget, _tokens(messages), len(rows) - len(chosen),
                  found.now, own_reheats,
                  [h.item_id for h in found.hits if h.item_id not in shown],
-                 [h.item_id for h in found.hits if h.item_id in shown])
+                 [h.item_id for h in found.hits if h.item_id in shown], found.hits, rows)
 
 
 def search(scanner: Scanner, query: str, user_id: int, asked_at: float,

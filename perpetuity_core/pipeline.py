@@ -114,6 +114,8 @@ class Job:
     # The body exactly as the client sent it, when we changed it: a 400 on the first round is
     # retried once with it (the rejection may be ours: the frame, a tool).
     original: bytes | None = None
+    # The tool loop's upstream rounds as they happened (relay.Round), for inspection.
+    rounds: list[Any] = field(default_factory=list)
 
     @property
     def relay(self) -> bool:
@@ -152,6 +154,8 @@ class Recall:
     sent_tokens: int = 0  # what the model reads of the conversation: frame, addenda, kept turns
     note: str = ""  # why the history was kept further back than planned, or left as sent
     library: Path | None = None  # the tenant's notes library
+    front: list[Message] = field(default_factory=list)  # the frame as sent, notes included
+    made: str = ""  # "frame" or "addendum": what this request built ("" when it kept the plan)
 
 
 @dataclass(slots=True)
@@ -164,6 +168,9 @@ class Decision:
     frame: Frame | None = None
     identity: Identity | None = None
     note: str = ""  # why, for flow.metadata and logs
+    # References for inspection (perpetuity_core.inspection), read after the reply.
+    parsed: ParsedRequest | None = None
+    recall: Recall | None = None
 
 
 class Pipeline:
@@ -227,7 +234,7 @@ class Pipeline:
             return decision
         ident = identify(headers, parsed, credential(headers), self.store.salt,
                          self.trust_identity)
-        decision.identity = ident
+        decision.identity, decision.parsed = ident, parsed
         library = tenants.library(self.notes_root, ident.tenant)
         if (_last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
                 and self.notes_capture):
@@ -257,7 +264,7 @@ class Pipeline:
         if recall.memory is not None:
             recall.memory.library = library if self.notes_capture else None
             recall.memory.untrusted = tenants.quotes_untrusted(parsed.messages)
-        decision.body, decision.frame = recall.body, recall.built
+        decision.body, decision.frame, decision.recall = recall.body, recall.built, recall
         if controls.probe or not controls.capture:
             decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
             return decision
@@ -333,7 +340,7 @@ class Pipeline:
         if replaced.keep != laid.keep:
             # The plan keeps what went upstream, so the next call grows from it.
             out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
-        out.keep, out.note = replaced.keep, replaced.why
+        out.keep, out.note, out.front = replaced.keep, replaced.why, front
         out.sent_tokens = (_tokens(front) + out.plan.insert_tokens
                            + _tokens(messages[replaced.keep:]))
         out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
@@ -365,7 +372,7 @@ class Pipeline:
             front = frame.with_note(front, lesson.text)
         if not built:
             keep = 0  # nothing to stand in for the history
-        out.built = built
+        out.built, out.made = built, "frame"
         out.plan = Plan(
             tuple(front), _tokens(front), mark(messages, keep), mark(messages, prompt), asked_at,
             shown=frozenset(built.item_ids if built else ()),
@@ -391,7 +398,7 @@ class Pipeline:
             out.notes = lesson.names
             added = frame.with_note(added, lesson.text)
         if added:
-            out.built = more
+            out.built, out.made = more, "addendum"
             out.plan = with_addendum(out.plan, mark(messages, prompt), added,
                                           _tokens(added), more.item_ids if more else [])
 

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from mitmproxy import ctx, exceptions, http
+from mitmproxy import contentviews, ctx, exceptions, http
 
-from . import tools
+from . import inspection, tools
 from .cap import Cap
 from .conversation import Provider, Reply
 from .errors import PerpetuityError
+from .flowview import PerpetuityView, round_flows
 from .notes import CAPTURE_TOOL_NAME, notes_root
 from .pipeline import Decision, HttpRequest, Job, Pipeline
 from .protocols import responses
@@ -38,6 +39,11 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # Not carried onto a retry: hop-by-hop, and encodings (httpx decodes what it reads).
 _NOT_RESENT = {"host", "content-length", "transfer-encoding", "connection", "keep-alive",
                "proxy-connection", "content-encoding"}
+# What a flow carries while it runs and never once it is done: mitmproxy deep-copies
+# flow.metadata to save a flow, and a Job (its Future's lock) cannot be copied, so a flow holding
+# one was dropped from `-w` files.
+_LIVE = ("perpetuity_decision", "perpetuity_job", "perpetuity_original", "perpetuity_tee",
+         "perpetuity_fell_open")
 
 
 class Perpetuity:
@@ -58,6 +64,7 @@ class Perpetuity:
         self._resolved: dict[str, frozenset[IPAddress | None]] = {}
 
     def load(self, loader: Any) -> None:
+        contentviews.add(PerpetuityView)
         loader.add_option("perpetuity_db", str, str(default_db_path()),
                           "SQLite file holding the memory ($PERPETUITY_DB overrides the default).")
         loader.add_option("perpetuity_anthropic_upstream", str, DEFAULT_UPSTREAMS[Provider.ANTHROPIC],
@@ -177,9 +184,10 @@ class Perpetuity:
         loop = asyncio.get_running_loop()
         try:
             decision = await loop.run_in_executor(self.parser, self.pipeline.prepare, req)
-        except Exception:
+        except Exception as e:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
             decision = self.pipeline.route_only(req)
+            flow.metadata["perpetuity_fell_open"] = f"the pipeline failed ({type(e).__name__}: {e})"
         self._apply(flow, decision)
         if decision.route and flow.request.headers.get("upgrade", "").lower() == "websocket":
             flow.metadata["perpetuity_handshake"] = req  # the identity of every message to come
@@ -262,15 +270,9 @@ class Perpetuity:
                 flow.metadata["perpetuity_original"] = flow.request.raw_content
                 flow.request.content = d.body
         if d.route:
-            flow.metadata["perpetuity"] = {
-                "upstream": d.route.upstream_url,
-                "note": d.note,
-                "frame": {"rows": len(d.frame.item_ids), "tokens": d.frame.tokens,
-                          "budget": d.frame.budget, "left_out": d.frame.left_out}
-                if d.frame else None,
-                "user": d.identity.user if d.identity else "",
-                "conversation": d.identity.conversation if d.identity else "",
-            }
+            # The facts are made from these references once the reply is done (_settle).
+            flow.metadata["perpetuity"] = {"upstream": d.route.upstream_url, "note": d.note}
+            flow.metadata["perpetuity_decision"] = d
         if d.job and not token:
             flow.metadata["perpetuity_job"] = d.job
 
@@ -295,6 +297,7 @@ class Perpetuity:
                 log.exception("perpetuity: the retry failed; the 400 stands")
         self._finish(flow)
         self._restore(flow)
+        await self._settle(flow)
 
     async def _retry_as_sent(self, flow: http.HTTPFlow, original: bytes) -> None:
         """A 400 for a request we changed may be our doing (the frame): sent once more exactly
@@ -313,6 +316,7 @@ class Perpetuity:
             log.warning("perpetuity: the retry failed (%s); the 400 stands", type(e).__name__)
             return
         flow.request.content = original
+        flow.metadata["perpetuity_fell_open"] = "upstream refused our request (400); retried as sent"
         flow.response = http.Response.make(
             resp.status_code, resp.content,
             [(k.encode(), v.encode()) for k, v in resp.headers.multi_items()
@@ -323,9 +327,44 @@ class Perpetuity:
             tee.feed(resp.content)
             flow.metadata["perpetuity_tee"] = tee  # stored by _finish
 
-    def error(self, flow: http.HTTPFlow) -> None:
+    async def error(self, flow: http.HTTPFlow) -> None:
         self._finish(flow)
         self._restore(flow)
+        await self._settle(flow)
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        flow.metadata.pop("perpetuity_handshake", None)
+        flow.metadata.pop("perpetuity_ws", None)
+
+    async def _settle(self, flow: http.HTTPFlow) -> None:
+        """The flow's facts as plain values (what mitmproxy saves and mitmweb shows), its
+        comment and mark, and the tool loop's hidden rounds as flows of their own; the live
+        references dropped. After the reply: nothing here is on the request path."""
+        d: Decision | None = flow.metadata.get("perpetuity_decision")
+        fell_open = flow.metadata.get("perpetuity_fell_open", "")
+        for key in _LIVE + (() if flow.websocket else ("perpetuity_handshake",)):
+            flow.metadata.pop(key, None)
+        if d is None:
+            return
+        try:
+            job = d.job if d.job and d.job.relay else None
+            if job and d.body is not None and job.original is None and not fell_open:
+                fell_open = ("upstream refused our request (400); retried as sent"
+                             if job.rounds and job.rounds[0].status == 400 else
+                             "the recall tools failed before the first byte; sent as sent")
+            facts = inspection.facts(d, d.job, fell_open)
+            if job and job.body != flow.request.raw_content:
+                flow.request.content = job.body  # what went upstream, as on mitmproxy's path
+            children = round_flows(flow, job.method, job.url, job.headers, job.rounds,
+                                   facts["rounds"]) if job and job.rounds else []
+            flow.metadata["perpetuity"] = facts
+            flow.comment = inspection.summary(facts)
+            if facts["fell_open"] or facts["repaired"]:
+                flow.marked = ":warning:" if facts["fell_open"] else ":wrench:"
+            for child in children:
+                await ctx.master.load_flow(child)
+        except Exception:
+            log.exception("perpetuity: could not gather what this flow showed the model")
 
     def _finish(self, flow: http.HTTPFlow) -> None:
         """Every flow with a turn ends here: the turn is stored even if no reply came."""
