@@ -33,7 +33,7 @@ def facts(d: Decision, job: Job | None, fell_open: str = "") -> dict[str, Any]:
         out["protocol"] = d.route.protocol.value if d.route.protocol else ""
     if d.identity:
         out |= {"tenant": d.identity.tenant, "user": d.identity.user,
-                "conversation": d.identity.conversation, "client": d.identity.harness,
+                "conversation": d.identity.conversation, "harness_name": d.identity.harness,
                 "side": d.identity.side}
     recall = d.recall
     why = recall.note if recall else ""
@@ -145,8 +145,8 @@ def render(f: dict[str, Any], upstream_body: bytes | None = None) -> str:
     """The view: the request as the harness sent it beside what went upstream, the retrieval,
     the notes, the tool rounds, tokens and cache marks."""
     out = [summary(f), ""]
-    who = ", ".join(f"{k} {f[k]}" for k in ("tenant", "user", "conversation", "client", "side")
-                    if f.get(k))
+    who = ", ".join(f"{k} {f[k2]}" for k, k2 in (("user", "user"), ("conversation", "conversation"),
+                    ("harness", "harness_name"), ("side", "side")) if f.get(k2))
     out += _pairs([("upstream", f.get("upstream", "")), ("who", who), ("note", f.get("note", "")),
                    ("fell open", f.get("fell_open", "")), ("repaired", f.get("repaired", ""))])
     if harness := f.get("harness"):

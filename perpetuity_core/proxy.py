@@ -146,6 +146,9 @@ class Perpetuity:
 
     async def running(self) -> None:
         self.serving = True
+        if "web_columns" in ctx.options and "comment" not in ctx.options.web_columns:
+            # mitmweb: each flow's one-line summary in the flow list.
+            ctx.options.update(web_columns=[*ctx.options.web_columns, "comment"])
         await self.relay.start()
         host = ctx.options.listen_host or "127.0.0.1"
         port = ctx.options.listen_port or 8080
