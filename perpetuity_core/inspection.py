@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
+
 from . import cap
 from .conversation import Kind, Message
 from .pipeline import Decision, Job
@@ -54,7 +56,7 @@ def facts(d: Decision, job: Job | None, fell_open: str = "") -> dict[str, Any]:
         out["notes"] = list(recall.notes) if recall else []
     if d.frame is not None:
         out["retrieval"] = _retrieval(d)
-    if job is not None and job.rounds:
+    if job is not None and len(job.rounds) > 1:  # one round is the flow itself
         out["rounds"] = [_round(r) for r in job.rounds]
     return out
 
@@ -73,16 +75,19 @@ def _retrieval(d: Decision) -> dict[str, Any]:
     """This request's retrieval: the rows ranked, each in or out and why."""
     f = d.frame
     assert f is not None
-    warmth = (dict(zip(f.warm.item_ids.tolist(), f.warm.warmth.tolist(), strict=True))
-              if f.warm is not None else {})
-    scores = {h.item_id: h.score for h in f.ranked}
     shown = set(f.item_ids)
+    left = [h.item_id for h in f.ranked if h.item_id not in shown]
+    listed = np.asarray(f.item_ids + left[:ROWS_OUT], np.int64)
+    warmth: dict[int, float] = {}
+    if f.warm is not None:  # the warm set holds every warm row of the user: looked up in numpy
+        at = np.isin(f.warm.item_ids, listed)
+        warmth = dict(zip(f.warm.item_ids[at].tolist(), f.warm.warmth[at].tolist(), strict=True))
+    scores = {h.item_id: h.score for h in f.ranked}
     rows = []
     for i in f.item_ids:
         why = f.must.get(i) or ("rank order, within the budget" if f.warm is None
                                 else "warmth per token, within the budget")
         rows.append(_row(f, i, True, why, scores.get(i), warmth.get(i)))
-    left = [h.item_id for h in f.ranked if h.item_id not in shown]
     for i in left[:ROWS_OUT]:
         rows.append(_row(f, i, False, "over the budget (memory_more reaches it)",
                          scores[i], warmth.get(i)))

@@ -358,8 +358,9 @@ class Perpetuity:
             facts = inspection.facts(d, d.job, fell_open)
             if job and job.body != flow.request.raw_content:
                 flow.request.content = job.body  # what went upstream, as on mitmproxy's path
+            # One round is the flow itself (the model answered); more were hidden from it.
             children = round_flows(flow, job.method, job.url, job.headers, job.rounds,
-                                   facts["rounds"]) if job and job.rounds else []
+                                   facts["rounds"]) if job and len(job.rounds) > 1 else []
             flow.metadata["perpetuity"] = facts
             flow.comment = inspection.summary(facts)
             if facts["fell_open"] or facts["repaired"]:
