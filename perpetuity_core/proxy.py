@@ -258,6 +258,7 @@ class Perpetuity:
             flow.response = http.Response.make(d.answer.status, d.answer.body,
                                                {"content-type": d.answer.content_type})
             flow.metadata["perpetuity"] = {"upstream": "", "note": d.note}
+            flow.metadata["perpetuity_decision"] = d
             return
         token = self.relay.submit(d.job) if d.job and d.job.relay else ""
         for name in d.strip:
@@ -347,7 +348,7 @@ class Perpetuity:
         fell_open = flow.metadata.get("perpetuity_fell_open", "")
         for key in _LIVE + (() if flow.websocket else ("perpetuity_handshake",)):
             flow.metadata.pop(key, None)
-        if d is None:
+        if d is None or not _readable():
             return
         try:
             job = d.job if d.job and d.job.relay else None
@@ -423,6 +424,16 @@ class Perpetuity:
                 log.exception("perpetuity: could not store the reply")
 
         self.executor.submit(write)
+
+
+def _readable() -> bool:
+    """Can anyone read a flow's facts: a flow list (mitmweb, the console), a flow file being
+    written, or mitmdump printing bodies? Otherwise making them would cost the event loop
+    0.18 ms a request (p50; 0.9 ms p90, on bench_latency's sides) for no one."""
+    o = ctx.options
+    return (ctx.master.addons.get("view") is not None
+            or ("save_stream_file" in o and bool(o.save_stream_file))
+            or ("flow_detail" in o and o.flow_detail >= 3))
 
 
 def _report_unstored(turn: Future) -> None:

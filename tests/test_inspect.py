@@ -9,14 +9,21 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import anthropic
 
 from mitmproxy import contentviews, http
 from mitmproxy import io as mio
+from mitmproxy.addons.save import Save
+from mitmproxy.addons.view import View
 from mitmproxy.test import taddons
 
 from perpetuity_core.pipeline import Pipeline
 from perpetuity_core.proxy import Perpetuity
+from tests.conftest import start_proxy, stop_proxy
+from tests.fake_provider import FakeProvider, Text, ToolCall
 from tests.test_addon import direct_flow
 
 PERPETUITY = Path(sys.executable).with_name("perpetuity")
@@ -41,15 +48,19 @@ def exchange(addon: Perpetuity, body: bytes, conversation: str, answer: str) -> 
     the addon's tee, then the store's writes waited for."""
     flow = direct_flow(body)
     flow.request.headers["x-perpetuity-conversation"] = conversation
-    asyncio.run(addon.request(flow))
-    flow.response = http.Response.make(200, b"", {"content-type": "application/json"})
-    addon.responseheaders(flow)
-    stream = flow.response.stream
-    if callable(stream):
-        stream(reply(answer))
-        stream(b"")
-    flow.response.content = reply(answer)
-    asyncio.run(addon.response(flow))
+
+    async def hooks() -> None:
+        await addon.request(flow)
+        flow.response = http.Response.make(200, b"", {"content-type": "application/json"})
+        addon.responseheaders(flow)
+        stream = flow.response.stream
+        if callable(stream):
+            stream(reply(answer))
+            stream(b"")
+        flow.response.content = reply(answer)
+        await addon.response(flow)
+
+    asyncio.run(hooks())
     addon.executor.submit(lambda: None).result()  # the store's thread has written the turn
     return flow
 
@@ -71,7 +82,7 @@ def saved_and_reopened(flow: http.HTTPFlow) -> http.HTTPFlow:
 
 def test_a_framed_flow_carries_its_facts_comment_and_view(tmp_path: Path) -> None:
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
+    with taddons.context(addon, View()) as tctx:  # a flow list, as in mitmweb
         tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         remember(addon)
@@ -101,7 +112,7 @@ def test_a_framed_flow_carries_its_facts_comment_and_view(tmp_path: Path) -> Non
 
 def test_a_flow_that_fell_open_is_marked_and_still_saved(tmp_path: Path, monkeypatch) -> None:
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
+    with taddons.context(addon, View()) as tctx:  # a flow list, as in mitmweb
         tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
 
@@ -119,7 +130,7 @@ def test_a_flow_that_fell_open_is_marked_and_still_saved(tmp_path: Path, monkeyp
 def test_a_captured_flow_survives_saving(tmp_path: Path) -> None:
     """It used to carry its Job in flow.metadata, which mitmproxy cannot copy: `-w` lost it."""
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
+    with taddons.context(addon, View()) as tctx:  # a flow list, as in mitmweb
         tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         flow = exchange(addon, request([{"role": "user", "content": "hi"}], "c"), "c", "Hello.")
@@ -128,7 +139,7 @@ def test_a_captured_flow_survives_saving(tmp_path: Path) -> None:
 
 def test_perpetuity_show_prints_the_view_of_a_saved_file(tmp_path: Path) -> None:
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
+    with taddons.context(addon, View()) as tctx:  # a flow list, as in mitmweb
         tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         remember(addon)
@@ -144,3 +155,50 @@ def test_perpetuity_show_prints_the_view_of_a_saved_file(tmp_path: Path) -> None
     missing = subprocess.run([str(PERPETUITY), "show", str(tmp_path / "none.mitm")],
                              capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.startswith("perpetuity: cannot read")
+
+
+def test_no_facts_are_made_where_no_one_can_read_them(tmp_path: Path) -> None:
+    """mitmdump without a flow file or bodies printed: the references are dropped unread."""
+    addon, save = Perpetuity(), Save()
+    with taddons.context(addon, save) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+                       perpetuity_anthropic_upstream="http://upstream.test:9")
+        flow = exchange(addon, request([{"role": "user", "content": "hi"}], "c"), "c", "Hello.")
+        assert flow.metadata == {"perpetuity": {"upstream": "http://upstream.test:9/v1/messages",
+                                                "note": "captured"}}
+        assert not flow.comment
+        tctx.configure(save, save_stream_file=str(tmp_path / "flows.mitm"))  # now someone can
+        flow = exchange(addon, request([{"role": "user", "content": "hi"}], "c"), "c", "Hello.")
+        assert flow.comment.startswith("perpetuity: frame ")
+
+
+def test_mitmdump_saves_every_flow_relayed_or_not(tmp_path: Path) -> None:
+    """`perpetuity proxy -w`: a first contact (mitmproxy's own stream) and a question answered
+    through the relay after a memory_search round: both flows, and the hidden rounds, saved."""
+    with FakeProvider() as fake:
+        proxy = start_proxy(tmp_path, fake.url, "-w", str(tmp_path / "flows.mitm"))
+        try:
+            a = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-w", max_retries=0)
+            fake.script(Text("Noted."))
+            a.messages.create(model="claude-opus-4-8", max_tokens=20,
+                              messages=[{"role": "user", "content": "The vault code is 4471."}],
+                              extra_headers={"x-perpetuity-conversation": "earlier"})
+            deadline = time.monotonic() + 5  # the reply is stored a moment after the client has it
+            while proxy.rows("select count(*) from message")[0][0] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            fake.script(ToolCall("memory_search", {"query": "vault"}, call_id="toolu_w"),
+                        Text("4471."))
+            a.messages.create(model="claude-opus-4-8", max_tokens=20,
+                              messages=[{"role": "user", "content": "What is the vault code?"}],
+                              extra_headers={"x-perpetuity-conversation": "now"})
+        finally:
+            stop_proxy(proxy)
+    with (tmp_path / "flows.mitm").open("rb") as fo:
+        saved = list(mio.FlowReader(fo).stream())
+    comments = [f.comment for f in saved]
+    assert len(saved) == 4, comments
+    assert comments[0] == "perpetuity: captured"
+    assert any(c.startswith("perpetuity: frame ") and "1 tool round" in c for c in comments)
+    assert sum(c.startswith("perpetuity: tool round") for c in comments) == 2
+    assert all(f.request.host == "127.0.0.1" and f.request.port != proxy.port for f in saved)

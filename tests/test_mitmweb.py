@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ class Web:
     proxy: str
     web: str
     flows_file: Path
+    db: Path
     process: subprocess.Popen
 
     def get(self, path: str) -> httpx.Response:
@@ -66,7 +69,7 @@ def web(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Web, FakePro
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.05)
             w = Web(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{web_port}",
-                    tmp / "flows.mitm", proc)
+                    tmp / "flows.mitm", tmp / "memory.db", proc)
             send(w, fake)
             yield w, fake
         finally:
@@ -88,7 +91,10 @@ def send(w: Web, fake: FakeProvider) -> None:
         a.messages.create(model="claude-opus-4-8", max_tokens=20, messages=history,
                           extra_headers={"x-perpetuity-conversation": "earlier"})
         history.append({"role": "assistant", "content": "Noted."})
-    time.sleep(0.5)  # the replies are stored a moment after the client has them
+    deadline = time.monotonic() + 5  # the replies are stored a moment after the client has them
+    while stored(w.db) < 6:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     fake.script(ToolCall("memory_search", {"query": "sister Oslo"}, call_id="toolu_web_1",
                          text="Let me look."), Text("Ada lives in Oslo."))
     r = a.messages.create(model="claude-opus-4-8", max_tokens=50,
@@ -98,6 +104,11 @@ def send(w: Web, fake: FakeProvider) -> None:
     fake.script(Text("Hello from chat."))
     o = openai.OpenAI(base_url=w.proxy + "/v1", api_key="sk-web", max_retries=0)
     o.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+
+
+def stored(db: Path) -> int:
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+        return con.execute("select count(*) from message").fetchone()[0]
 
 
 def flows(w: Web, n: int) -> list[dict]:
@@ -151,7 +162,7 @@ def test_a_screenshot_of_mitmweb_showing_a_perpetuity_flow(web, tmp_path: Path) 
     parent = next(f for f in flows(w, 7) if "1 tool round" in f["comment"])
     url = f"{w.web}/?token={TOKEN}#/flows/{parent['id']}/request"
     base = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu",
-            "--hide-scrollbars", "--window-size=1800,1500", "--virtual-time-budget=8000",
+            "--hide-scrollbars", "--window-size=1600,2000", "--virtual-time-budget=8000",
             f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=90)
     assert "The frame as the model read it" in dom.stdout  # mitmweb rendered our view
