@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anthropic
@@ -73,6 +75,16 @@ def remember(addon: Perpetuity) -> None:
         history.append({"role": "assistant", "content": answer})
 
 
+@contextmanager
+def inspected(tmp_path: Path, **options: object) -> Iterator[Perpetuity]:
+    """The addon beside a flow list, as in mitmweb, its upstream never reached."""
+    addon = Perpetuity()
+    with taddons.context(addon, View()) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+                       perpetuity_anthropic_upstream="http://upstream.test:9", **options)
+        yield addon
+
+
 def saved_and_reopened(flow: http.HTTPFlow) -> http.HTTPFlow:
     buf = io.BytesIO()
     mio.FlowWriter(buf).add(flow)
@@ -81,10 +93,7 @@ def saved_and_reopened(flow: http.HTTPFlow) -> http.HTTPFlow:
 
 
 def test_a_framed_flow_carries_its_facts_comment_and_view(tmp_path: Path) -> None:
-    addon = Perpetuity()
-    with taddons.context(addon, View()) as tctx:  # a flow list, as in mitmweb
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
-                       perpetuity_anthropic_upstream="http://upstream.test:9")
+    with inspected(tmp_path, perpetuity_tools=False) as addon:
         remember(addon)
         flow = exchange(addon, request([{"role": "user", "content": "Where does my sister live?"}],
                                        "now"), "now", "Oslo.")
@@ -111,10 +120,7 @@ def test_a_framed_flow_carries_its_facts_comment_and_view(tmp_path: Path) -> Non
 
 
 def test_a_flow_that_fell_open_is_marked_and_still_saved(tmp_path: Path, monkeypatch) -> None:
-    addon = Perpetuity()
-    with taddons.context(addon, View()) as tctx:  # a flow list, as in mitmweb
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
-                       perpetuity_anthropic_upstream="http://upstream.test:9")
+    with inspected(tmp_path) as addon:
 
         def broken(self: Pipeline, req: object) -> None:
             raise RuntimeError("a bug in the memory pipeline")
@@ -129,19 +135,13 @@ def test_a_flow_that_fell_open_is_marked_and_still_saved(tmp_path: Path, monkeyp
 
 def test_a_captured_flow_survives_saving(tmp_path: Path) -> None:
     """It used to carry its Job in flow.metadata, which mitmproxy cannot copy: `-w` lost it."""
-    addon = Perpetuity()
-    with taddons.context(addon, View()) as tctx:  # a flow list, as in mitmweb
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
-                       perpetuity_anthropic_upstream="http://upstream.test:9")
+    with inspected(tmp_path) as addon:
         flow = exchange(addon, request([{"role": "user", "content": "hi"}], "c"), "c", "Hello.")
         assert saved_and_reopened(flow).comment == "perpetuity: captured"
 
 
 def test_perpetuity_show_prints_the_view_of_a_saved_file(tmp_path: Path) -> None:
-    addon = Perpetuity()
-    with taddons.context(addon, View()) as tctx:  # a flow list, as in mitmweb
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
-                       perpetuity_anthropic_upstream="http://upstream.test:9")
+    with inspected(tmp_path, perpetuity_tools=False) as addon:
         remember(addon)
         flow = exchange(addon, request([{"role": "user", "content": "What is the vault code?"}],
                                        "now"), "now", "4471.")
