@@ -43,7 +43,7 @@ _NOT_RESENT = {"host", "content-length", "transfer-encoding", "connection", "kee
 # flow.metadata to save a flow, and a Job (its Future's lock) cannot be copied, so a flow holding
 # one was dropped from `-w` files.
 _LIVE = ("perpetuity_decision", "perpetuity_job", "perpetuity_original", "perpetuity_tee",
-         "perpetuity_fell_open")
+         "perpetuity_fell_open", "perpetuity_kept")
 
 
 class Perpetuity:
@@ -286,11 +286,15 @@ class Perpetuity:
         job: Job | None = flow.metadata.get("perpetuity_job")
         if flow.response.status_code == 400 and "perpetuity_original" in flow.metadata:
             return  # buffered: the response hook retries it as the client sent it
+        stream: StreamTee | None = None
         if job and flow.response.status_code < 400:
             flow.metadata["perpetuity_tee"] = ReplyTee(job, flow.response.headers.get("content-encoding", ""))
-            flow.response.stream = StreamTee(self, flow, job)
-        else:
-            flow.response.stream = True  # no buffering: every chunk goes to the client as it comes
+            stream = StreamTee(self, flow, job)
+        if _readable():  # mitmproxy keeps nothing of a streamed body: a copy to inspect
+            flow.metadata["perpetuity_kept"] = Kept(stream)
+            flow.response.stream = flow.metadata["perpetuity_kept"]
+        else:  # no buffering: every chunk goes to the client as it comes
+            flow.response.stream = stream or True
 
     async def response(self, flow: http.HTTPFlow) -> None:
         original = flow.metadata.pop("perpetuity_original", None)
@@ -346,6 +350,9 @@ class Perpetuity:
         references dropped. After the reply: nothing here is on the request path."""
         d: Decision | None = flow.metadata.get("perpetuity_decision")
         fell_open = flow.metadata.get("perpetuity_fell_open", "")
+        kept: Kept | None = flow.metadata.get("perpetuity_kept")
+        if kept is not None and flow.response is not None and flow.response.raw_content is None:
+            flow.response.raw_content = b"".join(kept.chunks)  # the reply the client received
         for key in _LIVE + (() if flow.websocket else ("perpetuity_handshake",)):
             flow.metadata.pop(key, None)
         if d is None or not _readable():
@@ -452,6 +459,19 @@ def _address(host: str) -> IPAddress | None:
         return None
     mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
     return mapped or ip
+
+
+class Kept:
+    """A `flow.response.stream` callable that keeps a copy of the body as it passed, for
+    inspection (`_readable`), around the tee when there is one."""
+
+    def __init__(self, inner: StreamTee | None) -> None:
+        self.inner = inner
+        self.chunks: list[bytes] = []
+
+    def __call__(self, chunk: bytes) -> bytes:
+        self.chunks.append(chunk)
+        return self.inner(chunk) if self.inner else chunk
 
 
 class StreamTee:

@@ -202,3 +202,4 @@ def test_mitmdump_saves_every_flow_relayed_or_not(tmp_path: Path) -> None:
     assert any(c.startswith("perpetuity: frame ") and "1 tool round" in c for c in comments)
     assert sum(c.startswith("perpetuity: tool round") for c in comments) == 2
     assert all(f.request.host == "127.0.0.1" and f.request.port != proxy.port for f in saved)
+    assert all(f.response.raw_content for f in saved)  # streamed replies, kept for inspection

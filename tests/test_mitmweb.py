@@ -141,6 +141,9 @@ def test_every_flow_is_listed_with_its_comment_and_rounds_linked(web) -> None:
     assert '"memory_search"' in body and "Ada lives in Oslo" in body
     reply = w.get(f"/flows/{rounds[0]['id']}/response/content.data").text
     assert "toolu_web_1" in reply
+    # The client's own flow keeps the reply it received, our tool's call hidden from it.
+    seen = w.get(f"/flows/{parent['id']}/response/content.data").text
+    assert "Ada lives in Oslo." in seen and "memory_search" not in seen
 
 
 def test_the_saved_file_holds_every_flow_and_reopens_with_the_view(web) -> None:
