@@ -21,7 +21,7 @@ from .scan import token_estimate
 from .tenants import withheld
 
 SNIPPET = 100  # characters of a row or a stripped message shown in the lists
-ROWS_OUT = 20  # the best hits left out that are listed (the rest are counted)
+ROWS_OUT = 20  # the best hits, and the warmest rows, left out that are listed (the rest counted)
 ANSWER = 2_000  # characters of a tool's answer shown in the view (the child flow has it all)
 
 
@@ -72,25 +72,35 @@ def _plan(recall: Any) -> dict[str, Any]:
 
 
 def _retrieval(d: Decision) -> dict[str, Any]:
-    """This request's retrieval: the rows ranked, each in or out and why."""
+    """This request's retrieval: the rows ranked, each in or out and why; then the warmest rows
+    the budget left out (the warm set is warmest first)."""
     f = d.frame
     assert f is not None
     shown = set(f.item_ids)
+    scores = {h.item_id: h.score for h in f.ranked}
     left = [h.item_id for h in f.ranked if h.item_id not in shown]
-    listed = np.asarray(f.item_ids + left[:ROWS_OUT], np.int64)
+    cold: list[int] = []
+    if f.warm is not None:
+        for i in f.warm.item_ids.tolist():
+            if len(cold) == ROWS_OUT:
+                break
+            if i in f.rows and i not in shown and i not in scores:
+                cold.append(i)
+    listed = np.asarray(f.item_ids + left[:ROWS_OUT] + cold, np.int64)
     warmth: dict[int, float] = {}
     if f.warm is not None:  # the warm set holds every warm row of the user: looked up in numpy
         at = np.isin(f.warm.item_ids, listed)
         warmth = dict(zip(f.warm.item_ids[at].tolist(), f.warm.warmth[at].tolist(), strict=True))
-    scores = {h.item_id: h.score for h in f.ranked}
     rows = []
     for i in f.item_ids:
         why = f.must.get(i) or ("rank order, within the budget" if f.warm is None
                                 else "warmth per token, within the budget")
         rows.append(_row(f, i, True, why, scores.get(i), warmth.get(i)))
     for i in left[:ROWS_OUT]:
-        rows.append(_row(f, i, False, "over the budget (memory_more reaches it)",
+        rows.append(_row(f, i, False, "a hit over the budget (memory_more reaches it)",
                          scores[i], warmth.get(i)))
+    for i in cold:
+        rows.append(_row(f, i, False, "warm, left out by the cap", None, warmth.get(i)))
     top = [h.score for h in f.ranked[:cap.BREADTH_TOP]]
     return {"made": d.recall.made if d.recall else "frame", "budget": f.budget,
             "tokens": f.tokens, "breadth": round(cap.breadth(top), 2) if top else 0.0,
@@ -125,7 +135,7 @@ def summary(f: dict[str, Any]) -> str:
     bits = []
     if frame := f.get("frame"):
         verb = {"frame": "frame", "addendum": "frame", "carried": "frame kept"}[frame["made"]]
-        bits.append(f"{verb} {frame['tokens']:,} tok from {frame['rows']} rows")
+        bits.append(f"{verb} {frame['tokens']:,} tok from {_n(frame['rows'], 'row')}")
         if addenda := f.get("addenda"):
             bits.append(f"{len(addenda)} addend{'a' if len(addenda) > 1 else 'um'} "
                         f"{sum(a['tokens'] for a in addenda):,} tok")
@@ -179,7 +189,7 @@ def render(f: dict[str, Any], upstream_body: bytes | None = None) -> str:
         made = {"frame": "built for this request", "addendum": "kept; an addendum built for "
                 "this prompt", "carried": "kept from an earlier request (re-sent byte-identical)"}
         out += ["", "== What went upstream ==",
-                f"  frame: {frame['tokens']:,} tok, {frame['rows']} rows, "
+                f"  frame: {frame['tokens']:,} tok, {_n(frame['rows'], 'row')}, "
                 f"{made[frame['made']]}; warm rows the cap left out: {frame['left_out']}"]
         for a in f.get("addenda", []):
             out.append(f"  addendum before message {a['before']}: {a['tokens']:,} tok")
@@ -196,7 +206,7 @@ def render(f: dict[str, Any], upstream_body: bytes | None = None) -> str:
                 f"top scores {r['scores']}",
                 f"  {r['hits']} hits; {sum(1 for x in r['rows'] if x['in'])} rows in "
                 f"({r['tokens']:,} tok); {r['hits_left_out']} hits left out; "
-                f"{r['left_out_warm']} warm rows left out by the cap",
+                f"{r['left_out_warm']} warm rows considered and left out by the cap",
                 f"  {'':2}{'row':>7} {'score':>7} {'warmth':>7} {'tok':>5}  "
                 f"{'role':<9} {'conversation':<20} why / text"]
         for x in r["rows"]:
@@ -249,6 +259,10 @@ def cache_marks(body: bytes) -> list[str]:
             out += [f"message {i} block {j}" for j, b in enumerate(content)
                     if isinstance(b, dict) and "cache_control" in b]
     return out
+
+
+def _n(n: int, what: str) -> str:
+    return f"{n:,} {what}{'' if n == 1 else 's'}"
 
 
 def _pairs(pairs: list[tuple[str, str]]) -> list[str]:

@@ -203,3 +203,23 @@ def test_mitmdump_saves_every_flow_relayed_or_not(tmp_path: Path) -> None:
     assert sum(c.startswith("perpetuity: tool round") for c in comments) == 2
     assert all(f.request.host == "127.0.0.1" and f.request.port != proxy.port for f in saved)
     assert all(f.response.raw_content for f in saved)  # streamed replies, kept for inspection
+
+
+def test_the_view_lists_what_was_stripped_and_what_was_kept(tmp_path: Path) -> None:
+    with inspected(tmp_path, perpetuity_tools=False, perpetuity_frame_ceiling=1_000) as addon:
+        long = "The deployment checklist: " + "verify the canary, " * 300
+        history = [{"role": "user", "content": long}]
+        exchange(addon, request(history, "task"), "task", "Checked.")
+        history += [{"role": "assistant", "content": "Checked."},
+                    {"role": "user", "content": "And the rollback plan?"}]
+        flow = exchange(addon, request(history, "task"), "task", "Ready.")
+        facts = flow.metadata["perpetuity"]
+        assert [s[:2] for s in facts["stripped"]] == [[0, "user"], [1, "assistant"]]
+        assert facts["kept"] == {"from": 2, "messages": 1, "tokens": 6}
+        assert facts["sent_tokens"] < facts["harness"]["tokens"]
+        assert f"{sum(s[2] for s in facts['stripped']):,} stripped" in flow.comment
+        # The checklist itself did not fit the budget: listed as a warm row left out.
+        assert any(r["why"] == "warm, left out by the cap" and "checklist" in r["text"]
+                   and not r["in"] for r in facts["retrieval"]["rows"])
+        view = contentviews.prettify_message(flow.request, flow).text
+        assert "stripped: messages 0-1" in view and "kept as sent: messages 2-2" in view
