@@ -16,7 +16,10 @@ import numpy as np
 
 from . import cap
 from .conversation import Kind, Message
-from .pipeline import Decision, Job
+from .frame import Frame
+from .pipeline import Decision, Job, Recall
+from .plan import Plan
+from .relay import Round
 from .scan import token_estimate
 from .tenants import withheld
 
@@ -51,8 +54,8 @@ def facts(d: Decision, job: Job | None, fell_open: str = "") -> dict[str, Any]:
                        "tokens": _tokens(messages[keep:])}
         out["sent_tokens"] = (recall.sent_tokens if replaced and recall
                               else out["harness"]["tokens"])
-        if replaced and recall:
-            out |= _plan(recall)
+        if replaced and recall and recall.plan:  # (notes alone, before any memory: no plan)
+            out |= _plan(recall, recall.plan)
         out["notes"] = list(recall.notes) if recall else []
     if d.frame is not None:
         out["retrieval"] = _retrieval(d)
@@ -61,8 +64,7 @@ def facts(d: Decision, job: Job | None, fell_open: str = "") -> dict[str, Any]:
     return out
 
 
-def _plan(recall: Any) -> dict[str, Any]:
-    plan = recall.plan
+def _plan(recall: Recall, plan: Plan) -> dict[str, Any]:
     made = recall.made or "carried"
     frame = {"made": made, "tokens": _tokens(recall.front), "rows": len(plan.shown),
              "messages": [_said(m) for m in recall.front], "left_out": plan.left_out}
@@ -108,7 +110,7 @@ def _retrieval(d: Decision) -> dict[str, Any]:
             "left_out_warm": f.left_out, "hits_left_out": len(left), "rows": rows}
 
 
-def _row(f: Any, i: int, shown: bool, why: str, score: float | None,
+def _row(f: Frame, i: int, shown: bool, why: str, score: float | None,
          warmth: float | None) -> dict[str, Any]:
     r = f.rows.get(i)
     text = "" if r is None else withheld(r) if r.secret else r.text
@@ -119,7 +121,7 @@ def _row(f: Any, i: int, shown: bool, why: str, score: float | None,
             "text": _snip(text)}
 
 
-def _round(r: Any) -> dict[str, Any]:
+def _round(r: Round) -> dict[str, Any]:
     return {"status": r.status, "started": r.started, "ended": r.ended,
             "request_tokens": token_estimate(r.body.decode("utf-8", "replace")),
             "calls": [[call_id, name, _args(args)] for call_id, name, args in r.calls],
