@@ -4,7 +4,10 @@ Runs the fake provider and a real mitmdump with the addon, then sends N streamed
 requests each way, interleaved so every side shares the machine's noise. Through the proxy,
 the paths: the default (a frame, and the recall tools riding along, so the relay, where their
 loop runs), the frame without tools (mitmproxy's own stream), capture alone (recall off), and
-pure pass-through (x-perpetuity: off).
+pure pass-through (x-perpetuity: off). Each of those requests is a first prompt. The two
+`task_*` sides send what a coding harness sends: a prompt, then four tool rounds of the same
+task (the shared Claude Code sessions average 4.5 calls a prompt), where the frame chosen at the
+prompt is reused as it was.
 Prints JSON.
 
     .venv/bin/python scripts/bench_latency.py [--requests 200]
@@ -28,13 +31,30 @@ from tests.conftest import start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text
 
 SIDES = {"direct": {}, "frame_and_tools_relay": {}, "frame_stream": {"x-perpetuity-tools": "off"},
-         "capture_stream": {"x-perpetuity-recall": "off"}, "pass_through": {"x-perpetuity": "off"}}
+         "capture_stream": {"x-perpetuity-recall": "off"}, "pass_through": {"x-perpetuity": "off"},
+         "task_relay": {}, "task_stream": {"x-perpetuity-tools": "off"}}
+ROUNDS = 5  # calls of a task: its prompt and four tool rounds
 
 
-def timed(client: httpx.Client, url: str, n: int, extra: dict[str, str]) -> tuple[float, float]:
+def messages(side: str, n: int) -> list[dict]:
+    """A first prompt; on the task sides, call n % ROUNDS of task n // ROUNDS."""
+    if not side.startswith("task"):
+        return [{"role": "user", "content": f"benchmark turn {n}"}]
+    task, rounds = divmod(n, ROUNDS)
+    out: list[dict] = [{"role": "user", "content": f"benchmark task {task} on {side}"}]
+    for k in range(rounds):
+        out += [{"role": "assistant", "content": [
+                    {"type": "text", "text": "Reading."},
+                    {"type": "tool_use", "id": f"t{k}", "name": "Read", "input": {"n": k}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": f"t{k}", "content": f"line {k} " * 50}]}]
+    return out
+
+
+def timed(client: httpx.Client, url: str, side: str, n: int) -> tuple[float, float]:
     body = {"model": "claude-opus-4-8", "max_tokens": 100, "stream": True,
-            "metadata": {"user_id": "bench"},
-            "messages": [{"role": "user", "content": f"benchmark turn {n}"}]}
+            "metadata": {"user_id": "bench"}, "messages": messages(side, n)}
+    extra = SIDES[side]
     start = time.perf_counter()
     with client.stream("POST", url + "/v1/messages", json=body,
                        headers={"x-api-key": "sk-ant-bench", **extra}) as r:
@@ -65,7 +85,7 @@ def main() -> None:
                     for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotate
                         fake.script(Text("A reply of a few words, streamed in pieces.", chunks=8))
                         url = fake.url if side == "direct" else proxy.url
-                        ttfb, total = timed(client, url, i, SIDES[side])
+                        ttfb, total = timed(client, url, side, i)
                         if i >= 5:  # the first few warm connections and the database up
                             results[side]["ttfb"].append(ttfb)
                             results[side]["total"].append(total)

@@ -13,10 +13,8 @@ from typing import Any
 from perpetuity_core.memory.capture import TurnContext
 from perpetuity_core.memory.frame import Frame
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.wire.conversation import (
-    Message,
-    Protocol,
-)
+from perpetuity_core.serve.plan import Plan
+from perpetuity_core.wire.conversation import Message, ParsedRequest, Protocol
 from perpetuity_core.wire.identity import Identity
 from perpetuity_core.wire.route import Route
 
@@ -79,6 +77,8 @@ class Job:
     # The body exactly as the client sent it, when we changed it: a 400 on the first round is
     # retried once with it (the rejection may be ours: the frame, a tool).
     original: bytes | None = None
+    # The tool loop's upstream rounds as they happened (relay.Round), for inspection.
+    rounds: list[Any] = field(default_factory=list)
 
     @property
     def relay(self) -> bool:
@@ -113,4 +113,24 @@ class Decision:
     frame: Frame | None = None
     identity: Identity | None = None
     note: str = ""  # why, for flow.metadata and logs
+    # References for inspection (serve.inspection), read after the reply.
+    parsed: ParsedRequest | None = None
+    recall: Recall | None = None
 
+
+@dataclass(slots=True)
+class Recall:
+    """What memory adds to one request."""
+
+    body: bytes | None = None  # the body to send instead
+    built: Frame | None = None  # the frame or addendum built for this request, if any
+    keep: int = 0  # the first message kept as the harness sent it
+    memory: TurnMemory | None = None  # set when the recall tools ride along
+    notes: list[str] = field(default_factory=list)  # the notes recall put before the model
+    key: tuple[int, str] | None = None  # (user, conversation key) of the plan
+    plan: Plan | None = None  # the conversation's plan after this request
+    sent_tokens: int = 0  # what the model reads of the conversation: frame, addenda, kept turns
+    note: str = ""  # why the history was kept further back than planned, or left as sent
+    library: Path | None = None  # the tenant's notes library
+    front: list[Message] = field(default_factory=list)  # the frame as sent, notes included
+    made: str = ""  # "frame" or "addendum": what this request built ("" when it kept the plan)

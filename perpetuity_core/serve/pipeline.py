@@ -18,7 +18,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,6 @@ from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.memory import bindings, capture, frame, heat, names, tenants
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.capture import TurnContext
-from perpetuity_core.memory.frame import Frame
 from perpetuity_core.memory.index import messages_tokens
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.memory.store import Store
@@ -41,6 +40,7 @@ from perpetuity_core.serve.exchange import (
     HttpRequest,
     Job,
     PendingTurn,
+    Recall,
 )
 from perpetuity_core.serve.plan import Plan, carried, mark, place, should_rebuild, with_addendum
 from perpetuity_core.wire import repair
@@ -73,22 +73,6 @@ MAX_BODY = 32 * 1024 * 1024
 # the reply to store it (providers stream SSE uncompressed anyway).
 _DROP_UPSTREAM = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
                   "proxy-connection", "proxy-authorization", "accept-encoding", "te", "upgrade"}
-
-
-@dataclass(slots=True)
-class Recall:
-    """What memory adds to one request."""
-
-    body: bytes | None = None  # the body to send instead
-    built: Frame | None = None  # the frame or addendum built for this request, if any
-    keep: int = 0  # the first message kept as the harness sent it
-    memory: TurnMemory | None = None  # set when the recall tools ride along
-    notes: list[str] = field(default_factory=list)  # the notes recall put before the model
-    key: tuple[int, str] | None = None  # (user, conversation key) of the plan
-    plan: Plan | None = None  # the conversation's plan after this request
-    sent_tokens: int = 0  # what the model reads of the conversation: frame, addenda, kept turns
-    note: str = ""  # why the history was kept further back than planned, or left as sent
-    library: Path | None = None  # the tenant's notes library
 
 
 class Pipeline:
@@ -152,7 +136,7 @@ class Pipeline:
             return decision
         ident = identify(headers, parsed, credential(headers), self.store.salt,
                          self.trust_identity)
-        decision.identity = ident
+        decision.identity, decision.parsed = ident, parsed
         library = tenants.library(self.notes_root, ident.tenant)
         if (_last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
                 and self.notes_capture):
@@ -182,7 +166,7 @@ class Pipeline:
         if recall.memory is not None:
             recall.memory.library = library if self.notes_capture else None
             recall.memory.untrusted = tenants.quotes_untrusted(parsed.messages)
-        decision.body, decision.frame = recall.body, recall.built
+        decision.body, decision.frame, decision.recall = recall.body, recall.built, recall
         if controls.probe or not controls.capture:
             decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
             return decision
@@ -233,7 +217,9 @@ class Pipeline:
                 out.plan = carried(old, kept, asked_at, here)
             elif not should_rebuild(old, kept, asked_at, max(old.frame_tokens, self.limits.floor)):
                 out.plan = carried(old, kept, asked_at, here)
-                self._add(out, parsed, prompt, placed.keep, conv, query, asked_at)
+                short = messages_tokens(messages[:prompt]) <= self.limits.ceiling
+                if not self._add(out, parsed, prompt, placed.keep, conv, query, asked_at, short):
+                    out.plan = None  # a new subject in a short conversation: a new frame
         if out.plan is None:
             self._rebuild(out, parsed, prompt, conv, query, asked_at)
         laid = place(out.plan, messages) if out.plan else None
@@ -258,7 +244,7 @@ class Pipeline:
         if replaced.keep != laid.keep:
             # The plan keeps what went upstream, so the next call grows from it.
             out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
-        out.keep, out.note = replaced.keep, replaced.why
+        out.keep, out.note, out.front = replaced.keep, replaced.why, front
         out.sent_tokens = (messages_tokens(front) + out.plan.insert_tokens
                            + messages_tokens(messages[replaced.keep:]))
         out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
@@ -290,7 +276,7 @@ class Pipeline:
             front = frame.with_note(front, lesson.text)
         if not built:
             keep = 0  # nothing to stand in for the history
-        out.built = built
+        out.built, out.made = built, "frame"
         out.plan = Plan(
             tuple(front), messages_tokens(front), mark(messages, keep), mark(messages, prompt), asked_at,
             shown=frozenset(built.item_ids if built else ()),
@@ -298,27 +284,34 @@ class Pipeline:
             left_out=built.left_out if built else 0)
 
     def _add(self, out: Recall, parsed: ParsedRequest, prompt: int, keep: int, conv: int | None,
-             query: str, asked_at: float) -> None:
-        """An addendum for a new prompt under a frame that stays: its hits not yet in front.
-        None before a prompt that answers a call (an interrupted tool call's result rides with
-        the next prompt): it would part the call from its result."""
+             query: str, asked_at: float, short: bool) -> bool:
+        """An addendum for a new prompt under a frame that stays: its hits in other
+        conversations not yet in front. False when the conversation is short and the prompt's
+        best match is not in front: a new frame then costs about what an addendum would (what
+        it rewrites after it is short) and drops the memory earlier prompts needed. Nothing
+        before a prompt that answers a call (an interrupted tool call's result rides with the
+        next prompt): it would part the call from its result."""
         assert out.key is not None and out.plan is not None
         messages = parsed.messages
         if repair.answers_earlier(messages, prompt):
-            return
+            return True
         kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
             if conv else []
-        more = frame.addendum(self.scanner, user_id=out.key[0], conversation_id=conv,
-                              query=query, exclude_messages=kept, shown=out.plan.shown,
-                              asked_at=asked_at, limits=self.limits)
+        addition = frame.addendum(self.scanner, user_id=out.key[0], conversation_id=conv,
+                                  query=query, exclude_messages=kept, shown=out.plan.shown,
+                                  asked_at=asked_at, limits=self.limits)
+        if short and addition.new_subject:
+            return False
+        more = addition.frame
         added = more.messages if more else []
         if starts_task(messages) and (lesson := self._notes_for(parsed, out.library)):
             out.notes = lesson.names
             added = frame.with_note(added, lesson.text)
         if added:
-            out.built = more
+            out.built, out.made = more, "addendum"
             out.plan = with_addendum(out.plan, mark(messages, prompt), added,
-                                          messages_tokens(added), more.item_ids if more else [])
+                                     messages_tokens(added), more.item_ids if more else [])
+        return True
 
     def _lesson_only(self, body: dict[str, Any], parsed: ParsedRequest,
                      protocol: Protocol, library: Path | None) -> Recall:

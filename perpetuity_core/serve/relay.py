@@ -20,6 +20,7 @@ import secrets
 import time
 import zlib
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import h11
@@ -206,6 +207,21 @@ class Relay:
             log.exception("perpetuity: could not store the reply")
 
 
+@dataclass(slots=True)
+class Round:
+    """One upstream exchange of the tool loop, as it happened: what the client never sees,
+    kept by reference for inspection (the addon shows each as its own flow)."""
+
+    started: float
+    body: bytes  # the request as it went upstream, our tools added
+    status: int = 0
+    headers: list[tuple[str, str]] = field(default_factory=list)  # the provider's reply's
+    raw: list[bytes] = field(default_factory=list)  # the provider's reply bytes, as read
+    ended: float = 0.0
+    calls: list[tuple[str, str, Any]] = field(default_factory=list)  # ours: (id, name, arguments)
+    results: list[tuple[str, str]] = field(default_factory=list)  # (id, answer)
+
+
 class ToolLoop:
     """One reply the client sees, made of as many upstream rounds as our tools need.
 
@@ -223,6 +239,7 @@ class ToolLoop:
             frozenset(str(t["name"]) for t in job.tool_specs))
         self.tee = ReplyTee(job, "")
         self.started = False  # the client has seen the response head
+        self.round = Round(0.0, b"")  # the round in progress
 
     async def run(self) -> bool:
         job, client = self.job, self.relay._client
@@ -235,7 +252,10 @@ class ToolLoop:
                 sent = self.adapter.add_tools(body, specs, last)
                 request = client.build_request(job.method, job.url, headers=job.headers,
                                                content=json.dumps(sent).encode())
+                self.round = Round(time.time(), request.content)
+                job.rounds.append(self.round)
                 resp = await client.send(request, stream=True)
+                self.round.status, self.round.headers = resp.status_code, resp.headers.multi_items()
                 try:
                     if resp.status_code == 400 and round_ == 0:
                         # The rejection may be ours (the frame, a tool): once, as the client sent it.
@@ -248,12 +268,15 @@ class ToolLoop:
                     await self._round(resp)
                 finally:
                     await resp.aclose()
+                    self.round.ended = time.time()
                 calls = self.merger.our_calls()
                 if not calls or self.merger.others_called() or last:
                     break
+                self.round.calls = calls
                 results = await self._run_tools(calls)
                 if results is None:
                     return False  # the client went away: no further upstream call
+                self.round.results = results
                 body = self.adapter.continue_body(body, self.merger.assistant_blocks(), results)
                 self.merger.next_round()
             await self._write(self.merger.finish())
@@ -278,11 +301,14 @@ class ToolLoop:
 
     async def _round(self, resp: httpx.Response) -> None:
         if not self.job.stream:
-            cast(BodyMerging, self.merger).feed_body(json.loads(await resp.aread()))
+            raw = await resp.aread()
+            self.round.raw.append(raw)
+            cast(BodyMerging, self.merger).feed_body(json.loads(raw))
             return
         await self._start(resp)
         sse = SSEDecoder()
         async for chunk in resp.aiter_raw():
+            self.round.raw.append(chunk)
             for ev in sse.feed(chunk):
                 data = ev.json()
                 if data is None:
