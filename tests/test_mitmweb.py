@@ -75,7 +75,6 @@ def web(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Web, FakePro
         finally:
             proc.terminate()
             proc.wait(10)
-            out.close()
     assert b"perpetuity_core" not in log.read_bytes(), log.read_text()
 
 

@@ -3,16 +3,8 @@
 There is no approximate index between a question and the memory: every stored row gets its
 exact score (rows holding none of the query's terms score exactly zero and are not hits).
 
-Write side. `derive_retrieval` runs inside each message's transaction (the store registers it
-on every Store): one retrieval row per item that is memory, not harness context (term ids and
-counts as little-endian blobs, length, dictionary version), which is also its own increment of
-the pooled counts BM25 needs (rows, total length, and document frequency per term): these are
-folded into retrieval_total and retrieval_term every FOLD_EVERY rows, and readers add the rows
-stored since (`totals`, `unfolded_df`). Deleted retrieval rows are logged by a trigger; the
-writer settles them (takes their counts back out: `purge` deletes and settles in one
-transaction, `Store.flush` settles what was deleted behind its back) and readers take out the
-unsettled ones themselves, so no reader ever writes. A new dictionary is re-derived and
-flipped in by maintenance.py.
+Write side: memory/index.py (one retrieval row per stored item that is memory, and the pooled
+counts BM25 needs, which readers complete with the rows stored since the last fold).
 
 Read side. A `Scanner` answers `search`. A small memory is scored straight from the store; a
 larger one is held in the serving process as an `Arena`: numpy arrays in segments of at most

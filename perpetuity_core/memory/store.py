@@ -3,7 +3,9 @@
 Every message is written in one transaction, as one `Message` row plus one `Item` row per part,
 and nothing is updated in place afterwards. Structures derived from the rows (retrieval rows,
 counts, activations) are written by derivers registered on the store, inside that same
-transaction, so a reader never sees a row without what is derived from it. Structures no
+transaction, so a reader never sees a row without what is derived from it. The store imports
+none of them: memory/schema.py's `open_memory` wires them in (and lists the migrations, each
+owned by its structure). Structures no
 retrieval needs at once (the chains) are written by the same writer a batch of messages at a
 time, one transaction per batch (`Store.flush`), each with a cursor: their readers add the rows
 past the cursor themselves, so they too never see a row without what is derived from it.

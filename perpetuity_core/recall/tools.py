@@ -3,24 +3,14 @@
 The frame is what the model remembers at the start of a turn; these tools reach the rest. The
 proxy runs them inside the streamed reply (relay.py). Here they are neutral: a name, a
 description and a JSON schema each (`TOOLS`), the paragraph that tells the model how to use them
-(`INSTRUCTIONS`), and `run`, which executes one call and returns the text the model reads.
+(`INSTRUCTIONS`), and `run`, which checks one call's arguments and dispatches it to its query
+(queries.py), returning the text the model reads (answers.py).
 
 Every answer is for one user (another user's rows never appear, pooled or not) and one turn:
 `TurnMemory.shown` holds the rows the model has seen this turn (the frame's, then every row a
 call returned), and no call shows a row's text twice. Answers are compact: LIMIT rows by
-default, each cut to its share of RESULT_CHARS (2,000 tokens at four characters a token) with a
-note how to read on. Ties are broken by item id, so the same memory gives the same answer.
-
-Two structures are derived for the tools, each with one writer:
-- the binding log (`binding`): the rows that came up together in one turn, what the turn
-  retrieved and what it stored. `record_bindings` writes it from the store's writer after each
-  turn; memory_cooccur reads it.
-- the chains (`chain`): every text row joins the chains of its subjects (`subjects`: its
-  rarest non-trivial words, at most SUBJECTS a row), ordered by when it was said. `derive_chains`
-  writes them from the store's writer a batch of messages at a time (Store.flush), up to a
-  cursor; memory_chains reads them and derives the rows past the cursor itself, so a row is in
-  its chains from the moment it is stored, and a fact and its later updates are one chain with
-  the latest state last.
+default. The structures derived for the tools, with their writers, are memory's: the binding
+log (memory/bindings.py) and the subject chains (memory/chains.py).
 
 How it fails: `run` never raises. Bad arguments and unknown names get a one-line error the
 model can read and correct; a failure inside a tool is logged and reported the same way.
