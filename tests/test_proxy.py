@@ -266,11 +266,10 @@ def test_concurrent_streams_do_not_wait_for_each_other(proxy: Proxy, fake: FakeP
     t = threading.Thread(target=slow)
     t.start()
     fake.wait_requests(1)
-    started = time.monotonic()
     r = c.messages.create(model="claude-opus-4-8", max_tokens=5, messages=user_msgs("fast one"),
                           extra_headers={"x-perpetuity-user": "ivy"})
     assert r.content[0].text == "fast"
-    assert not slow_done.is_set() and time.monotonic() - started < 1.5
+    assert not slow_done.is_set()  # an ordering, not a clock: the fast one ended first
     t.join()
 
 

@@ -172,12 +172,11 @@ def test_a_tool_round_never_delays_another_stream(proxy: Proxy, fake: FakeProvid
     t = threading.Thread(target=slow)
     t.start()
     fake.wait_requests(2)
-    started = time.monotonic()
     r = client(proxy).messages.create(model="claude-opus-4-8", max_tokens=5,
                                       messages=[{"role": "user", "content": "quick one"}],
                                       extra_headers={"x-perpetuity-user": "t6-other"})
-    assert r.content[0].text == "fast" and time.monotonic() - started < 1.0
-    assert not done.is_set()
+    assert r.content[0].text == "fast"
+    assert not done.is_set()  # an ordering, not a clock: the other stream ended first
     t.join()
 
 
