@@ -21,6 +21,7 @@ from perpetuity_core.memory import arena, bm25, dictionary, index, maintenance, 
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store, db
 from perpetuity_core.wire.conversation import Kind, Message, Part
+from tests.conftest import opened, query
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
@@ -84,7 +85,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     that span, scored as without it.
     """
     k1, b = params.k1, params.b
-    conn = sqlite3.connect(store.path)
+    conn = opened(store.path)
     rows = conn.execute("SELECT seq, item_id, user_id, conversation_id, length, terms, counts"
                         " FROM retrieval ORDER BY seq").fetchall()
     said = {i: int(at) for i, at in conn.execute(  # whole seconds, as retrieval keeps them
@@ -183,7 +184,7 @@ def test_unknown_words_hash_deterministically_into_the_reserved_range() -> None:
 
 def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store) -> None:
     fill(store, random.Random(1), 60)
-    conn = sqlite3.connect(store.path)
+    conn = opened(store.path)
     (items,) = conn.execute("SELECT count(*) FROM item").fetchone()
     rows = conn.execute("SELECT item_id, version, terms, length FROM retrieval").fetchall()
     assert len(rows) == items and len({r[0] for r in rows}) == items
@@ -366,11 +367,11 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     got = ranked(sc.search(q, uid, 10))
     assert not set(gone) & {i for i, _ in got}
     marks = ",".join("?" * len(gone))
-    assert not sqlite3.connect(store.path).execute(
-        f"SELECT item_id FROM activation WHERE item_id IN ({marks})", gone).fetchall()
+    assert not query(store.path, f"SELECT item_id FROM activation WHERE item_id IN ({marks})",
+                     *gone)
     same(got, reference(store, q, uid, 10))
     # A row removed behind the scanner's back (cascade from item) is also reflected.
-    conn = sqlite3.connect(store.path)
+    conn = opened(store.path)
     conn.execute("PRAGMA foreign_keys = ON")
     victim = got[0][0]
     conn.execute("DELETE FROM item WHERE id = ?", (victim,))
@@ -392,7 +393,7 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     same(got, reference(store, q, uid, 10))
     fresh = scan.Scanner(store, store_rows=store_rows)
     assert ranked(fresh.search(q, uid, 10)) == got  # a cold process gets the same answer
-    conn = sqlite3.connect(store.path)
+    conn = opened(store.path)
     assert {v for (v,) in conn.execute("SELECT DISTINCT version FROM retrieval")} == {
         dictionary.load().version}
     conn.close()

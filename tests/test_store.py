@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from perpetuity_core.memory.integrity import check
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store, db
 from perpetuity_core.wire.conversation import Kind, Message, Part
+from tests.conftest import opened
 from tests.test_retrieval import WORDS, add, fill, ranked, reference, same
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def test_searches_never_fail_while_the_writer_stores_and_purges(store: Store) ->
 def test_ids_are_never_reused(store: Store) -> None:
     items = add(store, "u", "c", ["first", "second | part"])
     newest_message = db.connection().execute("SELECT max(id) FROM message").fetchone()[0]
-    with sqlite3.connect(store.path) as other:  # deleted behind the store's back, newest first
+    with opened(store.path) as other:  # deleted behind the store's back, newest first
         other.execute("PRAGMA foreign_keys = ON")
         other.execute("DELETE FROM activation WHERE item_id IN (SELECT id FROM item"
                       " WHERE message_id = ?)", (newest_message,))
@@ -189,7 +189,7 @@ def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
 def test_a_memory_on_another_dictionary_says_so_on_start(tmp_path: Path) -> None:
     path = tmp_path / "memory.db"
     open_memory(path).close()
-    with sqlite3.connect(path) as conn:
+    with opened(path) as conn:
         conn.execute("UPDATE setting SET value = 'v-old' WHERE key = 'dictionary'")
     s = open_memory(path)
     try:
@@ -216,7 +216,7 @@ def test_memory_check_cli_reports_each_violation(tmp_path: Path,
         index.fold(db.connection())
     s.close()
     assert cli.main(["memory", "check", "--db", str(path)]) == 0
-    with sqlite3.connect(path) as conn:  # break two invariants behind the store's back
+    with opened(path) as conn:  # break two invariants behind the store's back
         conn.execute("DELETE FROM activation WHERE item_id = (SELECT min(id) FROM item)")
         conn.execute("UPDATE retrieval_term SET df = df + 1 WHERE term ="
                      " (SELECT min(term) FROM retrieval_term)")
