@@ -169,6 +169,7 @@ def test_no_facts_are_made_where_no_one_can_read_them(tmp_path: Path) -> None:
         tctx.configure(save, save_stream_file=str(tmp_path / "flows.mitm"))  # now someone can
         flow = exchange(addon, request([{"role": "user", "content": "hi"}], "c"), "c", "Hello.")
         assert flow.comment.startswith("perpetuity: frame ")
+        save.done()  # closes the flow file (mitmdump calls it at exit)
 
 
 def test_mitmdump_saves_every_flow_relayed_or_not(tmp_path: Path) -> None:

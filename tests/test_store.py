@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -230,3 +231,25 @@ def test_memory_check_cli_reports_each_violation(tmp_path: Path,
     assert cli.main(["memory", "purge", "--user", "nobody", "--db", str(path)]) == 1
     assert cli.main(["memory", "dictionary", "list", "--db", str(path)]) == 0
     assert "live" in capsys.readouterr().out
+
+
+def test_closing_the_store_closes_every_threads_connection(tmp_path: Path) -> None:
+    """Peewee opens a connection per reading thread (the scanner's, the tools'): closing the
+    store closes them all, and a thread that reads after the next open reads the new file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def where() -> str:
+        return db.connection().execute("PRAGMA database_list").fetchone()[2]
+
+    first = open_memory(tmp_path / "first.db")
+    with ThreadPoolExecutor(1) as reader:
+        conn = reader.submit(db.connection).result()
+        assert reader.submit(where).result() == str(tmp_path / "first.db")
+        first.close()
+        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+            conn.execute("SELECT 1")
+        second = open_memory(tmp_path / "second.db")
+        try:
+            assert reader.submit(where).result() == str(tmp_path / "second.db")
+        finally:
+            second.close()

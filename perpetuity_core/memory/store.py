@@ -25,12 +25,13 @@ import logging
 import os
 import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import peewee as pw
 
@@ -38,7 +39,50 @@ from perpetuity_core.errors import StoreError
 from perpetuity_core.memory.secrets import secret_kind
 from perpetuity_core.wire.conversation import Message, Usage
 
-db = pw.SqliteDatabase(None)
+
+class _Database(pw.SqliteDatabase):
+    """Peewee opens one connection per thread that reads (the store's writer, the scanner's,
+    the tools', the preparing thread) and closes only the calling thread's: this one keeps
+    every connection it opened, so that closing the store closes them all (`close_all`)."""
+
+    _state: Any  # peewee's per-thread connection state (private: its stubs leave it out)
+
+    def __init__(self, database: str | None, **kwargs: Any) -> None:
+        super().__init__(database, **kwargs)
+        self._opened: set[sqlite3.Connection] = set()
+        self._guard = threading.Lock()
+
+    def connect(self, reuse_if_open: bool = False) -> bool:
+        opened = super().connect(reuse_if_open)
+        if opened:
+            with self._guard:
+                self._opened.add(self._state.conn)
+        return opened
+
+    def close(self) -> bool:
+        conn = self._state.conn
+        closed = super().close()
+        with self._guard:
+            self._opened.discard(conn)
+        return closed
+
+    def is_closed(self) -> bool:
+        # A thread whose connection close_all closed opens a new one when it reads next.
+        if not self._state.closed and self._state.conn not in self._opened:
+            self._state.reset()
+        return bool(self._state.closed)
+
+    def close_all(self) -> None:
+        """Close every thread's connection; a thread still reading gets a StoreError."""
+        if not self.is_closed():
+            self.close()
+        with self._guard:
+            for conn in self._opened:
+                conn.close()
+            self._opened.clear()
+
+
+db = _Database(None)
 log = logging.getLogger("perpetuity")
 T = TypeVar("T")
 
@@ -321,8 +365,7 @@ class Store:
             log.warning("perpetuity: %s", self.notice)
 
     def close(self) -> None:
-        if not db.is_closed():
-            db.close()
+        db.close_all()
 
     def _migrate(self) -> None:
         with writing("migrate the memory database"):
