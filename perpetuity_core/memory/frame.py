@@ -14,7 +14,6 @@ keeps as it sent them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -23,9 +22,17 @@ import numpy as np
 
 from perpetuity_core.memory import cap, dates, heat
 from perpetuity_core.memory.index import messages_tokens, token_estimate
-from perpetuity_core.memory.rows import Row, quoted, shown_rows, time_label
+from perpetuity_core.memory.rows import (
+    Row,
+    adjacent_pairs,
+    around,
+    items_of,
+    next_spoken,
+    quoted,
+    shown_rows,
+    time_label,
+)
 from perpetuity_core.memory.scan import Hit, Scanner
-from perpetuity_core.memory.store import db, in_list
 from perpetuity_core.memory.tenants import withheld
 from perpetuity_core.wire.conversation import Kind, Message, Part
 
@@ -73,7 +80,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     recent = set(recent_messages) - excluded
     found = _retrieve(scanner, query, user_id, asked_at, excluded, limits)
     hits, warm = found.hits, heat.warm_set(user_id, found.now, found.reheats)
-    recent_items = _items_of(recent)
+    recent_items = items_of(recent)
     warm_ids = warm.item_ids.tolist()
     seen = set(warm_ids)
     rows = _rows(warm_ids + [i for i in recent_items if i not in seen], excluded)
@@ -249,39 +256,17 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
 
 def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
     """(rank, item_id) of the rows in the messages around each hit, in its conversation."""
-    out: list[tuple[int, int]] = []
-    conn = db.connection()
-    for rank, h in enumerate(hits):
-        for cmp, order in (("<", "DESC"), (">", "ASC")):
-            rows = conn.execute(
-                f"SELECT i.id, m.id FROM item i JOIN message m ON m.id = i.message_id WHERE"
-                f" m.conversation_id = ? AND m.id {cmp} ? AND m.id IN (SELECT id FROM message"
-                f" WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order} LIMIT ?)",
-                (h.conversation_id, h.message_id, h.conversation_id, h.message_id, NEIGHBOURS),
-            ).fetchall()
-            out += [(rank, item) for item, message in rows if message not in excluded]
-    return out
+    return [(rank, item) for rank, h in enumerate(hits)
+            for item, message in around(h.conversation_id, h.message_id, NEIGHBOURS)
+            if message not in excluded]
 
 
 def _other_half(hit: Hit, excluded: set[int]) -> list[int]:
     """The rows of the other half of a hit's exchange: the reply to it, or the question it
     answers. The two travel together; either alone is often not the answer."""
-    cmp, order = (">", "ASC") if hit.role == "user" else ("<", "DESC")
-    # Harness text between them (Claude Code's mid-conversation system message) is no half.
-    row = db.connection().execute(
-        f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ?"
-        f" AND role IN ('user', 'assistant') ORDER BY id {order} LIMIT 1",
-        (hit.conversation_id, hit.message_id)).fetchone()
+    row = next_spoken(hit.conversation_id, hit.message_id, after=hit.role == "user")
     other = row[0] if row and row[1] != hit.role and row[0] not in excluded else None
-    return _items_of({other} if other else set())
-
-
-def _items_of(message_ids: set[int]) -> list[int]:
-    if not message_ids:
-        return []
-    ids = sorted(message_ids)
-    return [i for (i,) in db.connection().execute(
-        f"SELECT id FROM item WHERE message_id IN ({in_list(ids)}) ORDER BY id", ids)]
+    return items_of({other} if other else set())
 
 
 def _rows(item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
@@ -364,7 +349,7 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
     order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
     turns: list[tuple[str, str]] = []
     for c in order:
-        adjacent = _adjacent_pairs(str(db.database), tuple(sorted({r.message_id for r in groups[c]})))
+        adjacent = adjacent_pairs(tuple(sorted({r.message_id for r in groups[c]})))
         by_message: dict[int, list[Row]] = {}
         for r in groups[c]:
             by_message.setdefault(r.message_id, []).append(r)
@@ -393,20 +378,6 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
 
 RUN_GAP = 30 * 60  # turns further apart than this in time are labelled afresh
 SKIPPED = "[...]"  # the same sitting resumes after turns the frame leaves out
-
-
-@functools.lru_cache(maxsize=4096)
-def _adjacent_pairs(database: str, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
-    """Pairs of rendered messages (of one conversation, ids ascending) with nothing stored
-    between them. Ids only grow, so nothing can come between two later: the answer keeps
-    (a purge could only add pairs, and then a run is labelled once more than it needs)."""
-    if len(ids) < 2:
-        return frozenset()
-    stored = [i for (i,) in db.connection().execute(
-        "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
-        " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id", (ids[0], ids[0], ids[-1]))]
-    follows = dict(zip(stored, stored[1:], strict=False))
-    return frozenset((a, b) for a, b in zip(ids, ids[1:], strict=False) if follows.get(a) == b)
 
 
 def _same_run(previous: Row, row: Row, adjacent: frozenset[tuple[int, int]]) -> bool:

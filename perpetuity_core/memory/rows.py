@@ -1,16 +1,19 @@
 """Stored rows as the frame and the recall tools show them: what a model may be shown of memory
-(SHOWN_KINDS, not blank), each with its conversation's name.
+(SHOWN_KINDS, not blank), each with its conversation's name; and the frame's reads of a
+conversation's order (the messages around a hit, the other half of its exchange, which rendered
+messages are adjacent).
 """
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from perpetuity_core.memory.names import label
-from perpetuity_core.memory.store import in_chunks, in_list, snapshot
+from perpetuity_core.memory.store import db, in_chunks, in_list, snapshot
 from perpetuity_core.wire.conversation import Kind, without_scaffold
 
 # What a model may be shown of memory: what was said and done, not harness scaffolding or
@@ -78,3 +81,58 @@ _TOOL_CALL, _TOOL_RESULT = Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value  # hot: 
 def time_label(at: float) -> str:
     """When a row was said, as frames and answers label it (UTC, to the minute)."""
     return f"{datetime.fromtimestamp(at, UTC):%Y-%m-%d %H:%M} UTC"
+
+
+def around(conversation_id: int, message_id: int, n: int) -> list[tuple[int, int]]:
+    """(item_id, message_id) of the rows of the `n` messages before a message and the `n` after
+    it, in its conversation."""
+    out: list[tuple[int, int]] = []
+    for cmp, order in (("<", "DESC"), (">", "ASC")):
+        out += db.connection().execute(
+            f"SELECT i.id, m.id FROM item i JOIN message m ON m.id = i.message_id WHERE"
+            f" m.conversation_id = ? AND m.id {cmp} ? AND m.id IN (SELECT id FROM message"
+            f" WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order} LIMIT ?)",
+            (conversation_id, message_id, conversation_id, message_id, n),
+        ).fetchall()
+    return out
+
+
+def next_spoken(conversation_id: int, message_id: int, *, after: bool) -> tuple[int, str] | None:
+    """(id, role) of the nearest user or assistant message after (or before) a message in its
+    conversation. Harness text between them (Claude Code's mid-conversation system message) is
+    skipped."""
+    cmp, order = (">", "ASC") if after else ("<", "DESC")
+    row = db.connection().execute(
+        f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ?"
+        f" AND role IN ('user', 'assistant') ORDER BY id {order} LIMIT 1",
+        (conversation_id, message_id)).fetchone()
+    return (row[0], row[1]) if row else None
+
+
+def items_of(message_ids: set[int]) -> list[int]:
+    """The ids of these messages' rows, in store order."""
+    if not message_ids:
+        return []
+    ids = sorted(message_ids)
+    return [i for (i,) in db.connection().execute(
+        f"SELECT id FROM item WHERE message_id IN ({in_list(ids)}) ORDER BY id", ids)]
+
+
+def adjacent_pairs(ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
+    """Pairs of rendered messages (of one conversation, ids ascending) with nothing stored
+    between them."""
+    return _adjacent_pairs(str(db.database), ids)
+
+
+@functools.lru_cache(maxsize=4096)
+def _adjacent_pairs(database: str, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
+    """Cached per database file: ids only grow, so nothing can come between two later and the
+    answer keeps (a purge could only add pairs, and then a run is labelled once more than it
+    needs)."""
+    if len(ids) < 2:
+        return frozenset()
+    stored = [i for (i,) in db.connection().execute(
+        "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
+        " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id", (ids[0], ids[0], ids[-1]))]
+    follows = dict(zip(stored, stored[1:], strict=False))
+    return frozenset((a, b) for a, b in zip(ids, ids[1:], strict=False) if follows.get(a) == b)
