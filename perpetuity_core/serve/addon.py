@@ -9,7 +9,6 @@ mitmproxy catches hook exceptions and carries on with whatever state the flow wa
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import time
@@ -27,17 +26,17 @@ from perpetuity_core.memory.store import Store, default_db_path
 from perpetuity_core.notes.library import notes_root
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import inspection
+from perpetuity_core.serve.direct import Addressing
 from perpetuity_core.serve.exchange import Decision, HttpRequest, Job
 from perpetuity_core.serve.flowview import PerpetuityView, round_flows
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER, Relay, ReplyTee
 from perpetuity_core.wire.conversation import Provider, Reply
 from perpetuity_core.wire.protocols import responses
-from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, PROVIDER_HOSTS, parse_upstream
+from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, parse_upstream
 from perpetuity_core.wire.sse import Event
 
 log = logging.getLogger("perpetuity")
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # Not carried onto a retry: hop-by-hop, and encodings (httpx decodes what it reads).
 _NOT_RESENT = {"host", "content-length", "transfer-encoding", "connection", "keep-alive",
                "proxy-connection", "content-encoding"}
@@ -62,8 +61,7 @@ class Perpetuity:
         self.tools = ThreadPoolExecutor(max_workers=4, thread_name_prefix="perpetuity-tools")
         self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-notes")
         self.serving = False  # from the running hook on, the database is fixed
-        self.tunnels: set[str] = set()  # client connections that opened a CONNECT tunnel
-        self._resolved: dict[str, frozenset[IPAddress | None]] = {}
+        self.addressing = Addressing()  # did the client address us or a host through us?
 
     def load(self, loader: Any) -> None:
         contentviews.add(PerpetuityView)
@@ -184,7 +182,9 @@ class Perpetuity:
             path=flow.request.path,
             headers=tuple(flow.request.headers.items(multi=True)),
             body=flow.request.raw_content or b"",
-            direct=await self._is_direct(flow),
+            direct=await self.addressing.is_direct(
+                flow.client_conn.id, flow.client_conn.sockname, flow.request.host,
+                flow.request.pretty_host, flow.request.port),
         )
         loop = asyncio.get_running_loop()
         try:
@@ -228,32 +228,10 @@ class Perpetuity:
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         """Whatever comes through a tunnel was addressed to the tunnel's host, never to us."""
-        self.tunnels.add(flow.client_conn.id)
+        self.addressing.tunnels.add(flow.client_conn.id)
 
     def client_disconnected(self, client: Any) -> None:
-        self.tunnels.discard(client.id)
-
-    async def _is_direct(self, flow: http.HTTPFlow) -> bool:
-        """Did the client address us (a base URL) rather than a host through us? Only when the
-        request names one of our own listen addresses (the address it reached us on) and came
-        outside any CONNECT tunnel: comparing the port alone sent a token meant for another host
-        on the same port (`POST http://jenkins.internal:8080/...`) to a provider."""
-        req, sockname = flow.request, flow.client_conn.sockname
-        if (req.pretty_host in PROVIDER_HOSTS or flow.client_conn.id in self.tunnels
-                or not sockname or req.port != sockname[1]):
-            return False
-        ours = _address(sockname[0])
-        if (literal := _address(req.host)) is not None:
-            return literal == ours
-        if req.host not in self._resolved:  # a name: what it resolves to (once per name)
-            try:
-                infos = await asyncio.get_running_loop().getaddrinfo(req.host, req.port)
-            except OSError:
-                infos = []
-            if len(self._resolved) > 1024:
-                self._resolved.clear()
-            self._resolved[req.host] = frozenset(_address(str(i[4][0])) for i in infos)
-        return ours in self._resolved[req.host]
+        self.addressing.tunnels.discard(client.id)
 
     def _apply(self, flow: http.HTTPFlow, d: Decision) -> None:
         if d.answer is not None:
@@ -450,16 +428,6 @@ def _report_unstored(turn: Future) -> None:
     if not turn.cancelled() and (e := turn.exception()) is not None:
         log.error("perpetuity: a turn was not stored (%s); the conversation's next request"
                   " re-sends it and it is stored then", e)
-
-
-def _address(host: str) -> IPAddress | None:
-    """An IP literal as an address (IPv4-mapped IPv6 as IPv4), else None."""
-    try:
-        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
-    except ValueError:
-        return None
-    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-    return mapped or ip
 
 
 class Kept:
