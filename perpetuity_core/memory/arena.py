@@ -5,6 +5,24 @@ Segments hold at most SEGMENT_ROWS rows, so a row's index inside its segment fit
 Before every scan the arena catches up on the rows (and deletions) stored since its last
 catch-up, appending a new segment and merging only small tail segments, never rebuilding the
 whole. Segments are scored on worker threads into one vector, deterministically.
+
+One writer, many readers. A catch-up (one at a time) ends by publishing a `View`: the row
+count n, views of the first n rows of each per-row column, the tuple of segments, the
+document frequencies and the totals. Readers scan the view they picked up, without a lock,
+while the next catch-up appends; each ranking is the exact scan of the memory as committed
+when its view was published. A catch-up costs O(its new rows), whatever the arena's size:
+- per-row columns live in buffers that double when full; rows are written only past every
+  published view's end (in place, or in the new buffers a growth copies into, the old ones
+  staying alive as long as a view holds them);
+- the one write below an older view's end is a conversation's last row getting its next
+  link, a row past that view's end: `View.follow` reads any link at or past n as none (links
+  are versioned by the view's length rather than copied);
+- segments are never changed: a merge builds a new one, and the view holds the old tuple;
+- document frequencies are immutable: a shared base plus a small delta, copied per
+  catch-up, folded into a fresh base every Frequencies.FOLD_AT new terms (amortised);
+- deletions (a purge, a cascade) change existing rows (user -1, the neighbours' links), so
+  a catch-up that brings any first copies those three columns (12 bytes a row), the only
+  O(rows) step; appends never pay it.
 """
 
 from __future__ import annotations
@@ -27,42 +45,72 @@ ROWS = "rows"  # row-major layout (measured for comparison)
 
 
 class Frequencies:
-    """Document frequency per term id: a dense int32 array over the vocabulary's ids, a dict
-    over the hashed ids above it (a dense table of all 2**22 hash buckets would cost 16 MB
-    however small the memory; only the buckets in use cost here)."""
+    """Document frequency per term id, immutable: a view keeps the one it was published with.
 
-    def __init__(self, hash_base: int) -> None:
+    A base (a dense int32 array over the vocabulary's ids, a dict over the hashed ids above it:
+    a dense table of all 2**22 hash buckets would cost 16 MB however small the memory) plus a
+    small delta (distinct term ids ascending, their counts). `plus` returns new frequencies
+    sharing the base and copying only the delta, so a catch-up costs O(its own terms); the
+    delta is folded into a fresh base once it holds FOLD_AT terms (the base copy, O(vocabulary),
+    then comes once per FOLD_AT new terms, amortised)."""
+
+    FOLD_AT = 4096
+
+    def __init__(self, hash_base: int, dense: np.ndarray | None = None,
+                 hashed: dict[int, int] | None = None,
+                 delta: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.hash_base = hash_base
-        self.dense = np.zeros(hash_base, np.int32)
-        self.hashed: dict[int, int] = {}
+        self.dense = np.zeros(hash_base, np.int32) if dense is None else dense
+        self.hashed: dict[int, int] = {} if hashed is None else hashed
+        self.delta = delta or (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
-    def add(self, terms: np.ndarray, sign: int = 1) -> None:
-        """Count (sign 1) or uncount (sign -1) one row for each occurrence in `terms`."""
-        u, c = np.unique(terms, return_counts=True)
-        self.add_counts(u, sign * c)
+    def plus(self, terms: np.ndarray, counts: np.ndarray) -> Frequencies:
+        """These frequencies with `counts` rows added to each of `terms` (distinct)."""
+        t = np.concatenate((self.delta[0], terms.astype(np.int64)))
+        ids, at = np.unique(t, return_inverse=True)
+        c = np.bincount(at, np.concatenate((self.delta[1], counts)).astype(np.float64),
+                        ids.size).astype(np.int64)
+        if ids.size < self.FOLD_AT:
+            return Frequencies(self.hash_base, self.dense, self.hashed, (ids, c))
+        return self._fold(ids, c)
 
-    def add_counts(self, terms: np.ndarray, counts: np.ndarray) -> None:
-        """Add `counts` rows to the frequency of each of `terms` (distinct)."""
-        v = terms < self.hash_base
-        self.dense[terms[v]] += counts[v].astype(np.int32)
-        h = self.hashed
-        for t, n in zip(terms[~v].tolist(), counts[~v].tolist(), strict=True):
-            left = h.get(t, 0) + n
-            if left:
-                h[t] = left
+    def _fold(self, ids: np.ndarray, c: np.ndarray) -> Frequencies:
+        """New frequencies with no delta: a copy of the base plus `c` for each of `ids`."""
+        dense, hashed = self.dense.copy(), dict(self.hashed)
+        v = ids < self.hash_base
+        dense[ids[v]] += c[v].astype(np.int32)
+        for term, n in zip(ids[~v].tolist(), c[~v].tolist(), strict=True):
+            if left := hashed.get(term, 0) + n:
+                hashed[term] = left
             else:
-                h.pop(t, None)
+                hashed.pop(term, None)
+        return Frequencies(self.hash_base, dense, hashed)
+
+    def rows(self, terms: np.ndarray, sign: int = 1) -> Frequencies:
+        """These frequencies with one row counted (sign 1) or uncounted (-1) for each
+        occurrence in `terms`."""
+        u, c = np.unique(terms, return_counts=True)
+        return self.plus(u, sign * c)
 
     def get(self, terms: np.ndarray) -> np.ndarray:
         v = terms < self.hash_base
         out = np.zeros(terms.size, np.int64)
         out[v] = self.dense[terms[v]]
         out[~v] = [self.hashed.get(t, 0) for t in terms[~v].tolist()]
+        ids, c = self.delta
+        if ids.size:
+            i = np.minimum(np.searchsorted(ids, terms), ids.size - 1)
+            out += np.where(ids[i] == terms, c[i], 0)
         return out
+
+    def table(self) -> tuple[np.ndarray, dict[int, int]]:
+        """The frequencies folded: (dense, hashed without zeros)."""
+        f = self._fold(*self.delta)
+        return f.dense, f.hashed
 
     def nbytes(self) -> int:
         # A dict entry with its two small ints costs about 100 bytes in CPython.
-        return self.dense.nbytes + 100 * len(self.hashed)
+        return self.dense.nbytes + 100 * len(self.hashed) + 16 * self.delta[0].size
 
 
 @dataclass(slots=True)
@@ -202,12 +250,13 @@ _COLUMNS = {"seq": np.int64, "user": np.int32, "conv": np.int32, "at": np.int64,
 
 
 class Arena:
-    """The in-memory copy of every retrieval row of the store, for many users at once.
+    """The in-memory copy of every retrieval row of the store, for many users at once: written
+    by one catch-up at a time, read through the `View` each catch-up publishes.
 
     Per row: seq (int64), user and conversation (int32, user -1 once deleted), when it was said
     (int64 seconds), length and the previous and next row of its conversation (int32): 32 bytes.
     Per posting 3 bytes (term-major) or 5 bytes (row-major). Document frequencies in a
-    `Frequencies`.
+    `Frequencies`. The attributes seq ... next are the writer's: views of every row so far.
     """
 
     def __init__(self, layout: str = TERMS, threads: int | None = None) -> None:
@@ -220,11 +269,10 @@ class Arena:
         # views of their first rows: a catch-up appends its few rows in place instead of
         # copying every column (measured before: 13.5 ms a catch-up at 1M rows, 37.5 at 5M).
         self._buffers: dict[str, np.ndarray] = {
-            name: np.zeros(1, dtype) for name, dtype in _COLUMNS.items()}
+            name: np.zeros(0, dtype) for name, dtype in _COLUMNS.items()}
         self.seq = self.user = self.conv = self.at = self.length = np.zeros(0, np.int64)
         # The previous and next live row of the same conversation in store order (-1: none).
-        # One extra last entry, -1, makes "none" follow itself: links[-1] == -1.
-        self.prev = self.next = np.full(1, -1, np.int32)
+        self.prev = self.next = np.zeros(0, np.int32)
         self._grow(0)
         self._tail: dict[int, int] = {}  # conversation -> its last live row
         self.df: Frequencies | None = None
@@ -234,7 +282,9 @@ class Arena:
         self.gone_cursor = 0  # last retrieval_gone.seq read
         self.version: str | None = None  # the dictionary version and flip count of the rows
         self._flipped = False  # rows of two dictionary versions were read
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = (ThreadPoolExecutor(self.threads, thread_name_prefix="scan")
+                      if self.threads > 1 else None)
+        self.view = self.publish()
 
     def stale(self) -> bool:
         """Time to build a fresh arena: a flip re-derived the rows under another dictionary
@@ -243,10 +293,19 @@ class Arena:
         dead = self.seq.size - self.n_rows
         return self._flipped or dead > max(self.n_rows, 1024)
 
+    def publish(self) -> View:
+        """The arena as it is now, for readers, and kept as `view` (one attribute store: a
+        reader reads the old view or the new one, whole)."""
+        self.view = View(self.seq.size, self.seq, self.user, self.conv, self.at, self.length,
+                         self.prev, self.next, tuple(self.segments), self.df, self.n_rows,
+                         self.total_length, self.row_cursor, self.gone_cursor, self._pool)
+        return self.view
+
     # -- catch-up ------------------------------------------------------------------------
 
     def catch_up(self) -> int:
-        """Read what was stored or deleted since the last catch-up; returns rows read."""
+        """Read what was stored or deleted since the last catch-up and publish a new view;
+        returns rows read. One caller at a time (the scanner's lock); readers need none."""
         with snapshot("catch up on memory") as conn:  # one snapshot: rows and deletions agree
             # A flip (maintenance.flip) re-writes every row without logging their deletions,
             # and counts itself: a count read here that moved means rebuild.
@@ -269,23 +328,29 @@ class Arena:
             self._append(rows)
         if gone:
             self._forget(gone)
+        if new or gone:
+            self.publish()
         return sum(rows.seq.size for rows in new)
 
     def _grow(self, n: int) -> None:
         """Make the columns `n` rows long (capacity doubling: each row is copied O(1) times
-        on average), their new rows still to be written."""
-        cap = self._buffers["seq"].size - 1  # the links' extra "none" slot
+        on average), their new rows still to be written. A view keeps the buffers it was
+        published with: rows are written only past every view's end, in place or in the new
+        buffers."""
+        cap = self._buffers["seq"].size
         if n > cap:
             cap = max(n, 2 * cap, 1024)
             for name, old in self._buffers.items():
-                buf = np.empty(cap + 1, old.dtype)
+                buf = np.empty(cap, old.dtype)
                 buf[:old.size] = old
                 self._buffers[name] = buf
+        self._views(n)
+
+    def _views(self, n: int) -> None:
         b = self._buffers
         self.seq, self.user, self.conv = b["seq"][:n], b["user"][:n], b["conv"][:n]
         self.at, self.length = b["at"][:n], b["length"][:n]
-        self.prev, self.next = b["prev"][:n + 1], b["next"][:n + 1]
-        self.prev[n] = self.next[n] = -1
+        self.prev, self.next = b["prev"][:n], b["next"][:n]
 
     def put_rows(self, seq: np.ndarray, user: np.ndarray, conv: np.ndarray, at: np.ndarray,
                  length: np.ndarray) -> None:
@@ -306,13 +371,13 @@ class Arena:
         seg = build_segment(start, new.row_len, new.terms, new.tf, self.layout)
         assert self.df is not None  # catch_up made it
         if seg.terms is not None and seg.ptr is not None:  # its postings per term are the rows holding it: no count
-            self.df.add_counts(seg.terms, np.diff(seg.ptr))
+            self.df = self.df.plus(seg.terms, np.diff(seg.ptr))
         else:
-            self.df.add(new.terms)
+            self.df = self.df.rows(new.terms)
         # Then the two last segments merge while the older is at most twice the newer and both
         # fit in one. Sizes stay geometric, like the digits of a binary counter: a row is moved
         # O(log) times in all, a catch-up of a few rows moves a few rows, and at most ~16
-        # segments are not full.
+        # segments are not full. A merge makes a new segment: a view keeps the ones it had.
         segs = self.segments
         segs.append(seg)
         while (len(segs) >= 2 and segs[-2].n <= 2 * segs[-1].n
@@ -332,9 +397,15 @@ class Arena:
             return
         dead = [g for g, k in zip(gone, ok.tolist(), strict=True) if k]
         assert self.df is not None  # catch_up made it
-        self.df.add(np.frombuffer(b"".join(g[3] for g in dead), "<i4"), -1)
+        self.df = self.df.rows(np.frombuffer(b"".join(g[3] for g in dead), "<i4"), -1)
         self.n_rows -= len(dead)
         self.total_length -= sum(int(g[2]) for g in dead)
+        # Deleting changes rows that views read, so the three columns it changes are copied
+        # first (O(rows), 12 bytes a row: only a catch-up that brings deletions, i.e. after a
+        # purge or a cascade from an item deleted; appends never pay it).
+        for name in ("user", "prev", "next"):
+            self._buffers[name] = self._buffers[name].copy()
+        self._views(self.seq.size)
         # The postings stay; a dead row is invisible to every query (user -1) and leaves its
         # conversation's chain, so it is nobody's context either.
         for r in idx[ok].tolist():
@@ -349,7 +420,9 @@ class Arena:
         self.user[idx[ok]] = -1
 
     def _link(self, count: int) -> None:
-        """Chain the last `count` rows into their conversations, in store order."""
+        """Chain the last `count` rows into their conversations, in store order. The one
+        write below an older view's end: a conversation's last row gets its next, a row past
+        that view's end, which the view reads as none (View.follow)."""
         start = self.seq.size - count
         conv = self.conv[start:]
         order = np.argsort(conv, kind="stable")  # by conversation, store order inside
@@ -378,7 +451,41 @@ class Arena:
         return rows + sum(s.nbytes() for s in self.segments) + (
             self.df.nbytes() if self.df is not None else 0)
 
-    # -- scan ----------------------------------------------------------------------------
+    # -- scan (the latest view) ----------------------------------------------------------
+
+    def query(self, text: str, params: Params) -> Query:
+        return self.view.query(text, params)
+
+    def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
+        return self.view.top(q, k, visible)
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """The arena as one catch-up left it: its first `n` rows, their segments and counts.
+
+    Nothing a view reads changes after it is published: the columns are views of the first
+    `n` rows of buffers the writer only appends to (past `n`), except a conversation's last
+    row's next link, which `follow` reads as none when it points past `n`; deletions copy
+    the columns they change, segments are replaced, never changed, and frequencies are
+    immutable. So any number of readers scan a view without a lock while the writer appends.
+    """
+
+    n: int
+    seq: np.ndarray
+    user: np.ndarray
+    conv: np.ndarray
+    at: np.ndarray
+    length: np.ndarray
+    prev: np.ndarray
+    next: np.ndarray
+    segments: tuple[Segment, ...]
+    df: Frequencies | None
+    n_rows: int
+    total_length: int
+    row_cursor: int
+    gone_cursor: int
+    pool: ThreadPoolExecutor | None
 
     def query(self, text: str, params: Params) -> Query:
         df = self.df
@@ -390,16 +497,14 @@ class Arena:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
         if q.empty or k <= 0 or not self.segments:
             return []
-        # BM25 of every row; the extra last slot is the zero that "no neighbour" (-1) reads.
-        bm25 = np.zeros(self.seq.size + 1)
+        # BM25 of every row; the extra last slot (row n, "none") is a zero.
+        bm25 = np.zeros(self.n + 1)
 
         def fill(seg: Segment) -> None:
             bm25[seg.start:seg.start + seg.n] = self._scores(seg, q)
 
-        if self.threads > 1 and len(self.segments) > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="scan")
-            list(self._pool.map(fill, self.segments))
+        if self.pool is not None and len(self.segments) > 1:
+            list(self.pool.map(fill, self.segments))
         else:
             for seg in self.segments:
                 fill(seg)
@@ -417,12 +522,20 @@ class Arena:
                 parts.append((score[mask][best], self.seq[c][best], np.full(best.size, flag)))
         return merge(parts, k) if parts else []
 
+    def follow(self, links: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The rows `links` point to from rows `x`, n for none: for x none, a link of -1, or
+        a link past n (a row appended after this view, whose link the writer set since)."""
+        n = self.n
+        y = links[np.minimum(x, n - 1)]
+        y[(x >= n) | (y.view(np.uint32) >= n)] = n  # -1 reads as 2**32 - 1
+        return y
+
     def context(self, bm25: np.ndarray, q: Query,
                 visible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows with a positive score and their scores: BM25 plus the weighted BM25 of their
         neighbours (Params.before / after). Only rows holding a query term, and rows within
         reach of one, can score above zero, so only those are computed."""
-        n = bm25.size - 1
+        n = self.n
         hit = np.flatnonzero((bm25[:n] > 0) & visible)
         # Rows within reach: marked in a bitmap (an O(n) pass that beats a sort of the hits).
         reach = np.zeros(n + 1, bool)
@@ -430,7 +543,7 @@ class Arena:
         for links, weights in ((self.next, q.before), (self.prev, q.after)):
             x: np.ndarray = hit
             for _ in weights:  # a row d after a hit gets that hit as its d-th row before
-                x = links[x]
+                x = self.follow(links, x)
                 reach[x] = True
         reach[n] = False  # the "none" slot
         cand = np.flatnonzero(reach)
@@ -438,7 +551,7 @@ class Arena:
         for links, weights in ((self.prev, q.before), (self.next, q.after)):
             x = cand
             for w in weights:  # fixed order: before 1, 2, 3, then after 1, 2, 3
-                x = links[x]  # -1 reads bm25's last slot, a zero
+                x = self.follow(links, x)  # none reads bm25's last slot, a zero
                 score += w * bm25[x]
         keep = score > 0
         return cand[keep], score[keep]
