@@ -1,4 +1,4 @@
-"""The arena's views: readers scan without a lock while a catch-up appends (arena.View).
+"""The arena's views: readers scan without a lock while a catch-up appends (memory.view.View).
 
 Every ranking a reader gets from a view equals the reference scan (tests/test_retrieval.py) of
 the memory as it was committed when that view was published: the rows then stored, minus the
@@ -16,6 +16,7 @@ import pytest
 from perpetuity_core.memory import arena, bm25, index, scan
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store, db
+from perpetuity_core.memory.view import Frequencies, View, Visibility
 from tests.test_retrieval import WORDS, add, fill, random_text, reference
 
 QUERIES = ["support group guitar", "guitar", "painting sunrise camping", "dog the cat kids"]
@@ -31,7 +32,7 @@ def store(tmp_path: Path):
 def test_readers_scan_views_while_the_writer_appends_and_purges(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arena, "SEGMENT_ROWS", 29)  # catch-ups append, merge and regrow
-    monkeypatch.setattr(arena.Frequencies, "FOLD_AT", 7)  # frequencies fold often
+    monkeypatch.setattr(Frequencies, "FOLD_AT", 7)  # frequencies fold often
     rng = random.Random(23)
     fill(store, rng, 60)
     sc = scan.Scanner(store, store_rows=0, threads=2)
@@ -40,10 +41,10 @@ def test_readers_scan_views_while_the_writer_appends_and_purges(
     asks = [(q, u) for q in QUERIES for u in [*users, None]]
     # Per published view (kept alive, so ids stay unique): what the reference says of it.
     want: dict[int, dict[tuple[str, int | None], list[tuple[int, float]]]] = {}
-    views: list[arena.View] = []
+    views: list[View] = []
     item_of: dict[int, int] = {}  # seq -> item id (seqs are never reused)
     # The views themselves are kept too, so that no id is reused.
-    got: list[tuple[arena.View, str, int | None, list[tuple[float, int, bool]]]] = []
+    got: list[tuple[View, str, int | None, list[tuple[float, int, bool]]]] = []
     errors: list[BaseException] = []
     done = threading.Event()
 
@@ -60,7 +61,7 @@ def test_readers_scan_views_while_the_writer_appends_and_purges(
                 view = sc.arena.view
                 q, u = r.choice(asks)
                 got.append((view, q, u,
-                            view.top(view.query(q, bm25.Params()), 10, arena.Visibility(u))))
+                            view.top(view.query(q, bm25.Params()), 10, Visibility(u))))
                 sc.search(r.choice(WORDS), u, 5)  # a search's own catch-up races the writer's
         except BaseException as e:  # noqa: BLE001 - the test reports every failure
             errors.append(e)

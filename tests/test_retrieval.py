@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perpetuity_core.memory import arena, bm25, dictionary, index, maintenance, scan
+from perpetuity_core.memory import arena, bm25, dictionary, index, maintenance, scan, view
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store, db
 from perpetuity_core.wire.conversation import Kind, Message, Part
@@ -435,7 +435,7 @@ def same_arena(a: arena.Arena, b: arena.Arena) -> None:
 def test_catch_up_after_many_inserts_and_purges_equals_a_fresh_arena(
         store: Store, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arena, "SEGMENT_ROWS", 23)  # every catch-up appends, most merge
-    monkeypatch.setattr(arena.Frequencies, "FOLD_AT", 9)  # and frequencies fold
+    monkeypatch.setattr(view.Frequencies, "FOLD_AT", 9)  # and frequencies fold
     rng = random.Random(17)
     sc = scan.Scanner(store, store_rows=0, layout=layout, threads=2)
     users = [store.user_id(f"u{i}") for i in range(3)]

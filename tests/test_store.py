@@ -169,8 +169,19 @@ def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
         dictionary.shipped().version}
     assert set(new) <= {i for i, _ in ranked(scanner.search(q, uid, 10))}
     assert served  # (answered before the upload)
+    # Purged after their rows were staged: the flip takes them out of the staged counts.
+    staged = [i for (i,) in db.connection().execute("SELECT item_id FROM retrieval_next"
+                                                    " ORDER BY item_id LIMIT 7")]
+    index.purge(store, staged)
     heat_before = db.connection().execute("SELECT * FROM activation ORDER BY item_id").fetchall()
+    (old_seq,) = db.connection().execute("SELECT max(seq) FROM retrieval").fetchone()
     rows = maintenance.flip(store, version)
+    # The flip swapped the staged structures in: new seqs (none handed out twice), and
+    # nothing of the old version or of the staging is left behind.
+    assert db.connection().execute("SELECT min(seq) FROM retrieval").fetchone()[0] > old_seq
+    assert not db.connection().execute(
+        "SELECT name FROM sqlite_master WHERE name LIKE '%\\_old' ESCAPE '\\'"
+        " OR name LIKE '%staged%'").fetchall()
     assert rows == db.connection().execute("SELECT count(*) FROM item WHERE kind != 'context'"
                                            ).fetchone()[0]
     assert dictionary.load().version == version

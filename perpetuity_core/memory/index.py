@@ -78,16 +78,16 @@ def derive_retrieval(items: list[StoredItem]) -> None:
         fold(conn)
 
 
-_UPSERT_DF = ("INSERT INTO retrieval_term (term, df) VALUES (?, ?)"
-              " ON CONFLICT(term) DO UPDATE SET df = df + excluded.df")
-
-
-def _count(conn, terms: np.ndarray, sign: int) -> None:  # noqa: ANN001 - a sqlite3 connection
-    """Add (or take back) one to the document frequency of each occurrence in `terms`."""
+def count_terms(conn, terms: np.ndarray, sign: int,  # noqa: ANN001 - a sqlite3 connection
+                table: str = "retrieval_term") -> None:
+    """Add (or take back) one to the document frequency of each occurrence in `terms` (in
+    `table`: the live counts, or the staged ones a re-derivation fills, maintenance.py)."""
     if terms.size == 0:
         return
     t, n = np.unique(terms, return_counts=True)
-    conn.executemany(_UPSERT_DF, zip(t.tolist(), (n * sign).tolist(), strict=True))
+    conn.executemany(f"INSERT INTO {table} (term, df) VALUES (?, ?)"
+                     " ON CONFLICT(term) DO UPDATE SET df = df + excluded.df",
+                     zip(t.tolist(), (n * sign).tolist(), strict=True))
 
 
 def fold(conn) -> None:  # noqa: ANN001 - a sqlite3 connection, inside a transaction
@@ -100,7 +100,7 @@ def fold(conn) -> None:  # noqa: ANN001 - a sqlite3 connection, inside a transac
                         " ORDER BY seq", (folded,)).fetchall()
     if not rows:
         return
-    _count(conn, np.frombuffer(b"".join(r[3] for r in rows), "<i4"), +1)
+    count_terms(conn, np.frombuffer(b"".join(r[3] for r in rows), "<i4"), +1)
     conn.execute("UPDATE retrieval_total SET rows = rows + ?, length = length + ?,"
                  " tokens = tokens + ?, folded_seq = ? WHERE id = 1",
                  (len(rows), sum(r[1] for r in rows), sum(r[2] for r in rows), rows[-1][0]))
@@ -160,7 +160,7 @@ def settle_in(conn) -> int:  # noqa: ANN001 - a sqlite3 connection, inside a tra
     counted = [g for g in gone if g[4] <= folded]
     if counted:
         terms = np.frombuffer(b"".join(g[3] for g in counted), "<i4")
-        _count(conn, terms, -1)
+        count_terms(conn, terms, -1)
         conn.executemany("DELETE FROM retrieval_term WHERE term = ? AND df <= 0",
                          [(t,) for t in np.unique(terms).tolist()])
         conn.execute("UPDATE retrieval_total SET rows = rows - ?, length = length - ?,"

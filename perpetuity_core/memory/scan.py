@@ -58,11 +58,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, Visibility, build_segment
+from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, build_segment
 from perpetuity_core.memory.bm25 import Params, make_query
 from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.index import item_text, totals, unfolded_df
 from perpetuity_core.memory.store import Store, db, failing_as, in_list, snapshot
+from perpetuity_core.memory.view import Visibility
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,7 @@ class Scanner:
         self._use_arena = store_rows <= 0
         # The frame's searches and the recall tools' run on different threads. One catch-up
         # at a time (each holds this a few milliseconds); the scans read the view the last
-        # catch-up published, without it (arena.View).
+        # catch-up published, without it (memory.view.View).
         self._lock = threading.Lock()
 
     def catch_up(self) -> int:
