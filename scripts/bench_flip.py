@@ -30,15 +30,8 @@ sys.path.insert(0, str(ROOT))
 from perpetuity_core.memory import capture, dictionary, importers, index, maintenance  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
 from perpetuity_core.memory.store import db  # noqa: E402
-from scripts.bench_retrieval import (  # noqa: E402
-    UNIT_USERS,
-    ingest,
-    parse_size,
-    pct,
-    replicate,
-    tokens_of,
-    unit_threads,
-)
+from scripts.bench_retrieval import parse_size, pct  # noqa: E402
+from scripts.bench_steady import build  # noqa: E402
 
 
 class Writer(threading.Thread):
@@ -84,14 +77,7 @@ def main() -> int:
     size = parse_size(args.size)
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         store = open_memory(Path(tmp) / "flip.db")
-        users = unit_threads(data)
-        unit_tokens = sum(tokens_of(t) for u in users for t in u)
-        copies = max(0, round(size / unit_tokens) - 1)
-        if size >= 80e6:
-            copies = max(copies, -(-500 // UNIT_USERS) - 1)
-        ingest(store, users, size if copies == 0 else 10**12).pop("_texts")
-        if copies:
-            replicate(copies)
+        build(store, data, size)
         n_rows, _, n_tokens = index.totals(db.connection())
         turns = [m for t in importers.locomo(data / "locomo" / "locomo10.json")
                  for m in t.messages]

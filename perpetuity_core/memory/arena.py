@@ -35,9 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.bm25 import Params, Query
 from perpetuity_core.memory.store import snapshot
-from perpetuity_core.memory.view import Frequencies, Segment, View, Visibility
+from perpetuity_core.memory.view import Frequencies, Segment, View
 
 SEGMENT_ROWS = 1 << 16  # local row ids are uint16
 TERMS = "terms"  # term-major layout (shipped)
@@ -361,11 +360,3 @@ class Arena:
                 + self.length.nbytes + self.prev.nbytes + self.next.nbytes)
         return rows + sum(s.nbytes() for s in self.segments) + (
             self.df.nbytes() if self.df is not None else 0)
-
-    # -- scan (the latest view) ----------------------------------------------------------
-
-    def query(self, text: str, params: Params) -> Query:
-        return self.view.query(text, params)
-
-    def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
-        return self.view.top(q, k, visible)

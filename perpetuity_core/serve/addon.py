@@ -58,7 +58,8 @@ class Perpetuity:
         # Requests are parsed on their own thread, so a request never queues behind a write.
         self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-parse")
         # The recall tools run on their own threads: a slow tool (a long scan, a cold catch-up)
-        # never queues another client's request behind it (the scanner guards its arena).
+        # never queues another client's request behind it (the scanner's catch-ups take turns;
+        # its scans read the arena's published view without a lock).
         self.tools = ThreadPoolExecutor(max_workers=4, thread_name_prefix="perpetuity-tools")
         self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-notes")
         self.serving = False  # from the running hook on, the database is fixed
