@@ -148,7 +148,9 @@ def small_dictionary(path: Path) -> str:
 
 
 def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
-        store: Store, tmp_path: Path) -> None:
+        store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(maintenance, "DROP_BATCH", 40)  # the old tables go in several batches
+    monkeypatch.setattr(maintenance, "REDERIVE_PAUSE", 0)
     rng = random.Random(5)
     fill(store, rng, 150)
     uid = store.user_id("u1")

@@ -15,8 +15,9 @@ when its view was published. A catch-up costs O(its new rows), whatever the aren
   published view's end (in place, or in the new buffers a growth copies into, the old ones
   staying alive as long as a view holds them);
 - the one write below an older view's end is a conversation's last row getting its next
-  link, a row past that view's end: `View.follow` reads any link at or past n as none (links
-  are versioned by the view's length rather than copied);
+  link, a row past that view's end: `View.step` reads any next link at or past n as none
+  (links are versioned by the view's length rather than copied; a previous link always
+  points below its row);
 - segments are never changed: a merge builds a new one, and the view holds the old tuple;
 - document frequencies are immutable: a shared base plus a small delta, copied per
   catch-up, folded into a fresh base every Frequencies.FOLD_AT new terms (amortised);
@@ -179,7 +180,7 @@ class Arena:
         # views of their first rows: a catch-up appends its few rows in place instead of
         # copying every column (measured before: 13.5 ms a catch-up at 1M rows, 37.5 at 5M).
         self._buffers: dict[str, np.ndarray] = {
-            name: np.zeros(0, dtype) for name, dtype in _COLUMNS.items()}
+            name: np.full(1, -1, dtype) for name, dtype in _COLUMNS.items()}
         self.seq = self.user = self.conv = self.at = self.length = np.zeros(0, np.int64)
         # The previous and next live row of the same conversation in store order (-1: none).
         self.prev = self.next = np.zeros(0, np.int32)
@@ -207,7 +208,8 @@ class Arena:
         """The arena as it is now, for readers, and kept as `view` (one attribute store: a
         reader reads the old view or the new one, whole)."""
         self.view = View(self.seq.size, self.seq, self.user, self.conv, self.at, self.length,
-                         self.prev, self.next, tuple(self.segments), self.df, self.n_rows,
+                         self._buffers["prev"], self._buffers["next"], tuple(self.segments),
+                         self.df, self.n_rows,
                          self.total_length, self.row_cursor, self.gone_cursor, self._pool)
         return self.view
 
@@ -247,12 +249,13 @@ class Arena:
         on average), their new rows still to be written. A view keeps the buffers it was
         published with: rows are written only past every view's end, in place or in the new
         buffers."""
-        cap = self._buffers["seq"].size
+        cap = self._buffers["seq"].size - 1  # the last slot is never a row's
         if n > cap:
             cap = max(n, 2 * cap, 1024)
             for name, old in self._buffers.items():
-                buf = np.empty(cap, old.dtype)
-                buf[:old.size] = old
+                buf = np.empty(cap + 1, old.dtype)
+                buf[:old.size - 1] = old[:-1]
+                buf[cap] = -1  # a link of -1 (none) reads this: none follows itself
                 self._buffers[name] = buf
         self._views(n)
 
@@ -332,7 +335,7 @@ class Arena:
     def _link(self, count: int) -> None:
         """Chain the last `count` rows into their conversations, in store order. The one
         write below an older view's end: a conversation's last row gets its next, a row past
-        that view's end, which the view reads as none (View.follow)."""
+        that view's end, which the view reads as none (View.step)."""
         start = self.seq.size - count
         conv = self.conv[start:]
         order = np.argsort(conv, kind="stable")  # by conversation, store order inside

@@ -17,11 +17,14 @@ chains: a stem's rank picks a row's subjects). Items purged meanwhile leave the 
 by cascade, logged by a trigger. `flip` is then one short transaction: it re-derives the
 items stored since, takes the logged deletions out of the staged counts, and renames each
 swapped table with its twin (a rename touches the schema only); the old version's tables are
-dropped after it, a table per transaction. Measured by scripts/bench_flip.py at 10M tokens
-(52k rows): the flip that rebuilt every structure inside its transaction held the write lock
-2.9 s; the staged flip 0.11 s, and dropping the old tables after it 0.32 s in five
-transactions (a turn stored meanwhile waited at most 0.2 s; none failed). Heat (activations,
-clocks) and the binding log are keyed by item and are not touched.
+emptied after it, DROP_BATCH rows per transaction, and dropped. Measured by
+scripts/bench_flip.py, a turn stored every 20 ms meanwhile: at 10M tokens (52k rows) the flip
+that rebuilt every structure inside its transaction held the write lock 2.9 s (and a turn
+failed during the re-derivation, see REDERIVE_PAUSE); the staged flip 0.07 s, the turns
+stored during it and the drops after it waited 90 ms at most, none failed. At 82M (437k rows;
+the old flip was seen holding the lock 26 s) the staged flip took 0.48 s, and with the old
+tables then dropped whole a turn waited 1.3 s behind a drop, hence the batches. Heat
+(activations, clocks) and the binding log are keyed by item and are not touched.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ REDERIVE_BATCH = 500
 # back starved it (scripts/bench_flip.py at 10M: turns stored during a re-derivation waited
 # 3.2 s at the median, and one failed past the 5 s busy timeout).
 REDERIVE_PAUSE = 0.1
+# Rows of the previous version's tables deleted per transaction after a flip (_drop_old).
+DROP_BATCH = 20000
 
 
 # --------------------------------------------------------------------------- purge
@@ -276,11 +281,31 @@ def _settle_staged(conn: sqlite3.Connection) -> None:
 
 
 def _drop_old() -> None:
-    """Drop what the last flip swapped out, a table per transaction (after the flip, so
-    that it does not hold the write lock; resumed by the next rederive or flip)."""
+    """Drop what the last flip swapped out, after it (resumed by the next rederive or flip):
+    DROP_BATCH rows per transaction, pausing between, then the empty table (dropped whole,
+    one made a turn wait 1.3 s at 82M tokens, scripts/bench_flip.py)."""
     for table in (*(f"{t}_old" for t in _SWAPPED), "retrieval_next_old"):
-        with writing("drop the previous dictionary's rows") as conn:
-            conn.execute(f"DROP TABLE IF EXISTS {table}")
+        while True:
+            with writing("drop the previous dictionary's rows") as conn:
+                if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'"
+                                    " AND name = ?", (table,)).fetchone():
+                    break
+                key = _row_key(conn, table)
+                gone = conn.execute(f"DELETE FROM {table} WHERE ({key}) IN (SELECT {key}"
+                                    f" FROM {table} LIMIT ?)", (DROP_BATCH,)).rowcount
+                if gone < DROP_BATCH:
+                    conn.execute(f"DROP TABLE {table}")
+                    break
+            time.sleep(REDERIVE_PAUSE)
+
+
+def _row_key(conn: sqlite3.Connection, table: str) -> str:
+    """What names a row of `table`: rowid, or a WITHOUT ROWID table's primary key (chain)."""
+    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (table,)).fetchone()
+    if not sql.rstrip().upper().endswith("WITHOUT ROWID"):
+        return "rowid"
+    return ", ".join(name for _, name in sorted(
+        (r[5], r[1]) for r in conn.execute(f"PRAGMA table_info({table})") if r[5]))
 
 
 def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = None) -> int:

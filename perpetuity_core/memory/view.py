@@ -107,9 +107,9 @@ class Segment:
 class View:
     """The arena as one catch-up left it: its first `n` rows, their segments and counts.
 
-    Nothing a view reads changes after it is published: the columns are views of the first
-    `n` rows of buffers the writer only appends to (past `n`), except a conversation's last
-    row's next link, which `follow` reads as none when it points past `n`; deletions copy
+    Nothing a view reads changes after it is published: the columns are (views of the first
+    `n` rows of) buffers the writer only appends to (past `n`), except a conversation's last
+    row's next link, which `step` reads as none when it points past `n`; deletions copy
     the columns they change, segments are replaced, never changed, and frequencies are
     immutable. So any number of readers scan a view without a lock while the writer appends.
     """
@@ -120,7 +120,7 @@ class View:
     conv: np.ndarray
     at: np.ndarray
     length: np.ndarray
-    prev: np.ndarray
+    prev: np.ndarray  # the links' whole buffers (see step): rows past n are not this view's
     next: np.ndarray
     segments: tuple[Segment, ...]
     df: Frequencies | None
@@ -140,7 +140,7 @@ class View:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
         if q.empty or k <= 0 or not self.segments:
             return []
-        # BM25 of every row; the extra last slot (row n, "none") is a zero.
+        # BM25 of every row; the extra last slot, which none (-1) reads, is a zero.
         bm25 = np.zeros(self.n + 1)
 
         def fill(seg: Segment) -> None:
@@ -165,12 +165,13 @@ class View:
                 parts.append((score[mask][best], self.seq[c][best], np.full(best.size, flag)))
         return merge(parts, k) if parts else []
 
-    def follow(self, links: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """The rows `links` point to from rows `x`, n for none: for x none, a link of -1, or
-        a link past n (a row appended after this view, whose link the writer set since)."""
-        n = self.n
-        y = links[np.minimum(x, n - 1)]
-        y[(x >= n) | (y.view(np.uint32) >= n)] = n  # -1 reads as 2**32 - 1
+    def step(self, links: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The rows `links` (prev or next) point to from rows `x`, -1 for none. The links are
+        whole buffers whose last slot is -1, so none steps to none; a next link past n (a row
+        appended after this view, linked since) reads as none too."""
+        y = links[x]
+        if links is self.next:
+            y[y >= self.n] = -1
         return y
 
     def context(self, bm25: np.ndarray, q: Query,
@@ -186,7 +187,7 @@ class View:
         for links, weights in ((self.next, q.before), (self.prev, q.after)):
             x: np.ndarray = hit
             for _ in weights:  # a row d after a hit gets that hit as its d-th row before
-                x = self.follow(links, x)
+                x = self.step(links, x)
                 reach[x] = True
         reach[n] = False  # the "none" slot
         cand = np.flatnonzero(reach)
@@ -194,7 +195,7 @@ class View:
         for links, weights in ((self.prev, q.before), (self.next, q.after)):
             x = cand
             for w in weights:  # fixed order: before 1, 2, 3, then after 1, 2, 3
-                x = self.follow(links, x)  # none reads bm25's last slot, a zero
+                x = self.step(links, x)  # none (-1) reads bm25's last slot, a zero
                 score += w * bm25[x]
         keep = score > 0
         return cand[keep], score[keep]
