@@ -51,7 +51,7 @@ def _open(db: str | None):  # noqa: ANN202 - a Store
     from perpetuity_core.memory.schema import open_memory
     from perpetuity_core.memory.store import default_db_path
 
-    return open_memory(Path(db) if db else default_db_path())
+    return open_memory(db or default_db_path())
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from typing import TypeVar
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
+from perpetuity_core.memory.location import sqlite_path
 from perpetuity_core.memory.secrets import secret_kind
 from perpetuity_core.wire.conversation import Message, Usage
 
@@ -278,10 +279,10 @@ class Written:
     item_ids: tuple[int, ...]
 
 
-def default_db_path() -> Path:
-    """Where memory lives: $PERPETUITY_DB, else ~/.perpetuity/memory.db."""
-    env = os.environ.get("PERPETUITY_DB")
-    return Path(env).expanduser() if env else Path.home() / ".perpetuity" / "memory.db"
+def default_db_path() -> str | Path:
+    """Where memory lives: $PERPETUITY_DB (a path or URL, see location.py), else
+    ~/.perpetuity/memory.db."""
+    return os.environ.get("PERPETUITY_DB") or Path.home() / ".perpetuity" / "memory.db"
 
 
 class Store:
@@ -291,7 +292,7 @@ class Store:
                  derivers: Iterable[Deriver], batched: Mapping[str, BatchDeriver],
                  settle: Settle) -> None:
         """Open through memory.schema.open_memory, which wires the derivers."""
-        self.path = Path(path).expanduser()
+        self.path = sqlite_path(path)
         self._users: dict[str, int] = {}
         self._conversations: dict[tuple[int, str], int] = {}
         self._named: set[tuple[int, str]] = set()  # (conversation, name part) already stored
