@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import postgres
 from tests.fake_provider import FakeProvider
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +125,23 @@ def proxy(fake: FakeProvider, tmp_path_factory: pytest.TempPathFactory) -> Itera
     stop_proxy(p)
     # mitmproxy may log its own cancelled connections at shutdown; ours must never fail.
     assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """One real PostgreSQL server for the whole run (tests/postgres.py); skips with the reason
+    where none can be started. fsync off: a test never survives a power cut anyway."""
+    if why := postgres.unavailable():
+        pytest.skip(why)
+    with postgres.server("fsync=off", "max_connections=200") as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str, request: pytest.FixtureRequest) -> str:
+    """A new empty database on the run's server, named after the test."""
+    name = "t_" + "".join(c if c.isalnum() else "_" for c in request.node.name)[:50].lower()
+    return postgres.fresh_database(postgres_server, name)
 
 
 @pytest.fixture(autouse=True)
