@@ -144,6 +144,15 @@ def postgres_url(postgres_server: str, request: pytest.FixtureRequest) -> str:
     return postgres.fresh_database(postgres_server, name)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def memory_at(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """Where a test's memory lives: a SQLite file, then a PostgreSQL database (skipped with
+    the reason where no server can start). One suite runs against both."""
+    if request.param == "sqlite":
+        return tmp_path / "memory.db"
+    return request.getfixturevalue("postgres_url")
+
+
 @pytest.fixture(autouse=True)
 def _clean_fake(request: pytest.FixtureRequest) -> None:
     if "fake" in request.fixturenames:

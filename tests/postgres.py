@@ -98,3 +98,42 @@ def fresh_database(url: str, name: str) -> str:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
         conn.execute(f'CREATE DATABASE "{name}"')
     return url.rsplit("/", 1)[0] + f"/{name}"
+
+
+class _Other:
+    """A second connection to a memory, autocommitting, beside the store's own: what another
+    process (or a person at a SQL prompt) does behind the store's back."""
+
+    def __init__(self, location: object) -> None:
+        import sqlite3
+
+        from perpetuity_core.memory.dialect import PgConnection
+
+        if isinstance(location, str):
+            import psycopg
+
+            self.raw = psycopg.connect(location, autocommit=True)
+            self.conn: object = PgConnection(self.raw)
+        else:
+            self.raw = sqlite3.connect(location, isolation_level=None)
+            self.raw.execute("PRAGMA foreign_keys = ON")
+            self.conn = self.raw
+
+    def execute(self, sql: str, parameters: object = ()) -> object:
+        return self.conn.execute(sql, parameters)  # type: ignore[attr-defined]
+
+    def commit(self) -> None:
+        """Autocommitting: nothing to do (kept so SQLite-era tests read the same)."""
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def __enter__(self) -> _Other:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def other_connection(location: object) -> _Other:
+    return _Other(location)

@@ -17,7 +17,8 @@ from perpetuity_core.memory.schema import open_memory
 from tests.conftest import MITMDUMP, ROOT, free_port
 
 PERPETUITY = Path(sys.executable).with_name("perpetuity")
-URL = "postgresql://postgres:hunter2@127.0.0.1:5432/perpetuity"
+# Nothing listens on a port just freed: a PostgreSQL URL the store cannot reach.
+URL = f"postgresql://postgres:hunter2@127.0.0.1:{free_port()}/perpetuity"
 
 
 def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -42,7 +43,7 @@ def test_paths_and_sqlite_urls_name_a_file(tmp_path: Path) -> None:
     assert sqlite_path(tmp_path / "a:b.db") == tmp_path / "a:b.db"
 
 
-@pytest.mark.parametrize("url", [URL, "mysql://h/db", "sqlite://host/m.db", "sqlite:///"])
+@pytest.mark.parametrize("url", ["mysql://h/db", "sqlite://host/m.db", "sqlite:///"])
 def test_other_urls_are_refused(url: str) -> None:
     with pytest.raises(ConfigError, match="cannot open the memory database"):
         sqlite_path(url)
@@ -61,12 +62,17 @@ def test_a_sqlite_url_opens_the_file_it_names(tmp_path: Path) -> None:
                                   ["memory", "dictionary", "list"], ["replay", "chat", "locomo", "x"]])
 def test_the_cli_refuses_a_url_it_cannot_open(tmp_path: Path, verb: list[str]) -> None:
     line = refused_in_one_line(run([str(PERPETUITY), *verb, "--db", URL], tmp_path), tmp_path)
-    assert line.startswith("perpetuity: cannot open the memory database postgresql://postgres:***@")
+    # replay fills a new file, so a PostgreSQL URL is not one it takes
+    assert line.startswith(("perpetuity: could not open the memory database postgresql://postgres:***@",
+                            "perpetuity: cannot open the memory database postgresql://postgres:***@"))
+    other = run([str(PERPETUITY), *verb, "--db", "mysql://u:hunter2@h/db"], tmp_path)
+    assert "mysql:// is not a store" in refused_in_one_line(other, tmp_path)
 
 
 def test_perpetuity_proxy_refuses_it_before_starting(tmp_path: Path) -> None:
-    done = run([str(PERPETUITY), "proxy", "--port", str(free_port()), "--db", URL], tmp_path)
-    assert "postgresql:// is not a store" in refused_in_one_line(done, tmp_path)
+    done = run([str(PERPETUITY), "proxy", "--port", str(free_port()), "--db",
+                "mysql://u:hunter2@h/db"], tmp_path)
+    assert "mysql:// is not a store" in refused_in_one_line(done, tmp_path)
 
 
 def test_mitmdump_refuses_it_as_perpetuity_db(tmp_path: Path) -> None:
@@ -75,4 +81,5 @@ def test_mitmdump_refuses_it_as_perpetuity_db(tmp_path: Path) -> None:
                 "--listen-host", "127.0.0.1", "--listen-port", str(free_port()),
                 "--set", f"confdir={tmp_path / 'mitm'}", "--set", f"perpetuity_db={URL}"],
                tmp_path / "run")
-    assert "postgresql:// is not a store" in refused_in_one_line(done, tmp_path / "run")
+    line = refused_in_one_line(done, tmp_path / "run")
+    assert "could not open the memory database postgresql://postgres:***@" in line

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -20,16 +19,17 @@ from perpetuity_core.errors import StoreError
 from perpetuity_core.memory import capture, dictionary, heat, index, maintenance, scan
 from perpetuity_core.memory.integrity import check
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, db
+from perpetuity_core.memory.store import Store, connection, db
 from perpetuity_core.wire.conversation import Kind, Message, Part
+from tests.postgres import other_connection
 from tests.test_retrieval import WORDS, add, fill, ranked, reference, same
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    s = open_memory(tmp_path / "memory.db")
+def store(memory_at: Path | str):
+    s = open_memory(memory_at)
     yield s
     s.close()
 
@@ -78,24 +78,24 @@ def test_searches_never_fail_while_the_writer_stores_and_purges(store: Store) ->
 
 def test_ids_are_never_reused(store: Store) -> None:
     items = add(store, "u", "c", ["first", "second | part"])
-    newest_message = db.connection().execute("SELECT max(id) FROM message").fetchone()[0]
-    with sqlite3.connect(store.path) as other:  # deleted behind the store's back, newest first
-        other.execute("PRAGMA foreign_keys = ON")
+    newest_message = connection().execute("SELECT max(id) FROM message").fetchone()[0]
+    with other_connection(store.path) as other:  # deleted behind the store's back, newest first
         other.execute("DELETE FROM activation WHERE item_id IN (SELECT id FROM item"
                       " WHERE message_id = ?)", (newest_message,))
         other.execute("DELETE FROM item WHERE message_id = ?", (newest_message,))
         other.execute("DELETE FROM message WHERE id = ?", (newest_message,))
     again = add(store, "u", "c", ["third"])
     assert again[0] > max(items)
-    assert db.connection().execute("SELECT max(id) FROM message").fetchone()[0] > newest_message
+    assert connection().execute("SELECT max(id) FROM message").fetchone()[0] > newest_message
     store.flush()  # the writer settles what was deleted behind its back
     assert check(store) == []
 
 
 def test_sqlite_errors_become_store_errors_and_the_turn_is_stored_once_space_returns(
-        store: Store) -> None:
+        tmp_path: Path) -> None:
     """Disk full, by SQLite's own page limit: the write fails as StoreError (what the proxy
     logs and fails open on); the harness re-sends the history, which is stored exactly once."""
+    store = open_memory(tmp_path / "memory.db")
     history = [Message("user", (Part(Kind.TEXT, f"message {i} " + " ".join(WORDS)),))
                if i % 2 == 0 else Message("assistant", (Part(Kind.TEXT, f"reply {i}"),))
                for i in range(40)]
@@ -105,7 +105,7 @@ def test_sqlite_errors_become_store_errors_and_the_turn_is_stored_once_space_ret
                        model="m", messages=history[:n], times=[0.0] * n, source="request")
 
     record(10)
-    conn = db.connection()
+    conn = connection()
     (pages,) = conn.execute("PRAGMA page_count").fetchone()
     conn.execute(f"PRAGMA max_page_count = {pages}")
     with pytest.raises(StoreError, match="database or disk is full"):
@@ -115,6 +115,7 @@ def test_sqlite_errors_become_store_errors_and_the_turn_is_stored_once_space_ret
     texts = [t for (t,) in conn.execute("SELECT text FROM item ORDER BY id")]
     assert texts == [m.parts[0].text for m in history]
     assert check(store) == []
+    store.close()
 
 
 def test_purge_removes_a_user_as_a_unit(store: Store) -> None:
@@ -131,7 +132,7 @@ def test_purge_removes_a_user_as_a_unit(store: Store) -> None:
     assert {i for i, _ in got} == set(bob)  # the arena caught up on the deletions
     same(got, reference(store, "garden violin", None, 10))
     same(ranked(scanner.search("violin", bob_id, 10)), reference(store, "violin", bob_id, 10))
-    conn = db.connection()
+    conn = connection()
     for table in ("activation", "clock", "chain"):
         assert conn.execute(f"SELECT count(*) FROM {table} WHERE user_id = ?",
                             (store.user_id("alice"),)).fetchone() == (0,)
@@ -159,37 +160,37 @@ def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
     assert maintenance.upload(store, tmp_path / "next.json.gz") == version
     assert maintenance.target(store) == version
     # A re-derivation stopped after its first batch (killed) resumes where it stopped.
-    (items,) = db.connection().execute(
+    (items,) = connection().execute(
         "SELECT count(*) FROM item WHERE kind != 'context'").fetchone()
     assert maintenance._rederive_batch(maintenance._dictionary(version), 10) == 10
     assert maintenance.rederive(store, version, progress=False) == items - 10
     # Dark: the proxy keeps serving (and storing) on the live version meanwhile.
     new = add(store, "u1", "u1-c0", ["zorblax concert guitar"])
-    assert {v for (v,) in db.connection().execute("SELECT version FROM retrieval")} == {
+    assert {v for (v,) in connection().execute("SELECT version FROM retrieval")} == {
         dictionary.shipped().version}
     assert set(new) <= {i for i, _ in ranked(scanner.search(q, uid, 10))}
     assert served  # (answered before the upload)
-    heat_before = db.connection().execute("SELECT * FROM activation ORDER BY item_id").fetchall()
+    heat_before = connection().execute("SELECT * FROM activation ORDER BY item_id").fetchall()
     rows = maintenance.flip(store, version)
-    assert rows == db.connection().execute("SELECT count(*) FROM item WHERE kind != 'context'"
+    assert rows == connection().execute("SELECT count(*) FROM item WHERE kind != 'context'"
                                            ).fetchone()[0]
     assert dictionary.load().version == version
-    assert {v for (v,) in db.connection().execute("SELECT version FROM retrieval")} == {version}
+    assert {v for (v,) in connection().execute("SELECT version FROM retrieval")} == {version}
     got = ranked(scanner.search(q, uid, 10))  # the arena rebuilds on the flip
     same(got, reference(store, q, uid, 10))
     assert set(new) <= {i for i, _ in got}
     # Heat untouched: activations are keyed by item, and no item changed.
-    assert db.connection().execute(
+    assert connection().execute(
         "SELECT * FROM activation ORDER BY item_id").fetchall() == heat_before
     assert check(store) == []
     add(store, "u1", "u1-c1", ["written under the new version"])
     assert check(store) == []
 
 
-def test_a_memory_on_another_dictionary_says_so_on_start(tmp_path: Path) -> None:
-    path = tmp_path / "memory.db"
+def test_a_memory_on_another_dictionary_says_so_on_start(memory_at: Path | str) -> None:
+    path = memory_at
     open_memory(path).close()
-    with sqlite3.connect(path) as conn:
+    with other_connection(path) as conn:
         conn.execute("UPDATE setting SET value = 'v-old' WHERE key = 'dictionary'")
     s = open_memory(path)
     try:
@@ -207,16 +208,16 @@ def test_a_memory_on_another_dictionary_says_so_on_start(tmp_path: Path) -> None
     assert s.notice is None
 
 
-def test_memory_check_cli_reports_each_violation(tmp_path: Path,
+def test_memory_check_cli_reports_each_violation(memory_at: Path | str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "memory.db"
+    path = memory_at
     s = open_memory(path)
     fill(s, random.Random(9), 40)
     with db.atomic():
-        index.fold(db.connection())
+        index.fold(connection())
     s.close()
     assert cli.main(["memory", "check", "--db", str(path)]) == 0
-    with sqlite3.connect(path) as conn:  # break two invariants behind the store's back
+    with other_connection(path) as conn:  # break two invariants behind the store's back
         conn.execute("DELETE FROM activation WHERE item_id = (SELECT min(id) FROM item)")
         conn.execute("UPDATE retrieval_term SET df = df + 1 WHERE term ="
                      " (SELECT min(term) FROM retrieval_term)")

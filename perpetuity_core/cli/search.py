@@ -101,11 +101,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def _user(spec: str | None) -> int | None:
-    from perpetuity_core.memory.store import db
+    from perpetuity_core.memory.store import connection
 
     if spec is None:
         return None
-    conn = db.connection()
+    conn = connection()
     row = conn.execute("SELECT id FROM user WHERE key = ?", (spec,)).fetchone()
     if row is None and spec.isdigit():
         row = conn.execute("SELECT id FROM user WHERE id = ?", (int(spec),)).fetchone()
@@ -133,11 +133,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """Users, conversations, messages, rows, tokens, dictionary version, arena size."""
     from perpetuity_core.memory import dictionary
     from perpetuity_core.memory.arena import Arena
-    from perpetuity_core.memory.store import db
+    from perpetuity_core.memory.store import connection
 
     store = _open(args.db)
     try:
-        conn = db.connection()
+        conn = connection()
 
         def one(sql: str) -> int:
             return conn.execute(sql).fetchone()[0]

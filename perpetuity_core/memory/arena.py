@@ -19,7 +19,7 @@ import numpy as np
 
 from perpetuity_core.memory import dictionary
 from perpetuity_core.memory.bm25 import Params, Query, contributions, make_query, merge, top_k
-from perpetuity_core.memory.store import snapshot
+from perpetuity_core.memory.store import postgres, snapshot
 
 SEGMENT_ROWS = 1 << 16  # local row ids are uint16
 TERMS = "terms"  # term-major layout (shipped)
@@ -179,11 +179,18 @@ _NEW_ROWS = (
     " group_concat(length), group_concat(at), group_concat(length(counts)),"
     " CAST(group_concat(terms, '') AS BLOB), CAST(group_concat(counts, '') AS BLOB)"
     " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?)")
+# The same on PostgreSQL, whose aggregates take their order explicitly.
+_NEW_ROWS_PG = "SELECT count(*), " + ", ".join(
+    f"string_agg(CAST({c} AS TEXT), ',' ORDER BY seq)"
+    for c in ("seq", "user_id", "conversation_id", "length", "at", "length(counts)")) + (
+    ", string_agg(terms, '' ORDER BY seq), string_agg(counts, '' ORDER BY seq)"
+    " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?) r")
 
 
-def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 - sqlite3
+def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 - a connection
     """At most `limit` retrieval rows past seq `after`, or None if there are none."""
-    count, *ints, at, row_len, terms, counts = conn.execute(_NEW_ROWS, (after, limit)).fetchone()
+    sql = _NEW_ROWS_PG if postgres() else _NEW_ROWS
+    count, *ints, at, row_len, terms, counts = conn.execute(sql, (after, limit)).fetchone()
     if count == 0:
         return None
     seq, user, conv, length, at, row_len = (np.fromstring(x, np.int64, sep=",")
@@ -251,7 +258,7 @@ class Arena:
             # A flip (maintenance.flip) re-writes every row without logging their deletions,
             # and counts itself: a count read here that moved means rebuild.
             version = conn.execute("SELECT group_concat(value) FROM (SELECT value FROM setting"
-                                   " WHERE key IN ('dictionary', 'flips') ORDER BY key)"
+                                   " WHERE key IN ('dictionary', 'flips') ORDER BY key) v"
                                    ).fetchone()[0]
             self._flipped |= self.version is not None and version != self.version
             self.version = version

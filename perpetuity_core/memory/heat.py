@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import peewee as pw
 
-from perpetuity_core.memory.store import StoredItem, db, in_list, writing
+from perpetuity_core.memory.store import StoredItem, connection, in_list, writing
 from perpetuity_core.wire.conversation import Kind
 
 BIRTH_PEAK = 1.0
@@ -80,7 +80,7 @@ def derive_activation(items: list[StoredItem]) -> None:
     if not items:
         return
     m = items[0]
-    conn = db.connection()
+    conn = connection()
     row = conn.execute("SELECT position FROM clock WHERE user_id = ?", (m.user_id,)).fetchone()
     now = row[0] if row else 0.0
     # OR REPLACE: a purged item leaves its activation, and SQLite gives its id to the next item.
@@ -100,11 +100,11 @@ def advance(user_id: int, tokens: float) -> None:
     with writing("move the clock") as conn:
         conn.execute(
             "INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
-            " DO UPDATE SET position = position + excluded.position", (user_id, float(tokens)))
+            " DO UPDATE SET position = clock.position + excluded.position", (user_id, float(tokens)))
 
 
 def clock(user_id: int) -> float:
-    row = db.connection().execute("SELECT position FROM clock WHERE user_id = ?",
+    row = connection().execute("SELECT position FROM clock WHERE user_id = ?",
                                   (user_id,)).fetchone()
     return float(row[0]) if row else 0.0
 
@@ -124,7 +124,7 @@ def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
     """Every row of `user_id` at least WARM_FLOOR warm at `now`, with `reheats` (item -> peak
     reached now) applied where they beat the current trajectory, and other users' rows among
     `reheats` at their reheat peak. Reads only."""
-    conn = db.connection()
+    conn = connection()
     rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation"
                         " WHERE user_id = ? AND at >= ?", (user_id, now - _WINDOW)).fetchall()
     # Standing rows stay warm far longer than the window: read through their own small index.
@@ -194,11 +194,11 @@ def m003_heat(database: pw.Database) -> None:
         " half_life REAL NOT NULL)",
         "CREATE INDEX activation_warm ON activation (user_id, at)",
     ):
-        database.execute_sql(sql)
+        connection().execute(sql)
 
 
 def m005_standing(database: pw.Database) -> None:
     """Standing instructions and preferences (heat.STANDING_HALF_LIFE) stay warm beyond the
     warm set's window: a partial index finds them without reading every activation."""
-    database.execute_sql("CREATE INDEX activation_standing ON activation (user_id, at)"
+    connection().execute("CREATE INDEX activation_standing ON activation (user_id, at)"
                          f" WHERE half_life >= {STANDING_HALF_LIFE}")

@@ -1,7 +1,8 @@
 """Where a memory lives, from what `--db` / `perpetuity_db` / $PERPETUITY_DB says.
 
 A plain path, or `sqlite:///absolute/path` (`sqlite:///` followed by the path, as in
-`sqlite:///home/me/memory.db`), names a SQLite file. Any other URL is refused with one line:
+`sqlite:///home/me/memory.db`), names a SQLite file; `postgresql://user@host:port/dbname` (or
+`postgres://`) a PostgreSQL database. Any other URL is refused with one line:
 `pathlib.Path("postgresql://u@h/db")` is the relative path `postgresql:/u@h/db`, so without this a
 URL the store cannot open silently became a folder named `postgresql:` holding a new SQLite file.
 """
@@ -27,6 +28,17 @@ def shown(url: str) -> str:
     return parts._replace(netloc=f"{parts.username}:***@{host}").geturl()
 
 
+def where(location: str | Path) -> Path | str:
+    """The SQLite file `location` names, or its PostgreSQL URL (as `postgresql://`)."""
+    if isinstance(location, str) and location.lower().startswith(("postgresql://", "postgres://")):
+        parts = urlsplit(location)
+        if not parts.hostname or not parts.path.strip("/"):
+            raise ConfigError(f"cannot open the memory database {shown(location)}: a PostgreSQL"
+                              " URL is postgresql://user@host:port/dbname")
+        return "postgresql://" + location.split("://", 1)[1]
+    return sqlite_path(location)
+
+
 def sqlite_path(location: str | Path) -> Path:
     """The SQLite file `location` names, or ConfigError when it is a URL the store cannot open."""
     if isinstance(location, Path) or not _URL.match(location):
@@ -38,4 +50,5 @@ def sqlite_path(location: str | Path) -> Path:
                               " is sqlite:/// followed by the file's path")
         return Path(unquote(parts.path)).expanduser()
     raise ConfigError(f"cannot open the memory database {shown(location)}: {parts.scheme}:// is"
-                      " not a store this version can open (give a file path or sqlite:///path)")
+                      " not a store this version can open (give a file path, sqlite:///path or"
+                      " postgresql://user@host:port/dbname)")

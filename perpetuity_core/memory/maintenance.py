@@ -18,15 +18,15 @@ not touched.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory import chains, dictionary
+from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.index import fold, item_text, settle_in, token_estimate
-from perpetuity_core.memory.store import Store, snapshot, writing
+from perpetuity_core.memory.store import Store, postgres, snapshot, writing
 from perpetuity_core.wire.conversation import Kind
 
 _CONTEXT = Kind.CONTEXT.value  # harness text: stored, never retrieved (no retrieval row)
@@ -160,13 +160,7 @@ def flip(store: Store, version: str) -> int:
         # are recounted below). Arenas rebuild on the version change, so the deletions are not
         # logged one by one (the trigger would copy every row).
         conn.execute("UPDATE retrieval_gone SET settled = 1 WHERE settled = 0")
-        (trigger,) = conn.execute(
-            "SELECT sql FROM sqlite_master WHERE name = 'retrieval_deleted'").fetchone()
-        conn.execute("DROP TRIGGER retrieval_deleted")
-        conn.execute("DELETE FROM retrieval")
-        conn.execute(trigger)
-        (before,) = conn.execute(
-            "SELECT seq FROM sqlite_sequence WHERE name = 'retrieval'").fetchone()
+        before = _delete_unlogged(conn)
         conn.execute(
             "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
             " tokens, version, terms, counts) SELECT n.item_id, m.id, m.user_id,"
@@ -186,11 +180,31 @@ def flip(store: Store, version: str) -> int:
         conn.execute("UPDATE derived SET seq = (SELECT coalesce(max(seq), 0) FROM retrieval)")
         conn.execute("DELETE FROM retrieval_next")
         conn.execute("UPDATE setting SET value = ? WHERE key = 'dictionary'", (version,))
-        conn.execute("INSERT INTO setting VALUES ('flips', '1') ON CONFLICT(key)"
-                     " DO UPDATE SET value = value + 1")
+        conn.execute("INSERT INTO setting VALUES ('flips', '1') ON CONFLICT(key) DO UPDATE"
+                     " SET value = CAST(CAST(setting.value AS INTEGER) + 1 AS TEXT)")
         (rows,) = conn.execute("SELECT count(*) FROM retrieval").fetchone()
     dictionary.use(d)
     return rows
+
+
+def _delete_unlogged(conn: Sql) -> int:
+    """Delete every retrieval row without the trigger logging each; returns the last seq ever
+    handed out (the new rows' seqs start past it)."""
+    # PostgreSQL: a trigger disabled inside the transaction is disabled for it alone (readers
+    # wait for the flip to commit: ALTER TABLE locks the table).
+    if postgres():
+        conn.execute("ALTER TABLE retrieval DISABLE TRIGGER retrieval_deleted")
+        conn.execute("DELETE FROM retrieval")
+        conn.execute("ALTER TABLE retrieval ENABLE TRIGGER retrieval_deleted")
+        return int(conn.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END"
+                                " FROM retrieval_seq_seq").fetchone()[0])
+    (trigger,) = conn.execute(
+        "SELECT sql FROM sqlite_master WHERE name = 'retrieval_deleted'").fetchone()
+    conn.execute("DROP TRIGGER retrieval_deleted")
+    conn.execute("DELETE FROM retrieval")
+    conn.execute(trigger)
+    return int(conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'retrieval'"
+                            ).fetchone()[0])
 
 
 def _rederive_batch(d: dictionary.Dictionary, limit: int) -> int:
@@ -208,7 +222,8 @@ def _rederive_batch(d: dictionary.Dictionary, limit: int) -> int:
                 rows.append((i, d.version, bag.length, token_estimate(t),
                              bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes(),
                              " ".join(chains.subjects(text)) if chained else ""))
-        conn.executemany("INSERT OR REPLACE INTO retrieval_next VALUES (?,?,?,?,?,?,?)", rows)
+        conn.executemany("INSERT OR REPLACE INTO retrieval_next (item_id, version, length, tokens,"
+                         " terms, counts, subjects) VALUES (?,?,?,?,?,?,?)", rows)
     return len(rows)
 
 
@@ -222,6 +237,6 @@ def _dictionary(version: str) -> dictionary.Dictionary:
     return dictionary.Dictionary.from_bytes(row[0])
 
 
-def _live_version(conn: sqlite3.Connection) -> str:
+def _live_version(conn: Sql) -> str:
     return conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()[0]
 

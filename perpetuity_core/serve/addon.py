@@ -22,7 +22,7 @@ from mitmproxy import contentviews, ctx, exceptions, http
 
 from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.location import sqlite_path
+from perpetuity_core.memory.location import where
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store, default_db_path
 from perpetuity_core.notes.library import notes_root
@@ -119,7 +119,7 @@ class Perpetuity:
             return
         try:
             moved = ("perpetuity_db" in updated and self.store is not None
-                     and sqlite_path(ctx.options.perpetuity_db) != self.store.path)
+                     and where(ctx.options.perpetuity_db) != self.store.path)
         except PerpetuityError as e:
             raise exceptions.OptionsError(str(e)) from e
         if moved and self.serving and self.store is not None:
