@@ -37,12 +37,15 @@ def free_port() -> int:
 class Proxy:
     url: str
     port: int
-    db: Path
+    db: Path | str  # a SQLite file, or a PostgreSQL URL
     confdir: Path
     process: subprocess.Popen
     log: Path
 
     def rows(self, sql: str, *args: object) -> list[tuple]:
+        if isinstance(self.db, str):
+            with postgres.other_connection(self.db) as other:
+                return other.execute(sql, args).fetchall()  # type: ignore[attr-defined]
         con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
         try:
             return con.execute(sql, args).fetchall()
@@ -51,8 +54,10 @@ class Proxy:
 
     def messages(self, user: str | None = None) -> list[tuple[str, str, str, int]]:
         """(role, source, text of the message's items, complete) in storage order."""
+        texts = ("string_agg(i.text, '|' ORDER BY i.seq)" if isinstance(self.db, str)
+                 else "group_concat(i.text, '|')")
         sql = (
-            "select m.role, m.source, group_concat(i.text, '|'), m.complete from message m "
+            f"select m.role, m.source, {texts}, m.complete from message m "
             "join user u on u.id = m.user_id left join item i on i.message_id = m.id "
             # A claimed user is stored under its tenant: "<tenant>/<user>".
             + ("where (u.key = ? or substr(u.key, instr(u.key, '/') + 1) = ?) " if user else "")
@@ -73,9 +78,10 @@ class Proxy:
         return self.process.poll() is None
 
 
-def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None) -> Proxy:
+def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None,
+                db: Path | str | None = None) -> Proxy:
     port = port or free_port()
-    db = tmp / "memory.db"
+    db = db or tmp / "memory.db"
     confdir = tmp / "mitm"
     log = tmp / "mitmdump.log"
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}

@@ -46,7 +46,7 @@ def translate(sql: str) -> str:
     """SQLite's statement as PostgreSQL runs it."""
     if sql.lstrip().upper().startswith(("CREATE", "ALTER")):
         sql = _ddl(sql)
-    sql = re.sub(r"\b(FROM|INTO|JOIN|UPDATE|TABLE|ON) user\b", r'\1 "user"', sql)
+    sql = re.sub(r"\b(FROM|INTO|JOIN|UPDATE|TABLE|ON) user\b", r'\1 "user"', sql, flags=re.I)
     sql = re.sub(r"\binstr\(", "strpos(", sql)
     sql = sql.replace("max((SELECT", "greatest((SELECT")  # the scalar max of store._NEXT_ID
     sql = re.sub(r"\bgroup_concat\(([^(),]+)\)", r"string_agg(CAST(\1 AS TEXT), ',')", sql)
@@ -61,7 +61,9 @@ def translate(sql: str) -> str:
     elif (m := re.match(r'\s*INSERT INTO "?(\w+)"? ', sql)) and m.group(1) in _RETURNING \
             and "RETURNING" not in sql and "SELECT" not in sql[:sql.find("VALUES") + 1]:
         sql += f" RETURNING {_RETURNING[m.group(1)]}"
-    return sql.replace("%", "%%").replace("?", "%s")
+    # `?` outside string literals only (the even pieces between quotes); `%` everywhere.
+    pieces = sql.replace("%", "%%").split("'")
+    return "'".join(p.replace("?", "%s") if i % 2 == 0 else p for i, p in enumerate(pieces))
 
 
 class _Cursor:

@@ -456,7 +456,7 @@ class Store:
         """The stored messages of a conversation with these fingerprints."""
         with failing_as("read messages"):
             return [i for (i,) in _in_query(
-                db.connection(),
+                connection(),
                 "SELECT id FROM message WHERE conversation_id = ? AND fingerprint IN",
                 conversation_id, fingerprints)]
 
