@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,38 @@ def stop_proxy(p: Proxy) -> None:
     except subprocess.TimeoutExpired:
         p.process.kill()
         p.process.wait()
+
+
+_OPENED: list[sqlite3.Connection | postgres.Other] = []
+
+
+def opened(path: str | Path, **options: object) -> sqlite3.Connection:
+    """A connection of the test's own to a memory file (read, or changed behind the store's
+    back), closed when the test ends."""
+    con = sqlite3.connect(path, **options)  # type: ignore[arg-type]
+    _OPENED.append(con)
+    return con
+
+
+def opened_other(location: Path | str) -> postgres.Other:
+    """Another connection to a memory on either backend (tests/postgres.py), autocommitting,
+    closed when the test ends."""
+    con = postgres.other_connection(location)
+    _OPENED.append(con)
+    return con
+
+
+def query(path: str | Path, sql: str, *args: object) -> list[tuple]:
+    """The rows of `sql` on the file at `path`, through a connection opened and closed here."""
+    with closing(sqlite3.connect(path)) as con:
+        return con.execute(sql, args).fetchall()
+
+
+@pytest.fixture(autouse=True)
+def _close_opened() -> Iterator[None]:
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,7 @@ def fresh_database(url: str, name: str) -> str:
     return url.rsplit("/", 1)[0] + f"/{name}"
 
 
-class _Other:
+class Other:
     """A second connection to a memory, autocommitting, beside the store's own: what another
     process (or a person at a SQL prompt) does behind the store's back."""
 
@@ -128,12 +128,12 @@ class _Other:
     def close(self) -> None:
         self.raw.close()
 
-    def __enter__(self) -> _Other:
+    def __enter__(self) -> Other:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def other_connection(location: object) -> _Other:
-    return _Other(location)
+def other_connection(location: object) -> Other:
+    return Other(location)

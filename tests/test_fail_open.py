@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from perpetuity_core.memory import tenants
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.wire.identity import tenant_of
-from tests.conftest import Proxy, start_proxy, stop_proxy
+from tests.conftest import Proxy, opened, start_proxy, stop_proxy
 from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 
 KEY = "sk-ant-failopen-key-000000000000"
@@ -151,7 +150,7 @@ def test_no_tool_is_added_under_a_name_the_harness_uses(proxy: Proxy, fake: Fake
 def test_a_failed_turn_write_is_logged_without_a_reply(fake: FakeProvider, tmp_path: Path) -> None:
     p = start_proxy(tmp_path, fake.url)
     try:
-        lock = sqlite3.connect(p.db, isolation_level=None)
+        lock = opened(p.db, isolation_level=None)
         lock.execute("BEGIN IMMEDIATE")  # the store's writer waits out its busy timeout, then fails
         fake.script(Error(500))
         assert post(p, "this turn cannot be written").status_code == 500

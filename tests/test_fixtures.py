@@ -5,7 +5,6 @@ in order with the replies the recording provider sent back."""
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -16,7 +15,7 @@ from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.serve.relay import ReplyTee
 from perpetuity_core.wire.conversation import Protocol, Provider
-from tests.conftest import FIXTURES, needs_fixtures
+from tests.conftest import FIXTURES, needs_fixtures, opened
 
 pytestmark = needs_fixtures
 
@@ -75,7 +74,7 @@ def replay(pipeline: Pipeline, harness: str) -> list[tuple[Path, object]]:
 
 
 def stored(pipeline: Pipeline) -> list[tuple[str, str, str]]:
-    con = sqlite3.connect(pipeline.store.path)
+    con = opened(pipeline.store.path)
     try:
         return con.execute(
             "select c.key, m.role, group_concat(i.text, '|') from message m "
@@ -146,7 +145,7 @@ def test_claude_code_sessions_store_each_typed_turn_once(pipeline: Pipeline) -> 
     ]
     # Every reply stored once, and the history re-sent around it (resume and compaction
     # included) never again: no assistant message was stored from a request.
-    con = sqlite3.connect(pipeline.store.path)
+    con = opened(pipeline.store.path)
     sources = dict(con.execute("select source, count(*) from message where role = 'assistant' "
                                "group by source").fetchall())
     con.close()

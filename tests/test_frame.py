@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import sqlite3
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -31,7 +30,7 @@ from perpetuity_core.wire.conversation import (
     text_part,
 )
 from perpetuity_core.wire.protocols import ADAPTERS
-from tests.conftest import Proxy, needs_fixtures
+from tests.conftest import Proxy, needs_fixtures, opened, query
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import http_fixtures, replay, to_request
 from tests.validity import CHECKS
@@ -56,8 +55,7 @@ def say(store: Store, conversation: str, *texts: str, user: str = "u") -> list[i
 
 
 def activation(store: Store) -> list[tuple]:
-    return sqlite3.connect(store.path).execute(
-        "select item_id, at, peak, half_life from activation order by item_id").fetchall()
+    return query(store.path, "select item_id, at, peak, half_life from activation order by item_id")
 
 
 def test_rows_are_born_hot_at_the_clock_and_only_exchanges_move_it(store: Store) -> None:
@@ -140,9 +138,9 @@ def test_standing_instructions_outlast_the_warm_window_and_reach_the_frame(store
                         asked_at=time.time(), limits=cap.Cap())
     text = "\n".join(p.text for m in built.messages for p in m.parts)
     assert "Always show timings in milliseconds." in text and "kestrel" not in text
-    plan = sqlite3.connect(store.path).execute(
-        "EXPLAIN QUERY PLAN SELECT item_id FROM activation WHERE user_id = ? AND at >= ?"
-        f" AND half_life >= {heat.STANDING_HALF_LIFE}", (uid, 0.0)).fetchall()
+    plan = query(store.path,
+                 "EXPLAIN QUERY PLAN SELECT item_id FROM activation WHERE user_id = ? AND at >= ?"
+                 f" AND half_life >= {heat.STANDING_HALF_LIFE}", uid, 0.0)
     assert "activation_standing" in str(plan)  # read through its own index, not a scan
 
 
@@ -168,7 +166,7 @@ def test_a_pooled_hit_warms_on_the_askers_clock_only(store: Store) -> None:
 def test_lookups_around_a_message_read_its_conversation_in_store_order(store: Store) -> None:
     """The latest stretch, a hit's neighbours, the other half of an exchange: each reads a few
     index entries, never the whole conversation sorted (a long coding session)."""
-    conn = sqlite3.connect(store.path)
+    conn = opened(store.path)
     for sql in ("SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
                 "SELECT id FROM message WHERE conversation_id = ? AND id < ? ORDER BY id DESC"
                 " LIMIT ?"):

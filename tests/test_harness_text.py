@@ -7,7 +7,6 @@ while a person's words in the same message are still found."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.wire.conversation import Message, Provider, Reply, Usage, text_part
-from tests.conftest import FIXTURES, needs_fixtures
+from tests.conftest import FIXTURES, needs_fixtures, opened
 from tests.test_fixtures import replay, to_request
 from tests.test_names import DEVICE, REMINDER, claude_code
 
@@ -99,7 +98,7 @@ def test_boilerplate_is_stored_but_never_retrieved(pipeline: Pipeline) -> None:
     session = "5e6f7081-0000-4000-8000-000000000005"
     for n, messages in enumerate(session_one()):
         exchange(pipeline, claude_code(session, messages), f"answer {n}")
-    con = sqlite3.connect(pipeline.store.path)
+    con = opened(pipeline.store.path)
     # Stored: every block the harness sent is an item of its message, as sent.
     stored = [t for (t,) in con.execute("SELECT text FROM item")]
     for block in (AGENTS, IDE, SKILL, TASK, INTERRUPT, REMINDER, *SAID):
@@ -139,7 +138,7 @@ def test_the_history_is_still_recognised_with_its_harness_text(pipeline: Pipelin
     requests = session_one()
     for n, messages in enumerate(requests):
         exchange(pipeline, claude_code(session, messages), f"answer {n}")
-    con = sqlite3.connect(pipeline.store.path)
+    con = opened(pipeline.store.path)
     count = con.execute("SELECT count(*) FROM message").fetchone()
     exchange(pipeline, claude_code(session, requests[-1]), "answer again")
     assert con.execute("SELECT count(*) FROM message").fetchone()[0] == count[0] + 1  # the reply
@@ -153,7 +152,7 @@ def test_real_captures_leave_no_harness_text_in_memory(pipeline: Pipeline) -> No
     opencode's prompts reach no retrieval row and no later frame."""
     for harness in ("claude-code", "codex", "opencode"):
         replay(pipeline, harness)
-    con = sqlite3.connect(pipeline.store.path)
+    con = opened(pipeline.store.path)
     harness_rows = con.execute(
         "SELECT count(*) FROM retrieval r JOIN item i ON i.id = r.item_id JOIN message m"
         " ON m.id = r.message_id WHERE i.kind = 'context' OR m.role = 'system'").fetchone()[0]

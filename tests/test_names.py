@@ -19,7 +19,7 @@ from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.wire.conversation import Kind, Message, Part, Provider, Reply, Usage, text_part
-from tests.conftest import Proxy
+from tests.conftest import Proxy, opened, query
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import to_request
 
@@ -77,7 +77,7 @@ def pipeline(tmp_path: Path):
 
 
 def conversation_names(pipeline: Pipeline) -> dict[str, tuple[str, str, str]]:
-    con = sqlite3.connect(pipeline.store.path)
+    con = opened(pipeline.store.path)
     try:
         return {k: (t, o, f) for k, t, o, f in
                 con.execute("SELECT key, title, opening, folder FROM conversation")}
@@ -110,7 +110,7 @@ def test_title_side_request_names_its_conversation_in_frames_and_tool_answers(
                                title=True), '{"title": "Something else entirely"}')
     assert conversation_names(pipeline)[session][0] == "Fix basket rounding at checkout"
     # The title request stored no turn and its reply is no memory row.
-    con = sqlite3.connect(pipeline.store.path)
+    con = opened(pipeline.store.path)
     texts = [t for (t,) in con.execute("SELECT text FROM item")]
     con.close()
     assert not any("title" in t for t in texts)
@@ -203,7 +203,7 @@ def test_claude_code_import_takes_the_sessions_title_folder_and_meta_lines(tmp_p
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     store = open_memory(tmp_path / "m.db")
     importers.run(store, "claude-code", path, progress=False)
-    con = sqlite3.connect(store.path)
+    con = opened(store.path)
     assert con.execute("SELECT title, opening, folder FROM conversation").fetchone() == (
         "Sort reading list by topic", "sort the reading list by topic", "/home/ann/vault")
     # The skill text is stored, as context, and is no retrieval row.
@@ -238,9 +238,9 @@ def test_migration_names_older_conversations_and_unindexes_their_harness_text(
     monkeypatch.undo()
 
     with pytest.raises(sqlite3.OperationalError):  # the old store has no names yet
-        sqlite3.connect(db).execute("SELECT opening FROM conversation").fetchall()
+        query(db, "SELECT opening FROM conversation")
     store = open_memory(db)
-    con = sqlite3.connect(db)
+    con = opened(db)
     assert con.execute("SELECT title, opening, folder FROM conversation").fetchone() == (
         "", "why is the cache cold", "")
     indexed = con.execute("SELECT i.kind, i.text, r.tokens FROM item i LEFT JOIN retrieval r"

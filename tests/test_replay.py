@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from perpetuity_core.cli.replay.request import DEFAULT_TEMPLATE, build, load_tem
 from perpetuity_core.cli.replay.sessions import read_session
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.wire.protocols import anthropic
-from tests.conftest import FIXTURES, SHARED, needs_fixtures
+from tests.conftest import FIXTURES, SHARED, needs_fixtures, opened
 from tests.test_evaluate import tiny_locomo
 
 SESSIONS = SHARED / "data" / "claude-code"
@@ -296,7 +295,7 @@ def test_replay_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert total["cost"]["direct"] > 0 and total["tokens"]["direct"] > 0
     assert total["live_task_identical"] == 1.0
     assert png.stat().st_size > 0
-    with sqlite3.connect(db) as conn:  # the memory holds the conversation
+    with opened(db) as conn:  # the memory holds the conversation
         assert conn.execute("select count(*) from message").fetchone()[0] >= 9
     assert main(["replay", "claude-code", str(tmp_path / "projects"), "--db", str(db)]) == 1
     assert main(["replay", "claude-code", str(tmp_path / "nowhere")]) == 1

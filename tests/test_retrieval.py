@@ -21,7 +21,7 @@ from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store, connection, db
 from perpetuity_core.wire.conversation import Kind, Message, Part
-from tests.postgres import other_connection
+from tests.conftest import opened_other
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
@@ -85,7 +85,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     that span, scored as without it.
     """
     k1, b = params.k1, params.b
-    conn = other_connection(store.path)
+    conn = opened_other(store.path)
     rows = conn.execute("SELECT seq, item_id, user_id, conversation_id, length, terms, counts"
                         " FROM retrieval ORDER BY seq").fetchall()
     said = {i: int(at) for i, at in conn.execute(  # whole seconds, as retrieval keeps them
@@ -184,7 +184,7 @@ def test_unknown_words_hash_deterministically_into_the_reserved_range() -> None:
 
 def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store) -> None:
     fill(store, random.Random(1), 60)
-    conn = other_connection(store.path)
+    conn = opened_other(store.path)
     (items,) = conn.execute("SELECT count(*) FROM item").fetchone()
     rows = conn.execute("SELECT item_id, version, terms, length FROM retrieval").fetchall()
     assert len(rows) == items and len({r[0] for r in rows}) == items
@@ -367,11 +367,11 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     got = ranked(sc.search(q, uid, 10))
     assert not set(gone) & {i for i, _ in got}
     marks = ",".join("?" * len(gone))
-    assert not other_connection(store.path).execute(
+    assert not opened_other(store.path).execute(
         f"SELECT item_id FROM activation WHERE item_id IN ({marks})", gone).fetchall()
     same(got, reference(store, q, uid, 10))
     # A row removed behind the scanner's back (cascade from item) is also reflected.
-    conn = other_connection(store.path)
+    conn = opened_other(store.path)
     victim = got[0][0]
     conn.execute("DELETE FROM item WHERE id = ?", (victim,))
     conn.commit()
@@ -392,7 +392,7 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     same(got, reference(store, q, uid, 10))
     fresh = scan.Scanner(store, store_rows=store_rows)
     assert ranked(fresh.search(q, uid, 10)) == got  # a cold process gets the same answer
-    conn = other_connection(store.path)
+    conn = opened_other(store.path)
     assert {v for (v,) in conn.execute("SELECT DISTINCT version FROM retrieval")} == {
         dictionary.load().version}
     conn.close()

@@ -21,7 +21,7 @@ from perpetuity_core.memory.integrity import check
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store, connection, db
 from perpetuity_core.wire.conversation import Kind, Message, Part
-from tests.postgres import other_connection
+from tests.conftest import opened_other
 from tests.test_retrieval import WORDS, add, fill, ranked, reference, same
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def test_searches_never_fail_while_the_writer_stores_and_purges(store: Store) ->
 def test_ids_are_never_reused(store: Store) -> None:
     items = add(store, "u", "c", ["first", "second | part"])
     newest_message = connection().execute("SELECT max(id) FROM message").fetchone()[0]
-    with other_connection(store.path) as other:  # deleted behind the store's back, newest first
+    with opened_other(store.path) as other:  # deleted behind the store's back, newest first
         other.execute("DELETE FROM activation WHERE item_id IN (SELECT id FROM item"
                       " WHERE message_id = ?)", (newest_message,))
         other.execute("DELETE FROM item WHERE message_id = ?", (newest_message,))
@@ -190,7 +190,7 @@ def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
 def test_a_memory_on_another_dictionary_says_so_on_start(memory_at: Path | str) -> None:
     path = memory_at
     open_memory(path).close()
-    with other_connection(path) as conn:
+    with opened_other(path) as conn:
         conn.execute("UPDATE setting SET value = 'v-old' WHERE key = 'dictionary'")
     s = open_memory(path)
     try:
@@ -217,7 +217,7 @@ def test_memory_check_cli_reports_each_violation(memory_at: Path | str,
         index.fold(connection())
     s.close()
     assert cli.main(["memory", "check", "--db", str(path)]) == 0
-    with other_connection(path) as conn:  # break two invariants behind the store's back
+    with opened_other(path) as conn:  # break two invariants behind the store's back
         conn.execute("DELETE FROM activation WHERE item_id = (SELECT min(id) FROM item)")
         conn.execute("UPDATE retrieval_term SET df = df + 1 WHERE term ="
                      " (SELECT min(term) FROM retrieval_term)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from mitmproxy.test import taddons, tflow
 from wsproto.frame_protocol import Opcode
 
 from perpetuity_core.serve.addon import Perpetuity
-from tests.conftest import FIXTURES, needs_fixtures
+from tests.conftest import FIXTURES, needs_fixtures, query
 
 CODEX = FIXTURES / "codex"
 
@@ -68,10 +67,10 @@ def test_codex_websocket_turns_are_captured(tmp_path: Path) -> None:
     db = captured(tmp_path,
                   ("05-builtin_ws_basic-ws_handshake-v1_responses.json", "0[67]-builtin_ws_basic"),
                   ("17-tui_ws_multiturn-ws_handshake-v1_responses.json", "1[89]-tui_ws_multiturn"))
-    rows = sqlite3.connect(db).execute(
-        "select c.key, m.role, m.source, group_concat(i.text, '|') from message m join item i"
+    rows = query(
+        db, "select c.key, m.role, m.source, group_concat(i.text, '|') from message m join item i"
         " on i.message_id = m.id join conversation c on c.id = m.conversation_id"
-        " where i.kind in ('text', 'tool_call') group by m.id order by m.id").fetchall()
+        " where i.kind in ('text', 'tool_call') group by m.id order by m.id")
     said = [(role, source, text) for _, role, source, text in rows]
     assert ("user", "request", "say hello") in said
     replies = [r for r in said if r[0] == "assistant"]
@@ -90,4 +89,4 @@ def test_codex_title_thread_is_not_a_conversation(tmp_path: Path) -> None:
     prompt is harness text, and nothing of it is stored."""
     db = captured(tmp_path,
                   ("20-tui_ws_multiturn-ws_handshake-v1_responses.json", "2[12]-tui_ws_multiturn"))
-    assert sqlite3.connect(db).execute("select count(*) from message").fetchone() == (0,)
+    assert query(db, "select count(*) from message") == [(0,)]
