@@ -46,7 +46,7 @@ class Proxy:
     def rows(self, sql: str, *args: object) -> list[tuple]:
         if isinstance(self.db, str):
             with postgres.other_connection(self.db) as other:
-                return other.execute(sql, args).fetchall()  # type: ignore[attr-defined]
+                return other.execute(sql, args).fetchall()
         con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
         try:
             return con.execute(sql, args).fetchall()

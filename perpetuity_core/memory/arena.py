@@ -5,6 +5,14 @@ Segments hold at most SEGMENT_ROWS rows, so a row's index inside its segment fit
 Before every scan the arena catches up on the rows (and deletions) stored since its last
 catch-up, appending a new segment and merging only small tail segments, never rebuilding the
 whole. Segments are scored on worker threads into one vector, deterministically.
+
+Each process holds its own arena; a catch-up reads, in one snapshot, the retrieval rows past its
+cursor (`seq`) and the deletions past its other cursor (`retrieval_gone.seq`), whichever
+process wrote them. That never misses a committed row because seqs are handed out in commit
+order: on SQLite the file has one writer at a time; on PostgreSQL every writer of every process
+holds store.WRITE_LOCK from before it takes a seq until it commits, so no row with a lower seq
+can commit after a higher one was read (tests/test_store.py runs 2 and 4 writer processes while
+an arena catches up, and compares it with one built afresh).
 """
 
 from __future__ import annotations

@@ -14,6 +14,15 @@ Nothing is ever written to cool a row. A row is born hot, in the transaction tha
 after birth only retrieval writes activations, adopting a reheat only where its peak beats the
 row's current trajectory (both decay at the row's own half-life, so the better one now stays
 better). Heat never enters the relevance score.
+
+Several proxies over one database (PostgreSQL): the process that stores a message writes its
+rows' birth activations, in that message's transaction; the process that serves a turn moves
+that user's clock (`advance`: an increment in the database, never a value computed in the
+process) and writes that turn's reheats (`reheat`: reads the rows' activations and writes the
+better ones under the write lock, so a reheat is always judged against the last one committed
+by any process, and no update is lost when two proxies reheat the same row). Readers
+(`warm_set`, `clock`) read committed values only. scripts/bench_writers.py checks both with
+2 and 4 processes.
 """
 
 from __future__ import annotations
