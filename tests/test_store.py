@@ -261,3 +261,35 @@ def test_processes_writing_at_once_lose_nothing_and_an_arena_follows_them(
     assert scanner.arena.n_rows == fresh.arena.n_rows == processes * 150 + 1
     assert np.array_equal(scanner.arena.seq, fresh.arena.seq)
     store.close()
+
+
+def test_a_sqlite_memory_migrates_to_postgresql_and_checks_on_both_sides(
+        tmp_path: Path, postgres_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "memory.db"
+    s = open_memory(path)
+    fill(s, random.Random(41), 300)  # past BATCH_ROWS and a fold: cursors and counts copied
+    index.purge(s, add(s, "u1", "u1-c0", ["purged before the copy"]))
+    add(s, "u1", "u1-c0", ["unsettled | stored after the purge"])
+    heat.advance(s.user_id("u1"), 500)
+    salt = s.salt
+    uid = s.user_id("u1")
+    q = "garden violin support"
+    want = reference(s, q, uid, 10)
+    s.close()
+    url = postgres_url
+    assert cli.main(["memory", "migrate", "--from", f"sqlite://{path}", "--to", url,
+                     "--quiet"]) == 0
+    assert cli.main(["memory", "check", "--db", str(path)]) == 0
+    assert cli.main(["memory", "check", "--db", url]) == 0
+    assert "every invariant holds" in capsys.readouterr().err
+    t = open_memory(url)
+    try:
+        assert t.salt == salt and t.user_id("u1") == uid and heat.clock(uid) == 500
+        same(ranked(scan.Scanner(t, store_rows=0).search(q, uid, 10)), want)
+        new = add(t, "u1", "u1-c0", ["written after the move"])
+        assert min(new) > max(i for i, _ in want) and check(t) == []
+    finally:
+        t.close()
+    # Into a memory that is not empty: refused, nothing written.
+    assert cli.main(["memory", "migrate", "--from", str(path), "--to", url, "--quiet"]) == 1
+    assert "already holds a memory" in capsys.readouterr().err
