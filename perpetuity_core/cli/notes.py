@@ -1,4 +1,4 @@
-"""`perpetuity notes ...`: list, show, recall, reindex, curate, capture and used, over notes.py."""
+"""`perpetuity notes ...`: list, show, recall, reindex, curate, capture and used, over the notes package."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser = subparsers.add_parser(
         "notes",
         help="the curated library of notes: recall, capture, curate",
-        description="The curated library of Markdown notes (see perpetuity_core/notes.py).",
+        description="The curated library of Markdown notes (see perpetuity_core/notes/).",
     )
     sub = parser.add_subparsers(dest="notes_command", required=True)
 

@@ -153,7 +153,7 @@ def backfill_chains(conn: Sql) -> int:
 
 
 def m004_recall(database: pw.Database) -> None:
-    """The recall tools' structures (see tools.py), one writer each: the binding log (rows that
+    """The recall tools' structures (this module and bindings.py), one writer each: the binding log (rows that
     came up together in one turn, written after the turn) and the subject chains (written with
     each message; rows stored before them are chained here, so none is without its chains)."""
     for sql in (

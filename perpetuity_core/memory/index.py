@@ -204,7 +204,7 @@ def items_by_message(item_ids: list[int]) -> list[list[StoredItem]]:
 
 
 def m002_retrieval(database: pw.Database) -> None:
-    """Retrieval rows (see scan.py): one per item, with the pooled frequency counts BM25 needs.
+    """Retrieval rows (this module, and scan.py for the reads): one per item, with the pooled frequency counts BM25 needs.
 
     `seq` only grows, so a reader catches up by reading rows past its cursor; a re-derived row
     is deleted and inserted again under a new seq. Deletions are logged by trigger (with the

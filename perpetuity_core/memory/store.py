@@ -207,7 +207,7 @@ def m006_batched(database: pw.Database) -> None:
     every row stored before has its chains. The index on message.conversation_id alone goes:
     the (conversation_id, pair_key) index serves the same lookups. retrieval_total, updated
     with every message, now counts only the rows up to its folded_seq, as retrieval_term does
-    (see scan.totals): rows past it, and unsettled deletions of them, leave its counts."""
+    (see index.totals): rows past it, and unsettled deletions of them, leave its counts."""
     past = "FROM retrieval WHERE seq > folded_seq"
     gone = "FROM retrieval_gone WHERE settled = 0 AND row_seq > folded_seq"
     for sql in (
@@ -312,7 +312,7 @@ BatchDeriver = Callable[[int, int], None]
 Settle = Callable[[Sql], int]
 Migrate = Callable[[pw.Database], None]
 # Rows stored before the batched structures are written: larger batches dirty fewer pages per
-# message, and a reader derives at most this many rows itself (see tools.chain_of).
+# message, and a reader derives at most this many rows itself (see chains.chain_of).
 BATCH_ROWS = 256
 
 

@@ -19,7 +19,7 @@ from perpetuity_core.memory.rows import Row, quoted, shown_rows, time_label
 from perpetuity_core.memory.tenants import withheld
 
 SNIPPET_CHARS = 100  # memory_count lists instances, not their whole text
-RESULT_CHARS = 8_000  # 2,000 tokens at four characters a token (scan.token_estimate's rule)
+RESULT_CHARS = 8_000  # 2,000 tokens at four characters a token (index.token_estimate's rule)
 MIN_ROW_CHARS = 400  # a row is never cut shorter than this, whatever the limit
 # Room a row's label takes, kept out of its text's share: the conversation's name is most
 # of it (a title of up to names.TITLE_CHARS, and the project folder).

@@ -1,7 +1,7 @@
 """What a request costs once the provider's prompt cache has done its work.
 
 Costs are in units of one uncached input token. Tokens are counted with the one estimator the
-rest of the package uses (`scan.token_estimate`), on the direct request and on the one the proxy
+rest of the package uses (`memory.index.token_estimate`), on the direct request and on the one the proxy
 sent alike, so the ratio between the two is what the estimator cannot bias.
 
 Anthropic (explicit marks). The prompt is a prefix of blocks: every tool, then the system
