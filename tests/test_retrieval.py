@@ -527,7 +527,7 @@ def test_empty_memory_and_empty_queries(store: Store) -> None:
 # ------------------------------------------------------------------------------ commands
 
 
-def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+def test_search_and_stats_commands(memory_at: Path | str, capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
@@ -536,7 +536,7 @@ def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     # Only this module's commands: the test does not depend on the others importing.
     monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.cli.search",
                                                 "perpetuity_core.cli.memory"])
-    path = tmp_path / "m.db"
+    path = memory_at
     store = open_memory(path)
     add(store, "alice", "c1", ["we adopted a dog named Biscuit", "the concert was loud"])
     store.close()
@@ -555,7 +555,7 @@ def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli.main(["stats", "--db", str(path), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert (stats["users"], stats["messages"], stats["rows"]) == (1, 2, 2)
-    assert stats["row_versions"] == {dictionary.load().version: 2}
+    assert stats["row_versions"] == {dictionary.load().version: 2} and stats["db_bytes"] > 0
     # The same verbs under their noun; the top-level names above are their aliases.
     assert cli.main(["memory", "search", "--db", str(path), "--json", "--user", "alice", "dog"]) == 0
     assert json.loads(capsys.readouterr().out)["hits"][0]["text"] == "we adopted a dog named Biscuit"

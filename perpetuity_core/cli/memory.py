@@ -75,7 +75,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     for p in problems:
         print(p)
     if not problems:
-        print(f"memory {store.path}: every invariant holds", file=sys.stderr)
+        print(f"memory {store.shown}: every invariant holds", file=sys.stderr)
     return 1 if problems else 0
 
 

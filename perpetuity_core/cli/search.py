@@ -145,7 +145,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         arena = Arena()
         arena.catch_up()
         stats = {
-            "db": str(store.path),
+            "db": store.shown,
             "users": one("SELECT count(*) FROM user"),
             "conversations": one("SELECT count(*) FROM conversation"),
             "messages": one("SELECT count(*) FROM message"),
@@ -157,7 +157,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 "SELECT version, count(*) FROM retrieval GROUP BY version").fetchall()),
             "arena_bytes": arena.nbytes(),
             "arena_postings_bytes": sum(s.nbytes() for s in arena.segments),
-            "db_bytes": store.path.stat().st_size,
+            "db_bytes": store.size_bytes(),
         }
     finally:
         store.close()

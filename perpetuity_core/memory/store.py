@@ -352,7 +352,7 @@ class Store:
                                                 check_same_thread=False))
             else:
                 db.initialize(Postgres(self.path))
-            with failing_as(f"open the memory database {shown(str(self.path))}"):
+            with failing_as(f"open the memory database {self.shown}"):
                 db.connect(reuse_if_open=True)
                 self._migrate()
                 self.salt = self._setting("identity_salt", lambda: secrets.token_hex(16))
@@ -367,6 +367,18 @@ class Store:
             raise StoreError(f"cannot open the memory database {self.path}: {e}") from e
         if self.notice:
             log.warning("perpetuity: %s", self.notice)
+
+    @property
+    def shown(self) -> str:
+        """Where the memory is, as messages show it (a URL without its password)."""
+        return shown(str(self.path))
+
+    def size_bytes(self) -> int:
+        """The database's size on disk."""
+        if isinstance(self.path, Path):
+            return self.path.stat().st_size
+        return int(connection().execute(
+            "SELECT pg_database_size(current_database())").fetchone()[0])
 
     def close(self) -> None:
         if db.obj is not None and not db.is_closed():

@@ -126,7 +126,7 @@ class Perpetuity:
             # The preparing thread's reads would stay on the old file while writes went to the
             # new one: one memory split in two.
             raise exceptions.OptionsError(
-                f"perpetuity_db cannot change while running (memory is in {self.store.path}); "
+                f"perpetuity_db cannot change while running (memory is in {self.store.shown}); "
                 "restart the proxy to use another file")
         pooled = frozenset(t.strip() for t in ctx.options.perpetuity_share_pool.split(",")
                            if t.strip())
@@ -169,7 +169,7 @@ class Perpetuity:
         host = ctx.options.listen_host or "127.0.0.1"
         port = ctx.options.listen_port or 8080
         print(
-            f"perpetuity: listening on http://{host}:{port}, memory in {ctx.options.perpetuity_db}\n"
+            f"perpetuity: listening on http://{host}:{port}, memory in {self.store.shown if self.store else ''}\n"
             f"  Claude Code / Anthropic SDK: ANTHROPIC_BASE_URL=http://{host}:{port}\n"
             f"  OpenAI SDK / opencode:       OPENAI_BASE_URL=http://{host}:{port}/v1\n"
             f"  Codex (~/.codex/config.toml): [model_providers.perpetuity] base_url = "
