@@ -139,7 +139,11 @@ def opened_other(location: Path | str) -> postgres.Other:
 
 
 def query(path: str | Path, sql: str, *args: object) -> list[tuple]:
-    """The rows of `sql` on the file at `path`, through a connection opened and closed here."""
+    """The rows of `sql` on the memory at `path` (a file, or a PostgreSQL URL), through a
+    connection opened and closed here."""
+    if isinstance(path, str) and path.startswith("postgresql://"):
+        with postgres.other_connection(path) as other:
+            return other.execute(sql, args).fetchall()
     with closing(sqlite3.connect(path)) as con:
         return con.execute(sql, args).fetchall()
 

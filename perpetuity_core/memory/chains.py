@@ -37,7 +37,7 @@ def chain_of(user_id: int, stems: list[str]) -> tuple[list[int], int]:
     in the same snapshot as the table, so none is missed while its batch is pending."""
     with snapshot("read the chains") as conn:
         rows = conn.execute(
-            "SELECT item_id, at, count(*) FROM chain WHERE user_id = ? AND term IN"
+            "SELECT item_id, max(at), count(*) FROM chain WHERE user_id = ? AND term IN"
             f" ({in_list(stems)}) GROUP BY item_id", (user_id, *stems)).fetchall()
         (after,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
         pending = _text_rows(conn, after, None, user_id)
