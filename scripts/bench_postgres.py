@@ -14,6 +14,10 @@ by tests/postgres.py, default durability: fsync and synchronous_commit on):
   the memory's size (rows and tokens reported). The arena answers from memory, so the query
   itself does not touch the database; only the catch-up before it does (one read of nothing
   new).
+Then, where ../shared/data is present, a pooled memory of real conversations (BEAM-100k and
+the Claude Code sessions, imported into SQLite through the write path) is migrated to
+PostgreSQL (`memory migrate`'s copy, timed) and both get a cold arena and `queries` searches of
+three words drawn from stored rows.
 Prints one JSON object.
 """
 
@@ -34,12 +38,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import index, scan  # noqa: E402
+from perpetuity_core.memory import importers, index, scan  # noqa: E402
+from perpetuity_core.memory.integrity import check  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
-from perpetuity_core.memory.store import connection  # noqa: E402
+from perpetuity_core.memory.store import Store, connection  # noqa: E402
+from perpetuity_core.memory.transfer import copy_memory  # noqa: E402
 from tests import postgres  # noqa: E402
 
 WRITERS = ROOT / "scripts" / "bench_writers.py"
+SHARED = ROOT.parent / "shared" / "data"
 WORDS = ["garden", "violin", "harbour", "lantern", "turn", "about", "writer", "shared"]
 
 
@@ -86,6 +93,52 @@ def backend(new_db: Callable[[str], str], args: argparse.Namespace) -> dict:
                          "p99": round(float(np.percentile(times, 99)) * 1e3, 3)}}
 
 
+def arena_and_queries(store: Store, queries: list[str]) -> dict:
+    t0 = time.perf_counter()
+    scanner = scan.Scanner(store, store_rows=0)
+    scanner.catch_up()
+    cold_s = time.perf_counter() - t0
+    rows, _, tokens = index.totals(connection())
+    times = []
+    for q in queries:
+        t0 = time.perf_counter()
+        scanner.search(q, None, 10)
+        times.append(time.perf_counter() - t0)
+    return {"rows": rows, "tokens": tokens, "cold_arena_ms": round(cold_s * 1e3, 1),
+            "query_p50_ms": round(float(np.percentile(times, 50)) * 1e3, 3),
+            "query_p99_ms": round(float(np.percentile(times, 99)) * 1e3, 3)}
+
+
+def pooled(tmp: str, url: str, n_queries: int) -> dict:
+    """Real conversations pooled in SQLite, migrated to PostgreSQL; the same queries on both."""
+    path = Path(tmp) / "pooled.db"
+    store = open_memory(path)
+    t0 = time.perf_counter()
+    importers.run(store, "beam", SHARED / "beam-100k", progress=False)
+    importers.run(store, "claude-code", SHARED / "claude-code", progress=False)
+    import_s = time.perf_counter() - t0
+    rng = random.Random(11)
+    texts = [t for (t,) in connection().execute("SELECT text FROM item WHERE kind = 'text'")]
+    queries = []
+    while len(queries) < n_queries:
+        words = [w for w in rng.choice(texts).split() if w.isalpha() and len(w) > 4]
+        if len(words) >= 3:
+            queries.append(" ".join(rng.sample(words, 3)))
+    out = {"import_s": round(import_s, 1), "sqlite": arena_and_queries(store, queries)}
+    store.close()
+    db = postgres.fresh_database(url, "pooled")
+    target = open_memory(db)
+    t0 = time.perf_counter()
+    copy_memory(path, target)
+    out["migrate_s"] = round(time.perf_counter() - t0, 1)
+    target.close()
+    target = open_memory(db)  # reopened: the copied settings are read afresh
+    out["postgresql"] = arena_and_queries(target, queries)
+    out["check_violations"] = check(target)
+    target.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=1000, help="per writer process")
@@ -100,6 +153,9 @@ def main() -> int:
         out["sqlite"] = backend(lambda name: str(Path(tmp) / f"{name}.db"), args)
     with postgres.server() as url:
         out["postgresql"] = backend(lambda name: postgres.fresh_database(url, name), args)
+        if SHARED.is_dir():
+            with tempfile.TemporaryDirectory() as tmp:
+                out["pooled"] = pooled(tmp, url, args.queries)
     print(json.dumps(out, indent=1))
     return 0
 

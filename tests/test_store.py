@@ -293,3 +293,16 @@ def test_a_sqlite_memory_migrates_to_postgresql_and_checks_on_both_sides(
     # Into a memory that is not empty: refused, nothing written.
     assert cli.main(["memory", "migrate", "--from", str(path), "--to", url, "--quiet"]) == 1
     assert "already holds a memory" in capsys.readouterr().err
+
+
+def test_a_turn_said_late_in_a_second_keeps_its_whole_second_through_a_flip(
+        store: Store) -> None:
+    """Retrieval rows keep whole seconds, truncated (int()); PostgreSQL's cast rounds, so the
+    flip's and the check's SQL truncate there too."""
+    add(store, "u", "c", ["said at three quarters past"], at=1_700_000_000.75)
+    assert check(store) == []
+    version = dictionary.load().version
+    maintenance.rederive(store, version, progress=False)
+    maintenance.flip(store, version)
+    assert connection().execute("SELECT at FROM retrieval").fetchall() == [(1_700_000_000,)]
+    assert check(store) == []

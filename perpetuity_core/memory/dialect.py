@@ -4,7 +4,8 @@
 - placeholders `?` become `%s` (a literal `%` doubles);
 - `INSERT OR IGNORE` becomes `ON CONFLICT DO NOTHING`; `INSERT OR REPLACE` (tables keyed by one
   column, `_KEYS`) becomes an upsert of every column named;
-- `instr` is `strpos`, `group_concat(x)` is `string_agg(x::text, ',')`, the `user` table is quoted;
+- `instr` is `strpos`, `group_concat(x)` is `string_agg(x::text, ',')`, the `user` table is quoted,
+  a time cast to INTEGER is truncated first (PostgreSQL's cast rounds);
 - DDL: BLOB is BYTEA, REAL is DOUBLE PRECISION (PostgreSQL's REAL is 4 bytes: epoch seconds
   would lose their minutes), INTEGER is BIGINT, AUTOINCREMENT keys are BIGSERIAL, WITHOUT ROWID
   goes; triggers are written per dialect where they are created (`trigger`);
@@ -49,6 +50,9 @@ def translate(sql: str) -> str:
     sql = re.sub(r"\b(FROM|INTO|JOIN|UPDATE|TABLE|ON) user\b", r'\1 "user"', sql, flags=re.I)
     sql = re.sub(r"\binstr\(", "strpos(", sql)
     sql = sql.replace("max((SELECT", "greatest((SELECT")  # the scalar max of store._NEXT_ID
+    # SQLite's CAST of a REAL to INTEGER truncates (as Python's int() does where rows are
+    # derived); PostgreSQL's rounds: a message said at x.5 s or later would disagree.
+    sql = re.sub(r"CAST\((\w+\.at) AS INTEGER\)", r"CAST(trunc(\1) AS BIGINT)", sql)
     sql = re.sub(r"\bgroup_concat\(([^(),]+)\)", r"string_agg(CAST(\1 AS TEXT), ',')", sql)
     if m := re.match(r"\s*INSERT OR IGNORE INTO ", sql):
         sql = "INSERT INTO " + sql[m.end():] + " ON CONFLICT DO NOTHING"
