@@ -27,7 +27,7 @@ import numpy as np
 
 from perpetuity_core.memory import dictionary
 from perpetuity_core.memory.bm25 import Params, Query, contributions, make_query, merge, top_k
-from perpetuity_core.memory.store import postgres, snapshot
+from perpetuity_core.memory.store import connection, failing_as, postgres, snapshot
 
 SEGMENT_ROWS = 1 << 16  # local row ids are uint16
 TERMS = "terms"  # term-major layout (shipped)
@@ -211,6 +211,10 @@ def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 -
     return rows
 
 
+# The dictionary version and flip count the rows were derived under (a flip changes it).
+_VERSION = ("SELECT group_concat(value) FROM (SELECT value FROM setting"
+            " WHERE key IN ('dictionary', 'flips') ORDER BY key) v")
+
 # The arena's per-row columns and their types (see Arena).
 _COLUMNS = {"seq": np.int64, "user": np.int32, "conv": np.int32, "at": np.int64,
             "length": np.int32, "prev": np.int32, "next": np.int32}
@@ -262,12 +266,21 @@ class Arena:
 
     def catch_up(self) -> int:
         """Read what was stored or deleted since the last catch-up; returns rows read."""
+        if self.version is not None:
+            # Nothing new, the usual case before a search: one statement, not a snapshot's
+            # five round trips (PostgreSQL over TCP: measured 1.2 ms a search against 0.75 on
+            # SQLite at 10k rows, most of it here). A row not yet committed is not seen here,
+            # and it is read by the next catch-up.
+            with failing_as("catch up on memory"):
+                now = connection().execute(
+                    f"SELECT ({_VERSION}), (SELECT coalesce(max(seq), 0) FROM retrieval),"
+                    " (SELECT coalesce(max(seq), 0) FROM retrieval_gone)").fetchone()
+            if now == (self.version, min(now[1], self.row_cursor), min(now[2], self.gone_cursor)):
+                return 0
         with snapshot("catch up on memory") as conn:  # one snapshot: rows and deletions agree
             # A flip (maintenance.flip) re-writes every row without logging their deletions,
             # and counts itself: a count read here that moved means rebuild.
-            version = conn.execute("SELECT group_concat(value) FROM (SELECT value FROM setting"
-                                   " WHERE key IN ('dictionary', 'flips') ORDER BY key) v"
-                                   ).fetchone()[0]
+            version = conn.execute(_VERSION).fetchone()[0]
             self._flipped |= self.version is not None and version != self.version
             self.version = version
             new = []

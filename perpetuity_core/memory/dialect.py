@@ -62,8 +62,9 @@ def translate(sql: str) -> str:
         sets = ", ".join(f"{c} = excluded.{c}" for c in columns)
         sql = (f"INSERT INTO {sql[m.start(1):]} ON CONFLICT ({key}) DO "
                + (f"UPDATE SET {sets}" if sets else "NOTHING"))
-    elif (m := re.match(r'\s*INSERT INTO "?(\w+)"? ', sql)) and m.group(1) in _RETURNING \
-            and "RETURNING" not in sql and "SELECT" not in sql[:sql.find("VALUES") + 1]:
+    elif ((m := re.match(r'\s*INSERT INTO "?(\w+)"? ', sql)) and m.group(1) in _RETURNING
+          and (values := re.search(r"\bVALUES\b", sql)) and "SELECT" not in sql[:values.start()]
+          and "RETURNING" not in sql):  # one row inserted from values, not a copy of a query
         sql += f" RETURNING {_RETURNING[m.group(1)]}"
     # `?` outside string literals only (the even pieces between quotes); `%` everywhere.
     pieces = sql.replace("%", "%%").split("'")
