@@ -6,6 +6,14 @@ Before every scan the arena catches up on the rows (and deletions) stored since 
 catch-up, appending a new segment and merging only small tail segments, never rebuilding the
 whole. Segments are scored on worker threads into one vector, deterministically.
 
+Each process holds its own arena; a catch-up reads, in one snapshot, the retrieval rows past its
+cursor (`seq`) and the deletions past its other cursor (`retrieval_gone.seq`), whichever
+process wrote them. That never misses a committed row because seqs are handed out in commit
+order: on SQLite the file has one writer at a time; on PostgreSQL every writer of every process
+holds store.WRITE_LOCK from before it takes a seq until it commits, so no row with a lower seq
+can commit after a higher one was read (tests/test_store.py runs 2 and 4 writer processes while
+an arena catches up, and compares it with one built afresh).
+
 One writer, many readers. A catch-up (one at a time) ends by publishing a `View`: the row
 count n, views of the first n rows of each per-row column, the tuple of segments, the
 document frequencies and the totals. Readers scan the view they picked up, without a lock,
@@ -36,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.store import snapshot
+from perpetuity_core.memory.store import connection, failing_as, postgres, snapshot
 from perpetuity_core.memory.view import Frequencies, Segment, View
 
 SEGMENT_ROWS = 1 << 16  # local row ids are uint16
@@ -138,11 +146,18 @@ _NEW_ROWS = (
     " group_concat(length), group_concat(at), group_concat(length(counts)),"
     " CAST(group_concat(terms, '') AS BLOB), CAST(group_concat(counts, '') AS BLOB)"
     " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?)")
+# The same on PostgreSQL, whose aggregates take their order explicitly.
+_NEW_ROWS_PG = "SELECT count(*), " + ", ".join(
+    f"string_agg(CAST({c} AS TEXT), ',' ORDER BY seq)"
+    for c in ("seq", "user_id", "conversation_id", "length", "at", "length(counts)")) + (
+    ", string_agg(terms, '' ORDER BY seq), string_agg(counts, '' ORDER BY seq)"
+    " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?) r")
 
 
-def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 - sqlite3
+def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 - a connection
     """At most `limit` retrieval rows past seq `after`, or None if there are none."""
-    count, *ints, at, row_len, terms, counts = conn.execute(_NEW_ROWS, (after, limit)).fetchone()
+    sql = _NEW_ROWS_PG if postgres() else _NEW_ROWS
+    count, *ints, at, row_len, terms, counts = conn.execute(sql, (after, limit)).fetchone()
     if count == 0:
         return None
     seq, user, conv, length, at, row_len = (np.fromstring(x, np.int64, sep=",")
@@ -154,6 +169,10 @@ def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 -
         raise AssertionError("retrieval rows read out of order or cut")
     return rows
 
+
+# The dictionary version and flip count the rows were derived under (a flip changes it).
+_VERSION = ("SELECT group_concat(value) FROM (SELECT value FROM setting"
+            " WHERE key IN ('dictionary', 'flips') ORDER BY key) v")
 
 # The arena's per-row columns and their types (see Arena).
 _COLUMNS = {"seq": np.int64, "user": np.int32, "conv": np.int32, "at": np.int64,
@@ -218,12 +237,21 @@ class Arena:
     def catch_up(self) -> int:
         """Read what was stored or deleted since the last catch-up and publish a new view;
         returns rows read. One caller at a time (the scanner's lock); readers need none."""
+        if self.version is not None:
+            # Nothing new, the usual case before a search: one statement, not a snapshot's
+            # five round trips (PostgreSQL over TCP: measured 1.2 ms a search against 0.75 on
+            # SQLite at 10k rows, most of it here). A row not yet committed is not seen here,
+            # and it is read by the next catch-up.
+            with failing_as("catch up on memory"):
+                now = connection().execute(
+                    f"SELECT ({_VERSION}), (SELECT coalesce(max(seq), 0) FROM retrieval),"
+                    " (SELECT coalesce(max(seq), 0) FROM retrieval_gone)").fetchone()
+            if now == (self.version, min(now[1], self.row_cursor), min(now[2], self.gone_cursor)):
+                return 0
         with snapshot("catch up on memory") as conn:  # one snapshot: rows and deletions agree
             # A flip (maintenance.flip) re-writes every row without logging their deletions,
             # and counts itself: a count read here that moved means rebuild.
-            version = conn.execute("SELECT group_concat(value) FROM (SELECT value FROM setting"
-                                   " WHERE key IN ('dictionary', 'flips') ORDER BY key)"
-                                   ).fetchone()[0]
+            version = conn.execute(_VERSION).fetchone()[0]
             self._flipped |= self.version is not None and version != self.version
             self.version = version
             new = []

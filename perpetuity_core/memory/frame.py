@@ -25,7 +25,7 @@ from perpetuity_core.memory import cap, dates, heat
 from perpetuity_core.memory.index import messages_tokens, token_estimate
 from perpetuity_core.memory.rows import Row, quoted, shown_rows, time_label
 from perpetuity_core.memory.scan import Hit, Scanner
-from perpetuity_core.memory.store import db, in_list
+from perpetuity_core.memory.store import connection, db, in_list
 from perpetuity_core.memory.tenants import withheld
 from perpetuity_core.wire.conversation import Kind, Message, Part
 
@@ -239,7 +239,7 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
 def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
     """(rank, item_id) of the rows in the messages around each hit, in its conversation."""
     out: list[tuple[int, int]] = []
-    conn = db.connection()
+    conn = connection()
     for rank, h in enumerate(hits):
         for cmp, order in (("<", "DESC"), (">", "ASC")):
             rows = conn.execute(
@@ -257,7 +257,7 @@ def _other_half(hit: Hit, excluded: set[int]) -> list[int]:
     answers. The two travel together; either alone is often not the answer."""
     cmp, order = (">", "ASC") if hit.role == "user" else ("<", "DESC")
     # Harness text between them (Claude Code's mid-conversation system message) is no half.
-    row = db.connection().execute(
+    row = connection().execute(
         f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ?"
         f" AND role IN ('user', 'assistant') ORDER BY id {order} LIMIT 1",
         (hit.conversation_id, hit.message_id)).fetchone()
@@ -269,7 +269,7 @@ def _items_of(message_ids: set[int]) -> list[int]:
     if not message_ids:
         return []
     ids = sorted(message_ids)
-    return [i for (i,) in db.connection().execute(
+    return [i for (i,) in connection().execute(
         f"SELECT id FROM item WHERE message_id IN ({in_list(ids)}) ORDER BY id", ids)]
 
 
@@ -391,7 +391,7 @@ def _adjacent_pairs(database: str, ids: tuple[int, ...]) -> frozenset[tuple[int,
     (a purge could only add pairs, and then a run is labelled once more than it needs)."""
     if len(ids) < 2:
         return frozenset()
-    stored = [i for (i,) in db.connection().execute(
+    stored = [i for (i,) in connection().execute(
         "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
         " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id", (ids[0], ids[0], ids[-1]))]
     follows = dict(zip(stored, stored[1:], strict=False))

@@ -30,7 +30,6 @@ tables then dropped whole a turn waited 1.3 s behind a drop, hence the batches. 
 from __future__ import annotations
 
 import re
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +38,9 @@ import numpy as np
 
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory import chains, dictionary
-from perpetuity_core.memory.index import count_terms, item_text, settle_in, token_estimate
-from perpetuity_core.memory.store import Store, snapshot, writing
+from perpetuity_core.memory.dialect import Sql
+from perpetuity_core.memory.index import count_terms, fold, item_text, settle_in, token_estimate
+from perpetuity_core.memory.store import Store, postgres, snapshot, writing
 from perpetuity_core.wire.conversation import Kind
 
 _CONTEXT = Kind.CONTEXT.value  # harness text: stored, never retrieved (no retrieval row)
@@ -151,10 +151,13 @@ def rederive(store: Store, version: str, progress: bool = True) -> int:
     from tqdm import tqdm
 
     d = _dictionary(version)
-    _drop_old()
+    if not postgres():
+        _drop_old()
     with writing("start re-deriving") as conn:
         staged = {v for (v,) in conn.execute("SELECT version FROM retrieval_next LIMIT 1")}
-        if not _staging(conn) or staged - {version}:  # rows of an abandoned version go
+        if postgres():  # see _flip_in_place
+            conn.execute("DELETE FROM retrieval_next WHERE version != ?", (version,))
+        elif not _staging(conn) or staged - {version}:  # rows of an abandoned version go
             _unstage(conn)
             _stage(conn)
         (total,) = conn.execute("SELECT count(*) FROM item WHERE kind != ?",
@@ -177,37 +180,72 @@ def rederive(store: Store, version: str, progress: bool = True) -> int:
 def flip(store: Store, version: str) -> int:
     """Make `version` live in one short transaction: the rows stored since the re-derivation
     are re-derived, the deletions since taken out of the staged counts, and each swapped
-    structure renamed with its staged twin. Returns the rows now live."""
+    structure renamed with its staged twin (SQLite; on PostgreSQL the rows, counts and chains
+    are still rebuilt inside the flip's transaction, _flip_in_place). Returns the rows now
+    live."""
     d = _dictionary(version)
     with writing("flip the dictionary") as conn:
         (dark,) = conn.execute("SELECT count(*) FROM retrieval_next WHERE version = ?",
                                (version,)).fetchone()
-        if not dark or not _staging(conn):
+        if not dark or not (postgres() or _staging(conn)):
             raise ConfigError(f"nothing re-derived under {version}: run rederive first")
         while _rederive_batch(d, REDERIVE_BATCH):  # savepoints inside this transaction
             pass
-        _settle_staged(conn)
         # Every deletion of the old version goes with it (its counts go whole); arenas rebuild
         # on the version change, so nothing else is logged.
         conn.execute("UPDATE retrieval_gone SET settled = 1 WHERE settled = 0")
-        (trigger,) = conn.execute(
-            "SELECT sql FROM sqlite_master WHERE name = 'retrieval_deleted'").fetchone()
-        conn.execute("DROP TRIGGER retrieval_deleted")
-        for table in _SWAPPED:
-            conn.execute(f"ALTER TABLE {table} RENAME TO {table}_old")
-            conn.execute(f"ALTER TABLE {table}_staged RENAME TO {table}")
-        conn.execute(trigger)
-        conn.execute("ALTER TABLE retrieval_next RENAME TO retrieval_next_old")
-        _twin(conn, "retrieval_next_old", "retrieval_next")
-        # The staged rows came with their chains.
+        if postgres():
+            _flip_in_place(conn)
+        else:
+            _swap_staged(conn)
         conn.execute("UPDATE derived SET seq = (SELECT coalesce(max(seq), 0) FROM retrieval)")
         conn.execute("UPDATE setting SET value = ? WHERE key = 'dictionary'", (version,))
-        conn.execute("INSERT INTO setting VALUES ('flips', '1') ON CONFLICT(key)"
-                     " DO UPDATE SET value = value + 1")
+        conn.execute("INSERT INTO setting VALUES ('flips', '1') ON CONFLICT(key) DO UPDATE"
+                     " SET value = CAST(CAST(setting.value AS INTEGER) + 1 AS TEXT)")
         (rows,) = conn.execute("SELECT rows FROM retrieval_total").fetchone()
     dictionary.use(d)
-    _drop_old()
+    if not postgres():
+        _drop_old()
     return rows
+
+
+def _swap_staged(conn: Sql) -> None:
+    """Rename each swapped structure with its staged twin (SQLite: a rename touches the
+    schema only), the staged counts first cleared of the rows purged since they were staged."""
+    _settle_staged(conn)
+    (trigger,) = conn.execute(
+        "SELECT sql FROM sqlite_master WHERE name = 'retrieval_deleted'").fetchone()
+    conn.execute("DROP TRIGGER retrieval_deleted")
+    for table in _SWAPPED:
+        conn.execute(f"ALTER TABLE {table} RENAME TO {table}_old")
+        conn.execute(f"ALTER TABLE {table}_staged RENAME TO {table}")
+    conn.execute(trigger)
+    conn.execute("ALTER TABLE retrieval_next RENAME TO retrieval_next_old")
+    _twin(conn, "retrieval_next_old", "retrieval_next")
+
+
+def _flip_in_place(conn: Sql) -> None:
+    """PostgreSQL: every retrieval row, the pooled counts and the chains rebuilt from
+    retrieval_next inside the flip's transaction (staging there is left to do: its tables
+    would share the retrieval sequence, which belongs to the table it was made with)."""
+    before = _delete_unlogged(conn)
+    conn.execute(
+        "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
+        " tokens, version, terms, counts) SELECT n.item_id, m.id, m.user_id,"
+        " m.conversation_id, CAST(m.at AS INTEGER), n.length, n.tokens, n.version, n.terms,"
+        " n.counts FROM retrieval_next n JOIN item i ON i.id = n.item_id"
+        " JOIN message m ON m.id = i.message_id ORDER BY n.item_id")
+    conn.execute("DELETE FROM retrieval_term")
+    conn.execute("UPDATE retrieval_total SET rows = 0, length = 0, tokens = 0, folded_seq = ?",
+                 (before,))
+    fold(conn)
+    conn.execute("DELETE FROM chain")
+    conn.executemany(chains._INSERT_CHAIN, (
+        (user, s, at, i) for i, user, at, subjects in conn.execute(
+            "SELECT n.item_id, m.user_id, m.at, n.subjects FROM retrieval_next n"
+            " JOIN item i ON i.id = n.item_id JOIN message m ON m.id = i.message_id"
+            " WHERE n.subjects != ''").fetchall() for s in subjects.split()))
+    conn.execute("DELETE FROM retrieval_next")
 
 
 # -- the staged structures
@@ -220,14 +258,14 @@ _SWAPPED = ("retrieval", "retrieval_term", "retrieval_total", "chain")
 SEQ_GAP = 1 << 32
 
 
-def _staging(conn: sqlite3.Connection) -> bool:
+def _staging(conn: Sql) -> bool:
     (n,) = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'"
                         " AND name IN ('retrieval_staged_gone'"
                         + "".join(f", '{t}_staged'" for t in _SWAPPED) + ")").fetchone()
     return n == len(_SWAPPED) + 1
 
 
-def _stage(conn: sqlite3.Connection) -> None:
+def _stage(conn: Sql) -> None:
     """Empty staged twins of the swapped structures, and a log of their rows deleted (items
     purged while staging: cascades) for the flip to take out of the staged counts."""
     (gen,) = conn.execute("SELECT coalesce((SELECT value FROM setting WHERE key = 'flips'), 0)"
@@ -246,12 +284,12 @@ def _stage(conn: sqlite3.Connection) -> None:
     conn.execute("DELETE FROM retrieval_next")
 
 
-def _unstage(conn: sqlite3.Connection) -> None:
+def _unstage(conn: Sql) -> None:
     for table in (*(f"{t}_staged" for t in _SWAPPED), "retrieval_staged_gone"):
         conn.execute(f"DROP TABLE IF EXISTS {table}")
 
 
-def _twin(conn: sqlite3.Connection, table: str, twin: str, gen: int = 0) -> None:
+def _twin(conn: Sql, table: str, twin: str, gen: int = 0) -> None:
     """Create `twin`, empty, as `table` is declared, with its indexes (named for generation
     `gen`: index names are global, and a twin outlives the table it copies)."""
     (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?",
@@ -264,7 +302,7 @@ def _twin(conn: sqlite3.Connection, table: str, twin: str, gen: int = 0) -> None
         conn.execute(index)
 
 
-def _settle_staged(conn: sqlite3.Connection) -> None:
+def _settle_staged(conn: Sql) -> None:
     """Take the staged rows deleted since they were staged out of the staged counts."""
     gone = conn.execute("SELECT length, tokens, terms FROM retrieval_staged_gone").fetchall()
     conn.execute("DROP TRIGGER retrieval_staged_deleted")
@@ -299,7 +337,19 @@ def _drop_old() -> None:
             time.sleep(REDERIVE_PAUSE)
 
 
-def _row_key(conn: sqlite3.Connection, table: str) -> str:
+def _delete_unlogged(conn: Sql) -> int:
+    """PostgreSQL: delete every retrieval row without the trigger logging each; returns the
+    last seq ever handed out (the new rows' seqs start past it)."""
+    # A trigger disabled inside the transaction is disabled for it alone (readers wait for the
+    # flip to commit: ALTER TABLE locks the table).
+    conn.execute("ALTER TABLE retrieval DISABLE TRIGGER retrieval_deleted")
+    conn.execute("DELETE FROM retrieval")
+    conn.execute("ALTER TABLE retrieval ENABLE TRIGGER retrieval_deleted")
+    return int(conn.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END"
+                            " FROM retrieval_seq_seq").fetchone()[0])
+
+
+def _row_key(conn: Sql, table: str) -> str:
     """What names a row of `table`: rowid, or a WITHOUT ROWID table's primary key (chain)."""
     (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (table,)).fetchone()
     if not sql.rstrip().upper().endswith("WITHOUT ROWID"):
@@ -312,7 +362,8 @@ def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = Non
     """Re-derive the next `limit` items past the cursor (up to item `upto`) under `d` into
     retrieval_next and the staged structures (rows, counts, chains); returns how many."""
     with writing("re-derive rows") as conn:
-        if not _staging(conn):
+        staging = not postgres()  # see _flip_in_place
+        if staging and not _staging(conn):
             _unstage(conn)
             _stage(conn)
         (after,) = conn.execute("SELECT coalesce(max(item_id), 0) FROM retrieval_next").fetchone()
@@ -337,7 +388,10 @@ def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = Non
                 staged.append((i, message, user, conversation, int(at), bag.length, n_tokens,
                                d.version, terms, bag.counts.tobytes()))
                 chained += [(user, s, at, i) for s in subjects]
-        conn.executemany("INSERT OR REPLACE INTO retrieval_next VALUES (?,?,?,?,?,?,?)", nxt)
+        conn.executemany("INSERT OR REPLACE INTO retrieval_next (item_id, version, length, tokens,"
+                         " terms, counts, subjects) VALUES (?,?,?,?,?,?,?)", nxt)
+        if not staging:
+            return len(items)
         conn.executemany(
             "INSERT INTO retrieval_staged (item_id, message_id, user_id, conversation_id, at,"
             " length, tokens, version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?,?)", staged)
@@ -360,6 +414,6 @@ def _dictionary(version: str) -> dictionary.Dictionary:
     return dictionary.Dictionary.from_bytes(row[0])
 
 
-def _live_version(conn: sqlite3.Connection) -> str:
+def _live_version(conn: Sql) -> str:
     return conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()[0]
 

@@ -4,11 +4,11 @@
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.names import label
 from perpetuity_core.memory.store import in_chunks, in_list, snapshot
 from perpetuity_core.wire.conversation import Kind, without_scaffold
@@ -43,7 +43,7 @@ def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int,
         return _shown_rows(conn, ids, user_id, out)
 
 
-def _shown_rows(conn: sqlite3.Connection, ids: list[int], user_id: int | None,
+def _shown_rows(conn: Sql, ids: list[int], user_id: int | None,
                 out: dict[int, Row]) -> dict[int, Row]:
     kinds = ",".join("?" * len(SHOWN_KINDS))
     owner = " AND m.user_id = ?" if user_id is not None else ""

@@ -62,7 +62,7 @@ from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, build_seg
 from perpetuity_core.memory.bm25 import Params, make_query
 from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.index import item_text, totals, unfolded_df
-from perpetuity_core.memory.store import Store, db, failing_as, in_list, snapshot
+from perpetuity_core.memory.store import Store, connection, failing_as, in_list, snapshot
 from perpetuity_core.memory.view import Visibility
 
 
@@ -175,7 +175,7 @@ def fetch_hits(ranked: list[tuple[float, int, bool]]) -> list[Hit]:
     if not ranked:
         return []
     seqs = [s for _, s, _ in ranked]
-    rows = db.connection().execute(
+    rows = connection().execute(
         "SELECT r.seq, r.item_id, r.message_id, r.user_id, r.conversation_id, m.role, m.at,"
         " i.name, i.text, r.tokens FROM retrieval r JOIN item i ON i.id = r.item_id"
         " JOIN message m ON m.id = r.message_id"
