@@ -25,6 +25,8 @@ stored during it and the drops after it waited 90 ms at most, none failed. At 82
 the old flip was seen holding the lock 26 s) the staged flip took 0.48 s, and with the old
 tables then dropped whole a turn waited 1.3 s behind a drop, hence the batches. Heat
 (activations, clocks) and the binding log are keyed by item and are not touched.
+On PostgreSQL the staging is not done yet: rederive fills retrieval_next alone and the flip
+rebuilds the rows, counts and chains inside its transaction (`_flip_in_place`).
 """
 
 from __future__ import annotations
