@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from perpetuity_core.memory import capture, importers, index, scan  # noqa: E402
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import db  # noqa: E402
+from perpetuity_core.memory.store import Store, db  # noqa: E402
 from scripts.bench_retrieval import (  # noqa: E402
     UNIT_USERS,
     ingest,
@@ -41,17 +41,24 @@ from scripts.bench_retrieval import (  # noqa: E402
 )
 
 
-def run_size(size: int, data: Path, args: argparse.Namespace, tmp: Path) -> dict:
-    store = open_memory(tmp / f"steady-{size}.db")
+def build(store: Store, data: Path, size: int) -> int:
+    """Fill `store` to `size` tokens pooled, as bench_retrieval.py does; returns the copies
+    made of the first unit."""
     users = unit_threads(data)
     unit_tokens = sum(tokens_of(t) for u in users for t in u)
     copies = max(0, round(size / unit_tokens) - 1)
     if size >= 80e6:
         copies = max(copies, -(-500 // UNIT_USERS) - 1)
-    t0 = time.perf_counter()
     ingest(store, users, size if copies == 0 else 10**12).pop("_texts")
     if copies:
         replicate(copies)
+    return copies
+
+
+def run_size(size: int, data: Path, args: argparse.Namespace, tmp: Path) -> dict:
+    store = open_memory(tmp / f"steady-{size}.db")
+    t0 = time.perf_counter()
+    copies = build(store, data, size)
     built = time.perf_counter() - t0
     conn = db.connection()
     n_rows, _, n_tokens = index.totals(conn)

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""Several writer processes on one memory file: failures, throughput, and the check after.
+"""Several writer processes on one memory (a SQLite file or a PostgreSQL database): failures,
+throughput, heat and clock, and the check after.
 
-    scripts/bench_writers.py [--processes 2] [--messages 3000]
+    scripts/bench_writers.py [--processes 2] [--messages 3000] [--db PATH_OR_URL]
 
-Each process opens its own Store on the same file and stores `messages` user turns through
+Each process opens its own Store on the same memory and stores `messages` user turns through
 the write path (Store.add_message, one transaction per message, its own user and
-conversation), counting the writes that fail; all start together. Afterwards the file is
-checked (`memory check`) and its messages counted. Prints one JSON object.
+conversation), counting the writes that fail; all start together. With each turn it also
+moves one shared user's clock by one token and reheats one shared row (at clock 0, so the
+peak alone decides): afterwards the clock must be the sum of every move and the row's peak
+the highest any process wrote, or an update was lost. Then the memory is checked
+(`memory check`) and its messages counted. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -25,14 +29,28 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+SHARED = "shared-user"
+
+
+def peak(writer: int, i: int) -> float:
+    """The peak writer `writer` reheats the shared row to with its turn `i`."""
+    return 1.0 + (i * 31 + writer * 17) % 1000 / 1000
+
+
 def write(path: str, user: str, n: int) -> None:
     """One writer process: `n` turns, then the number of failed writes on stdout."""
     from perpetuity_core.errors import StoreError
+    from perpetuity_core.memory import heat
+    from perpetuity_core.memory.store import connection
     from perpetuity_core.wire.conversation import Kind, Message, Part
 
     s = open_memory(path)
     uid = s.user_id(user)
     cid = s.conversation_id(uid, "c", "anthropic")
+    shared = s.user_id(SHARED)
+    (row,) = connection().execute("SELECT i.id FROM item i JOIN message m ON m.id = i.message_id"
+                                  " WHERE m.user_id = ?", (shared,)).fetchone()
+    writer = int(user.rsplit("-", 1)[1])
     failed = 0
     for i in range(n):
         text = f"{user} turn {i} about the garden, the violin and the harbour lantern"
@@ -41,6 +59,8 @@ def write(path: str, user: str, n: int) -> None:
                           message=Message("user", (Part(Kind.TEXT, text),)),
                           provider="anthropic", model="m", at=1.7e9 + i,
                           pair_key=f"{user}-{i}", source="import")
+            heat.advance(shared, 1)
+            heat.reheat(0.0, {row: peak(writer, i)})
         except StoreError:
             failed += 1
     s.flush()
@@ -56,14 +76,22 @@ def main() -> int:
     ap.add_argument("--write", nargs=2, metavar=("USER", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(args.db or Path(tmp) / "memory.db")
+        path = args.db or str(Path(tmp) / "memory.db")
         if args.write:
             write(str(path), args.write[0], int(args.write[1]))
             return 0
+        from perpetuity_core.memory import heat
         from perpetuity_core.memory.integrity import check
-        from perpetuity_core.memory.store import db
+        from perpetuity_core.memory.store import connection
+        from perpetuity_core.wire.conversation import Kind, Message, Part
 
-        open_memory(path).close()  # migrated once, so every writer starts on the same schema
+        store = open_memory(path)  # migrated once, so every writer starts on the same schema
+        shared = store.user_id(SHARED)
+        (item,) = store.add_message(
+            conversation_id=store.conversation_id(shared, "c", "anthropic"), user_id=shared,
+            message=Message("user", (Part(Kind.TEXT, "the shared row"),)), provider="anthropic",
+            model="m", at=1.7e9, pair_key="shared", source="import").item_ids
+        store.close()
         t0 = time.perf_counter()
         procs = [subprocess.Popen([sys.executable, __file__, "--db", str(path), "--write",
                                    f"writer-{i}", str(args.messages)], stdout=subprocess.PIPE,
@@ -71,13 +99,20 @@ def main() -> int:
         failures = [int(p.communicate()[0]) for p in procs]
         seconds = time.perf_counter() - t0
         store = open_memory(path)
-        (stored,) = db.connection().execute("SELECT count(*) FROM message").fetchone()
+        (stored,) = connection().execute("SELECT count(*) - 1 FROM message").fetchone()
+        (top,) = connection().execute("SELECT peak FROM activation WHERE item_id = ?",
+                                      (item,)).fetchone()
+        clock = heat.clock(shared)
         violations = check(store)
         store.close()
     print(json.dumps({"processes": args.processes, "messages_each": args.messages,
                       "failures": failures, "stored": stored,
                       "expected": args.processes * args.messages, "seconds": round(seconds, 2),
-                      "messages_per_s": round(stored / seconds), "check_violations": violations}))
+                      "messages_per_s": round(stored / seconds), "clock": clock,
+                      "expected_clock": float(args.processes * args.messages), "peak": top,
+                      "expected_peak": max(peak(w, i) for w in range(args.processes)
+                                           for i in range(args.messages)),
+                      "check_violations": violations}))
     return 0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import postgres
 from tests.fake_provider import FakeProvider
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,12 +38,15 @@ def free_port() -> int:
 class Proxy:
     url: str
     port: int
-    db: Path
+    db: Path | str  # a SQLite file, or a PostgreSQL URL
     confdir: Path
     process: subprocess.Popen
     log: Path
 
     def rows(self, sql: str, *args: object) -> list[tuple]:
+        if isinstance(self.db, str):
+            with postgres.other_connection(self.db) as other:
+                return other.execute(sql, args).fetchall()
         con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
         try:
             return con.execute(sql, args).fetchall()
@@ -51,8 +55,10 @@ class Proxy:
 
     def messages(self, user: str | None = None) -> list[tuple[str, str, str, int]]:
         """(role, source, text of the message's items, complete) in storage order."""
+        texts = ("string_agg(i.text, '|' ORDER BY i.seq)" if isinstance(self.db, str)
+                 else "group_concat(i.text, '|')")
         sql = (
-            "select m.role, m.source, group_concat(i.text, '|'), m.complete from message m "
+            f"select m.role, m.source, {texts}, m.complete from message m "
             "join user u on u.id = m.user_id left join item i on i.message_id = m.id "
             # A claimed user is stored under its tenant: "<tenant>/<user>".
             + ("where (u.key = ? or substr(u.key, instr(u.key, '/') + 1) = ?) " if user else "")
@@ -73,9 +79,10 @@ class Proxy:
         return self.process.poll() is None
 
 
-def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None) -> Proxy:
+def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None,
+                db: Path | str | None = None) -> Proxy:
     port = port or free_port()
-    db = tmp / "memory.db"
+    db = db or tmp / "memory.db"
     confdir = tmp / "mitm"
     log = tmp / "mitmdump.log"
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
@@ -112,7 +119,7 @@ def stop_proxy(p: Proxy) -> None:
         p.process.wait()
 
 
-_OPENED: list[sqlite3.Connection] = []
+_OPENED: list[sqlite3.Connection | postgres.Other] = []
 
 
 def opened(path: str | Path, **options: object) -> sqlite3.Connection:
@@ -123,8 +130,20 @@ def opened(path: str | Path, **options: object) -> sqlite3.Connection:
     return con
 
 
+def opened_other(location: Path | str) -> postgres.Other:
+    """Another connection to a memory on either backend (tests/postgres.py), autocommitting,
+    closed when the test ends."""
+    con = postgres.other_connection(location)
+    _OPENED.append(con)
+    return con
+
+
 def query(path: str | Path, sql: str, *args: object) -> list[tuple]:
-    """The rows of `sql` on the file at `path`, through a connection opened and closed here."""
+    """The rows of `sql` on the memory at `path` (a file, or a PostgreSQL URL), through a
+    connection opened and closed here."""
+    if isinstance(path, str) and path.startswith("postgresql://"):
+        with postgres.other_connection(path) as other:
+            return other.execute(sql, args).fetchall()
     with closing(sqlite3.connect(path)) as con:
         return con.execute(sql, args).fetchall()
 
@@ -149,6 +168,32 @@ def proxy(fake: FakeProvider, tmp_path_factory: pytest.TempPathFactory) -> Itera
     stop_proxy(p)
     # mitmproxy may log its own cancelled connections at shutdown; ours must never fail.
     assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """One real PostgreSQL server for the whole run (tests/postgres.py); skips with the reason
+    where none can be started. fsync off: a test never survives a power cut anyway."""
+    if why := postgres.unavailable():
+        pytest.skip(why)
+    with postgres.server("fsync=off", "max_connections=200") as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str, request: pytest.FixtureRequest) -> str:
+    """A new empty database on the run's server, named after the test."""
+    name = "t_" + "".join(c if c.isalnum() else "_" for c in request.node.name)[:50].lower()
+    return postgres.fresh_database(postgres_server, name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def memory_at(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """Where a test's memory lives: a SQLite file, then a PostgreSQL database (skipped with
+    the reason where no server can start). One suite runs against both."""
+    if request.param == "sqlite":
+        return tmp_path / "memory.db"
+    return request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture(autouse=True)

@@ -37,8 +37,8 @@ from tests.validity import CHECKS
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    s = open_memory(tmp_path / "m.db")
+def store(memory_at: Path | str):
+    s = open_memory(memory_at)
     yield s
     s.close()
 
@@ -138,10 +138,11 @@ def test_standing_instructions_outlast_the_warm_window_and_reach_the_frame(store
                         asked_at=time.time(), limits=cap.Cap())
     text = "\n".join(p.text for m in built.messages for p in m.parts)
     assert "Always show timings in milliseconds." in text and "kestrel" not in text
-    plan = query(store.path,
-                 "EXPLAIN QUERY PLAN SELECT item_id FROM activation WHERE user_id = ? AND at >= ?"
-                 f" AND half_life >= {heat.STANDING_HALF_LIFE}", uid, 0.0)
-    assert "activation_standing" in str(plan)  # read through its own index, not a scan
+    if isinstance(store.path, Path):  # SQLite's plan; PostgreSQL's planner goes by table size
+        plan = query(store.path, "EXPLAIN QUERY PLAN SELECT item_id FROM activation WHERE"
+                     f" user_id = ? AND at >= ? AND half_life >= {heat.STANDING_HALF_LIFE}",
+                     uid, 0.0)
+        assert "activation_standing" in str(plan)  # read through its own index, not a scan
 
 
 def test_a_pooled_hit_warms_on_the_askers_clock_only(store: Store) -> None:
@@ -166,6 +167,8 @@ def test_a_pooled_hit_warms_on_the_askers_clock_only(store: Store) -> None:
 def test_lookups_around_a_message_read_its_conversation_in_store_order(store: Store) -> None:
     """The latest stretch, a hit's neighbours, the other half of an exchange: each reads a few
     index entries, never the whole conversation sorted (a long coding session)."""
+    if not isinstance(store.path, Path):
+        pytest.skip("SQLite's query plan (PostgreSQL's planner goes by table size)")
     conn = opened(store.path)
     for sql in ("SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
                 "SELECT id FROM message WHERE conversation_id = ? AND id < ? ORDER BY id DESC"

@@ -163,9 +163,12 @@ def test_after_the_cache_expired_a_new_prompt_gets_a_new_frame(tmp_path: Path) -
     assert later[-1] == s.asked[-1] and len(later) < len(s.asked)
 
 
-def test_a_short_conversation_is_sent_as_it_is(tmp_path: Path) -> None:
+def test_a_short_conversation_is_sent_as_it_is_under_a_frame_for_each_prompt(
+        tmp_path: Path) -> None:
     s = Session(tmp_path)  # frames up to 5,000 tokens: this history is far shorter
-    first, _ = s.prompt("Which module parses toml files?")
-    second, _ = s.prompt("And the json one?")
+    s.prompt("Which module parses toml files?")
+    second, d = s.prompt("Where do the csv tests live?")
     assert second[-3:] == s.asked  # its own turns all kept as sent
-    assert _unmarked(second).startswith(_unmarked(first)[:-1])
+    assert d.frame is not None and "tests/test_csv.py" in json.dumps(second[:-3])
+    third, d = s.tool_round("ok " * 20)
+    assert d.frame is None and _unmarked(third).startswith(_unmarked(second)[:-1])

@@ -14,19 +14,24 @@ import httpx
 import openai
 import pytest
 
+from tests import postgres
 from tests.conftest import Proxy, start_proxy, stop_proxy
 from tests.fake_provider import Cut, Error, FakeProvider, Text, ToolCall
 
 KEY = "sk-ant-api03-SECRET-never-stored"
 
 
-@pytest.fixture(scope="module", params=["relay", "mitmproxy-stream"])
+@pytest.fixture(scope="module", params=["relay", "mitmproxy-stream", "relay-postgresql"])
 def proxy(request: pytest.FixtureRequest, fake: FakeProvider,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     """Every test runs with the recall tools on (a request with memory to reach goes through
-    the relay, where their loop runs) and off (every reply on mitmproxy's own stream)."""
-    extra = () if request.param == "relay" else ("--set", "perpetuity_tools=false")
-    p = start_proxy(tmp_path_factory.mktemp(request.param), fake.url, *extra)
+    the relay, where their loop runs) and off (every reply on mitmproxy's own stream), and
+    with the memory on PostgreSQL (skipped with the reason where no server can start)."""
+    extra = ("--set", "perpetuity_tools=false") if request.param == "mitmproxy-stream" else ()
+    db = None
+    if request.param.endswith("postgresql"):
+        db = postgres.fresh_database(request.getfixturevalue("postgres_server"), "proxy")
+    p = start_proxy(tmp_path_factory.mktemp(request.param), fake.url, *extra, db=db)
     yield p
     stop_proxy(p)
     assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
@@ -243,9 +248,13 @@ def test_secrets_never_stored_and_db_private(proxy: Proxy, fake: FakeProvider) -
                          "where i.text = 'who am I?'"):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    raw = b"".join(p.read_bytes() for p in proxy.db.parent.glob("memory.db*"))
-    assert b"SECRET" not in raw and b"never-stored" not in raw
-    assert stat.S_IMODE(os.stat(proxy.db).st_mode) == 0o600
+    if isinstance(proxy.db, str):  # PostgreSQL: no file to read, every text instead
+        assert not proxy.rows("select 1 from item where strpos(text, 'SECRET') > 0"
+                              " or strpos(text, 'never-stored') > 0")
+    else:
+        raw = b"".join(p.read_bytes() for p in proxy.db.parent.glob("memory.db*"))
+        assert b"SECRET" not in raw and b"never-stored" not in raw
+        assert stat.S_IMODE(os.stat(proxy.db).st_mode) == 0o600
     # The salted hash of the key is the user, never the key.
     users = [u for (u,) in proxy.rows("select key from user")]
     assert any(u.startswith("key-") for u in users)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
 import subprocess
 import sys
 from collections import Counter
@@ -17,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perpetuity_core.memory import arena, bm25, dictionary, index, maintenance, scan
+from perpetuity_core.memory import arena, bm25, dictionary, index, maintenance, scan, view
+from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, db
+from perpetuity_core.memory.store import Store, connection, db
 from perpetuity_core.wire.conversation import Kind, Message, Part
-from tests.conftest import opened, query
+from tests.conftest import opened_other
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data"
@@ -33,8 +33,8 @@ STOP = ["the", "a", "of", "to", "and", "was", "is", "i", "you", "we"]
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    s = open_memory(tmp_path / "memory.db")
+def store(memory_at: Path | str):
+    s = open_memory(memory_at)
     yield s
     s.close()
 
@@ -85,7 +85,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     that span, scored as without it.
     """
     k1, b = params.k1, params.b
-    conn = opened(store.path)
+    conn = opened_other(store.path)
     rows = conn.execute("SELECT seq, item_id, user_id, conversation_id, length, terms, counts"
                         " FROM retrieval ORDER BY seq").fetchall()
     said = {i: int(at) for i, at in conn.execute(  # whole seconds, as retrieval keeps them
@@ -184,7 +184,7 @@ def test_unknown_words_hash_deterministically_into_the_reserved_range() -> None:
 
 def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store) -> None:
     fill(store, random.Random(1), 60)
-    conn = opened(store.path)
+    conn = opened_other(store.path)
     (items,) = conn.execute("SELECT count(*) FROM item").fetchone()
     rows = conn.execute("SELECT item_id, version, terms, length FROM retrieval").fetchall()
     assert len(rows) == items and len({r[0] for r in rows}) == items
@@ -194,15 +194,15 @@ def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store)
         df.update(np.frombuffer(r[2], "<i4").tolist())
     terms = np.array(sorted(df), np.int32)
     with db.atomic():
-        assert index.unfolded_df(db.connection(), terms).tolist() == [df[t] for t in terms]
-        index.fold(db.connection())
+        assert index.unfolded_df(connection(), terms).tolist() == [df[t] for t in terms]
+        index.fold(connection())
     assert dict(conn.execute("SELECT term, df FROM retrieval_term").fetchall()) == dict(df)
     assert conn.execute("SELECT rows, length FROM retrieval_total").fetchone() == (
         len(rows), sum(r[3] for r in rows))
     conn.close()
 
 
-def recount(conn: sqlite3.Connection) -> tuple[tuple[int, int, int], dict[int, int]]:
+def recount(conn: Sql) -> tuple[tuple[int, int, int], dict[int, int]]:
     """The pooled counts from scratch: (rows, length, tokens) and df of the live rows."""
     rows = conn.execute("SELECT length, tokens, terms FROM retrieval").fetchall()
     df: Counter[int] = Counter()
@@ -211,7 +211,7 @@ def recount(conn: sqlite3.Connection) -> tuple[tuple[int, int, int], dict[int, i
     return (len(rows), sum(r[0] for r in rows), sum(r[1] for r in rows)), dict(df)
 
 
-def pooled(conn: sqlite3.Connection) -> tuple[tuple[int, int, int], dict[int, int]]:
+def pooled(conn: Sql) -> tuple[tuple[int, int, int], dict[int, int]]:
     """The pooled counts as readers get them: folded, plus the rows stored since."""
     terms = np.array(sorted({t for (b,) in conn.execute("SELECT terms FROM retrieval")
                              for t in np.frombuffer(b, "<i4").tolist()}), np.int32)
@@ -223,7 +223,7 @@ def test_pooled_counts_stay_exact_through_folds_purges_and_deletions(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(index, "FOLD_EVERY", 9)
     rng = random.Random(23)
-    conn = db.connection()
+    conn = connection()
     for step in range(30):
         fill(store, rng, rng.randint(1, 12))
         live = [i for (i,) in conn.execute("SELECT item_id FROM retrieval")]
@@ -251,7 +251,7 @@ def test_pooled_counts_stay_exact_through_folds_purges_and_deletions(
 def test_totals_counted_with_every_message_are_migrated(tmp_path: Path) -> None:
     s = open_memory(tmp_path / "old.db")
     fill(s, random.Random(29), 40)
-    conn = db.connection()
+    conn = connection()
     with db.atomic():
         index.fold(conn)
     fill(s, random.Random(31), 25)
@@ -268,7 +268,7 @@ def test_totals_counted_with_every_message_are_migrated(tmp_path: Path) -> None:
     s.close()
     s = open_memory(tmp_path / "old.db")
     try:
-        conn = db.connection()
+        conn = connection()
         index.settle(s)
         assert pooled(conn) == recount(conn)
     finally:
@@ -278,14 +278,14 @@ def test_totals_counted_with_every_message_are_migrated(tmp_path: Path) -> None:
 def test_rows_stored_before_m008_learn_when_they_were_said(tmp_path: Path) -> None:
     s = open_memory(tmp_path / "old.db")
     fill(s, random.Random(37), 30)
-    conn = db.connection()
+    conn = connection()
     with db.atomic():  # the database as before m008
         conn.execute("ALTER TABLE retrieval DROP COLUMN at")
         conn.execute("DELETE FROM migration WHERE name = 'm008_retrieval_time'")
     s.close()
     s = open_memory(tmp_path / "old.db")
     try:
-        said = db.connection().execute(
+        said = connection().execute(
             "SELECT r.at, m.at FROM retrieval r JOIN message m ON m.id = r.message_id").fetchall()
         assert len(said) >= 30 and all(a == int(b) for a, b in said)
         assert {a for a, _ in said} != {0.0}
@@ -367,12 +367,11 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     got = ranked(sc.search(q, uid, 10))
     assert not set(gone) & {i for i, _ in got}
     marks = ",".join("?" * len(gone))
-    assert not query(store.path, f"SELECT item_id FROM activation WHERE item_id IN ({marks})",
-                     *gone)
+    assert not opened_other(store.path).execute(
+        f"SELECT item_id FROM activation WHERE item_id IN ({marks})", gone).fetchall()
     same(got, reference(store, q, uid, 10))
     # A row removed behind the scanner's back (cascade from item) is also reflected.
-    conn = opened(store.path)
-    conn.execute("PRAGMA foreign_keys = ON")
+    conn = opened_other(store.path)
     victim = got[0][0]
     conn.execute("DELETE FROM item WHERE id = ?", (victim,))
     conn.commit()
@@ -387,13 +386,13 @@ def test_catch_up_sees_inserts_purges_and_rederived_rows(store: Store, store_row
     add(store, "u1", "u1-c0", ["zorblax guitar after the re-derivation"])
     assert maintenance.flip(store, version) > 0
     # The re-derived rows are chained at once, not left for every chain reader to derive.
-    assert db.connection().execute("SELECT seq FROM derived").fetchone() == (
-        db.connection().execute("SELECT max(seq) FROM retrieval").fetchone())
+    assert connection().execute("SELECT seq FROM derived").fetchone() == (
+        connection().execute("SELECT max(seq) FROM retrieval").fetchone())
     got = ranked(sc.search(q, uid, 10))
     same(got, reference(store, q, uid, 10))
     fresh = scan.Scanner(store, store_rows=store_rows)
     assert ranked(fresh.search(q, uid, 10)) == got  # a cold process gets the same answer
-    conn = opened(store.path)
+    conn = opened_other(store.path)
     assert {v for (v,) in conn.execute("SELECT DISTINCT version FROM retrieval")} == {
         dictionary.load().version}
     conn.close()
@@ -419,7 +418,8 @@ def same_arena(a: arena.Arena, b: arena.Arena) -> None:
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert (a.n_rows, a.total_length, a.row_cursor) == (b.n_rows, b.total_length, b.row_cursor)
     assert a.df is not None and b.df is not None
-    assert np.array_equal(a.df.dense, b.df.dense) and a.df.hashed == b.df.hashed
+    (ad, ah), (bd, bh) = a.df.table(), b.df.table()
+    assert np.array_equal(ad, bd) and ah == bh
     assert np.array_equal(postings(a), postings(b))
     for seg in a.segments:
         assert seg.n <= arena.SEGMENT_ROWS
@@ -434,6 +434,7 @@ def same_arena(a: arena.Arena, b: arena.Arena) -> None:
 def test_catch_up_after_many_inserts_and_purges_equals_a_fresh_arena(
         store: Store, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arena, "SEGMENT_ROWS", 23)  # every catch-up appends, most merge
+    monkeypatch.setattr(view.Frequencies, "FOLD_AT", 9)  # and frequencies fold
     rng = random.Random(17)
     sc = scan.Scanner(store, store_rows=0, layout=layout, threads=2)
     users = [store.user_id(f"u{i}") for i in range(3)]
@@ -444,7 +445,7 @@ def test_catch_up_after_many_inserts_and_purges_equals_a_fresh_arena(
                 [random_text(rng) + (" | " + random_text(rng) if rng.random() < 0.2 else "")],
                 at=float(step))
         if rng.random() < 0.3:
-            live = [i for (i,) in db.connection().execute("SELECT item_id FROM retrieval")]
+            live = [i for (i,) in connection().execute("SELECT item_id FROM retrieval")]
             index.purge(store, rng.sample(live, min(len(live), rng.randint(1, 6))))
         sc.catch_up()
         fresh = scan.Scanner(store, store_rows=0, layout=layout)
@@ -454,7 +455,8 @@ def test_catch_up_after_many_inserts_and_purges_equals_a_fresh_arena(
         assert np.array_equal(a.seq[live], b.seq)
         assert (a.n_rows, a.total_length) == (b.n_rows, b.total_length)
         assert a.df is not None and b.df is not None
-        assert np.array_equal(a.df.dense, b.df.dense) and a.df.hashed == b.df.hashed
+        (ad, ah), (bd, bh) = a.df.table(), b.df.table()
+        assert np.array_equal(ad, bd) and ah == bh
         if step % 8 == 7:
             q = " ".join(rng.choice(WORDS) for _ in range(3))
             uid = rng.choice([*users, None])
@@ -528,7 +530,7 @@ def test_empty_memory_and_empty_queries(store: Store) -> None:
 # ------------------------------------------------------------------------------ commands
 
 
-def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+def test_search_and_stats_commands(memory_at: Path | str, capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
@@ -537,7 +539,7 @@ def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     # Only this module's commands: the test does not depend on the others importing.
     monkeypatch.setattr(cli, "COMMAND_MODULES", ["perpetuity_core.cli.search",
                                                 "perpetuity_core.cli.memory"])
-    path = tmp_path / "m.db"
+    path = memory_at
     store = open_memory(path)
     add(store, "alice", "c1", ["we adopted a dog named Biscuit", "the concert was loud"])
     store.close()
@@ -556,7 +558,7 @@ def test_search_and_stats_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     assert cli.main(["stats", "--db", str(path), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert (stats["users"], stats["messages"], stats["rows"]) == (1, 2, 2)
-    assert stats["row_versions"] == {dictionary.load().version: 2}
+    assert stats["row_versions"] == {dictionary.load().version: 2} and stats["db_bytes"] > 0
     # The same verbs under their noun; the top-level names above are their aliases.
     assert cli.main(["memory", "search", "--db", str(path), "--json", "--user", "alice", "dog"]) == 0
     assert json.loads(capsys.readouterr().out)["hits"][0]["text"] == "we adopted a dog named Biscuit"

@@ -13,6 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from perpetuity_core.cli import main as cli
@@ -20,17 +21,17 @@ from perpetuity_core.errors import StoreError
 from perpetuity_core.memory import capture, dictionary, heat, index, maintenance, scan
 from perpetuity_core.memory.integrity import check
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, db
+from perpetuity_core.memory.store import Store, connection, db, postgres
 from perpetuity_core.wire.conversation import Kind, Message, Part
-from tests.conftest import opened
+from tests.conftest import opened_other
 from tests.test_retrieval import WORDS, add, fill, ranked, reference, same
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    s = open_memory(tmp_path / "memory.db")
+def store(memory_at: Path | str):
+    s = open_memory(memory_at)
     yield s
     s.close()
 
@@ -79,24 +80,24 @@ def test_searches_never_fail_while_the_writer_stores_and_purges(store: Store) ->
 
 def test_ids_are_never_reused(store: Store) -> None:
     items = add(store, "u", "c", ["first", "second | part"])
-    newest_message = db.connection().execute("SELECT max(id) FROM message").fetchone()[0]
-    with opened(store.path) as other:  # deleted behind the store's back, newest first
-        other.execute("PRAGMA foreign_keys = ON")
+    newest_message = connection().execute("SELECT max(id) FROM message").fetchone()[0]
+    with opened_other(store.path) as other:  # deleted behind the store's back, newest first
         other.execute("DELETE FROM activation WHERE item_id IN (SELECT id FROM item"
                       " WHERE message_id = ?)", (newest_message,))
         other.execute("DELETE FROM item WHERE message_id = ?", (newest_message,))
         other.execute("DELETE FROM message WHERE id = ?", (newest_message,))
     again = add(store, "u", "c", ["third"])
     assert again[0] > max(items)
-    assert db.connection().execute("SELECT max(id) FROM message").fetchone()[0] > newest_message
+    assert connection().execute("SELECT max(id) FROM message").fetchone()[0] > newest_message
     store.flush()  # the writer settles what was deleted behind its back
     assert check(store) == []
 
 
 def test_sqlite_errors_become_store_errors_and_the_turn_is_stored_once_space_returns(
-        store: Store) -> None:
+        tmp_path: Path) -> None:
     """Disk full, by SQLite's own page limit: the write fails as StoreError (what the proxy
     logs and fails open on); the harness re-sends the history, which is stored exactly once."""
+    store = open_memory(tmp_path / "memory.db")
     history = [Message("user", (Part(Kind.TEXT, f"message {i} " + " ".join(WORDS)),))
                if i % 2 == 0 else Message("assistant", (Part(Kind.TEXT, f"reply {i}"),))
                for i in range(40)]
@@ -106,7 +107,7 @@ def test_sqlite_errors_become_store_errors_and_the_turn_is_stored_once_space_ret
                        model="m", messages=history[:n], times=[0.0] * n, source="request")
 
     record(10)
-    conn = db.connection()
+    conn = connection()
     (pages,) = conn.execute("PRAGMA page_count").fetchone()
     conn.execute(f"PRAGMA max_page_count = {pages}")
     with pytest.raises(StoreError, match="database or disk is full"):
@@ -116,6 +117,7 @@ def test_sqlite_errors_become_store_errors_and_the_turn_is_stored_once_space_ret
     texts = [t for (t,) in conn.execute("SELECT text FROM item ORDER BY id")]
     assert texts == [m.parts[0].text for m in history]
     assert check(store) == []
+    store.close()
 
 
 def test_purge_removes_a_user_as_a_unit(store: Store) -> None:
@@ -132,7 +134,7 @@ def test_purge_removes_a_user_as_a_unit(store: Store) -> None:
     assert {i for i, _ in got} == set(bob)  # the arena caught up on the deletions
     same(got, reference(store, "garden violin", None, 10))
     same(ranked(scanner.search("violin", bob_id, 10)), reference(store, "violin", bob_id, 10))
-    conn = db.connection()
+    conn = connection()
     for table in ("activation", "clock", "chain"):
         assert conn.execute(f"SELECT count(*) FROM {table} WHERE user_id = ?",
                             (store.user_id("alice"),)).fetchone() == (0,)
@@ -149,7 +151,9 @@ def small_dictionary(path: Path) -> str:
 
 
 def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
-        store: Store, tmp_path: Path) -> None:
+        store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(maintenance, "DROP_BATCH", 40)  # the old tables go in several batches
+    monkeypatch.setattr(maintenance, "REDERIVE_PAUSE", 0)
     rng = random.Random(5)
     fill(store, rng, 150)
     uid = store.user_id("u1")
@@ -160,37 +164,48 @@ def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
     assert maintenance.upload(store, tmp_path / "next.json.gz") == version
     assert maintenance.target(store) == version
     # A re-derivation stopped after its first batch (killed) resumes where it stopped.
-    (items,) = db.connection().execute(
+    (items,) = connection().execute(
         "SELECT count(*) FROM item WHERE kind != 'context'").fetchone()
     assert maintenance._rederive_batch(maintenance._dictionary(version), 10) == 10
     assert maintenance.rederive(store, version, progress=False) == items - 10
     # Dark: the proxy keeps serving (and storing) on the live version meanwhile.
     new = add(store, "u1", "u1-c0", ["zorblax concert guitar"])
-    assert {v for (v,) in db.connection().execute("SELECT version FROM retrieval")} == {
+    assert {v for (v,) in connection().execute("SELECT version FROM retrieval")} == {
         dictionary.shipped().version}
     assert set(new) <= {i for i, _ in ranked(scanner.search(q, uid, 10))}
     assert served  # (answered before the upload)
-    heat_before = db.connection().execute("SELECT * FROM activation ORDER BY item_id").fetchall()
+    # Purged after their rows were staged: the flip takes them out of the staged counts.
+    staged = [i for (i,) in connection().execute("SELECT item_id FROM retrieval_next"
+                                                 " ORDER BY item_id LIMIT 7")]
+    index.purge(store, staged)
+    heat_before = connection().execute("SELECT * FROM activation ORDER BY item_id").fetchall()
+    (old_seq,) = connection().execute("SELECT max(seq) FROM retrieval").fetchone()
     rows = maintenance.flip(store, version)
-    assert rows == db.connection().execute("SELECT count(*) FROM item WHERE kind != 'context'"
+    # New seqs: none handed out twice.
+    assert connection().execute("SELECT min(seq) FROM retrieval").fetchone()[0] > old_seq
+    if not postgres():  # the staged structures were swapped in, and nothing is left behind
+        assert not connection().execute(
+            "SELECT name FROM sqlite_master WHERE name LIKE '%\\_old' ESCAPE '\\'"
+            " OR name LIKE '%staged%'").fetchall()
+    assert rows == connection().execute("SELECT count(*) FROM item WHERE kind != 'context'"
                                            ).fetchone()[0]
     assert dictionary.load().version == version
-    assert {v for (v,) in db.connection().execute("SELECT version FROM retrieval")} == {version}
+    assert {v for (v,) in connection().execute("SELECT version FROM retrieval")} == {version}
     got = ranked(scanner.search(q, uid, 10))  # the arena rebuilds on the flip
     same(got, reference(store, q, uid, 10))
     assert set(new) <= {i for i, _ in got}
     # Heat untouched: activations are keyed by item, and no item changed.
-    assert db.connection().execute(
+    assert connection().execute(
         "SELECT * FROM activation ORDER BY item_id").fetchall() == heat_before
     assert check(store) == []
     add(store, "u1", "u1-c1", ["written under the new version"])
     assert check(store) == []
 
 
-def test_a_memory_on_another_dictionary_says_so_on_start(tmp_path: Path) -> None:
-    path = tmp_path / "memory.db"
+def test_a_memory_on_another_dictionary_says_so_on_start(memory_at: Path | str) -> None:
+    path = memory_at
     open_memory(path).close()
-    with opened(path) as conn:
+    with opened_other(path) as conn:
         conn.execute("UPDATE setting SET value = 'v-old' WHERE key = 'dictionary'")
     s = open_memory(path)
     try:
@@ -208,16 +223,16 @@ def test_a_memory_on_another_dictionary_says_so_on_start(tmp_path: Path) -> None
     assert s.notice is None
 
 
-def test_memory_check_cli_reports_each_violation(tmp_path: Path,
+def test_memory_check_cli_reports_each_violation(memory_at: Path | str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "memory.db"
+    path = memory_at
     s = open_memory(path)
     fill(s, random.Random(9), 40)
     with db.atomic():
-        index.fold(db.connection())
+        index.fold(connection())
     s.close()
     assert cli.main(["memory", "check", "--db", str(path)]) == 0
-    with opened(path) as conn:  # break two invariants behind the store's back
+    with opened_other(path) as conn:  # break two invariants behind the store's back
         conn.execute("DELETE FROM activation WHERE item_id = (SELECT min(id) FROM item)")
         conn.execute("UPDATE retrieval_term SET df = df + 1 WHERE term ="
                      " (SELECT min(term) FROM retrieval_term)")
@@ -231,6 +246,80 @@ def test_memory_check_cli_reports_each_violation(tmp_path: Path,
     assert cli.main(["memory", "purge", "--user", "nobody", "--db", str(path)]) == 1
     assert cli.main(["memory", "dictionary", "list", "--db", str(path)]) == 0
     assert "live" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_processes_writing_at_once_lose_nothing_and_an_arena_follows_them(
+        memory_at: Path | str, processes: int) -> None:
+    """scripts/bench_writers.py's processes write at once (turns, clock moves and reheats of
+    one shared row) while this process's arena catches up again and again: nothing lost, the
+    clock the sum of every move, the row's peak the highest written, and the arena the same
+    as one built afresh afterwards (no committed row missed, none read twice)."""
+    store = open_memory(memory_at)
+    scanner = scan.Scanner(store, store_rows=0)
+    bench = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_writers.py"),
+                              "--db", str(memory_at), "--processes", str(processes),
+                              "--messages", "150"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    catch_ups = 0
+    while bench.poll() is None:
+        scanner.catch_up()
+        catch_ups += 1
+    r = json.loads(bench.communicate(timeout=600)[0])
+    assert r["failures"] == [0] * processes and r["stored"] == r["expected"] == processes * 150
+    assert (r["clock"], r["peak"]) == (r["expected_clock"], r["expected_peak"])
+    assert r["check_violations"] == []
+    scanner.catch_up()
+    fresh = scan.Scanner(store, store_rows=0)
+    fresh.catch_up()
+    assert catch_ups > 1
+    assert scanner.arena.n_rows == fresh.arena.n_rows == processes * 150 + 1
+    assert np.array_equal(scanner.arena.seq, fresh.arena.seq)
+    store.close()
+
+
+def test_a_sqlite_memory_migrates_to_postgresql_and_checks_on_both_sides(
+        tmp_path: Path, postgres_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "memory.db"
+    s = open_memory(path)
+    fill(s, random.Random(41), 300)  # past BATCH_ROWS and a fold: cursors and counts copied
+    index.purge(s, add(s, "u1", "u1-c0", ["purged before the copy"]))
+    add(s, "u1", "u1-c0", ["unsettled | stored after the purge"])
+    heat.advance(s.user_id("u1"), 500)
+    salt = s.salt
+    uid = s.user_id("u1")
+    q = "garden violin support"
+    want = reference(s, q, uid, 10)
+    s.close()
+    url = postgres_url
+    assert cli.main(["memory", "migrate", "--from", f"sqlite://{path}", "--to", url,
+                     "--quiet"]) == 0
+    assert cli.main(["memory", "check", "--db", str(path)]) == 0
+    assert cli.main(["memory", "check", "--db", url]) == 0
+    assert "every invariant holds" in capsys.readouterr().err
+    t = open_memory(url)
+    try:
+        assert t.salt == salt and t.user_id("u1") == uid and heat.clock(uid) == 500
+        same(ranked(scan.Scanner(t, store_rows=0).search(q, uid, 10)), want)
+        new = add(t, "u1", "u1-c0", ["written after the move"])
+        assert min(new) > max(i for i, _ in want) and check(t) == []
+    finally:
+        t.close()
+    # Into a memory that is not empty: refused, nothing written.
+    assert cli.main(["memory", "migrate", "--from", str(path), "--to", url, "--quiet"]) == 1
+    assert "already holds a memory" in capsys.readouterr().err
+
+
+def test_a_turn_said_late_in_a_second_keeps_its_whole_second_through_a_flip(
+        store: Store) -> None:
+    """Retrieval rows keep whole seconds, truncated (int()); PostgreSQL's cast rounds, so the
+    flip's and the check's SQL truncate there too."""
+    add(store, "u", "c", ["said at three quarters past"], at=1_700_000_000.75)
+    assert check(store) == []
+    version = dictionary.load().version
+    maintenance.rederive(store, version, progress=False)
+    maintenance.flip(store, version)
+    assert connection().execute("SELECT at FROM retrieval").fetchall() == [(1_700_000_000,)]
+    assert check(store) == []
 
 
 def test_closing_the_store_closes_every_threads_connection(tmp_path: Path) -> None:

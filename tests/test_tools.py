@@ -19,7 +19,7 @@ from perpetuity_core.errors import StoreError
 from perpetuity_core.memory import bindings, capture, chains, dictionary, index, names
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, db
+from perpetuity_core.memory.store import Store, connection, db
 from perpetuity_core.recall import answers, queries, tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.recall.tools import run
@@ -32,8 +32,8 @@ LABEL = re.compile(r"\[#(\d+) · ([^·\]]+) · (\w+) · (\d{4}-\d\d-\d\d \d\d:\d
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = open_memory(tmp_path / "m.db")
+def store(memory_at: Path | str) -> Iterator[Store]:
+    s = open_memory(memory_at)
     yield s
     s.close()
 
@@ -47,18 +47,18 @@ def say(store: Store, conversation: str, turns: list[tuple[float, str]], user: s
 
 
 def item(text: str) -> int:
-    (i,) = db.connection().execute("SELECT id FROM item WHERE text = ?", (text,)).fetchone()
+    (i,) = connection().execute("SELECT id FROM item WHERE text = ?", (text,)).fetchone()
     return i
 
 
 def message_of(text: str) -> int:
-    (m,) = db.connection().execute("SELECT message_id FROM item WHERE text = ?", (text,)).fetchone()
+    (m,) = connection().execute("SELECT message_id FROM item WHERE text = ?", (text,)).fetchone()
     return m
 
 
 def number(key: str) -> str:
     """How the tools' answers number the conversation stored as `key` (what a filter takes)."""
-    (c,) = db.connection().execute("SELECT id FROM conversation WHERE key = ?", (key,)).fetchone()
+    (c,) = connection().execute("SELECT id FROM conversation WHERE key = ?", (key,)).fetchone()
     return f"c{c}"
 
 
@@ -72,7 +72,7 @@ def rows_of(out: str) -> list[int]:
 
 
 def user_items(user: str) -> set[int]:
-    return {i for (i,) in db.connection().execute(
+    return {i for (i,) in connection().execute(
         "SELECT i.id FROM item i JOIN message m ON m.id = i.message_id JOIN user u"
         " ON u.id = m.user_id WHERE u.key = ?", (user,))}
 
@@ -209,7 +209,7 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
     say(store, "c0", [(T0, "apple pie apple pie")], user="v")
     scanner = Scanner(store)
     d = dictionary.load()
-    rows = db.connection().execute(
+    rows = connection().execute(
         "SELECT i.text, m.at, c.key FROM item i JOIN message m ON m.id = i.message_id"
         " JOIN conversation c ON c.id = m.conversation_id JOIN user u ON u.id = m.user_id"
         " WHERE u.key = 'u'").fetchall()
@@ -266,13 +266,13 @@ def test_chains_follow_a_fact_to_its_latest_state_in_time_order(memory: Store) -
 
 
 def all_chains() -> list[tuple]:
-    return db.connection().execute(
+    return connection().execute(
         "SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall()
 
 
 def backfilled() -> list[tuple]:
     """The chains every stored text row should have, derived from scratch (then put back)."""
-    conn = db.connection()
+    conn = connection()
     with db.atomic() as tx:
         conn.execute("DELETE FROM chain")
         chains.backfill_chains(conn)
@@ -298,7 +298,7 @@ def test_chains_are_written_in_batches_and_backfill_gives_the_same(memory: Store
     assert before == backfilled()
     assert chain_answer(memory, "favourite colour") == [item(RED), item(BLUE), item(GREEN)]
     # A purged row leaves its chains (and the binding log) with it.
-    conn = db.connection()
+    conn = connection()
     bindings.record_bindings(message_of(GREEN), [item(BLUE)])
     index.purge(memory, [item(GREEN)])
     assert not conn.execute("SELECT 1 FROM chain WHERE item_id NOT IN (SELECT id FROM item)"
@@ -332,7 +332,7 @@ def test_no_chain_is_lost_across_batches_a_crash_and_a_purged_newest_row(
     texts = [" ".join(rng.choices(words, k=5)) + f" note{i}" for i in range(20)]
     s = open_memory(tmp_path / "m.db")
     say(s, "a", [(T0 + i, t) for i, t in enumerate(texts[:8])])
-    (cursor,) = db.connection().execute("SELECT seq FROM derived").fetchone()
+    (cursor,) = connection().execute("SELECT seq FROM derived").fetchone()
     assert 0 < cursor < 8  # batches were written, the last rows are still pending
     want = chain_answer(s, "violin garden")
     # The disk fails mid-batch: the batch leaves no chain and no cursor behind.
@@ -345,7 +345,7 @@ def test_no_chain_is_lost_across_batches_a_crash_and_a_purged_newest_row(
     with pytest.raises(StoreError):
         s.flush()
     assert all_chains() and len(all_chains()) < len(backfilled())
-    assert db.connection().execute("SELECT seq FROM derived").fetchone() == (cursor,)
+    assert connection().execute("SELECT seq FROM derived").fetchone() == (cursor,)
     s.close()
     s = open_memory(tmp_path / "m.db")
     try:
@@ -437,7 +437,7 @@ def test_a_memory_stored_before_chains_gets_them_when_migrated(tmp_path: Path) -
     s = open_memory(tmp_path / "old.db")
     say(s, "trip", [(T0, HIKE), (T0 + 60, OSLO)])
     s.flush()
-    conn = db.connection()
+    conn = connection()
     chained = conn.execute("SELECT * FROM chain ORDER BY term, item_id").fetchall()
     with db.atomic():  # the database as it was before m004_recall
         conn.execute("DROP TABLE chain")
@@ -446,7 +446,7 @@ def test_a_memory_stored_before_chains_gets_them_when_migrated(tmp_path: Path) -
     s.close()
     s = open_memory(tmp_path / "old.db")
     try:
-        assert db.connection().execute(
+        assert connection().execute(
             "SELECT * FROM chain ORDER BY term, item_id").fetchall() == chained
     finally:
         s.close()

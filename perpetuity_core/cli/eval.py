@@ -286,7 +286,10 @@ def _ask_in_sequence(pipeline: Pipeline, case: Case, limits: Cap) -> list[Result
         d = pipeline.prepare(_request(user, conversation, at, history))
         sent = json.loads(d.body)["messages"] if d.body is not None else history
         text = "\n".join(str(m.get("content", "")) for m in sent)
-        memory = token_estimate(text) - token_estimate("\n".join(m["content"] for m in history))
+        # The memory the request carried: its frame and addenda (the recall tools' note is
+        # instructions, not memory).
+        laid = d.recall.plan if d.recall is not None and d.body is not None else None
+        memory = laid.frame_tokens + laid.insert_tokens if laid else 0
         new = d.frame.tokens if d.frame else 0
         evidence = [case.thread.messages[i].text for i in q.evidence]
         found = [e in text for e in evidence]

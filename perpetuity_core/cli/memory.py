@@ -1,5 +1,5 @@
-"""`perpetuity memory {import,search,stats,check,purge,dictionary}`: load and query a memory
-(cli/search.py), and keep it whole beside a serving proxy."""
+"""`perpetuity memory {import,search,stats,check,purge,migrate,dictionary}`: load and query a
+memory (cli/search.py), keep it whole beside a serving proxy, and move it to another store."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from perpetuity_core.cli import search
+from perpetuity_core.errors import ConfigError
 
 DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity)"
 
@@ -25,6 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--user", required=True, help="user key (or id)")
     p.add_argument("--db", help=DB_HELP)
     p.set_defaults(func=cmd_purge)
+
+    p = verbs.add_parser("migrate", help=cmd_migrate.__doc__, description=cmd_migrate.__doc__)
+    p.add_argument("--from", dest="source", required=True,
+                   help="the SQLite memory to copy (a path or sqlite:///path)")
+    p.add_argument("--to", dest="target", required=True,
+                   help="an empty store to copy it into (postgresql://user@host:port/dbname)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_migrate)
 
     d = verbs.add_parser("dictionary", help="the retrieval dictionary as data",
                          description="Upload a version dark, re-derive every row under it in the "
@@ -51,7 +60,7 @@ def _open(db: str | None):  # noqa: ANN202 - a Store
     from perpetuity_core.memory.schema import open_memory
     from perpetuity_core.memory.store import default_db_path
 
-    return open_memory(Path(db) if db else default_db_path())
+    return open_memory(db or default_db_path())
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -66,8 +75,40 @@ def cmd_check(args: argparse.Namespace) -> int:
     for p in problems:
         print(p)
     if not problems:
-        print(f"memory {store.path}: every invariant holds", file=sys.stderr)
+        print(f"memory {store.shown}: every invariant holds", file=sys.stderr)
     return 1 if problems else 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    """Copy a SQLite memory, row for row, into an empty store (PostgreSQL), then check both."""
+    from perpetuity_core.memory.integrity import check
+    from perpetuity_core.memory.location import shown, sqlite_path
+    from perpetuity_core.memory.transfer import copy_memory
+
+    source = sqlite_path(args.source)
+    if not source.is_file():
+        raise ConfigError(f"no memory at {source}")
+    store = _open(str(source))  # brought to the current schema before it is copied
+    try:
+        before = check(store)
+    finally:
+        store.close()
+    store = _open(args.target)
+    try:
+        copied = copy_memory(source, store, progress=not args.quiet)
+    finally:
+        store.close()
+    store = _open(args.target)  # reopened: the copied settings (identity salt) are read afresh
+    try:
+        after = check(store)
+    finally:
+        store.close()
+    print(f"copied {copied.get('message', 0)} messages, {copied.get('item', 0)} rows from"
+          f" {source} to {shown(args.target)}", file=sys.stderr)
+    for side, problems in (("source", before), ("target", after)):
+        for problem in problems:
+            print(f"{side}: {problem}")
+    return 1 if before or after else 0
 
 
 def cmd_purge(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from perpetuity_core.errors import ConfigError
+from perpetuity_core.memory.location import where
 from perpetuity_core.memory.store import default_db_path
 
 # Inside the package, so an installed wheel runs the proxy too (not imported here: it builds the addon).
@@ -34,6 +35,8 @@ def mitmdump_command(args: argparse.Namespace) -> list[str]:
     mitmdump = str(exe) if exe.exists() else shutil.which("mitmdump")
     if not mitmdump:
         raise ConfigError("mitmdump not found; install the project with its dependencies")
+    if args.db:
+        where(args.db)  # a URL the store cannot open is refused here, in one line
     cmd = [mitmdump, "-s", str(ADDON_SCRIPT), "--listen-host", args.host,
            "--listen-port", str(args.port)]
     for option, value in (("perpetuity_db", args.db),

@@ -52,7 +52,7 @@ def _open(db: str | None):  # noqa: ANN202 - a Store
     from perpetuity_core.memory.schema import open_memory
     from perpetuity_core.memory.store import default_db_path
 
-    return open_memory(Path(db) if db else default_db_path())
+    return open_memory(db or default_db_path())
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -101,11 +101,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def _user(spec: str | None) -> int | None:
-    from perpetuity_core.memory.store import db
+    from perpetuity_core.memory.store import connection
 
     if spec is None:
         return None
-    conn = db.connection()
+    conn = connection()
     row = conn.execute("SELECT id FROM user WHERE key = ?", (spec,)).fetchone()
     if row is None and spec.isdigit():
         row = conn.execute("SELECT id FROM user WHERE id = ?", (int(spec),)).fetchone()
@@ -133,11 +133,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """Users, conversations, messages, rows, tokens, dictionary version, arena size."""
     from perpetuity_core.memory import dictionary
     from perpetuity_core.memory.arena import Arena
-    from perpetuity_core.memory.store import db
+    from perpetuity_core.memory.store import connection
 
     store = _open(args.db)
     try:
-        conn = db.connection()
+        conn = connection()
 
         def one(sql: str) -> int:
             return conn.execute(sql).fetchone()[0]
@@ -145,7 +145,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         arena = Arena()
         arena.catch_up()
         stats = {
-            "db": str(store.path),
+            "db": store.shown,
             "users": one("SELECT count(*) FROM user"),
             "conversations": one("SELECT count(*) FROM conversation"),
             "messages": one("SELECT count(*) FROM message"),
@@ -157,7 +157,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 "SELECT version, count(*) FROM retrieval GROUP BY version").fetchall()),
             "arena_bytes": arena.nbytes(),
             "arena_postings_bytes": sum(s.nbytes() for s in arena.segments),
-            "db_bytes": store.path.stat().st_size,
+            "db_bytes": store.size_bytes(),
         }
     finally:
         store.close()

@@ -10,14 +10,14 @@ moment it is stored, and a fact and its later updates are one chain with the lat
 from __future__ import annotations
 
 import heapq
-import sqlite3
 from collections import Counter
 from collections.abc import Iterable
 
 import peewee as pw
 
 from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.store import db, in_list, snapshot
+from perpetuity_core.memory.dialect import Sql
+from perpetuity_core.memory.store import connection, in_list, snapshot
 from perpetuity_core.wire.conversation import Kind
 
 # Chains. A row's subjects are its words that are neither stop words nor among the commonest
@@ -37,7 +37,7 @@ def chain_of(user_id: int, stems: list[str]) -> tuple[list[int], int]:
     in the same snapshot as the table, so none is missed while its batch is pending."""
     with snapshot("read the chains") as conn:
         rows = conn.execute(
-            "SELECT item_id, at, count(*) FROM chain WHERE user_id = ? AND term IN"
+            "SELECT item_id, max(at), count(*) FROM chain WHERE user_id = ? AND term IN"
             f" ({in_list(stems)}) GROUP BY item_id", (user_id, *stems)).fetchall()
         (after,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
         pending = _text_rows(conn, after, None, user_id)
@@ -117,13 +117,13 @@ _INSERT_CHAIN = "INSERT OR IGNORE INTO chain (user_id, term, at, item_id) VALUES
 def derive_chains(after: int, upto: int) -> None:
     """Join the text rows stored with after < retrieval.seq <= upto to their subjects' chains
     (Store.flush calls this in the batch's transaction: the chains' only writer)."""
-    conn = db.connection()
+    conn = connection()
     conn.executemany(_INSERT_CHAIN, [(user, s, at, i) for i, user, at, text
                                      in _text_rows(conn, after, upto, None)
                                      for s in subjects(text)])
 
 
-def _text_rows(conn: sqlite3.Connection, after: int, upto: int | None,
+def _text_rows(conn: Sql, after: int, upto: int | None,
                user_id: int | None) -> list[tuple[int, int, float, str]]:
     """(item id, user id, when said, text) of the non-blank text rows past retrieval.seq
     `after` (up to `upto`; of `user_id` only, when given)."""
@@ -138,7 +138,7 @@ def _text_rows(conn: sqlite3.Connection, after: int, upto: int | None,
         f" WHERE i.kind = ? AND r.seq > ?{where} ORDER BY r.seq", args) if r[3].strip()]
 
 
-def backfill_chains(conn: sqlite3.Connection) -> int:
+def backfill_chains(conn: Sql) -> int:
     """Chains for the text rows stored before chains existed (their migration calls this, so
     no row is ever without its chains). Returns the rows read."""
     last = done = 0
@@ -166,5 +166,5 @@ def m004_recall(database: pw.Database) -> None:
         " PRIMARY KEY (user_id, term, at, item_id)) WITHOUT ROWID",
         "CREATE INDEX chain_item ON chain (item_id)",
     ):
-        database.execute_sql(sql)
-    backfill_chains(database.connection())
+        connection().execute(sql)
+    backfill_chains(connection())

@@ -21,7 +21,6 @@ import gzip
 import hashlib
 import json
 import re
-import sqlite3
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from perpetuity_core.errors import ConfigError
+from perpetuity_core.memory.dialect import Sql
 
 DATA_FILE = "retrieval-dictionary.json.gz"
 STOP_ID = 0  # stop words: counted nowhere, scored nowhere
@@ -303,7 +303,7 @@ def make_pre_tokenizer():  # noqa: ANN201 - a tokenizers object
 # --- The live version of a memory
 
 
-def live_dictionary(conn: sqlite3.Connection) -> Dictionary:
+def live_dictionary(conn: Sql) -> Dictionary:
     """The dictionary the database names live, made live in this process (loaded once per
     version): a flip by another process is followed by the next write or catch-up."""
     current = load()
@@ -325,7 +325,7 @@ def live_dictionary(conn: sqlite3.Connection) -> Dictionary:
 _missing: set[str] = set()  # live versions whose body the database does not hold
 
 
-def dictionary_notice(conn: sqlite3.Connection) -> str | None:
+def dictionary_notice(conn: Sql) -> str | None:
     """One line when the memory's rows are not on the dictionary this release ships."""
     (live,) = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
     ours = shipped().version

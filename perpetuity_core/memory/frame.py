@@ -105,19 +105,9 @@ MUST_TOP, MUST_HALF, MUST_RECENT = ("the top hit", "the other half of the top hi
                                     "the conversation's latest stretch")
 
 
-@dataclass(slots=True)
-class Addition:
-    """What a new prompt under a standing frame gets."""
-
-    frame: Frame | None  # the addendum; None: nothing to add
-    new_subject: bool = False  # some of the question's best matches are not in front
-
-
-SUBJECT_HITS = 3
-
 def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
              exclude_messages: Iterable[int], shown: Collection[int], asked_at: float,
-             limits: cap.Cap) -> Addition:
+             limits: cap.Cap) -> Frame | None:
     """Memory from other conversations for a new prompt in a conversation whose frame stays as
     it was: the question's hits there in rank order, not already in front of the model
     (`shown`, or in the messages the harness sent as they were), within its breadth-sized
@@ -132,10 +122,9 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
     """
     excluded = set(exclude_messages)
     found = _retrieve(scanner, query, user_id, asked_at, excluded, limits)
-    new_subject = any(h.item_id not in shown for h in found.hits[:SUBJECT_HITS])
     hits = [h for h in found.hits if h.conversation_id != conversation_id]
     if not hits or hits[0].item_id in shown:
-        return Addition(None, new_subject)
+        return None
     rows = _rows([h.item_id for h in hits], excluded)
     other = _companion(hits, excluded, rows | _rows(_other_half(hits[0], excluded), excluded),
                        limits)
@@ -156,7 +145,7 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
         new.append(i)
         used += cost
     if not new:
-        return Addition(None, new_subject)
+        return None
 
     def render_ids(ids: list[int]) -> list[Message]:
         return _assemble(_turns(rows, ids, set(), asked_at, conversation_id), asked_at,
@@ -164,7 +153,7 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
 
     more = _frame(render_ids(new), new, rows, found, frozenset())
     more.must = {hits[0].item_id: MUST_TOP, **dict.fromkeys(other, MUST_HALF)}
-    return Addition(more, new_subject)
+    return more
 
 
 @dataclass(slots=True)

@@ -14,6 +14,15 @@ Nothing is ever written to cool a row. A row is born hot, in the transaction tha
 after birth only retrieval writes activations, adopting a reheat only where its peak beats the
 row's current trajectory (both decay at the row's own half-life, so the better one now stays
 better). Heat never enters the relevance score.
+
+Several proxies over one database (PostgreSQL): the process that stores a message writes its
+rows' birth activations, in that message's transaction; the process that serves a turn moves
+that user's clock (`advance`: an increment in the database, never a value computed in the
+process) and writes that turn's reheats (`reheat`: reads the rows' activations and writes the
+better ones under the write lock, so a reheat is always judged against the last one committed
+by any process, and no update is lost when two proxies reheat the same row). Readers
+(`warm_set`, `clock`) read committed values only. scripts/bench_writers.py checks both with
+2 and 4 processes.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import peewee as pw
 
-from perpetuity_core.memory.store import StoredItem, db, in_list, writing
+from perpetuity_core.memory.store import StoredItem, connection, in_list, writing
 from perpetuity_core.wire.conversation import Kind
 
 BIRTH_PEAK = 1.0
@@ -80,7 +89,7 @@ def derive_activation(items: list[StoredItem]) -> None:
     if not items:
         return
     m = items[0]
-    conn = db.connection()
+    conn = connection()
     row = conn.execute("SELECT position FROM clock WHERE user_id = ?", (m.user_id,)).fetchone()
     now = row[0] if row else 0.0
     # OR REPLACE: a purged item leaves its activation, and SQLite gives its id to the next item.
@@ -100,11 +109,11 @@ def advance(user_id: int, tokens: float) -> None:
     with writing("move the clock") as conn:
         conn.execute(
             "INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
-            " DO UPDATE SET position = position + excluded.position", (user_id, float(tokens)))
+            " DO UPDATE SET position = clock.position + excluded.position", (user_id, float(tokens)))
 
 
 def clock(user_id: int) -> float:
-    row = db.connection().execute("SELECT position FROM clock WHERE user_id = ?",
+    row = connection().execute("SELECT position FROM clock WHERE user_id = ?",
                                   (user_id,)).fetchone()
     return float(row[0]) if row else 0.0
 
@@ -124,7 +133,7 @@ def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
     """Every row of `user_id` at least WARM_FLOOR warm at `now`, with `reheats` (item -> peak
     reached now) applied where they beat the current trajectory, and other users' rows among
     `reheats` at their reheat peak. Reads only."""
-    conn = db.connection()
+    conn = connection()
     rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation"
                         " WHERE user_id = ? AND at >= ?", (user_id, now - _WINDOW)).fetchall()
     # Standing rows stay warm far longer than the window: read through their own small index.
@@ -194,11 +203,11 @@ def m003_heat(database: pw.Database) -> None:
         " half_life REAL NOT NULL)",
         "CREATE INDEX activation_warm ON activation (user_id, at)",
     ):
-        database.execute_sql(sql)
+        connection().execute(sql)
 
 
 def m005_standing(database: pw.Database) -> None:
     """Standing instructions and preferences (heat.STANDING_HALF_LIFE) stay warm beyond the
     warm set's window: a partial index finds them without reading every activation."""
-    database.execute_sql("CREATE INDEX activation_standing ON activation (user_id, at)"
+    connection().execute("CREATE INDEX activation_standing ON activation (user_id, at)"
                          f" WHERE half_life >= {STANDING_HALF_LIFE}")

@@ -19,8 +19,17 @@ from collections.abc import Iterable
 import numpy as np
 import peewee as pw
 
+from perpetuity_core.memory.dialect import trigger
 from perpetuity_core.memory.dictionary import live_dictionary
-from perpetuity_core.memory.store import Store, StoredItem, db, in_chunks, in_list, writing
+from perpetuity_core.memory.store import (
+    Store,
+    StoredItem,
+    connection,
+    in_chunks,
+    in_list,
+    postgres,
+    writing,
+)
 from perpetuity_core.wire.conversation import Kind, Message, without_scaffold
 
 
@@ -58,7 +67,7 @@ def derive_retrieval(items: list[StoredItem]) -> None:
     """Write the retrieval rows and counts of a message's items (inside its transaction)."""
     if not items:
         return
-    conn = db.connection()
+    conn = connection()
     d = live_dictionary(conn)  # inside the write lock: a flip elsewhere is seen here
     m = items[0]
     seq = 0
@@ -78,16 +87,16 @@ def derive_retrieval(items: list[StoredItem]) -> None:
         fold(conn)
 
 
-_UPSERT_DF = ("INSERT INTO retrieval_term (term, df) VALUES (?, ?)"
-              " ON CONFLICT(term) DO UPDATE SET df = df + excluded.df")
-
-
-def _count(conn, terms: np.ndarray, sign: int) -> None:  # noqa: ANN001 - a sqlite3 connection
-    """Add (or take back) one to the document frequency of each occurrence in `terms`."""
+def count_terms(conn, terms: np.ndarray, sign: int,  # noqa: ANN001 - a sqlite3 connection
+                table: str = "retrieval_term") -> None:
+    """Add (or take back) one to the document frequency of each occurrence in `terms` (in
+    `table`: the live counts, or the staged ones a re-derivation fills, maintenance.py)."""
     if terms.size == 0:
         return
     t, n = np.unique(terms, return_counts=True)
-    conn.executemany(_UPSERT_DF, zip(t.tolist(), (n * sign).tolist(), strict=True))
+    conn.executemany(f"INSERT INTO {table} (term, df) VALUES (?, ?)"
+                     f" ON CONFLICT(term) DO UPDATE SET df = {table}.df + excluded.df",
+                     zip(t.tolist(), (n * sign).tolist(), strict=True))
 
 
 def fold(conn) -> None:  # noqa: ANN001 - a sqlite3 connection, inside a transaction
@@ -100,7 +109,7 @@ def fold(conn) -> None:  # noqa: ANN001 - a sqlite3 connection, inside a transac
                         " ORDER BY seq", (folded,)).fetchall()
     if not rows:
         return
-    _count(conn, np.frombuffer(b"".join(r[3] for r in rows), "<i4"), +1)
+    count_terms(conn, np.frombuffer(b"".join(r[3] for r in rows), "<i4"), +1)
     conn.execute("UPDATE retrieval_total SET rows = rows + ?, length = length + ?,"
                  " tokens = tokens + ?, folded_seq = ? WHERE id = 1",
                  (len(rows), sum(r[1] for r in rows), sum(r[2] for r in rows), rows[-1][0]))
@@ -118,7 +127,7 @@ def totals(conn) -> tuple[int, int, int]:  # noqa: ANN001 - a sqlite3 connection
     rows, length, tokens = conn.execute(
         "SELECT t.rows + count(r.seq), t.length + coalesce(sum(r.length), 0),"
         " t.tokens + coalesce(sum(r.tokens), 0) FROM retrieval_total t"
-        " LEFT JOIN retrieval r ON r.seq > t.folded_seq WHERE t.id = 1").fetchone()
+        " LEFT JOIN retrieval r ON r.seq > t.folded_seq WHERE t.id = 1 GROUP BY t.id").fetchone()
     gone = conn.execute("SELECT count(*), coalesce(sum(g.length), 0), coalesce(sum(g.tokens), 0) "
                         + _UNSETTLED).fetchone()
     return rows - gone[0], length - gone[1], tokens - gone[2]
@@ -160,7 +169,7 @@ def settle_in(conn) -> int:  # noqa: ANN001 - a sqlite3 connection, inside a tra
     counted = [g for g in gone if g[4] <= folded]
     if counted:
         terms = np.frombuffer(b"".join(g[3] for g in counted), "<i4")
-        _count(conn, terms, -1)
+        count_terms(conn, terms, -1)
         conn.executemany("DELETE FROM retrieval_term WHERE term = ? AND df <= 0",
                          [(t,) for t in np.unique(terms).tolist()])
         conn.execute("UPDATE retrieval_total SET rows = rows - ?, length = length - ?,"
@@ -186,7 +195,7 @@ def items_by_message(item_ids: list[int]) -> list[list[StoredItem]]:
     grouped by message."""
     by_message: dict[int, list[StoredItem]] = {}
     for chunk in in_chunks(item_ids):
-        for row in db.connection().execute(
+        for row in connection().execute(
                 "SELECT i.id, m.id, m.user_id, m.conversation_id, m.role, m.at, i.seq, i.kind,"
                 " i.name, i.call_id, i.text FROM item i JOIN message m ON m.id = i.message_id"
                 f" WHERE i.id IN ({in_list(chunk)}) ORDER BY i.id", chunk):
@@ -216,11 +225,11 @@ def m002_retrieval(database: pw.Database) -> None:
         " row_seq INTEGER NOT NULL, item_id INTEGER NOT NULL, length INTEGER NOT NULL,"
         " tokens INTEGER NOT NULL, terms BLOB NOT NULL, settled INTEGER NOT NULL DEFAULT 0)",
         "CREATE INDEX retrieval_gone_unsettled ON retrieval_gone (seq) WHERE settled = 0",
-        "CREATE TRIGGER retrieval_deleted AFTER DELETE ON retrieval BEGIN"
-        " INSERT INTO retrieval_gone (row_seq, item_id, length, tokens, terms)"
-        " VALUES (old.seq, old.item_id, old.length, old.tokens, old.terms); END",
+        *trigger(postgres(), "retrieval_deleted", "retrieval", "true",
+                 "INSERT INTO retrieval_gone (row_seq, item_id, length, tokens, terms)"
+                 " VALUES (old.seq, old.item_id, old.length, old.tokens, old.terms)"),
     ):
-        database.execute_sql(sql)
+        connection().execute(sql)
 
 
 def m008_retrieval_time(database: pw.Database) -> None:
@@ -232,4 +241,4 @@ def m008_retrieval_time(database: pw.Database) -> None:
         ("UPDATE retrieval SET at = (SELECT CAST(m.at AS INTEGER) FROM message m"
          " WHERE m.id = retrieval.message_id)"),
     ):
-        database.execute_sql(sql)
+        connection().execute(sql)

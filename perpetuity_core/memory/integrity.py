@@ -16,12 +16,12 @@ One line per violation; none means the memory is whole:
 
 from __future__ import annotations
 
-import sqlite3
 from collections import Counter
 
 import numpy as np
 
 from perpetuity_core.memory import chains, dictionary
+from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.store import Store, snapshot
 from perpetuity_core.wire.conversation import Kind
@@ -38,12 +38,12 @@ def check(store: Store) -> list[str]:
         return out
 
 
-def _ids_of(conn: sqlite3.Connection, what: str, sql: str, *args: object) -> list[str]:
+def _ids_of(conn: Sql, what: str, sql: str, *args: object) -> list[str]:
     """One violation line when `sql` (selecting ids) finds any."""
     return _listed(what, [r[0] for r in conn.execute(sql, args)])
 
 
-def _rows(conn: sqlite3.Connection) -> list[str]:
+def _rows(conn: Sql) -> list[str]:
     live = dictionary.load().version
     return [
         *_ids_of(conn, "items without a retrieval row", "SELECT i.id FROM item i"
@@ -67,7 +67,7 @@ def _rows(conn: sqlite3.Connection) -> list[str]:
     ]
 
 
-def _counts(conn: sqlite3.Connection) -> list[str]:
+def _counts(conn: Sql) -> list[str]:
     (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total").fetchone()
     rows = length = tokens = 0
     df: Counter[int] = Counter()
@@ -101,7 +101,7 @@ def _counts(conn: sqlite3.Connection) -> list[str]:
     return out
 
 
-def _orphans(conn: sqlite3.Connection) -> list[str]:
+def _orphans(conn: Sql) -> list[str]:
     def missing(child: str, column: str, parent: str) -> list[str]:
         return _ids_of(conn, f"{child} rows whose {parent} is gone",
                        f"SELECT c.{column} FROM {child} c LEFT JOIN {parent} p"
@@ -123,7 +123,7 @@ def _orphans(conn: sqlite3.Connection) -> list[str]:
     ]
 
 
-def _chains(conn: sqlite3.Connection) -> list[str]:
+def _chains(conn: Sql) -> list[str]:
     (cursor,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
     want = {(user, s, at, i) for i, user, at, text in chains._text_rows(conn, 0, cursor, None)
             for s in chains.subjects(text)}
@@ -134,7 +134,7 @@ def _chains(conn: sqlite3.Connection) -> list[str]:
             *_listed("chain entries no row derives", sorted({r[3] for r in have - want}))]
 
 
-def _ids(conn: sqlite3.Connection) -> list[str]:
+def _ids(conn: Sql) -> list[str]:
     marks = dict(conn.execute("SELECT name, id FROM high_water"))
     return [f"no high-water mark for {t} ids" for t in ("message", "item") if t not in marks]
 

@@ -8,32 +8,55 @@ batch of deletions, a flip re-writes every retrieval row under new seqs and a ne
 
 The dictionary. Every version lives in the `dictionary` table; the setting `dictionary` names
 the live one, which every retrieval row is derived with. A new version is uploaded dark;
-`rederive` writes each item's row under it into `retrieval_next`, a batch per transaction
-(resumable: items only grow, see m010, so the cursor is the highest item re-derived) while
-the proxy serves on the live version; `flip` re-derives what was stored since and swaps the
-rows, the pooled counts, the chains (a stem's rank picks a row's subjects) and the setting in
-one transaction. Heat (activations, clocks) and the binding log are keyed by item and are
-not touched.
+`rederive` prepares everything the flip needs, a batch per transaction (resumable: items only
+grow, see m010, so the cursor is the highest item re-derived), while the proxy serves on the
+live version: each item's row goes into `retrieval_next`, and into staged twins of the four
+structures a flip swaps (`retrieval_staged` with its rows under seqs past every live one,
+`retrieval_term_staged` and `retrieval_total_staged` counting them, `chain_staged` their
+chains: a stem's rank picks a row's subjects). Items purged meanwhile leave the staged rows
+by cascade, logged by a trigger. `flip` is then one short transaction: it re-derives the
+items stored since, takes the logged deletions out of the staged counts, and renames each
+swapped table with its twin (a rename touches the schema only); the old version's tables are
+emptied after it, DROP_BATCH rows per transaction, and dropped. Measured by
+scripts/bench_flip.py, a turn stored every 20 ms meanwhile: at 10M tokens (52k rows) the flip
+that rebuilt every structure inside its transaction held the write lock 2.9 s (and a turn
+failed during the re-derivation, see REDERIVE_PAUSE); the staged flip 0.07 s, the turns
+stored during it and the drops after it waited 90 ms at most, none failed. At 82M (437k rows;
+the old flip was seen holding the lock 26 s) the staged flip took 0.48 s, and with the old
+tables then dropped whole a turn waited 1.3 s behind a drop, hence the batches. Heat
+(activations, clocks) and the binding log are keyed by item and are not touched.
+On PostgreSQL the staging is not done yet: rederive fills retrieval_next alone and the flip
+rebuilds the rows, counts and chains inside its transaction (`_flip_in_place`).
 """
 
 from __future__ import annotations
 
-import sqlite3
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory import chains, dictionary
-from perpetuity_core.memory.index import fold, item_text, settle_in, token_estimate
-from perpetuity_core.memory.store import Store, snapshot, writing
+from perpetuity_core.memory.dialect import Sql
+from perpetuity_core.memory.index import count_terms, fold, item_text, settle_in, token_estimate
+from perpetuity_core.memory.store import Store, postgres, snapshot, writing
 from perpetuity_core.wire.conversation import Kind
 
 _CONTEXT = Kind.CONTEXT.value  # harness text: stored, never retrieved (no retrieval row)
 
-# Items re-derived per transaction: each holds the write lock for a few tens of milliseconds,
-# so the proxy's writes interleave.
+# Items re-derived per transaction: each holds the write lock for a few tens of milliseconds
+# (~85 ms at 10M tokens), so the proxy's writes interleave.
 REDERIVE_BATCH = 500
+# The pause after each batch. SQLite's lock is not fair: a writer waiting on it retries on
+# its busy handler's schedule, every 100 ms once it has waited a while, so batches back to
+# back starved it (scripts/bench_flip.py at 10M: turns stored during a re-derivation waited
+# 3.2 s at the median, and one failed past the 5 s busy timeout).
+REDERIVE_PAUSE = 0.1
+# Rows of the previous version's tables deleted per transaction after a flip (_drop_old).
+DROP_BATCH = 20000
 
 
 # --------------------------------------------------------------------------- purge
@@ -124,92 +147,263 @@ def target(store: Store, version: str | None = None) -> str:
 
 
 def rederive(store: Store, version: str, progress: bool = True) -> int:
-    """Re-derive every item's retrieval row under `version` into retrieval_next, a batch per
-    transaction, resuming where a previous run stopped; returns the items written now."""
+    """Re-derive every item's retrieval row under `version` into retrieval_next and the staged
+    structures (module docstring), a batch per transaction, resuming where a previous run
+    stopped; returns the items written now."""
     from tqdm import tqdm
 
     d = _dictionary(version)
-    with writing("start re-deriving") as conn:  # rows of an abandoned version are dropped
-        conn.execute("DELETE FROM retrieval_next WHERE version != ?", (version,))
+    if not postgres():
+        _drop_old()
+    with writing("start re-deriving") as conn:
+        staged = {v for (v,) in conn.execute("SELECT version FROM retrieval_next LIMIT 1")}
+        if postgres():  # see _flip_in_place
+            conn.execute("DELETE FROM retrieval_next WHERE version != ?", (version,))
+        elif not _staging(conn) or staged - {version}:  # rows of an abandoned version go
+            _unstage(conn)
+            _stage(conn)
         (total,) = conn.execute("SELECT count(*) FROM item WHERE kind != ?",
                                 (_CONTEXT,)).fetchone()
         (done,) = conn.execute("SELECT count(*) FROM retrieval_next").fetchone()
+        # Up to the newest item now: the proxy stores on meanwhile, and the flip re-derives
+        # what it stored (a re-derivation chasing it would never end).
+        (upto,) = conn.execute("SELECT coalesce(max(id), 0) FROM item").fetchone()
     bar = tqdm(total=total, initial=done, unit="row", desc=f"re-deriving {version}",
                disable=not progress)
     written = 0
-    while n := _rederive_batch(d, REDERIVE_BATCH):
+    while n := _rederive_batch(d, REDERIVE_BATCH, upto):
         written += n
         bar.update(n)
+        time.sleep(REDERIVE_PAUSE)
     bar.close()
     return written
 
 
 def flip(store: Store, version: str) -> int:
-    """Make `version` live in one transaction: the rows stored since the re-derivation are
-    re-derived, then every retrieval row, the pooled counts and the chains are swapped for
-    theirs. Returns the rows now live."""
+    """Make `version` live in one short transaction: the rows stored since the re-derivation
+    are re-derived, the deletions since taken out of the staged counts, and each swapped
+    structure renamed with its staged twin (SQLite; on PostgreSQL the rows, counts and chains
+    are still rebuilt inside the flip's transaction, _flip_in_place). Returns the rows now
+    live."""
     d = _dictionary(version)
     with writing("flip the dictionary") as conn:
         (dark,) = conn.execute("SELECT count(*) FROM retrieval_next WHERE version = ?",
                                (version,)).fetchone()
-        if not dark:
+        if not dark or not (postgres() or _staging(conn)):
             raise ConfigError(f"nothing re-derived under {version}: run rederive first")
         while _rederive_batch(d, REDERIVE_BATCH):  # savepoints inside this transaction
             pass
-        # Everything of the old version goes at once, its pending deletions with it (the counts
-        # are recounted below). Arenas rebuild on the version change, so the deletions are not
-        # logged one by one (the trigger would copy every row).
+        # Every deletion of the old version goes with it (its counts go whole); arenas rebuild
+        # on the version change, so nothing else is logged.
         conn.execute("UPDATE retrieval_gone SET settled = 1 WHERE settled = 0")
-        (trigger,) = conn.execute(
-            "SELECT sql FROM sqlite_master WHERE name = 'retrieval_deleted'").fetchone()
-        conn.execute("DROP TRIGGER retrieval_deleted")
-        conn.execute("DELETE FROM retrieval")
-        conn.execute(trigger)
-        (before,) = conn.execute(
-            "SELECT seq FROM sqlite_sequence WHERE name = 'retrieval'").fetchone()
-        conn.execute(
-            "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
-            " tokens, version, terms, counts) SELECT n.item_id, m.id, m.user_id,"
-            " m.conversation_id, CAST(m.at AS INTEGER), n.length, n.tokens, n.version, n.terms,"
-            " n.counts FROM retrieval_next n JOIN item i ON i.id = n.item_id"
-            " JOIN message m ON m.id = i.message_id ORDER BY n.item_id")
-        conn.execute("DELETE FROM retrieval_term")
-        conn.execute("UPDATE retrieval_total SET rows = 0, length = 0, tokens = 0, folded_seq = ?",
-                     (before,))
-        fold(conn)
-        conn.execute("DELETE FROM chain")
-        conn.executemany(chains._INSERT_CHAIN, (
-            (user, s, at, i) for i, user, at, subjects in conn.execute(
-                "SELECT n.item_id, m.user_id, m.at, n.subjects FROM retrieval_next n"
-                " JOIN item i ON i.id = n.item_id JOIN message m ON m.id = i.message_id"
-                " WHERE n.subjects != ''").fetchall() for s in subjects.split()))
+        if postgres():
+            _flip_in_place(conn)
+        else:
+            _swap_staged(conn)
         conn.execute("UPDATE derived SET seq = (SELECT coalesce(max(seq), 0) FROM retrieval)")
-        conn.execute("DELETE FROM retrieval_next")
         conn.execute("UPDATE setting SET value = ? WHERE key = 'dictionary'", (version,))
-        conn.execute("INSERT INTO setting VALUES ('flips', '1') ON CONFLICT(key)"
-                     " DO UPDATE SET value = value + 1")
-        (rows,) = conn.execute("SELECT count(*) FROM retrieval").fetchone()
+        conn.execute("INSERT INTO setting VALUES ('flips', '1') ON CONFLICT(key) DO UPDATE"
+                     " SET value = CAST(CAST(setting.value AS INTEGER) + 1 AS TEXT)")
+        (rows,) = conn.execute("SELECT rows FROM retrieval_total").fetchone()
     dictionary.use(d)
+    if not postgres():
+        _drop_old()
     return rows
 
 
-def _rederive_batch(d: dictionary.Dictionary, limit: int) -> int:
-    """Re-derive the next `limit` items past the cursor under `d`; returns how many."""
+def _swap_staged(conn: Sql) -> None:
+    """Rename each swapped structure with its staged twin (SQLite: a rename touches the
+    schema only), the staged counts first cleared of the rows purged since they were staged."""
+    _settle_staged(conn)
+    (trigger,) = conn.execute(
+        "SELECT sql FROM sqlite_master WHERE name = 'retrieval_deleted'").fetchone()
+    conn.execute("DROP TRIGGER retrieval_deleted")
+    for table in _SWAPPED:
+        conn.execute(f"ALTER TABLE {table} RENAME TO {table}_old")
+        conn.execute(f"ALTER TABLE {table}_staged RENAME TO {table}")
+    conn.execute(trigger)
+    conn.execute("ALTER TABLE retrieval_next RENAME TO retrieval_next_old")
+    _twin(conn, "retrieval_next_old", "retrieval_next")
+
+
+def _flip_in_place(conn: Sql) -> None:
+    """PostgreSQL: every retrieval row, the pooled counts and the chains rebuilt from
+    retrieval_next inside the flip's transaction (staging there is left to do: its tables
+    would share the retrieval sequence, which belongs to the table it was made with)."""
+    before = _delete_unlogged(conn)
+    conn.execute(
+        "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
+        " tokens, version, terms, counts) SELECT n.item_id, m.id, m.user_id,"
+        " m.conversation_id, CAST(m.at AS INTEGER), n.length, n.tokens, n.version, n.terms,"
+        " n.counts FROM retrieval_next n JOIN item i ON i.id = n.item_id"
+        " JOIN message m ON m.id = i.message_id ORDER BY n.item_id")
+    conn.execute("DELETE FROM retrieval_term")
+    conn.execute("UPDATE retrieval_total SET rows = 0, length = 0, tokens = 0, folded_seq = ?",
+                 (before,))
+    fold(conn)
+    conn.execute("DELETE FROM chain")
+    conn.executemany(chains._INSERT_CHAIN, (
+        (user, s, at, i) for i, user, at, subjects in conn.execute(
+            "SELECT n.item_id, m.user_id, m.at, n.subjects FROM retrieval_next n"
+            " JOIN item i ON i.id = n.item_id JOIN message m ON m.id = i.message_id"
+            " WHERE n.subjects != ''").fetchall() for s in subjects.split()))
+    conn.execute("DELETE FROM retrieval_next")
+
+
+# -- the staged structures
+
+# What a flip swaps, each for its twin `<table>_staged` that re-derivation batches fill.
+_SWAPPED = ("retrieval", "retrieval_term", "retrieval_total", "chain")
+# The staged rows' seqs start this far past the live ones: rows stored live while staging
+# take the seqs between, so no seq is handed out twice (a reader holding a seq from before
+# the flip finds no row under it).
+SEQ_GAP = 1 << 32
+
+
+def _staging(conn: Sql) -> bool:
+    (n,) = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'"
+                        " AND name IN ('retrieval_staged_gone'"
+                        + "".join(f", '{t}_staged'" for t in _SWAPPED) + ")").fetchone()
+    return n == len(_SWAPPED) + 1
+
+
+def _stage(conn: Sql) -> None:
+    """Empty staged twins of the swapped structures, and a log of their rows deleted (items
+    purged while staging: cascades) for the flip to take out of the staged counts."""
+    (gen,) = conn.execute("SELECT coalesce((SELECT value FROM setting WHERE key = 'flips'), 0)"
+                          " + 1").fetchone()
+    for table in _SWAPPED:
+        _twin(conn, table, f"{table}_staged", int(gen))
+    conn.execute("INSERT INTO retrieval_total_staged VALUES (1, 0, 0, 0, 0)")
+    conn.execute("INSERT INTO sqlite_sequence (name, seq) SELECT 'retrieval_staged', ? +"
+                 " coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'retrieval'), 0)",
+                 (SEQ_GAP,))
+    conn.execute("CREATE TABLE retrieval_staged_gone (length INTEGER NOT NULL,"
+                 " tokens INTEGER NOT NULL, terms BLOB NOT NULL)")
+    conn.execute("CREATE TRIGGER retrieval_staged_deleted AFTER DELETE ON retrieval_staged"
+                 " BEGIN INSERT INTO retrieval_staged_gone VALUES (old.length, old.tokens,"
+                 " old.terms); END")
+    conn.execute("DELETE FROM retrieval_next")
+
+
+def _unstage(conn: Sql) -> None:
+    for table in (*(f"{t}_staged" for t in _SWAPPED), "retrieval_staged_gone"):
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def _twin(conn: Sql, table: str, twin: str, gen: int = 0) -> None:
+    """Create `twin`, empty, as `table` is declared, with its indexes (named for generation
+    `gen`: index names are global, and a twin outlives the table it copies)."""
+    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?",
+                          (table,)).fetchone()
+    conn.execute(re.sub(r'^CREATE TABLE\s+("[^"]+"|\w+)', f"CREATE TABLE {twin}", sql))
+    for name, index in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'index'"
+                                    " AND tbl_name = ? AND sql IS NOT NULL", (table,)).fetchall():
+        index = re.sub(r'INDEX\s+("[^"]+"|\w+)\s+ON\s+("[^"]+"|\w+)',
+                       f"INDEX {name.split('__')[0]}__{gen} ON {twin}", index)
+        conn.execute(index)
+
+
+def _settle_staged(conn: Sql) -> None:
+    """Take the staged rows deleted since they were staged out of the staged counts."""
+    gone = conn.execute("SELECT length, tokens, terms FROM retrieval_staged_gone").fetchall()
+    conn.execute("DROP TRIGGER retrieval_staged_deleted")
+    conn.execute("DROP TABLE retrieval_staged_gone")
+    if not gone:
+        return
+    terms = np.frombuffer(b"".join(g[2] for g in gone), "<i4")
+    count_terms(conn, terms, -1, "retrieval_term_staged")
+    conn.executemany("DELETE FROM retrieval_term_staged WHERE term = ? AND df <= 0",
+                     [(t,) for t in np.unique(terms).tolist()])
+    conn.execute("UPDATE retrieval_total_staged SET rows = rows - ?, length = length - ?,"
+                 " tokens = tokens - ?", (len(gone), sum(g[0] for g in gone),
+                                          sum(g[1] for g in gone)))
+
+
+def _drop_old() -> None:
+    """Drop what the last flip swapped out, after it (resumed by the next rederive or flip):
+    DROP_BATCH rows per transaction, pausing between, then the empty table (dropped whole,
+    one made a turn wait 1.3 s at 82M tokens, scripts/bench_flip.py)."""
+    for table in (*(f"{t}_old" for t in _SWAPPED), "retrieval_next_old"):
+        while True:
+            with writing("drop the previous dictionary's rows") as conn:
+                if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'"
+                                    " AND name = ?", (table,)).fetchone():
+                    break
+                key = _row_key(conn, table)
+                gone = conn.execute(f"DELETE FROM {table} WHERE ({key}) IN (SELECT {key}"
+                                    f" FROM {table} LIMIT ?)", (DROP_BATCH,)).rowcount
+                if gone < DROP_BATCH:
+                    conn.execute(f"DROP TABLE {table}")
+                    break
+            time.sleep(REDERIVE_PAUSE)
+
+
+def _delete_unlogged(conn: Sql) -> int:
+    """PostgreSQL: delete every retrieval row without the trigger logging each; returns the
+    last seq ever handed out (the new rows' seqs start past it)."""
+    # A trigger disabled inside the transaction is disabled for it alone (readers wait for the
+    # flip to commit: ALTER TABLE locks the table).
+    conn.execute("ALTER TABLE retrieval DISABLE TRIGGER retrieval_deleted")
+    conn.execute("DELETE FROM retrieval")
+    conn.execute("ALTER TABLE retrieval ENABLE TRIGGER retrieval_deleted")
+    return int(conn.execute("SELECT CASE WHEN is_called THEN last_value ELSE 0 END"
+                            " FROM retrieval_seq_seq").fetchone()[0])
+
+
+def _row_key(conn: Sql, table: str) -> str:
+    """What names a row of `table`: rowid, or a WITHOUT ROWID table's primary key (chain)."""
+    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (table,)).fetchone()
+    if not sql.rstrip().upper().endswith("WITHOUT ROWID"):
+        return "rowid"
+    return ", ".join(name for _, name in sorted(
+        (r[5], r[1]) for r in conn.execute(f"PRAGMA table_info({table})") if r[5]))
+
+
+def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = None) -> int:
+    """Re-derive the next `limit` items past the cursor (up to item `upto`) under `d` into
+    retrieval_next and the staged structures (rows, counts, chains); returns how many."""
     with writing("re-derive rows") as conn:
+        staging = not postgres()  # see _flip_in_place
+        if staging and not _staging(conn):
+            _unstage(conn)
+            _stage(conn)
         (after,) = conn.execute("SELECT coalesce(max(item_id), 0) FROM retrieval_next").fetchone()
-        items = conn.execute("SELECT id, kind, name, text FROM item WHERE id > ? AND kind != ?"
-                             " ORDER BY id LIMIT ?", (after, _CONTEXT, limit)).fetchall()
-        rows = []
+        items = conn.execute(
+            "SELECT i.id, i.kind, i.name, i.text, m.id, m.user_id, m.conversation_id, m.at"
+            " FROM item i JOIN message m ON m.id = i.message_id WHERE i.id > ? AND i.id <= ?"
+            " AND i.kind != ? ORDER BY i.id LIMIT ?",
+            (after, upto if upto is not None else 1 << 62, _CONTEXT, limit)).fetchall()
+        if not items:
+            return 0
+        nxt, staged, chained, bags = [], [], [], []
         with dictionary.using(d):
-            for i, kind, name, text in items:
+            for i, kind, name, text, message, user, conversation, at in items:
                 t = item_text(kind, name, text)
                 bag = d.bag(t)
-                chained = kind == Kind.TEXT.value and text.strip()
-                rows.append((i, d.version, bag.length, token_estimate(t),
-                             bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes(),
-                             " ".join(chains.subjects(text)) if chained else ""))
-        conn.executemany("INSERT OR REPLACE INTO retrieval_next VALUES (?,?,?,?,?,?,?)", rows)
-    return len(rows)
+                bags.append(bag.terms)
+                terms = bag.terms.astype("<i4", copy=False).tobytes()
+                subjects = chains.subjects(text) if kind == Kind.TEXT.value and text.strip() else []
+                n_tokens = token_estimate(t)
+                nxt.append((i, d.version, bag.length, n_tokens, terms, bag.counts.tobytes(),
+                            " ".join(subjects)))
+                staged.append((i, message, user, conversation, int(at), bag.length, n_tokens,
+                               d.version, terms, bag.counts.tobytes()))
+                chained += [(user, s, at, i) for s in subjects]
+        conn.executemany("INSERT OR REPLACE INTO retrieval_next (item_id, version, length, tokens,"
+                         " terms, counts, subjects) VALUES (?,?,?,?,?,?,?)", nxt)
+        if not staging:
+            return len(items)
+        conn.executemany(
+            "INSERT INTO retrieval_staged (item_id, message_id, user_id, conversation_id, at,"
+            " length, tokens, version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?,?)", staged)
+        conn.executemany(chains._INSERT_CHAIN.replace("INTO chain", "INTO chain_staged"),
+                         chained)
+        count_terms(conn, np.concatenate(bags), +1, "retrieval_term_staged")
+        conn.execute("UPDATE retrieval_total_staged SET rows = rows + ?, length = length + ?,"
+                     " tokens = tokens + ?, folded_seq = (SELECT max(seq) FROM retrieval_staged)",
+                     (len(staged), sum(s[5] for s in staged), sum(s[6] for s in staged)))
+    return len(items)
 
 
 def _dictionary(version: str) -> dictionary.Dictionary:
@@ -222,6 +416,6 @@ def _dictionary(version: str) -> dictionary.Dictionary:
     return dictionary.Dictionary.from_bytes(row[0])
 
 
-def _live_version(conn: sqlite3.Connection) -> str:
+def _live_version(conn: Sql) -> str:
     return conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()[0]
 

@@ -7,13 +7,13 @@ messages are adjacent).
 from __future__ import annotations
 
 import functools
-import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.names import label
-from perpetuity_core.memory.store import db, in_chunks, in_list, snapshot
+from perpetuity_core.memory.store import connection, db, in_chunks, in_list, snapshot
 from perpetuity_core.wire.conversation import Kind, without_scaffold
 
 # What a model may be shown of memory: what was said and done, not harness scaffolding or
@@ -46,7 +46,7 @@ def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int,
         return _shown_rows(conn, ids, user_id, out)
 
 
-def _shown_rows(conn: sqlite3.Connection, ids: list[int], user_id: int | None,
+def _shown_rows(conn: Sql, ids: list[int], user_id: int | None,
                 out: dict[int, Row]) -> dict[int, Row]:
     kinds = ",".join("?" * len(SHOWN_KINDS))
     owner = " AND m.user_id = ?" if user_id is not None else ""
@@ -88,7 +88,7 @@ def around(conversation_id: int, message_id: int, n: int) -> list[tuple[int, int
     it, in its conversation."""
     out: list[tuple[int, int]] = []
     for cmp, order in (("<", "DESC"), (">", "ASC")):
-        out += db.connection().execute(
+        out += connection().execute(
             f"SELECT i.id, m.id FROM item i JOIN message m ON m.id = i.message_id WHERE"
             f" m.conversation_id = ? AND m.id {cmp} ? AND m.id IN (SELECT id FROM message"
             f" WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order} LIMIT ?)",
@@ -102,7 +102,7 @@ def next_spoken(conversation_id: int, message_id: int, *, after: bool) -> tuple[
     conversation. Harness text between them (Claude Code's mid-conversation system message) is
     skipped."""
     cmp, order = (">", "ASC") if after else ("<", "DESC")
-    row = db.connection().execute(
+    row = connection().execute(
         f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ?"
         f" AND role IN ('user', 'assistant') ORDER BY id {order} LIMIT 1",
         (conversation_id, message_id)).fetchone()
@@ -114,7 +114,7 @@ def items_of(message_ids: set[int]) -> list[int]:
     if not message_ids:
         return []
     ids = sorted(message_ids)
-    return [i for (i,) in db.connection().execute(
+    return [i for (i,) in connection().execute(
         f"SELECT id FROM item WHERE message_id IN ({in_list(ids)}) ORDER BY id", ids)]
 
 
@@ -131,7 +131,7 @@ def _adjacent_pairs(database: str, ids: tuple[int, ...]) -> frozenset[tuple[int,
     needs)."""
     if len(ids) < 2:
         return frozenset()
-    stored = [i for (i,) in db.connection().execute(
+    stored = [i for (i,) in connection().execute(
         "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
         " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id", (ids[0], ids[0], ids[-1]))]
     follows = dict(zip(stored, stored[1:], strict=False))

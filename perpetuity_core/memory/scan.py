@@ -58,11 +58,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, Visibility, build_segment
+from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, build_segment
 from perpetuity_core.memory.bm25 import Params, make_query
 from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.index import item_text, totals, unfolded_df
-from perpetuity_core.memory.store import Store, db, failing_as, in_list, snapshot
+from perpetuity_core.memory.store import Store, connection, failing_as, in_list, snapshot
+from perpetuity_core.memory.view import Visibility
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,26 +98,28 @@ class Scanner:
         self.store_rows = store_rows
         self.arena = Arena(layout, threads)
         self._use_arena = store_rows <= 0
-        # The frame's searches and the recall tools' run on different threads: a catch-up
-        # and a ranking see the arena whole (each holds this a few milliseconds; reading the
-        # hits' text from the store happens outside it).
+        # The frame's searches and the recall tools' run on different threads. One catch-up
+        # at a time (each holds this a few milliseconds); the scans read the view the last
+        # catch-up published, without it (memory.view.View).
         self._lock = threading.Lock()
 
     def catch_up(self) -> int:
         """Bring the arena (if in use) up to date; returns rows read. Reads only: deletions
         not settled yet are accounted for, not settled (the store's writer does that)."""
-        with snapshot("read the dictionary version") as conn:
-            live_dictionary(conn)  # a flip (maybe by another process) is followed here
+        with self._lock:
+            with snapshot("read the dictionary version") as conn:
+                live_dictionary(conn)  # a flip (maybe by another process) is followed here
+                if not self._use_arena:
+                    rows, _, _ = totals(conn)
+                    self._use_arena = rows > self.store_rows
             if not self._use_arena:
-                rows, _, _ = totals(conn)
-                self._use_arena = rows > self.store_rows
-        if not self._use_arena:
-            return 0
-        read = self.arena.catch_up()
-        if self.arena.stale():  # a flip re-derived every row, or most rows are dead
-            self.arena = Arena(self.arena.layout, self.arena.threads)
+                return 0
             read = self.arena.catch_up()
-        return read
+            if self.arena.stale():  # a flip re-derived every row, or most rows are dead
+                fresh = Arena(self.arena.layout, self.arena.threads)
+                read = fresh.catch_up()
+                self.arena = fresh  # readers keep the old arena's view until this
+            return read
 
     def search(self, query: str, user_id: int | None, limit: int = 10,
                exclude: Iterable[int] = frozenset(), conversation_id: int | None = None,
@@ -130,12 +133,12 @@ class Scanner:
         visible = Visibility(user_id, self.share_pool, conversation_id, during, pool)
         k = limit + len(exclude)  # excluded rows are dropped after ranking: fetch enough
         with failing_as("search memory"):
-            with self._lock:
-                self.catch_up()
-                if self._use_arena:
-                    ranked = self.arena.top(self.arena.query(query, self.params), k, visible)
-                else:
-                    ranked = self._store_top(query, k, visible)
+            self.catch_up()
+            if self._use_arena:
+                view = self.arena.view
+                ranked = view.top(view.query(query, self.params), k, visible)
+            else:
+                ranked = self._store_top(query, k, visible)
             hits = fetch_hits(ranked)
         return [h for h in hits if h.item_id not in exclude][:limit]
 
@@ -164,7 +167,7 @@ class Scanner:
         row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]
-        return tmp.top(q, k, visible)
+        return tmp.publish().top(q, k, visible)
 
 
 def fetch_hits(ranked: list[tuple[float, int, bool]]) -> list[Hit]:
@@ -172,7 +175,7 @@ def fetch_hits(ranked: list[tuple[float, int, bool]]) -> list[Hit]:
     if not ranked:
         return []
     seqs = [s for _, s, _ in ranked]
-    rows = db.connection().execute(
+    rows = connection().execute(
         "SELECT r.seq, r.item_id, r.message_id, r.user_id, r.conversation_id, m.role, m.at,"
         " i.name, i.text, r.tokens FROM retrieval r JOIN item i ON i.id = r.item_id"
         " JOIN message m ON m.id = r.message_id"

@@ -28,6 +28,7 @@ from perpetuity_core.memory.names import opening_words
 from perpetuity_core.memory.store import (
     Deriver,
     Store,
+    connection,
     m001_initial,
     m006_batched,
     m007_conversation_order,
@@ -47,7 +48,7 @@ def m009_harness_text(database: pw.Database) -> None:
     (tool results) are indexed again without it. Conversations get the title, opening words and
     folder their label is made of; those stored before get their first prompt's opening words.
     """
-    conn = database.connection()
+    conn = connection()
     for column in ("title", "opening", "folder"):
         conn.execute(f"ALTER TABLE conversation ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
     written = conn.execute("SELECT i.id, i.text, m.role FROM item i JOIN message m"

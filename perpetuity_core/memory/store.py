@@ -1,4 +1,6 @@
-"""The store: users, conversations, messages and their immutable rows, in SQLite via peewee.
+"""The store: users, conversations, messages and their immutable rows, in SQLite (the embedded
+default) or PostgreSQL (`--db postgresql://user@host:port/dbname`, location.py) via peewee.
+The SQL is SQLite's, translated for PostgreSQL by dialect.py: one code path.
 
 Every message is written in one transaction, as one `Message` row plus one `Item` row per part,
 and nothing is updated in place afterwards. Structures derived from the rows (retrieval rows,
@@ -11,8 +13,16 @@ time, one transaction per batch (`Store.flush`), each with a cursor: their reade
 past the cursor themselves, so they too never see a row without what is derived from it.
 
 Every write goes through `writing` (BEGIN IMMEDIATE: a second process on the same file waits
-for the lock instead of failing), reads that must agree through `snapshot`, and SQLite's
-errors leave the store as StoreError (`failing_as`). Ids are never handed out twice (m010).
+for the lock instead of failing; on PostgreSQL, a transaction that first takes WRITE_LOCK, an
+advisory lock every process's writers share), reads that must agree through `snapshot`, and the
+database's errors leave the store as StoreError (`failing_as`). Ids are never handed out twice
+(m010).
+
+Several processes over one PostgreSQL database: every write of every process is serialised by
+WRITE_LOCK, held until its transaction commits, so ids and retrieval seqs are handed out in
+commit order. That is what lets an arena catch up by reading `seq > cursor` (arena.py): a row
+with a lower seq can never commit after a higher one was read. The price is that writers do not
+run in parallel (per-process work outside the transaction still does).
 
 Credentials never reach this module: identity arrives already hashed.
 """
@@ -36,11 +46,13 @@ from typing import Any, TypeVar
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
+from perpetuity_core.memory.dialect import PgConnection, Postgres, Sql, driver_errors, trigger
+from perpetuity_core.memory.location import shown, where
 from perpetuity_core.memory.secrets import secret_kind
 from perpetuity_core.wire.conversation import Message, Usage
 
 
-class _Database(pw.SqliteDatabase):
+class _Tracked(pw.Database):
     """Peewee opens one connection per thread that reads (the store's writer, the scanner's,
     the tools', the preparing thread) and closes only the calling thread's: this one keeps
     every connection it opened, so that closing the store closes them all (`close_all`)."""
@@ -49,7 +61,7 @@ class _Database(pw.SqliteDatabase):
 
     def __init__(self, database: str | None, **kwargs: Any) -> None:
         super().__init__(database, **kwargs)
-        self._opened: set[sqlite3.Connection] = set()
+        self._opened: set[Any] = set()
         self._guard = threading.Lock()
 
     def connect(self, reuse_if_open: bool = False) -> bool:
@@ -82,7 +94,15 @@ class _Database(pw.SqliteDatabase):
             self._opened.clear()
 
 
-db = _Database(None)
+class _Sqlite(_Tracked, pw.SqliteDatabase):
+    pass
+
+
+class _Postgres(_Tracked, Postgres):
+    pass
+
+
+db = pw.DatabaseProxy()  # SQLite, or PostgreSQL (dialect.py): Store.__init__ decides
 log = logging.getLogger("perpetuity")
 T = TypeVar("T")
 
@@ -91,24 +111,45 @@ T = TypeVar("T")
 PRAGMAS = {"journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1, "busy_timeout": 5000}
 
 
+# Every writer of a PostgreSQL memory, in every process, takes this transaction-level lock
+# first: writes are serialised as SQLite's BEGIN IMMEDIATE serialises them, so ids and seqs
+# are handed out in commit order and a catch-up reading "seq past my cursor" never skips a row
+# that commits later with a lower seq (see arena.py). The key is arbitrary, fixed forever.
+WRITE_LOCK = 0x7065727065747569
+
+
+def postgres() -> bool:
+    return isinstance(db.obj, pw.PostgresqlDatabase)
+
+
+def connection() -> Sql:
+    """This thread's connection, as the store's SQL (SQLite's) runs on it."""
+    raw = db.connection()
+    return PgConnection(raw) if postgres() else raw
+
+
+_ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, pw.PeeweeException, *driver_errors())
+
+
 @contextmanager
 def failing_as(what: str) -> Iterator[None]:
-    """The boundary: SQLite's errors (raw `sqlite3` ones from the per-request SQL as well as
-    peewee's) leave the store as StoreError, which every caller knows how to fail open on."""
+    """The boundary: the database's errors (raw `sqlite3` or psycopg ones from the per-request
+    SQL as well as peewee's) leave the store as StoreError, which every caller knows how to
+    fail open on."""
     try:
         yield
-    except (sqlite3.Error, pw.PeeweeException) as e:
+    except _ERRORS as e:
         # SQLite rolls a transaction back itself on some errors (a full disk): the rollback
         # that follows fails, and that is not the error to report.
         cause: BaseException = e
-        while "rollback" in str(cause) and isinstance(
-                cause.__context__, sqlite3.Error | pw.PeeweeException):
+        while "rollback" in str(cause) and isinstance(cause.__context__, _ERRORS):
             cause = cause.__context__
-        raise StoreError(f"could not {what}: {cause}") from e
+        # psycopg's messages span lines (a hint after the error): one line, as errors are.
+        raise StoreError(f"could not {what}: {' '.join(str(cause).split())}") from e
 
 
 @contextmanager
-def writing(what: str) -> Iterator[sqlite3.Connection]:
+def writing(what: str) -> Iterator[Sql]:
     """The one way to write: a transaction that takes the write lock when it begins.
 
     A deferred `BEGIN` that reads before it writes gets "database is locked" at once, busy
@@ -117,15 +158,26 @@ def writing(what: str) -> Iterator[sqlite3.Connection]:
     the review, 4 and 2 in scripts/bench_writers.py here (the batched flush reads first); with
     BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each. Nested, it is a
     savepoint of the enclosing write."""
-    with failing_as(what), db.atomic("IMMEDIATE"):
-        yield db.connection()
+    if not postgres():
+        with failing_as(what), db.atomic("IMMEDIATE"):
+            yield db.connection()
+        return
+    with failing_as(what), db.atomic():
+        conn = connection()
+        conn.execute("SELECT pg_advisory_xact_lock(?)", (WRITE_LOCK,))
+        yield conn
 
 
 @contextmanager
-def snapshot(what: str) -> Iterator[sqlite3.Connection]:
-    """A read transaction: everything read inside it is of one commit (WAL: never blocked)."""
-    with failing_as(what), db.atomic():
-        yield db.connection()
+def snapshot(what: str) -> Iterator[Sql]:
+    """A read transaction: everything read inside it is of one commit (WAL: never blocked;
+    on PostgreSQL, REPEATABLE READ: one snapshot for the whole transaction)."""
+    if not postgres():
+        with failing_as(what), db.atomic():
+            yield db.connection()
+        return
+    with failing_as(what), db.atomic(isolation_level="REPEATABLE READ"):
+        yield connection()
 
 
 class BaseModel(pw.Model):
@@ -221,7 +273,7 @@ def m006_batched(database: pw.Database) -> None:
         f" tokens = tokens - (SELECT coalesce(sum(tokens), 0) {past})"
         f" - (SELECT coalesce(sum(tokens), 0) {gone})",
     ):
-        database.execute_sql(sql)
+        connection().execute(sql)
 
 
 def m007_conversation_order(database: pw.Database) -> None:
@@ -229,7 +281,7 @@ def m007_conversation_order(database: pw.Database) -> None:
     conversation_id as redundant, but the (conversation_id, pair_key) and (conversation_id,
     fingerprint) indexes do not keep id order: every "latest / around message X" lookup read
     and sorted the whole conversation, on every request of a long coding session."""
-    database.execute_sql("CREATE INDEX message_conversation_order ON message (conversation_id, id)")
+    connection().execute("CREATE INDEX message_conversation_order ON message (conversation_id, id)")
 
 
 def m010_store_guarantees(database: pw.Database) -> None:
@@ -244,7 +296,7 @@ def m010_store_guarantees(database: pw.Database) -> None:
     from perpetuity_core.memory import dictionary
 
     shipped = dictionary.shipped()
-    versions = [v for (v,) in database.execute_sql("SELECT DISTINCT version FROM retrieval")]
+    versions = [v for (v,) in connection().execute("SELECT DISTINCT version FROM retrieval")]
     live = versions[0] if len(versions) == 1 else shipped.version
     for sql in (
         "CREATE TABLE high_water (name TEXT PRIMARY KEY, id INTEGER NOT NULL) WITHOUT ROWID",
@@ -257,28 +309,28 @@ def m010_store_guarantees(database: pw.Database) -> None:
         " tokens INTEGER NOT NULL, terms BLOB NOT NULL, counts BLOB NOT NULL,"
         " subjects TEXT NOT NULL)",  # the row's chains under that version, space-separated
     ):
-        database.execute_sql(sql)
+        connection().execute(sql)
     for table in ("message", "item"):
-        database.execute_sql(
-            f"CREATE TRIGGER {table}_high_water AFTER DELETE ON {table}"
-            f" WHEN old.id > (SELECT id FROM high_water WHERE name = '{table}') BEGIN"
-            f" UPDATE high_water SET id = old.id WHERE name = '{table}'; END")
+        for sql in trigger(postgres(), f"{table}_high_water", table,
+                           f"old.id > (SELECT id FROM high_water WHERE name = '{table}')",
+                           f"UPDATE high_water SET id = old.id WHERE name = '{table}'"):
+            connection().execute(sql)
     if live == shipped.version:
-        database.execute_sql("INSERT INTO dictionary VALUES (?, ?, ?)",
+        connection().execute("INSERT INTO dictionary VALUES (?, ?, ?)",
                              (live, dictionary.shipped_path().read_bytes(), time.time()))
-    database.execute_sql("INSERT OR REPLACE INTO setting (key, value) VALUES ('dictionary', ?)",
+    connection().execute("INSERT OR REPLACE INTO setting (key, value) VALUES ('dictionary', ?)",
                          (live,))
 def m011_secret(database: pw.Database) -> None:
     """Each row carries the kind of credential the notes' scan finds in it (capture-time, off
     the request path): stored verbatim, it is shown to another conversation only as
     `[secret withheld: <kind>]`. Rows stored before are scanned here."""
-    database.execute_sql("ALTER TABLE item ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
+    connection().execute("ALTER TABLE item ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
     last = 0
-    while rows := database.execute_sql("SELECT id, text FROM item WHERE id > ? ORDER BY id"
+    while rows := connection().execute("SELECT id, text FROM item WHERE id > ? ORDER BY id"
                                        " LIMIT 5000", (last,)).fetchall():
         flagged = [(kind, i) for i, text in rows if (kind := secret_kind(text))]
         for kind, i in flagged:
-            database.execute_sql("UPDATE item SET secret = ? WHERE id = ?", (kind, i))
+            connection().execute("UPDATE item SET secret = ? WHERE id = ?", (kind, i))
         last = rows[-1][0]
 
 
@@ -309,7 +361,7 @@ Deriver = Callable[[list[StoredItem]], None]
 # Called by Store.flush, inside the batch's transaction, for the rows with after < seq <= upto.
 BatchDeriver = Callable[[int, int], None]
 # Takes the counts of deleted retrieval rows back out, inside the flush's transaction.
-Settle = Callable[[sqlite3.Connection], int]
+Settle = Callable[[Sql], int]
 Migrate = Callable[[pw.Database], None]
 # Rows stored before the batched structures are written: larger batches dirty fewer pages per
 # message, and a reader derives at most this many rows itself (see chains.chain_of).
@@ -322,10 +374,10 @@ class Written:
     item_ids: tuple[int, ...]
 
 
-def default_db_path() -> Path:
-    """Where memory lives: $PERPETUITY_DB, else ~/.perpetuity/memory.db."""
-    env = os.environ.get("PERPETUITY_DB")
-    return Path(env).expanduser() if env else Path.home() / ".perpetuity" / "memory.db"
+def default_db_path() -> str | Path:
+    """Where memory lives: $PERPETUITY_DB (a path or URL, see location.py), else
+    ~/.perpetuity/memory.db."""
+    return os.environ.get("PERPETUITY_DB") or Path.home() / ".perpetuity" / "memory.db"
 
 
 class Store:
@@ -335,7 +387,7 @@ class Store:
                  derivers: Iterable[Deriver], batched: Mapping[str, BatchDeriver],
                  settle: Settle) -> None:
         """Open through memory.schema.open_memory, which wires the derivers."""
-        self.path = Path(path).expanduser()
+        self.path = where(path)
         self._users: dict[str, int] = {}
         self._conversations: dict[tuple[int, str], int] = {}
         self._named: set[tuple[int, str]] = set()  # (conversation, name part) already stored
@@ -345,27 +397,45 @@ class Store:
         self._settle = settle
         from perpetuity_core.memory.dictionary import dictionary_notice, live_dictionary
 
+        if db.obj is not None:  # the proxy moves to this database: the last one's are orphans
+            db.obj.close_all()
         try:
-            _create_private(self.path)
-            db.init(str(self.path), pragmas=PRAGMAS, check_same_thread=False)
-            with failing_as(f"open the memory database {self.path}"):
+            if isinstance(self.path, Path):
+                _create_private(self.path)
+                db.initialize(_Sqlite(str(self.path), pragmas=PRAGMAS, check_same_thread=False))
+            else:
+                db.initialize(_Postgres(self.path))
+            with failing_as(f"open the memory database {self.shown}"):
                 db.connect(reuse_if_open=True)
                 self._migrate()
                 self.salt = self._setting("identity_salt", lambda: secrets.token_hex(16))
                 # Rows left behind by a process that stopped before its batch: the next flush
                 # writes them (opening does not: a reader may open the store too).
-                (self._behind,) = db.connection().execute(
+                (self._behind,) = connection().execute(
                     "SELECT count(*) FROM retrieval WHERE seq > (SELECT min(seq) FROM derived)"
                 ).fetchone()
-                live_dictionary(db.connection())
-                self.notice = dictionary_notice(db.connection())
+                live_dictionary(connection())
+                self.notice = dictionary_notice(connection())
         except OSError as e:
             raise StoreError(f"cannot open the memory database {self.path}: {e}") from e
         if self.notice:
             log.warning("perpetuity: %s", self.notice)
 
+    @property
+    def shown(self) -> str:
+        """Where the memory is, as messages show it (a URL without its password)."""
+        return shown(str(self.path))
+
+    def size_bytes(self) -> int:
+        """The database's size on disk."""
+        if isinstance(self.path, Path):
+            return self.path.stat().st_size
+        return int(connection().execute(
+            "SELECT pg_database_size(current_database())").fetchone()[0])
+
     def close(self) -> None:
-        db.close_all()
+        if db.obj is not None:
+            db.obj.close_all()
 
     def _migrate(self) -> None:
         with writing("migrate the memory database"):
@@ -373,7 +443,7 @@ class Store:
             done = {m.name for m in Migration.select()}
             for migration in self.migrations:
                 if migration.__name__ not in done:
-                    migration(db)
+                    migration(db.obj)
                     Migration.create(name=migration.__name__, applied_at=time.time())
 
     def _setting(self, key: str, make: Callable[[], str]) -> str:
@@ -427,7 +497,7 @@ class Store:
         if (cached := self._users.get(key)) is not None:
             return cached
         with failing_as("read a user"):
-            row = db.connection().execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
+            row = connection().execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
 
     def find_conversation(self, user_id: int, key: str) -> int | None:
@@ -435,7 +505,7 @@ class Store:
         if (cached := self._conversations.get((user_id, key))) is not None:
             return cached
         with failing_as("read a conversation"):
-            row = db.connection().execute(
+            row = connection().execute(
                 "SELECT id FROM conversation WHERE user_id = ? AND key = ?", (user_id, key)
             ).fetchone()
         return row[0] if row else None
@@ -443,7 +513,7 @@ class Store:
     def latest_messages(self, conversation_id: int, n: int) -> list[int]:
         """The ids of the conversation's last `n` stored messages."""
         with failing_as("read the latest messages"):
-            return [i for (i,) in db.connection().execute(
+            return [i for (i,) in connection().execute(
                 "SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
                 (conversation_id, n))]
 
@@ -451,7 +521,7 @@ class Store:
         """The stored messages of a conversation with these fingerprints."""
         with failing_as("read messages"):
             return [i for (i,) in _in_query(
-                db.connection(),
+                connection(),
                 "SELECT id FROM message WHERE conversation_id = ? AND fingerprint IN",
                 conversation_id, fingerprints)]
 
@@ -540,7 +610,7 @@ def in_chunks[T](values: Sequence[T]) -> Iterator[list[T]]:
         yield list(values[start:start + IN_CHUNK])
 
 
-def _in_query(conn: sqlite3.Connection, sql: str, conversation_id: int,
+def _in_query(conn: Sql, sql: str, conversation_id: int,
               values: list[str]) -> list[tuple]:
     if not values:
         return []

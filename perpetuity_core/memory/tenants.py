@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from perpetuity_core.memory.rows import Row
-from perpetuity_core.memory.store import Store, db
+from perpetuity_core.memory.store import Store, connection
 from perpetuity_core.wire.conversation import Kind, Message
 
 TENANTS_DIR = "tenants"  # under the notes root: one library per tenant
@@ -35,7 +35,7 @@ def tenant_of(user_key: str) -> str:
 def pool_of(store: Store, user_id: int, pooled: frozenset[str]) -> frozenset[int]:
     """The users whose rows `user_id` may see besides its own: those of the operator-named
     tenant set, when the asker's tenant is in it; no one otherwise."""
-    conn = db.connection()
+    conn = connection()
     row = conn.execute("SELECT key FROM user WHERE id = ?", (user_id,)).fetchone()
     if row is None or tenant_of(row[0]) not in pooled:
         return frozenset()

@@ -20,7 +20,7 @@ from perpetuity_core.memory.chains import _rank, _subject_words, chain_of
 from perpetuity_core.memory.names import label
 from perpetuity_core.memory.rows import SHOWN_KINDS, Row
 from perpetuity_core.memory.scan import Hit, Scanner
-from perpetuity_core.memory.store import db, in_chunks, in_list
+from perpetuity_core.memory.store import connection, in_chunks, in_list
 from perpetuity_core.recall.answers import (
     LABEL_CHARS,
     RESULT_CHARS,
@@ -91,7 +91,7 @@ def _own_conversation(memory: TurnMemory, number: str) -> int | None:
     digits = number.strip().removeprefix("c")
     if not digits.isdigit():
         return None
-    row = db.connection().execute("SELECT id FROM conversation WHERE id = ? AND user_id = ?",
+    row = connection().execute("SELECT id FROM conversation WHERE id = ? AND user_id = ?",
                                   (int(digits), memory.user_id)).fetchone()
     return row[0] if row else None
 
@@ -133,7 +133,7 @@ def _holding(item_ids: list[int], terms: np.ndarray) -> set[int]:
     """Which of the rows hold at least one of `terms` themselves (not only their context)."""
     if not item_ids or terms.size == 0:
         return set()
-    rows = db.connection().execute(
+    rows = connection().execute(
         f"SELECT item_id, terms FROM retrieval WHERE item_id IN ({in_list(item_ids)})",
         item_ids).fetchall()
     return {i for i, blob in rows if np.isin(np.frombuffer(blob, "<i4"), terms).any()}
@@ -229,7 +229,7 @@ def _conversation_names(conversation_ids: list[int]) -> dict[int, str]:
     if not conversation_ids:
         return {}
     return {c: _conversation(c, label(title, opening, folder)) for c, title, opening, folder
-            in db.connection().execute(
+            in connection().execute(
                 "SELECT id, title, opening, folder FROM conversation WHERE id IN"
                 f" ({in_list(conversation_ids)})", conversation_ids)}
 
@@ -243,7 +243,7 @@ def count_rows(user_id: int, terms: np.ndarray, every: bool,
     sql, params = "SELECT item_id, terms FROM retrieval WHERE user_id = ?", [user_id]
     if f.conversation_id is not None:
         sql, params = sql + " AND conversation_id = ?", [user_id, f.conversation_id]
-    conn = db.connection()
+    conn = connection()
     rows = conn.execute(sql, params).fetchall()
     empty = np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
     if not rows:
@@ -321,7 +321,7 @@ def cooccurring(anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
     first), and the other rows bound in those turns, most strongly first, with how many of
     those turns each shares. A turn weighs 1 / (1 + rank) of the best anchor it holds, a row
     the sum of its turns' weights; ties by item id."""
-    conn = db.connection()
+    conn = connection()
     pairs = conn.execute(
         f"SELECT turn_message_id, item_id FROM binding WHERE item_id IN"
         f" ({in_list(anchors)})", anchors).fetchall()

@@ -21,6 +21,7 @@ from mitmproxy import contentviews, ctx, exceptions, http
 
 from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.location import where
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store, default_db_path
 from perpetuity_core.notes.library import notes_root
@@ -57,7 +58,8 @@ class Perpetuity:
         # Requests are parsed on their own thread, so a request never queues behind a write.
         self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-parse")
         # The recall tools run on their own threads: a slow tool (a long scan, a cold catch-up)
-        # never queues another client's request behind it (the scanner guards its arena).
+        # never queues another client's request behind it (the scanner's catch-ups take turns;
+        # its scans read the arena's published view without a lock).
         self.tools = ThreadPoolExecutor(max_workers=4, thread_name_prefix="perpetuity-tools")
         self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-notes")
         self.serving = False  # from the running hook on, the database is fixed
@@ -66,7 +68,7 @@ class Perpetuity:
     def load(self, loader: Any) -> None:
         contentviews.add(PerpetuityView)
         loader.add_option("perpetuity_db", str, str(default_db_path()),
-                          "SQLite file holding the memory ($PERPETUITY_DB overrides the default).")
+                          "SQLite file (a path or sqlite:///path) holding the memory ($PERPETUITY_DB overrides the default).")
         loader.add_option("perpetuity_anthropic_upstream", str, DEFAULT_UPSTREAMS[Provider.ANTHROPIC],
                           "Where Anthropic traffic goes (scheme://host[:port]).")
         loader.add_option("perpetuity_openai_upstream", str, DEFAULT_UPSTREAMS[Provider.OPENAI],
@@ -98,19 +100,32 @@ class Perpetuity:
                           "stream on mitmproxy's own path (x-perpetuity-tools: off, per request).")
 
     def configure(self, updated: set[str]) -> None:
+        try:
+            self._configure(updated)
+        except exceptions.OptionsError as e:
+            if self.serving:
+                raise
+            # At start-up mitmproxy prints an error raised from a script's configure with its
+            # traceback, and exits on any error logged: logged, the cause is one line.
+            log.error("perpetuity: %s", e)
+
+    def _configure(self, updated: set[str]) -> None:
         keys = {"perpetuity_db", "perpetuity_anthropic_upstream", "perpetuity_openai_upstream",
                 "perpetuity_tools", "perpetuity_notes_dir", "perpetuity_frame_ceiling",
                 "perpetuity_share_pool", "perpetuity_tool_rounds", "perpetuity_trust_identity",
                 "perpetuity_notes_capture", "perpetuity_tool_timeout"}
         if not updated & keys:
             return
-        moved = ("perpetuity_db" in updated and self.store is not None
-                 and Path(ctx.options.perpetuity_db).expanduser() != self.store.path)
+        try:
+            moved = ("perpetuity_db" in updated and self.store is not None
+                     and where(ctx.options.perpetuity_db) != self.store.path)
+        except PerpetuityError as e:
+            raise exceptions.OptionsError(str(e)) from e
         if moved and self.serving and self.store is not None:
             # The preparing thread's reads would stay on the old file while writes went to the
             # new one: one memory split in two.
             raise exceptions.OptionsError(
-                f"perpetuity_db cannot change while running (memory is in {self.store.path}); "
+                f"perpetuity_db cannot change while running (memory is in {self.store.shown}); "
                 "restart the proxy to use another file")
         pooled = frozenset(t.strip() for t in ctx.options.perpetuity_share_pool.split(",")
                            if t.strip())
@@ -153,7 +168,7 @@ class Perpetuity:
         host = ctx.options.listen_host or "127.0.0.1"
         port = ctx.options.listen_port or 8080
         print(
-            f"perpetuity: listening on http://{host}:{port}, memory in {ctx.options.perpetuity_db}\n"
+            f"perpetuity: listening on http://{host}:{port}, memory in {self.store.shown if self.store else ''}\n"
             f"  Claude Code / Anthropic SDK: ANTHROPIC_BASE_URL=http://{host}:{port}\n"
             f"  OpenAI SDK / opencode:       OPENAI_BASE_URL=http://{host}:{port}/v1\n"
             f"  Codex (~/.codex/config.toml): [model_providers.perpetuity] base_url = "

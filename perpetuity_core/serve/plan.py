@@ -32,7 +32,9 @@ and it changes in only three ways:
 
 A conversation whose history is shorter than a frame is never replaced at all (a chat of a few
 thousand tokens is cheapest sent as it is): it gets a frame of other conversations' memory in
-front, its own turns kept as sent, until its history outgrows the frame.
+front, its own turns kept as sent, until its history outgrows the frame. Each of its prompts
+gets a new frame: what that rewrites after the frame is the short history, about what an
+addendum would cost, and the frame then holds what this prompt needs, not what earlier ones did.
 
 Plans live in memory, on the thread that prepares requests; after a restart the next call
 rebuilds once. A plan whose anchor or addenda no longer appear in what the harness sends

@@ -28,6 +28,7 @@ from perpetuity_core.cli.replay.drive import Report, chat_locomo, claude_code
 from perpetuity_core.cli.replay.report import plot, table
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.location import sqlite_path
 
 __all__ = ["Report", "chat_locomo", "claude_code", "register"]
 
@@ -48,7 +49,7 @@ def register(sub: Any) -> None:
     chat.add_argument("--limit", type=int, default=0, help="only the first N conversations")
     chat.add_argument("--turns", type=int, default=0, help="only each conversation's first N turns")
     for q in (cc, chat):
-        q.add_argument("--db", type=Path, help="the memory to fill (a new file; default temporary)")
+        q.add_argument("--db", help="the memory to fill (a new file; default temporary)")
         q.add_argument("--json", action="store_true", help="print JSON instead of a table")
         q.add_argument("--plot", type=Path, metavar="FILE.png", help="cumulative cost plot")
         q.add_argument("--ceiling", type=int, default=Cap().ceiling, help="largest frame, tokens")
@@ -56,16 +57,20 @@ def register(sub: Any) -> None:
         q.set_defaults(func=_run)
 
 
+def _new_file(db: str | None) -> Path | None:
+    return sqlite_path(db) if db else None
+
+
 def _run(args: argparse.Namespace) -> int:
     limits = Cap(Cap().floor, args.ceiling)
     if args.kind == "claude-code":
         if missing := [str(p) for p in args.paths if not p.exists()]:
             raise ConfigError(f"no such path: {', '.join(missing)}")
-        report = claude_code(args.paths, db=args.db, calls=args.calls,
+        report = claude_code(args.paths, db=_new_file(args.db), calls=args.calls,
                              template=args.request_template, limits=limits,
                              tools=not args.no_tools, progress=True)
     else:
-        report = chat_locomo(args.path, db=args.db, limit=args.limit, turns=args.turns,
+        report = chat_locomo(args.path, db=_new_file(args.db), limit=args.limit, turns=args.turns,
                              limits=limits, tools=not args.no_tools, progress=True)
     data = report.as_dict()
     print(json.dumps(data, indent=2) if args.json else table(data))

@@ -18,7 +18,7 @@ from perpetuity_core.wire.conversation import (
     as_context,
     text_part,
 )
-from perpetuity_core.wire.protocols.base import BodyMergerBase
+from perpetuity_core.wire.protocols.base import BodyMergerBase, spliced
 from perpetuity_core.wire.sse import Event
 
 
@@ -61,7 +61,7 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
     """
     raw = body["messages"]
     kept_system = [m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
-    kept = kept_system + _spliced(raw, keep_from, inserts or {})
+    kept = kept_system + spliced(raw, keep_from, inserts, _render)
     rendered = _render(frame)
     spare = MAX_CACHE_MARKERS - _count_markers({**body, "messages": kept})
     if rendered and spare > 0:
@@ -135,15 +135,6 @@ def _count_markers(value: Any) -> int:
     if isinstance(value, list):
         return sum(_count_markers(v) for v in value)
     return 0
-
-
-def _spliced(raw: list[Any], keep_from: int,
-             inserts: Mapping[int, list[Message]]) -> list[Any]:
-    out: list[Any] = []
-    for i in range(keep_from, len(raw)):
-        out += _render(inserts.get(i, []))
-        out.append(raw[i])
-    return out
 
 
 def message_from(m: dict[str, Any]) -> Message:

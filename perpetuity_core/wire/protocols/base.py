@@ -11,6 +11,17 @@ from perpetuity_core.wire.conversation import Message, ParsedRequest, Reply
 from perpetuity_core.wire.sse import Event
 
 
+def spliced(raw: list[Any], keep_from: int, inserts: Mapping[int, list[Message]] | None,
+            render: Callable[[list[Message]], list[dict[str, Any]]]) -> list[Any]:
+    """The raw messages from `keep_from` on, each of `inserts` (raw index -> messages),
+    rendered by the adapter, just before the message at its index."""
+    out: list[Any] = []
+    for i in range(keep_from, len(raw)):
+        out += render((inserts or {}).get(i, []))
+        out.append(raw[i])
+    return out
+
+
 class Assembler(Protocol):
     """Rebuilds the reply from the protocol's event stream."""
 

@@ -18,7 +18,7 @@ from perpetuity_core.wire.conversation import (
     Usage,
     text_part,
 )
-from perpetuity_core.wire.protocols.base import BodyMergerBase
+from perpetuity_core.wire.protocols.base import BodyMergerBase, spliced
 from perpetuity_core.wire.sse import Event
 
 HINT_FIELDS = ("user", "safety_identifier", "prompt_cache_key")
@@ -53,10 +53,7 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
     raw = body["messages"]
     kept_system = [m for m in raw[:keep_from]
                    if isinstance(m, dict) and m.get("role") in ("system", "developer")]
-    kept: list[Any] = []
-    for i in range(keep_from, len(raw)):
-        kept += _render((inserts or {}).get(i, []))
-        kept.append(raw[i])
+    kept = spliced(raw, keep_from, inserts, _render)
     return {**body, "messages": kept_system + _render(frame) + kept}
 
 

@@ -1,0 +1,257 @@
+"""What a scan reads: an arena's published `View` (memory.arena explains how a catch-up
+publishes one while readers scan the last), its segments and document frequencies, and the
+`Visibility` rule of a query.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from perpetuity_core.memory.bm25 import Params, Query, contributions, make_query, merge, top_k
+
+
+class Frequencies:
+    """Document frequency per term id, immutable: a view keeps the one it was published with.
+
+    A base (a dense int32 array over the vocabulary's ids, a dict over the hashed ids above it:
+    a dense table of all 2**22 hash buckets would cost 16 MB however small the memory) plus a
+    small delta (distinct term ids ascending, their counts). `plus` returns new frequencies
+    sharing the base and copying only the delta, so a catch-up costs O(its own terms); the
+    delta is folded into a fresh base once it holds FOLD_AT terms (the base copy, O(vocabulary),
+    then comes once per FOLD_AT new terms, amortised)."""
+
+    FOLD_AT = 4096
+
+    def __init__(self, hash_base: int, dense: np.ndarray | None = None,
+                 hashed: dict[int, int] | None = None,
+                 delta: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        self.hash_base = hash_base
+        self.dense = np.zeros(hash_base, np.int32) if dense is None else dense
+        self.hashed: dict[int, int] = {} if hashed is None else hashed
+        self.delta = delta or (np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    def plus(self, terms: np.ndarray, counts: np.ndarray) -> Frequencies:
+        """These frequencies with `counts` rows added to each of `terms` (distinct)."""
+        t = np.concatenate((self.delta[0], terms.astype(np.int64)))
+        ids, at = np.unique(t, return_inverse=True)
+        c = np.bincount(at, np.concatenate((self.delta[1], counts)).astype(np.float64),
+                        ids.size).astype(np.int64)
+        if ids.size < self.FOLD_AT:
+            return Frequencies(self.hash_base, self.dense, self.hashed, (ids, c))
+        return self._fold(ids, c)
+
+    def _fold(self, ids: np.ndarray, c: np.ndarray) -> Frequencies:
+        """New frequencies with no delta: a copy of the base plus `c` for each of `ids`."""
+        dense, hashed = self.dense.copy(), dict(self.hashed)
+        v = ids < self.hash_base
+        dense[ids[v]] += c[v].astype(np.int32)
+        for term, n in zip(ids[~v].tolist(), c[~v].tolist(), strict=True):
+            if left := hashed.get(term, 0) + n:
+                hashed[term] = left
+            else:
+                hashed.pop(term, None)
+        return Frequencies(self.hash_base, dense, hashed)
+
+    def rows(self, terms: np.ndarray, sign: int = 1) -> Frequencies:
+        """These frequencies with one row counted (sign 1) or uncounted (-1) for each
+        occurrence in `terms`."""
+        u, c = np.unique(terms, return_counts=True)
+        return self.plus(u, sign * c)
+
+    def get(self, terms: np.ndarray) -> np.ndarray:
+        v = terms < self.hash_base
+        out = np.zeros(terms.size, np.int64)
+        out[v] = self.dense[terms[v]]
+        out[~v] = [self.hashed.get(t, 0) for t in terms[~v].tolist()]
+        ids, c = self.delta
+        if ids.size:
+            i = np.minimum(np.searchsorted(ids, terms), ids.size - 1)
+            out += np.where(ids[i] == terms, c[i], 0)
+        return out
+
+    def table(self) -> tuple[np.ndarray, dict[int, int]]:
+        """The frequencies folded: (dense, hashed without zeros)."""
+        f = self._fold(*self.delta)
+        return f.dense, f.hashed
+
+    def nbytes(self) -> int:
+        # A dict entry with its two small ints costs about 100 bytes in CPython.
+        return self.dense.nbytes + 100 * len(self.hashed) + 16 * self.delta[0].size
+
+
+@dataclass(slots=True)
+class Segment:
+    """Rows [start, start + n) of the arena, in one of the two layouts."""
+
+    start: int
+    n: int
+    # term-major: distinct terms ascending, their postings' extent, postings (local row, tf)
+    terms: np.ndarray | None = None
+    ptr: np.ndarray | None = None
+    rows: np.ndarray | None = None
+    # row-major: each row's extent, its terms (int32) in ascending id
+    row_ptr: np.ndarray | None = None
+    row_terms: np.ndarray | None = None
+    tf: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.terms, self.ptr, self.rows, self.row_ptr,
+                                      self.row_terms, self.tf) if a is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """The arena as one catch-up left it: its first `n` rows, their segments and counts.
+
+    Nothing a view reads changes after it is published: the columns are (views of the first
+    `n` rows of) buffers the writer only appends to (past `n`), except a conversation's last
+    row's next link, which `step` reads as none when it points past `n`; deletions copy
+    the columns they change, segments are replaced, never changed, and frequencies are
+    immutable. So any number of readers scan a view without a lock while the writer appends.
+    """
+
+    n: int
+    seq: np.ndarray
+    user: np.ndarray
+    conv: np.ndarray
+    at: np.ndarray
+    length: np.ndarray
+    prev: np.ndarray  # the links' whole buffers (see step): rows past n are not this view's
+    next: np.ndarray
+    segments: tuple[Segment, ...]
+    df: Frequencies | None
+    n_rows: int
+    total_length: int
+    row_cursor: int
+    gone_cursor: int
+    pool: ThreadPoolExecutor | None
+
+    def query(self, text: str, params: Params) -> Query:
+        df = self.df
+        if df is None:
+            return make_query(text, lambda t: np.zeros(t.size), 0, 0, params)
+        return make_query(text, df.get, self.n_rows, self.total_length, params)
+
+    def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
+        """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
+        if q.empty or k <= 0 or not self.segments:
+            return []
+        # BM25 of every row; the extra last slot, which none (-1) reads, is a zero.
+        bm25 = np.zeros(self.n + 1)
+
+        def fill(seg: Segment) -> None:
+            bm25[seg.start:seg.start + seg.n] = self._scores(seg, q)
+
+        if self.pool is not None and len(self.segments) > 1:
+            list(self.pool.map(fill, self.segments))
+        else:
+            for seg in self.segments:
+                fill(seg)
+        # Context never crosses a conversation, so rows the asker cannot see are dropped
+        # before it is computed; a time span only picks among the scored rows, which score
+        # as they would without it.
+        seen = visible.masks(self.user, self.conv)
+        cand, score = self.context(bm25, q, seen[0] if seen[1] is None else seen[0] | seen[1])
+        own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
+        parts = []
+        for mask, flag in ((own, True), (other, False)):
+            if mask is not None:
+                c = cand[mask]
+                best = top_k(score[mask], np.arange(c.size), self.seq[c], k)
+                parts.append((score[mask][best], self.seq[c][best], np.full(best.size, flag)))
+        return merge(parts, k) if parts else []
+
+    def step(self, links: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The rows `links` (prev or next) point to from rows `x`, -1 for none. The links are
+        whole buffers whose last slot is -1, so none steps to none; a next link past n (a row
+        appended after this view, linked since) reads as none too."""
+        y = links[x]
+        if links is self.next:
+            y[y >= self.n] = -1
+        return y
+
+    def context(self, bm25: np.ndarray, q: Query,
+                visible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows with a positive score and their scores: BM25 plus the weighted BM25 of their
+        neighbours (Params.before / after). Only rows holding a query term, and rows within
+        reach of one, can score above zero, so only those are computed."""
+        n = self.n
+        hit = np.flatnonzero((bm25[:n] > 0) & visible)
+        # Rows within reach: marked in a bitmap (an O(n) pass that beats a sort of the hits).
+        reach = np.zeros(n + 1, bool)
+        reach[hit] = True
+        for links, weights in ((self.next, q.before), (self.prev, q.after)):
+            x: np.ndarray = hit
+            for _ in weights:  # a row d after a hit gets that hit as its d-th row before
+                x = self.step(links, x)
+                reach[x] = True
+        reach[n] = False  # the "none" slot
+        cand = np.flatnonzero(reach)
+        score = bm25[cand]
+        for links, weights in ((self.prev, q.before), (self.next, q.after)):
+            x = cand
+            for w in weights:  # fixed order: before 1, 2, 3, then after 1, 2, 3
+                x = self.step(links, x)  # none (-1) reads bm25's last slot, a zero
+                score += w * bm25[x]
+        keep = score > 0
+        return cand[keep], score[keep]
+
+    def _scores(self, seg: Segment, q: Query) -> np.ndarray:
+        """Exact scores of every row of a segment (float64; zero for rows without a term)."""
+        length = self.length[seg.start:seg.start + seg.n]
+        if seg.terms is not None:
+            assert seg.ptr is not None and seg.rows is not None
+            i = np.searchsorted(seg.terms, q.terms)
+            i = np.minimum(i, seg.terms.size - 1)
+            hit: Any = np.flatnonzero(seg.terms[i] == q.terms) if seg.terms.size else []
+            if len(hit) == 0:
+                return np.zeros(seg.n)
+            lo, hi = seg.ptr[i[hit]], seg.ptr[i[hit] + 1]
+            spans = list(zip(lo.tolist(), hi.tolist()))  # one per query term held here
+            rows = np.concatenate([seg.rows[a:b] for a, b in spans])
+            tf = np.concatenate([seg.tf[a:b] for a, b in spans])
+            contrib = contributions(q, np.repeat(hit, hi - lo), tf, length[rows])
+            # bincount adds in input order: for every row, ascending query term id.
+            return np.bincount(rows, weights=contrib, minlength=seg.n)
+        assert seg.row_terms is not None and seg.row_ptr is not None
+        pos = np.searchsorted(q.terms, seg.row_terms)
+        pos = np.minimum(pos, q.terms.size - 1)
+        hit = np.flatnonzero(q.terms[pos] == seg.row_terms)
+        rows = np.searchsorted(seg.row_ptr, hit, side="right") - 1
+        contrib = contributions(q, pos[hit], seg.tf[hit], length[rows])
+        return np.bincount(rows, weights=contrib, minlength=seg.n)
+
+
+@dataclass(frozen=True, slots=True)
+class Visibility:
+    """Which rows a query may see, and which of them are the asker's own."""
+
+    user_id: int | None
+    share_pool: bool = False
+    conversation_id: int | None = None
+    during: tuple[float, float] | None = None  # [start, end) of when the row was said
+    pool: frozenset[int] | None = None  # with share_pool: the only others visible (None: all)
+
+    def masks(self, user: np.ndarray, conv: np.ndarray,
+              at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(own, others') rows, others' None unless the pool is shared; the time span applies
+        only where `at` is given."""
+        live = user >= 0
+        if self.conversation_id is not None:
+            live = live & (conv == self.conversation_id)
+        if self.during is not None and at is not None:
+            live = live & (at >= self.during[0]) & (at < self.during[1])
+        if self.user_id is None:
+            return live, None
+        mine = live & (user == self.user_id)
+        if not self.share_pool:
+            return mine, None
+        others = live & (user != self.user_id)
+        if self.pool is not None:
+            others &= np.isin(user, np.fromiter(self.pool, np.int32, len(self.pool)))
+        return mine, others
+

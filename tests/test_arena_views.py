@@ -1,0 +1,96 @@
+"""The arena's views: readers scan without a lock while a catch-up appends (memory.view.View).
+
+Every ranking a reader gets from a view equals the reference scan (tests/test_retrieval.py) of
+the memory as it was committed when that view was published: the rows then stored, minus the
+rows then purged.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from perpetuity_core.memory import arena, bm25, index, scan
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Store, connection
+from perpetuity_core.memory.view import Frequencies, View, Visibility
+from tests.test_retrieval import WORDS, add, fill, random_text, reference
+
+QUERIES = ["support group guitar", "guitar", "painting sunrise camping", "dog the cat kids"]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = open_memory(tmp_path / "memory.db")
+    yield s
+    s.close()
+
+
+def test_readers_scan_views_while_the_writer_appends_and_purges(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(arena, "SEGMENT_ROWS", 29)  # catch-ups append, merge and regrow
+    monkeypatch.setattr(Frequencies, "FOLD_AT", 7)  # frequencies fold often
+    rng = random.Random(23)
+    fill(store, rng, 60)
+    sc = scan.Scanner(store, store_rows=0, threads=2)
+    sc.catch_up()
+    users = [store.user_id(f"u{i}") for i in range(3)]
+    asks = [(q, u) for q in QUERIES for u in [*users, None]]
+    # Per published view (kept alive, so ids stay unique): what the reference says of it.
+    want: dict[int, dict[tuple[str, int | None], list[tuple[int, float]]]] = {}
+    views: list[View] = []
+    item_of: dict[int, int] = {}  # seq -> item id (seqs are never reused)
+    # The views themselves are kept too, so that no id is reused.
+    got: list[tuple[View, str, int | None, list[tuple[float, int, bool]]]] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def publish_reference() -> None:
+        view = sc.arena.view
+        views.append(view)
+        item_of.update(connection().execute("SELECT seq, item_id FROM retrieval"))
+        want[id(view)] = {(q, u): reference(store, q, u, 10) for q, u in asks}
+
+    def read(seed: int) -> None:
+        r = random.Random(seed)
+        try:
+            while not done.is_set():
+                view = sc.arena.view
+                q, u = r.choice(asks)
+                got.append((view, q, u,
+                            view.top(view.query(q, bm25.Params()), 10, Visibility(u))))
+                sc.search(r.choice(WORDS), u, 5)  # a search's own catch-up races the writer's
+        except BaseException as e:  # noqa: BLE001 - the test reports every failure
+            errors.append(e)
+
+    publish_reference()
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for t in readers:
+        t.start()
+    try:
+        for step in range(30):
+            for _ in range(rng.choice([1, 2, 5, 13, 40])):
+                user = f"u{rng.randrange(3)}"
+                add(store, user, f"{user}-c{rng.randrange(3)}", [random_text(rng)],
+                    at=100.0 + step)
+            if step % 7 == 3:
+                live = [i for (i,) in connection().execute("SELECT item_id FROM retrieval")]
+                index.purge(store, rng.sample(live, 5))
+            sc.catch_up()
+            publish_reference()
+    finally:
+        done.set()
+        for t in readers:
+            t.join()
+    assert not errors, errors
+    checked = 0
+    for view, q, u, ranked in got:
+        if id(view) not in want:  # published by a search's catch-up between two of ours
+            continue
+        expected = want[id(view)][(q, u)]
+        assert [(item_of[s], score) for score, s, _ in ranked] == expected
+        checked += 1
+    assert checked >= len(got) // 2 and len({id(v) for v, *_ in got}) > 5
