@@ -12,17 +12,9 @@ retrieval needs at once (the chains) are written by the same writer a batch of m
 time, one transaction per batch (`Store.flush`), each with a cursor: their readers add the rows
 past the cursor themselves, so they too never see a row without what is derived from it.
 
-Every write goes through `writing` (BEGIN IMMEDIATE: a second process on the same file waits
-for the lock instead of failing; on PostgreSQL, a transaction that first takes WRITE_LOCK, an
-advisory lock every process's writers share), reads that must agree through `snapshot`, and the
-database's errors leave the store as StoreError (`failing_as`). Ids are never handed out twice
-(m010).
-
-Several processes over one PostgreSQL database: every write of every process is serialised by
-WRITE_LOCK, held until its transaction commits, so ids and retrieval seqs are handed out in
-commit order. That is what lets an arena catch up by reading `seq > cursor` (arena.py): a row
-with a lower seq can never commit after a higher one was read. The price is that writers do not
-run in parallel (per-process work outside the transaction still does).
+Every write goes through `writing`, reads that must agree through `snapshot`, and the
+database's errors leave the store as StoreError: database.py, the handle. Ids are never
+handed out twice (m010).
 
 Credentials never reach this module: identity arrives already hashed.
 """
@@ -34,150 +26,26 @@ import json
 import logging
 import os
 import secrets
-import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
-from perpetuity_core.memory.dialect import PgConnection, Postgres, Sql, driver_errors, trigger
+from perpetuity_core.memory.database import PRAGMAS as PRAGMAS
+from perpetuity_core.memory.database import WRITE_LOCK as WRITE_LOCK
+from perpetuity_core.memory.database import PostgresDatabase as PostgresDatabase
+from perpetuity_core.memory.database import Sqlite, connection, db, postgres, writing
+from perpetuity_core.memory.database import failing_as as failing_as
+from perpetuity_core.memory.database import snapshot as snapshot
+from perpetuity_core.memory.dialect import Sql, trigger
 from perpetuity_core.memory.location import shown, where
 from perpetuity_core.memory.secrets import secret_kind
 from perpetuity_core.wire.conversation import Message, Usage
 
-
-class _Tracked(pw.Database):
-    """Peewee opens one connection per thread that reads (the store's writer, the scanner's,
-    the tools', the preparing thread) and closes only the calling thread's: this one keeps
-    every connection it opened, so that closing the store closes them all (`close_all`)."""
-
-    _state: Any  # peewee's per-thread connection state (private: its stubs leave it out)
-
-    def __init__(self, database: str | None, **kwargs: Any) -> None:
-        super().__init__(database, **kwargs)
-        self._opened: set[Any] = set()
-        self._guard = threading.Lock()
-
-    def connect(self, reuse_if_open: bool = False) -> bool:
-        opened = super().connect(reuse_if_open)
-        if opened:
-            with self._guard:
-                self._opened.add(self._state.conn)
-        return opened
-
-    def close(self) -> bool:
-        conn = self._state.conn
-        closed = super().close()
-        with self._guard:
-            self._opened.discard(conn)
-        return closed
-
-    def is_closed(self) -> bool:
-        # A thread whose connection close_all closed opens a new one when it reads next.
-        if not self._state.closed and self._state.conn not in self._opened:
-            self._state.reset()
-        return bool(self._state.closed)
-
-    def close_all(self) -> None:
-        """Close every thread's connection; a thread still reading gets a StoreError."""
-        if not self.is_closed():
-            self.close()
-        with self._guard:
-            for conn in self._opened:
-                conn.close()
-            self._opened.clear()
-
-
-class _Sqlite(_Tracked, pw.SqliteDatabase):
-    pass
-
-
-class _Postgres(_Tracked, Postgres):
-    pass
-
-
-db = pw.DatabaseProxy()  # SQLite, or PostgreSQL (dialect.py): Store.__init__ decides
 log = logging.getLogger("perpetuity")
-T = TypeVar("T")
-
-# WAL lets readers scan while the single writer appends; NORMAL is durable across process crashes
-# (only an OS crash can lose the last commits), which is the trade SQLite documents for WAL.
-PRAGMAS = {"journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1, "busy_timeout": 5000}
-
-
-# Every writer of a PostgreSQL memory, in every process, takes this transaction-level lock
-# first: writes are serialised as SQLite's BEGIN IMMEDIATE serialises them, so ids and seqs
-# are handed out in commit order and a catch-up reading "seq past my cursor" never skips a row
-# that commits later with a lower seq (see arena.py). The key is arbitrary, fixed forever.
-WRITE_LOCK = 0x7065727065747569
-
-
-def postgres() -> bool:
-    return isinstance(db.obj, pw.PostgresqlDatabase)
-
-
-def connection() -> Sql:
-    """This thread's connection, as the store's SQL (SQLite's) runs on it."""
-    raw = db.connection()
-    return PgConnection(raw) if postgres() else raw
-
-
-_ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, pw.PeeweeException, *driver_errors())
-
-
-@contextmanager
-def failing_as(what: str) -> Iterator[None]:
-    """The boundary: the database's errors (raw `sqlite3` or psycopg ones from the per-request
-    SQL as well as peewee's) leave the store as StoreError, which every caller knows how to
-    fail open on."""
-    try:
-        yield
-    except _ERRORS as e:
-        # SQLite rolls a transaction back itself on some errors (a full disk): the rollback
-        # that follows fails, and that is not the error to report.
-        cause: BaseException = e
-        while "rollback" in str(cause) and isinstance(cause.__context__, _ERRORS):
-            cause = cause.__context__
-        # psycopg's messages span lines (a hint after the error): one line, as errors are.
-        raise StoreError(f"could not {what}: {' '.join(str(cause).split())}") from e
-
-
-@contextmanager
-def writing(what: str) -> Iterator[Sql]:
-    """The one way to write: a transaction that takes the write lock when it begins.
-
-    A deferred `BEGIN` that reads before it writes gets "database is locked" at once, busy
-    timeout ignored, when another connection committed in between (SQLite cannot upgrade a
-    stale read snapshot): two processes storing 1,500 messages each failed 36 and 40 writes in
-    the review, 4 and 2 in scripts/bench_writers.py here (the batched flush reads first); with
-    BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each. Nested, it is a
-    savepoint of the enclosing write."""
-    if not postgres():
-        with failing_as(what), db.atomic("IMMEDIATE"):
-            yield db.connection()
-        return
-    with failing_as(what), db.atomic():
-        conn = connection()
-        conn.execute("SELECT pg_advisory_xact_lock(?)", (WRITE_LOCK,))
-        yield conn
-
-
-@contextmanager
-def snapshot(what: str) -> Iterator[Sql]:
-    """A read transaction: everything read inside it is of one commit (WAL: never blocked;
-    on PostgreSQL, REPEATABLE READ: one snapshot for the whole transaction)."""
-    if not postgres():
-        with failing_as(what), db.atomic():
-            yield db.connection()
-        return
-    with failing_as(what), db.atomic(isolation_level="REPEATABLE READ"):
-        yield connection()
 
 
 class BaseModel(pw.Model):
@@ -402,9 +270,9 @@ class Store:
         try:
             if isinstance(self.path, Path):
                 _create_private(self.path)
-                db.initialize(_Sqlite(str(self.path), pragmas=PRAGMAS, check_same_thread=False))
+                db.initialize(Sqlite(str(self.path), pragmas=PRAGMAS, check_same_thread=False))
             else:
-                db.initialize(_Postgres(self.path))
+                db.initialize(PostgresDatabase(self.path))
             with failing_as(f"open the memory database {self.shown}"):
                 db.connect(reuse_if_open=True)
                 self._migrate()
