@@ -166,8 +166,8 @@ def frame_reads(scanner: scan.Scanner, q: str, user: int) -> None:
     """A question's search and the reads the frame makes around it (frame._retrieve, _rows):
     the rows around the first hits, then every row it may show."""
     hits = frame.search(scanner, q, user, 1.8e9)
-    near = [i for h in hits[:frame.NEIGHBOUR_HITS]
-            for i, _ in around(h.conversation_id, h.message_id, frame.NEIGHBOURS)]
+    near = [i for _, i, _ in around([(h.conversation_id, h.message_id)
+                                     for h in hits[:frame.NEIGHBOUR_HITS]], frame.NEIGHBOURS)]
     shown_rows([h.item_id for h in hits] + near)
 
 

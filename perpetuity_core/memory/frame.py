@@ -245,8 +245,8 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
 
 def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
     """(rank, item_id) of the rows in the messages around each hit, in its conversation."""
-    return [(rank, item) for rank, h in enumerate(hits)
-            for item, message in around(h.conversation_id, h.message_id, NEIGHBOURS)
+    return [(rank, item) for rank, item, message in
+            around([(h.conversation_id, h.message_id) for h in hits], NEIGHBOURS)
             if message not in excluded]
 
 

@@ -107,14 +107,23 @@ class Scanner:
         """Bring the arena (if in use) up to date; returns rows read. Reads only: deletions
         not settled yet are accounted for, not settled (the store's writer does that)."""
         with self._lock:
-            with snapshot("read the dictionary version") as conn:
-                live_dictionary(conn)  # a flip (maybe by another process) is followed here
+            known = self.arena.version
+            if known is None:  # the store's path, or the arena's first catch-up
+                with snapshot("read the dictionary version") as conn:
+                    live_dictionary(conn)  # a flip (maybe by another process) is followed here
+                    if not self._use_arena:
+                        rows, _, _ = totals(conn)
+                        self._use_arena = rows > self.store_rows
                 if not self._use_arena:
-                    rows, _, _ = totals(conn)
-                    self._use_arena = rows > self.store_rows
-            if not self._use_arena:
-                return 0
+                    return 0
             read = self.arena.catch_up()
+            if known is not None and self.arena.version != known:
+                # The arena's version names the live dictionary, so it moves with a flip (maybe
+                # by another process), which is followed here, before any query or rebuild
+                # tokenises with it. Otherwise that is not read again: on PostgreSQL the
+                # snapshot reading it cost three round trips a search (BEGIN, the read, COMMIT).
+                with failing_as("read the dictionary version"):
+                    live_dictionary(connection())
             if self.arena.stale():  # a flip re-derived every row, or most rows are dead
                 fresh = Arena(self.arena.layout, self.arena.threads)
                 read = fresh.catch_up()
