@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from perpetuity_core.memory import cap, capture, frame, heat
-from perpetuity_core.memory.rows import Row, shown_rows
+from perpetuity_core.memory.rows import Row, around, shown_rows
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store
@@ -175,6 +175,34 @@ def test_lookups_around_a_message_read_its_conversation_in_store_order(store: St
                 " LIMIT ?"):
         plan = str(conn.execute("EXPLAIN QUERY PLAN " + sql, (1,) * sql.count("?")).fetchall())
         assert "message_conversation_order" in plan and "TEMP B-TREE" not in plan, plan
+
+
+def test_the_neighbours_of_hits_are_the_messages_beside_each_in_its_conversation(
+        store: Store) -> None:
+    """Each hit's n messages before and after it in its own conversation, for any number of
+    hits at once (one statement), conversations interleaved in the store, a hit twice."""
+    say(store, "a", *[f"alpha {i}" for i in range(7)])
+    say(store, "b", "beta 0", "beta 1", "beta 2")
+    say(store, "a", *[f"alpha {i}" for i in range(9)])  # two more, stored after b's
+    conv = dict(query(store.path, "SELECT id, conversation_id FROM message"))
+    items: dict[int, list[int]] = {}
+    for item, message in query(store.path, "SELECT id, message_id FROM item"):
+        items.setdefault(message, []).append(item)
+    order = {c: sorted(m for m in conv if conv[m] == c) for c in set(conv.values())}
+    a, b = sorted(order.values(), key=len, reverse=True)
+    assert len(a) == 9 and len(b) == 3
+
+    def beside(m: int, n: int) -> list[int]:
+        ids = order[conv[m]]
+        i = ids.index(m)
+        return ids[max(0, i - n):i] + ids[i + 1:i + 1 + n]
+
+    hits = [a[0], a[4], b[1], a[-1], a[4], b[2]]
+    for n in (1, 2):
+        want = [(k, item, m) for k, h in enumerate(hits) for m in beside(h, n)
+                for item in items[m]]
+        assert sorted(around([(conv[h], h) for h in hits], n)) == sorted(want)
+    assert around([], 2) == []
 
 
 def test_budget_grows_with_the_spread_of_good_matches() -> None:

@@ -146,22 +146,39 @@ _NEW_ROWS = (
     " group_concat(length), group_concat(at), group_concat(length(counts)),"
     " CAST(group_concat(terms, '') AS BLOB), CAST(group_concat(counts, '') AS BLOB)"
     " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?)")
-# The same on PostgreSQL, whose aggregates take their order explicitly.
-_NEW_ROWS_PG = "SELECT count(*), " + ", ".join(
-    f"string_agg(CAST({c} AS TEXT), ',' ORDER BY seq)"
-    for c in ("seq", "user_id", "conversation_id", "length", "at", "length(counts)")) + (
-    ", string_agg(terms, '' ORDER BY seq), string_agg(counts, '' ORDER BY seq)"
-    " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?) r")
+# The same on PostgreSQL, fetched in binary: each integer as its 8-byte big-endian send form
+# (4 for the posting counts), the blobs as stored; its aggregates, too, read the subquery's rows
+# in its order. Reading 52k rows (10M tokens pooled) took 0.29-0.49 s with an ORDER BY in each
+# aggregate (one sort per column) and the text form (decimals and hex to parse); 0.09-0.19 s so.
+_NEW_ROWS_PG = ("SELECT count(*), " + ", ".join(
+    f"string_agg(int8send({c}), '')" for c in ("seq", "user_id", "conversation_id", "length", "at"))
+    + ", string_agg(int4send(length(counts)), ''), string_agg(terms, ''), string_agg(counts, '')"
+    " FROM (SELECT * FROM retrieval WHERE seq > %s ORDER BY seq LIMIT %s) r")
+
+
+def _fetch(conn, after: int, limit: int) -> tuple[int, list[np.ndarray], bytes, bytes]:  # noqa: ANN001
+    """The rows past `after` as (count, [seq, user, conv, length, at, row_len] as int64,
+    terms, counts)."""
+    if postgres():
+        cursor = conn.raw.cursor(binary=True)
+        cursor.execute(_NEW_ROWS_PG, (after, limit))
+        count, *ints, row_len, terms, counts = cursor.fetchone()
+        if count == 0:
+            return 0, [], b"", b""
+        return count, [*(np.frombuffer(x, ">i8").astype(np.int64) for x in ints),
+                       np.frombuffer(row_len, ">i4").astype(np.int64)], terms, counts
+    count, *ints, terms, counts = conn.execute(_NEW_ROWS, (after, limit)).fetchone()
+    if count == 0:
+        return 0, [], b"", b""
+    return count, [np.fromstring(x, np.int64, sep=",") for x in ints], terms, counts
 
 
 def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 - a connection
     """At most `limit` retrieval rows past seq `after`, or None if there are none."""
-    sql = _NEW_ROWS_PG if postgres() else _NEW_ROWS
-    count, *ints, at, row_len, terms, counts = conn.execute(sql, (after, limit)).fetchone()
+    count, columns, terms, counts = _fetch(conn, after, limit)
     if count == 0:
         return None
-    seq, user, conv, length, at, row_len = (np.fromstring(x, np.int64, sep=",")
-                                             for x in (*ints, at, row_len))
+    seq, user, conv, length, at, row_len = columns
     rows = NewRows(seq, user.astype(np.int32), conv.astype(np.int32), at, length.astype(np.int32),
                    row_len, np.frombuffer(terms, "<i4"), np.frombuffer(counts, np.uint8))
     if (seq.size != count or rows.at.size != count or (np.diff(seq) <= 0).any()

@@ -17,6 +17,7 @@ Sums come back as `numeric`; they are loaded as int (or float), as SQLite return
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -132,6 +133,16 @@ class Postgres(pw.PostgresqlDatabase):
 
     def _initialize_connection(self, conn: object) -> None:
         register_numeric(conn)
+
+
+def one_of(postgres: bool, column: str, values: Sequence[int]) -> tuple[str, list[Any]]:
+    """`column` is one of the integers `values`, as SQL and its parameters: an IN-list on SQLite;
+    on PostgreSQL `= ANY` of one array, a statement whose text does not change with the list's
+    length, so psycopg parses it once, not per call (the rows of a frame, ~280 ids: 1.7 ms
+    against 2.3 as an IN-list, 10M tokens pooled)."""
+    if postgres:
+        return f"{column} = ANY(CAST(? AS BIGINT[]))", [list(values)]
+    return f"{column} IN ({','.join('?' * len(values))})", list(values)
 
 
 def driver_errors() -> tuple[type[BaseException], ...]:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from perpetuity_core.memory.dialect import Sql
+from perpetuity_core.memory.dialect import Sql, one_of
 from perpetuity_core.memory.names import label
 from perpetuity_core.memory.store import (
     IN_CHUNK,
@@ -20,6 +20,7 @@ from perpetuity_core.memory.store import (
     failing_as,
     in_chunks,
     in_list,
+    postgres,
     snapshot,
 )
 from perpetuity_core.wire.conversation import Kind, without_scaffold
@@ -64,14 +65,15 @@ def _shown_rows(conn: Sql, ids: list[int], user_id: int | None,
     kinds = ",".join("?" * len(SHOWN_KINDS))
     owner = " AND m.user_id = ?" if user_id is not None else ""
     for chunk in in_chunks(ids):
-        args = (*chunk, *SHOWN_KINDS, *(() if user_id is None else (user_id,)))
+        these, args = one_of(postgres(), "i.id", chunk)
+        args += (*SHOWN_KINDS, *(() if user_id is None else (user_id,)))
         for (item, message, conv, title, opening, folder, role, at, kind, name,
              text, secret) in conn.execute(
             "SELECT i.id, m.id, m.conversation_id, c.title, c.opening, c.folder, m.role, m.at,"
             " i.kind, i.name, i.text, i.secret FROM item i JOIN message m"
             " ON m.id = i.message_id"
             " JOIN conversation c ON c.id = m.conversation_id"
-            f" WHERE i.id IN ({in_list(chunk)}) AND i.kind IN ({kinds}){owner}", args):
+            f" WHERE {these} AND i.kind IN ({kinds}){owner}", args):
             if (shown := without_scaffold(text)).strip():
                 out[item] = Row(item, message, conv, label(title, opening, folder), role, at,
                                 kind, name, shown, secret)
@@ -96,11 +98,32 @@ def time_label(at: float) -> str:
     return f"{datetime.fromtimestamp(at, UTC):%Y-%m-%d %H:%M} UTC"
 
 
+# A hit's neighbours on PostgreSQL: each hit's two reads as a lateral join over the hits as
+# arrays, one statement whatever their number (hit index from 0).
+_AROUND_PG = (
+    "SELECT h.k - 1, i.id, x.id FROM unnest(%s::bigint[], %s::bigint[]) WITH ORDINALITY"
+    " AS h(c, m, k) CROSS JOIN LATERAL ((SELECT id FROM message WHERE conversation_id = h.c"
+    " AND id < h.m ORDER BY id DESC LIMIT %s) UNION ALL (SELECT id FROM message"
+    " WHERE conversation_id = h.c AND id > h.m ORDER BY id LIMIT %s)) x"
+    " JOIN item i ON i.message_id = x.id")
+
+
 def around(hits: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int, int]]:
     """(hit index, item_id, message_id) of the rows of the `n` messages before each hit's message
-    and the `n` after it, in its conversation; `hits` are (conversation_id, message_id). One
-    statement for all of them (each hit's two reads as branches of one UNION ALL): the frame
-    asks for 20 hits' neighbours, 40 round trips on PostgreSQL when sent one by one."""
+    and the `n` after it, in its conversation; `hits` are (conversation_id, message_id).
+
+    One statement for all of them: the frame asks for 20 hits' neighbours, 40 statements when
+    sent one by one (PostgreSQL, 10M tokens pooled: the frame's reads took 15.0 ms p50 so,
+    against 2.3 on SQLite). On SQLite each hit's two reads are branches of one UNION ALL (0.25
+    ms for 20 hits); on PostgreSQL that took 4 ms (planning 40 branches), the lateral join
+    0.45 ms, planned per call (with the generic plan a prepared statement falls back to after
+    five calls: 3 ms)."""
+    if not hits:
+        return []
+    if postgres():
+        raw = connection().raw  # type: ignore[attr-defined]  # PgConnection's psycopg one
+        return raw.execute(_AROUND_PG, ([c for c, _ in hits], [m for _, m in hits], n, n),
+                           prepare=False).fetchall()
     branches: list[str] = []
     args: list[int] = []
     for k, (conversation_id, message_id) in enumerate(hits):
@@ -110,8 +133,6 @@ def around(hits: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int, int]
                 f" m.conversation_id = ? AND m.id {cmp} ? AND m.id IN (SELECT id FROM message"
                 f" WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order} LIMIT ?)")
             args += (conversation_id, message_id, conversation_id, message_id, n)
-    if not branches:
-        return []
     return connection().execute(" UNION ALL ".join(branches), args).fetchall()
 
 

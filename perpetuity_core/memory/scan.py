@@ -60,9 +60,17 @@ import numpy as np
 
 from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, build_segment
 from perpetuity_core.memory.bm25 import Params, make_query
+from perpetuity_core.memory.dialect import one_of
 from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.index import item_text, totals, unfolded_df
-from perpetuity_core.memory.store import Store, connection, failing_as, in_list, snapshot
+from perpetuity_core.memory.store import (
+    Store,
+    connection,
+    failing_as,
+    in_list,
+    postgres,
+    snapshot,
+)
 from perpetuity_core.memory.view import Visibility
 
 
@@ -183,12 +191,11 @@ def fetch_hits(ranked: list[tuple[float, int, bool]]) -> list[Hit]:
     """Hits for ranked (score, seq, own) triples, in that order; rows deleted meanwhile drop."""
     if not ranked:
         return []
-    seqs = [s for _, s, _ in ranked]
+    where, args = one_of(postgres(), "r.seq", [s for _, s, _ in ranked])
     rows = connection().execute(
         "SELECT r.seq, r.item_id, r.message_id, r.user_id, r.conversation_id, m.role, m.at,"
         " i.name, i.text, r.tokens FROM retrieval r JOIN item i ON i.id = r.item_id"
-        " JOIN message m ON m.id = r.message_id"
-        f" WHERE r.seq IN ({in_list(seqs)})", seqs).fetchall()
+        f" JOIN message m ON m.id = r.message_id WHERE {where}", args).fetchall()
     by_seq = {r[0]: r for r in rows}
     hits = []
     for score, s, _ in ranked:
