@@ -49,7 +49,6 @@ def translate(sql: str) -> str:
         sql = _ddl(sql)
     sql = re.sub(r"\b(FROM|INTO|JOIN|UPDATE|TABLE|ON) user\b", r'\1 "user"', sql, flags=re.I)
     sql = re.sub(r"\binstr\(", "strpos(", sql)
-    sql = sql.replace("max((SELECT", "greatest((SELECT")  # the scalar max of store._NEXT_ID
     # SQLite's CAST of a REAL to INTEGER truncates (as Python's int() does where rows are
     # derived); PostgreSQL's rounds: a message said at x.5 s or later would disagree.
     sql = re.sub(r"CAST\((\w+\.at) AS INTEGER\)", r"CAST(trunc(\1) AS BIGINT)", sql)
