@@ -198,13 +198,13 @@ def flip(store: Store, version: str) -> int:
                                (version,)).fetchone()
         if not dark or not (postgres() or _staging(conn)):
             raise ConfigError(f"nothing re-derived under {version}: run rederive first")
-        # On PostgreSQL item ids are handed out before commit (writers run in parallel,
-        # database.py): an item below the re-derivation's cursor may have committed after it
-        # passed, so the flip re-derives every item missing, not those past the cursor; no
-        # writer is in flight now (the lock is exclusive). The rows still waiting for their seq
-        # are ordered first, so the flip takes them out with the rest.
+        # PostgreSQL: the rows still waiting for their seq (stored under the old dictionary)
+        # are ordered in first, so the flip replaces them with the rest. Item ids past the
+        # re-derivation's cursor are the only ones it has not seen, although writers run in
+        # parallel there: every batch, like this flip, holds the lock exclusive, so no id
+        # handed out before it belongs to a transaction still in flight (database.py).
         sequence_in(conn)
-        while _rederive_batch(d, REDERIVE_BATCH, missing=postgres()):  # savepoints inside
+        while _rederive_batch(d, REDERIVE_BATCH):  # savepoints inside this transaction
             pass
         # Every deletion of the old version goes with it (its counts go whole); arenas rebuild
         # on the version change, so nothing else is logged.
@@ -373,11 +373,9 @@ def _row_key(conn: Sql, table: str) -> str:
         (r[5], r[1]) for r in conn.execute(f"PRAGMA table_info({table})") if r[5]))
 
 
-def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = None,
-                    missing: bool = False) -> int:
-    """Re-derive the next `limit` items past the cursor (up to item `upto`; with `missing`,
-    those not re-derived yet, wherever they are) under `d` into retrieval_next and the staged
-    structures (rows, counts, chains); returns how many."""
+def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = None) -> int:
+    """Re-derive the next `limit` items past the cursor (up to item `upto`) under `d` into
+    retrieval_next and the staged structures (rows, counts, chains); returns how many."""
     with writing("re-derive rows") as conn:
         staging = not postgres()  # see _flip_in_place
         if staging and not _staging(conn):
@@ -386,12 +384,9 @@ def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = Non
         (after,) = conn.execute("SELECT coalesce(max(item_id), 0) FROM retrieval_next").fetchone()
         items = conn.execute(
             "SELECT i.id, i.kind, i.name, i.text, m.id, m.user_id, m.conversation_id, m.at"
-            " FROM item i JOIN message m ON m.id = i.message_id WHERE "
-            + ("NOT EXISTS (SELECT 1 FROM retrieval_next n WHERE n.item_id = i.id)"
-               if missing else "i.id > ?") +
-            " AND i.id <= ? AND i.kind != ? ORDER BY i.id LIMIT ?",
-            (*(() if missing else (after,)), upto if upto is not None else 1 << 62, _CONTEXT,
-             limit)).fetchall()
+            " FROM item i JOIN message m ON m.id = i.message_id WHERE i.id > ? AND i.id <= ?"
+            " AND i.kind != ? ORDER BY i.id LIMIT ?",
+            (after, upto if upto is not None else 1 << 62, _CONTEXT, limit)).fetchall()
         if not items:
             return 0
         nxt, staged, chained, bags = [], [], [], []
