@@ -108,8 +108,23 @@ class PgConnection:
                        and cursor.description is not None)
 
     def executemany(self, sql: str, parameters: Any) -> _Cursor:
+        rows = [tuple(p) for p in parameters]
+        text = translate(sql)
         cursor = self.raw.cursor()
-        cursor.executemany(translate(sql), [tuple(p) for p in parameters])
+        # A message's few rows in one statement: psycopg's executemany costs a pipeline's
+        # round trips, and the write path runs it several times a message. Only where one
+        # statement means the same as a row at a time: one row, or an insert whose rows
+        # cannot collide in an update.
+        values = re.search(r"\bVALUES (\([^()]*\))", text)
+        if len(rows) == 1:
+            cursor.execute(text, rows[0])
+        elif (values and text.startswith("INSERT") and "DO UPDATE" not in text
+              and 1 < len(rows) <= 100):
+            many = ", ".join([values.group(1)] * len(rows))
+            cursor.execute(text[:values.start(1)] + many + text[values.end(1):],
+                           [v for row in rows for v in row])
+        else:
+            cursor.executemany(text, rows)
         return _Cursor(cursor, False)
 
 

@@ -91,14 +91,12 @@ def derive_activation(items: list[StoredItem]) -> None:
     if not items:
         return
     m = items[0]
-    conn = connection()
-    row = conn.execute("SELECT position FROM clock WHERE user_id = ?", (m.user_id,)).fetchone()
-    now = row[0] if row else 0.0
     # OR REPLACE: a purged item leaves its activation, and SQLite gives its id to the next item.
-    conn.executemany(
+    # The clock is read by the insert itself: one statement, one round trip on PostgreSQL.
+    connection().executemany(
         "INSERT OR REPLACE INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
-        " VALUES (?,?,?,?,?,?)",
-        [(it.id, m.user_id, m.conversation_id, now,
+        " VALUES (?,?,?,coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0),?,?)",
+        [(it.id, m.user_id, m.conversation_id, m.user_id,
           0.0 if it.kind == Kind.CONTEXT else BIRTH_PEAK,
           half_life(Kind(it.kind), m.role, it.text))
          for it in items])
