@@ -199,7 +199,7 @@ def other_process_writes(location: str, store: Store, rows: int) -> None:
                       provider="anthropic", model="m", at=1.7e9, pair_key="shared",
                       source="import")
     subprocess.run([sys.executable, str(WRITERS), "--db", location, "--write", "writer-0",
-                    str(rows)], capture_output=True, text=True, check=True)
+                    str(rows)], input="go\n", capture_output=True, text=True, check=True)
 
 
 def serve(store: Store, location: str, asked: list[tuple[str, int]], rows: int) -> dict:

@@ -62,7 +62,7 @@ from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, build_seg
 from perpetuity_core.memory.bm25 import Params, make_query
 from perpetuity_core.memory.dialect import one_of
 from perpetuity_core.memory.dictionary import live_dictionary
-from perpetuity_core.memory.index import item_text, totals, unfolded_df
+from perpetuity_core.memory.index import item_text, sequence, totals, unfolded_df
 from perpetuity_core.memory.store import (
     Store,
     connection,
@@ -112,8 +112,9 @@ class Scanner:
         self._lock = threading.Lock()
 
     def catch_up(self) -> int:
-        """Bring the arena (if in use) up to date; returns rows read. Reads only: deletions
-        not settled yet are accounted for, not settled (the store's writer does that)."""
+        """Bring the arena (if in use) up to date; returns rows read. Deletions not settled yet
+        are accounted for, not settled (the store's writer does that). Its one write, on
+        PostgreSQL only, orders the rows stored in parallel (index.sequence)."""
         with self._lock:
             known = self.arena.version
             if known is None:  # the store's path, or the arena's first catch-up
@@ -123,6 +124,7 @@ class Scanner:
                         rows, _, _ = totals(conn)
                         self._use_arena = rows > self.store_rows
                 if not self._use_arena:
+                    sequence()  # PostgreSQL: rows other writers stored (the arena does it itself)
                     return 0
             read = self.arena.catch_up()
             if known is not None and self.arena.version != known:
