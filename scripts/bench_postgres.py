@@ -3,6 +3,7 @@
 
     scripts/bench_postgres.py [--messages 1000] [--rows 10000] [--queries 300]
     scripts/bench_postgres.py --sizes 10M,82M [--rows 10000] [--queries 300] [--tmp DIR]
+                              [--pg-setting shared_buffers=1GB ...]
 
 Per backend (a fresh SQLite file; a fresh database on a PostgreSQL server started for the run
 by tests/postgres.py, default durability: fsync and synchronous_commit on):
@@ -288,6 +289,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=10_000, help="written for the catch-up")
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("--sizes", help="pooled sizes in tokens (e.g. 10M,82M): the scale run")
+    ap.add_argument("--pg-setting", action="append", default=[], metavar="NAME=VALUE",
+                    help="a server setting for the scale run (e.g. shared_buffers=1GB)")
     ap.add_argument("--tmp", help="where the SQLite memories go (default: a temporary folder)")
     ap.add_argument("--out", help="also write the JSON here, after each size")
     args = ap.parse_args()
@@ -298,8 +301,9 @@ def main() -> int:
         if not SHARED.is_dir():
             print(f"bench_postgres: no benchmark data at {SHARED}", file=sys.stderr)
             return 1
-        report: dict = {"sizes": {}}
-        with (postgres.server("shared_preload_libraries=pg_stat_statements") as url,
+        report: dict = {"server_settings": args.pg_setting, "sizes": {}}
+        with (postgres.server("shared_preload_libraries=pg_stat_statements",
+                              *args.pg_setting) as url,
               tempfile.TemporaryDirectory(dir=args.tmp) as tmp):
             for s in args.sizes.split(","):
                 report["sizes"][s] = scale(parse_size(s), url, args, Path(tmp))
