@@ -255,11 +255,14 @@ def _flip_in_place(conn: Sql) -> None:
                  (before,))
     fold(conn)
     conn.execute("DELETE FROM chain")
-    conn.executemany(chains._INSERT_CHAIN, (
-        (user, s, at, i) for i, user, at, subjects in conn.execute(
-            "SELECT n.item_id, m.user_id, m.at, n.subjects FROM retrieval_next n"
-            " JOIN item i ON i.id = n.item_id JOIN message m ON m.id = i.message_id"
-            " WHERE n.subjects != ''").fetchall() for s in subjects.split()))
+    # One statement splitting the subjects in the server: sent a row at a time (318k at 10M
+    # tokens pooled) they took 4.3 s of a 5.9 s flip.
+    conn.execute(
+        "INSERT INTO chain (user_id, term, at, item_id) SELECT m.user_id, s.term, m.at,"
+        " n.item_id FROM retrieval_next n JOIN item i ON i.id = n.item_id"
+        " JOIN message m ON m.id = i.message_id"
+        " CROSS JOIN unnest(string_to_array(n.subjects, ' ')) AS s(term)"
+        " WHERE n.subjects != '' ON CONFLICT DO NOTHING")
     conn.execute("DELETE FROM retrieval_next")
 
 
