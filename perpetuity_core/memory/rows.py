@@ -115,7 +115,7 @@ def around(hits: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int, int]
     One statement for all of them: the frame asks for 20 hits' neighbours, 40 statements when
     sent one by one (PostgreSQL, 10M tokens pooled: the frame's reads took 15.0 ms p50 so,
     against 2.3 on SQLite). On SQLite each hit's two reads are branches of one UNION ALL (0.25
-    ms for 20 hits); on PostgreSQL that took 4 ms (planning 40 branches), the lateral join
+    ms for 20 hits; it takes up to 500 branches, 250 hits); on PostgreSQL that took 4 ms (planning 40 branches), the lateral join
     0.45 ms, planned per call (with the generic plan a prepared statement falls back to after
     five calls: 3 ms)."""
     if not hits:
