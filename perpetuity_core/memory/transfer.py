@@ -77,9 +77,7 @@ def copy_memory(source: Path, target: Store, progress: bool = False) -> dict[str
                     at = [i for i, c in enumerate(columns) if c in flags]
                     rows = [tuple(bool(v) if i in at and v is not None else v
                                   for i, v in enumerate(r)) for r in rows]
-                names = ", ".join(columns)
-                conn.executemany(f"INSERT INTO {table} ({names}) VALUES"
-                                 f" ({', '.join('?' * len(columns))})", rows)
+                _insert(conn, table, columns, rows)
                 n += len(rows)
             copied[table] = n
             bar.set_postfix_str(f"{table} {n}")
@@ -88,6 +86,20 @@ def copy_memory(source: Path, target: Store, progress: bool = False) -> dict[str
             _past_copied_ids(conn)
     bar.close()
     return copied
+
+
+def _insert(conn: Sql, table: str, columns: list[str], rows: list[tuple]) -> None:
+    names = ", ".join(columns)
+    if not postgres():
+        conn.executemany(f"INSERT INTO {table} ({names}) VALUES"
+                         f" ({', '.join('?' * len(columns))})", rows)
+        return
+    # PostgreSQL's COPY: the 10M-token pooled memory (528k rows in all, 306k of them chains)
+    # took 9.5 to 10.8 s as batches of inserts, 4.4 s so.
+    raw = conn.raw  # type: ignore[attr-defined]  # PgConnection's psycopg one
+    with raw.cursor().copy(f'COPY "{table}" ({names}) FROM STDIN') as copy:
+        for row in rows:
+            copy.write_row(row)
 
 
 def _past_copied_ids(conn: Sql) -> None:
