@@ -30,7 +30,7 @@ from perpetuity_core.wire.conversation import (
     text_part,
 )
 from perpetuity_core.wire.protocols import ADAPTERS
-from tests.conftest import Proxy, needs_fixtures, opened, query
+from tests.conftest import Proxy, needs_fixtures, opened, owned, query
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import http_fixtures, replay, to_request
 from tests.validity import CHECKS
@@ -343,7 +343,7 @@ def test_every_capture_yields_a_valid_request(tmp_path: Path) -> None:
 
 def test_a_new_conversation_gets_a_frame_and_a_short_one_stays_as_sent(
         proxy: Proxy, fake: FakeProvider) -> None:
-    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0)
+    c = owned(openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0))
     history = [{"role": "user", "content": "My cat is called Miso."}]
     fake.script(Text("Miso is a lovely name."), Text("Your cat is Miso."), Text("Tabby."))
     r = c.chat.completions.create(model="gpt-4o", messages=history, user="frame-user")

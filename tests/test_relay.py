@@ -35,6 +35,7 @@ async def _exchange(fake: FakeProvider) -> bytes:
     # The relay keeps its connection to mitmproxy alive: read to the body's last chunk.
     raw = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
     writer.close()
+    await writer.wait_closed()
     await relay.stop()
     return raw
 
@@ -70,6 +71,7 @@ async def _after_a_chunked_request(fake: FakeProvider) -> tuple[bytes, bytes]:
     first = await asyncio.wait_for(reader.readuntil(b"unknown relay job"), 20)
     second = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
     writer.close()
+    await writer.wait_closed()
     await relay.stop()
     return first, second
 
