@@ -615,6 +615,7 @@ class FakeProvider:
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._live: set[int] = set()  # id() of each request whose connection is still open
 
     # ---------------------------------------------------------------- public API
 
@@ -710,12 +711,13 @@ class FakeProvider:
                 raise TimeoutError(f"expected {n} requests, got {len(self._requests)} within {timeout}s")
             return list(self._requests)
 
-    def wait_hung_up(self, timeout: float = 5.0) -> None:
-        """Block until every connection the fake accepted has ended (the server has seen each
-        client's hang-up). Raises TimeoutError if one is still open."""
+    def wait_hung_up(self, request: Recorded | None = None, timeout: float = 5.0) -> None:
+        """Block until the connection that carried `request` has ended (the server has seen its
+        client hang up); without one, every connection. Raises TimeoutError if still open."""
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._tasks, timeout):
-                raise TimeoutError(f"{len(self._tasks)} connections still open after {timeout}s")
+            if not self._cond.wait_for(lambda: id(request) not in self._live if request
+                                       else not self._tasks, timeout):
+                raise TimeoutError(f"the connection is still open after {timeout}s")
 
     def clear(self) -> None:
         """Drop recorded requests and queued script items."""
@@ -737,7 +739,7 @@ class FakeProvider:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
 
-    def _record(self, req: h11.Request, body: bytes) -> Recorded:
+    def _record(self, req: h11.Request, body: bytes, carried: list[int]) -> Recorded:
         split = urlsplit(req.target.decode("latin-1"))
         headers: dict[str, str] = {}
         for name, value in req.headers:
@@ -758,6 +760,8 @@ class FakeProvider:
         )
         with self._cond:
             self._requests.append(rec)
+            self._live.add(id(rec))
+            carried.append(id(rec))
             self._cond.notify_all()
         return rec
 
@@ -829,12 +833,13 @@ class FakeProvider:
             with self._cond:
                 self._tasks.add(task)
         conn = h11.Connection(h11.SERVER)
+        carried: list[int] = []  # the requests this connection carried
         try:
             while True:
                 got = await self._read_request(conn, reader, writer)
                 if got is None:
                     break
-                rec = self._record(*got)
+                rec = self._record(*got, carried)
                 if not await self._respond(conn, writer, rec):
                     break
                 if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
@@ -853,10 +858,11 @@ class FakeProvider:
             writer.close()
             with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
                 await writer.wait_closed()
-            if task is not None:
-                with self._cond:
+            with self._cond:
+                if task is not None:
                     self._tasks.discard(task)
-                    self._cond.notify_all()
+                self._live.difference_update(carried)
+                self._cond.notify_all()
 
     async def _read_request(
         self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

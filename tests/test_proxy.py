@@ -201,7 +201,7 @@ def test_client_disconnect_midstream(proxy: Proxy, fake: FakeProvider) -> None:
     with httpx.stream("POST", proxy.url + "/v1/messages", json=body,
                       headers={"x-api-key": KEY}) as r:
         next(r.iter_raw())  # first bytes arrived; now hang up
-    time.sleep(0.5)
+    fake.wait_hung_up(fake.requests[-1])  # the proxy hung up on the provider in turn
     assert proxy.alive()
     fake.script(Text("still here"))
     r = claude(proxy.url).messages.create(model="claude-opus-4-8", max_tokens=5,
