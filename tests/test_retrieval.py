@@ -184,6 +184,7 @@ def test_unknown_words_hash_deterministically_into_the_reserved_range() -> None:
 
 def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store) -> None:
     fill(store, random.Random(1), 60)
+    index.sequence()  # PostgreSQL: the rows are ordered in before a reader reads them
     conn = opened_other(store.path)
     (items,) = conn.execute("SELECT count(*) FROM item").fetchone()
     rows = conn.execute("SELECT item_id, version, terms, length FROM retrieval").fetchall()
@@ -226,6 +227,7 @@ def test_pooled_counts_stay_exact_through_folds_purges_and_deletions(
     conn = connection()
     for step in range(30):
         fill(store, rng, rng.randint(1, 12))
+        index.sequence()
         live = [i for (i,) in conn.execute("SELECT item_id FROM retrieval")]
         if step % 3 == 0:
             index.purge(store, rng.sample(live, 2))

@@ -229,6 +229,7 @@ def test_memory_check_cli_reports_each_violation(memory_at: Path | str,
     s = open_memory(path)
     fill(s, random.Random(9), 40)
     with db.atomic():
+        index.sequence_in(connection())
         index.fold(connection())
     s.close()
     assert cli.main(["memory", "check", "--db", str(path)]) == 0

@@ -9,9 +9,10 @@ whole. Segments are scored on worker threads into one vector, deterministically.
 Each process holds its own arena; a catch-up reads, in one snapshot, the retrieval rows past its
 cursor (`seq`) and the deletions past its other cursor (`retrieval_gone.seq`), whichever
 process wrote them. That never misses a committed row because seqs are handed out in commit
-order: on SQLite the file has one writer at a time; on PostgreSQL every writer of every process
-holds store.WRITE_LOCK from before it takes a seq until it commits, so no row with a lower seq
-can commit after a higher one was read (tests/test_store.py runs 2 and 4 writer processes while
+order: on SQLite the file has one writer at a time; on PostgreSQL, where writers store in
+parallel, a row gets its seq only when index.sequence moves it out of retrieval_pending, which
+holds the write lock exclusive until it commits (database.py), and a catch-up runs it first, so
+no row with a lower seq can commit after a higher one was read (tests/test_store.py runs 2 and 4 writer processes while
 an arena catches up, and compares it with one built afresh).
 
 One writer, many readers. A catch-up (one at a time) ends by publishing a `View`: the row
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perpetuity_core.memory import dictionary
+from perpetuity_core.memory.index import sequence
 from perpetuity_core.memory.store import connection, failing_as, postgres, snapshot
 from perpetuity_core.memory.view import Frequencies, Segment, View
 
@@ -245,9 +247,14 @@ class Arena:
             with failing_as("catch up on memory"):
                 now = connection().execute(
                     f"SELECT ({_VERSION}), (SELECT coalesce(max(seq), 0) FROM retrieval),"
-                    " (SELECT coalesce(max(seq), 0) FROM retrieval_gone)").fetchone()
-            if now == (self.version, min(now[1], self.row_cursor), min(now[2], self.gone_cursor)):
+                    " (SELECT coalesce(max(seq), 0) FROM retrieval_gone),"
+                    " (SELECT EXISTS (SELECT 1 FROM retrieval_pending))").fetchone()
+            if not now[3] and now[:3] == (self.version, min(now[1], self.row_cursor),
+                                          min(now[2], self.gone_cursor)):
                 return 0
+        # PostgreSQL: rows other processes stored are given their seqs first (a write,
+        # index.sequence), so that what this catch-up reads is every committed row.
+        sequence()
         with snapshot("catch up on memory") as conn:  # one snapshot: rows and deletions agree
             # A flip (maintenance.flip) re-writes every row without logging their deletions,
             # and counts itself: a count read here that moved means rebuild.

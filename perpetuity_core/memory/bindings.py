@@ -16,7 +16,7 @@ def record_bindings(message_id: int, item_ids: Iterable[int]) -> int:
     reply), under that message. The store's writer calls this after each turn: it is the
     binding log's only writer. A row of another user than the message's is never bound.
     Returns how many rows the turn binds."""
-    with writing("log the turn's bindings") as conn:
+    with writing("log the turn's bindings", ordered=False) as conn:
         row = conn.execute("SELECT user_id FROM message WHERE id = ?", (message_id,)).fetchone()
         if row is None:
             return 0

@@ -49,7 +49,6 @@ def translate(sql: str) -> str:
         sql = _ddl(sql)
     sql = re.sub(r"\b(FROM|INTO|JOIN|UPDATE|TABLE|ON) user\b", r'\1 "user"', sql, flags=re.I)
     sql = re.sub(r"\binstr\(", "strpos(", sql)
-    sql = sql.replace("max((SELECT", "greatest((SELECT")  # the scalar max of store._NEXT_ID
     # SQLite's CAST of a REAL to INTEGER truncates (as Python's int() does where rows are
     # derived); PostgreSQL's rounds: a message said at x.5 s or later would disagree.
     sql = re.sub(r"CAST\((\w+\.at) AS INTEGER\)", r"CAST(trunc(\1) AS BIGINT)", sql)
@@ -109,8 +108,23 @@ class PgConnection:
                        and cursor.description is not None)
 
     def executemany(self, sql: str, parameters: Any) -> _Cursor:
+        rows = [tuple(p) for p in parameters]
+        text = translate(sql)
         cursor = self.raw.cursor()
-        cursor.executemany(translate(sql), [tuple(p) for p in parameters])
+        # A message's few rows in one statement: psycopg's executemany costs a pipeline's
+        # round trips, and the write path runs it several times a message. Only where one
+        # statement means the same as a row at a time: one row, or an insert whose rows
+        # cannot collide in an update.
+        values = re.search(r"\bVALUES (\([^()]*\))", text)
+        if len(rows) == 1:
+            cursor.execute(text, rows[0])
+        elif (values and text.startswith("INSERT") and "DO UPDATE" not in text
+              and 1 < len(rows) <= 100):
+            many = ", ".join([values.group(1)] * len(rows))
+            cursor.execute(text[:values.start(1)] + many + text[values.end(1):],
+                           [v for row in rows for v in row])
+        else:
+            cursor.executemany(text, rows)
         return _Cursor(cursor, False)
 
 

@@ -18,9 +18,11 @@ better). Heat never enters the relevance score.
 Several proxies over one database (PostgreSQL): the process that stores a message writes its
 rows' birth activations, in that message's transaction; the process that serves a turn moves
 that user's clock (`advance`: an increment in the database, never a value computed in the
-process) and writes that turn's reheats (`reheat`: reads the rows' activations and writes the
-better ones under the write lock, so a reheat is always judged against the last one committed
-by any process, and no update is lost when two proxies reheat the same row). Readers
+process; concurrent moves add up) and writes that turn's reheats (`reheat`: reads the rows'
+activations locked FOR UPDATE and writes the better ones in that transaction, so a reheat is
+always judged against the last one committed by any process, and no update is lost when two
+proxies reheat the same row). Both take the write lock shared: they run beside other
+processes' writes (database.py). Readers
 (`warm_set`, `clock`) read committed values only. scripts/bench_writers.py checks both with
 2 and 4 processes.
 """
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import peewee as pw
 
-from perpetuity_core.memory.store import StoredItem, connection, in_list, writing
+from perpetuity_core.memory.store import StoredItem, connection, in_list, postgres, writing
 from perpetuity_core.wire.conversation import Kind
 
 BIRTH_PEAK = 1.0
@@ -89,14 +91,12 @@ def derive_activation(items: list[StoredItem]) -> None:
     if not items:
         return
     m = items[0]
-    conn = connection()
-    row = conn.execute("SELECT position FROM clock WHERE user_id = ?", (m.user_id,)).fetchone()
-    now = row[0] if row else 0.0
     # OR REPLACE: a purged item leaves its activation, and SQLite gives its id to the next item.
-    conn.executemany(
+    # The clock is read by the insert itself: one statement, one round trip on PostgreSQL.
+    connection().executemany(
         "INSERT OR REPLACE INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
-        " VALUES (?,?,?,?,?,?)",
-        [(it.id, m.user_id, m.conversation_id, now,
+        " VALUES (?,?,?,coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0),?,?)",
+        [(it.id, m.user_id, m.conversation_id, m.user_id,
           0.0 if it.kind == Kind.CONTEXT else BIRTH_PEAK,
           half_life(Kind(it.kind), m.role, it.text))
          for it in items])
@@ -106,7 +106,7 @@ def advance(user_id: int, tokens: float) -> None:
     """Move the user's clock by the tokens an exchange sent or received (the store's writer)."""
     if tokens <= 0:
         return
-    with writing("move the clock") as conn:
+    with writing("move the clock", ordered=False) as conn:
         conn.execute(
             "INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
             " DO UPDATE SET position = clock.position + excluded.position", (user_id, float(tokens)))
@@ -171,10 +171,14 @@ def reheat(now: float, reheats: dict[int, float]) -> int:
     """Write reheats that beat each row's current trajectory; the store's writer calls this."""
     if not reheats:
         return 0
-    ids = list(reheats)
-    with writing("reheat rows") as conn:  # read and written under one lock
+    ids = sorted(reheats)
+    with writing("reheat rows", ordered=False) as conn:
+        # Read and written in one transaction, under SQLite's one writer or, on PostgreSQL
+        # (writers in parallel), under the rows' own locks, taken in id order so that two
+        # reheats of the same rows cannot deadlock.
+        lock = " ORDER BY item_id FOR UPDATE" if postgres() else ""
         rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
-                            f" item_id IN ({in_list(ids)})", ids).fetchall()
+                            f" item_id IN ({in_list(ids)}){lock}", ids).fetchall()
         better = [(now, reheats[i], i) for i, at, peak, half in rows
                   if reheats[i] > peak * 2.0 ** (-(now - at) / half)]
         conn.executemany("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?", better)

@@ -8,7 +8,10 @@ folded into retrieval_total and retrieval_term every FOLD_EVERY rows, and reader
 stored since (`totals`, `unfolded_df`). Deleted retrieval rows are logged by a trigger; the
 writer settles them (takes their counts back out: `purge` deletes and settles in one
 transaction, `Store.flush` settles what was deleted behind its back) and readers take out the
-unsettled ones themselves, so no reader ever writes. A new dictionary is re-derived and
+unsettled ones themselves, so no reader ever writes. On PostgreSQL, where several processes
+store at once, a message's rows wait in retrieval_pending and `sequence` (a write, run before
+each catch-up and each batch) gives them their place in `retrieval` (database.py explains
+why). A new dictionary is re-derived and
 flipped in by maintenance.py. The read side is memory.scan.
 """
 
@@ -64,27 +67,66 @@ _CONTEXT = Kind.CONTEXT.value
 
 
 def derive_retrieval(items: list[StoredItem]) -> None:
-    """Write the retrieval rows and counts of a message's items (inside its transaction)."""
-    if not items:
-        return
+    """Write the retrieval rows and counts of a message's items (inside its transaction). On
+    PostgreSQL they wait in retrieval_pending until `sequence` orders them (database.py)."""
     conn = connection()
     d = live_dictionary(conn)  # inside the write lock: a flip elsewhere is seen here
-    m = items[0]
-    seq = 0
+    rows = []
     for it in items:
         if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
             continue
         text = item_text(it.kind, it.name, it.text)
         bag = d.bag(text)
-        n_tokens = token_estimate(text)
-        seq = conn.execute(
-            "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
-            " tokens, version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (it.id, m.message_id, m.user_id, m.conversation_id, int(m.at), bag.length, n_tokens, d.version,
-             bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes())).lastrowid
+        rows.append((it.id, it.message_id, it.user_id, it.conversation_id, int(it.at), bag.length,
+                     token_estimate(text), d.version,
+                     bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes()))
+    if not rows:
+        return
+    if postgres():
+        conn.executemany(f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ({_MARKS})", rows)
+        return
+    seq = 0
+    for row in rows:
+        seq = conn.execute(f"INSERT INTO retrieval ({_COLUMNS}) VALUES ({_MARKS})", row).lastrowid
+    _fold_due(conn, seq)
+
+
+_COLUMNS = "item_id, message_id, user_id, conversation_id, at, length, tokens, version, terms, counts"
+_MARKS = ",".join("?" * len(_COLUMNS.split(",")))
+
+
+def _fold_due(conn, seq: int) -> None:  # noqa: ANN001 - a connection, inside a write
     (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
     if seq - folded >= FOLD_EVERY:
         fold(conn)
+
+
+def sequence() -> int:
+    """PostgreSQL: order the retrieval rows stored since the last call (by any process) into
+    `retrieval`; returns how many. Called before every catch-up and every batch, so a reader
+    never misses a committed row. SQLite writes them there directly (one writer at a time)."""
+    if not postgres() or not pending(connection()):
+        return 0
+    with writing("order the stored rows") as conn:
+        return sequence_in(conn)
+
+
+def pending(conn) -> bool:  # noqa: ANN001 - a connection
+    return bool(conn.execute("SELECT EXISTS (SELECT 1 FROM retrieval_pending)").fetchone()[0])
+
+
+def sequence_in(conn) -> int:  # noqa: ANN001 - a connection, inside an ordered write
+    """`sequence` inside a write that holds the lock exclusive: the pending rows move into
+    `retrieval` in the order they were stored, each getting its seq there, under the lock, so
+    seqs follow commit order (database.py); the counts are folded when due."""
+    if not postgres():
+        return 0
+    moved = conn.execute(
+        f"WITH moved AS (DELETE FROM retrieval_pending RETURNING *) INSERT INTO retrieval"
+        f" ({_COLUMNS}) SELECT {_COLUMNS} FROM moved ORDER BY id").rowcount
+    if moved:
+        _fold_due(conn, conn.execute("SELECT max(seq) FROM retrieval").fetchone()[0])
+    return moved
 
 
 def count_terms(conn, terms: np.ndarray, sign: int,  # noqa: ANN001 - a sqlite3 connection
@@ -242,3 +284,15 @@ def m008_retrieval_time(database: pw.Database) -> None:
          " WHERE m.id = retrieval.message_id)"),
     ):
         connection().execute(sql)
+
+
+def m012_retrieval_pending(database: pw.Database) -> None:
+    """Parallel writers on PostgreSQL (database.py): a message's retrieval rows wait here, in
+    the order they were stored, until `sequence` moves them into `retrieval` under the
+    exclusive lock. SQLite has the table too (the same schema on both) and never fills it."""
+    connection().execute(
+        "CREATE TABLE retrieval_pending (id INTEGER PRIMARY KEY AUTOINCREMENT,"
+        " item_id INTEGER NOT NULL UNIQUE REFERENCES item(id) ON DELETE CASCADE,"
+        " message_id INTEGER NOT NULL, user_id INTEGER NOT NULL, conversation_id INTEGER NOT NULL,"
+        " at INTEGER NOT NULL, length INTEGER NOT NULL, tokens INTEGER NOT NULL,"
+        " version TEXT NOT NULL, terms BLOB NOT NULL, counts BLOB NOT NULL)")

@@ -2,7 +2,8 @@
 stored rows in one read snapshot (it runs beside a serving proxy and never writes).
 
 One line per violation; none means the memory is whole:
-- every item but harness context has exactly one retrieval row (context none), of the live
+- every item but harness context has exactly one retrieval row (context none; on PostgreSQL it
+  may still be waiting for its seq in retrieval_pending), of the live
   dictionary version, agreeing with its message (user, conversation, time), and its own
   activation (born once: keyed by item);
 - the pooled counts (rows, length, tokens, document frequency per term) equal a recount of
@@ -43,18 +44,28 @@ def _ids_of(conn: Sql, what: str, sql: str, *args: object) -> list[str]:
     return _listed(what, [r[0] for r in conn.execute(sql, args)])
 
 
+# Retrieval rows, ordered or still waiting for their seq (PostgreSQL, index.sequence).
+_RETRIEVAL = ("(SELECT item_id, message_id, user_id, conversation_id, at, version FROM retrieval"
+              " UNION ALL SELECT item_id, message_id, user_id, conversation_id, at, version"
+              " FROM retrieval_pending)")
+
+
 def _rows(conn: Sql) -> list[str]:
     live = dictionary.load().version
     return [
         *_ids_of(conn, "items without a retrieval row", "SELECT i.id FROM item i"
-                 " LEFT JOIN retrieval r ON r.item_id = i.id WHERE r.item_id IS NULL"
+                 f" LEFT JOIN {_RETRIEVAL} r ON r.item_id = i.id WHERE r.item_id IS NULL"
                  " AND i.kind != ?", Kind.CONTEXT.value),
+        *_ids_of(conn, "items with a retrieval row both ordered and waiting",
+                 "SELECT p.item_id FROM retrieval_pending p JOIN retrieval r"
+                 " ON r.item_id = p.item_id"),
         *_ids_of(conn, "harness context with a retrieval row", "SELECT i.id FROM item i"
-                 " JOIN retrieval r ON r.item_id = i.id WHERE i.kind = ?", Kind.CONTEXT.value),
+                 f" JOIN {_RETRIEVAL} r ON r.item_id = i.id WHERE i.kind = ?",
+                 Kind.CONTEXT.value),
         *_ids_of(conn, f"retrieval rows not of the live dictionary {live}",
-                 "SELECT item_id FROM retrieval WHERE version != ?", live),
+                 f"SELECT item_id FROM {_RETRIEVAL} r WHERE version != ?", live),
         *_ids_of(conn, "retrieval rows disagreeing with their message",
-                 "SELECT r.item_id FROM retrieval r JOIN item i ON i.id = r.item_id"
+                 f"SELECT r.item_id FROM {_RETRIEVAL} r JOIN item i ON i.id = r.item_id"
                  " JOIN message m ON m.id = i.message_id WHERE r.message_id != m.id"
                  " OR r.user_id != m.user_id OR r.conversation_id != m.conversation_id"
                  " OR r.at != CAST(m.at AS INTEGER)"),

@@ -41,7 +41,14 @@ import numpy as np
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory import chains, dictionary
 from perpetuity_core.memory.dialect import Sql
-from perpetuity_core.memory.index import count_terms, fold, item_text, settle_in, token_estimate
+from perpetuity_core.memory.index import (
+    count_terms,
+    fold,
+    item_text,
+    sequence_in,
+    settle_in,
+    token_estimate,
+)
 from perpetuity_core.memory.store import Store, postgres, snapshot, writing
 from perpetuity_core.wire.conversation import Kind
 
@@ -191,6 +198,12 @@ def flip(store: Store, version: str) -> int:
                                (version,)).fetchone()
         if not dark or not (postgres() or _staging(conn)):
             raise ConfigError(f"nothing re-derived under {version}: run rederive first")
+        # PostgreSQL: the rows still waiting for their seq (stored under the old dictionary)
+        # are ordered in first, so the flip replaces them with the rest. Item ids past the
+        # re-derivation's cursor are the only ones it has not seen, although writers run in
+        # parallel there: every batch, like this flip, holds the lock exclusive, so no id
+        # handed out before it belongs to a transaction still in flight (database.py).
+        sequence_in(conn)
         while _rederive_batch(d, REDERIVE_BATCH):  # savepoints inside this transaction
             pass
         # Every deletion of the old version goes with it (its counts go whole); arenas rebuild

@@ -61,7 +61,7 @@ import numpy as np
 from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, build_segment
 from perpetuity_core.memory.bm25 import Params, make_query
 from perpetuity_core.memory.dictionary import live_dictionary
-from perpetuity_core.memory.index import item_text, totals, unfolded_df
+from perpetuity_core.memory.index import item_text, sequence, totals, unfolded_df
 from perpetuity_core.memory.store import Store, connection, failing_as, in_list, snapshot
 from perpetuity_core.memory.view import Visibility
 
@@ -104,8 +104,9 @@ class Scanner:
         self._lock = threading.Lock()
 
     def catch_up(self) -> int:
-        """Bring the arena (if in use) up to date; returns rows read. Reads only: deletions
-        not settled yet are accounted for, not settled (the store's writer does that)."""
+        """Bring the arena (if in use) up to date; returns rows read. Deletions not settled yet
+        are accounted for, not settled (the store's writer does that). Its one write, on
+        PostgreSQL only, orders the rows stored in parallel (index.sequence)."""
         with self._lock:
             with snapshot("read the dictionary version") as conn:
                 live_dictionary(conn)  # a flip (maybe by another process) is followed here
@@ -113,6 +114,7 @@ class Scanner:
                     rows, _, _ = totals(conn)
                     self._use_arena = rows > self.store_rows
             if not self._use_arena:
+                sequence()  # PostgreSQL: rows other writers stored (the arena does it itself)
                 return 0
             read = self.arena.catch_up()
             if self.arena.stale():  # a flip re-derived every row, or most rows are dead

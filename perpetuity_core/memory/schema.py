@@ -22,6 +22,8 @@ from perpetuity_core.memory.index import (
     items_by_message,
     m002_retrieval,
     m008_retrieval_time,
+    m012_retrieval_pending,
+    sequence_in,
     settle_in,
 )
 from perpetuity_core.memory.names import opening_words
@@ -34,6 +36,7 @@ from perpetuity_core.memory.store import (
     m007_conversation_order,
     m010_store_guarantees,
     m011_secret,
+    m013_id_sequences,
 )
 from perpetuity_core.wire.conversation import Kind, text_part
 
@@ -86,11 +89,13 @@ MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval,
                                                    m004_recall, m005_standing, m006_batched,
                                                    m007_conversation_order, m008_retrieval_time,
                                                    m009_harness_text, m010_store_guarantees,
-                                                   m011_secret]
+                                                   m011_secret, m012_retrieval_pending,
+                                                   m013_id_sequences]
 
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:
     """The store at `path`, migrated, with every deriver wired (and `derivers` after them)."""
     return Store(path, migrations=MIGRATIONS,
                  derivers=[derive_retrieval, derive_activation, *derivers],
-                 batched={"chain": derive_chains}, settle=settle_in)
+                 batched={"chain": derive_chains}, settle=settle_in,
+                 sequence=sequence_in)

@@ -202,10 +202,37 @@ def m011_secret(database: pw.Database) -> None:
         last = rows[-1][0]
 
 
+def m013_id_sequences(database: pw.Database) -> None:
+    """PostgreSQL: messages and items take their ids from their sequences, since writers store
+    in parallel there (database.py); until now the write path numbered them itself, so the
+    sequences start past every id stored or freed (high_water). SQLite: nothing changes."""
+    if postgres():
+        ids_past_high_water(connection())
+
+
+def ids_past_high_water(conn: Sql) -> None:
+    """PostgreSQL: the message and item sequences set past every id stored or freed."""
+    for table in ("message", "item"):
+        conn.execute(
+            f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), greatest((SELECT"
+            f" coalesce(max(id), 0) FROM {table}), (SELECT id FROM high_water WHERE"
+            f" name = '{table}')) + 1, false)")
+
+
 # The next id of a table whose rows can be deleted: past its newest row and past every id a
-# deletion ever freed (m010).
+# deletion ever freed (m010). On PostgreSQL, its sequence: writers store in parallel there
+# (database.py), and a sequence never hands out a number twice (m013_id_sequences).
 _NEXT_ID = ("max((SELECT coalesce(max(id), 0) FROM {0}),"
-            " (SELECT id FROM high_water WHERE name = '{0}')) + 1")
+            " (SELECT id FROM high_water WHERE name = '{0}')) + 1,")
+
+
+def _id() -> str:
+    return "" if postgres() else "id, "
+
+
+def _next_id(table: str) -> str:
+    return "" if postgres() else _NEXT_ID.format(table)
+
 
 @dataclass(frozen=True, slots=True)
 class StoredItem:
@@ -228,7 +255,8 @@ class StoredItem:
 Deriver = Callable[[list[StoredItem]], None]
 # Called by Store.flush, inside the batch's transaction, for the rows with after < seq <= upto.
 BatchDeriver = Callable[[int, int], None]
-# Takes the counts of deleted retrieval rows back out, inside the flush's transaction.
+# Takes the counts of deleted retrieval rows back out, or orders the rows stored in parallel
+# (PostgreSQL, database.py), inside the flush's transaction; returns the rows it touched.
 Settle = Callable[[Sql], int]
 Migrate = Callable[[pw.Database], None]
 # Rows stored before the batched structures are written: larger batches dirty fewer pages per
@@ -253,7 +281,7 @@ class Store:
 
     def __init__(self, path: str | Path, *, migrations: Sequence[Migrate],
                  derivers: Iterable[Deriver], batched: Mapping[str, BatchDeriver],
-                 settle: Settle) -> None:
+                 settle: Settle, sequence: Settle) -> None:
         """Open through memory.schema.open_memory, which wires the derivers."""
         self.path = where(path)
         self._users: dict[str, int] = {}
@@ -263,6 +291,7 @@ class Store:
         self.derivers = list(derivers)
         self.batched = dict(batched)
         self._settle = settle
+        self._sequence = sequence
         from perpetuity_core.memory.dictionary import dictionary_notice, live_dictionary
 
         if db.obj is not None:  # the proxy moves to this database: the last one's are orphans
@@ -327,7 +356,7 @@ class Store:
     def user_id(self, key: str) -> int:
         if (cached := self._users.get(key)) is not None:
             return cached
-        with writing("store a user") as conn:
+        with writing("store a user", ordered=False) as conn:
             conn.execute("INSERT OR IGNORE INTO user (key, created_at) VALUES (?, ?)", (key, time.time()))
             (uid,) = conn.execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
         self._users[key] = uid
@@ -336,7 +365,7 @@ class Store:
     def conversation_id(self, user_id: int, key: str, provider: str) -> int:
         if (cached := self._conversations.get((user_id, key))) is not None:
             return cached
-        with writing("store a conversation") as conn:
+        with writing("store a conversation", ordered=False) as conn:
             conn.execute(
                 "INSERT OR IGNORE INTO conversation (user_id, key, provider, created_at)"
                 " VALUES (?, ?, ?, ?)", (user_id, key, provider, time.time()))
@@ -354,7 +383,7 @@ class Store:
                   if value and (conversation_id, column) not in self._named]
         if not wanted:
             return
-        with writing(f"name conversation {conversation_id}") as conn:
+        with writing(f"name conversation {conversation_id}", ordered=False) as conn:
             for column, value in wanted:
                 conn.execute(f"UPDATE conversation SET {column} = ?"
                              f" WHERE id = ? AND {column} = ''", (value, conversation_id))
@@ -421,11 +450,11 @@ class Store:
         complete: bool = True,
     ) -> Written:
         """Write one message and its rows, and everything derived from them, in one transaction."""
-        with writing(f"store a {message.role} message") as conn:
+        with writing(f"store a {message.role} message", ordered=False) as conn:
             cur = conn.execute(
-                "INSERT INTO message (id, conversation_id, user_id, role, provider, model, at,"
+                f"INSERT INTO message ({_id()}conversation_id, user_id, role, provider, model, at,"
                 " stored_at, pair_key, fingerprint, source, complete, stop_reason, usage)"
-                f" VALUES ({_NEXT_ID.format('message')},?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f" VALUES ({_next_id('message')}?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (conversation_id, user_id, message.role, provider, model, at, time.time(),
                  pair_key, message.fingerprint(), source, complete, stop_reason,
                  json.dumps(dataclasses.asdict(usage)) if usage else ""))
@@ -433,8 +462,8 @@ class Store:
             items = []
             for i, p in enumerate(message.parts):
                 cur = conn.execute(
-                    "INSERT INTO item (id, message_id, seq, kind, name, call_id, text, secret)"
-                    f" VALUES ({_NEXT_ID.format('item')},?,?,?,?,?,?,?)",
+                    f"INSERT INTO item ({_id()}message_id, seq, kind, name, call_id, text, secret)"
+                    f" VALUES ({_next_id('item')}?,?,?,?,?,?,?)",
                     (message_id, i, p.kind.value, p.name, p.call_id, p.text, secret_kind(p.text)))
                 items.append(StoredItem(int(cur.lastrowid or 0), message_id, user_id,
                                         conversation_id, message.role, at, i, p.kind.value,
@@ -450,8 +479,10 @@ class Store:
         """Write the batched structures up to the last stored row, with their cursors, in one
         transaction. Only the store's writer calls this (add_message, every BATCH_ROWS rows)."""
         with writing("write the batched derivations") as conn:
-            # Deletions made behind the writer's back (another process, a cascade) are settled
-            # here too: the writer is the only one who settles (readers account for the rest).
+            # Rows other writers stored are ordered first, so the batch covers them too, and
+            # deletions made behind the writer's back (another process, a cascade) are settled:
+            # the writer is the only one who settles (readers account for the rest).
+            self._sequence(conn)
             self._settle(conn)
             (upto,) = conn.execute("SELECT coalesce(max(seq), 0) FROM retrieval").fetchone()
             for name, derive in self.batched.items():

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory.dialect import Sql
-from perpetuity_core.memory.store import Store, postgres, writing
+from perpetuity_core.memory.store import Store, ids_past_high_water, postgres, writing
 
 # Parents before children (foreign keys are checked per statement on PostgreSQL); the tables
 # a migration fills (settings, totals, cursors) are replaced by the source's.
-ORDER = ("setting", "user", "conversation", "message", "item", "retrieval", "retrieval_next",
-         "binding", "chain", "activation", "clock", "retrieval_term", "retrieval_total",
+ORDER = ("setting", "user", "conversation", "message", "item", "retrieval", "retrieval_pending",
+         "retrieval_next", "binding", "chain", "activation", "clock", "retrieval_term", "retrieval_total",
          "retrieval_gone", "derived", "high_water", "dictionary")
 BATCH = 5000
 
@@ -98,3 +98,4 @@ def _past_copied_ids(conn: Sql) -> None:
     for table, column in serials:
         conn.execute(f"SELECT setval(pg_get_serial_sequence('\"{table}\"', '{column}'),"
                      f" (SELECT coalesce(max({column}), 0) + 1 FROM \"{table}\"), false)")
+    ids_past_high_water(conn)  # and past the ids the source freed

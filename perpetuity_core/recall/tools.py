@@ -133,6 +133,9 @@ def run(call_name: str, arguments: dict | str, memory: TurnMemory, scanner: Scan
         return f"Unknown tool {call_name!r}: the memory tools are {', '.join(sorted(TOOL_NAMES))}."
     try:
         args = parse_arguments(spec, arguments)
+        # Some tools read the store's rows directly (count, chains, dates): what was stored
+        # since the last search, by this process or another, is ordered in first (index.sequence).
+        scanner.catch_up()
         return _RUNNERS[call_name](args, memory, scanner)
     except BadArguments as e:
         return f"{call_name}: {e}. It takes {_signature(spec)}."

@@ -18,7 +18,7 @@ from perpetuity_core.wire.conversation import (
     as_context,
     text_part,
 )
-from perpetuity_core.wire.protocols.base import BodyMergerBase, spliced
+from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase, spliced
 from perpetuity_core.wire.sse import Event
 
 
@@ -318,7 +318,7 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-class StreamMerger:
+class StreamMerger(StreamMergerBase):
     """Rounds of a Messages event stream merged into the one reply the client sees.
 
     Our tools' calls are hidden; every other block is forwarded as it streams, its index
@@ -328,18 +328,15 @@ class StreamMerger:
     """
 
     def __init__(self, ours: frozenset[str]) -> None:
-        self.ours = ours
-        self.next_index = 0
         self.started = False
         self.usage = {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0,
                       "cache_read_input_tokens": 0}
         self._round_output = 0
-        self._new_round()
+        super().__init__(ours)
 
     def _new_round(self) -> None:
+        super()._new_round()
         self.blocks: dict[int, dict[str, Any]] = {}  # upstream index -> block being built
-        self.hidden: set[int] = set()
-        self.remap: dict[int, int] = {}
         self.delta: dict[str, Any] | None = None
         self.done = False
 
@@ -358,9 +355,7 @@ class StreamMerger:
             if block.get("type") == "tool_use" and block.get("name") in self.ours:
                 self.hidden.add(index)
                 return b""
-            self.remap[index] = self.next_index
-            self.next_index += 1
-            return _event(name, {**data, "index": self.remap[index]})
+            return _event(name, {**data, "index": self._renumbered(index)})
         if t in ("content_block_delta", "content_block_stop"):
             index = int(data.get("index", 0))
             _grow(self.blocks.setdefault(index, {"type": "text", "_json": ""}),
@@ -419,7 +414,7 @@ class StreamMerger:
     def next_round(self) -> None:
         self.usage["output_tokens"] += self._round_output
         self._round_output = 0
-        self._new_round()
+        super().next_round()
 
     def finish(self) -> bytes:
         """The closing events: the last round's message_delta with usage summed, message_stop."""

@@ -65,6 +65,32 @@ class BodyMergerBase:
         raise NotImplementedError
 
 
+class StreamMergerBase:
+    """Rounds of a streamed reply merged into the one stream the client sees: our tools' calls
+    hidden, every other block, call or item keeping its place, renumbered consecutively across
+    rounds (the SDKs index them by it). A protocol says how its events read (`feed`) and how
+    the merged stream ends (`finish`)."""
+
+    def __init__(self, ours: frozenset[str]) -> None:
+        self.ours = ours
+        self.next_index = 0
+        self._new_round()
+
+    def _new_round(self) -> None:
+        self.hidden: set[int] = set()  # this round's upstream indexes of our calls
+        self.remap: dict[int, int] = {}  # this round's upstream index -> the client's
+
+    def _renumbered(self, index: int) -> int:
+        """The client's index for this round's upstream `index` (the next free one if new)."""
+        if index not in self.remap:
+            self.remap[index] = self.next_index
+            self.next_index += 1
+        return self.remap[index]
+
+    def next_round(self) -> None:
+        self._new_round()
+
+
 class StreamMerging(Merger, Protocol):
     def feed(self, name: str, data: dict[str, Any]) -> bytes: ...
 

@@ -18,7 +18,7 @@ from perpetuity_core.wire.conversation import (
     Usage,
     text_part,
 )
-from perpetuity_core.wire.protocols.base import BodyMergerBase, spliced
+from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase, spliced
 from perpetuity_core.wire.sse import Event
 
 HINT_FIELDS = ("user", "safety_identifier", "prompt_cache_key")
@@ -247,7 +247,7 @@ def _calls(calls: dict[int, dict[str, str]], indexes: Iterable[int]) -> list[dic
             for i in sorted(indexes)]
 
 
-class StreamMerger:
+class StreamMerger(StreamMergerBase):
     """Rounds of chat.completion.chunk events merged into the one stream the client sees.
 
     Our tools' calls are hidden, the client's tool-call indexes renumbered consecutively, the
@@ -256,19 +256,16 @@ class StreamMerger:
     """
 
     def __init__(self, ours: frozenset[str]) -> None:
-        self.ours = ours
         self.id = ""
-        self.next_index = 0
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         self.wants_usage = False
         self.template: dict[str, Any] = {}
-        self._new_round()
+        super().__init__(ours)
 
     def _new_round(self) -> None:
+        super()._new_round()
         self.text: list[str] = []
         self.calls: dict[int, dict[str, str]] = {}
-        self.hidden: set[int] = set()
-        self.remap: dict[int, int] = {}
         self.finish_reason = ""
 
     def feed(self, name: str, data: dict[str, Any]) -> bytes:
@@ -297,10 +294,7 @@ class StreamMerger:
                     self.hidden.add(i)
                 if i in self.hidden:
                     continue
-                if i not in self.remap:
-                    self.remap[i] = self.next_index
-                    self.next_index += 1
-                visible.append({**call, "index": self.remap[i]})
+                visible.append({**call, "index": self._renumbered(i)})
             if "tool_calls" in delta:
                 delta["tool_calls"] = visible
                 if not visible:
@@ -326,9 +320,6 @@ class StreamMerger:
     def assistant_blocks(self) -> dict[str, Any]:
         return {"role": "assistant", "content": "".join(self.text) or None,
                 "tool_calls": _calls(self.calls, self.hidden)}
-
-    def next_round(self) -> None:
-        self._new_round()
 
     def finish(self) -> bytes:
         reason = self.finish_reason or "stop"

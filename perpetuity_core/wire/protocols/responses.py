@@ -23,7 +23,7 @@ from perpetuity_core.wire.conversation import (
     Usage,
     text_part,
 )
-from perpetuity_core.wire.protocols.base import BodyMergerBase, spliced
+from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase, spliced
 from perpetuity_core.wire.protocols.chat import HINT_FIELDS, _args
 from perpetuity_core.wire.sse import Event
 
@@ -293,7 +293,7 @@ def _ours(item: dict[str, Any], ours: frozenset[str]) -> bool:
     return item.get("type") == "function_call" and item.get("name") in ours
 
 
-class StreamMerger:
+class StreamMerger(StreamMergerBase):
     """Rounds of response.* events merged into the one stream the client sees.
 
     Our function calls are hidden; output indexes and sequence numbers run on consecutively;
@@ -302,19 +302,16 @@ class StreamMerger:
     """
 
     def __init__(self, ours: frozenset[str]) -> None:
-        self.ours = ours
         self.sequence = 0
-        self.next_index = 0
         self.opened: set[str] = set()
         self.visible: list[dict[str, Any]] = []
         self.usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
         self.final: dict[str, Any] = {}
-        self._new_round()
+        super().__init__(ours)
 
     def _new_round(self) -> None:
+        super()._new_round()
         self.items: dict[int, dict[str, Any]] = {}
-        self.hidden: set[int] = set()
-        self.remap: dict[int, int] = {}
 
     def _emit(self, name: str, data: dict[str, Any]) -> bytes:
         data = {**data, "sequence_number": self.sequence}
@@ -346,10 +343,7 @@ class StreamMerger:
                 self.visible.append(item)
         if index in self.hidden:
             return b""
-        if index not in self.remap:
-            self.remap[index] = self.next_index
-            self.next_index += 1
-        return self._emit(t, {**data, "output_index": self.remap[index]})
+        return self._emit(t, {**data, "output_index": self._renumbered(index)})
 
     def our_calls(self) -> list[tuple[str, str, Any]]:
         return [(str(self.items[i].get("call_id", "")), str(self.items[i].get("name", "")),
@@ -361,9 +355,6 @@ class StreamMerger:
 
     def assistant_blocks(self) -> list[dict[str, Any]]:
         return [self.items[i] for i in sorted(self.items)]
-
-    def next_round(self) -> None:
-        self._new_round()
 
     def finish(self) -> bytes:
         final = dict(self.final or {"type": "response.completed", "response": {}})
