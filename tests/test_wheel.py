@@ -41,7 +41,8 @@ def fresh_venv(where: Path, wheel: Path) -> Path:
     subprocess.run([*PIP, "--python", str(python), "install", "--no-deps", str(wheel)], check=True)
     # mitmproxy's console script, as its own install would write it next to the venv's Python.
     mitmdump = where / "bin" / "mitmdump"
-    mitmdump.write_text(f"#!{python}\nfrom mitmproxy.tools.main import mitmdump\nmitmdump()\n")
+    mitmdump.write_text(f"#!{python}\nimport sys\nfrom mitmproxy.tools.main import mitmdump\n"
+                        "sys.exit(mitmdump())\n")
     mitmdump.chmod(0o755)
     return where
 
