@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -119,23 +120,31 @@ def stop_proxy(p: Proxy) -> None:
         p.process.wait()
 
 
-_OPENED: list[sqlite3.Connection | postgres.Other] = []
+class _Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+_OPENED: list[_Closeable] = []
+
+
+def owned[C: _Closeable](thing: C) -> C:
+    """A client (an SDK's, httpx's) or connection of the test's own, closed when the test ends.
+    Left to the collector, a client and its pooled socket die in one collection, in no set
+    order: when the socket goes first it warns (ResourceWarning), in whichever test runs then."""
+    _OPENED.append(thing)
+    return thing
 
 
 def opened(path: str | Path, **options: object) -> sqlite3.Connection:
     """A connection of the test's own to a memory file (read, or changed behind the store's
     back), closed when the test ends."""
-    con = sqlite3.connect(path, **options)  # type: ignore[arg-type]
-    _OPENED.append(con)
-    return con
+    return owned(sqlite3.connect(path, **options))  # type: ignore[arg-type]
 
 
 def opened_other(location: Path | str) -> postgres.Other:
     """Another connection to a memory on either backend (tests/postgres.py), autocommitting,
     closed when the test ends."""
-    con = postgres.other_connection(location)
-    _OPENED.append(con)
-    return con
+    return owned(postgres.other_connection(location))
 
 
 def query(path: str | Path, sql: str, *args: object) -> list[tuple]:

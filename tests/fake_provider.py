@@ -39,7 +39,7 @@ import http
 import json
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -57,15 +57,16 @@ class Text:
 
     ``thinking`` adds a thinking block with a signature before the text (Anthropic), a
     reasoning item with a summary (Responses); Chat Completions ignores it.
-    ``first_byte_delay`` sleeps before the response headers (streamed or not); ``delay``
-    sleeps between streamed events (a non-streamed reply ignores it).
+    ``delay`` sleeps between streamed events (a non-streamed reply ignores it); a streamed
+    reply with ``hold`` stops after its first event until the test sets it (so a test sees an
+    event arrive while the rest is held back: an ordering, not a clock).
     """
 
     text: str
     chunks: int = 3
     thinking: str | None = None
-    first_byte_delay: float = 0.0
     delay: float = 0.0
+    hold: threading.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ def _tokens(s: str | None) -> int:
 
 
 def _item_key(item: Any) -> dict:
+    if isinstance(item, Text):
+        item = replace(item, hold=None)  # when the reply flows, not what it says
     return {"kind": type(item).__name__, **asdict(item)}
 
 
@@ -212,8 +215,8 @@ class _Reply:
     body: bytes | None = None  # a whole (non-streamed) body
     events: list[bytes] | None = None  # streamed: one chunk per event
     cut: int | None = None  # stop after this many events (or half the body) and drop
-    first_byte_delay: float = 0.0
     delay: float = 0.0
+    hold: threading.Event | None = None  # streamed: wait for it after the first event
 
 
 SSE = "text/event-stream; charset=utf-8"
@@ -612,6 +615,7 @@ class FakeProvider:
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._live: set[int] = set()  # id() of each request whose connection is still open
 
     # ---------------------------------------------------------------- public API
 
@@ -707,6 +711,14 @@ class FakeProvider:
                 raise TimeoutError(f"expected {n} requests, got {len(self._requests)} within {timeout}s")
             return list(self._requests)
 
+    def wait_hung_up(self, request: Recorded | None = None, timeout: float = 5.0) -> None:
+        """Block until the connection that carried `request` has ended (the server has seen its
+        client hang up); without one, every connection. Raises TimeoutError if still open."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: id(request) not in self._live if request
+                                       else not self._tasks, timeout):
+                raise TimeoutError(f"the connection is still open after {timeout}s")
+
     def clear(self) -> None:
         """Drop recorded requests and queued script items."""
         with self._cond:
@@ -727,7 +739,7 @@ class FakeProvider:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
 
-    def _record(self, req: h11.Request, body: bytes) -> Recorded:
+    def _record(self, req: h11.Request, body: bytes, carried: list[int]) -> Recorded:
         split = urlsplit(req.target.decode("latin-1"))
         headers: dict[str, str] = {}
         for name, value in req.headers:
@@ -748,6 +760,8 @@ class FakeProvider:
         )
         with self._cond:
             self._requests.append(rec)
+            self._live.add(id(rec))
+            carried.append(id(rec))
             self._cond.notify_all()
         return rec
 
@@ -806,24 +820,26 @@ class FakeProvider:
             include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
         )
         events, full = _PROTOCOLS[proto](_turn_of(item), ctx, stream)
-        first_byte_delay = item.first_byte_delay if isinstance(item, Text) else 0.0
+        hold = item.hold if isinstance(item, Text) else None
         delay = item.delay if isinstance(item, Text | ToolCall) else 0.0
         cut = max(0, item.after_events) if isinstance(item, Cut) else None
         if stream:
-            return _Reply(200, base_headers(SSE), events=events, cut=cut, first_byte_delay=first_byte_delay, delay=delay)
-        return _Reply(200, base_headers(JSON_CT), body=_dumps(full).encode(), cut=cut, first_byte_delay=first_byte_delay)
+            return _Reply(200, base_headers(SSE), events=events, cut=cut, delay=delay, hold=hold)
+        return _Reply(200, base_headers(JSON_CT), body=_dumps(full).encode(), cut=cut)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
-            self._tasks.add(task)
+            with self._cond:
+                self._tasks.add(task)
         conn = h11.Connection(h11.SERVER)
+        carried: list[int] = []  # the requests this connection carried
         try:
             while True:
                 got = await self._read_request(conn, reader, writer)
                 if got is None:
                     break
-                rec = self._record(*got)
+                rec = self._record(*got, carried)
                 if not await self._respond(conn, writer, rec):
                     break
                 if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
@@ -839,11 +855,14 @@ class FakeProvider:
         except Exception as exc:  # noqa: BLE001 - keep the server alive, remember why
             self.errors.append(exc)
         finally:
-            if task is not None:
-                self._tasks.discard(task)
             writer.close()
             with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
                 await writer.wait_closed()
+            with self._cond:
+                if task is not None:
+                    self._tasks.discard(task)
+                self._live.difference_update(carried)
+                self._cond.notify_all()
 
     async def _read_request(
         self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -871,8 +890,6 @@ class FakeProvider:
     async def _respond(self, conn: h11.Connection, writer: asyncio.StreamWriter, rec: Recorded) -> bool:
         """Send the reply; False when the connection must not be reused."""
         reply = self._build(rec)
-        if reply.first_byte_delay > 0:
-            await asyncio.sleep(reply.first_byte_delay)
 
         async def send(event: Any) -> None:
             data = conn.send(event)
@@ -899,6 +916,8 @@ class FakeProvider:
         for i, event in enumerate(reply.events):
             if reply.cut is not None and i >= reply.cut:
                 return False
+            if i == 1 and reply.hold is not None:
+                await asyncio.to_thread(reply.hold.wait, 30)
             if i and reply.delay > 0:
                 await asyncio.sleep(reply.delay)
             await send(h11.Data(data=event))

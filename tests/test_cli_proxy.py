@@ -10,7 +10,7 @@ from pathlib import Path
 
 import anthropic
 
-from tests.conftest import free_port
+from tests.conftest import free_port, owned
 from tests.fake_provider import FakeProvider, Text
 
 PERPETUITY = Path(sys.executable).with_name("perpetuity")
@@ -32,8 +32,8 @@ def test_perpetuity_proxy_serves_and_prints_the_harness_settings(tmp_path: Path)
             assert f"ANTHROPIC_BASE_URL=http://127.0.0.1:{port}" in "".join(banner)
             assert "wire_api" in "".join(banner)
             fake.script(Text("via the CLI"))
-            c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="sk-ant-cli",
-                                    max_retries=0)
+            c = owned(anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="sk-ant-cli",
+                                    max_retries=0))
             r = c.messages.create(model="claude-opus-4-8", max_tokens=5,
                                   messages=[{"role": "user", "content": "hi"}])
             assert r.content[0].text == "via the CLI"

@@ -35,13 +35,13 @@ def test_a_locked_database_fails_open_and_the_turn_is_stored_when_re_sent(
 
     import anthropic
 
-    from tests.conftest import start_proxy, stop_proxy
+    from tests.conftest import owned, start_proxy, stop_proxy
     from tests.fake_provider import FakeProvider, Text
 
     with FakeProvider() as fake:
         proxy = start_proxy(tmp_path, fake.url)
         try:
-            client = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", max_retries=0)
+            client = owned(anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-x", max_retries=0))
             headers = {"x-perpetuity-user": "u", "x-perpetuity-conversation": "c"}
             history = [{"role": "user", "content": "first question about the harbour"}]
             fake.script(Text("first answer"))

@@ -30,7 +30,7 @@ from perpetuity_core.wire.conversation import (
     text_part,
 )
 from perpetuity_core.wire.protocols import ADAPTERS
-from tests.conftest import Proxy, needs_fixtures, opened, query
+from tests.conftest import Proxy, needs_fixtures, opened, owned, query
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import http_fixtures, replay, to_request
 from tests.validity import CHECKS
@@ -371,7 +371,7 @@ def test_every_capture_yields_a_valid_request(tmp_path: Path) -> None:
 
 def test_a_new_conversation_gets_a_frame_and_a_short_one_stays_as_sent(
         proxy: Proxy, fake: FakeProvider) -> None:
-    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0)
+    c = owned(openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0))
     history = [{"role": "user", "content": "My cat is called Miso."}]
     fake.script(Text("Miso is a lovely name."), Text("Your cat is Miso."), Text("Tabby."))
     r = c.chat.completions.create(model="gpt-4o", messages=history, user="frame-user")
@@ -393,25 +393,32 @@ def test_a_new_conversation_gets_a_frame_and_a_short_one_stays_as_sent(
 
 
 def test_probe_mode_has_no_side_effects(proxy: Proxy, fake: FakeProvider) -> None:
-    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0)
-    c.chat.completions.create(model="gpt-4o", user="probe-user",
-                              messages=[{"role": "user", "content": "The vault code is 4471."}])
-    proxy.wait_messages("probe-user", 2)
-    tables = ("message", "item", "activation", "clock", "retrieval")
-
-    def state() -> list:
-        return [proxy.rows(f"select * from {t} order by 1") for t in tables]
-
-    before = state()
-    for _ in range(2):
+    with openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0) as c:
         c.chat.completions.create(model="gpt-4o", user="probe-user",
-                                  messages=[{"role": "user", "content": "What is the vault code?"}],
-                                  extra_headers={"x-perpetuity-probe": "on"})
-    time.sleep(0.3)
+                                  messages=[{"role": "user", "content": "The vault code is 4471."}])
+        proxy.wait_messages("probe-user", 2)
+        user = ("user_id in (select id from user where key = ? "
+                "or substr(key, instr(key, '/') + 1) = ?)")
+
+        def state() -> list:
+            return [proxy.rows(f"select * from {t} where {user} order by 1", "probe-user",
+                               "probe-user")
+                    for t in ("message", "activation", "clock", "retrieval")]
+
+        before = state()
+        for _ in range(2):
+            c.chat.completions.create(model="gpt-4o", user="probe-user",
+                                      messages=[{"role": "user", "content": "What is the vault code?"}],
+                                      extra_headers={"x-perpetuity-probe": "on"})
+        # The proxy stores on one thread, in order: once another user's turn after the probes is
+        # stored, whatever the probes had stored would be too.
+        c.chat.completions.create(model="gpt-4o", user="probe-after",
+                                  messages=[{"role": "user", "content": "Hello."}])
+        proxy.wait_messages("probe-after", 2)
     assert state() == before
-    sent = fake.requests[-1].json["messages"]
+    sent = fake.requests[-2].json["messages"]
     assert "4471" in sent[0]["content"] and sent[-1]["content"] == "What is the vault code?"
-    assert fake.requests[-1].json == fake.requests[-2].json  # same question, same frame
+    assert fake.requests[-2].json == fake.requests[-3].json  # same question, same frame
 
 
 def cook_turns(tmp_path: Path, questions: tuple[str, ...],

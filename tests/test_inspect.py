@@ -23,7 +23,7 @@ from mitmproxy.test import taddons
 
 from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.pipeline import Pipeline
-from tests.conftest import start_proxy, stop_proxy
+from tests.conftest import owned, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text, ToolCall
 from tests.test_addon import direct_flow
 
@@ -178,7 +178,7 @@ def test_mitmdump_saves_every_flow_relayed_or_not(tmp_path: Path) -> None:
     with FakeProvider() as fake:
         proxy = start_proxy(tmp_path, fake.url, "-w", str(tmp_path / "flows.mitm"))
         try:
-            a = anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-w", max_retries=0)
+            a = owned(anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-w", max_retries=0))
             fake.script(Text("Noted."))
             a.messages.create(model="claude-opus-4-8", max_tokens=20,
                               messages=[{"role": "user", "content": "The vault code is 4471."}],

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, owned
 from tests.fake_provider import FakeProvider, Text, ToolCall
 
 BIN = Path(sys.executable).parent
@@ -81,7 +81,7 @@ def web(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Web, FakePro
 def send(w: Web, fake: FakeProvider) -> None:
     """Three turns remembered, a question the model answers with a memory_search round, and
     an OpenAI chat request: five client requests."""
-    a = anthropic.Anthropic(base_url=w.proxy, api_key="sk-ant-web", max_retries=0)
+    a = owned(anthropic.Anthropic(base_url=w.proxy, api_key="sk-ant-web", max_retries=0))
     history: list[dict] = []
     for said in ["The vault code is 4471.", "My sister Ada lives in Oslo.",
                  "We planted tomatoes in April."]:
@@ -101,7 +101,7 @@ def send(w: Web, fake: FakeProvider) -> None:
                           extra_headers={"x-perpetuity-conversation": "now"})
     assert "Oslo" in r.content[-1].text
     fake.script(Text("Hello from chat."))
-    o = openai.OpenAI(base_url=w.proxy + "/v1", api_key="sk-web", max_retries=0)
+    o = owned(openai.OpenAI(base_url=w.proxy + "/v1", api_key="sk-web", max_retries=0))
     o.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
 
 

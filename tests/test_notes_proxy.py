@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from perpetuity_core.wire.identity import tenant_of
-from tests.conftest import Proxy, start_proxy, stop_proxy
+from tests.conftest import Proxy, owned, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text, ToolCall
 
 NOTE = """---
@@ -79,7 +79,7 @@ def notes_dir(proxy: Proxy) -> Path:
 
 def test_curate_command_answered_without_the_model(proxy: Proxy, fake: FakeProvider,
                                                    notes_dir: Path) -> None:
-    c = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
+    c = owned(anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0))
     with c.messages.stream(model="claude-opus-4-8", max_tokens=50,
                            messages=[{"role": "user", "content": "/perpetuity-curate"}]) as s:
         text = "".join(s.text_stream)
@@ -88,7 +88,7 @@ def test_curate_command_answered_without_the_model(proxy: Proxy, fake: FakeProvi
     assert final.stop_reason == "end_turn"
     assert "state: stale" in (notes_dir / "notes" / "rebuild-wheels.md").read_text()
 
-    o = openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0)
+    o = owned(openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-x", max_retries=0))
     r = o.chat.completions.create(model="gpt-4o", messages=[{"role": "user",
                                                              "content": "/perpetuity-curate"}])
     assert r.choices[0].message.content  # nothing left to change: still a summary
@@ -107,7 +107,7 @@ def test_recall_at_a_task_start_and_use_counted(proxy: Proxy, fake: FakeProvider
     today = date.today().isoformat()
     (notes_dir / "notes" / "pytest-mismatch.md").write_text(
         LESSON.format(name="pytest-mismatch", created=today))
-    c = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
+    c = owned(anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0))
     fake.script(Text("Following pytest-mismatch: add __init__.py files."))
     c.messages.create(model="claude-opus-4-8", max_tokens=50,
                       messages=[{"role": "user", "content":
@@ -137,7 +137,7 @@ def test_recall_at_a_task_start_and_use_counted(proxy: Proxy, fake: FakeProvider
 
 def test_note_capture_through_the_tool_loop(proxy: Proxy, fake: FakeProvider,
                                             notes_dir: Path) -> None:
-    c = anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0)
+    c = owned(anthropic.Anthropic(base_url=proxy.url, api_key=KEY, max_retries=0))
     fake.script(Text("Noted."))
     c.messages.create(model="claude-opus-4-8", max_tokens=50,
                       messages=[{"role": "user", "content": "The build needs NODE_OPTIONS set."}],

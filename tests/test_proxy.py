@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests import postgres
-from tests.conftest import Proxy, start_proxy, stop_proxy
+from tests.conftest import Proxy, owned, start_proxy, stop_proxy
 from tests.fake_provider import Cut, Error, FakeProvider, Text, ToolCall
 
 KEY = "sk-ant-api03-SECRET-never-stored"
@@ -38,11 +38,11 @@ def proxy(request: pytest.FixtureRequest, fake: FakeProvider,
 
 
 def claude(base: str, **kw: object) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, **kw)
+    return owned(anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, **kw))
 
 
 def gpt(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="sk-proj-SECRET-never-stored", max_retries=0)
+    return owned(openai.OpenAI(base_url=base + "/v1", api_key="sk-proj-SECRET-never-stored", max_retries=0))
 
 
 def user_msgs(*texts: str) -> list[dict]:
@@ -201,7 +201,7 @@ def test_client_disconnect_midstream(proxy: Proxy, fake: FakeProvider) -> None:
     with httpx.stream("POST", proxy.url + "/v1/messages", json=body,
                       headers={"x-api-key": KEY}) as r:
         next(r.iter_raw())  # first bytes arrived; now hang up
-    time.sleep(0.5)
+    fake.wait_hung_up(fake.requests[-1])  # the proxy hung up on the provider in turn
     assert proxy.alive()
     fake.script(Text("still here"))
     r = claude(proxy.url).messages.create(model="claude-opus-4-8", max_tokens=5,
@@ -289,7 +289,7 @@ def test_regular_proxy_mode_routes_provider_hosts_and_leaves_others(proxy: Proxy
     ca = proxy.confdir / "mitmproxy-ca-cert.pem"
     http_client = anthropic.DefaultHttpxClient(proxy=proxy.url,
                                                verify=ssl.create_default_context(cafile=str(ca)))
-    c = anthropic.Anthropic(api_key=KEY, max_retries=0, http_client=http_client)
+    c = owned(anthropic.Anthropic(api_key=KEY, max_retries=0, http_client=http_client))
     fake.script(Text("Through the proxy."))
     r = c.messages.create(model="claude-opus-4-8", max_tokens=5, metadata={"user_id": "jack"},
                           messages=user_msgs("proxied hello"))

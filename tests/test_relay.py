@@ -14,8 +14,12 @@ from tests.fake_provider import FakeProvider, Text, ToolCall
 
 
 async def _exchange(fake: FakeProvider) -> bytes:
+    # The tool returns once the client has seen two pings. The round with our call is hidden
+    # and the provider pings once a reply, so at least one of the two is the relay's own.
+    pinged = asyncio.Event()
+
     async def slow_tool(name: str, arguments: object, memory: TurnMemory) -> str:
-        await asyncio.sleep(2.3)
+        await asyncio.wait_for(pinged.wait(), 20)
         return "nothing found"
 
     relay = Relay(lambda job: None, lambda job, reply, at: None, slow_tool)
@@ -33,8 +37,15 @@ async def _exchange(fake: FakeProvider) -> bytes:
                  "content-length: 0\r\n\r\n".encode())
     await writer.drain()
     # The relay keeps its connection to mitmproxy alive: read to the body's last chunk.
-    raw = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+    raw = b""
+    while not raw.endswith(b"\r\n0\r\n\r\n"):
+        chunk = await asyncio.wait_for(reader.read(65536), 20)
+        assert chunk, raw
+        raw += chunk
+        if raw.count(b"event: ping") >= 2:
+            pinged.set()
     writer.close()
+    await writer.wait_closed()
     await relay.stop()
     return raw
 
@@ -43,10 +54,10 @@ def test_pings_keep_the_stream_alive_while_a_tool_runs() -> None:
     with FakeProvider() as fake:
         fake.script(ToolCall("memory_search", {"query": "x"}, call_id="toolu_slow"), Text("Done."))
         raw = asyncio.run(_exchange(fake))
-    # Two of ours while the tool ran (one a second), before the next round's first block;
-    # then the provider's own.
-    assert raw.count(b"event: ping") in (3, 4)  # 4 only if a loaded machine wakes the tool late
-    assert raw.index(b"event: content_block_start") > raw.index(b"event: ping", raw.index(b"event: ping") + 1)
+    # Pings while the tool ran, before the next round's first block; then the provider's own.
+    second_ping = raw.index(b"event: ping", raw.index(b"event: ping") + 1)
+    assert raw.index(b"event: content_block_start") > second_ping
+    assert raw.count(b"event: ping", raw.index(b"event: content_block_start")) == 1
     assert raw.count(b"event: message_start") == 1 and raw.count(b"event: message_stop") == 1
     assert b"memory_search" not in raw
 
@@ -70,6 +81,7 @@ async def _after_a_chunked_request(fake: FakeProvider) -> tuple[bytes, bytes]:
     first = await asyncio.wait_for(reader.readuntil(b"unknown relay job"), 20)
     second = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
     writer.close()
+    await writer.wait_closed()
     await relay.stop()
     return first, second
 

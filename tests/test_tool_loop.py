@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Proxy, start_proxy, stop_proxy
+from tests.conftest import Proxy, owned, start_proxy, stop_proxy
 from tests.fake_provider import Cut, FakeProvider, Text, ToolCall
 
 WEATHER = {"name": "get_weather", "description": "Weather for a city.",
@@ -30,7 +30,7 @@ def proxy(fake: FakeProvider, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def client(proxy: Proxy) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-tools", max_retries=0)
+    return owned(anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-tools", max_retries=0))
 
 
 def remember(proxy: Proxy, fake: FakeProvider, user: str) -> None:
@@ -181,7 +181,7 @@ def test_a_tool_round_never_delays_another_stream(proxy: Proxy, fake: FakeProvid
 
 
 def gpt(proxy: Proxy) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-tools", max_retries=0)
+    return owned(openai.OpenAI(base_url=proxy.url + "/v1", api_key="sk-tools", max_retries=0))
 
 
 def remember_openai(proxy: Proxy, fake: FakeProvider, user: str) -> None:

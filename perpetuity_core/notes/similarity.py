@@ -1,5 +1,11 @@
-"""When two notes cover the same ground: their terms (a small stemmer and stop list of their own),
-Jaccard similarity over tags and terms, and merging two notes' bodies line by line.
+"""When two notes cover the same ground: their terms, Jaccard similarity over tags and terms, and
+merging two notes' bodies line by line.
+
+Terms are the memory's: memory.dictionary's words (runs of letters and digits) and its stemmer,
+so a note is matched on the same words a memory search sees. Notes once had a tokeniser of their
+own that also kept `node.js`, `docker-compose`, `c++` whole; on the tests' notes that moved no
+decision (figures at SIMILARITY_THRESHOLD). What it costs: `c++` and `c#` are the single letter
+`c`, left out, so such a note is found by its other words, as in the memory.
 """
 
 from __future__ import annotations
@@ -7,21 +13,23 @@ from __future__ import annotations
 import functools
 import re
 
+from perpetuity_core.memory import dictionary
 from perpetuity_core.notes.library import slugify
 from perpetuity_core.notes.model import CONFIDENCE, Note, _render_body, split_sections
 
 # Two notes cover the same ground when similarity() >= SIMILARITY_THRESHOLD. similarity() is
 # TAG_SHARE * Jaccard(normalised tags) + (1 - TAG_SHARE) * Jaccard(terms of name, description and
 # body). The same threshold decides whether capture patches an existing note, so capture never
-# writes what curate would merge straight away. Measured on the tests' notes: two wordings of one
-# lesson score 0.55; two different pytest problems under identical tags 0.40 (the threshold sits
+# writes what curate would merge straight away. Measured on the tests' notes (tests/test_notes.py;
+# in brackets with the notes' former tokeniser of their own): two wordings of one lesson score 0.570
+# (0.541); two different pytest problems under identical tags 0.411 (0.395; the threshold sits
 # above this, so shared tags alone never merge: identical tags still need 0.22 of body overlap);
-# unrelated notes under 0.05.
+# unrelated notes 0.000 to 0.083 (0.081), the highest two sharing a `docker` tag.
 TAG_SHARE = 0.3
 SIMILARITY_THRESHOLD = 0.45
 
 # When two notes merge, a line of the weaker one is left out if its terms overlap a line of the
-# stronger one by this Jaccard or more ("Set --import-mode=importlib" vs "Use ..." scores 0.83).
+# stronger one by this Jaccard or more ("Set --import-mode=importlib" vs "Use ..." scores 0.80).
 LINE_DUPLICATE_THRESHOLD = 0.75
 
 
@@ -73,61 +81,39 @@ def merge_bodies(stronger: str, weaker: str) -> str:
     return _render_body(preamble, result)
 
 
-# Function words, and words every task or every note says (section headings, generic verbs and
-# "error"), so that matching rests on tools, errors, frameworks and domain nouns.
-_STOP_WORDS_TEXT = """
-    a about above after again against all also am an and any are as at be because been before
-    being below between both but by can could did do does doing done down during each else etc
-    for from further get gets getting got had has have having he her here hers him his how i if
-    in into is it its itself just let me more most my no nor not now of off on once only or other
-    our out over own same she should so some such than that the their them then there these they
-    this those through to too under until up us very was we were what when where which while who
-    whom why will with would you your yours e.g i.e via vs per ok yes
-
-    please help need needs want wants try tried trying make makes made fix fixed fixes fixing use
-    used uses using work works worked working run runs ran running thing things way new add added
-    create update change changed look see show tell know like still again issue issues problem
-    problems bug bugs error errors fail fails failed failing failure wrong broken task code file
-    files one two first next step steps sure good well today something anything everything
-    procedure pitfalls pitfall verification verify note notes lesson
+# Words every task or every note says (generic verbs, "error", section headings), on top of the
+# memory's own stop words, so that matching rests on tools, errors, frameworks and domain nouns.
+_NOTE_WORDS = """
+    etc via vs per ok yes please help need needs want wants try tried trying make makes made fix
+    fixed fixes fixing use used uses using work works worked working run runs ran running thing
+    things way new add added create update change changed look see show tell know like still issue
+    issues problem problems bug bugs error errors fail fails failed failing failure wrong broken
+    task code file files one two first next step steps sure good well today something anything
+    everything procedure pitfalls pitfall verification verify note notes lesson
 """
-STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
-
-_WORD = re.compile(r"[a-z0-9][a-z0-9_.+#/-]*")
-_PARTS = re.compile(r"[._/-]+")
-
-
-def _stem(term: str) -> str:
-    """Fold a plain English plural onto its singular, the same way on both sides of a match."""
-    if (
-        term.isalpha()
-        and len(term) > 4
-        and term.endswith("s")
-        and not term.endswith(("ss", "us", "is"))
-    ):
-        return term[:-1]
-    return term
+STOP_WORDS = dictionary.STOP_WORDS | frozenset(_NOTE_WORDS.split())
+# The notes' own words are compared after stemming too, so that every form of one is left out
+# ("fixes" -> "fix"); the memory's stop words only as words, as the memory compares them.
+_STOP_STEMS = frozenset(dictionary.stem(w) for w in _NOTE_WORDS.split())
 
 
-def _keep(term: str) -> bool:
-    if term in STOP_WORDS or len(term) < 2:
+def _keep(word: str, stem: str) -> bool:
+    if word in STOP_WORDS or stem in _STOP_STEMS or len(stem) < 2:
         return False
-    if term.isdigit():
-        return len(term) >= 3  # status and exit codes (404, 137) are evidence; "1", "42" are not
-    return any(c.isalpha() for c in term)
+    if stem.isdigit():
+        return len(stem) >= 3  # status and exit codes (404, 137) are evidence; "1", "42" are not
+    return any(c.isalpha() for c in stem)
 
 
 def terms(text: str) -> frozenset[str]:
-    """The deterministic term set of a text: lowercase words (keeping `node.js`, `c++`, `k8s`),
-    plus their parts split at `._/-`, minus stop words, with plurals folded."""
+    """The stems of a text's words as the memory's dictionary splits and stems them (runs of
+    letters and digits: `node.js` is `nod` and `js`, `docker-compose` is `docker` and `compos`),
+    minus stop words, single letters and short numbers."""
     found: set[str] = set()
-    for raw in _WORD.findall(text.lower()):
-        raw = raw.rstrip("._/-")
-        for term in {raw, *_PARTS.split(raw)}:
-            if term not in STOP_WORDS:
-                term = _stem(term)  # after the stop check, so "fixes" is not kept as "fixe"
-                if _keep(term):
-                    found.add(term)
+    for word in dictionary.load().words(text):
+        stem = dictionary.stem(word)
+        if _keep(word, stem):
+            found.add(stem)
     return frozenset(found)
 
 
@@ -140,7 +126,7 @@ def tag_terms(note: Note) -> frozenset[str]:
 @functools.lru_cache(maxsize=4096)
 def tag_set(note: Note) -> frozenset[str]:
     """The tags themselves, normalised, for similarity: parts would inflate the union."""
-    return frozenset(_stem(slugify(t)) for t in note.tags if slugify(t))
+    return frozenset(dictionary.stem(slugify(t)) for t in note.tags if slugify(t))
 
 
 @functools.lru_cache(maxsize=4096)
