@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """How long a dictionary flip holds the write lock, with a writer storing turns meanwhile.
 
-    scripts/bench_flip.py [--size 10M] [--out FILE]
+    scripts/bench_flip.py [--size 10M] [--postgresql] [--out FILE]
 
-The memory is built as bench_steady.py builds it. Then the dictionary is re-derived (under
+The memory is built as bench_steady.py builds it (with --postgresql, then copied by `memory
+migrate`'s copy into a PostgreSQL server started for the run, tests/postgres.py). Then the dictionary is re-derived (under
 the live version: the work is the same for any version) and flipped, while a second thread
 stores one turn every 20 ms through the write path, as the proxy does. Reported: the
 re-derivation's and the flip's seconds (maintenance.rederive / flip; the flip's whole call is
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +32,10 @@ sys.path.insert(0, str(ROOT))
 from perpetuity_core.memory import capture, dictionary, importers, index, maintenance  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
 from perpetuity_core.memory.store import db  # noqa: E402
+from perpetuity_core.memory.transfer import copy_memory  # noqa: E402
 from scripts.bench_retrieval import parse_size, pct  # noqa: E402
 from scripts.bench_steady import build  # noqa: E402
+from tests import postgres  # noqa: E402
 
 
 class Writer(threading.Thread):
@@ -68,6 +72,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     ap.add_argument("--size", default="10M")
+    ap.add_argument("--postgresql", action="store_true",
+                    help="flip on PostgreSQL (the memory built in SQLite, then copied)")
     ap.add_argument("--tmp", help="where the database goes (default: a temporary folder)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
@@ -75,10 +81,18 @@ def main() -> int:
     if not data.is_dir():
         raise SystemExit(f"benchmark data not found at {data} (../shared/data)")
     size = parse_size(args.size)
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        store = open_memory(Path(tmp) / "flip.db")
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp, ExitStack() as stack:
+        path = Path(tmp) / "flip.db"
+        store = open_memory(path)
         build(store, data, size)
         n_rows, _, n_tokens = index.totals(db.connection())
+        if args.postgresql:
+            store.close()
+            url = postgres.fresh_database(stack.enter_context(postgres.server()), "flip")
+            store = open_memory(url)
+            copy_memory(path, store)
+            store.close()
+            store = open_memory(url)  # reopened: the copied settings are read afresh
         turns = [m for t in importers.locomo(data / "locomo" / "locomo10.json")
                  for m in t.messages]
         writer = Writer(store, turns)
@@ -104,7 +118,7 @@ def main() -> int:
         writer.stop.set()
         writer.join()
         store.close()
-    out = {"rows": n_rows, "tokens": n_tokens, "rederive_s": round(t1 - t0, 2),
+    out = {"backend": "postgresql" if args.postgresql else "sqlite", "rows": n_rows, "tokens": n_tokens, "rederive_s": round(t1 - t0, 2),
            "flip_s": round(t2 - t1 - sum(dropping[1:]), 3),
            "drop_old_s": round(sum(dropping[1:]), 3), "writes_during_rederive": writer.during(t0, t1),
            "writes_during_flip": writer.during(t1, t2), "write_failures": writer.failures}
