@@ -27,9 +27,9 @@ tables then dropped whole a turn waited 1.3 s behind a drop, hence the batches. 
 (activations, clocks) and the binding log are keyed by item and are not touched.
 On PostgreSQL the staging is not done yet: rederive fills retrieval_next alone and the flip
 rebuilds the rows, counts and chains inside its transaction (`_flip_in_place`), holding the
-write lock 3.4 s at 10M tokens pooled (2.5 s of it the chains: 318k rows, each with its key,
-index and foreign key checked) and 31 s at 82M (memories built as bench_steady.py builds them,
-migrated, re-derived under the live version, flipped).
+write lock 3.3 s at 10M tokens pooled (2.5 s of it the chains: 318k rows, each with its key,
+index and foreign key checked) and 30 s at 82M, where the turn stored meanwhile waited 30 s
+(scripts/bench_flip.py --postgresql; none failed: PostgreSQL's lock has no busy timeout).
 """
 
 from __future__ import annotations
