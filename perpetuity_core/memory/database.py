@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence, Sized
 from contextlib import contextmanager
 from typing import Any
 
@@ -166,3 +166,18 @@ def snapshot(what: str) -> Iterator[Sql]:
         return
     with failing_as(what), db.atomic(isolation_level="REPEATABLE READ"):
         yield connection()
+
+
+# The most values one IN-list takes: SQLite's host parameters were limited to 999 before 3.32.
+IN_CHUNK = 500
+
+
+def in_list(values: Sized) -> str:
+    """The `?` placeholders of an IN-list of `values`."""
+    return ",".join("?" * len(values))
+
+
+def in_chunks[T](values: Sequence[T]) -> Iterator[list[T]]:
+    """`values` in chunks of at most IN_CHUNK, each small enough for one IN-list."""
+    for start in range(0, len(values), IN_CHUNK):
+        yield list(values[start:start + IN_CHUNK])

@@ -27,18 +27,21 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
+from perpetuity_core.memory.database import IN_CHUNK as IN_CHUNK
 from perpetuity_core.memory.database import PRAGMAS as PRAGMAS
 from perpetuity_core.memory.database import WRITE_LOCK as WRITE_LOCK
 from perpetuity_core.memory.database import PostgresDatabase as PostgresDatabase
 from perpetuity_core.memory.database import Sqlite, connection, db, postgres, writing
 from perpetuity_core.memory.database import failing_as as failing_as
+from perpetuity_core.memory.database import in_chunks as in_chunks
+from perpetuity_core.memory.database import in_list as in_list
 from perpetuity_core.memory.database import snapshot as snapshot
 from perpetuity_core.memory.dialect import Sql, trigger
 from perpetuity_core.memory.location import shown, where
@@ -492,21 +495,6 @@ class Store:
                     derive(after, upto)
                     conn.execute("UPDATE derived SET seq = ? WHERE name = ?", (upto, name))
         self._behind = 0
-
-
-# The most values one IN-list takes: SQLite's host parameters were limited to 999 before 3.32.
-IN_CHUNK = 500
-
-
-def in_list(values: Sized) -> str:
-    """The `?` placeholders of an IN-list of `values`."""
-    return ",".join("?" * len(values))
-
-
-def in_chunks[T](values: Sequence[T]) -> Iterator[list[T]]:
-    """`values` in chunks of at most IN_CHUNK, each small enough for one IN-list."""
-    for start in range(0, len(values), IN_CHUNK):
-        yield list(values[start:start + IN_CHUNK])
 
 
 def _in_query(conn: Sql, sql: str, conversation_id: int,
