@@ -302,6 +302,8 @@ def main() -> int:
             print(f"bench_postgres: no benchmark data at {SHARED}", file=sys.stderr)
             return 1
         report: dict = {"server_settings": args.pg_setting, "sizes": {}}
+        if args.tmp:
+            Path(args.tmp).mkdir(parents=True, exist_ok=True)
         with (postgres.server("shared_preload_libraries=pg_stat_statements",
                               *args.pg_setting) as url,
               tempfile.TemporaryDirectory(dir=args.tmp) as tmp):
