@@ -12,8 +12,9 @@ an advisory lock held until its transaction ends, in one of two modes.
 
 - Shared (`writing(..., ordered=False)`): storing a message, a user, a conversation, a name, a
   clock move, a reheat, a binding. These run in parallel, and their commits share the WAL's
-  flushes (group commit): with the lock exclusive, four writer processes stored no more than one
-  (110 against 107 messages/s, fsync on), since every commit waited for the one before. What
+  flushes (group commit). With the lock exclusive for every write, four writer processes stored
+  fewer messages than one, since every commit waited for the one before: 459 against 503 a
+  second; shared, 1,107 against 540 (scripts/bench_writers.py, fsync on, 2 cores). What
   they write needs no order: message and item ids come from sequences; a message's retrieval
   rows go to `retrieval_pending` (index.py), not yet in the order readers follow; the clock is
   moved by an increment in the database; a reheat locks the rows it judges (heat.py); a user or

@@ -11,8 +11,8 @@ transaction, `Store.flush` settles what was deleted behind its back) and readers
 unsettled ones themselves, so no reader ever writes. On PostgreSQL, where several processes
 store at once, a message's rows wait in retrieval_pending and `sequence` (a write, run before
 each catch-up and each batch) gives them their place in `retrieval` (database.py explains
-why). A new dictionary is re-derived and
-flipped in by maintenance.py. The read side is memory.scan.
+why). A new dictionary is re-derived and flipped in by maintenance.py. The read side is
+memory.scan.
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ _CONTEXT = Kind.CONTEXT.value
 def derive_retrieval(items: list[StoredItem]) -> None:
     """Write the retrieval rows and counts of a message's items (inside its transaction). On
     PostgreSQL they wait in retrieval_pending until `sequence` orders them (database.py)."""
+    if not items:
+        return
     conn = connection()
     d = live_dictionary(conn)  # inside the write lock: a flip elsewhere is seen here
     rows = []
