@@ -84,6 +84,7 @@ def copy_memory(source: Path, target: Store, progress: bool = False) -> dict[str
             bar.update(1)
         if postgres():
             _past_copied_ids(conn)
+            conn.execute("ANALYZE")  # the planner's statistics, before the first query plans
     bar.close()
     return copied
 
