@@ -249,6 +249,36 @@ def test_memory_check_cli_reports_each_violation(memory_at: Path | str,
     assert "live" in capsys.readouterr().out
 
 
+# Another process stores one message and stops, before any batch: its rows are committed but,
+# on PostgreSQL, still waiting for their seq (index.sequence).
+_OTHER_WRITER = """
+import sys
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.wire.conversation import Kind, Message, Part
+s = open_memory(sys.argv[1])
+uid = s.user_id("u0")
+s.add_message(conversation_id=s.conversation_id(uid, "elsewhere", "anthropic"), user_id=uid,
+              message=Message("user", (Part(Kind.TEXT, "the quokka is called Wendell"),)),
+              provider="anthropic", model="m", at=1.7e9, pair_key="quokka", source="import")
+s.close()
+"""
+
+
+@pytest.mark.parametrize("store_rows", [0, 2000])
+def test_a_search_finds_a_row_another_process_committed_before_any_batch(
+        memory_at: Path | str, store_rows: int) -> None:
+    """Through the arena (store_rows 0) and the small-memory path alike."""
+    store = open_memory(memory_at)
+    fill(store, random.Random(5), 20)
+    scanner = scan.Scanner(store, store_rows=store_rows)
+    assert scanner.search("quokka Wendell", None, 5) == []  # caught up before the other writes
+    subprocess.run([sys.executable, "-c", _OTHER_WRITER, str(memory_at)], cwd=ROOT, check=True,
+                   timeout=120)
+    hits = scanner.search("quokka Wendell", None, 5)
+    assert [h.text for h in hits][:1] == ["the quokka is called Wendell"]
+    store.close()
+
+
 @pytest.mark.parametrize("processes", [2, 4])
 def test_processes_writing_at_once_lose_nothing_and_an_arena_follows_them(
         memory_at: Path | str, processes: int) -> None:
