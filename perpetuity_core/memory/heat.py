@@ -22,9 +22,8 @@ process; concurrent moves add up) and writes that turn's reheats (`reheat`: read
 activations locked FOR UPDATE and writes the better ones in that transaction, so a reheat is
 always judged against the last one committed by any process, and no update is lost when two
 proxies reheat the same row). Both take the write lock shared: they run beside other
-processes' writes (database.py). Readers
-(`warm_set`, `clock`) read committed values only. scripts/bench_writers.py checks both with
-2 and 4 processes.
+processes' writes (database.py). Readers (`warm_set`, `clock`) read committed values only.
+scripts/bench_writers.py checks both with 2 and 4 processes.
 """
 
 from __future__ import annotations
