@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.index import sequence
+from perpetuity_core.memory.index import order_pending, sequence
 from perpetuity_core.memory.store import connection, failing_as, postgres, snapshot
 from perpetuity_core.memory.view import Frequencies, Segment, View
 
@@ -269,9 +269,12 @@ class Arena:
             if not now[3] and now[:3] == (self.version, min(now[1], self.row_cursor),
                                           min(now[2], self.gone_cursor)):
                 return 0
-        # PostgreSQL: rows other processes stored are given their seqs first (a write,
-        # index.sequence), so that what this catch-up reads is every committed row.
-        sequence()
+            # PostgreSQL: rows other processes stored are given their seqs first (a write,
+            # index.sequence), so that what this catch-up reads is every committed row.
+            if now[3]:
+                order_pending()
+        else:
+            sequence()
         with snapshot("catch up on memory") as conn:  # one snapshot: rows and deletions agree
             # A flip (maintenance.flip) re-writes every row without logging their deletions,
             # and counts itself: a count read here that moved means rebuild.

@@ -109,12 +109,17 @@ def sequence() -> int:
     never misses a committed row. SQLite writes them there directly (one writer at a time)."""
     if not postgres() or not pending(connection()):
         return 0
-    with writing("order the stored rows") as conn:
-        return sequence_in(conn)
+    return order_pending()
 
 
 def pending(conn) -> bool:  # noqa: ANN001 - a connection
     return bool(conn.execute("SELECT EXISTS (SELECT 1 FROM retrieval_pending)").fetchone()[0])
+
+
+def order_pending() -> int:
+    """`sequence` for a caller that has just seen rows pending (no second look)."""
+    with writing("order the stored rows") as conn:
+        return sequence_in(conn)
 
 
 def sequence_in(conn) -> int:  # noqa: ANN001 - a connection, inside an ordered write

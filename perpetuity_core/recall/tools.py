@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from perpetuity_core.memory.index import sequence
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.recall.answers import BadArguments, TurnMemory
 from perpetuity_core.recall.queries import _RUNNERS, COUNT_LIST
@@ -133,9 +134,10 @@ def run(call_name: str, arguments: dict | str, memory: TurnMemory, scanner: Scan
         return f"Unknown tool {call_name!r}: the memory tools are {', '.join(sorted(TOOL_NAMES))}."
     try:
         args = parse_arguments(spec, arguments)
-        # Some tools read the store's rows directly (count, chains, dates): what was stored
-        # since the last search, by this process or another, is ordered in first (index.sequence).
-        scanner.catch_up()
+        # Some tools read the store's rows directly (count, chains, dates): on PostgreSQL, what
+        # was stored since the last search, by this process or another, is ordered in first
+        # (a tool that searches catches up itself; nothing to do on SQLite).
+        sequence()
         return _RUNNERS[call_name](args, memory, scanner)
     except BadArguments as e:
         return f"{call_name}: {e}. It takes {_signature(spec)}."
