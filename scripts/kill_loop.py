@@ -5,23 +5,32 @@ Clients (threads, one conversation each) stream Anthropic turns through a real m
 the addon, as fast as the fake provider answers, each re-sending its whole history, as a
 harness does. The proxy is killed with SIGKILL at a random moment, `kills` times, and
 restarted on the same port and database; after each restart `memory check` runs against the
-live file. A request that failed with the kill is retried as sent (a harness's retry), then
-the conversation goes on. At the end every conversation is continued once more and the
-store is compared with what the clients sent and received:
-  - each user turn stored exactly once, in order ("twice" and "lost" count the others);
+live memory. A request the kill cut (the proxy had it, no whole reply came back) is handled as
+the failing run of issue 20 did: the unanswered turn stays in the history and its text is sent
+again as the next turn (`--retry again`, the default: a user, or a harness, that carries on), or
+the request is retried as it was sent (`--retry as-sent`: an SDK's retry). A request the proxy
+never got (connection refused while it restarts) is retried as sent either way. At the end every
+conversation is continued once more and the store is compared with what the clients sent and
+received:
+  - each user turn stored exactly once, in order ("twice" and "lost" count the others; a turn
+    sent again after its unanswered copy is the same turn);
   - each reply the client received stored exactly once (a reply stored by the proxy whose
     bytes never reached the client before the kill is an "orphan": its turn was retried);
   - no partial message: every stored message's text is one the clients sent or received
     whole, or a reply cut by the kill (stored as incomplete).
 
-    .venv/bin/python scripts/kill_loop.py --kills 50 [--clients 2] [--seed 1] [--no-tools]
+    .venv/bin/python scripts/kill_loop.py [--kills 12] [--clients 2] [--seed 1] [--no-tools]
+        [--retry again|as-sent] [--postgres [URL]]
 
-Prints one JSON object.
+`--postgres` stores in PostgreSQL: a fresh database on the server at URL, or on a server of its
+own (tests/postgres.py) without one. Prints one JSON object; exit status 1 when a turn or reply
+is stored twice or lost, out of order, partial, or `memory check` found a violation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -36,40 +45,60 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from perpetuity_core.memory.schema import open_memory
+from tests import postgres  # noqa: E402
 from tests.conftest import Proxy, free_port, start_proxy  # noqa: E402
 from tests.fake_provider import FakeProvider, Text  # noqa: E402
+from tests.postgres import other_connection  # noqa: E402
 
 WORDS = ["garden", "violin", "harbour", "lantern", "copper", "meadow", "thunder", "pepper", "orbit", "canvas", "willow", "marble", "falcon", "ember", "quartz", "saddle"]
 
 
-class Client(threading.Thread):
-    """One conversation, turn after turn, retrying a failed request as it was sent."""
+UNSENT = object()  # the proxy never took the request (down while it restarts)
 
-    def __init__(self, name: str, base: list[str], stop: threading.Event, seed: int) -> None:
+
+class Client(threading.Thread):
+    """One conversation, turn after turn; a turn the kill left unanswered is sent again."""
+
+    def __init__(self, name: str, base: list[str], stop: threading.Event, seed: int,
+                 again: bool) -> None:
         super().__init__(daemon=True)
         self.name_ = name
         self.base = base  # [url]: the current proxy (the port stays, the process changes)
         self.stop = stop
         self.rng = random.Random(seed)
+        self.again = again  # an unanswered turn's text sent again as the next turn
         self.history: list[dict] = []
+        self.turns: list[str] = []  # each user turn once, however often it was sent
         self.failures = 0
+        self.sent_again = 0
 
     def run(self) -> None:
         turn = 0
         while not self.stop.is_set():
             words = " ".join(self.rng.choices(WORDS, k=8))
-            self.history.append({"role": "user", "content": f"{self.name_} turn {turn}: {words}"})
-            while not self.stop.is_set():
-                reply = self.send()
-                if reply is not None:
-                    self.history.append({"role": "assistant", "content": reply})
-                    break
-                self.failures += 1
-                time.sleep(0.05)
+            self.turn(f"{self.name_} turn {turn}: {words}", self.stop)
             turn += 1
 
-    def send(self) -> str | None:
-        """The whole history, streamed; the reply's text, or None when the stream failed."""
+    def turn(self, text: str, stop: threading.Event) -> None:
+        """Send one user turn until its reply comes back whole (or `stop`)."""
+        self.turns.append(text)
+        self.history.append({"role": "user", "content": text})
+        while not stop.is_set():
+            reply = self.send()
+            if isinstance(reply, str):
+                self.history.append({"role": "assistant", "content": reply})
+                return
+            self.failures += 1
+            if reply is None and self.again:
+                # The proxy took the turn and died before its reply: the harness keeps the
+                # unanswered turn and the same text goes again, as the next message.
+                self.history.append({"role": "user", "content": text})
+                self.sent_again += 1
+            time.sleep(0.05)
+
+    def send(self) -> str | object | None:
+        """The whole history, streamed; the reply's text, None when the proxy took the request
+        and no whole reply came back, UNSENT when it never took it."""
         body = {"model": "claude-opus-4-8", "max_tokens": 64, "stream": True,
                 "messages": self.history}
         headers = {"x-api-key": "sk-ant-kill-loop", "anthropic-version": "2023-06-01",
@@ -88,13 +117,15 @@ class Client(threading.Thread):
                         text.append(event["delta"].get("text", ""))
                     elif event.get("type") == "message_stop":
                         done = True
+        except httpx.ConnectError:
+            return UNSENT
         except (httpx.HTTPError, json.JSONDecodeError):
             return None
         return "".join(text) if done else None
 
 
-def check_memory(db: Path) -> list[str]:
-    """`perpetuity memory check` against the live file (a second process: this one)."""
+def check_memory(db: Path | str) -> list[str]:
+    """`perpetuity memory check` against the live memory (a second process: this one)."""
     from perpetuity_core.memory.integrity import check
 
     store = open_memory(db)
@@ -104,22 +135,22 @@ def check_memory(db: Path) -> list[str]:
         store.close()
 
 
-def stored(db: Path) -> dict[str, list[tuple[str, str, int]]]:
+def stored(db: Path | str) -> dict[str, list[tuple[str, str, int]]]:
     """Per conversation: (role, text, complete) of each stored message, in store order."""
-    import sqlite3
-
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    texts = ("string_agg(i.text, '' ORDER BY i.seq)" if isinstance(db, str)
+             else "group_concat(i.text, '')")
     out: dict[str, list[tuple[str, str, int]]] = {}
-    for key, role, text, complete in con.execute(
-            "SELECT c.key, m.role, group_concat(i.text, ''), m.complete FROM message m"
-            " JOIN conversation c ON c.id = m.conversation_id JOIN item i ON i.message_id = m.id"
-            " GROUP BY m.id ORDER BY m.id"):
-        out.setdefault(key, []).append((role, text, complete))
-    con.close()
+    with other_connection(db) as con:
+        for key, role, text, complete in con.execute(
+                f"SELECT c.key, m.role, {texts}, m.complete FROM message m"
+                " JOIN conversation c ON c.id = m.conversation_id"
+                " JOIN item i ON i.message_id = m.id GROUP BY c.key, m.id ORDER BY m.id"
+        ).fetchall():
+            out.setdefault(key, []).append((role, text, bool(complete)))
     return out
 
 
-def tally(clients: list[Client], db: Path) -> dict[str, int]:
+def tally(clients: list[Client], db: Path | str) -> dict[str, int]:
     """Compare the store with what the clients sent and received."""
     got = stored(db)
     t = {"user_turns": 0, "user_twice": 0, "user_lost": 0, "replies": 0, "replies_twice": 0,
@@ -128,7 +159,8 @@ def tally(clients: list[Client], db: Path) -> dict[str, int]:
     for c in clients:
         rows = got.get(c.name_, [])
         for role, key in (("user", "user"), ("assistant", "replies")):
-            sent = [m["content"] for m in c.history if m["role"] == role]
+            sent = c.turns if role == "user" else [
+                m["content"] for m in c.history if m["role"] == role]
             have = [text for r, text, _ in rows if r == role]
             t["user_turns" if role == "user" else "replies"] += len(sent)
             for text in set(sent):
@@ -149,25 +181,45 @@ def tally(clients: list[Client], db: Path) -> dict[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kills", type=int, default=50)
+    ap.add_argument("--kills", type=int, default=12)
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--min-gap", type=float, default=0.3, help="seconds of ingest before a kill")
-    ap.add_argument("--max-gap", type=float, default=2.0)
+    ap.add_argument("--max-gap", type=float, default=1.5)
+    ap.add_argument("--retry", choices=["again", "as-sent"], default="again",
+                    help="a turn the kill left unanswered: its text sent again as the next"
+                    " turn (default), or the request retried as it was sent")
+    ap.add_argument("--postgres", nargs="?", const="", default=None, metavar="URL",
+                    help="store in PostgreSQL: a fresh database on this server (default: a"
+                    " server of its own, tests/postgres.py)")
     ap.add_argument("--no-tools", action="store_true",
                     help="recall tools off: replies on mitmproxy's own stream, not the relay")
     args = ap.parse_args()
     extra = ("--set", "perpetuity_tools=false") if args.no_tools else ()
     rng = random.Random(args.seed)
+    with contextlib.ExitStack() as stack:
+        db: str | None = None
+        if args.postgres is not None:
+            if not (server := args.postgres):
+                if why := postgres.unavailable():
+                    print(f"kill_loop: no PostgreSQL server: {why}", file=sys.stderr)
+                    return 2
+                server = stack.enter_context(postgres.server("fsync=off"))
+            db = postgres.fresh_database(server, f"kill_loop_{os.getpid()}")
+        return run(args, extra, rng, db)
+
+
+def run(args: argparse.Namespace, extra: tuple[str, ...], rng: random.Random,
+        db: str | None) -> int:
     checks_failed: list[str] = []
     with FakeProvider() as fake, tempfile.TemporaryDirectory() as tmp:
         fake.script(*(Text(f"reply {i}: " + " ".join(rng.choices(WORDS, k=6)), chunks=3)
                       for i in range(200_000)))
         port = free_port()
-        proxy: Proxy = start_proxy(Path(tmp), fake.url, *extra, port=port)
+        proxy: Proxy = start_proxy(Path(tmp), fake.url, *extra, port=port, db=db)
         base = [proxy.url]
         stop = threading.Event()
-        clients = [Client(f"conv-{i}", base, stop, args.seed * 100 + i)
+        clients = [Client(f"conv-{i}", base, stop, args.seed * 100 + i, args.retry == "again")
                    for i in range(args.clients)]
         for c in clients:
             c.start()
@@ -177,7 +229,7 @@ def main() -> int:
             os.kill(proxy.process.pid, signal.SIGKILL)
             proxy.process.wait()
             t0 = time.perf_counter()
-            proxy = start_proxy(Path(tmp), fake.url, *extra, port=port)
+            proxy = start_proxy(Path(tmp), fake.url, *extra, port=port, db=db)
             restarts.append(time.perf_counter() - t0)
             checks_failed += check_memory(proxy.db)
         stop.set()
@@ -185,22 +237,24 @@ def main() -> int:
             c.join(60)
         # Each conversation continued once: the whole history re-sent with one more turn.
         for c in clients:
-            c.stop = threading.Event()
-            c.history.append({"role": "user", "content": f"{c.name_} continued after the kills"})
-            while (reply := c.send()) is None:
-                time.sleep(0.1)
-            c.history.append({"role": "assistant", "content": reply})
+            c.turn(f"{c.name_} continued after the kills", threading.Event())
         time.sleep(1.0)  # the last reply is written just after the client saw it
         checks_failed += check_memory(proxy.db)
-        result = {"kills": args.kills, "clients": args.clients, "tools": not args.no_tools,
+        counts = tally(clients, proxy.db)
+        faults = sum(counts[k] for k in ("user_twice", "user_lost", "replies_twice",
+                                         "replies_lost", "partial_messages", "out_of_order"))
+        result = {"ok": not faults and not checks_failed, "kills": args.kills,
+                  "clients": args.clients, "tools": not args.no_tools, "retry": args.retry,
+                  "backend": "postgresql" if db else "sqlite",
                   "failed_requests_retried": sum(c.failures for c in clients),
-                  **tally(clients, proxy.db), "check_violations": checks_failed,
+                  "turns_sent_again": sum(c.sent_again for c in clients),
+                  **counts, "check_violations": checks_failed,
                   "restart_s_p50": round(sorted(restarts)[len(restarts) // 2], 2)
                   if restarts else None}
         proxy.process.terminate()
         proxy.process.wait(10)
     print(json.dumps(result))
-    return 0
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":
