@@ -77,3 +77,51 @@ def test_long_histories_are_checked_from_their_tail(store: Store) -> None:
     # Only an early turn is recognisable (the harness rewrote everything after it).
     rewritten = history[:5] + [msg("user" if i % 2 else "assistant", f"edited {i}") for i in range(25)]
     assert len(record(store, rewritten)[0]) == 25
+
+
+@pytest.fixture
+def either(memory_at: Path | str):
+    """A store on SQLite, then on PostgreSQL."""
+    s = open_memory(memory_at)
+    yield s
+    s.close()
+
+
+def test_a_turn_sent_again_after_its_unanswered_copy_is_stored_once(either: Store) -> None:
+    """Issue 20: the proxy died before the reply; the harness kept the unanswered turn and sent
+    the same text again as the next message. Stored once whether its copy was stored before the
+    kill (the plain stream stores the request at its first byte) or not (the tool loop, after
+    its first round): a message keyed by its copy looked new, "after itself"."""
+    store = either
+    opened = [msg("user", "Plan the garden"), msg("assistant", "Beds first.")]
+    record(store, opened)
+    ask = msg("user", "And the lantern?")
+    record(store, [*opened, ask])  # stored, then the proxy died before the reply
+    ids, turn = record(store, [*opened, ask, ask])  # sent again after its unanswered copy
+    assert ids == []
+    capture.record_reply(store, turn, Reply(msg("assistant", "By the door."), Usage()), 1.0)
+    ids, _ = record(store, [*opened, ask, ask, msg("assistant", "By the door."),
+                            msg("user", "Thanks")])
+    assert len(ids) == 1
+    # Neither copy stored before (the request died before it was written): one row, not two,
+    # and a third copy (sent again twice) changes nothing.
+    fresh = [msg("user", "What about copper?")]
+    ids, _ = record(store, [*opened, ask, msg("assistant", "By the door."), msg("user", "Thanks"),
+                            *fresh, *fresh, *fresh])
+    assert len(ids) == 1
+    texts = [t for (t,) in store_texts(store)]
+    assert texts == ["Plan the garden", "Beds first.", "And the lantern?", "By the door.",
+                     "Thanks", "What about copper?"]
+
+
+def test_the_same_words_after_a_reply_are_a_new_turn(either: Store) -> None:
+    """Only a message right after its copy is a copy: "again" after an answer is said twice."""
+    history = [msg("user", "again"), msg("assistant", "Done."), msg("user", "again")]
+    assert len(record(either, history)[0]) == 3
+
+
+def store_texts(store: Store) -> list[tuple[str]]:
+    from perpetuity_core.memory.store import connection
+
+    return connection().execute("SELECT i.text FROM message m JOIN item i"
+                                " ON i.message_id = m.id ORDER BY m.id, i.seq").fetchall()

@@ -4,6 +4,12 @@ Harnesses re-send the whole history on every request. A message is recognised as
 by its pair key, a digest of (previous message, this message): it survives a harness rewriting or
 dropping older turns (resume, compaction) and still tells a second "yes" after a different
 question from the first. Everything after the last recognised message is new.
+
+A message the same as the one just before it is that message sent again, not a new one: a
+harness keeps a turn whose reply never came (the proxy died, the connection broke) and the same
+text goes again as the next message. It takes its copy's pair key, so it is stored once, whether
+its copy was stored before the failure or both arrive in one request (issue 20: keyed by its
+copy, it looked like a new message "after itself" and was stored twice).
 """
 
 from __future__ import annotations
@@ -44,12 +50,19 @@ TAIL = 16
 
 
 def _keys(messages: Sequence[Message]) -> list[str]:
+    """Each message's pair key; a message sent again right after itself repeats its copy's."""
     prev = ""
-    keys = []
+    keys: list[str] = []
     for m in messages:
-        keys.append(pair_key(prev, m))
-        prev = m.fingerprint()
+        this = m.fingerprint()
+        keys.append(keys[-1] if keys and this == prev else _pair(prev, this))
+        prev = this
     return keys
+
+
+def _again(keys: Sequence[str], i: int) -> bool:
+    """Is message i its predecessor sent again (see _keys)?"""
+    return i > 0 and keys[i] == keys[i - 1]
 
 
 def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]) -> list[int]:
@@ -73,7 +86,7 @@ def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]
     last = last_known(max(0, len(messages) - TAIL))
     if last < 0 and len(messages) > TAIL:
         last = last_known(0)
-    return list(range(last + 1, len(messages)))
+    return [i for i in range(last + 1, len(messages)) if not _again(keys, i)]
 
 
 def record(
