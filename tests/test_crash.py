@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,4 +76,59 @@ def test_a_locked_database_fails_open_and_the_turn_is_stored_when_re_sent(
                 "second question about the lantern", "second answer", "third question",
                 "third answer"]
         finally:
+            stop_proxy(proxy)
+
+
+@pytest.mark.parametrize("tools", [True, False], ids=["tool-loop", "plain-stream"])
+def test_a_turn_sent_again_after_a_kill_is_stored_once(tmp_path: Path, tools: bool) -> None:
+    """Issue 20, in seconds: the proxy is killed while a reply streams; the harness keeps the
+    unanswered turn and sends its text again as the next message to the restarted proxy. The
+    tool loop had not stored the turn yet (it does after its first round): the restarted proxy
+    stored both copies in one request. The plain stream had (at its first byte): the restarted
+    proxy stored the copy again."""
+    import os
+    import signal
+
+    import httpx
+
+    from tests.conftest import start_proxy, stop_proxy
+    from tests.fake_provider import FakeProvider, Text
+
+    headers = {"x-api-key": "sk-ant-x", "anthropic-version": "2023-06-01",
+               "x-perpetuity-user": "u", "x-perpetuity-conversation": "c"}
+    extra = () if tools else ("--set", "perpetuity_tools=false")
+
+    def post(url: str, history: list[dict], stream: bool = False) -> httpx.Response:
+        return httpx.post(url + "/v1/messages", headers=headers, timeout=30, json={
+            "model": "claude-opus-4-8", "max_tokens": 20, "messages": history, "stream": stream})
+
+    with FakeProvider() as fake:
+        proxy = start_proxy(tmp_path, fake.url, *extra)
+        held = threading.Event()  # the second reply stops after its first event, until the end
+        try:
+            history = [{"role": "user", "content": "Plan the garden"}]
+            fake.script(Text("Beds first."))
+            post(proxy.url, history)
+            proxy.wait_messages("u", 2)
+            history += [{"role": "assistant", "content": "Beds first."},
+                        {"role": "user", "content": "And the lantern?"}]
+            fake.script(Text("Never seen.", chunks=3, hold=held))
+            with httpx.stream("POST", proxy.url + "/v1/messages", headers=headers, timeout=30,
+                              json={"model": "claude-opus-4-8", "max_tokens": 20,
+                                    "messages": history, "stream": True}) as r:
+                next(r.iter_lines())  # the reply has begun
+                if not tools:
+                    proxy.wait_messages("u", 3)  # the plain stream stored the turn
+                os.kill(proxy.process.pid, signal.SIGKILL)
+                proxy.process.wait()
+            proxy = start_proxy(tmp_path, fake.url, *extra, port=proxy.port)
+            history.append({"role": "user", "content": "And the lantern?"})  # sent again
+            fake.script(Text("By the door."))
+            assert post(proxy.url, history).status_code == 200
+            proxy.wait_messages("u", 4)
+            time.sleep(0.3)  # nothing more is coming
+            got = [text for _, _, text, _ in proxy.messages("u")]
+            assert got == ["Plan the garden", "Beds first.", "And the lantern?", "By the door."]
+        finally:
+            held.set()
             stop_proxy(proxy)
