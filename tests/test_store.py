@@ -373,3 +373,30 @@ def test_closing_the_store_closes_every_threads_connection(tmp_path: Path) -> No
             assert reader.submit(where).result() == str(tmp_path / "second.db")
         finally:
             second.close()
+
+
+def test_memory_check_reports_a_message_of_a_history_stored_twice(store: Store) -> None:
+    """Issue 20: a message of the harness's history stored twice, at the same place of the
+    same conversation with the same content, is a violation: as the old capture stored a turn
+    sent again after its unanswered copy (keyed as following itself), or twice under one pair
+    key. The same words said again later, after a reply, are not."""
+    def m(role: str, text: str) -> Message:
+        return Message(role, (Part(Kind.TEXT, text),))
+
+    history = [m("user", "again"), m("assistant", "Done."), m("user", "again")]
+    capture.record(store, user_key="u", conversation_key="c", provider="anthropic", model="m",
+                   messages=history, times=[1.0] * 3, source="request")
+    assert check(store) == []
+    uid = store.user_id("u")
+    cid = store.conversation_id(uid, "c", "anthropic")
+    again = history[2]
+
+    def stored_with(key: str) -> int:
+        return store.add_message(conversation_id=cid, user_id=uid, message=again,
+                                 provider="anthropic", model="m", at=2.0, pair_key=key,
+                                 source="request").message_id
+
+    after_itself = stored_with(capture.pair_key(again.fingerprint(), again))
+    same_place = stored_with(capture.pair_key(history[1].fingerprint(), again))
+    assert check(store) == [f"messages of a harness's history stored twice (same conversation,"
+                            f" same place, same content): 2 ({after_itself}, {same_place})"]

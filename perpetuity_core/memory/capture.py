@@ -60,6 +60,12 @@ def _keys(messages: Sequence[Message]) -> list[str]:
     return keys
 
 
+def after_itself(pair_key: str, fingerprint: str) -> bool:
+    """Was this stored message keyed as following a copy of itself? The mark of a turn sent
+    again and stored twice before _keys knew it (memory check reports it)."""
+    return pair_key == _pair.__wrapped__(fingerprint, fingerprint)
+
+
 def _again(keys: Sequence[str], i: int) -> bool:
     """Is message i its predecessor sent again (see _keys)?"""
     return i > 0 and keys[i] == keys[i - 1]

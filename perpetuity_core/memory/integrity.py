@@ -12,7 +12,11 @@ One line per violation; none means the memory is whole:
   or user, activations, chains, bindings or dark rows without their item;
 - the chains up to their cursor are exactly what the live dictionary derives from the rows'
   text, and the binding log binds rows of the turn's own user only;
-- ids are never handed out twice: the high-water marks of deleted ids are kept.
+- ids are never handed out twice: the high-water marks of deleted ids are kept;
+- no message of a harness's history is stored twice: two messages of one conversation at the
+  same place (pair key) with the same content, or one keyed as following a copy of itself (a
+  turn sent again after its unanswered copy, capture.py). The same words said again later, after
+  something else, are another message.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections import Counter
 
 import numpy as np
 
-from perpetuity_core.memory import chains, dictionary
+from perpetuity_core.memory import capture, chains, dictionary
 from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.store import Store, snapshot
@@ -34,7 +38,7 @@ def check(store: Store) -> list[str]:
     with snapshot("check the memory") as conn:
         live_dictionary(conn)
         out: list[str] = []
-        for check_one in (_rows, _counts, _orphans, _chains, _ids):
+        for check_one in (_rows, _counts, _orphans, _chains, _ids, _twice):
             out += check_one(conn)
         return out
 
@@ -148,6 +152,21 @@ def _chains(conn: Sql) -> list[str]:
 def _ids(conn: Sql) -> list[str]:
     marks = dict(conn.execute("SELECT name, id FROM high_water"))
     return [f"no high-water mark for {t} ids" for t in ("message", "item") if t not in marks]
+
+
+def _twice(conn: Sql) -> list[str]:
+    # The later copy is the one listed (the (conversation_id, pair_key) index finds the first).
+    twice = {i for (i,) in conn.execute(
+        "SELECT m.id FROM message m WHERE EXISTS (SELECT 1 FROM message o"
+        " WHERE o.conversation_id = m.conversation_id AND o.pair_key = m.pair_key"
+        " AND o.fingerprint = m.fingerprint AND o.id < m.id)")}
+    last = 0
+    while chunk := conn.execute("SELECT id, pair_key, fingerprint FROM message WHERE id > ?"
+                                " ORDER BY id LIMIT 50000", (last,)).fetchall():
+        twice.update(i for i, key, fp in chunk if capture.after_itself(key, fp))
+        last = chunk[-1][0]
+    return _listed("messages of a harness's history stored twice (same conversation, same"
+                   " place, same content)", sorted(twice))
 
 
 def _listed(what: str, ids: list[int]) -> list[str]:
