@@ -23,7 +23,7 @@ from perpetuity_core.memory.integrity import check
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store, connection, db, postgres
 from perpetuity_core.wire.conversation import Kind, Message, Part
-from tests.conftest import opened_other
+from tests.conftest import opened_other, query
 from tests.test_retrieval import WORDS, add, fill, ranked, reference, same
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -400,3 +400,66 @@ def test_memory_check_reports_a_message_of_a_history_stored_twice(store: Store) 
     same_place = stored_with(capture.pair_key(history[1].fingerprint(), again))
     assert check(store) == [f"messages of a harness's history stored twice (same conversation,"
                             f" same place, same content): 2 ({after_itself}, {same_place})"]
+
+
+def _three_users(memory_at: Path | str) -> list[str]:
+    """Two tenants' users, one name shared (key-<hash>/<name>, as identity stores them)."""
+    s = open_memory(memory_at)
+    try:
+        for key, text in (("key-aaa/store-user", "the harbour lantern"),
+                          ("key-aaa/shared", "copper meadow"), ("key-bbb/shared", "copper orbit")):
+            capture.record(s, user_key=key, conversation_key="c", provider="anthropic",
+                           model="m", messages=[Message("user", (Part(Kind.TEXT, text),))],
+                           times=[1_700_000_000.0], source="request")
+    finally:
+        s.close()
+    return ["--db", str(memory_at)]
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_purge_and_search_take_the_name_the_harness_sent(memory_at: Path | str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 20: `memory purge` and `search` take the name the harness sent (x-perpetuity-user,
+    stored after the tenant) when one user has it; a name several tenants' users share is
+    answered in one line with their full keys, and nothing changes."""
+    at = _three_users(memory_at)
+    code, out, _ = _run(capsys, "memory", "search", "lantern", "--user", "store-user", "--json",
+                        *at)
+    assert code == 0 and [h["text"] for h in json.loads(out)["hits"]] == ["the harbour lantern"]
+    for verb in (("memory", "search", "copper"), ("memory", "purge")):
+        code, _, err = _run(capsys, *verb, "--user", "shared", *at)
+        assert code == 1
+        assert err.splitlines() == ["perpetuity: 'shared' is the name of 2 users, one per tenant:"
+                                    " key-aaa/shared, key-bbb/shared; give the full key of one"]
+    code, _, err = _run(capsys, "memory", "purge", "--user", "nobody", *at)
+    assert code == 1 and "memory users" in err
+    assert query(memory_at, "SELECT count(*) FROM message")[0][0] == 3  # nothing purged yet
+    code, _, err = _run(capsys, "memory", "purge", "--user", "store-user", *at)
+    assert code == 0 and err.startswith("purged key-aaa/store-user: 1 messages")
+    assert _run(capsys, "memory", "purge", "--user", "key-bbb/shared", *at)[0] == 0
+    assert query(memory_at, "SELECT count(*) FROM message")[0][0] == 1
+
+
+def test_memory_users_lists_every_user_with_their_counts(memory_at: Path | str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 20: `memory stats` gave counts but no users; `memory users` lists each with tenant,
+    conversations, messages, tokens and last seen."""
+    at = _three_users(memory_at)
+    code, out, _ = _run(capsys, "memory", "users", *at)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["key", "tenant", "conversations", "messages", "tokens", "last",
+                                "seen"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert set(rows) == {"key-aaa/store-user", "key-aaa/shared", "key-bbb/shared"}
+    assert rows["key-aaa/store-user"][1:4] == ["key-aaa", "1", "1"]
+    assert int(rows["key-aaa/store-user"][4]) > 0 and rows["key-aaa/store-user"][5] == "2023-11-14"
+    code, out, _ = _run(capsys, "memory", "users", "--json", *at)
+    listed = {u["key"]: u for u in map(json.loads, out.splitlines())}
+    assert listed["key-bbb/shared"]["tenant"] == "key-bbb"
+    assert listed["key-bbb/shared"]["last_seen"] == 1_700_000_000.0

@@ -1,5 +1,6 @@
-"""`perpetuity memory {import,search,stats,check,purge,migrate,dictionary}`: load and query a
-memory (cli/search.py), keep it whole beside a serving proxy, and move it to another store."""
+"""`perpetuity memory {import,search,stats,users,check,purge,migrate,dictionary}`: load and
+query a memory (cli/search.py), list its users, keep it whole beside a serving proxy, and move
+it to another store."""
 
 from __future__ import annotations
 
@@ -15,15 +16,20 @@ DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    memory = sub.add_parser("memory", help="import, search, stats, check, purge, and the"
+    memory = sub.add_parser("memory", help="import, search, stats, users, check, purge, and the"
                             " retrieval dictionary", description=__doc__)
     verbs = memory.add_subparsers(dest="verb", required=True)
     search.add_verbs(verbs)
+    p = verbs.add_parser("users", help=cmd_users.__doc__, description=cmd_users.__doc__)
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=cmd_users)
     p = verbs.add_parser("check", help=cmd_check.__doc__, description=cmd_check.__doc__)
     p.add_argument("--db", help=DB_HELP)
     p.set_defaults(func=cmd_check)
     p = verbs.add_parser("purge", help=cmd_purge.__doc__, description=cmd_purge.__doc__)
-    p.add_argument("--user", required=True, help="user key (or id)")
+    p.add_argument("--user", required=True, help="a user's key, id, or the name the harness"
+                   " sent when one user has it")
     p.add_argument("--db", help=DB_HELP)
     p.set_defaults(func=cmd_purge)
 
@@ -79,6 +85,37 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def cmd_users(args: argparse.Namespace) -> int:
+    """Every stored user: key, tenant, conversations, messages, tokens, last seen (latest
+    first). The key is what --user takes; the name after the tenant does when it is unique."""
+    import json
+
+    from perpetuity_core.memory import tenants
+    from perpetuity_core.memory.store import connection
+
+    store = _open(args.db)
+    try:
+        listed = tenants.users(connection())
+    finally:
+        store.close()
+    if args.json:
+        for u in listed:
+            print(json.dumps({"id": u.id, "key": u.key, "tenant": u.tenant,
+                              "conversations": u.conversations, "messages": u.messages,
+                              "tokens": u.tokens, "last_seen": u.last_seen}))
+        return 0
+    width = max((len(u.key) for u in listed), default=3)
+    print(f"{'key':<{width}}  {'tenant':<28} {'conversations':>13} {'messages':>9}"
+          f" {'tokens':>10}  last seen")
+    for u in listed:
+        seen = (datetime.fromtimestamp(u.last_seen, UTC).strftime("%Y-%m-%d %H:%M")
+                if u.last_seen is not None else "never")
+        print(f"{u.key:<{width}}  {u.tenant:<28} {u.conversations:>13} {u.messages:>9}"
+              f" {u.tokens:>10}  {seen}")
+    print(f"{len(listed)} users in {store.shown}", file=sys.stderr)
+    return 0
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     """Copy a SQLite memory, row for row, into an empty store (PostgreSQL), then check both."""
     from perpetuity_core.memory.integrity import check
@@ -120,7 +157,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
         out = purge_user(store, args.user)
     finally:
         store.close()
-    print(f"purged {args.user}: {out.messages} messages, {out.items} rows", file=sys.stderr)
+    print(f"purged {out.key}: {out.messages} messages, {out.items} rows", file=sys.stderr)
     return 0
 
 

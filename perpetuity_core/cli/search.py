@@ -35,7 +35,8 @@ def add_verbs(sub: argparse._SubParsersAction, alias: bool = False) -> None:
     p = sub.add_parser("search", help=said(cmd_search), description=cmd_search.__doc__)
     p.add_argument("query", nargs="?", help="without it: one query per line of standard input")
     p.add_argument("--db", help="memory database (default: $PERPETUITY_DB or ~/.perpetuity)")
-    p.add_argument("--user", help="user key or id whose rows to search (default: every row)")
+    p.add_argument("--user", help="whose rows to search: a user's key, id, or the name the"
+                   " harness sent when one user has it (default: every row)")
     p.add_argument("--share-pool", action="store_true",
                    help="let the user see the pool's rows too (their own rank first)")
     p.add_argument("--limit", type=int, default=10)
@@ -101,17 +102,10 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def _user(spec: str | None) -> int | None:
+    from perpetuity_core.memory import tenants
     from perpetuity_core.memory.store import connection
 
-    if spec is None:
-        return None
-    conn = connection()
-    row = conn.execute("SELECT id FROM user WHERE key = ?", (spec,)).fetchone()
-    if row is None and spec.isdigit():
-        row = conn.execute("SELECT id FROM user WHERE id = ?", (int(spec),)).fetchone()
-    if row is None:
-        raise ConfigError(f"no user {spec!r} in this memory")
-    return int(row[0])
+    return None if spec is None else tenants.find_user(connection(), spec)[0]
 
 
 def _hit(h) -> dict:  # noqa: ANN001 - a scan.Hit

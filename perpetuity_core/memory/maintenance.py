@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory import chains, dictionary
+from perpetuity_core.memory import chains, dictionary, tenants
 from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.index import (
     count_terms,
@@ -76,20 +76,16 @@ DROP_BATCH = 20000
 class Purged:
     messages: int
     items: int
+    key: str  # the user's full key (the harness's name resolved)
 
 
 def purge_user(store: Store, user_key: str) -> Purged:
-    """Remove a user's memory as a unit: messages, rows, retrieval rows and their counts,
+    """Remove a user's memory as a unit (named as tenants.find_user takes it): messages, rows, retrieval rows and their counts,
     activations, clock, chains, conversation names, and every binding to their rows, in one
     transaction. The user and conversation rows stay (keys only, no content): a running proxy
     holds their ids."""
     with writing("purge a user") as conn:
-        row = conn.execute("SELECT id FROM user WHERE key = ?", (user_key,)).fetchone()
-        if row is None and user_key.isdigit():
-            row = conn.execute("SELECT id FROM user WHERE id = ?", (int(user_key),)).fetchone()
-        if row is None:
-            raise ConfigError(f"no user {user_key!r} in this memory")
-        (uid,) = row
+        uid, key = tenants.find_user(conn, user_key)
         mine = "SELECT id FROM message WHERE user_id = ?"
         (items,) = conn.execute(f"SELECT count(*) FROM item WHERE message_id IN ({mine})",
                                 (uid,)).fetchone()
@@ -102,7 +98,7 @@ def purge_user(store: Store, user_key: str) -> Purged:
         conn.execute("UPDATE conversation SET title = '', opening = '', folder = ''"
                      " WHERE user_id = ?", (uid,))
         settle_in(conn)
-    return Purged(messages, items)
+    return Purged(messages, items, key)
 
 
 # --------------------------------------------------------------------------- the dictionary

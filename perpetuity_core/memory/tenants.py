@@ -1,12 +1,17 @@
 """What belongs to a tenant (the credential a request carries; see identity): its notes
-library, the users it pools memory with, and what it may be shown of other conversations."""
+library, the users it pools memory with, and what it may be shown of other conversations; and
+the stored users as an operator names and lists them (`perpetuity memory purge/search --user`,
+`perpetuity memory users`)."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
+from perpetuity_core.errors import ConfigError
+from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.rows import Row
 from perpetuity_core.memory.store import Store, connection
 from perpetuity_core.wire.conversation import Kind, Message
@@ -30,6 +35,56 @@ def library(root: Path | None, tenant: str) -> Path | None:
 def tenant_of(user_key: str) -> str:
     """A stored user's tenant: the part of its key before the claimed name."""
     return user_key.split("/", 1)[0]
+
+
+def find_user(conn: Sql, spec: str) -> tuple[int, str]:
+    """The one stored user `spec` names, as (id, key): by its full key, by its id, or by the
+    name the harness sent (x-perpetuity-user: the part of a key after its tenant) when exactly
+    one user has that name. Otherwise a ConfigError in one line: no such user, or the full keys
+    the name could mean (an operator types one of them; nothing is changed)."""
+    row = conn.execute("SELECT id, key FROM user WHERE key = ?", (spec,)).fetchone()
+    if row is None and spec.isdigit():
+        row = conn.execute("SELECT id, key FROM user WHERE id = ?", (int(spec),)).fetchone()
+    if row is not None:
+        return int(row[0]), str(row[1])
+    named = conn.execute("SELECT id, key FROM user WHERE instr(key, '/') > 0"
+                         " AND substr(key, instr(key, '/') + 1) = ? ORDER BY key",
+                         (spec,)).fetchall()
+    if len(named) == 1:
+        return int(named[0][0]), str(named[0][1])
+    if named:
+        raise ConfigError(f"{spec!r} is the name of {len(named)} users, one per tenant:"
+                          f" {', '.join(k for _, k in named)}; give the full key of one")
+    raise ConfigError(f"no user {spec!r} in this memory (`perpetuity memory users` lists them)")
+
+
+@dataclass(frozen=True, slots=True)
+class UserSummary:
+    """A stored user as `perpetuity memory users` shows it."""
+
+    id: int
+    key: str
+    tenant: str
+    conversations: int
+    messages: int
+    tokens: int  # of the user's retrieval rows (the words the memory can recall)
+    last_seen: float | None  # the time of the user's latest message; None before any
+
+
+def users(conn: Sql) -> list[UserSummary]:
+    """Every stored user with their counts, the most recently seen first."""
+    conversations = dict(conn.execute(
+        "SELECT user_id, count(*) FROM conversation GROUP BY user_id").fetchall())
+    messages = {u: (n, at) for u, n, at in conn.execute(
+        "SELECT user_id, count(*), max(at) FROM message GROUP BY user_id").fetchall()}
+    tokens = dict(conn.execute(
+        "SELECT user_id, sum(tokens) FROM (SELECT user_id, tokens FROM retrieval UNION ALL"
+        " SELECT user_id, tokens FROM retrieval_pending) r GROUP BY user_id").fetchall())
+    out = [UserSummary(uid, key, tenant_of(key), int(conversations.get(uid, 0)),
+                       int(messages.get(uid, (0, None))[0]), int(tokens.get(uid) or 0),
+                       messages.get(uid, (0, None))[1])
+           for uid, key in conn.execute("SELECT id, key FROM user").fetchall()]
+    return sorted(out, key=lambda u: (-(u.last_seen or 0.0), u.key))
 
 
 def pool_of(store: Store, user_id: int, pooled: frozenset[str]) -> frozenset[int]:
