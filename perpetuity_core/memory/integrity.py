@@ -155,18 +155,22 @@ def _ids(conn: Sql) -> list[str]:
 
 
 def _twice(conn: Sql) -> list[str]:
-    # The later copy is the one listed (the (conversation_id, pair_key) index finds the first).
-    twice = {i for (i,) in conn.execute(
-        "SELECT m.id FROM message m WHERE EXISTS (SELECT 1 FROM message o"
-        " WHERE o.conversation_id = m.conversation_id AND o.pair_key = m.pair_key"
-        " AND o.fingerprint = m.fingerprint AND o.id < m.id)")}
-    last = 0
-    while chunk := conn.execute("SELECT id, pair_key, fingerprint FROM message WHERE id > ?"
-                                " ORDER BY id LIMIT 50000", (last,)).fetchall():
-        twice.update(i for i, key, fp in chunk if capture.after_itself(key, fp))
-        last = chunk[-1][0]
+    # Only a message with another copy in its conversation (the same content: one pass over
+    # the fingerprint index) can be one stored twice; the later copy is listed.
+    copies: dict[tuple[int, str], set[str]] = {}
+    twice = []
+    for i, conversation, key, fp in conn.execute(
+            "SELECT m.id, m.conversation_id, m.pair_key, m.fingerprint FROM message m"
+            " JOIN (SELECT conversation_id, fingerprint FROM message"
+            " GROUP BY conversation_id, fingerprint HAVING count(*) > 1) d"
+            " ON d.conversation_id = m.conversation_id AND d.fingerprint = m.fingerprint"
+            " ORDER BY m.id").fetchall():
+        earlier = copies.setdefault((conversation, fp), set())
+        if earlier and (key in earlier or capture.after_itself(key, fp)):
+            twice.append(i)
+        earlier.add(key)
     return _listed("messages of a harness's history stored twice (same conversation, same"
-                   " place, same content)", sorted(twice))
+                   " place, same content)", twice)
 
 
 def _listed(what: str, ids: list[int]) -> list[str]:
