@@ -82,8 +82,8 @@ class Purged:
 def purge_user(store: Store, user_key: str) -> Purged:
     """Remove a user's memory as a unit (the user named as tenants.find_user takes it):
     messages, rows, retrieval rows and their counts, activations, clock, chains, conversation
-    names, and every binding to their rows, in one transaction. The user and conversation rows stay (keys only, no content): a running proxy
-    holds their ids."""
+    names, and every binding to their rows, in one transaction. The user and conversation rows
+    stay (keys only, no content): a running proxy holds their ids."""
     with writing("purge a user") as conn:
         uid, key = tenants.find_user(conn, user_key)
         mine = "SELECT id FROM message WHERE user_id = ?"
