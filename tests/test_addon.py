@@ -9,6 +9,7 @@ from pathlib import Path
 from mitmproxy.test import taddons, tflow
 
 from perpetuity_core.serve.addon import Perpetuity
+from perpetuity_core.serve.flowstate import STATE, FlowState
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER
 
@@ -49,7 +50,8 @@ def test_mitmweb_shows_the_real_destination_not_the_relay(tmp_path: Path) -> Non
         flow = direct_flow(b"{}")
         flow.request.url = "http://127.0.0.1:5555/v1/messages"
         flow.request.headers[JOB_HEADER] = "token"
-        flow.metadata["perpetuity"] = {"upstream": "https://api.anthropic.com/v1/messages"}
+        flow.metadata[STATE] = FlowState(upstream="https://api.anthropic.com/v1/messages",
+                                         relayed=True)
         asyncio.run(addon.response(flow))
         assert flow.request.url == "https://api.anthropic.com/v1/messages"
         assert JOB_HEADER not in flow.request.headers
