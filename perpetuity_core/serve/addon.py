@@ -214,9 +214,9 @@ class Perpetuity:
         request (stored like one, without a frame: later ones chain to server-side state by
         previous_response_id) and the server's events are its reply."""
         state = state_of(flow.metadata)
-        if state is None or state.handshake is None or flow.websocket is None or self.pipeline is None:
+        handshake = state.handshake if state else None
+        if state is None or handshake is None or flow.websocket is None or self.pipeline is None:
             return
-        handshake = state.handshake
         message = flow.websocket.messages[-1]
         try:
             if message.from_client:

@@ -108,6 +108,9 @@ class _Built:
 
 
 class Pipeline:
+    """One memory's request path (`prepare`), its writes (`store_turn`, `store_reply`, run by
+    the store's writer) and our tools (`run_tool`), as a deployment's `Settings` say."""
+
     def __init__(self, store: Store, settings: Settings) -> None:
         self.store = store
         self.settings = settings
