@@ -47,7 +47,7 @@ from perpetuity_core.cli.replay.drive import paced
 from perpetuity_core.memory import importers
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import HttpRequest
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Provider, Reply, Usage
 
 
@@ -77,7 +77,8 @@ def replay(thread: importers.Thread, turns: int, recall: bool, tmp: Path,
            build: Callable[..., HttpRequest], cache: OpenAICache | AnthropicCache,
            gap: float, model: str) -> list[Bill]:
     store = open_memory(tmp / f"prefix-{recall}-{type(cache).__name__}.db")
-    pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider}, trust_identity=True)
+    pipeline = Pipeline(store, Settings(upstreams={p: "http://127.0.0.1:9" for p in Provider},
+                                           trust_identity=True))
     history: list[dict[str, str]] = []
     turn = None
     bills = []

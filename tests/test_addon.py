@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
+from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
 from perpetuity_core.serve.addon import Perpetuity
+from perpetuity_core.serve.flowstate import STATE, FlowState
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER
 
@@ -49,7 +52,53 @@ def test_mitmweb_shows_the_real_destination_not_the_relay(tmp_path: Path) -> Non
         flow = direct_flow(b"{}")
         flow.request.url = "http://127.0.0.1:5555/v1/messages"
         flow.request.headers[JOB_HEADER] = "token"
-        flow.metadata["perpetuity"] = {"upstream": "https://api.anthropic.com/v1/messages"}
+        flow.metadata[STATE] = FlowState(upstream="https://api.anthropic.com/v1/messages",
+                                         relayed=True)
         asyncio.run(addon.response(flow))
         assert flow.request.url == "https://api.anthropic.com/v1/messages"
         assert JOB_HEADER not in flow.request.headers
+
+
+def test_every_path_that_reaches_a_write_makes_it_once(tmp_path: Path, monkeypatch) -> None:
+    """The tee's first chunk, the body's end, the response hook and a late error hook all reach
+    the capture: the request is stored once, then its reply once, and no live state is left."""
+    writes: list[str] = []
+    store_turn, store_reply = Pipeline.store_turn, Pipeline.store_reply
+
+    def counted_turn(self: Pipeline, p: Any) -> Any:
+        writes.append("turn")
+        return store_turn(self, p)
+
+    def counted_reply(self: Pipeline, *args: Any) -> None:
+        writes.append("reply")
+        store_reply(self, *args)
+
+    monkeypatch.setattr(Pipeline, "store_turn", counted_turn)
+    monkeypatch.setattr(Pipeline, "store_reply", counted_reply)
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
+                       perpetuity_anthropic_upstream="http://upstream.test:9")
+        flow = direct_flow(b'{"model": "claude-opus-4-8", "max_tokens": 20, '
+                           b'"messages": [{"role": "user", "content": "hi"}]}')
+        answer = (b'{"id": "msg_1", "type": "message", "role": "assistant", "model": "m", '
+                  b'"stop_reason": "end_turn", "content": [{"type": "text", "text": "Hello."}], '
+                  b'"usage": {"input_tokens": 1, "output_tokens": 1}}')
+
+        async def hooks() -> None:
+            await addon.request(flow)
+            flow.response = http.Response.make(200, b"", {"content-type": "application/json"})
+            addon.responseheaders(flow)
+            stream = flow.response.stream
+            assert callable(stream)
+            stream(answer[:40])
+            stream(answer[40:])
+            await asyncio.sleep(0)  # the first chunk's write, queued after it went out
+            stream(b"")
+            await addon.response(flow)
+            await addon.error(flow)
+
+        asyncio.run(hooks())
+        addon.executor.submit(lambda: None).result()  # the store's thread is done
+        assert writes == ["turn", "reply"]
+        assert STATE not in flow.metadata

@@ -12,7 +12,7 @@ import pytest
 
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import HttpRequest
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.relay import ReplyTee
 from perpetuity_core.wire.conversation import Protocol, Provider
 from tests.conftest import FIXTURES, needs_fixtures, opened
@@ -50,7 +50,8 @@ def to_request(d: dict) -> HttpRequest:
 @pytest.fixture
 def pipeline(tmp_path: Path):
     store = open_memory(tmp_path / "m.db")
-    yield Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
+    yield Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
+                                               Provider.OPENAI: "https://o.test"}))
     store.close()
 
 

@@ -19,7 +19,7 @@ from perpetuity_core.memory.rows import Row, around, shown_rows
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import (
     Kind,
     Message,
@@ -71,7 +71,8 @@ def test_rows_are_born_hot_at_the_clock_and_only_exchanges_move_it(store: Store)
 
 def test_an_exchange_advances_the_clock_by_what_it_sent_and_received(tmp_path: Path) -> None:
     store = open_memory(tmp_path / "m.db")
-    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"})
+    pipeline = Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
+                                                   Provider.OPENAI: "https://o.test"}))
     body = {"model": "m", "messages": [{"role": "user", "content": "q" * 400}]}
     req = to_request({"method": "POST", "path": "/v1/chat/completions", "headers": [
         ["authorization", "Bearer k"], ["x-perpetuity-user", "ann"]], "body": body})
@@ -340,8 +341,9 @@ def test_every_capture_yields_a_valid_request(tmp_path: Path) -> None:
     """Fill memory from every harness's session, then replay every request through the frame
     builder: each request upstream must still be one the provider accepts."""
     store = open_memory(tmp_path / "m.db")
-    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
-                        trust_identity=True)
+    pipeline = Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
+                                                   Provider.OPENAI: "https://o.test"},
+                                        trust_identity=True))
     for harness in ("claude-code", "codex", "opencode", "anthropic-python", "openai-python"):
         replay(pipeline, harness)
     framed = 0
@@ -428,8 +430,9 @@ def cook_turns(tmp_path: Path, questions: tuple[str, ...],
     store = open_memory(tmp_path / "m.db")
     say(store, "older", *[f"The {w} recipe needs {w} and salt." for w in
                           ("lemon", "garlic", "basil", "ginger", "fennel", "thyme")], user="cook")
-    pipeline = Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
-                        trust_identity=True)
+    pipeline = Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
+                                                   Provider.OPENAI: "https://o.test"},
+                                        trust_identity=True))
     history: list[dict[str, str]] = []
     sent = []
     for question in questions:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import HttpRequest
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Provider
 
 CASES = 400  # per protocol
@@ -104,7 +104,8 @@ HEADERS = st.lists(st.sampled_from([
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     root = tmp_path_factory.mktemp("fuzz")
     store = open_memory(root / "m.db")
-    yield Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider}, notes_root=root / "notes")
+    yield Pipeline(store, Settings(upstreams={p: "http://127.0.0.1:9" for p in Provider},
+                                   notes_root=root / "notes"))
     store.close()
 
 

@@ -15,7 +15,7 @@ import pytest
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Message, Provider, Reply, Usage, text_part
 from tests.conftest import FIXTURES, needs_fixtures, opened
 from tests.test_fixtures import replay, to_request
@@ -66,8 +66,9 @@ def session_one() -> list[list[dict]]:
 @pytest.fixture
 def pipeline(tmp_path: Path):
     store = open_memory(tmp_path / "m.db")
-    yield Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
-                   trust_identity=True)  # the captures name their device
+    yield Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
+                                              Provider.OPENAI: "https://o.test"},
+                                   trust_identity=True))  # the captures name their device
     store.close()
 
 

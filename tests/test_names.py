@@ -17,7 +17,7 @@ from perpetuity_core.memory import capture, importers, names, schema
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Kind, Message, Part, Provider, Reply, Usage, text_part
 from tests.conftest import Proxy, opened, query
 from tests.fake_provider import FakeProvider, Text
@@ -71,8 +71,9 @@ def send(pipeline: Pipeline, request: dict, answer: str) -> None:
 @pytest.fixture
 def pipeline(tmp_path: Path):
     store = open_memory(tmp_path / "m.db")
-    yield Pipeline(store, {Provider.ANTHROPIC: "https://a.test", Provider.OPENAI: "https://o.test"},
-                   trust_identity=True)  # the captures name their device
+    yield Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
+                                              Provider.OPENAI: "https://o.test"},
+                                   trust_identity=True))  # the captures name their device
     store.close()
 
 

@@ -1,9 +1,10 @@
-"""When the frame changes (perpetuity_core.plan): append-only within a task and across prompts,
+"""When the frame changes (perpetuity_core.serve.plan): append-only within a task and across prompts,
 addenda before new prompts, a rebuild when the arithmetic says so, and never a stale plan."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,11 @@ import pytest
 
 from perpetuity_core.memory import frame
 from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.index import messages_tokens
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve import plan
 from perpetuity_core.serve.exchange import Decision
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Message, Provider, Reply, Usage, text_part
 from tests.test_fixtures import to_request
 from tests.test_frame import say
@@ -25,7 +27,7 @@ T0 = 1_800_000_000.0
 
 
 def test_rebuild_arithmetic() -> None:
-    p = plan.Plan((), 1_000, (0, "a"), (1, "b"), at=T0)
+    p = plan.Plan(frame=(), frame_tokens=1_000, anchor=(0, "a"), prompt=(1, "b"), at=T0)
     assert not plan.should_rebuild(p, 900, T0 + 10, 1_000)  # it would not shrink the request
     assert plan.should_rebuild(p, 1_100, T0 + 301, 1_000)  # the cache expired: keeping is rewritten
     # Re-read 0.1 K a call since the frame, against writing a frame once at 1.25 F.
@@ -37,13 +39,78 @@ def test_rebuild_arithmetic() -> None:
 
 def test_a_plan_holds_only_while_its_messages_are_where_they_were() -> None:
     said = [Message("user", (text_part(t),)) for t in ("one", "two", "three")]
-    p = plan.Plan((), 0, plan.mark(said, 1), plan.mark(said, 2), at=T0,
-                  inserts=((plan.mark(said, 2), (said[0],)),))
-    assert plan.place(p, said) == plan.Placement(1, {2: (said[0],)})
+    p = plan.Plan(frame=(), frame_tokens=0, anchor=plan.mark(said, 1), prompt=plan.mark(said, 2),
+                  at=T0, inserts=((plan.mark(said, 2), (said[0],)),))
+    assert plan.place(p, said) == plan.Placement(keep=1, inserts={2: (said[0],)})
     assert plan.place(p, said + [said[0]]) is not None  # the harness appended
     edited = [said[0], Message("user", (text_part("two, rewritten"),)), said[2]]
     assert plan.place(p, edited) is None  # a compaction or an edit: a new frame
     assert plan.place(p, said[:2]) is None
+
+
+def _said(role: str, tokens: int, word: str) -> Message:
+    return Message(role, (text_part((word + " ") * (tokens * 4 // (len(word) + 1))),))
+
+
+# A conversation of 1,600 tokens before its latest prompt (message 4), and a tool round after it.
+TALK = [_said("user", 400, "alpha"), _said("assistant", 400, "bravo"),
+        _said("user", 400, "charlie"), _said("assistant", 400, "delta"),
+        _said("user", 10, "echo"), _said("assistant", 10, "foxtrot"),
+        Message("user", (text_part("golf"),))]
+LIMITS = Cap(floor=100, ceiling=1_000)
+
+
+def _plan(anchor: int = 2, prompt: int = 2, frame_tokens: int = 500, excess: float = 0.0,
+          talk: list[Message] = TALK) -> plan.Plan:
+    return plan.Plan(frame=(), frame_tokens=frame_tokens, anchor=plan.mark(talk, anchor),
+                     prompt=plan.mark(talk, prompt), at=T0, excess=excess)
+
+
+EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
+
+
+@pytest.mark.parametrize(("case", "old", "talk", "prompt", "at", "expected"), [
+    ("no plan yet (a first call, a restart)", None, TALK[:5], 4, T0 + 10, plan.Rebuild),
+    ("the anchor moved (a compaction, an edit)", _plan(anchor=1), EDITED[:5], 4, T0 + 10,
+     plan.Rebuild),
+    ("a tool round of the task in progress", _plan(prompt=4), TALK, 4, T0 + 10, plan.Carry),
+    ("a tool round, even with the cache expired", _plan(prompt=4), TALK, 4, T0 + 900,
+     plan.Carry),
+    ("a new prompt in a short conversation", _plan(anchor=0, prompt=0), TALK[:3], 2, T0 + 10,
+     plan.Rebuild),
+    ("a new prompt: 0.1 x 800 re-read < 1.25 x 500 written", _plan(), TALK[:5], 4, T0 + 10,
+     plan.Addendum),
+    ("a new prompt after the cache expired", _plan(), TALK[:5], 4, T0 + plan.TTL + 1,
+     plan.Rebuild),
+    ("expired, but a rebuild would not shrink the request", _plan(anchor=3, prompt=3),
+     TALK[:5], 4, T0 + plan.TTL + 1, plan.Addendum),
+    ("the re-reads paid reach a frame's write", _plan(excess=560), TALK[:5], 4, T0 + 10,
+     plan.Rebuild),
+    ("a frame under the floor is priced at the floor", _plan(frame_tokens=10),
+     TALK[:5], 4, T0 + 10, plan.Addendum),
+])
+def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: int, at: float,
+                expected: type) -> None:
+    """What a request does with its conversation's plan, decided without a database."""
+    got = plan.decide(old, talk, prompt, at, LIMITS)
+    assert type(got) is expected, case
+    if isinstance(got, plan.Carry | plan.Addendum):
+        assert old is not None
+        kept = messages_tokens(talk[old.anchor[0]:prompt])
+        # Carried: the call is priced (what a rebuild would drop, re-read once more) and the
+        # plan moves to this prompt and time; nothing else of it changes.
+        assert got.plan == replace(old, at=at, prompt=plan.mark(talk, prompt),
+                                   excess=old.excess + plan.READ * kept), case
+    if isinstance(got, plan.Addendum):
+        assert got.keep == old.anchor[0], case  # the addendum goes after what is kept
+
+
+def test_decide_prices_a_plan_by_what_it_carries() -> None:
+    """Addenda count as kept: what a rebuild would drop includes them."""
+    light = _plan()
+    heavy = replace(light, insert_tokens=6_000)  # 0.1 x 6,800 re-read >= 1.25 x 500 written
+    assert isinstance(plan.decide(light, TALK[:5], 4, T0 + 10, LIMITS), plan.Addendum)
+    assert isinstance(plan.decide(heavy, TALK[:5], 4, T0 + 10, LIMITS), plan.Rebuild)
 
 
 class Session:
@@ -56,7 +123,8 @@ class Session:
                                      f" tests/test_{w}.py. " + "detail " * 60
                                      for w in ("toml", "yaml", "json", "csv", "ini", "xml")],
             user="dev")
-        self.pipeline = Pipeline(self.store, UPSTREAMS, limits=limits, trust_identity=True)
+        self.pipeline = Pipeline(self.store, Settings(upstreams=UPSTREAMS, limits=limits,
+                                                          trust_identity=True))
         self.history: list[dict[str, Any]] = []
         self.at = T0
         self.calls = 0

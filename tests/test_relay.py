@@ -1,16 +1,74 @@
-"""The relay on its own, in-process: keep-alive pings while a slow tool runs."""
+"""The relay on its own, in-process: keep-alive pings while a slow tool runs, a connection
+mitmproxy reuses, and a job's capture written once whatever paths reach it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import Executor, Future
+from typing import Any
 
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.exchange import Job, PendingTurn
 from perpetuity_core.serve.relay import JOB_HEADER, Relay
-from perpetuity_core.wire.conversation import Protocol
+from perpetuity_core.serve.writer import Capture
+from perpetuity_core.wire.conversation import Message, Protocol, Reply, Usage, text_part
 from tests.fake_provider import FakeProvider, Text, ToolCall
+
+
+class Written:
+    """The writes a capture made, in the order it made them (no database)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+
+    def store_turn(self, p: PendingTurn) -> Any:
+        self.log.append(("turn", p.conversation))
+        return p.conversation
+
+    def store_reply(self, turn: Any, reply: Reply, at: float,
+                    pending: PendingTurn | None = None) -> None:
+        self.log.append(("reply", "".join(p.text for p in reply.message.parts)))
+
+
+class Inline(Executor):
+    """An executor that runs each write at once, on the caller's thread."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except Exception as e:
+            done.set_exception(e)
+        return done
+
+
+def _job(fake: FakeProvider | None, body: dict[str, Any], **options: Any) -> Job:
+    url = (fake.url if fake else "http://upstream.test") + "/v1/messages"
+    return Job(method="POST", url=url, headers=[("x-api-key", "k")],
+               body=json.dumps(body).encode(), protocol=Protocol.ANTHROPIC,
+               pending=PendingTurn(user="u", conversation="c", provider="anthropic", model="m",
+                                   messages=[], at=0.0), **options)
+
+
+def test_a_capture_writes_each_step_once_and_in_order() -> None:
+    """Sent and replied are reached from many paths (each chunk, the end, a fallback, the
+    addon's hooks): a step that already ran is a no-op, and a reply is never stored before
+    its request."""
+    job = _job(None, {}, stream=False)
+    reply = Reply(Message("assistant", (text_part("Hello."),)), Usage())
+    written = Written()
+    capture = Capture(job, written, Inline())
+    capture.replied(None)  # an unreadable reply: the request alone
+    capture.sent()
+    capture.replied(reply)
+    capture.replied(reply)
+    capture.sent()
+    assert written.log == [("turn", "c"), ("reply", "Hello.")]
+    first = Written()
+    Capture(job, first, Inline()).replied(reply)
+    assert first.log == [("turn", "c"), ("reply", "Hello.")]  # its request written before it
 
 
 async def _exchange(fake: FakeProvider) -> bytes:
@@ -22,16 +80,14 @@ async def _exchange(fake: FakeProvider) -> bytes:
         await asyncio.wait_for(pinged.wait(), 20)
         return "nothing found"
 
-    relay = Relay(lambda job: None, lambda job, reply, at: None, slow_tool)
+    relay = Relay(slow_tool)
     await relay.start()
     body = {"model": "claude-opus-4-8", "max_tokens": 20, "stream": True,
             "messages": [{"role": "user", "content": "what did I say?"}]}
     specs = [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
              for t in tools.TOOLS]
-    job = Job("POST", fake.url + "/v1/messages", [("x-api-key", "k")], json.dumps(body).encode(),
-              Protocol.ANTHROPIC, True, PendingTurn("u", "c", "anthropic", "m", [], 0.0),
-              memory=TurnMemory(1, None, 0.0), tool_specs=specs)
-    token = relay.submit(job)
+    job = _job(fake, body, stream=True, memory=TurnMemory(1, None, 0.0), tool_specs=specs)
+    token = relay.submit(Capture(job, Written(), Inline()))
     reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
     writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
                  "content-length: 0\r\n\r\n".encode())
@@ -62,14 +118,13 @@ def test_pings_keep_the_stream_alive_while_a_tool_runs() -> None:
     assert b"memory_search" not in raw
 
 
-async def _after_a_chunked_request(fake: FakeProvider) -> tuple[bytes, bytes]:
-    relay = Relay(lambda job: None, lambda job, reply, at: None, None)  # type: ignore[arg-type]
+async def _after_a_chunked_request(fake: FakeProvider, written: Written) -> tuple[bytes, bytes]:
+    relay = Relay(None)  # type: ignore[arg-type]
     await relay.start()
     body = {"model": "claude-opus-4-8", "max_tokens": 20,
             "messages": [{"role": "user", "content": "hello"}]}
-    job = Job("POST", fake.url + "/v1/messages", [("x-api-key", "k")], json.dumps(body).encode(),
-              Protocol.ANTHROPIC, False, PendingTurn("u", "c", "anthropic", "m", [], 0.0))
-    token = relay.submit(job)
+    token = relay.submit(Capture(_job(fake, body, stream=False), written,
+                                 Inline()))
     reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
     # Two requests on one connection, as mitmproxy reuses it: the first one's body chunked
     # (its job unknown), the second a real job.
@@ -89,8 +144,11 @@ async def _after_a_chunked_request(fake: FakeProvider) -> tuple[bytes, bytes]:
 def test_a_chunked_request_body_is_read_whole() -> None:
     with FakeProvider() as fake:
         fake.script(Text("Hi there."))
-        first, second = asyncio.run(_after_a_chunked_request(fake))
+        written = Written()
+        first, second = asyncio.run(_after_a_chunked_request(fake, written))
     assert first.startswith(b"HTTP/1.1 502 ")
     # The second request reached its job: the chunked body was not read as a request.
     assert second.lstrip().startswith(b"HTTP/1.1 200 "), second[:200]
     assert b"Hi there." in second
+    # Every chunk, the end and the clean-up reach the capture: one write each, in order.
+    assert written.log == [("turn", "c"), ("reply", "Hi there.")]

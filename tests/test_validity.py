@@ -18,7 +18,7 @@ import pytest
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import Decision
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire import repair
 from perpetuity_core.wire.conversation import (
     Message,
@@ -236,7 +236,8 @@ def drive(tmp_path: Path, wire: Wire, items: list[dict[str, Any]], gap: float = 
     history outgrows them; every reply stored as the relay would. (body sent, decision) each."""
     store = open_memory(tmp_path / "m.db")
     say(store, "older", *[t for line in OLDER for t in (line, "Noted.")], user="dev")
-    pipeline = Pipeline(store, UPSTREAMS, limits=Cap(floor=60, ceiling=120), trust_identity=True)
+    pipeline = Pipeline(store, Settings(upstreams=UPSTREAMS, limits=Cap(floor=60, ceiling=120),
+                                         trust_identity=True))
     headers = [wire.auth, ["x-perpetuity-user", "dev"], ["x-perpetuity-conversation", "live"]]
     adapter = ADAPTERS[wire.protocol]
     out = []
@@ -433,7 +434,7 @@ def test_every_capture_through_a_remembering_pipeline_is_accepted(tmp_path: Path
     """Each harness's session replayed once to fill memory, then every request again: each goes
     upstream accepted by the production check, with its live task as the harness sent it."""
     store = open_memory(tmp_path / "m.db")
-    pipeline = Pipeline(store, UPSTREAMS, trust_identity=True)
+    pipeline = Pipeline(store, Settings(upstreams=UPSTREAMS, trust_identity=True))
     harnesses = ("claude-code", "codex", "opencode", "anthropic-python", "openai-python")
     for harness in harnesses:
         replay(pipeline, harness)

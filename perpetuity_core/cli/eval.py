@@ -43,7 +43,7 @@ from perpetuity_core.memory.rows import shown_rows
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store
 from perpetuity_core.serve.exchange import HttpRequest, PendingTurn
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Kind, Message, Part, Provider, Reply, Usage
 
 HISTORY = 2  # earlier turns each fed request carries, as a chat client's window would
@@ -236,9 +236,9 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
                 if store is not None:
                     store.close()
                 store = open_memory(Path(tmp) / f"memory-{n}.db")
-                pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider},
-                                    limits=limits, share_pool=pooled,
-                                    trust_identity=True)  # the dataset's own speakers
+                pipeline = Pipeline(store, Settings(
+                    upstreams={p: "http://127.0.0.1:9" for p in Provider}, limits=limits,
+                    share_pool=pooled, trust_identity=True))  # the dataset's own speakers
             feed(pipeline, case.thread)
             bar.update(1)
             if pooled and n < len(cases) - 1:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,31 +27,27 @@ from perpetuity_core.notes.library import notes_root
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import inspection
 from perpetuity_core.serve.direct import Addressing
-from perpetuity_core.serve.exchange import Decision, HttpRequest, Job
-from perpetuity_core.serve.flowview import PerpetuityView, round_flows
-from perpetuity_core.serve.pipeline import Pipeline
-from perpetuity_core.serve.relay import JOB_HEADER, Relay, ReplyTee
-from perpetuity_core.wire.conversation import Provider, Reply
+from perpetuity_core.serve.exchange import HOP_BY_HOP, Decision, HttpRequest
+from perpetuity_core.serve.flowstate import STATE, FlowState, Kept, StreamTee, state_of
+from perpetuity_core.serve.flowview import FACTS, PerpetuityView, round_flows
+from perpetuity_core.serve.pipeline import Pipeline, Settings
+from perpetuity_core.serve.relay import JOB_HEADER, REFUSED, Relay, ReplyTee, as_sent
+from perpetuity_core.serve.writer import Capture
+from perpetuity_core.wire.conversation import Provider
 from perpetuity_core.wire.protocols import responses
 from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, parse_upstream
 from perpetuity_core.wire.sse import Event
 
 log = logging.getLogger("perpetuity")
-# Not carried onto a retry: hop-by-hop, and encodings (httpx decodes what it reads).
-_NOT_RESENT = {"host", "content-length", "transfer-encoding", "connection", "keep-alive",
-               "proxy-connection", "content-encoding"}
-# What a flow carries while it runs and never once it is done: mitmproxy deep-copies
-# flow.metadata to save a flow, and a Job (its Future's lock) cannot be copied, so a flow holding
-# one was dropped from `-w` files.
-_LIVE = ("perpetuity_decision", "perpetuity_job", "perpetuity_original", "perpetuity_tee",
-         "perpetuity_fell_open", "perpetuity_kept")
+# Not carried onto a retry beside the hop-by-hop headers: encodings (httpx decodes what it reads).
+_NOT_RESENT = HOP_BY_HOP | {"content-encoding"}
 
 
 class Perpetuity:
     def __init__(self) -> None:
         self.store: Store | None = None
         self.pipeline: Pipeline | None = None
-        self.relay = Relay(self._store_request, self._store_reply, self._run_tool)
+        self.relay = Relay(self._run_tool)
         # One thread owns the store: SQLite has one writer, and the event loop never waits on disk.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-store")
         # Requests are parsed on their own thread, so a request never queues behind a write.
@@ -147,12 +142,12 @@ class Perpetuity:
         ceiling = ctx.options.perpetuity_frame_ceiling
         if ceiling < Cap().floor:
             raise exceptions.OptionsError(f"perpetuity_frame_ceiling must be at least {Cap().floor}")
-        self.pipeline = Pipeline(self.store, upstreams, ctx.options.perpetuity_tools,
-                                 Path(notes_dir).expanduser() if notes_dir else notes_root(),
-                                 Cap(ceiling=ceiling), pooled,
-                                 max(1, ctx.options.perpetuity_tool_rounds),
-                                 ctx.options.perpetuity_trust_identity,
-                                 ctx.options.perpetuity_notes_capture)
+        self.pipeline = Pipeline(self.store, Settings(
+            upstreams=upstreams, tools=ctx.options.perpetuity_tools,
+            tool_rounds=max(1, ctx.options.perpetuity_tool_rounds),
+            notes_root=Path(notes_dir).expanduser() if notes_dir else notes_root(),
+            notes_capture=ctx.options.perpetuity_notes_capture, limits=Cap(ceiling=ceiling),
+            share_pool=pooled, trust_identity=ctx.options.perpetuity_trust_identity))
 
     def _open(self, path: str) -> Store:
         if self.store is not None:
@@ -202,22 +197,25 @@ class Perpetuity:
                 flow.request.pretty_host, flow.request.port),
         )
         loop = asyncio.get_running_loop()
+        fell_open = ""
         try:
             decision = await loop.run_in_executor(self.parser, self.pipeline.prepare, req)
         except Exception as e:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
             decision = self.pipeline.route_only(req)
-            flow.metadata["perpetuity_fell_open"] = f"the pipeline failed ({type(e).__name__}: {e})"
-        self._apply(flow, decision)
-        if decision.route and flow.request.headers.get("upgrade", "").lower() == "websocket":
-            flow.metadata["perpetuity_handshake"] = req  # the identity of every message to come
+            fell_open = f"the pipeline failed ({type(e).__name__}: {e})"
+        state = self._apply(flow, decision, fell_open)
+        if (state and decision.route
+                and flow.request.headers.get("upgrade", "").lower() == "websocket"):
+            state.handshake = req  # the identity of every message to come
 
     async def websocket_message(self, flow: http.HTTPFlow) -> None:
         """Codex's own provider speaks Responses over a WebSocket: each client message is a
         request (stored like one, without a frame: later ones chain to server-side state by
         previous_response_id) and the server's events are its reply."""
-        handshake: HttpRequest | None = flow.metadata.get("perpetuity_handshake")
-        if handshake is None or flow.websocket is None or self.pipeline is None:
+        state = state_of(flow.metadata)
+        handshake = state.handshake if state else None
+        if state is None or handshake is None or flow.websocket is None or self.pipeline is None:
             return
         message = flow.websocket.messages[-1]
         try:
@@ -228,16 +226,17 @@ class Perpetuity:
                 decision = await asyncio.get_running_loop().run_in_executor(
                     self.parser, self.pipeline.prepare, req)
                 if decision.job is not None:
-                    self._store_request(decision.job)
-                    flow.metadata["perpetuity_ws"] = (decision.job, responses.ReplyAssembler())
-            elif state := flow.metadata.get("perpetuity_ws"):
-                job, assembler = state
+                    capture = Capture(decision.job, self.pipeline, self.executor)
+                    capture.sent()
+                    state.message = (capture, responses.ReplyAssembler())
+            elif state.message is not None:
+                capture, assembler = state.message
                 event = json.loads(message.content)
                 kind = str(event.get("type", "")) if isinstance(event, dict) else ""
                 assembler.feed(Event(kind, message.text))
                 if kind in ("response.completed", "response.incomplete", "response.failed"):
-                    del flow.metadata["perpetuity_ws"]
-                    self._store_reply(job, assembler.reply(), time.time())
+                    state.message = None
+                    capture.replied(assembler.reply())
         except Exception:
             log.exception("perpetuity: could not capture a WebSocket message; it went through as sent")
 
@@ -248,68 +247,77 @@ class Perpetuity:
     def client_disconnected(self, client: Any) -> None:
         self.addressing.tunnels.discard(client.id)
 
-    def _apply(self, flow: http.HTTPFlow, d: Decision) -> None:
+    def _apply(self, flow: http.HTTPFlow, d: Decision, fell_open: str) -> FlowState | None:
+        """The decision, on the flow all at once, and its state under one key; None, and the
+        flow left as it came, when it is not provider traffic."""
+        if d.answer is None and d.route is None:
+            return None
+        state = FlowState(decision=d, fell_open=fell_open)
+        flow.metadata[STATE] = state
         if d.answer is not None:
             flow.response = http.Response.make(d.answer.status, d.answer.body,
                                                {"content-type": d.answer.content_type})
-            flow.metadata["perpetuity"] = {"upstream": "", "note": d.note}
-            flow.metadata["perpetuity_decision"] = d
-            return
-        token = self.relay.submit(d.job) if d.job and d.job.relay else ""
+            flow.metadata[FACTS] = {"upstream": "", "note": d.note}
+            return state
+        route = d.route
+        assert route is not None  # (provider traffic: neither answered nor left alone above)
+        if d.job is not None and self.pipeline is not None:
+            state.capture = Capture(d.job, self.pipeline, self.executor)
+            state.relayed = d.job.relay
+        token = self.relay.submit(state.capture) if state.capture and state.relayed else ""
         for name in d.strip:
             del flow.request.headers[name]
         if token:
             flow.request.scheme, flow.request.host, flow.request.port = "http", "127.0.0.1", self.relay.port
             flow.request.headers[JOB_HEADER] = token
-        elif d.route:
-            flow.request.url = d.route.upstream_url
+        else:
+            flow.request.url = route.upstream_url
             if d.job:  # the reply is read by our tee, which cannot read every encoding
                 flow.request.headers.pop("accept-encoding", None)
             if d.body is not None:
-                flow.metadata["perpetuity_original"] = flow.request.raw_content
+                state.original = flow.request.raw_content
                 flow.request.content = d.body
-        if d.route:
-            # The facts are made from these references once the reply is done (_settle).
-            flow.metadata["perpetuity"] = {"upstream": d.route.upstream_url, "note": d.note}
-            flow.metadata["perpetuity_decision"] = d
-        if d.job and not token:
-            flow.metadata["perpetuity_job"] = d.job
+        # The facts are made from the state's references once the reply is done (_settle).
+        state.upstream = route.upstream_url
+        flow.metadata[FACTS] = {"upstream": route.upstream_url, "note": d.note}
+        return state
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        if "perpetuity" not in flow.metadata or flow.response is None:
+        state = state_of(flow.metadata)
+        if state is None or flow.response is None:
             return
-        job: Job | None = flow.metadata.get("perpetuity_job")
-        if flow.response.status_code == 400 and "perpetuity_original" in flow.metadata:
+        if flow.response.status_code == 400 and state.original is not None:
             return  # buffered: the response hook retries it as the client sent it
         stream: StreamTee | None = None
-        if job and flow.response.status_code < 400:
-            flow.metadata["perpetuity_tee"] = ReplyTee(job, flow.response.headers.get("content-encoding", ""))
-            stream = StreamTee(self, flow, job)
+        capture = None if state.relayed else state.capture  # the relay reads its own reply
+        if capture and flow.response.status_code < 400:
+            state.tee = ReplyTee(capture.job, flow.response.headers.get("content-encoding", ""))
+            stream = StreamTee(state, capture)
         if _readable():  # mitmproxy keeps nothing of a streamed body: a copy to inspect
-            flow.metadata["perpetuity_kept"] = Kept(stream)
-            flow.response.stream = flow.metadata["perpetuity_kept"]
+            state.kept = Kept(stream)
+            flow.response.stream = state.kept
         else:  # no buffering: every chunk goes to the client as it comes
             flow.response.stream = stream or True
 
     async def response(self, flow: http.HTTPFlow) -> None:
-        original = flow.metadata.pop("perpetuity_original", None)
-        if original is not None and flow.response is not None and flow.response.status_code == 400:
+        state = state_of(flow.metadata)
+        if state is not None and state.original is not None and flow.response is not None:
+            original, state.original = state.original, None
             try:
-                await self._retry_as_sent(flow, original)
+                if (resend := as_sent(flow.response.status_code, original)) is not None:
+                    await self._retry_as_sent(flow, state, resend)
             except Exception:
                 log.exception("perpetuity: the retry failed; the 400 stands")
-        self._finish(flow)
-        self._restore(flow)
-        await self._settle(flow)
+        await self._end(flow)
 
-    async def _retry_as_sent(self, flow: http.HTTPFlow, original: bytes) -> None:
-        """A 400 for a request we changed may be our doing (the frame): sent once more exactly
-        as the client sent it, and that answer is the client's."""
+    async def error(self, flow: http.HTTPFlow) -> None:
+        await self._end(flow)
+
+    async def _retry_as_sent(self, flow: http.HTTPFlow, state: FlowState, original: bytes) -> None:
+        """mitmproxy's path of `relay.as_sent`: the whole answer, buffered, is the client's."""
         client = self.relay.client
         if client is None:
             return
-        log.warning("perpetuity: upstream refused the request with our frame (400); retrying "
-                    "it as the client sent it")
         headers = [(k, v) for k, v in flow.request.headers.items(multi=True)
                    if k.lower() not in _NOT_RESENT]
         try:
@@ -319,44 +327,50 @@ class Perpetuity:
             log.warning("perpetuity: the retry failed (%s); the 400 stands", type(e).__name__)
             return
         flow.request.content = original
-        flow.metadata["perpetuity_fell_open"] = "upstream refused our request (400); retried as sent"
+        state.fell_open = REFUSED
         flow.response = http.Response.make(
             resp.status_code, resp.content,
             [(k.encode(), v.encode()) for k, v in resp.headers.multi_items()
              if k.lower() not in _NOT_RESENT])
-        job: Job | None = flow.metadata.get("perpetuity_job")
-        if job is not None and resp.status_code < 400:
-            tee = ReplyTee(job, "")
+        if state.capture is not None and resp.status_code < 400:
+            tee = ReplyTee(state.capture.job, "")
             tee.feed(resp.content)
-            flow.metadata["perpetuity_tee"] = tee  # stored by _finish
-
-    async def error(self, flow: http.HTTPFlow) -> None:
-        self._finish(flow)
-        self._restore(flow)
-        await self._settle(flow)
+            state.tee = tee  # stored by FlowState.finish
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:
-        flow.metadata.pop("perpetuity_handshake", None)
-        flow.metadata.pop("perpetuity_ws", None)
+        flow.metadata.pop(STATE, None)
 
-    async def _settle(self, flow: http.HTTPFlow) -> None:
+    async def _end(self, flow: http.HTTPFlow) -> None:
+        """A flow's end (its response, or its error): the turn stored, the real destination
+        shown, the facts made."""
+        state = state_of(flow.metadata)
+        if state is None:
+            return
+        state.finish()
+        if JOB_HEADER in flow.request.headers:
+            # Show the real destination in mitmweb, not the relay.
+            del flow.request.headers[JOB_HEADER]
+            flow.request.url = state.upstream
+        await self._settle(flow, state)
+
+    async def _settle(self, flow: http.HTTPFlow, state: FlowState) -> None:
         """The flow's facts as plain values (what mitmproxy saves and mitmweb shows), its
         comment and mark, and the tool loop's hidden rounds as flows of their own; the live
-        references dropped. After the reply: nothing here is on the request path."""
-        d: Decision | None = flow.metadata.get("perpetuity_decision")
-        fell_open = flow.metadata.get("perpetuity_fell_open", "")
-        kept: Kept | None = flow.metadata.get("perpetuity_kept")
+        state dropped (a WebSocket keeps its handshake). After the reply: nothing here is on
+        the request path."""
+        d, fell_open, kept = state.decision, state.fell_open, state.kept
         if kept is not None and flow.response is not None and flow.response.raw_content is None:
             flow.response.raw_content = b"".join(kept.chunks)  # the reply the client received
-        for key in _LIVE + (() if flow.websocket else ("perpetuity_handshake",)):
-            flow.metadata.pop(key, None)
+        if flow.websocket and state.handshake is not None:
+            flow.metadata[STATE] = FlowState(handshake=state.handshake)
+        else:
+            del flow.metadata[STATE]
         if d is None or not _readable():
             return
         try:
             job = d.job if d.job and d.job.relay else None
             if job and d.body is not None and job.original is None and not fell_open:
-                fell_open = ("upstream refused our request (400); retried as sent"
-                             if job.rounds and job.rounds[0].status == 400 else
+                fell_open = (REFUSED if job.rounds and job.rounds[0].status == 400 else
                              "the recall tools failed before the first byte; sent as sent")
             facts = inspection.facts(d, d.job, fell_open)
             if job and job.body != flow.request.raw_content:
@@ -364,7 +378,7 @@ class Perpetuity:
             # One round is the flow itself (the model answered); more were hidden from it.
             children = round_flows(flow, job.method, job.url, job.headers, job.rounds,
                                    facts["rounds"]) if job and len(job.rounds) > 1 else []
-            flow.metadata["perpetuity"] = facts
+            flow.metadata[FACTS] = facts
             flow.comment = inspection.summary(facts)
             if facts["fell_open"] or facts["repaired"]:
                 flow.marked = ":warning:" if facts["fell_open"] else ":wrench:"
@@ -372,34 +386,6 @@ class Perpetuity:
                 await ctx.master.load_flow(child)
         except Exception:
             log.exception("perpetuity: could not gather what this flow showed the model")
-
-    def _finish(self, flow: http.HTTPFlow) -> None:
-        """Every flow with a turn ends here: the turn is stored even if no reply came."""
-        job: Job | None = flow.metadata.get("perpetuity_job")
-        if job is None:
-            return
-        tee = flow.metadata.pop("perpetuity_tee", None)
-        if tee is not None:  # the body never ended (cut, client gone): store what came
-            self._finish_reply(job, tee)
-        self._store_request(job)
-
-    def _finish_reply(self, job: Job, tee: ReplyTee) -> None:
-        self._store_request(job)
-        if (reply := tee.reply()) is not None:
-            self._store_reply(job, reply, job.at if job.at is not None else time.time())
-
-    def _restore(self, flow: http.HTTPFlow) -> None:
-        """Show the real destination in mitmweb, not the relay."""
-        meta = flow.metadata.get("perpetuity")
-        if meta and JOB_HEADER in flow.request.headers:
-            del flow.request.headers[JOB_HEADER]
-            flow.request.url = meta["upstream"]
-
-    def _store_request(self, job: Job) -> None:
-        """Queue the request's write on the store's thread, once."""
-        if job.turn is None and self.pipeline is not None:
-            job.turn = self.executor.submit(self.pipeline.store_turn, job.pending)
-            job.turn.add_done_callback(_report_unstored)  # read even when no reply follows
 
     async def _run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
         """On the tools' threads, so the event loop and the preparing thread never wait."""
@@ -410,22 +396,6 @@ class Perpetuity:
         return await asyncio.get_running_loop().run_in_executor(
             pool, pipeline.run_tool, name, arguments, memory)
 
-    def _store_reply(self, job: Job, reply: Reply, at: float) -> None:
-        """Queue the reply behind its request on the store's thread (FIFO: one writer, in order)."""
-        pipeline, turn = self.pipeline, job.turn
-        if pipeline is None or turn is None:
-            return
-
-        def write() -> None:
-            if turn.exception() is not None:
-                return  # the turn's failure is logged; a reply cannot be stored without it
-            try:
-                pipeline.store_reply(turn.result(), reply, at, job.pending)
-            except Exception:
-                log.exception("perpetuity: could not store the reply")
-
-        self.executor.submit(write)
-
 
 def _readable() -> bool:
     """Can anyone read a flow's facts: a flow list (mitmweb, the console), a flow file being
@@ -435,59 +405,3 @@ def _readable() -> bool:
     return (ctx.master.addons.get("view") is not None
             or ("save_stream_file" in o and bool(o.save_stream_file))
             or ("flow_detail" in o and o.flow_detail >= 3))
-
-
-def _report_unstored(turn: Future) -> None:
-    """Fail open, not silent: the reply went to the client; the turn is stored when the
-    conversation's next request re-sends it (capture recognises what the store holds)."""
-    if not turn.cancelled() and (e := turn.exception()) is not None:
-        log.error("perpetuity: a turn was not stored (%s); the conversation's next request"
-                  " re-sends it and it is stored then", e)
-
-
-class Kept:
-    """A `flow.response.stream` callable that keeps a copy of the body as it passed, for
-    inspection (`_readable`), around the tee when there is one."""
-
-    def __init__(self, inner: StreamTee | None) -> None:
-        self.inner = inner
-        self.chunks: list[bytes] = []
-
-    def __call__(self, chunk: bytes) -> bytes:
-        self.chunks.append(chunk)
-        return self.inner(chunk) if self.inner else chunk
-
-
-class StreamTee:
-    """A `flow.response.stream` callable: every chunk goes to the client unchanged, a copy is read.
-
-    Runs synchronously on mitmproxy's event loop, so it only parses, and it cannot raise: an
-    exception here would silently drop the chunk. A body that never ends (cut, client gone) is
-    stored by the addon's `error` hook from what the tee read.
-    """
-
-    def __init__(self, addon: Perpetuity, flow: http.HTTPFlow, job: Job) -> None:
-        self.addon = addon
-        self.flow = flow
-        self.job = job
-        self.started = False
-
-    def __call__(self, chunk: bytes) -> bytes:
-        try:
-            tee: ReplyTee | None = self.flow.metadata.get("perpetuity_tee")
-            if tee is None:
-                return chunk
-            if chunk:
-                tee.feed(chunk)
-                if not self.started:
-                    self.started = True
-                    # After this chunk is on its way, so the write never delays it.
-                    asyncio.get_running_loop().call_soon(self.addon._store_request, self.job)
-            else:
-                # The end of the body, before the client sees it: the reply is queued first, so
-                # the harness's next request finds it stored.
-                self.flow.metadata.pop("perpetuity_tee")
-                self.addon._finish_reply(self.job, tee)
-        except Exception:
-            log.exception("perpetuity: capture failed; the reply is forwarded unchanged")
-        return chunk

@@ -1,22 +1,28 @@
 """What passes between the addon, the pipeline and the relay: a request as the proxy received it
 (`HttpRequest`), what the pipeline decided for it (`Decision`), the exchange the relay runs
-(`Job`), and the turn it stores off the request path (`PendingTurn`).
+(`Job`), and the turn it stores off the request path (`PendingTurn`); and the one list of
+headers no hop carries to the next.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perpetuity_core.memory.capture import TurnContext
 from perpetuity_core.memory.frame import Frame
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.plan import Plan
 from perpetuity_core.wire.conversation import Message, ParsedRequest, Protocol
 from perpetuity_core.wire.identity import Identity
 from perpetuity_core.wire.route import Route
+
+# Hop-by-hop headers (RFC 9110 section 7.6.1) and the framing ones: each describes one
+# connection, and every hop (mitmproxy, the relay, httpx, h11) frames its own. The one list;
+# whatever else a hop drops is said where it drops it.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
+                        "trailer", "upgrade", "proxy-authorization", "proxy-authenticate",
+                        "content-length", "host"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +35,7 @@ class HttpRequest:
     direct: bool  # the client addressed the proxy itself (base URL), not a host through it
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PendingTurn:
     """A request's messages, to be stored off the request path while it goes upstream."""
 
@@ -57,7 +63,7 @@ class PendingTurn:
     library: Path | None = None  # the tenant's notes library the recalled notes came from
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Job:
     """One exchange for the relay: what to send upstream and how to store what comes back."""
 
@@ -67,9 +73,7 @@ class Job:
     body: bytes
     protocol: Protocol
     stream: bool
-    pending: PendingTurn
-    # The request's write on the store's thread; the reply's write is queued behind it.
-    turn: Future[TurnContext] | None = None
+    pending: PendingTurn  # what the capture stores (serve.writer)
     at: float | None = None  # fixed reply time (x-perpetuity-time), else the time it completes
     memory: TurnMemory | None = None  # set when the recall tools ride along (relay only)
     max_rounds: int = 4
@@ -103,7 +107,7 @@ UNKNOWN_PROVIDER = Answer("text/plain; charset=utf-8", b"perpetuity: cannot tell
                           b"names one); it was not forwarded\n", 421)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Decision:
     route: Route | None = None  # None: not provider traffic, the flow's destination stays
     strip: list[str] = field(default_factory=list)  # control headers to remove
@@ -118,7 +122,7 @@ class Decision:
     recall: Recall | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Recall:
     """What memory adds to one request."""
 
@@ -131,6 +135,5 @@ class Recall:
     plan: Plan | None = None  # the conversation's plan after this request
     sent_tokens: int = 0  # what the model reads of the conversation: frame, addenda, kept turns
     note: str = ""  # why the history was kept further back than planned, or left as sent
-    library: Path | None = None  # the tenant's notes library
     front: list[Message] = field(default_factory=list)  # the frame as sent, notes included
     made: str = ""  # "frame" or "addendum": what this request built ("" when it kept the plan)

@@ -2,8 +2,8 @@
 `mitmdump --flow-detail`), the recall tools' hidden rounds as flows of their own, and
 `perpetuity show FLOW_FILE` for a saved flow file.
 
-The facts come from `flow.metadata` (`perpetuity_core.inspection`), so the view reads a live
-flow and a flow loaded from a file alike; nothing is rendered until a view is opened.
+The facts come from `flow.metadata` (`perpetuity_core.serve.inspection`), so the view reads a
+live flow and a flow loaded from a file alike; nothing is rendered until a view is opened.
 """
 
 from __future__ import annotations

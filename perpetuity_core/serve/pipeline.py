@@ -3,10 +3,12 @@ job to forward and capture.
 
 `prepare` turns one HTTP request into a `Decision`: leave it alone, send it upstream untouched,
 or forward it, its history replaced by the frame (and notes, when a task starts), as a `Job`
-that captures the reply (through the relay when the recall tools ride along). It only reads:
-the writes (`store_turn`, `store_reply`) run on the store's one writer thread while the request
-is already on its way. It never raises for bad input: anything it cannot read passes through
-as the client sent it.
+whose reply is captured (through the relay when the recall tools ride along). What becomes of
+the conversation's frame is `plan.decide`'s to say; the pipeline builds what it said. It only
+reads: the writes (`store_turn`, `store_reply`) run on the store's one writer thread while the
+request is already on its way (`serve.writer`). It never raises for bad input: anything it
+cannot read passes through as the client sent it. A deployment's options reach it as one
+`Settings`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -28,12 +30,15 @@ from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.memory import bindings, capture, frame, heat, names, tenants
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.capture import TurnContext
+from perpetuity_core.memory.frame import Frame
 from perpetuity_core.memory.index import messages_tokens
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.memory.store import Store
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
+from perpetuity_core.serve import plan
 from perpetuity_core.serve.exchange import (
+    HOP_BY_HOP,
     UNKNOWN_PROVIDER,
     Answer,
     Decision,
@@ -42,7 +47,7 @@ from perpetuity_core.serve.exchange import (
     PendingTurn,
     Recall,
 )
-from perpetuity_core.serve.plan import Plan, carried, mark, place, should_rebuild, with_addendum
+from perpetuity_core.serve.plan import Plan
 from perpetuity_core.wire import repair
 from perpetuity_core.wire.conversation import (
     Message,
@@ -69,35 +74,56 @@ _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's JSON escape, pai
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
 
-# Dropped from what goes upstream: hop-by-hop headers, and encodings, since the relay must read
-# the reply to store it (providers stream SSE uncompressed anyway).
-_DROP_UPSTREAM = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
-                  "proxy-connection", "proxy-authorization", "accept-encoding", "te", "upgrade"}
+# Dropped from what goes upstream beside the hop-by-hop headers: encodings, since the reply is
+# read to store it (providers stream SSE uncompressed anyway).
+_DROP_UPSTREAM = HOP_BY_HOP | {"accept-encoding"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """How a deployment serves: what the addon's options give the pipeline (the defaults are
+    the proxy's own)."""
+
+    upstreams: Mapping[Provider, str]  # where each provider's traffic goes
+    tools: bool = True  # the recall tools ride along (x-perpetuity-tools: off, per request)
+    tool_rounds: int = 4  # upstream rounds one reply may take for the recall tools
+    notes_root: Path | None = None  # the notes library (each tenant's under it)
+    notes_capture: bool = True  # note_capture and /perpetuity-curate through us
+    limits: Cap = Cap()
+    # True pools every user (offline evaluation); a set of tenants pools the users of those
+    # tenants with each other (the proxy); False, each user sees their own.
+    share_pool: bool | frozenset[str] = False
+    trust_identity: bool = False  # claimed identities are authenticated upstream of us (identity)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Built:
+    """What a request made of its conversation's plan: the plan after it, the frame or addendum
+    built (None when it kept the plan or memory had nothing), and the notes put in front."""
+
+    plan: Plan
+    frame: Frame | None = None
+    made: str = ""  # "frame" or "addendum" ("" when nothing was built)
+    notes: list[str] = field(default_factory=list)
 
 
 class Pipeline:
-    def __init__(self, store: Store, upstreams: Mapping[Provider, str], tools: bool = True,
-                 notes_root: Path | None = None, limits: Cap = Cap(),
-                 share_pool: bool | frozenset[str] = False, tool_rounds: int = 4,
-                 trust_identity: bool = False, notes_capture: bool = True) -> None:
-        """`share_pool`: True pools every user (offline evaluation); a set of tenants pools the
-        users of those tenants with each other (the proxy); False, each user sees their own.
-        `trust_identity`: claimed identities are authenticated upstream of us (see identity)."""
+    """One memory's request path (`prepare`), its writes (`store_turn`, `store_reply`, run by
+    the store's writer) and our tools (`run_tool`), as a deployment's `Settings` say."""
+
+    def __init__(self, store: Store, settings: Settings) -> None:
         self.store = store
-        self.upstreams = dict(upstreams)
-        self.tools = tools  # the deployment's default; x-perpetuity-tools: off turns them off
-        self.tool_rounds = tool_rounds
-        self.notes_root = notes_root
-        self.notes_capture = notes_capture  # note_capture and /perpetuity-curate through us
-        self.trust_identity = trust_identity
-        self.limits = limits
+        self.settings = settings
+        self.upstreams = dict(settings.upstreams)
+        self.limits = settings.limits
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
-        pool = share_pool if isinstance(share_pool, frozenset) else None
-        self.scanner = Scanner(store, share_pool=bool(share_pool),
+        share = settings.share_pool
+        pool = share if isinstance(share, frozenset) else None
+        self.scanner = Scanner(store, share_pool=bool(share),
                                pool_of=(lambda uid: tenants.pool_of(store, uid, pool))
                                if pool is not None else None)
-        # Each conversation's plan: when its frame changes (`perpetuity_core.plan`). Only the
-        # preparing thread touches it; a restart costs one rebuilt frame.
+        # Each conversation's plan: when its frame changes (`perpetuity_core.serve.plan`). Only
+        # the preparing thread touches it; a restart costs one rebuilt frame.
         self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
@@ -134,12 +160,13 @@ class Pipeline:
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
+        settings = self.settings
         ident = identify(headers, parsed, credential(headers), self.store.salt,
-                         self.trust_identity)
+                         settings.trust_identity)
         decision.identity, decision.parsed = ident, parsed
-        library = tenants.library(self.notes_root, ident.tenant)
+        library = tenants.library(settings.notes_root, ident.tenant)
         if (_last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
-                and self.notes_capture):
+                and settings.notes_capture):
             text = _curate(library)
             decision.answer = Answer(
                 "text/event-stream; charset=utf-8" if parsed.stream else "application/json",
@@ -151,20 +178,22 @@ class Pipeline:
             decision.note = f"side request: {ident.side}"
             if ident.side == "title" and controls.capture and not controls.probe:
                 # Forwarded as sent; only its reply is read, for the conversation's name.
-                pending = PendingTurn(ident.user, ident.conversation, r.provider.value,
-                                      parsed.model, [], time.time(), title=True,
+                pending = PendingTurn(user=ident.user, conversation=ident.conversation,
+                                      provider=r.provider.value, model=parsed.model, messages=[],
+                                      at=time.time(), title=True,
                                       structured=parsed.structured_output)
-                decision.job = Job(req.method, r.upstream_url, _forwarded(req), req.body,
-                                   r.protocol, parsed.stream, pending)
+                decision.job = Job(method=req.method, url=r.upstream_url,
+                                   headers=_forwarded(req), body=req.body, protocol=r.protocol,
+                                   stream=parsed.stream, pending=pending)
             return decision
         at = controls.at if controls.at is not None else time.time()
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
-        tools_on = self.tools and controls.tools and not controls.probe and controls.capture
+        tools_on = settings.tools and controls.tools and not controls.probe and controls.capture
         recall = Recall()
         if controls.recall and "previous_response_id" not in parsed.hints:
             recall = self._recall(body, parsed, ident, r.protocol, at, tools_on, library)
         if recall.memory is not None:
-            recall.memory.library = library if self.notes_capture else None
+            recall.memory.library = library if settings.notes_capture else None
             recall.memory.untrusted = tenants.quotes_untrusted(parsed.messages)
         decision.body, decision.frame, decision.recall = recall.body, recall.built, recall
         if controls.probe or not controls.capture:
@@ -173,31 +202,34 @@ class Pipeline:
         if recall.key is not None and recall.plan is not None:
             self._remember(recall.key, recall.plan)
         built = recall.built
-        sent = recall.sent_tokens if recall.body is not None else messages_tokens(parsed.messages)
-        pending = PendingTurn(ident.user, ident.conversation, r.provider.value, parsed.model,
-                              parsed.messages, at, built.reheats if built else {},
-                              built.now if built else 0.0, sent, recall.notes,
-                              set(built.hits[:BOUND_HITS]) if built else set(),
-                              recall.memory.shown if recall.memory else set(),
-                              set(recall.plan.shown) if recall.plan else set(),
-                              names.folder(parsed), library=library)
-        decision.job = Job(req.method, r.upstream_url, _forwarded(req),
-                           recall.body if recall.body is not None else req.body, r.protocol,
-                           parsed.stream, pending, at=controls.at, memory=recall.memory,
-                           max_rounds=self.tool_rounds,
-                           tool_specs=self._tool_specs(recall.memory, parsed.tool_names)
-                           if recall.memory else [],
-                           original=req.body if recall.body is not None else None)
+        pending = PendingTurn(
+            user=ident.user, conversation=ident.conversation, provider=r.provider.value,
+            model=parsed.model, messages=parsed.messages, at=at,
+            reheats=built.reheats if built else {}, clock=built.now if built else 0.0,
+            sent_tokens=(recall.sent_tokens if recall.body is not None
+                         else messages_tokens(parsed.messages)),
+            notes=recall.notes, hits=set(built.hits[:BOUND_HITS]) if built else set(),
+            shown=recall.memory.shown if recall.memory else set(),
+            frame_rows=set(recall.plan.shown) if recall.plan else set(),
+            folder=names.folder(parsed), library=library)
+        decision.job = Job(
+            method=req.method, url=r.upstream_url, headers=_forwarded(req),
+            body=recall.body if recall.body is not None else req.body, protocol=r.protocol,
+            stream=parsed.stream, pending=pending, at=controls.at, memory=recall.memory,
+            max_rounds=settings.tool_rounds,
+            tool_specs=self._tool_specs(recall.memory, parsed.tool_names)
+            if recall.memory else [],
+            original=req.body if recall.body is not None else None)
         decision.note = _noted("captured", recall.note)
         return decision
 
     def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
                 protocol: Protocol, asked_at: float, tools_on: bool,
                 library: Path | None) -> Recall:
-        """The request laid out by its conversation's plan (`perpetuity_core.plan`): the frame
-        in front, the harness's messages from the anchor on, addenda before the prompts they
-        serve; notes when a task starts, and the note on the recall tools when they ride
-        along."""
+        """The request laid out by its conversation's plan (`perpetuity_core.serve.plan`): the
+        frame in front, the harness's messages from the anchor on, addenda before the prompts
+        they serve; notes when a task starts, and the note on the recall tools when they ride
+        along. What changes is `plan.decide`'s to say; this builds and lays out what it said."""
         messages = parsed.messages
         prompt = _prompt_index(messages)
         user_id = self.store.find_user(ident.user)
@@ -207,34 +239,24 @@ class Pipeline:
         # By the conversation's key, not its row: a first request has no row yet.
         key = (user_id, ident.conversation)
         query = prompt_text(messages[prompt])
-        out = Recall(key=key, library=library)
-        old = self._plans.get(key)
-        placed = place(old, messages) if old else None
-        if old and placed:
-            kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
-            here = mark(messages, prompt)
-            if here == old.prompt:  # a tool round of the task in progress
-                out.plan = carried(old, kept, asked_at, here)
-            elif messages_tokens(messages[:prompt]) <= self.limits.ceiling:
-                # A short conversation: a new frame rewrites only the short history after it,
-                # about what an addendum would cost, and leaves out what earlier prompts
-                # needed (LoCoMo's questions asked in sequence: 0.854 of them with their
-                # evidence when only a new subject got a new frame, 0.864 so).
-                pass
-            elif not should_rebuild(old, kept, asked_at, max(old.frame_tokens, self.limits.floor)):
-                out.plan = carried(old, kept, asked_at, here)
-                self._add(out, parsed, prompt, placed.keep, conv, query, asked_at)
-        if out.plan is None:
-            self._rebuild(out, parsed, prompt, conv, query, asked_at)
-        laid = place(out.plan, messages) if out.plan else None
-        if out.plan is None or laid is None:
+        match plan.decide(self._plans.get(key), messages, prompt, asked_at, self.limits):
+            case plan.Carry(plan=carried):
+                made = _Built(plan=carried)
+            case plan.Addendum(plan=carried, keep=keep):
+                made = self._add(carried, parsed, prompt, keep, user_id, conv, query, asked_at,
+                                 library)
+            case plan.Rebuild():
+                made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library)
+        laid_plan = made.plan
+        out = Recall(key=key, plan=laid_plan, built=made.frame, made=made.made, notes=made.notes)
+        laid = plan.place(laid_plan, messages)
+        if laid is None:
             return out
-        front = list(out.plan.frame)
+        front = list(laid_plan.frame)
         if front and tools_on:
-            front = frame.with_note(front, _tools_note(out.plan.left_out))
-        if tools_on and front:
-            out.memory = TurnMemory(user_id, conv, asked_at, set(out.plan.shown),
-                                    list(out.plan.below_cap))
+            front = frame.with_note(front, _tools_note(laid_plan.left_out))
+            out.memory = TurnMemory(user_id, conv, asked_at, set(laid_plan.shown),
+                                    list(laid_plan.below_cap))
         if not front and not laid.inserts:
             return out
         replaced = repair.replace_history(
@@ -247,20 +269,18 @@ class Pipeline:
             log.info("perpetuity: %s", replaced.why)
         if replaced.keep != laid.keep:
             # The plan keeps what went upstream, so the next call grows from it.
-            out.plan = replace(out.plan, anchor=mark(messages, replaced.keep))
+            out.plan = replace(laid_plan, anchor=plan.mark(messages, replaced.keep))
         out.keep, out.note, out.front = replaced.keep, replaced.why, front
-        out.sent_tokens = (messages_tokens(front) + out.plan.insert_tokens
+        out.sent_tokens = (messages_tokens(front) + laid_plan.insert_tokens
                            + messages_tokens(messages[replaced.keep:]))
         out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
         return out
 
-    def _rebuild(self, out: Recall, parsed: ParsedRequest, prompt: int, conv: int | None,
-                 query: str, asked_at: float) -> None:
+    def _rebuild(self, parsed: ParsedRequest, prompt: int, user_id: int, conv: int | None,
+                 query: str, asked_at: float, library: Path | None) -> _Built:
         """A new frame for the prompt, the harness's messages before it dropped (memory holds
         them); a conversation shorter than a frame keeps them all, with other conversations'
         memory in front."""
-        assert out.key is not None
-        user_id = out.key[0]
         messages = parsed.messages
         keep = prompt if messages_tokens(messages[:prompt]) > self.limits.ceiling else 0
         if conv is None:
@@ -275,41 +295,45 @@ class Pipeline:
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
                             recent_messages=recent)
         front = built.messages if built else []
-        if starts_task(messages) and (lesson := self._notes_for(parsed, out.library)):
-            out.notes = lesson.names
+        notes_shown: list[str] = []
+        if starts_task(messages) and (lesson := self._notes_for(parsed, library)):
+            notes_shown = lesson.names
             front = frame.with_note(front, lesson.text)
         if not built:
             keep = 0  # nothing to stand in for the history
-        out.built, out.made = built, "frame"
-        out.plan = Plan(
-            tuple(front), messages_tokens(front), mark(messages, keep), mark(messages, prompt), asked_at,
+        rebuilt = Plan(
+            frame=tuple(front), frame_tokens=messages_tokens(front),
+            anchor=plan.mark(messages, keep), prompt=plan.mark(messages, prompt), at=asked_at,
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0)
+        return _Built(plan=rebuilt, frame=built, made="frame", notes=notes_shown)
 
-    def _add(self, out: Recall, parsed: ParsedRequest, prompt: int, keep: int, conv: int | None,
-             query: str, asked_at: float) -> None:
+    def _add(self, carried: Plan, parsed: ParsedRequest, prompt: int, keep: int, user_id: int,
+             conv: int | None, query: str, asked_at: float, library: Path | None) -> _Built:
         """An addendum for a new prompt under a frame that stays: its hits in other
         conversations not yet in front. Nothing before a prompt that answers a call (an
         interrupted tool call's result rides with the next prompt): it would part the call from
         its result."""
-        assert out.key is not None and out.plan is not None
         messages = parsed.messages
         if repair.answers_earlier(messages, prompt):
-            return
+            return _Built(plan=carried)
         kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
             if conv else []
-        more = frame.addendum(self.scanner, user_id=out.key[0], conversation_id=conv,
-                              query=query, exclude_messages=kept, shown=out.plan.shown,
+        more = frame.addendum(self.scanner, user_id=user_id, conversation_id=conv,
+                              query=query, exclude_messages=kept, shown=carried.shown,
                               asked_at=asked_at, limits=self.limits)
         added = more.messages if more else []
-        if starts_task(messages) and (lesson := self._notes_for(parsed, out.library)):
-            out.notes = lesson.names
+        notes_shown: list[str] = []
+        if starts_task(messages) and (lesson := self._notes_for(parsed, library)):
+            notes_shown = lesson.names
             added = frame.with_note(added, lesson.text)
-        if added:
-            out.built, out.made = more, "addendum"
-            out.plan = with_addendum(out.plan, mark(messages, prompt), added,
-                                     messages_tokens(added), more.item_ids if more else [])
+        if not added:
+            return _Built(plan=carried)
+        return _Built(plan=plan.with_addendum(carried, plan.mark(messages, prompt), added,
+                                              messages_tokens(added),
+                                              more.item_ids if more else []),
+                      frame=more, made="addendum", notes=notes_shown)
 
     def _lesson_only(self, body: dict[str, Any], parsed: ParsedRequest,
                      protocol: Protocol, library: Path | None) -> Recall:

@@ -45,8 +45,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.index import messages_tokens
 from perpetuity_core.wire.conversation import Message
 
+# The provider's cache, as the plan (and the replay's bill, cli/replay/billing.py) prices it.
 TTL = 300.0  # seconds: Anthropic's default cache lifetime, refreshed on use
 READ, WRITE = 0.1, 1.25  # cache read and write prices, in units of an uncached input token
 
@@ -54,7 +57,7 @@ READ, WRITE = 0.1, 1.25  # cache read and write prices, in units of an uncached 
 Mark = tuple[int, str]  # a message's index in the request and its fingerprint
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """One conversation's request plan, kept between calls."""
 
@@ -74,7 +77,7 @@ class Plan:
     excess: float = 0.0  # re-read cost paid since the frame was built for what a rebuild drops
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Placement:
     """Where a plan's parts go in this request's messages."""
 
@@ -97,7 +100,7 @@ def place(plan: Plan, messages: list[Message]) -> Placement | None:
     marks = [plan.anchor, *(m for m, _ in plan.inserts)]
     if not all(holds(messages, m) for m in marks):
         return None
-    return Placement(plan.anchor[0], {m[0]: added for m, added in plan.inserts})
+    return Placement(keep=plan.anchor[0], inserts={m[0]: added for m, added in plan.inserts})
 
 
 def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> bool:
@@ -120,3 +123,47 @@ def with_addendum(plan: Plan, prompt: Mark, messages: list[Message], tokens: int
                   items: list[int]) -> Plan:
     return replace(plan, inserts=(*plan.inserts, (prompt, tuple(messages))),
                    insert_tokens=plan.insert_tokens + tokens, shown=plan.shown | set(items))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Carry:
+    """Keep the plan as it is: the frame and addenda re-sent byte-identical."""
+
+    plan: Plan  # the plan after this call (`carried`)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Addendum:
+    """Keep the frame and add, before the new prompt, its hits not yet in front (when it has
+    any: the caller builds it)."""
+
+    plan: Plan  # the plan after this call, before the addendum (`carried`)
+    keep: int  # the first harness message kept as sent
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rebuild:
+    """A new frame for the prompt."""
+
+
+def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
+           limits: Cap) -> Carry | Addendum | Rebuild:
+    """What this request does with its conversation's plan `old` (None: no plan yet, or it was
+    forgotten), `prompt` the index of the person's latest prompt in `messages`, `at` the time it
+    was asked. Pure: the caller builds what it says and acts on it."""
+    placed = place(old, messages) if old else None
+    if old is None or placed is None:
+        return Rebuild()  # none, or the history changed under it
+    kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
+    here = mark(messages, prompt)
+    if here == old.prompt:  # a tool round of the task in progress
+        return Carry(plan=carried(old, kept, at, here))
+    if messages_tokens(messages[:prompt]) <= limits.ceiling:
+        # A short conversation: a new frame rewrites only the short history after it, about
+        # what an addendum would cost, and leaves out what earlier prompts needed (LoCoMo's
+        # questions asked in sequence: 0.854 of them with their evidence when only a new
+        # subject got a new frame, 0.864 so).
+        return Rebuild()
+    if should_rebuild(old, kept, at, max(old.frame_tokens, limits.floor)):
+        return Rebuild()
+    return Addendum(plan=carried(old, kept, at, here), keep=placed.keep)

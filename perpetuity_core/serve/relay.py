@@ -21,14 +21,15 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import h11
 import httpx
 
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve.exchange import Job
+from perpetuity_core.serve.exchange import HOP_BY_HOP, Job
 from perpetuity_core.serve.http11 import Http11
+from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire.conversation import Reply
 from perpetuity_core.wire.protocols import ADAPTERS
 from perpetuity_core.wire.protocols.base import BodyMerging, StreamMerging
@@ -37,11 +38,23 @@ from perpetuity_core.wire.sse import SSEDecoder
 log = logging.getLogger("perpetuity")
 
 JOB_HEADER = "x-perpetuity-job"
-_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection"}
 _JOB_TTL = 120.0  # a job mitmproxy never delivered (client gone) is dropped after this long
 
-# Hands a finished reply to the store without waiting; called before the client sees the end.
-StoreReply = Callable[[Job, Reply, float], None]
+# Why a flow went upstream as the client sent it after a 400 (its facts' `fell_open`).
+REFUSED = "upstream refused our request (400); retried as sent"
+
+
+def as_sent(status: int, original: bytes | None) -> bytes | None:
+    """The body to send once more after upstream answered `status` to a request we changed
+    (`original`: as the client sent it; None, we changed nothing), or None. A 400 may be our
+    doing (the frame, a tool), so it is retried once, exactly as the client sent it, and that
+    answer is the client's; any other answer stands. The one rule of both paths: mitmproxy's
+    (the addon) and the relay's (the tool loop)."""
+    if status != 400 or original is None:
+        return None
+    log.warning("perpetuity: upstream refused the request with our changes (400); retrying it "
+                "as the client sent it")
+    return original
 
 
 class ReplyTee:
@@ -91,15 +104,33 @@ RunTool = Callable[[str, Any, TurnMemory], Awaitable[str]]
 PING_EVERY = 1.0  # seconds between keep-alive pings while our tools run
 
 
+class Upstream(Protocol):
+    """What the tool loop asks of the relay."""
+
+    tool_timeout: float  # seconds one tool call may take
+
+    def request(self, job: Job, body: bytes) -> httpx.Request:
+        """The job's upstream request, with this body."""
+        ...
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        """The request sent; the response's head read, its body streaming."""
+        ...
+
+    async def forward(self, capture: Capture, http: Http11) -> bool:
+        """The plain exchange of the job as it stands."""
+        ...
+
+    async def run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
+        ...
+
+
 class Relay:
-    def __init__(self, store_request: Callable[[Job], None], store_reply: StoreReply,
-                 run_tool: RunTool) -> None:
-        self.store_request = store_request
-        self.store_reply = store_reply
-        self.run_tool = run_tool
+    def __init__(self, run_tool: RunTool) -> None:
+        self._run_tool = run_tool
         self.port = 0
         self.tool_timeout = 30.0  # seconds one tool call may take (perpetuity_tool_timeout)
-        self._jobs: dict[str, tuple[float, Job]] = {}
+        self._jobs: dict[str, tuple[float, Capture]] = {}
         self._server: asyncio.Server | None = None
         self._client: httpx.AsyncClient | None = None
 
@@ -121,13 +152,25 @@ class Relay:
         if self._client:
             await self._client.aclose()
 
-    def submit(self, job: Job) -> str:
+    def submit(self, capture: Capture) -> str:
+        """The token by which mitmproxy's request to the relay names this job."""
         now = time.monotonic()
         for token in [t for t, (at, _) in self._jobs.items() if now - at > _JOB_TTL]:
             del self._jobs[token]
         token = secrets.token_hex(16)
-        self._jobs[token] = (now, job)
+        self._jobs[token] = (now, capture)
         return token
+
+    def request(self, job: Job, body: bytes) -> httpx.Request:
+        assert self._client is not None
+        return self._client.build_request(job.method, job.url, headers=job.headers, content=body)
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        assert self._client is not None
+        return await self._client.send(request, stream=True)
+
+    async def run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
+        return await self._run_tool(name, arguments, memory)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One mitmproxy server connection; kept alive across requests, as mitmproxy reuses it."""
@@ -151,20 +194,19 @@ class Relay:
             if not writer.is_closing():
                 writer.close()
 
-    async def _exchange(self, job: Job, http: Http11) -> bool:
+    async def _exchange(self, capture: Capture, http: Http11) -> bool:
         """Relay one exchange; False when the connection to mitmproxy can no longer be used."""
-        if job.memory is not None:
-            return await ToolLoop(self, job, http).run()
-        return await self._forward(job, http)
+        if capture.job.memory is not None:
+            return await ToolLoop(self, capture, http).run()
+        return await self.forward(capture, http)
 
-    async def _forward(self, job: Job, http: Http11) -> bool:
+    async def forward(self, capture: Capture, http: Http11) -> bool:
         """The plain exchange: upstream's bytes to the client as they come."""
-        assert self._client is not None
-        request = self._client.build_request(job.method, job.url, headers=job.headers, content=job.body)
+        job = capture.job
         try:
-            resp = await self._client.send(request, stream=True)
+            resp = await self.send(self.request(job, job.body))
         except httpx.HTTPError as e:
-            self.store_request(job)
+            capture.sent()
             await http.respond(502, f"perpetuity: upstream {job.url} failed: {e}".encode())
             return True
         tee = ReplyTee(job, resp.headers.get("content-encoding", "")) if resp.status_code < 400 else None
@@ -181,9 +223,8 @@ class Relay:
                     tee.feed(chunk)
                 await http.drain()
                 # Once the first bytes are on their way, so the write never delays them.
-                self.store_request(job)
-            self.store_request(job)  # (a body with no bytes) the request before its reply
-            self._store(job, tee)
+                capture.sent()
+            _reply(capture, tee)  # the request, then its reply, before the client sees the end
             tee = None
             await http.end()
         except httpx.HTTPError:
@@ -194,17 +235,17 @@ class Relay:
             return False  # the client went away; closing the upstream response stops the provider
         finally:
             await resp.aclose()
-            self.store_request(job)
-            self._store(job, tee)
+            _reply(capture, tee)
         return True
 
-    def _store(self, job: Job, tee: ReplyTee | None) -> None:
-        if tee is None or (reply := tee.reply()) is None:
-            return
-        try:
-            self.store_reply(job, reply, job.at if job.at is not None else time.time())
-        except Exception:
-            log.exception("perpetuity: could not store the reply")
+
+def _reply(capture: Capture, tee: ReplyTee | None) -> None:
+    """The request's write, and the reply's when the tee read one. Never raises: capture can
+    never break the stream."""
+    try:
+        capture.replied(tee.reply() if tee else None)
+    except Exception:
+        log.exception("perpetuity: could not store the reply")
 
 
 @dataclass(slots=True)
@@ -232,8 +273,9 @@ class ToolLoop:
     to the plain exchange; after, it ends the stream with the protocol's error event.
     """
 
-    def __init__(self, relay: Relay, job: Job, http: Http11) -> None:
-        self.relay, self.job, self.http = relay, job, http
+    def __init__(self, upstream: Upstream, capture: Capture, http: Http11) -> None:
+        self.upstream, self.capture, self.http = upstream, capture, http
+        self.job = job = capture.job
         self.adapter = ADAPTERS[job.protocol]
         self.merger = (self.adapter.StreamMerger if job.stream else self.adapter.BodyMerger)(
             frozenset(str(t["name"]) for t in job.tool_specs))
@@ -242,27 +284,24 @@ class ToolLoop:
         self.round = Round(0.0, b"")  # the round in progress
 
     async def run(self) -> bool:
-        job, client = self.job, self.relay._client
-        assert client is not None and job.memory is not None
+        job, upstream, capture = self.job, self.upstream, self.capture
+        assert job.memory is not None
         body = json.loads(job.body)
         specs = job.tool_specs
         try:
             for round_ in range(job.max_rounds):
                 last = round_ == job.max_rounds - 1
                 sent = self.adapter.add_tools(body, specs, last)
-                request = client.build_request(job.method, job.url, headers=job.headers,
-                                               content=json.dumps(sent).encode())
+                request = upstream.request(job, json.dumps(sent).encode())
                 self.round = Round(time.time(), request.content)
                 job.rounds.append(self.round)
-                resp = await client.send(request, stream=True)
+                resp = await upstream.send(request)
                 self.round.status, self.round.headers = resp.status_code, resp.headers.multi_items()
                 try:
-                    if resp.status_code == 400 and round_ == 0:
-                        # The rejection may be ours (the frame, a tool): once, as the client sent it.
-                        log.warning("perpetuity: upstream refused the request with our changes "
-                                    "(400); retrying it as the client sent it")
-                        job.body, job.original = job.original or job.body, None
-                        return await self.relay._forward(job, self.http)
+                    # Our tools changed even a body we left alone: the client's own goes.
+                    if round_ == 0 and (original := as_sent(resp.status_code,
+                                                            job.original or job.body)) is not None:
+                        return await self._as_sent(original)
                     if resp.status_code >= 400:
                         return await self._upstream_error(resp)
                     await self._round(resp)
@@ -280,24 +319,27 @@ class ToolLoop:
                 body = self.adapter.continue_body(body, self.merger.assistant_blocks(), results)
                 self.merger.next_round()
             await self._write(self.merger.finish())
-            self.relay.store_request(job)  # the request before its reply: one writer, in order
-            self.relay._store(job, self.tee)
+            _reply(capture, self.tee)  # the request before its reply: one writer, in order
             await self.http.end()
             return True
         except ConnectionError:
-            self.relay.store_request(job)
+            capture.sent()
             return False
         except Exception as e:  # upstream, a tool (an OSError from a notes root), our own bug
             if not isinstance(e, httpx.HTTPError | ValueError):
                 log.exception("perpetuity: the recall tools failed")
-            self.relay.store_request(job)
+            capture.sent()
             if not self.started:  # fall back to the client's own request, untouched
-                job.body, job.original = job.original or job.body, None
-                return await self.relay._forward(job, self.http)
+                return await self._as_sent(job.original or job.body)
             what = "upstream" if isinstance(e, httpx.HTTPError | ValueError) else "a recall tool"
             await self._write(self.adapter.error_event(f"perpetuity: {what} failed: {e}"))
             await self.http.end()
             return True
+
+    async def _as_sent(self, original: bytes) -> bool:
+        """The client's own request, untouched, through the plain exchange."""
+        self.job.body, self.job.original = original, None
+        return await self.upstream.forward(self.capture, self.http)
 
     async def _round(self, resp: httpx.Response) -> None:
         if not self.job.stream:
@@ -315,7 +357,7 @@ class ToolLoop:
                     continue
                 if out := cast(StreamMerging, self.merger).feed(ev.event, data):
                     await self._write(out)
-        self.relay.store_request(self.job)
+        self.capture.sent()
 
     async def _start(self, resp: httpx.Response) -> None:
         if not self.started:
@@ -336,8 +378,9 @@ class ToolLoop:
         results = []
         loop = asyncio.get_running_loop()
         for call_id, name, args in calls:
-            task = asyncio.ensure_future(self.relay.run_tool(name, args, self.job.memory))
-            deadline = loop.time() + self.relay.tool_timeout
+            task = asyncio.ensure_future(self.upstream.run_tool(name, args, self.job.memory))
+            timeout = self.upstream.tool_timeout
+            deadline = loop.time() + timeout
             while True:
                 left = deadline - loop.time()
                 done, _ = await asyncio.wait({task}, timeout=max(0.0, min(PING_EVERY, left)))
@@ -352,8 +395,8 @@ class ToolLoop:
             if not task.done():
                 # The model is told and the reply goes on; the tool's thread finishes on its own.
                 task.cancel()
-                log.warning("perpetuity: %s timed out after %g s", name, self.relay.tool_timeout)
-                results.append((call_id, f"{name}: timed out after {self.relay.tool_timeout:g} s"))
+                log.warning("perpetuity: %s timed out after %g s", name, timeout)
+                results.append((call_id, f"{name}: timed out after {timeout:g} s"))
                 continue
             results.append((call_id, task.result()))
         await asyncio.sleep(0)  # let a hang-up that already arrived be seen
@@ -364,7 +407,7 @@ class ToolLoop:
     async def _upstream_error(self, resp: httpx.Response) -> bool:
         """An error from the provider: as it was sent, if the client has seen nothing yet."""
         raw = await resp.aread()
-        self.relay.store_request(self.job)
+        self.capture.sent()
         if not self.started:
             self.started = True
             _start(self.http, resp)
@@ -379,4 +422,4 @@ class ToolLoop:
 def _start(http: Http11, resp: httpx.Response) -> None:
     """Upstream's head, hop-by-hop headers left out; the body follows chunked."""
     http.start(resp.status_code, resp.reason_phrase,
-               [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _HOP])
+               [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in HOP_BY_HOP])

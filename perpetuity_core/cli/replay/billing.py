@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from perpetuity_core.memory.index import token_estimate
+from perpetuity_core.serve.plan import READ, TTL, WRITE
 
-READ, WRITE_5M, WRITE_1H = 0.1, 1.25, 2.0
-TTL_5M, TTL_1H = 300.0, 3600.0
+# The cache the plan prices (serve/plan.py: READ, a 5-minute WRITE, TTL), and the 1-hour entry
+# a harness's own mark may ask for, which only the bill meets.
+WRITE_1H, TTL_1H = 2.0, 3600.0
 LOOKBACK = 20  # blocks before a mark where Anthropic still finds a cached prefix
 IMAGE_TOKENS = 1_600  # an image near Anthropic's 1.15-megapixel cap: (w*h)/750
 
@@ -136,7 +138,7 @@ def _ttl(block: Any) -> float:
     mark = block.get("cache_control") if isinstance(block, dict) else None
     if not isinstance(mark, dict):
         return 0.0
-    return TTL_1H if mark.get("ttl") == "1h" else TTL_5M
+    return TTL_1H if mark.get("ttl") == "1h" else TTL
 
 
 def anthropic_blocks(body: dict[str, Any]) -> list[Block]:
@@ -208,7 +210,7 @@ class AnthropicCache:
             if ends[m] < minimum:
                 continue
             if ends[m] > covered:  # the stretch since the last cached point, written here
-                price = WRITE_1H if blocks[m].ttl == TTL_1H else WRITE_5M
+                price = WRITE_1H if blocks[m].ttl == TTL_1H else WRITE
                 bill.written += ends[m] - covered
                 bill.write_cost += price * (ends[m] - covered)
                 covered = ends[m]
@@ -269,7 +271,7 @@ class OpenAICache:
             read = OPENAI_MIN_TOKENS + (shared - OPENAI_MIN_TOKENS) // OPENAI_STEP * OPENAI_STEP
         if total >= OPENAI_MIN_TOKENS:
             for b in blocks:
-                self.entries[b.key] = at + TTL_5M
+                self.entries[b.key] = at + TTL
         price = openai_read_price(model)
         return Bill(tokens=total, read=read, uncached=total - read, read_cost=price * read,
                     uncached_cost=float(total - read))

@@ -35,7 +35,7 @@ from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory import importers
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import HttpRequest
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Provider
 from perpetuity_core.wire.protocols import ADAPTERS, anthropic
 
@@ -70,8 +70,8 @@ def _pipeline(db: Path | None, options: dict[str, Any]) -> Iterator[Pipeline]:
     with tempfile.TemporaryDirectory() as tmp:
         store = open_memory(db or Path(tmp) / "replay.db")
         try:
-            yield Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider},
-                           **{"notes_root": Path(tmp) / "notes", **options})
+            yield Pipeline(store, Settings(upstreams={p: "http://127.0.0.1:9" for p in Provider},
+                                           **{"notes_root": Path(tmp) / "notes", **options}))
         finally:
             store.close()
 
