@@ -45,8 +45,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -281,7 +285,7 @@ def scale(size: int, url: str, args: argparse.Namespace, tmp: Path) -> dict:
     return out
 
 
-def psycopg_connect(url: str):  # noqa: ANN201 - a psycopg connection
+def psycopg_connect(url: str) -> psycopg.Connection:
     import psycopg
 
     return psycopg.connect(url, autocommit=True)

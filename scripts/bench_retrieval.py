@@ -41,7 +41,9 @@ import sqlite3
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -263,7 +265,7 @@ def pct(xs: list[float]) -> dict:
             "mean_ms": round(float(a.mean()), 3)}
 
 
-def timed(fn, items) -> tuple[list, list[float]]:  # noqa: ANN001
+def timed(fn: Callable[[Any], Any], items: Iterable[Any]) -> tuple[list, list[float]]:
     out, times = [], []
     for it in items:
         t0 = time.perf_counter()

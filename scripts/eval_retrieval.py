@@ -287,8 +287,6 @@ def main() -> int:
         "scan bm25 k1=0.9 b=0.4 + context before .5/.3/.2 only": ranked_by(P(after=())),
         "scan bm25 k1=0.9 b=0.4 + context before .6/.4/.3/.2 after .3/.2/.1":
             ranked_by(P(before=(0.6, 0.4, 0.3, 0.2))),
-        "scan shipped + rare-term weighting idf^1.5": ranked_by(P(idf_power=1.5)),
-        "scan shipped + rare-term weighting idf^2": ranked_by(P(idf_power=2.0)),
         "experiment: shipped + phrase bonus (adjacent word pairs) x0.6":
             lambda: phrase_rankings(*memory(True), 0.6),
         "sqlite fts5 porter unicode61, OR, bm25()": lambda: fts5_rankings(memory(True)[1]),

@@ -7,9 +7,13 @@ import argparse
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from perpetuity_core.cli import search
 from perpetuity_core.errors import ConfigError
+
+if TYPE_CHECKING:  # imported by the commands that use it: the CLI starts light
+    from perpetuity_core.memory.store import Store
 
 DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity)"
 
@@ -56,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=func)
 
 
-def _open(db: str | None):  # noqa: ANN202 - a Store
+def _open(db: str | None) -> Store:
     from perpetuity_core.memory.schema import open_memory
     from perpetuity_core.memory.store import default_db_path
 
@@ -88,16 +92,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     source = sqlite_path(args.source)
     if not source.is_file():
         raise ConfigError(f"no memory at {source}")
-    store = _open(str(source))  # brought to the current schema before it is copied
+    origin = _open(str(source))  # brought to the current schema before it is copied
     try:
-        before = check(store)
+        before = check(origin)
+        store = _open(args.target)
+        try:
+            copied = copy_memory(origin, store, progress=not args.quiet)
+        finally:
+            store.close()
     finally:
-        store.close()
-    store = _open(args.target)
-    try:
-        copied = copy_memory(source, store, progress=not args.quiet)
-    finally:
-        store.close()
+        origin.close()
     store = _open(args.target)  # reopened: the copied settings (identity salt) are read afresh
     try:
         after = check(store)

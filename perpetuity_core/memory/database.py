@@ -35,12 +35,22 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Sequence, Sized
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
-from perpetuity_core.memory.dialect import PgConnection, Postgres, Sql, driver_errors
+from perpetuity_core.memory.dialect import (
+    SQL,
+    PgConnection,
+    Postgres,
+    Sql,
+    Translated,
+    driver_errors,
+    translate_legacy,
+)
+from perpetuity_core.memory.dictionary import Dictionary, shipped
 
 
 class _Tracked(pw.Database):
@@ -93,8 +103,6 @@ class PostgresDatabase(_Tracked, Postgres):
     pass
 
 
-db = pw.DatabaseProxy()  # SQLite, or PostgreSQL (dialect.py): Store.__init__ decides
-
 # WAL lets readers scan while the single writer appends; NORMAL is durable across process crashes
 # (only an OS crash can lose the last commits), which is the trade SQLite documents for WAL.
 PRAGMAS = {"journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1, "busy_timeout": 5000}
@@ -103,17 +111,6 @@ PRAGMAS = {"journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1, "b
 # Every writer of a PostgreSQL memory, in every process, takes this transaction-level lock
 # first, shared or exclusive (module docstring). The key is arbitrary, fixed forever.
 WRITE_LOCK = 0x7065727065747569
-
-
-def postgres() -> bool:
-    return isinstance(db.obj, pw.PostgresqlDatabase)
-
-
-def connection() -> Sql:
-    """This thread's connection, as the store's SQL (SQLite's) runs on it."""
-    raw = db.connection()
-    return PgConnection(raw) if postgres() else raw
-
 
 _ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, pw.PeeweeException, *driver_errors())
 
@@ -135,38 +132,89 @@ def failing_as(what: str) -> Iterator[None]:
         raise StoreError(f"could not {what}: {' '.join(str(cause).split())}") from e
 
 
-@contextmanager
-def writing(what: str, *, ordered: bool = True) -> Iterator[Sql]:
-    """The one way to write: a transaction that takes the write lock when it begins.
+class Database:
+    """One memory's database, owned by its Store (`store.db`) and handed to everything that
+    reads or writes it: peewee's `Database` for that file or URL, bound when the store opens,
+    never a process-wide one, so two stores in one process each keep their own connections.
 
-    A deferred `BEGIN` that reads before it writes gets "database is locked" at once, busy
-    timeout ignored, when another connection committed in between (SQLite cannot upgrade a
-    stale read snapshot): two processes storing 1,500 messages each failed 36 and 40 writes in
-    the review, 4 and 2 in scripts/bench_writers.py here (the batched flush reads first); with
-    BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each. On PostgreSQL an
-    unordered write takes the lock shared, an ordered one exclusive (module docstring); SQLite
-    has one writer at a time either way. Nested, it is a savepoint of the enclosing write."""
-    if not postgres():
-        with failing_as(what), db.atomic("IMMEDIATE"):
-            yield db.connection()
-        return
-    with failing_as(what), db.atomic():
-        conn = connection()
-        conn.execute(f"SELECT pg_advisory_xact_lock{'' if ordered else '_shared'}(?)",
-                     (WRITE_LOCK,))
-        yield conn
+    Peewee keeps one connection per thread (the store's writer, the scanner's, the recall
+    tools', the preparing thread); closing the handle closes them all."""
+
+    def __init__(self, location: Path | str) -> None:
+        self.postgres = not isinstance(location, Path)
+        self.peewee: Sqlite | PostgresDatabase = (
+            PostgresDatabase(str(location)) if self.postgres
+            else Sqlite(str(location), pragmas=PRAGMAS, check_same_thread=False))
+        # The dictionary the rows are derived with, as dictionary.live_dictionary last read it
+        # (None until the store reads it on open), and the live versions whose body this
+        # database does not hold.
+        self.live: Dictionary | None = None
+        self.missing: set[str] = set()
+
+    @property
+    def dictionary(self) -> Dictionary:
+        """The live dictionary of this memory: the shipped one until the store has read it."""
+        return self.live if self.live is not None else shipped()
+
+    def pick(self, sql: SQL) -> str:
+        """The statement as this database's driver takes it."""
+        return sql.postgres if self.postgres else sql.sqlite
+
+    def legacy(self, sql: str) -> str:
+        """A statement written once, in SQLite's dialect, as this database runs it: the
+        migrations' DDL and the cold statements (dialect.translate_legacy); never per request."""
+        return translate_legacy(sql) if self.postgres else sql
+
+    def translated(self, conn: Sql | None = None) -> Sql:
+        """`conn` (this thread's connection by default) running statements written once in
+        SQLite's dialect: the cold paths' (maintenance commands, the integrity check, tests)."""
+        conn = conn if conn is not None else self.connection()
+        return Translated(conn) if self.postgres else conn
+
+    def connection(self) -> Sql:
+        """This thread's connection: sqlite3's, or a psycopg one (dialect.PgConnection)."""
+        raw = self.peewee.connection()
+        return PgConnection(raw) if self.postgres else raw
+
+    def close(self) -> None:
+        """Close every thread's connection; a thread still reading gets a StoreError."""
+        self.peewee.close_all()
+
+    @contextmanager
+    def writing(self, what: str, *, ordered: bool = True) -> Iterator[Sql]:
+        """The one way to write: a transaction that takes the write lock when it begins.
+
+        A deferred `BEGIN` that reads before it writes gets "database is locked" at once, busy
+        timeout ignored, when another connection committed in between (SQLite cannot upgrade a
+        stale read snapshot): two processes storing 1,500 messages each failed 36 and 40 writes
+        in the review, 4 and 2 in scripts/bench_writers.py here (the batched flush reads
+        first); with BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each.
+        On PostgreSQL an unordered write takes the lock shared, an ordered one exclusive
+        (module docstring); SQLite has one writer at a time either way. Nested, it is a
+        savepoint of the enclosing write."""
+        if not self.postgres:
+            with failing_as(what), self.peewee.atomic("IMMEDIATE"):
+                yield self.peewee.connection()
+            return
+        with failing_as(what), self.peewee.atomic():
+            conn = self.connection()
+            conn.execute(_LOCK_ORDERED if ordered else _LOCK_SHARED, (WRITE_LOCK,))
+            yield conn
+
+    @contextmanager
+    def snapshot(self, what: str) -> Iterator[Sql]:
+        """A read transaction: everything read inside it is of one commit (WAL: never blocked;
+        on PostgreSQL, REPEATABLE READ: one snapshot for the whole transaction)."""
+        if not self.postgres:
+            with failing_as(what), self.peewee.atomic():
+                yield self.peewee.connection()
+            return
+        with failing_as(what), self.peewee.atomic(isolation_level="REPEATABLE READ"):
+            yield self.connection()
 
 
-@contextmanager
-def snapshot(what: str) -> Iterator[Sql]:
-    """A read transaction: everything read inside it is of one commit (WAL: never blocked;
-    on PostgreSQL, REPEATABLE READ: one snapshot for the whole transaction)."""
-    if not postgres():
-        with failing_as(what), db.atomic():
-            yield db.connection()
-        return
-    with failing_as(what), db.atomic(isolation_level="REPEATABLE READ"):
-        yield connection()
+_LOCK_ORDERED = "SELECT pg_advisory_xact_lock(?)"
+_LOCK_SHARED = "SELECT pg_advisory_xact_lock_shared(?)"
 
 
 # The most values one IN-list takes: SQLite's host parameters were limited to 999 before 3.32.

@@ -22,17 +22,22 @@ import hashlib
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.dialect import Sql
+from perpetuity_core.memory.dialect import SQL, Sql
+
+if TYPE_CHECKING:
+    from tokenizers.normalizers import Normalizer
+    from tokenizers.pre_tokenizers import PreTokenizer
+
+    from perpetuity_core.memory.database import Database
 
 DATA_FILE = "retrieval-dictionary.json.gz"
 STOP_ID = 0  # stop words: counted nowhere, scored nowhere
@@ -219,33 +224,6 @@ def shipped() -> Dictionary:
     return Dictionary.from_file(shipped_path())
 
 
-_live: Dictionary | None = None
-
-
-def load() -> Dictionary:
-    """The live dictionary: the one the memory's rows are derived with (the store sets it on
-    open and follows a flip, see `use`), the shipped one until then."""
-    return _live if _live is not None else shipped()
-
-
-def use(d: Dictionary | None) -> None:
-    """Make `d` the live dictionary (None: the shipped one)."""
-    global _live
-    _live = d
-
-
-@contextmanager
-def using(d: Dictionary) -> Iterator[Dictionary]:
-    """`d` live for a while (re-deriving rows under a version before its flip), in a process
-    that does not serve meanwhile."""
-    before = _live
-    use(d)
-    try:
-        yield d
-    finally:
-        use(before)
-
-
 def build(word_counts: dict[str, int], min_count: int = 2) -> dict:
     """The dictionary's data from the word counts of a corpus (see scripts/build_dictionary.py).
 
@@ -284,7 +262,7 @@ def build(word_counts: dict[str, int], min_count: int = 2) -> dict:
     return {"version": f"1-{digest}", "stems": stems, "term_of": term_of, "tokenizer": tokenizer}
 
 
-def make_normalizer():  # noqa: ANN201 - a tokenizers object
+def make_normalizer() -> Normalizer:
     from tokenizers import normalizers
 
     return normalizers.Sequence(
@@ -292,7 +270,7 @@ def make_normalizer():  # noqa: ANN201 - a tokenizers object
     )
 
 
-def make_pre_tokenizer():  # noqa: ANN201 - a tokenizers object
+def make_pre_tokenizer() -> PreTokenizer:
     from tokenizers import Regex, pre_tokenizers
 
     # Words are runs of letters and digits; apostrophes split ("don't" -> "don", "t"), and the
@@ -303,29 +281,30 @@ def make_pre_tokenizer():  # noqa: ANN201 - a tokenizers object
 # --- The live version of a memory
 
 
-def live_dictionary(conn: Sql) -> Dictionary:
-    """The dictionary the database names live, made live in this process (loaded once per
-    version): a flip by another process is followed by the next write or catch-up."""
-    current = load()
+def live_dictionary(db: Database, conn: Sql) -> Dictionary:
+    """The dictionary the database names live, made live in that memory's handle (`db.live`;
+    loaded once per version): a flip by another process is followed by the next write or
+    catch-up."""
+    current = db.dictionary
     row = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
-    if row is None or row[0] == current.version or row[0] in _missing:
+    if row is None or row[0] == current.version or row[0] in db.missing:
         return current
     if row[0] == shipped().version:
         d = shipped()
-    elif body := conn.execute("SELECT body FROM dictionary WHERE version = ?",
+    elif body := conn.execute(_BODY.postgres if db.postgres else _BODY.sqlite,
                               (row[0],)).fetchone():
         d = Dictionary.from_bytes(body[0])
     else:
-        _missing.add(row[0])
+        db.missing.add(row[0])
         return current
-    use(d)
+    db.live = d
     return d
 
 
-_missing: set[str] = set()  # live versions whose body the database does not hold
+_BODY = SQL.both("SELECT body FROM dictionary WHERE version = ?")
 
 
-def dictionary_notice(conn: Sql) -> str | None:
+def dictionary_notice(db: Database, conn: Sql) -> str | None:
     """One line when the memory's rows are not on the dictionary this release ships."""
     (live,) = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
     ours = shipped().version
@@ -333,7 +312,7 @@ def dictionary_notice(conn: Sql) -> str | None:
         return None
     how = ("run `perpetuity memory dictionary rederive` (in the background, the proxy keeps"
            " serving), then `perpetuity memory dictionary flip`")
-    if live in _missing:
+    if live in db.missing:
         return (f"the memory's rows are on retrieval dictionary {live}, which it does not hold:"
                 f" searches tokenise with the shipped {ours} until re-derived; {how}")
     return (f"the memory's rows are on retrieval dictionary {live}, this release ships"

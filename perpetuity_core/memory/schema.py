@@ -10,10 +10,8 @@ their historical order, by the names already recorded in users' databases.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-
-import peewee as pw
 
 from perpetuity_core.memory.chains import derive_chains, m004_recall
 from perpetuity_core.memory.heat import derive_activation, m003_heat, m005_standing
@@ -28,9 +26,10 @@ from perpetuity_core.memory.index import (
 )
 from perpetuity_core.memory.names import opening_words
 from perpetuity_core.memory.store import (
+    Database,
     Deriver,
+    Migrate,
     Store,
-    connection,
     m001_initial,
     m006_batched,
     m007_conversation_order,
@@ -41,7 +40,7 @@ from perpetuity_core.memory.store import (
 from perpetuity_core.wire.conversation import Kind, text_part
 
 
-def m009_harness_text(database: pw.Database) -> None:
+def m009_harness_text(db: Database) -> None:
     """Harness text is not memory; conversations have names (names.py).
 
     Items the harness wrote, stored before this was told (Claude Code's mid-conversation system
@@ -51,7 +50,8 @@ def m009_harness_text(database: pw.Database) -> None:
     (tool results) are indexed again without it. Conversations get the title, opening words and
     folder their label is made of; those stored before get their first prompt's opening words.
     """
-    conn = connection()
+    raw = db.connection()
+    conn = db.translated(raw)  # a migration's statements: written once (dialect.translate_legacy)
     for column in ("title", "opening", "folder"):
         conn.execute(f"ALTER TABLE conversation ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
     written = conn.execute("SELECT i.id, i.text, m.role FROM item i JOIN message m"
@@ -72,9 +72,9 @@ def m009_harness_text(database: pw.Database) -> None:
         "SELECT id FROM item WHERE kind = ? AND instr(text, '<system-reminder>') > 0",
         (Kind.TOOL_RESULT.value,))]
     conn.executemany("DELETE FROM retrieval WHERE item_id = ?", [(i,) for i in reminded])
-    settle_in(conn)
-    for items in items_by_message(reminded):
-        derive_retrieval(items)
+    settle_in(db, raw)
+    for items in items_by_message(db, reminded):
+        derive_retrieval(db, items)
     for (cid,) in conn.execute("SELECT id FROM conversation").fetchall():
         first = conn.execute(
             "SELECT i.text FROM message m JOIN item i ON i.message_id = m.id WHERE"
@@ -85,7 +85,7 @@ def m009_harness_text(database: pw.Database) -> None:
                          (opening_words(first[0]), cid))
 
 
-MIGRATIONS: list[Callable[[pw.Database], None]] = [m001_initial, m002_retrieval, m003_heat,
+MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m004_recall, m005_standing, m006_batched,
                                                    m007_conversation_order, m008_retrieval_time,
                                                    m009_harness_text, m010_store_guarantees,
