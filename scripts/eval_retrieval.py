@@ -141,7 +141,7 @@ def dated_rankings(store: Store, convs: list[Conv]) -> list:
 
 def unreachable(convs: list[Conv]) -> dict[str, int]:
     """Questions with an evidence turn sharing no indexed word with the question."""
-    d = dictionary.load()
+    d = dictionary.shipped()
     n = 0
     for conv in convs:
         names = set(d.id_list(" ".join({t.split(":", 1)[0] for t in conv.texts})))
@@ -157,7 +157,7 @@ def phrase_rankings(store: Store, convs: list[Conv], weight: float) -> list:
     pairs of adjacent indexed words (a phrase bonus), with the same conversational context."""
     from collections import Counter
 
-    d = dictionary.load()
+    d = store.db.dictionary
     p = bm25.Params()
 
     def pairs(text: str) -> Counter:

@@ -50,7 +50,7 @@ from perpetuity_core.memory.dialect import (
     driver_errors,
     translate_legacy,
 )
-from perpetuity_core.memory.dictionary import Dictionary, shipped
+from perpetuity_core.memory.dictionary import Dictionary, Live
 
 
 class _Tracked(pw.Database):
@@ -145,16 +145,12 @@ class Database:
         self.peewee: Sqlite | PostgresDatabase = (
             PostgresDatabase(str(location)) if self.postgres
             else Sqlite(str(location), pragmas=PRAGMAS, check_same_thread=False))
-        # The dictionary the rows are derived with, as dictionary.live_dictionary last read it
-        # (None until the store reads it on open), and the live versions whose body this
-        # database does not hold.
-        self.live: Dictionary | None = None
-        self.missing: set[str] = set()
+        self.live = Live(self.postgres)  # the dictionary the rows are derived with
 
     @property
     def dictionary(self) -> Dictionary:
-        """The live dictionary of this memory: the shipped one until the store has read it."""
-        return self.live if self.live is not None else shipped()
+        """This memory's live dictionary (`live.follow` reads which one the database names)."""
+        return self.live.dictionary
 
     def pick(self, sql: SQL) -> str:
         """The statement as this database's driver takes it."""
@@ -213,8 +209,8 @@ class Database:
             yield self.connection()
 
 
-_LOCK_ORDERED = "SELECT pg_advisory_xact_lock(?)"
-_LOCK_SHARED = "SELECT pg_advisory_xact_lock_shared(?)"
+_LOCK_ORDERED = "SELECT pg_advisory_xact_lock(%s)"
+_LOCK_SHARED = "SELECT pg_advisory_xact_lock_shared(%s)"
 
 
 # The most values one IN-list takes: SQLite's host parameters were limited to 999 before 3.32.

@@ -37,8 +37,6 @@ if TYPE_CHECKING:
     from tokenizers.normalizers import Normalizer
     from tokenizers.pre_tokenizers import PreTokenizer
 
-    from perpetuity_core.memory.database import Database
-
 DATA_FILE = "retrieval-dictionary.json.gz"
 STOP_ID = 0  # stop words: counted nowhere, scored nowhere
 UNK_ID = 0  # the word-level model's id for an unseen surface form, resolved in Python
@@ -281,40 +279,50 @@ def make_pre_tokenizer() -> PreTokenizer:
 # --- The live version of a memory
 
 
-def live_dictionary(db: Database, conn: Sql) -> Dictionary:
-    """The dictionary the database names live, made live in that memory's handle (`db.live`;
-    loaded once per version): a flip by another process is followed by the next write or
-    catch-up."""
-    current = db.dictionary
-    row = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
-    if row is None or row[0] == current.version or row[0] in db.missing:
-        return current
-    if row[0] == shipped().version:
-        d = shipped()
-    elif body := conn.execute(_BODY.postgres if db.postgres else _BODY.sqlite,
-                              (row[0],)).fetchone():
-        d = Dictionary.from_bytes(body[0])
-    else:
-        db.missing.add(row[0])
-        return current
-    db.live = d
-    return d
+class Live:
+    """One memory's live dictionary: the one its rows are derived with, as the database names
+    it (the shipped one until read). Each store's handle holds its own (`Database.live`), so
+    two memories in one process each follow their own flips."""
+
+    def __init__(self, postgres: bool) -> None:
+        self._body = _BODY.postgres if postgres else _BODY.sqlite
+        self.current: Dictionary | None = None
+        self.missing: set[str] = set()  # live versions whose body the database does not hold
+
+    @property
+    def dictionary(self) -> Dictionary:
+        return self.current if self.current is not None else shipped()
+
+    def follow(self, conn: Sql) -> Dictionary:
+        """The dictionary the database names live, made this memory's (loaded once per
+        version): a flip by another process is followed by the next write or catch-up."""
+        current = self.dictionary
+        row = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
+        if row is None or row[0] == current.version or row[0] in self.missing:
+            return current
+        if row[0] == shipped().version:
+            d = shipped()
+        elif body := conn.execute(self._body, (row[0],)).fetchone():
+            d = Dictionary.from_bytes(body[0])
+        else:
+            self.missing.add(row[0])
+            return current
+        self.current = d
+        return d
+
+    def notice(self, conn: Sql) -> str | None:
+        """One line when the memory's rows are not on the dictionary this release ships."""
+        (live,) = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
+        ours = shipped().version
+        if live == ours:
+            return None
+        how = ("run `perpetuity memory dictionary rederive` (in the background, the proxy keeps"
+               " serving), then `perpetuity memory dictionary flip`")
+        if live in self.missing:
+            return (f"the memory's rows are on retrieval dictionary {live}, which it does not"
+                    f" hold: searches tokenise with the shipped {ours} until re-derived; {how}")
+        return (f"the memory's rows are on retrieval dictionary {live}, this release ships"
+                f" {ours}; {how}")
 
 
 _BODY = SQL.both("SELECT body FROM dictionary WHERE version = ?")
-
-
-def dictionary_notice(db: Database, conn: Sql) -> str | None:
-    """One line when the memory's rows are not on the dictionary this release ships."""
-    (live,) = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
-    ours = shipped().version
-    if live == ours:
-        return None
-    how = ("run `perpetuity memory dictionary rederive` (in the background, the proxy keeps"
-           " serving), then `perpetuity memory dictionary flip`")
-    if live in db.missing:
-        return (f"the memory's rows are on retrieval dictionary {live}, which it does not hold:"
-                f" searches tokenise with the shipped {ours} until re-derived; {how}")
-    return (f"the memory's rows are on retrieval dictionary {live}, this release ships"
-            f" {ours}; {how}")
-

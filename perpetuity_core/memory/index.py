@@ -22,7 +22,6 @@ from collections.abc import Iterable
 import numpy as np
 
 from perpetuity_core.memory.dialect import SQL, Rows, Sql, marks, trigger
-from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.store import Database, Store, StoredItem, in_chunks
 from perpetuity_core.wire.conversation import Kind, Message, without_scaffold
 
@@ -63,7 +62,7 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
     if not items:
         return
     conn = db.connection()
-    d = live_dictionary(db, conn)  # inside the write lock: a flip elsewhere is seen here
+    d = db.live.follow(conn)  # inside the write lock: a flip elsewhere is seen here
     rows = []
     for it in items:
         if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
@@ -239,11 +238,14 @@ def purge(store: Store, item_ids: Iterable[int]) -> int:
     ids = [(int(i),) for i in item_ids]
     db = store.db
     with db.writing("purge rows") as conn:
-        conn.executemany(db.legacy("DELETE FROM item WHERE id = ?"), ids)  # cascades
-        # Keyed, not linked: no cascade reaches the activations.
-        conn.executemany(db.legacy("DELETE FROM activation WHERE item_id = ?"), ids)
+        conn.executemany(db.pick(_PURGE_ITEM), ids)  # cascades
+        conn.executemany(db.pick(_PURGE_ACTIVATION), ids)  # keyed, not linked
         settle_in(db, conn)
     return len(ids)
+
+
+_PURGE_ITEM = SQL.both("DELETE FROM item WHERE id = ?")
+_PURGE_ACTIVATION = SQL.both("DELETE FROM activation WHERE item_id = ?")
 
 
 def items_by_message(db: Database, item_ids: list[int]) -> list[list[StoredItem]]:

@@ -23,7 +23,6 @@ import numpy as np
 
 from perpetuity_core.memory import chains
 from perpetuity_core.memory.dialect import Sql
-from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.store import Database, Store
 from perpetuity_core.wire.conversation import Kind
 
@@ -35,7 +34,7 @@ def check(store: Store) -> list[str]:
     dialect (`Database.translated`): this runs by hand, never per request."""
     db = store.db
     with db.snapshot("check the memory") as conn:
-        live = live_dictionary(db, conn).version
+        live = db.live.follow(conn).version
         legacy = db.translated(conn)
         return [*_rows(legacy, live), *_counts(legacy), *_orphans(legacy),
                 *_chains(db, conn, legacy), *_ids(legacy)]

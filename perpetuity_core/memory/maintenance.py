@@ -228,7 +228,7 @@ def flip(store: Store, version: str) -> int:
         conn.execute("INSERT INTO setting VALUES ('flips', '1') ON CONFLICT(key) DO UPDATE"
                      " SET value = CAST(CAST(setting.value AS INTEGER) + 1 AS TEXT)")
         (rows,) = conn.execute("SELECT rows FROM retrieval_total").fetchone()
-    db.live = d
+    db.live.current = d
     if not db.postgres:
         _drop_old(db)
     return rows

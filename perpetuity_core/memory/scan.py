@@ -61,7 +61,6 @@ import numpy as np
 from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, build_segment
 from perpetuity_core.memory.bm25 import Params, make_query
 from perpetuity_core.memory.dialect import marks, one_of
-from perpetuity_core.memory.dictionary import live_dictionary
 from perpetuity_core.memory.index import item_text, sequence, totals, unfolded_df
 from perpetuity_core.memory.store import Database, Store, failing_as
 from perpetuity_core.memory.view import Visibility
@@ -114,7 +113,7 @@ class Scanner:
             known = self.arena.version
             if known is None:  # the store's path, or the arena's first catch-up
                 with db.snapshot("read the dictionary version") as conn:
-                    live_dictionary(db, conn)  # a flip (maybe by another process) is followed here
+                    db.live.follow(conn)  # a flip (maybe by another process) is followed here
                     if not self._use_arena:
                         rows, _, _ = totals(conn)
                         self._use_arena = rows > self.store_rows
@@ -128,7 +127,7 @@ class Scanner:
                 # tokenises with it. Otherwise that is not read again: on PostgreSQL the
                 # snapshot reading it cost three round trips a search (BEGIN, the read, COMMIT).
                 with failing_as("read the dictionary version"):
-                    live_dictionary(db, db.connection())
+                    db.live.follow(db.connection())
             if self.arena.stale():  # a flip re-derived every row, or most rows are dead
                 fresh = Arena(db, self.arena.layout, self.arena.threads)
                 read = fresh.catch_up()

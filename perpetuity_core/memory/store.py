@@ -305,8 +305,7 @@ class Store:
         self.batched = dict(batched)
         self._settle = settle
         self._sequence = sequence
-        from perpetuity_core.memory.dictionary import dictionary_notice, live_dictionary
-
+        
         try:
             if isinstance(self.path, Path):
                 _create_private(self.path)
@@ -321,8 +320,8 @@ class Store:
                 (self._behind,) = conn.execute(
                     "SELECT count(*) FROM retrieval WHERE seq > (SELECT min(seq) FROM derived)"
                 ).fetchone()
-                live_dictionary(self.db, conn)
-                self.notice = dictionary_notice(self.db, conn)
+                self.db.live.follow(conn)
+                self.notice = self.db.live.notice(conn)
         except OSError as e:
             raise StoreError(f"cannot open the memory database {self.path}: {e}") from e
         if self.notice:

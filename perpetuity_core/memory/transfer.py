@@ -72,7 +72,7 @@ def _copy(source: Store, read: Sql, target: Store, progress: bool) -> dict[str, 
         if messages:
             raise ConfigError("the target already holds a memory; migrate into an empty one")
         for table in reversed(tables):
-            conn.execute(f"DELETE FROM {table}")
+            conn.execute(f'DELETE FROM "{table}"')  # quoted: `user` is a keyword on PostgreSQL
         for table in tables:
             flags = _booleans(db, conn, table)
             n = 0
