@@ -1,11 +1,16 @@
-"""The database handle the store and every reader share: SQLite (WAL, one writer at a time) or
-PostgreSQL, through peewee, with the one write path and the one error boundary.
+"""The handle on one memory's database, `Database`: SQLite (WAL, one writer at a time) or
+PostgreSQL, through peewee, with the one write path and the one error boundary. Each Store owns
+one (`store.db`) and hands it, or itself, to every module that reads or writes: no module holds
+a process-wide connection, so two stores in one process (a migration, a test) each use their
+own. Only the store imports this module (tests/test_database.py checks it).
 
-Every write goes through `writing` (BEGIN IMMEDIATE: a second process on the same file waits
-for the lock instead of failing; on PostgreSQL, a transaction that first takes WRITE_LOCK, an
-advisory lock every process's writers share), reads that must agree through `snapshot`, and the
-database's errors leave the store as StoreError (`failing_as`). Ids are never handed out twice
-(m010).
+Every write goes through `Database.writing` (BEGIN IMMEDIATE: a second process on the same file
+waits for the lock instead of failing; on PostgreSQL, a transaction that first takes WRITE_LOCK,
+an advisory lock every process's writers share), reads that must agree through
+`Database.snapshot`, and the database's errors leave the store as StoreError (`failing_as`).
+Statements are written per backend (dialect.SQL: `Database.pick` chooses); the few written once
+in SQLite's dialect say so (`Database.legacy`, `Database.translated`). Ids are never handed out
+twice (m010).
 
 Several processes over one PostgreSQL database: every writer of every process takes WRITE_LOCK,
 an advisory lock held until its transaction ends, in one of two modes.

@@ -1,15 +1,20 @@
-"""The store's SQL is SQLite's; on PostgreSQL each statement is translated once (and cached) by
-`translate`, so every module keeps one code path. What differs:
+"""What differs between the backends, written out side by side: no statement is rewritten at
+run time on the request path.
 
-- placeholders `?` become `%s` (a literal `%` doubles);
-- `INSERT OR IGNORE` becomes `ON CONFLICT DO NOTHING`; `INSERT OR REPLACE` (tables keyed by one
-  column, `_KEYS`) becomes an upsert of every column named;
-- `instr` is `strpos`, `group_concat(x)` is `string_agg(x::text, ',')`, the `user` table is quoted,
-  a time cast to INTEGER is truncated first (PostgreSQL's cast rounds);
-- DDL: BLOB is BYTEA, REAL is DOUBLE PRECISION (PostgreSQL's REAL is 4 bytes: epoch seconds
-  would lose their minutes), INTEGER is BIGINT, AUTOINCREMENT keys are BIGSERIAL, WITHOUT ROWID
-  goes; triggers are written per dialect where they are created (`trigger`);
-- an INSERT into a table whose key the write path reads back (`lastrowid`) gets `RETURNING`.
+- `SQL(sqlite=..., postgres=...)`: a statement per backend, each with its driver's placeholders
+  (sqlite3's `?`, psycopg's `%s`); `SQL.both` for one spelled alike but for them. The handle
+  picks (`Database.pick`); precomputed strings, so a per-request statement costs no building.
+- `Rows`: an insert of a message's rows, one statement on PostgreSQL (round trips), executemany
+  on SQLite; `marks` and `one_of`: IN-lists in each driver's style.
+- `trigger`: an AFTER DELETE trigger, per backend.
+- `translate_legacy`: SQLite's dialect translated for PostgreSQL (cached), kept for what is
+  written once and runs by hand: the migrations' DDL and statements, the maintenance commands
+  (purge, dictionary upload/rederive/flip), `memory check`, the CLI's stats, and the tests. It
+  rewrites placeholders, `INSERT OR IGNORE/REPLACE` (tables keyed by one column, `_KEYS`),
+  `instr`, `group_concat`, the `user` table's quoting, a time cast to INTEGER (truncated first:
+  PostgreSQL's cast rounds), and DDL types: BLOB is BYTEA, REAL is DOUBLE PRECISION
+  (PostgreSQL's REAL is 4 bytes: epoch seconds would lose their minutes), INTEGER is BIGINT,
+  AUTOINCREMENT keys are BIGSERIAL, WITHOUT ROWID goes.
 
 Sums come back as `numeric`; they are loaded as int (or float), as SQLite returns them.
 """

@@ -349,7 +349,7 @@ def _section(db: Database, rows: list[Row], asked_at: float, conversation_id: in
         previous: Row | None = None
         for parts in by_message.values():
             first = parts[0]
-            # A row flagged at capture as holding a credential (store.m011) is withheld
+            # A row flagged at capture as holding a credential (schema.m011) is withheld
             # from every other conversation's frame.
             text = "\n".join(withheld(p) if p.secret and c != conversation_id else _quote(p)
                              for p in parts)

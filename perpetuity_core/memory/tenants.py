@@ -57,6 +57,6 @@ def quotes_untrusted(messages: list[Message]) -> bool:
 
 
 def withheld(row: Row) -> str:
-    """A row flagged at capture (the notes' credential scan, store.m011) as another
+    """A row flagged at capture (the notes' credential scan, schema.m011) as another
     conversation sees it; the row stays stored verbatim: it is the user's data."""
     return f"[secret withheld: {row.secret}]"
