@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence, Sized
+import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,9 @@ class _Tracked(pw.Database):
         super().__init__(database, **kwargs)
         self._opened: set[Any] = set()
         self._guard = threading.Lock()
+        # A store dropped without closing (a test's, one the proxy replaced) closes its
+        # connections when it goes, not the collector one by one, each with a warning.
+        weakref.finalize(self, _close_every, self._opened, self._guard)
 
     def connect(self, reuse_if_open: bool = False) -> bool:
         opened = super().connect(reuse_if_open)
@@ -94,10 +98,14 @@ class _Tracked(pw.Database):
         """Close every thread's connection; a thread still reading gets a StoreError."""
         if not self.is_closed():
             self.close()
-        with self._guard:
-            for conn in self._opened:
-                conn.close()
-            self._opened.clear()
+        _close_every(self._opened, self._guard)
+
+
+def _close_every(opened: set[Any], guard: threading.Lock) -> None:
+    with guard:
+        for conn in opened:
+            conn.close()
+        opened.clear()
 
 
 class Sqlite(_Tracked, pw.SqliteDatabase):
@@ -220,11 +228,6 @@ _LOCK_SHARED = "SELECT pg_advisory_xact_lock_shared(%s)"
 
 # The most values one IN-list takes: SQLite's host parameters were limited to 999 before 3.32.
 IN_CHUNK = 500
-
-
-def in_list(values: Sized) -> str:
-    """The `?` placeholders of an IN-list of `values`."""
-    return ",".join("?" * len(values))
 
 
 def in_chunks[T](values: Sequence[T]) -> Iterator[list[T]]:

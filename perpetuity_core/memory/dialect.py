@@ -68,10 +68,10 @@ def _ddl(sql: str) -> str:
 
 @lru_cache(maxsize=1024)
 def translate_legacy(sql: str) -> str:
-    """SQLite's statement as PostgreSQL runs it: the migrations' DDL and the few cold
-    statements still written once (the maintenance commands', the integrity check's, the
-    copy's: run by hand, never per request), through `Database.legacy`. Everything on the
-    write path and the read paths is written per backend (`SQL`, `Rows`) or by peewee."""
+    """SQLite's statement as PostgreSQL runs it: the migrations' and the cold statements still
+    written once (the maintenance commands', the integrity check's, the CLI's stats: run by
+    hand, never per request), through `Database.legacy` or `Database.translated`. The write
+    path and the read paths are written per backend (`SQL`, `Rows`) or built by peewee."""
     if sql.lstrip().upper().startswith(("CREATE", "ALTER")):
         sql = _ddl(sql)
     sql = re.sub(r"\b(FROM|INTO|JOIN|UPDATE|TABLE|ON) user\b", r'\1 "user"', sql, flags=re.I)
@@ -128,6 +128,10 @@ class PgConnection:
         return cursor
 
 
+# The most rows one multi-row VALUES statement takes (more go by psycopg's executemany).
+MANY_ROWS = 100
+
+
 @dataclass(frozen=True, slots=True)
 class Rows:
     """An INSERT of rows from values, per backend: SQLite's one-row statement (run by
@@ -153,9 +157,6 @@ class Rows:
                          [v for row in rows for v in row])
         elif rows:
             conn.executemany(self.head + self.row + self.tail, rows)
-
-
-MANY_ROWS = 100
 
 
 def register_numeric(conn: Any) -> None:

@@ -6,7 +6,8 @@ messages are adjacent).
 
 from __future__ import annotations
 
-import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -156,22 +157,34 @@ def items_of(db: Database, message_ids: set[int]) -> list[int]:
 
 def adjacent_pairs(db: Database, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
     """Pairs of rendered messages (of one conversation, ids ascending) with nothing stored
-    between them."""
+    between them. Cached per database: ids only grow, so nothing can come between two later
+    and the answer keeps (a purge could only add pairs, and then a run is labelled once more
+    than it needs)."""
     if len(ids) < 2:
         return frozenset()
-    return _adjacent_pairs(db, ids)
+    key = (str(db.peewee.database), ids)
+    with _ADJACENT_GUARD:  # frames are built on several threads
+        if (known := _ADJACENT.get(key)) is not None:
+            _ADJACENT.move_to_end(key)
+            return known
+    pairs = _adjacent_pairs(db, ids)
+    with _ADJACENT_GUARD:
+        _ADJACENT[key] = pairs
+        if len(_ADJACENT) > ADJACENT_CACHED:
+            _ADJACENT.popitem(last=False)
+    return pairs
 
 
+# Keyed by the database's file or URL, not its handle: a closed store's handle is not kept.
+ADJACENT_CACHED = 4096
+_ADJACENT_GUARD = threading.Lock()
+_ADJACENT: OrderedDict[tuple[str, tuple[int, ...]], frozenset[tuple[int, int]]] = OrderedDict()
 _BETWEEN = SQL.both(
     "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
     " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id")
 
 
-@functools.lru_cache(maxsize=4096)
 def _adjacent_pairs(db: Database, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
-    """Cached per database: ids only grow, so nothing can come between two later and the
-    answer keeps (a purge could only add pairs, and then a run is labelled once more than it
-    needs)."""
     stored = [i for (i,) in db.connection().execute(db.pick(_BETWEEN),
                                                     (ids[0], ids[0], ids[-1]))]
     follows = dict(zip(stored, stored[1:], strict=False))

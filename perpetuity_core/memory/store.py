@@ -38,11 +38,9 @@ import peewee as pw
 
 from perpetuity_core.errors import StoreError
 from perpetuity_core.memory.database import IN_CHUNK as IN_CHUNK
-from perpetuity_core.memory.database import WRITE_LOCK as WRITE_LOCK
 from perpetuity_core.memory.database import Database as Database
 from perpetuity_core.memory.database import failing_as as failing_as
 from perpetuity_core.memory.database import in_chunks as in_chunks
-from perpetuity_core.memory.database import in_list as in_list
 from perpetuity_core.memory.dialect import SQL, Sql, marks
 from perpetuity_core.memory.location import shown, where
 from perpetuity_core.memory.secrets import secret_kind
