@@ -95,19 +95,14 @@ _BIRTH = SQL(
     " ON CONFLICT (item_id) DO UPDATE SET user_id = excluded.user_id,"
     " conversation_id = excluded.conversation_id, at = excluded.at, peak = excluded.peak,"
     " half_life = excluded.half_life")
-_ADVANCE = SQL(
-    "INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
-    " DO UPDATE SET position = clock.position + excluded.position",
-    "INSERT INTO clock (user_id, position) VALUES (%s, %s) ON CONFLICT(user_id)"
-    " DO UPDATE SET position = clock.position + excluded.position")
-_CLOCK = SQL("SELECT position FROM clock WHERE user_id = ?",
-             "SELECT position FROM clock WHERE user_id = %s")
-_WARM = SQL("SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?",
-            "SELECT item_id, at, peak, half_life FROM activation WHERE user_id = %s AND at >= %s")
-_STANDING_WARM = SQL(_WARM.sqlite + f" AND half_life >= {STANDING_HALF_LIFE}",
-                     _WARM.postgres + f" AND half_life >= {STANDING_HALF_LIFE}")
-_REHEATED = SQL("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?",
-                "UPDATE activation SET at = %s, peak = %s WHERE item_id = %s")
+# The clock moves by an increment in the database (module docstring).
+_ADVANCE = SQL.both("INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
+                    " DO UPDATE SET position = clock.position + excluded.position")
+_CLOCK = SQL.both("SELECT position FROM clock WHERE user_id = ?")
+_WARM = ("SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?")
+_WARM_WINDOW = SQL.both(_WARM)
+_STANDING_WARM = SQL.both(_WARM + f" AND half_life >= {STANDING_HALF_LIFE}")
+_REHEATED = SQL.both("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?")
 
 
 def derive_activation(db: Database, items: list[StoredItem]) -> None:
@@ -152,7 +147,7 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) 
     reached now) applied where they beat the current trajectory, and other users' rows among
     `reheats` at their reheat peak. Reads only."""
     conn = db.connection()
-    rows = conn.execute(db.pick(_WARM), (user_id, now - _WINDOW)).fetchall()
+    rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - _WINDOW)).fetchall()
     # Standing rows stay warm far longer than the window: read through their own small index.
     seen = {r[0] for r in rows}
     for r in conn.execute(db.pick(_STANDING_WARM), (user_id, now - _STANDING_WINDOW)):

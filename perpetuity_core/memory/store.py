@@ -180,13 +180,15 @@ def default_db_path() -> str | Path:
 class Store:
     """One memory: its database (`db`, which it owns and closes) and the one writer of it.
 
-    Writes (`user_id`, `conversation_id`, `add_message`, `flush`, and the writes that take the
-    store: heat, bindings, maintenance) come from one thread at a time: the proxy's writer
-    thread, or the command that opened the store; the caches below are that writer's. Other
-    threads read through `db` (the request thread's frame, the scanner's catch-ups, the recall
-    tools): each gets its own connection from peewee, reads committed rows only (WAL on
-    SQLite, MVCC on PostgreSQL), and the read-only lookups (`find_user`, `find_conversation`)
-    only read those caches, where a missing entry costs one query."""
+    Threads. Writes (`user_id`, `conversation_id`, `name_conversation`, `add_message`, `flush`,
+    and heat's, bindings' and maintenance's writes through `db`) come from one thread at a
+    time: the proxy's writer thread, or the command that opened the store. The caches below
+    are filled by that writer only. Other threads only read: the request thread
+    (`find_user`, `find_conversation`, `message_ids`, `latest_messages`, the frame's reads),
+    the scanner's catch-ups and the recall tools. That is safe because peewee gives each
+    thread its own connection, each read sees committed rows only (WAL on SQLite, MVCC on
+    PostgreSQL), and a reader only looks the caches up (a dict read under the GIL), where a
+    missing entry costs one query."""
 
     def __init__(self, path: str | Path, *, migrations: Sequence[Migrate],
                  derivers: Iterable[Deriver], batched: Mapping[str, BatchDeriver],
