@@ -29,10 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import capture, dictionary, importers, index, maintenance  # noqa: E402
+from perpetuity_core.memory import capture, importers, index, maintenance  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
-from perpetuity_core.memory.store import db  # noqa: E402
+from perpetuity_core.memory.store import Database, Store  # noqa: E402
 from perpetuity_core.memory.transfer import copy_memory  # noqa: E402
+from perpetuity_core.wire.conversation import Message  # noqa: E402
 from scripts.bench_retrieval import parse_size, pct  # noqa: E402
 from scripts.bench_steady import build  # noqa: E402
 from tests import postgres  # noqa: E402
@@ -41,7 +42,7 @@ from tests import postgres  # noqa: E402
 class Writer(threading.Thread):
     """Stores a LoCoMo turn every 20 ms (a growing conversation), timing each."""
 
-    def __init__(self, store, turns) -> None:  # noqa: ANN001
+    def __init__(self, store: Store, turns: list[Message]) -> None:
         super().__init__(daemon=True)
         self.store, self.turns = store, turns
         self.latency: list[tuple[float, float]] = []  # (start, seconds)
@@ -85,27 +86,27 @@ def main() -> int:
         path = Path(tmp) / "flip.db"
         store = open_memory(path)
         build(store, data, size)
-        n_rows, _, n_tokens = index.totals(db.connection())
+        n_rows, _, n_tokens = index.totals(store.db.connection())
         if args.postgresql:
-            store.close()
             url = postgres.fresh_database(stack.enter_context(postgres.server()), "flip")
-            store = open_memory(url)
-            copy_memory(path, store)
+            target = open_memory(url)
+            copy_memory(store, target)
+            target.close()
             store.close()
             store = open_memory(url)  # reopened: the copied settings are read afresh
         turns = [m for t in importers.locomo(data / "locomo" / "locomo10.json")
                  for m in t.messages]
         writer = Writer(store, turns)
         writer.start()
-        version = dictionary.load().version
+        version = store.db.dictionary.version
         # The old version's tables are dropped after the flip's transaction, inside flip():
         # timed apart, so the lock's hold shows.
         dropping: list[float] = []
         drop_old = maintenance._drop_old
 
-        def timed_drop() -> None:
+        def timed_drop(db: Database) -> None:
             t = time.perf_counter()
-            drop_old()
+            drop_old(db)
             dropping.append(time.perf_counter() - t)
 
         maintenance._drop_old = timed_drop

@@ -45,8 +45,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -55,7 +59,7 @@ from perpetuity_core.memory import frame, importers, index, scan  # noqa: E402
 from perpetuity_core.memory.integrity import check  # noqa: E402
 from perpetuity_core.memory.rows import around, shown_rows  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
-from perpetuity_core.memory.store import Store, connection  # noqa: E402
+from perpetuity_core.memory.store import Database, Store  # noqa: E402
 from perpetuity_core.memory.transfer import copy_memory  # noqa: E402
 from perpetuity_core.wire.conversation import Kind, Message, Part  # noqa: E402
 from scripts.bench_retrieval import UNIT_USERS, parse_size, pct, questions  # noqa: E402
@@ -94,7 +98,7 @@ def backend(new_db: Callable[[str], str], args: argparse.Namespace) -> dict:
     cold = scan.Scanner(store, store_rows=0)
     cold.catch_up()
     cold_s = time.perf_counter() - t0
-    rows, _, tokens = index.totals(connection())
+    rows, _, tokens = index.totals(store.db.connection())
     rng = random.Random(7)
     times = []
     for _ in range(args.queries):
@@ -116,7 +120,7 @@ def arena_and_queries(store: Store, queries: list[str]) -> dict:
     scanner = scan.Scanner(store, store_rows=0)
     scanner.catch_up()
     cold_s = time.perf_counter() - t0
-    rows, _, tokens = index.totals(connection())
+    rows, _, tokens = index.totals(store.db.connection())
     times = []
     for q in queries:
         t0 = time.perf_counter()
@@ -136,19 +140,20 @@ def pooled(tmp: str, url: str, n_queries: int) -> dict:
     importers.run(store, "claude-code", SHARED / "claude-code", progress=False)
     import_s = time.perf_counter() - t0
     rng = random.Random(11)
-    texts = [t for (t,) in connection().execute("SELECT text FROM item WHERE kind = 'text'")]
+    texts = [t for (t,) in store.db.translated().execute(
+        "SELECT text FROM item WHERE kind = 'text'")]
     queries = []
     while len(queries) < n_queries:
         words = [w for w in rng.choice(texts).split() if w.isalpha() and len(w) > 4]
         if len(words) >= 3:
             queries.append(" ".join(rng.sample(words, 3)))
     out = {"import_s": round(import_s, 1), "sqlite": arena_and_queries(store, queries)}
-    store.close()
     db = postgres.fresh_database(url, "pooled")
     target = open_memory(db)
     t0 = time.perf_counter()
-    copy_memory(path, target)
+    copy_memory(store, target)
     out["migrate_s"] = round(time.perf_counter() - t0, 1)
+    store.close()
     target.close()
     target = open_memory(db)  # reopened: the copied settings are read afresh
     out["postgresql"] = arena_and_queries(target, queries)
@@ -167,15 +172,16 @@ def frame_reads(scanner: scan.Scanner, q: str, user: int) -> None:
     """A question's search and the reads the frame makes around it (frame._retrieve, _rows):
     the rows around the first hits, then every row it may show."""
     hits = frame.search(scanner, q, user, 1.8e9)
-    near = [i for _, i, _ in around([(h.conversation_id, h.message_id)
-                                     for h in hits[:frame.NEIGHBOUR_HITS]], frame.NEIGHBOURS)]
-    shown_rows([h.item_id for h in hits] + near)
+    near = [i for _, i, _ in around(scanner.db, [(h.conversation_id, h.message_id)
+                                                 for h in hits[:frame.NEIGHBOUR_HITS]],
+                                    frame.NEIGHBOURS)]
+    shown_rows(scanner.db, [h.item_id for h in hits] + near)
 
 
-def statements(run: Callable[[], object], n: int) -> list[dict]:
+def statements(db: Database, run: Callable[[], object], n: int) -> list[dict]:
     """The statements `run` sends to PostgreSQL (pg_stat_statements), per call of it: how many
     of each (IN lists of any length as one) and the server's mean time."""
-    conn = connection()
+    conn = db.connection()
     conn.execute("SELECT pg_stat_statements_reset()")
     run()
     seen: dict[str, list[float]] = {}
@@ -223,9 +229,9 @@ def serve(store: Store, location: str, asked: list[tuple[str, int]], rows: int) 
     if location.startswith("postgresql:"):
         some = asked[:50]
         out["statements_per_search"] = statements(
-            lambda: [scanner.search(q, u, 10) for q, u in some], len(some))
+            store.db, lambda: [scanner.search(q, u, 10) for q, u in some], len(some))
         out["statements_per_frame_reads"] = statements(
-            lambda: [frame_reads(scanner, q, u) for q, u in some], len(some))
+            store.db, lambda: [frame_reads(scanner, q, u) for q, u in some], len(some))
     other_process_writes(location, store, rows)
     t0 = time.perf_counter()
     read = scanner.catch_up()
@@ -240,7 +246,7 @@ def scale(size: int, url: str, args: argparse.Namespace, tmp: Path) -> dict:
     t0 = time.perf_counter()
     copies = build(store, SHARED, size)
     out: dict = {"target_tokens": size, "build_sqlite_s": round(time.perf_counter() - t0, 1)}
-    conn = connection()
+    conn = store.db.translated()
     rows, _, tokens = index.totals(conn)
     uid = {i: r[0] for i in range(UNIT_USERS) if (r := conn.execute(
         "SELECT id FROM user WHERE key = ?", (f"bench:{i}",)).fetchone())}
@@ -252,17 +258,17 @@ def scale(size: int, url: str, args: argparse.Namespace, tmp: Path) -> dict:
     print(f"[{size:,}] built {out}", file=sys.stderr)
     violations: list[str] = []
     out["check_sqlite_s"] = timed(lambda: violations.extend(check(store)))
-    store.close()
     pg = postgres.fresh_database(url, f"scale{size}")
     with psycopg_connect(pg) as admin:
         admin.execute("CREATE EXTENSION pg_stat_statements")
     target = open_memory(pg)
-    out["migrate_s"] = timed(lambda: copy_memory(path, target))
+    out["migrate_s"] = timed(lambda: copy_memory(store, target))
+    store.close()
     target.close()
     target = open_memory(pg)  # reopened: the copied settings are read afresh
     out["check_postgresql_s"] = timed(lambda: violations.extend(check(target)))
     out["check_violations"] = violations
-    (out["postgresql_bytes"],) = connection().execute(
+    (out["postgresql_bytes"],) = target.db.connection().execute(
         "SELECT pg_database_size(current_database())").fetchone()
     target.close()
     # A served memory has long been vacuumed by autovacuum; a fresh copy has not, and
@@ -281,7 +287,7 @@ def scale(size: int, url: str, args: argparse.Namespace, tmp: Path) -> dict:
     return out
 
 
-def psycopg_connect(url: str):  # noqa: ANN201 - a psycopg connection
+def psycopg_connect(url: str) -> psycopg.Connection:
     import psycopg
 
     return psycopg.connect(url, autocommit=True)

@@ -41,7 +41,9 @@ import sqlite3
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +56,7 @@ from perpetuity_core.memory import (
     scan,
 )
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, db  # noqa: E402
+from perpetuity_core.memory.store import Store  # noqa: E402
 
 UNIT_USERS = 20
 
@@ -162,12 +164,12 @@ def ingest(store: Store, users: list[list[importers.Thread]], budget: int) -> di
             "_texts": texts}
 
 
-def replicate(copies: int) -> float:
+def replicate(store: Store, copies: int) -> float:
     """Copy every row of the store `copies` more times under new ids and users (SQL only),
     with its chains (ingest wrote every base row's) and activations, so that no batch is left
     owed and `memory check` holds."""
     t0 = time.perf_counter()
-    conn = db.connection()
+    conn = store.db.connection()  # SQLite's own: this benchmark builds SQLite memories
     maxid = {t: conn.execute(f"SELECT coalesce(max(id), 0) FROM {t}").fetchone()[0]
              for t in ("user", "conversation", "message", "item")}
     (maxseq,) = conn.execute("SELECT coalesce(max(seq), 0) FROM retrieval").fetchone()
@@ -178,7 +180,7 @@ def replicate(copies: int) -> float:
         return [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
 
     conn.execute("BEGIN")
-    index.fold(conn)  # every base row in the counts, so that scaling them stays exact
+    index.fold(store.db, conn)  # every base row in the counts, so that scaling them stays exact
     for r in range(1, copies + 1):
         for table in ("user", "conversation", "message", "item", "retrieval", "chain",
                       "activation"):
@@ -263,7 +265,7 @@ def pct(xs: list[float]) -> dict:
             "mean_ms": round(float(a.mean()), 3)}
 
 
-def timed(fn, items) -> tuple[list, list[float]]:  # noqa: ANN001
+def timed(fn: Callable[[Any], Any], items: Iterable[Any]) -> tuple[list, list[float]]:
     out, times = [], []
     for it in items:
         t0 = time.perf_counter()
@@ -286,7 +288,7 @@ def run_size(size: int, data: Path, qs: list[tuple[str, int]], args: argparse.Na
     res["ingest_write_path"] = ing
     if args.ingest_breakdown:
         # The same messages through the same path without the retrieval deriver: what the
-        # store and capture cost by themselves. (The global database handle is re-pointed.)
+        # store and capture cost by themselves.
         store.close()
         bare = open_memory(tmp / f"bare-{size}.db")
         bare.derivers = [d for d in bare.derivers if d is not index.derive_retrieval]
@@ -296,8 +298,8 @@ def run_size(size: int, data: Path, qs: list[tuple[str, int]], args: argparse.Na
         bare.close()
         store = open_memory(tmp / f"mem-{size}.db")
     n_users_unit = len({u for u, _ in texts})
-    res["replicate_seconds"] = replicate(copies) if copies else 0.0
-    conn = db.connection()
+    res["replicate_seconds"] = replicate(store, copies) if copies else 0.0
+    conn = store.db.connection()
     n_rows, _, n_tokens = index.totals(conn)
     res.update(users=n_users_unit * (copies + 1), rows=n_rows, tokens=n_tokens,
                messages=conn.execute("SELECT count(*) FROM message").fetchone()[0])

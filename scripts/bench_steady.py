@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from perpetuity_core.memory import capture, importers, index, scan  # noqa: E402
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, db  # noqa: E402
+from perpetuity_core.memory.store import Store  # noqa: E402
 from scripts.bench_retrieval import (  # noqa: E402
     UNIT_USERS,
     ingest,
@@ -60,7 +60,7 @@ def run_size(size: int, data: Path, args: argparse.Namespace, tmp: Path) -> dict
     t0 = time.perf_counter()
     copies = build(store, data, size)
     built = time.perf_counter() - t0
-    conn = db.connection()
+    conn = store.db.translated()
     n_rows, _, n_tokens = index.totals(conn)
     print(f"[{size:,}] built {n_rows:,} rows, {n_tokens:,} tokens in {built:.0f}s",
           file=sys.stderr)

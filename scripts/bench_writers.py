@@ -43,14 +43,13 @@ def write(path: str, user: str, n: int) -> None:
     """One writer process: `n` turns, then the number of failed writes on stdout."""
     from perpetuity_core.errors import StoreError
     from perpetuity_core.memory import heat
-    from perpetuity_core.memory.store import connection
     from perpetuity_core.wire.conversation import Kind, Message, Part
 
     s = open_memory(path)
     uid = s.user_id(user)
     cid = s.conversation_id(uid, "c", "anthropic")
     shared = s.user_id(SHARED)
-    (row,) = connection().execute("SELECT i.id FROM item i JOIN message m ON m.id = i.message_id"
+    (row,) = s.db.translated().execute("SELECT i.id FROM item i JOIN message m ON m.id = i.message_id"
                                   " WHERE m.user_id = ?", (shared,)).fetchone()
     writer = int(user.rsplit("-", 1)[1])
     failed = 0
@@ -66,8 +65,8 @@ def write(path: str, user: str, n: int) -> None:
                           provider="anthropic", model="m", at=1.7e9 + i,
                           pair_key=f"{user}-{i}", source="import")
             if role == "assistant":
-                heat.advance(shared, 1)
-                heat.reheat(0.0, {row: peak(writer, i)})
+                heat.advance(s.db, shared, 1)
+                heat.reheat(s.db, 0.0, {row: peak(writer, i)})
         except StoreError:
             failed += 1
     s.flush()
@@ -90,7 +89,6 @@ def main() -> int:
             return 0
         from perpetuity_core.memory import heat
         from perpetuity_core.memory.integrity import check
-        from perpetuity_core.memory.store import connection
         from perpetuity_core.wire.conversation import Kind, Message, Part
 
         store = open_memory(path)  # migrated once, so every writer starts on the same schema
@@ -114,10 +112,10 @@ def main() -> int:
         failures = [d["failed"] for d in done]
         seconds = max(d["end"] for d in done) - min(d["start"] for d in done)
         store = open_memory(path)
-        (stored,) = connection().execute("SELECT count(*) - 1 FROM message").fetchone()
-        (top,) = connection().execute("SELECT peak FROM activation WHERE item_id = ?",
-                                      (item,)).fetchone()
-        clock = heat.clock(shared)
+        conn = store.db.translated()
+        (stored,) = conn.execute("SELECT count(*) - 1 FROM message").fetchone()
+        (top,) = conn.execute("SELECT peak FROM activation WHERE item_id = ?", (item,)).fetchone()
+        clock = heat.clock(store.db, shared)
         violations = check(store)
         store.close()
     print(json.dumps({"processes": args.processes, "messages_each": args.messages,

@@ -141,7 +141,7 @@ def dated_rankings(store: Store, convs: list[Conv]) -> list:
 
 def unreachable(convs: list[Conv]) -> dict[str, int]:
     """Questions with an evidence turn sharing no indexed word with the question."""
-    d = dictionary.load()
+    d = dictionary.shipped()
     n = 0
     for conv in convs:
         names = set(d.id_list(" ".join({t.split(":", 1)[0] for t in conv.texts})))
@@ -157,7 +157,7 @@ def phrase_rankings(store: Store, convs: list[Conv], weight: float) -> list:
     pairs of adjacent indexed words (a phrase bonus), with the same conversational context."""
     from collections import Counter
 
-    d = dictionary.load()
+    d = store.db.dictionary
     p = bm25.Params()
 
     def pairs(text: str) -> Counter:
@@ -287,8 +287,6 @@ def main() -> int:
         "scan bm25 k1=0.9 b=0.4 + context before .5/.3/.2 only": ranked_by(P(after=())),
         "scan bm25 k1=0.9 b=0.4 + context before .6/.4/.3/.2 after .3/.2/.1":
             ranked_by(P(before=(0.6, 0.4, 0.3, 0.2))),
-        "scan shipped + rare-term weighting idf^1.5": ranked_by(P(idf_power=1.5)),
-        "scan shipped + rare-term weighting idf^2": ranked_by(P(idf_power=2.0)),
         "experiment: shipped + phrase bonus (adjacent word pairs) x0.6":
             lambda: phrase_rankings(*memory(True), 0.6),
         "sqlite fts5 porter unicode61, OR, bm25()": lambda: fts5_rankings(memory(True)[1]),

@@ -107,13 +107,14 @@ class Other:
     def __init__(self, location: object) -> None:
         import sqlite3
 
-        from perpetuity_core.memory.dialect import PgConnection
+        from perpetuity_core.memory.dialect import PgConnection, Translated
 
         if isinstance(location, str):
             import psycopg
 
             self.raw = psycopg.connect(location, autocommit=True)
-            self.conn: object = PgConnection(self.raw)
+            # The tests' statements are SQLite's, translated (the store's own are per backend).
+            self.conn: object = Translated(PgConnection(self.raw))
         else:
             self.raw = sqlite3.connect(location, isolation_level=None)
             self.raw.execute("PRAGMA foreign_keys = ON")

@@ -15,7 +15,7 @@ import pytest
 
 from perpetuity_core.memory import arena, bm25, index, scan
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, connection
+from perpetuity_core.memory.store import Store
 from perpetuity_core.memory.view import Frequencies, View, Visibility
 from tests.test_retrieval import WORDS, add, fill, random_text, reference
 
@@ -51,7 +51,7 @@ def test_readers_scan_views_while_the_writer_appends_and_purges(
     def publish_reference() -> None:
         view = sc.arena.view
         views.append(view)
-        item_of.update(connection().execute("SELECT seq, item_id FROM retrieval"))
+        item_of.update(store.db.translated().execute("SELECT seq, item_id FROM retrieval"))
         want[id(view)] = {(q, u): reference(store, q, u, 10) for q, u in asks}
 
     def read(seed: int) -> None:
@@ -61,7 +61,7 @@ def test_readers_scan_views_while_the_writer_appends_and_purges(
                 view = sc.arena.view
                 q, u = r.choice(asks)
                 got.append((view, q, u,
-                            view.top(view.query(q, bm25.Params()), 10, Visibility(u))))
+                            view.top(view.query(store.db.dictionary, q, bm25.Params()), 10, Visibility(u))))
                 sc.search(r.choice(WORDS), u, 5)  # a search's own catch-up races the writer's
         except BaseException as e:  # noqa: BLE001 - the test reports every failure
             errors.append(e)
@@ -77,7 +77,7 @@ def test_readers_scan_views_while_the_writer_appends_and_purges(
                 add(store, user, f"{user}-c{rng.randrange(3)}", [random_text(rng)],
                     at=100.0 + step)
             if step % 7 == 3:
-                live = [i for (i,) in connection().execute("SELECT item_id FROM retrieval")]
+                live = [i for (i,) in store.db.translated().execute("SELECT item_id FROM retrieval")]
                 index.purge(store, rng.sample(live, 5))
             sc.catch_up()
             publish_reference()

@@ -61,8 +61,8 @@ def activation(store: Store) -> list[tuple]:
 def test_rows_are_born_hot_at_the_clock_and_only_exchanges_move_it(store: Store) -> None:
     say(store, "c", "first words", "first reply")
     uid = store.find_user("u")
-    assert heat.clock(uid) == 0.0  # an imported history is born all at once
-    heat.advance(uid, 1200)  # an exchange: what was sent and received
+    assert heat.clock(store.db, uid) == 0.0  # an imported history is born all at once
+    heat.advance(store.db, uid, 1200)  # an exchange: what was sent and received
     say(store, "c", "first words", "first reply", "later words")
     rows = activation(store)
     assert [peak for _, _, peak, _ in rows] == [heat.BIRTH_PEAK] * 3
@@ -77,21 +77,21 @@ def test_an_exchange_advances_the_clock_by_what_it_sent_and_received(tmp_path: P
     req = to_request({"method": "POST", "path": "/v1/chat/completions", "headers": [
         ["authorization", "Bearer k"], ["x-perpetuity-user", "ann"]], "body": body})
     turn = pipeline.store_turn(pipeline.prepare(req).job.pending)
-    assert heat.clock(turn.user_id) == 100
+    assert heat.clock(store.db, turn.user_id) == 100
     pipeline.store_reply(turn, Reply(Message("assistant", (text_part("r" * 80),)), Usage()), 1.0)
-    assert heat.clock(turn.user_id) == 120
+    assert heat.clock(store.db, turn.user_id) == 120
     store.close()
 
 
 def test_reheat_adopts_only_a_better_trajectory_and_nothing_cools_by_writing(store: Store) -> None:
     say(store, "c", "alpha " * 100, "beta " * 100)
     (a, _, _, half), (b, *_) = activation(store)
-    now = heat.clock(store.find_user("u"))
+    now = heat.clock(store.db, store.find_user("u"))
     before = activation(store)
-    heat.warm_set(store.find_user("u"), now + 10 * half, {})  # reading never writes
+    heat.warm_set(store.db, store.find_user("u"), now + 10 * half, {})  # reading never writes
     assert activation(store) == before
     current_b = heat.BIRTH_PEAK  # b was born at `now`: still at its peak
-    assert heat.reheat(now, {a: 2.0, b: current_b * 0.5}) == 1  # only a's reheat beats its path
+    assert heat.reheat(store.db, now, {a: 2.0, b: current_b * 0.5}) == 1  # only a's reheat beats its path
     after = dict((i, (at, peak)) for i, at, peak, _ in activation(store))
     assert after[a] == (now, 2.0) and after[b] == (before[1][1], before[1][2])
 
@@ -99,14 +99,14 @@ def test_reheat_adopts_only_a_better_trajectory_and_nothing_cools_by_writing(sto
 def test_an_idle_agent_forgets_nothing(store: Store) -> None:
     say(store, "c", "remember the blue door", "noted")
     uid = store.find_user("u")
-    now = heat.clock(uid)
-    first = heat.warm_set(uid, now, {})
+    now = heat.clock(store.db, uid)
+    first = heat.warm_set(store.db, uid, now, {})
     time.sleep(0.05)  # wall time passes; the clock does not
-    again = heat.warm_set(uid, heat.clock(uid), {})
+    again = heat.warm_set(store.db, uid, heat.clock(store.db, uid), {})
     assert np.array_equal(first.warmth, again.warmth) and len(first.item_ids) == 2
     # Only processing content moves the clock, and only then does memory cool.
-    heat.advance(uid, 3_000)
-    later = heat.warm_set(uid, heat.clock(uid), {})
+    heat.advance(store.db, uid, 3_000)
+    later = heat.warm_set(store.db, uid, heat.clock(store.db, uid), {})
     assert dict(zip(later.item_ids.tolist(), later.warmth))[int(first.item_ids[0])] < first.warmth[0]
 
 
@@ -130,9 +130,9 @@ def test_standing_instructions_outlast_the_warm_window_and_reach_the_frame(store
     say(store, "setup", "Always show timings in milliseconds.", "Will do.",
         "The staging server is called kestrel.", "Noted.")
     uid = store.find_user("u")
-    heat.advance(uid, 1_000_000)  # a long working life later: ordinary turns are cold
-    warm = heat.warm_set(uid, heat.clock(uid), {})
-    texts = {r.text for r in shown_rows(warm.item_ids.tolist()).values()}
+    heat.advance(store.db, uid, 1_000_000)  # a long working life later: ordinary turns are cold
+    warm = heat.warm_set(store.db, uid, heat.clock(store.db, uid), {})
+    texts = {r.text for r in shown_rows(store.db, warm.item_ids.tolist()).values()}
     assert texts == {"Always show timings in milliseconds."}
     built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
                         query="how fast is the deploy", exclude_messages=[],
@@ -152,13 +152,13 @@ def test_a_pooled_hit_warms_on_the_askers_clock_only(store: Store) -> None:
     say(store, "mine", "notes on the lighthouse renovation budget", "ok", user="ann")
     say(store, "theirs", "lighthouse renovation budget spreadsheet from Bo", "ok", user="bo")
     ann, bo = store.find_user("ann"), store.find_user("bo")
-    heat.advance(bo, 5_000_000)  # Bo's agent has worked far longer than Ann's
+    heat.advance(store.db, bo, 5_000_000)  # Bo's agent has worked far longer than Ann's
     say(store, "theirs", "a later lighthouse renovation budget question", user="bo")
     before = activation(store)
     built = frame.build(Scanner(store, share_pool=True), user_id=ann, conversation_id=None,
                         query="lighthouse renovation budget", exclude_messages=[],
                         asked_at=time.time(), limits=cap.Cap())
-    warm = heat.warm_set(ann, heat.clock(ann), heat.rank_reheats(built.hits + built.below_cap, []))
+    warm = heat.warm_set(store.db, ann, heat.clock(store.db, ann), heat.rank_reheats(built.hits + built.below_cap, []))
     assert warm.foreign and max(warm.warmth) <= heat.REHEAT_TOP
     assert warm.item_ids[0] not in warm.foreign  # Ann's own row ranked first stays first
     assert not set(built.reheats) & warm.foreign
@@ -202,8 +202,8 @@ def test_the_neighbours_of_hits_are_the_messages_beside_each_in_its_conversation
     for n in (1, 2):
         want = [(k, item, m) for k, h in enumerate(hits) for m in beside(h, n)
                 for item in items[m]]
-        assert sorted(around([(conv[h], h) for h in hits], n)) == sorted(want)
-    assert around([], 2) == []
+        assert sorted(around(store.db, [(conv[h], h) for h in hits], n)) == sorted(want)
+    assert around(store.db, [], 2) == []
 
 
 def test_budget_grows_with_the_spread_of_good_matches() -> None:
@@ -262,7 +262,7 @@ def test_a_named_date_ranks_what_was_said_that_day_first(store: Store) -> None:
     def top(query: str) -> str:
         built = frame.build(Scanner(store), user_id=uid, conversation_id=None, query=query,
                             exclude_messages=[], asked_at=time.time(), limits=cap.Cap(10, 10))
-        return shown_rows(built.hits[:1])[built.hits[0]].text
+        return shown_rows(store.db, built.hits[:1])[built.hits[0]].text
 
     assert "garden" in top("What did Jolene ask Deb to help with?")
     assert "can you help me" in top("What did Jolene ask Deb to help with on 13 March, 2023?")
@@ -291,7 +291,7 @@ def test_cap_never_trims_the_recent_stretch(store: Store) -> None:
     ids = say(store, "chat", *[f"turn {i} about gardening " * 30 for i in range(8)])
     uid = store.find_user("u")
     conv = store.find_conversation(uid, "chat")
-    heat.advance(uid, 100_000)  # long ago: everything has gone cold
+    heat.advance(store.db, uid, 100_000)  # long ago: everything has gone cold
     recent = store.latest_messages(conv, 3)
     assert recent == ids[-3:][::-1]
     built = frame.build(Scanner(store), user_id=uid, conversation_id=conv, query="unrelated words",

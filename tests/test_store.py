@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from perpetuity_core.errors import StoreError
 from perpetuity_core.memory import capture, dictionary, heat, index, maintenance, scan
 from perpetuity_core.memory.integrity import check
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, connection, db, postgres
+from perpetuity_core.memory.store import Store
 from perpetuity_core.wire.conversation import Kind, Message, Part
 from tests.conftest import opened_other, query
 from tests.test_retrieval import WORDS, add, fill, ranked, reference, same
@@ -80,7 +79,7 @@ def test_searches_never_fail_while_the_writer_stores_and_purges(store: Store) ->
 
 def test_ids_are_never_reused(store: Store) -> None:
     items = add(store, "u", "c", ["first", "second | part"])
-    newest_message = connection().execute("SELECT max(id) FROM message").fetchone()[0]
+    newest_message = store.db.translated().execute("SELECT max(id) FROM message").fetchone()[0]
     with opened_other(store.path) as other:  # deleted behind the store's back, newest first
         other.execute("DELETE FROM activation WHERE item_id IN (SELECT id FROM item"
                       " WHERE message_id = ?)", (newest_message,))
@@ -88,7 +87,7 @@ def test_ids_are_never_reused(store: Store) -> None:
         other.execute("DELETE FROM message WHERE id = ?", (newest_message,))
     again = add(store, "u", "c", ["third"])
     assert again[0] > max(items)
-    assert connection().execute("SELECT max(id) FROM message").fetchone()[0] > newest_message
+    assert store.db.translated().execute("SELECT max(id) FROM message").fetchone()[0] > newest_message
     store.flush()  # the writer settles what was deleted behind its back
     assert check(store) == []
 
@@ -107,7 +106,7 @@ def test_sqlite_errors_become_store_errors_and_the_turn_is_stored_once_space_ret
                        model="m", messages=history[:n], times=[0.0] * n, source="request")
 
     record(10)
-    conn = connection()
+    conn = store.db.translated()
     (pages,) = conn.execute("PRAGMA page_count").fetchone()
     conn.execute(f"PRAGMA max_page_count = {pages}")
     with pytest.raises(StoreError, match="database or disk is full"):
@@ -127,14 +126,14 @@ def test_purge_removes_a_user_as_a_unit(store: Store) -> None:
     bob_id = store.user_id("bob")
     before = ranked(scanner.search("garden violin", None, 10))
     assert set(alice) <= {i for i, _ in before}
-    heat.advance(store.user_id("alice"), 100)
+    heat.advance(store.db, store.user_id("alice"), 100)
     out = maintenance.purge_user(store, "alice")
     assert (out.messages, out.items) == (2, 3)
     got = ranked(scanner.search("garden violin", None, 10))
     assert {i for i, _ in got} == set(bob)  # the arena caught up on the deletions
     same(got, reference(store, "garden violin", None, 10))
     same(ranked(scanner.search("violin", bob_id, 10)), reference(store, "violin", bob_id, 10))
-    conn = connection()
+    conn = store.db.translated()
     for table in ("activation", "clock", "chain"):
         assert conn.execute(f"SELECT count(*) FROM {table} WHERE user_id = ?",
                             (store.user_id("alice"),)).fetchone() == (0,)
@@ -164,38 +163,38 @@ def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
     assert maintenance.upload(store, tmp_path / "next.json.gz") == version
     assert maintenance.target(store) == version
     # A re-derivation stopped after its first batch (killed) resumes where it stopped.
-    (items,) = connection().execute(
+    (items,) = store.db.translated().execute(
         "SELECT count(*) FROM item WHERE kind != 'context'").fetchone()
-    assert maintenance._rederive_batch(maintenance._dictionary(version), 10) == 10
+    assert maintenance._rederive_batch(store.db, maintenance._dictionary(store.db, version), 10) == 10
     assert maintenance.rederive(store, version, progress=False) == items - 10
     # Dark: the proxy keeps serving (and storing) on the live version meanwhile.
     new = add(store, "u1", "u1-c0", ["zorblax concert guitar"])
-    assert {v for (v,) in connection().execute("SELECT version FROM retrieval")} == {
+    assert {v for (v,) in store.db.translated().execute("SELECT version FROM retrieval")} == {
         dictionary.shipped().version}
     assert set(new) <= {i for i, _ in ranked(scanner.search(q, uid, 10))}
     assert served  # (answered before the upload)
     # Purged after their rows were staged: the flip takes them out of the staged counts.
-    staged = [i for (i,) in connection().execute("SELECT item_id FROM retrieval_next"
+    staged = [i for (i,) in store.db.translated().execute("SELECT item_id FROM retrieval_next"
                                                  " ORDER BY item_id LIMIT 7")]
     index.purge(store, staged)
-    heat_before = connection().execute("SELECT * FROM activation ORDER BY item_id").fetchall()
-    (old_seq,) = connection().execute("SELECT max(seq) FROM retrieval").fetchone()
+    heat_before = store.db.translated().execute("SELECT * FROM activation ORDER BY item_id").fetchall()
+    (old_seq,) = store.db.translated().execute("SELECT max(seq) FROM retrieval").fetchone()
     rows = maintenance.flip(store, version)
     # New seqs: none handed out twice.
-    assert connection().execute("SELECT min(seq) FROM retrieval").fetchone()[0] > old_seq
-    if not postgres():  # the staged structures were swapped in, and nothing is left behind
-        assert not connection().execute(
+    assert store.db.translated().execute("SELECT min(seq) FROM retrieval").fetchone()[0] > old_seq
+    if not store.db.postgres:  # the staged structures were swapped in, and nothing is left behind
+        assert not store.db.translated().execute(
             "SELECT name FROM sqlite_master WHERE name LIKE '%\\_old' ESCAPE '\\'"
             " OR name LIKE '%staged%'").fetchall()
-    assert rows == connection().execute("SELECT count(*) FROM item WHERE kind != 'context'"
+    assert rows == store.db.translated().execute("SELECT count(*) FROM item WHERE kind != 'context'"
                                            ).fetchone()[0]
-    assert dictionary.load().version == version
-    assert {v for (v,) in connection().execute("SELECT version FROM retrieval")} == {version}
+    assert store.db.dictionary.version == version
+    assert {v for (v,) in store.db.translated().execute("SELECT version FROM retrieval")} == {version}
     got = ranked(scanner.search(q, uid, 10))  # the arena rebuilds on the flip
     same(got, reference(store, q, uid, 10))
     assert set(new) <= {i for i, _ in got}
     # Heat untouched: activations are keyed by item, and no item changed.
-    assert connection().execute(
+    assert store.db.translated().execute(
         "SELECT * FROM activation ORDER BY item_id").fetchall() == heat_before
     assert check(store) == []
     add(store, "u1", "u1-c1", ["written under the new version"])
@@ -228,9 +227,9 @@ def test_memory_check_cli_reports_each_violation(memory_at: Path | str,
     path = memory_at
     s = open_memory(path)
     fill(s, random.Random(9), 40)
-    with db.atomic():
-        index.sequence_in(connection())
-        index.fold(connection())
+    with s.db.peewee.atomic():
+        index.sequence_in(s.db, s.db.connection())
+        index.fold(s.db, s.db.connection())
     s.close()
     assert cli.main(["memory", "check", "--db", str(path)]) == 0
     with opened_other(path) as conn:  # break two invariants behind the store's back
@@ -315,7 +314,7 @@ def test_a_sqlite_memory_migrates_to_postgresql_and_checks_on_both_sides(
     fill(s, random.Random(41), 300)  # past BATCH_ROWS and a fold: cursors and counts copied
     index.purge(s, add(s, "u1", "u1-c0", ["purged before the copy"]))
     add(s, "u1", "u1-c0", ["unsettled | stored after the purge"])
-    heat.advance(s.user_id("u1"), 500)
+    heat.advance(s.db, s.user_id("u1"), 500)
     salt = s.salt
     uid = s.user_id("u1")
     q = "garden violin support"
@@ -329,7 +328,7 @@ def test_a_sqlite_memory_migrates_to_postgresql_and_checks_on_both_sides(
     assert "every invariant holds" in capsys.readouterr().err
     t = open_memory(url)
     try:
-        assert t.salt == salt and t.user_id("u1") == uid and heat.clock(uid) == 500
+        assert t.salt == salt and t.user_id("u1") == uid and heat.clock(t.db, uid) == 500
         same(ranked(scan.Scanner(t, store_rows=0).search(q, uid, 10)), want)
         new = add(t, "u1", "u1-c0", ["written after the move"])
         assert min(new) > max(i for i, _ in want) and check(t) == []
@@ -346,33 +345,12 @@ def test_a_turn_said_late_in_a_second_keeps_its_whole_second_through_a_flip(
     flip's and the check's SQL truncate there too."""
     add(store, "u", "c", ["said at three quarters past"], at=1_700_000_000.75)
     assert check(store) == []
-    version = dictionary.load().version
+    version = store.db.dictionary.version
     maintenance.rederive(store, version, progress=False)
     maintenance.flip(store, version)
-    assert connection().execute("SELECT at FROM retrieval").fetchall() == [(1_700_000_000,)]
+    assert store.db.translated().execute("SELECT at FROM retrieval").fetchall() == [(1_700_000_000,)]
     assert check(store) == []
 
-
-def test_closing_the_store_closes_every_threads_connection(tmp_path: Path) -> None:
-    """Peewee opens a connection per reading thread (the scanner's, the tools'): closing the
-    store closes them all, and a thread that reads after the next open reads the new file."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def where() -> str:
-        return db.connection().execute("PRAGMA database_list").fetchone()[2]
-
-    first = open_memory(tmp_path / "first.db")
-    with ThreadPoolExecutor(1) as reader:
-        conn = reader.submit(db.connection).result()
-        assert reader.submit(where).result() == str(tmp_path / "first.db")
-        first.close()
-        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
-            conn.execute("SELECT 1")
-        second = open_memory(tmp_path / "second.db")
-        try:
-            assert reader.submit(where).result() == str(tmp_path / "second.db")
-        finally:
-            second.close()
 
 
 def test_memory_check_reports_a_message_of_a_history_stored_twice(store: Store) -> None:

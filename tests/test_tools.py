@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from perpetuity_core.errors import StoreError
-from perpetuity_core.memory import bindings, capture, chains, dictionary, index, names
+from perpetuity_core.memory import bindings, capture, chains, index, names
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, connection, db
+from perpetuity_core.memory.store import Database, Store
 from perpetuity_core.recall import answers, queries, tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.recall.tools import run
@@ -46,19 +46,19 @@ def say(store: Store, conversation: str, turns: list[tuple[float, str]], user: s
                    model="m", messages=msgs, times=[at for at, _ in turns], source="import")
 
 
-def item(text: str) -> int:
-    (i,) = connection().execute("SELECT id FROM item WHERE text = ?", (text,)).fetchone()
+def item(store: Store, text: str) -> int:
+    (i,) = store.db.translated().execute("SELECT id FROM item WHERE text = ?", (text,)).fetchone()
     return i
 
 
-def message_of(text: str) -> int:
-    (m,) = connection().execute("SELECT message_id FROM item WHERE text = ?", (text,)).fetchone()
+def message_of(store: Store, text: str) -> int:
+    (m,) = store.db.translated().execute("SELECT message_id FROM item WHERE text = ?", (text,)).fetchone()
     return m
 
 
-def number(key: str) -> str:
+def number(store: Store, key: str) -> str:
     """How the tools' answers number the conversation stored as `key` (what a filter takes)."""
-    (c,) = connection().execute("SELECT id FROM conversation WHERE key = ?", (key,)).fetchone()
+    (c,) = store.db.translated().execute("SELECT id FROM conversation WHERE key = ?", (key,)).fetchone()
     return f"c{c}"
 
 
@@ -71,8 +71,8 @@ def rows_of(out: str) -> list[int]:
     return [int(x) for x in re.findall(r"^\[#(\d+)", out, re.MULTILINE)]
 
 
-def user_items(user: str) -> set[int]:
-    return {i for (i,) in connection().execute(
+def user_items(store: Store, user: str) -> set[int]:
+    return {i for (i,) in store.db.translated().execute(
         "SELECT i.id FROM item i JOIN message m ON m.id = i.message_id JOIN user u"
         " ON u.id = m.user_id WHERE u.key = ?", (user,))}
 
@@ -119,18 +119,18 @@ def test_six_tools_with_schemas_and_instructions() -> None:
 @pytest.mark.parametrize("store_rows", [2000, 0])  # scored from the store, and from the arena
 def test_search_labels_rows_and_never_repeats_within_a_turn(memory: Store, store_rows: int) -> None:
     scanner = Scanner(memory, store_rows=store_rows)
-    m = turn(memory, shown={item(HIKE)})  # the frame showed this one
+    m = turn(memory, shown={item(memory, HIKE)})  # the frame showed this one
     first = run("memory_search", {"query": "hiking Oslo", "limit": 2}, m, scanner)
     got = ids(first)
-    assert len(got) == 2 and item(HIKE) not in got
-    assert item(OSLO) in got
+    assert len(got) == 2 and item(memory, HIKE) not in got
+    assert item(memory, OSLO) in got
     # The conversation by its number and its first prompt's opening words, never its key.
-    named = f'{number("trip")} "{names.opening_words(HIKE)}"'
-    assert f"[#{item(OSLO)} · {named} · assistant · 2023-11-14 22:14 UTC] {OSLO}" in first
+    named = f'{number(memory, "trip")} "{names.opening_words(HIKE)}"'
+    assert f"[#{item(memory, OSLO)} · {named} · assistant · 2023-11-14 22:14 UTC] {OSLO}" in first
     second = run("memory_search", {"query": "hiking Oslo", "limit": 2}, m, scanner)
-    assert not set(ids(second)) & set(got) and not set(ids(second)) & {item(HIKE)}
-    assert m.shown == {item(HIKE), *got, *ids(second)}
-    assert set(m.shown) <= user_items("u")
+    assert not set(ids(second)) & set(got) and not set(ids(second)) & {item(memory, HIKE)}
+    assert m.shown == {item(memory, HIKE), *got, *ids(second)}
+    assert set(m.shown) <= user_items(memory, "u")
     # Exhausted: nothing is ever shown twice.
     while ids(out := run("memory_search", {"query": "hiking Oslo"}, m, scanner)):
         assert not set(ids(out)) & (m.shown - set(ids(out)))
@@ -141,19 +141,19 @@ def test_search_filters(memory: Store) -> None:
     scanner = Scanner(memory)
     out = run("memory_search", {"query": "favourite colour", "role": "user"}, turn(memory), scanner)
     # Rows that hold the words first; rows beside them follow on their context's score.
-    assert set(ids(out)[:3]) == {item(BLUE), item(GREEN), item(RED)}
+    assert set(ids(out)[:3]) == {item(memory, BLUE), item(memory, GREEN), item(memory, RED)}
     assert {m.group(3) for m in LABEL.finditer(out)} == {"user"}
-    out = run("memory_search", {"query": "favourite colour", "conversation": number("pets")},
+    out = run("memory_search", {"query": "favourite colour", "conversation": number(memory, "pets")},
               turn(memory), scanner)
-    assert item(GREEN) in ids(out)
-    assert {m.group(2).split()[0] for m in LABEL.finditer(out)} == {number("pets")}
+    assert item(memory, GREEN) in ids(out)
+    assert {m.group(2).split()[0] for m in LABEL.finditer(out)} == {number(memory, "pets")}
     out = run("memory_search", {"query": "favourite colour", "conversation": "current"},
               turn(memory, "old"), scanner)
-    assert {m.group(2).split()[0] for m in LABEL.finditer(out)} == {number("old")}
+    assert {m.group(2).split()[0] for m in LABEL.finditer(out)} == {number(memory, "old")}
     out = run("memory_search", {"query": "favourite colour", "after": "2023-11-14",
                                 "before": "2023-12-01", "role": "user"}, turn(memory), scanner)
     got = ids(out)
-    assert got[0] == item(BLUE) and not {item(GREEN), item(RED)} & set(got)
+    assert got[0] == item(memory, BLUE) and not {item(memory, GREEN), item(memory, RED)} & set(got)
 
 
 def test_a_time_span_is_searched_whole_however_many_better_rows_lie_outside_it(
@@ -169,12 +169,12 @@ def test_a_time_span_is_searched_whole_however_many_better_rows_lie_outside_it(
 
 def test_more_pages_through_below_cap_then_continues_a_cut_row(memory: Store) -> None:
     scanner = Scanner(memory)
-    ranked = [item(GREEN), item(BLUE), item(PURPLE), item(RED), item(REX), item(OSLO)]
-    m = turn(memory, shown={item(BLUE)}, below_cap=ranked)
+    ranked = [item(memory, GREEN), item(memory, BLUE), item(memory, PURPLE), item(memory, RED), item(memory, REX), item(memory, OSLO)]
+    m = turn(memory, shown={item(memory, BLUE)}, below_cap=ranked)
     page = run("memory_more", {"limit": 2}, m, scanner)
-    assert ids(page) == [item(GREEN), item(RED)]  # BLUE was shown, PURPLE is not u's
+    assert ids(page) == [item(memory, GREEN), item(memory, RED)]  # BLUE was shown, PURPLE is not u's
     assert "page 1 of 2" in page
-    assert ids(run("memory_more", {"limit": 2}, m, scanner)) == [item(REX), item(OSLO)]
+    assert ids(run("memory_more", {"limit": 2}, m, scanner)) == [item(memory, REX), item(memory, OSLO)]
     assert "nothing" in run("memory_more", {}, m, scanner)
 
     long = " ".join(f"word{i} about the lighthouse" for i in range(600))
@@ -182,10 +182,10 @@ def test_more_pages_through_below_cap_then_continues_a_cut_row(memory: Store) ->
     m = turn(memory)
     out = run("memory_search", {"query": "lighthouse"}, m, scanner)
     cut = re.search(r"memory_more\(item=(\d+), offset=(\d+)\)", out)
-    assert cut and int(cut.group(1)) == item(long) and len(out) <= answers.RESULT_CHARS
+    assert cut and int(cut.group(1)) == item(memory, long) and len(out) <= answers.RESULT_CHARS
     offset = int(cut.group(2))
     assert long[:offset] in out and long[offset:offset + 50] not in out
-    rest = run("memory_more", {"item": item(long), "offset": offset}, m, scanner)
+    rest = run("memory_more", {"item": item(memory, long), "offset": offset}, m, scanner)
     assert rest.splitlines()[1].startswith(long[offset:offset + 200])
 
 
@@ -208,8 +208,8 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
         say(store, f"c{c}", sorted(turns))
     say(store, "c0", [(T0, "apple pie apple pie")], user="v")
     scanner = Scanner(store)
-    d = dictionary.load()
-    rows = connection().execute(
+    d = store.db.dictionary
+    rows = store.db.translated().execute(
         "SELECT i.text, m.at, c.key FROM item i JOIN message m ON m.id = i.message_id"
         " JOIN conversation c ON c.id = m.conversation_id JOIN user u ON u.id = m.user_id"
         " WHERE u.key = 'u'").fetchall()
@@ -222,7 +222,7 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
                      else want & set(d.ids(text).tolist()))]
         args = {"category": category, "match": match, "limit": 200}
         if conversation:
-            args["conversation"] = number(conversation)
+            args["conversation"] = number(store, conversation)
         out = run("memory_count", args, turn(store, None), scanner)
         assert f": {len(hits)} rows," in out.splitlines()[0], out
         days = Counter(datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
@@ -231,7 +231,7 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
         assert by_date == "by date: " + ", ".join(f"{k} {n}" for k, n in sorted(days.items()))
         by_conv = next(ln for ln in out.splitlines() if ln.startswith("by conversation: "))
         for key, n in Counter(k for _, k in hits).items():
-            assert re.search(rf'{number(key)} "[^"]*" {n} \(', by_conv), by_conv
+            assert re.search(rf'{number(store, key)} "[^"]*" {n} \(', by_conv), by_conv
         assert len(re.findall(r"^#\d+ ", out, re.MULTILINE)) == len(hits)  # every instance listed
     listed = run("memory_count", {"category": "apple", "limit": 3}, turn(store, None), scanner)
     assert len(re.findall(r"^#\d+ ", listed, re.MULTILINE)) == 3
@@ -244,39 +244,39 @@ def test_count_is_exact_against_a_brute_force_count(store: Store) -> None:
 
 def test_chains_follow_a_fact_to_its_latest_state_in_time_order(memory: Store) -> None:
     scanner = Scanner(memory)
-    m = turn(memory, shown={item(BLUE)})
+    m = turn(memory, shown={item(memory, BLUE)})
     out = run("memory_chains", {"subject": "favourite colour"}, m, scanner)
     lines = out.splitlines()
     assert "3 rows about" in lines[0] and "latest state last" in lines[0]
     # Said in that order, whatever the storing order.
-    assert rows_of(out) == [item(RED), item(BLUE), item(GREEN)]
+    assert rows_of(out) == [item(memory, RED), item(memory, BLUE), item(memory, GREEN)]
     assert lines[-1].endswith(GREEN) or GREEN in lines[-2]
-    assert f"#{item(BLUE)}" in out and f"{BLUE}" not in out  # already shown: a stub
+    assert f"#{item(memory, BLUE)}" in out and f"{BLUE}" not in out  # already shown: a stub
     assert "+30 days" in out  # from blue to green
     assert PURPLE not in out
-    assert item(GREEN) in m.shown and item(RED) in m.shown
+    assert item(memory, GREEN) in m.shown and item(memory, RED) in m.shown
 
     page = run("memory_chains", {"subject": "favourite colour", "limit": 2}, turn(memory), scanner)
-    assert rows_of(page) == [item(BLUE), item(GREEN)]
+    assert rows_of(page) == [item(memory, BLUE), item(memory, GREEN)]
     assert "1 earlier row: memory_chains page=2" in page
     older = run("memory_chains", {"subject": "favourite colour", "limit": 2, "page": 2},
                 turn(memory), scanner)
-    assert rows_of(older) == [item(RED)]
+    assert rows_of(older) == [item(memory, RED)]
     assert "no distinctive word" in run("memory_chains", {"subject": "the time"}, m, scanner)
 
 
-def all_chains() -> list[tuple]:
-    return connection().execute(
+def all_chains(store: Store) -> list[tuple]:
+    return store.db.translated().execute(
         "SELECT * FROM chain ORDER BY user_id, term, at, item_id").fetchall()
 
 
-def backfilled() -> list[tuple]:
+def backfilled(store: Store) -> list[tuple]:
     """The chains every stored text row should have, derived from scratch (then put back)."""
-    conn = connection()
-    with db.atomic() as tx:
+    conn = store.db.translated()
+    with store.db.peewee.atomic() as tx:
         conn.execute("DELETE FROM chain")
-        chains.backfill_chains(conn)
-        out = all_chains()
+        chains.backfill_chains(store.db, store.db.connection())
+        out = all_chains(store)
         tx.rollback()
     return out
 
@@ -290,17 +290,17 @@ def chain_answer(store: Store, subject: str, user: str = "u") -> list[int]:
 
 def test_chains_are_written_in_batches_and_backfill_gives_the_same(memory: Store) -> None:
     # Fewer rows than a batch: nothing is in the table yet, and memory_chains sees every row.
-    assert all_chains() == []
-    assert chain_answer(memory, "favourite colour") == [item(RED), item(BLUE), item(GREEN)]
+    assert all_chains(memory) == []
+    assert chain_answer(memory, "favourite colour") == [item(memory, RED), item(memory, BLUE), item(memory, GREEN)]
     memory.flush()
-    before = all_chains()
+    before = all_chains(memory)
     assert ("oslo" in {t for _, t, _, _ in before}) and len(before) > 10
-    assert before == backfilled()
-    assert chain_answer(memory, "favourite colour") == [item(RED), item(BLUE), item(GREEN)]
+    assert before == backfilled(memory)
+    assert chain_answer(memory, "favourite colour") == [item(memory, RED), item(memory, BLUE), item(memory, GREEN)]
     # A purged row leaves its chains (and the binding log) with it.
-    conn = connection()
-    bindings.record_bindings(message_of(GREEN), [item(BLUE)])
-    index.purge(memory, [item(GREEN)])
+    conn = memory.db.translated()
+    bindings.record_bindings(memory.db, message_of(memory, GREEN), [item(memory, BLUE)])
+    index.purge(memory, [item(memory, GREEN)])
     assert not conn.execute("SELECT 1 FROM chain WHERE item_id NOT IN (SELECT id FROM item)"
                             " UNION ALL SELECT 1 FROM binding WHERE item_id NOT IN"
                             " (SELECT id FROM item)").fetchall()
@@ -317,9 +317,9 @@ def test_a_reader_on_its_own_thread_sees_the_chains_of_a_row_stored_just_before(
         for i in range(5):
             say(store, "c", [(T0 + i, f"The kayak number {i} is orange.")])
             got = reader.submit(chain_answer, store, "kayak").result()
-            assert got == [item(f"The kayak number {k} is orange.") for k in range(i + 1)]
-        reader.submit(db.close).result()
-    assert all_chains() == []  # all of it from the pending rows: no batch was written yet
+            assert got == [item(store, f"The kayak number {k} is orange.") for k in range(i + 1)]
+        reader.submit(store.db.peewee.close).result()
+    assert all_chains(store) == []  # all of it from the pending rows: no batch was written yet
 
 
 def test_no_chain_is_lost_across_batches_a_crash_and_a_purged_newest_row(
@@ -332,20 +332,20 @@ def test_no_chain_is_lost_across_batches_a_crash_and_a_purged_newest_row(
     texts = [" ".join(rng.choices(words, k=5)) + f" note{i}" for i in range(20)]
     s = open_memory(tmp_path / "m.db")
     say(s, "a", [(T0 + i, t) for i, t in enumerate(texts[:8])])
-    (cursor,) = connection().execute("SELECT seq FROM derived").fetchone()
+    (cursor,) = s.db.translated().execute("SELECT seq FROM derived").fetchone()
     assert 0 < cursor < 8  # batches were written, the last rows are still pending
     want = chain_answer(s, "violin garden")
     # The disk fails mid-batch: the batch leaves no chain and no cursor behind.
-    def failing(after: int, upto: int) -> None:
-        chains.derive_chains(after, upto)
-        assert all_chains()
+    def failing(db: Database, after: int, upto: int) -> None:
+        chains.derive_chains(db, after, upto)
+        assert all_chains(s)
         raise sqlite3.OperationalError("disk I/O error")  # what raw SQL raises, not peewee's
 
     s.batched["chain"] = failing
     with pytest.raises(StoreError):
         s.flush()
-    assert all_chains() and len(all_chains()) < len(backfilled())
-    assert connection().execute("SELECT seq FROM derived").fetchone() == (cursor,)
+    assert all_chains(s) and len(all_chains(s)) < len(backfilled(s))
+    assert s.db.translated().execute("SELECT seq FROM derived").fetchone() == (cursor,)
     s.close()
     s = open_memory(tmp_path / "m.db")
     try:
@@ -353,20 +353,20 @@ def test_no_chain_is_lost_across_batches_a_crash_and_a_purged_newest_row(
         say(s, "a", [(T0 + i, t) for i, t in enumerate(texts)])  # the rest of the thread
         # The newest row is purged after its batch; its item id is never given out again.
         s.flush()
-        last = max(item(t) for t in texts)
+        last = max(item(s, t) for t in texts)
         index.purge(s, [last])
         say(s, "b", [(T0 + 99, "violin garden again")])
-        assert item("violin garden again") == last + 1
+        assert item(s, "violin garden again") == last + 1
         assert chain_answer(s, "violin garden")[-1] == last + 1
         s.flush()
-        assert all_chains() == backfilled() and last not in {r[3] for r in all_chains()}
+        assert all_chains(s) == backfilled(s) and last not in {r[3] for r in all_chains(s)}
     finally:
         s.close()
 
 
 def test_dates_give_elapsed_times_between_events(memory: Store) -> None:
     out = run("memory_dates", {"query": "hiking"}, turn(memory), Scanner(memory))
-    assert ids(out) == [item(HIKE), item(REX)]
+    assert ids(out) == [item(memory, HIKE), item(memory, REX)]
     head = out.splitlines()[0]
     assert "first to last 10 days" in head and "the latest 30 days" in head
     assert "+10 days" in out.splitlines()[2]
@@ -379,12 +379,12 @@ def test_cooccur_reads_the_binding_log(memory: Store) -> None:
     m = turn(memory)
     assert "not come up in a recorded turn" in run("memory_cooccur", {"topic": "Rex"}, m, scanner)
     # A turn about Rex retrieved the hiking rows; another turn about colours.
-    assert bindings.record_bindings(message_of("Rex sounds fun."),
-                                 [item(REX), item(HIKE), item(OSLO), item(PURPLE)]) == 4
-    bindings.record_bindings(message_of(GREEN), [item(BLUE), item(RED)])
+    assert bindings.record_bindings(memory.db, message_of(memory, "Rex sounds fun."),
+                                 [item(memory, REX), item(memory, HIKE), item(memory, OSLO), item(memory, PURPLE)]) == 4
+    bindings.record_bindings(memory.db, message_of(memory, GREEN), [item(memory, BLUE), item(memory, RED)])
     out = run("memory_cooccur", {"topic": "Rex"}, m, scanner)
     got = ids(out)
-    assert set(got) == {item(HIKE), item(OSLO)}  # Rex's own rows are the topic, not its company
+    assert set(got) == {item(memory, HIKE), item(memory, OSLO)}  # Rex's own rows are the topic, not its company
     assert "oslo (2)" in out and "rex" not in out.splitlines()[1]
     again = run("memory_cooccur", {"topic": "Rex"}, m, scanner)
     assert not ids(again) and "has been shown" in again
@@ -413,20 +413,20 @@ def test_bad_arguments_give_an_error_text(memory: Store) -> None:
         assert says in out and "\n" not in out, (name, args, out)
     assert m.shown == set()
     got = ids(run("memory_search", '{"query": "Rex", "limit": "1"}', m, scanner))
-    assert len(got) == 1 and got[0] in {item(REX), item("Rex sounds fun.")}
+    assert len(got) == 1 and got[0] in {item(memory, REX), item(memory, "Rex sounds fun.")}
     assert "failed" in run("memory_search", {"query": "x"}, m, None)  # type: ignore[arg-type]
 
 
 def test_another_users_rows_never_appear(memory: Store) -> None:
     scanner = Scanner(memory, share_pool=True)  # even from a pooled scanner
-    theirs = user_items("v")
+    theirs = user_items(memory, "v")
     m = turn(memory, below_cap=sorted(theirs))
     for name, args in (("memory_search", {"query": "purple hiking Oslo", "limit": 50}),
                        ("memory_dates", {"query": "purple"}),
                        ("memory_chains", {"subject": "purple"}),
                        ("memory_count", {"category": "purple"}),
                        ("memory_more", {}),
-                       ("memory_more", {"item": item(PURPLE)})):
+                       ("memory_more", {"item": item(memory, PURPLE)})):
         out = run(name, args, m, scanner)
         assert not set(ids(out)) & theirs and PURPLE not in out, out
     assert ": 0 rows." in run("memory_count", {"category": "purple"}, m, scanner)
@@ -437,16 +437,16 @@ def test_a_memory_stored_before_chains_gets_them_when_migrated(tmp_path: Path) -
     s = open_memory(tmp_path / "old.db")
     say(s, "trip", [(T0, HIKE), (T0 + 60, OSLO)])
     s.flush()
-    conn = connection()
+    conn = s.db.translated()
     chained = conn.execute("SELECT * FROM chain ORDER BY term, item_id").fetchall()
-    with db.atomic():  # the database as it was before m004_recall
+    with s.db.peewee.atomic():  # the database as it was before m004_recall
         conn.execute("DROP TABLE chain")
         conn.execute("DROP TABLE binding")
         conn.execute("DELETE FROM migration WHERE name = 'm004_recall'")
     s.close()
     s = open_memory(tmp_path / "old.db")
     try:
-        assert connection().execute(
+        assert s.db.translated().execute(
             "SELECT * FROM chain ORDER BY term, item_id").fetchall() == chained
     finally:
         s.close()

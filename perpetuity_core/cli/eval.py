@@ -317,7 +317,7 @@ def _ranked_holds(pipeline: Pipeline, user: str, query: str, at: float, tokens: 
     if user_id is None or tokens <= 0:
         return False
     hits = frame.search(pipeline.scanner, query, user_id, at)
-    rows = shown_rows([h.item_id for h in hits])
+    rows = shown_rows(pipeline.store.db, [h.item_id for h in hits])
     taken: list[str] = []
     used = 0
     for h in hits:

@@ -8,9 +8,13 @@ import argparse
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from perpetuity_core.cli import search
 from perpetuity_core.errors import ConfigError
+
+if TYPE_CHECKING:  # imported by the commands that use it: the CLI starts light
+    from perpetuity_core.memory.store import Store
 
 DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity)"
 
@@ -62,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=func)
 
 
-def _open(db: str | None):  # noqa: ANN202 - a Store
+def _open(db: str | None) -> Store:
     from perpetuity_core.memory.schema import open_memory
     from perpetuity_core.memory.store import default_db_path
 
@@ -91,11 +95,10 @@ def cmd_users(args: argparse.Namespace) -> int:
     import json
 
     from perpetuity_core.memory import tenants
-    from perpetuity_core.memory.store import connection
 
     store = _open(args.db)
     try:
-        listed = tenants.users(connection())
+        listed = tenants.users(store.db.translated())  # a command's statements: written once
     finally:
         store.close()
     if args.json:
@@ -125,16 +128,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     source = sqlite_path(args.source)
     if not source.is_file():
         raise ConfigError(f"no memory at {source}")
-    store = _open(str(source))  # brought to the current schema before it is copied
+    origin = _open(str(source))  # brought to the current schema before it is copied
     try:
-        before = check(store)
+        before = check(origin)
+        store = _open(args.target)
+        try:
+            copied = copy_memory(origin, store, progress=not args.quiet)
+        finally:
+            store.close()
     finally:
-        store.close()
-    store = _open(args.target)
-    try:
-        copied = copy_memory(source, store, progress=not args.quiet)
-    finally:
-        store.close()
+        origin.close()
     store = _open(args.target)  # reopened: the copied settings (identity salt) are read afresh
     try:
         after = check(store)

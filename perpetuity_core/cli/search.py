@@ -9,8 +9,13 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from perpetuity_core.errors import ConfigError
+
+if TYPE_CHECKING:  # imported by the commands that use them: the CLI starts light
+    from perpetuity_core.memory.scan import Hit
+    from perpetuity_core.memory.store import Store
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +54,7 @@ def add_verbs(sub: argparse._SubParsersAction, alias: bool = False) -> None:
     p.set_defaults(func=cmd_stats)
 
 
-def _open(db: str | None):  # noqa: ANN202 - a Store
+def _open(db: str | None) -> Store:
     from perpetuity_core.memory.schema import open_memory
     from perpetuity_core.memory.store import default_db_path
 
@@ -81,7 +86,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     store = _open(args.db)
     try:
-        user_id = _user(args.user)
+        user_id = _user(store, args.user)
         scanner = scan.Scanner(store, share_pool=args.share_pool)
         if args.query is not None:
             hits = scanner.search(args.query, user_id, args.limit)
@@ -101,14 +106,14 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _user(spec: str | None) -> int | None:
+def _user(store: Store, spec: str | None) -> int | None:
     from perpetuity_core.memory import tenants
-    from perpetuity_core.memory.store import connection
 
-    return None if spec is None else tenants.find_user(connection(), spec)[0]
+    # A command's statements, written once: through the translating connection.
+    return None if spec is None else tenants.find_user(store.db.translated(), spec)[0]
 
 
-def _hit(h) -> dict:  # noqa: ANN001 - a scan.Hit
+def _hit(h: Hit) -> dict:
     return {"id": h.item_id, "message": h.message_id, "user": h.user_id,
             "conversation": h.conversation_id, "role": h.role, "at": h.at,
             "score": round(h.score, 6), "text": h.text}
@@ -125,18 +130,16 @@ def _table(hits: list) -> None:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     """Users, conversations, messages, rows, tokens, dictionary version, arena size."""
-    from perpetuity_core.memory import dictionary
     from perpetuity_core.memory.arena import Arena
-    from perpetuity_core.memory.store import connection
 
     store = _open(args.db)
     try:
-        conn = connection()
+        conn = store.db.translated()  # a command's statements: written once
 
         def one(sql: str) -> int:
             return conn.execute(sql).fetchone()[0]
 
-        arena = Arena()
+        arena = Arena(store.db)
         arena.catch_up()
         stats = {
             "db": store.shown,
@@ -146,7 +149,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "rows": one("SELECT count(*) FROM retrieval"),
             "tokens": one("SELECT coalesce(sum(tokens), 0) FROM retrieval"),
             "indexed_words": one("SELECT coalesce(sum(length), 0) FROM retrieval"),
-            "dictionary": dictionary.load().version,
+            "dictionary": store.db.dictionary.version,
             "row_versions": dict(conn.execute(
                 "SELECT version, count(*) FROM retrieval GROUP BY version").fetchall()),
             "arena_bytes": arena.nbytes(),

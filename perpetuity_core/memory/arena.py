@@ -44,9 +44,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory import dictionary
+from perpetuity_core.memory.dialect import SQL, Sql
 from perpetuity_core.memory.index import order_pending, sequence
-from perpetuity_core.memory.store import connection, failing_as, postgres, snapshot
+from perpetuity_core.memory.store import Database, failing_as
 from perpetuity_core.memory.view import Frequencies, Segment, View
 
 SEGMENT_ROWS = 1 << 16  # local row ids are uint16
@@ -143,41 +143,43 @@ class NewRows:
 # The rows past a cursor as one result row: SQLite concatenates the blobs and lists the integers
 # in one pass, where a Python tuple per row cost twice as long (10k rows: ~9 ms against ~19).
 # The aggregates read the subquery's rows in its order; read_rows checks that seq ascends.
-_NEW_ROWS = (
+# On PostgreSQL, fetched in binary: each integer as its 8-byte big-endian send form (4 for the
+# posting counts), the blobs as stored; its aggregates, too, read the subquery's rows in its
+# order. Reading 52k rows (10M tokens pooled) took 0.29-0.49 s with an ORDER BY in each
+# aggregate (one sort per column) and the text form (decimals and hex to parse); 0.09-0.19 s so.
+_NEW_ROWS = SQL(
     "SELECT count(*), group_concat(seq), group_concat(user_id), group_concat(conversation_id),"
     " group_concat(length), group_concat(at), group_concat(length(counts)),"
     " CAST(group_concat(terms, '') AS BLOB), CAST(group_concat(counts, '') AS BLOB)"
-    " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?)")
-# The same on PostgreSQL, fetched in binary: each integer as its 8-byte big-endian send form
-# (4 for the posting counts), the blobs as stored; its aggregates, too, read the subquery's rows
-# in its order. Reading 52k rows (10M tokens pooled) took 0.29-0.49 s with an ORDER BY in each
-# aggregate (one sort per column) and the text form (decimals and hex to parse); 0.09-0.19 s so.
-_NEW_ROWS_PG = ("SELECT count(*), " + ", ".join(
-    f"string_agg(int8send({c}), '')" for c in ("seq", "user_id", "conversation_id", "length", "at"))
+    " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?)",
+    "SELECT count(*), " + ", ".join(
+        f"string_agg(int8send({c}), '')"
+        for c in ("seq", "user_id", "conversation_id", "length", "at"))
     + ", string_agg(int4send(length(counts)), ''), string_agg(terms, ''), string_agg(counts, '')"
     " FROM (SELECT * FROM retrieval WHERE seq > %s ORDER BY seq LIMIT %s) r")
 
 
-def _fetch(conn, after: int, limit: int) -> tuple[int, list[np.ndarray], bytes, bytes]:  # noqa: ANN001
+def _fetch(db: Database, conn: Sql, after: int,
+           limit: int) -> tuple[int, list[np.ndarray], bytes, bytes]:
     """The rows past `after` as (count, [seq, user, conv, length, at, row_len] as int64,
     terms, counts)."""
-    if postgres():
-        cursor = conn.raw.cursor(binary=True)
-        cursor.execute(_NEW_ROWS_PG, (after, limit))
+    if db.postgres:
+        cursor = conn.raw.cursor(binary=True)  # type: ignore[attr-defined]  # PgConnection's
+        cursor.execute(_NEW_ROWS.postgres, (after, limit))
         count, *ints, row_len, terms, counts = cursor.fetchone()
         if count == 0:
             return 0, [], b"", b""
         return count, [*(np.frombuffer(x, ">i8").astype(np.int64) for x in ints),
                        np.frombuffer(row_len, ">i4").astype(np.int64)], terms, counts
-    count, *ints, terms, counts = conn.execute(_NEW_ROWS, (after, limit)).fetchone()
+    count, *ints, terms, counts = conn.execute(_NEW_ROWS.sqlite, (after, limit)).fetchone()
     if count == 0:
         return 0, [], b"", b""
     return count, [np.fromstring(x, np.int64, sep=",") for x in ints], terms, counts
 
 
-def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 - a connection
+def read_rows(db: Database, conn: Sql, after: int, limit: int) -> NewRows | None:
     """At most `limit` retrieval rows past seq `after`, or None if there are none."""
-    count, columns, terms, counts = _fetch(conn, after, limit)
+    count, columns, terms, counts = _fetch(db, conn, after, limit)
     if count == 0:
         return None
     seq, user, conv, length, at, row_len = columns
@@ -190,8 +192,16 @@ def read_rows(conn, after: int, limit: int) -> NewRows | None:  # noqa: ANN001 -
 
 
 # The dictionary version and flip count the rows were derived under (a flip changes it).
-_VERSION = ("SELECT group_concat(value) FROM (SELECT value FROM setting"
-            " WHERE key IN ('dictionary', 'flips') ORDER BY key) v")
+_VERSION = SQL("SELECT group_concat(value) FROM (SELECT value FROM setting"
+               " WHERE key IN ('dictionary', 'flips') ORDER BY key) v",
+               "SELECT string_agg(value, ',') FROM (SELECT value FROM setting"
+               " WHERE key IN ('dictionary', 'flips') ORDER BY key) v")
+# Anything new since the last catch-up? One statement (see Arena.catch_up).
+_NEWS = SQL(*(f"SELECT ({version}), (SELECT coalesce(max(seq), 0) FROM retrieval),"
+              " (SELECT coalesce(max(seq), 0) FROM retrieval_gone),"
+              " (SELECT EXISTS (SELECT 1 FROM retrieval_pending))" for version in _VERSION))
+_GONE = SQL.both("SELECT seq, row_seq, length, terms FROM retrieval_gone WHERE seq > ?"
+                 " ORDER BY seq")
 
 # The arena's per-row columns and their types (see Arena).
 _COLUMNS = {"seq": np.int64, "user": np.int32, "conv": np.int32, "at": np.int64,
@@ -208,9 +218,11 @@ class Arena:
     `Frequencies`. The attributes seq ... next are the writer's: views of every row so far.
     """
 
-    def __init__(self, layout: str = TERMS, threads: int | None = None) -> None:
+    def __init__(self, db: Database, layout: str = TERMS, threads: int | None = None) -> None:
+        """`db`: the store's database, which each catch-up reads."""
         if layout not in (TERMS, ROWS):
             raise ValueError(f"unknown arena layout {layout!r}")
+        self.db = db
         self.layout = layout
         self.threads = threads or min(4, os.cpu_count() or 1)
         self.segments: list[Segment] = []
@@ -256,41 +268,37 @@ class Arena:
     def catch_up(self) -> int:
         """Read what was stored or deleted since the last catch-up and publish a new view;
         returns rows read. One caller at a time (the scanner's lock); readers need none."""
+        db = self.db
         if self.version is not None:
             # Nothing new, the usual case before a search: one statement, not a snapshot's
             # five round trips (PostgreSQL over TCP: measured 1.2 ms a search against 0.75 on
             # SQLite at 10k rows, most of it here). A row not yet committed is not seen here,
             # and it is read by the next catch-up.
             with failing_as("catch up on memory"):
-                now = connection().execute(
-                    f"SELECT ({_VERSION}), (SELECT coalesce(max(seq), 0) FROM retrieval),"
-                    " (SELECT coalesce(max(seq), 0) FROM retrieval_gone),"
-                    " (SELECT EXISTS (SELECT 1 FROM retrieval_pending))").fetchone()
+                now = db.connection().execute(db.pick(_NEWS)).fetchone()
             if not now[3] and now[:3] == (self.version, min(now[1], self.row_cursor),
                                           min(now[2], self.gone_cursor)):
                 return 0
             # PostgreSQL: rows other processes stored are given their seqs first (a write,
             # index.sequence), so that what this catch-up reads is every committed row.
             if now[3]:
-                order_pending()
+                order_pending(db)
         else:
-            sequence()
-        with snapshot("catch up on memory") as conn:  # one snapshot: rows and deletions agree
+            sequence(db)
+        with db.snapshot("catch up on memory") as conn:  # one snapshot: rows and deletions agree
             # A flip (maintenance.flip) re-writes every row without logging their deletions,
             # and counts itself: a count read here that moved means rebuild.
-            version = conn.execute(_VERSION).fetchone()[0]
+            version = conn.execute(db.pick(_VERSION)).fetchone()[0]
             self._flipped |= self.version is not None and version != self.version
             self.version = version
             new = []
             cursor = self.row_cursor
-            while (rows := read_rows(conn, cursor, SEGMENT_ROWS)) is not None:
+            while (rows := read_rows(db, conn, cursor, SEGMENT_ROWS)) is not None:
                 new.append(rows)
                 cursor = int(rows.seq[-1])
-            gone = conn.execute(
-                "SELECT seq, row_seq, length, terms FROM retrieval_gone WHERE seq > ?"
-                " ORDER BY seq", (self.gone_cursor,)).fetchall()
+            gone = conn.execute(db.pick(_GONE), (self.gone_cursor,)).fetchall()
         if self.df is None:
-            self.df = Frequencies(dictionary.load().hash_base)
+            self.df = Frequencies(db.dictionary.hash_base)
         for rows in new:
             self._append(rows)
         if gone:

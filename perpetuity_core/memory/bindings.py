@@ -7,27 +7,34 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from perpetuity_core.memory.store import in_chunks, in_list, writing
+from perpetuity_core.memory.dialect import SQL, Rows, marks
+from perpetuity_core.memory.store import Database, in_chunks
+
+_USER_OF = SQL.both("SELECT user_id FROM message WHERE id = ?")
+_ITEMS_OF = SQL.both("SELECT id FROM item WHERE message_id = ?")
+_BIND = Rows("INSERT OR IGNORE INTO binding (turn_message_id, item_id) VALUES (?, ?)",
+             "INSERT INTO binding (turn_message_id, item_id) VALUES ", "(%s, %s)",
+             " ON CONFLICT DO NOTHING")
 
 
-def record_bindings(message_id: int, item_ids: Iterable[int]) -> int:
+def record_bindings(db: Database, message_id: int, item_ids: Iterable[int]) -> int:
     """Log that `item_ids` (what a turn retrieved and showed the model: frame rows, tool
     results) came up together with the rows of `message_id` (what the turn stored, usually the
     reply), under that message. The store's writer calls this after each turn: it is the
     binding log's only writer. A row of another user than the message's is never bound.
     Returns how many rows the turn binds."""
-    with writing("log the turn's bindings", ordered=False) as conn:
-        row = conn.execute("SELECT user_id FROM message WHERE id = ?", (message_id,)).fetchone()
+    with db.writing("log the turn's bindings", ordered=False) as conn:
+        row = conn.execute(db.pick(_USER_OF), (message_id,)).fetchone()
         if row is None:
             return 0
-        ids = {i for (i,) in conn.execute("SELECT id FROM item WHERE message_id = ?",
-                                          (message_id,))}
+        ids = {i for (i,) in conn.execute(db.pick(_ITEMS_OF), (message_id,))}
         wanted = sorted(set(item_ids) - ids)
+        mark = "%s" if db.postgres else "?"
         for chunk in in_chunks(wanted):
             ids.update(i for (i,) in conn.execute(
-                "SELECT i.id FROM item i JOIN message m ON m.id = i.message_id WHERE m.user_id = ?"
-                f" AND i.id IN ({in_list(chunk)})", (row[0], *chunk)))
-        conn.executemany("INSERT OR IGNORE INTO binding (turn_message_id, item_id) VALUES (?, ?)",
-                         [(message_id, i) for i in sorted(ids)])
+                "SELECT i.id FROM item i JOIN message m ON m.id = i.message_id WHERE"
+                f" m.user_id = {mark} AND i.id IN ({marks(db.postgres, len(chunk))})",
+                (row[0], *chunk)))
+        _BIND.run(conn, db.postgres, [(message_id, i) for i in sorted(ids)])
     return len(ids)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory import dictionary
+from perpetuity_core.memory.dictionary import Dictionary
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,9 +31,6 @@ class Params:
     b: float = 0.4
     before: tuple[float, ...] = (0.5, 0.3, 0.2)
     after: tuple[float, ...] = (0.3, 0.2, 0.1)
-    # Rare-term weighting, idf ** idf_power: 1.5 or 2 moved LoCoMo recall by half a point at
-    # most, inside what tuning on one dataset can fake, so it stays off.
-    idf_power: float = 1.0
 
 
 def idf(n_rows: int, df: np.ndarray) -> np.ndarray:
@@ -58,10 +55,11 @@ class Query:
         return self.terms.size == 0
 
 
-def make_query(text: str, df_of: Callable[[np.ndarray], np.ndarray], n_rows: int,
+def make_query(d: Dictionary, text: str, df_of: Callable[[np.ndarray], np.ndarray], n_rows: int,
                total_length: int, params: Params) -> Query:
-    """`df_of(terms) -> df array` reads the pooled document frequencies."""
-    ids = dictionary.load().ids(text)
+    """`text` tokenised by `d` (the live dictionary); `df_of(terms) -> df array` reads the
+    pooled document frequencies."""
+    ids = d.ids(text)
     terms, qtf = np.unique(ids, return_counts=True)
     if n_rows == 0 or terms.size == 0:
         return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0)
@@ -71,8 +69,6 @@ def make_query(text: str, df_of: Callable[[np.ndarray], np.ndarray], n_rows: int
     terms, qtf, df = terms[keep].astype(np.int32), qtf[keep], df[keep]
     avgdl = max(total_length / n_rows, 1e-9)
     w = idf(n_rows, df)
-    if params.idf_power != 1.0:
-        w = w ** params.idf_power
     return Query(terms, qtf * w * (k1 + 1), k1 * (1 - b), k1 * b / avgdl,
                  params.before, params.after)
 

@@ -13,11 +13,10 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable
 
-import peewee as pw
-
 from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.dialect import Sql
-from perpetuity_core.memory.store import connection, in_list, snapshot
+from perpetuity_core.memory.dialect import SQL, Rows, Sql, marks
+from perpetuity_core.memory.dictionary import Dictionary
+from perpetuity_core.memory.store import Database
 from perpetuity_core.wire.conversation import Kind
 
 # Chains. A row's subjects are its words that are neither stop words nor among the commonest
@@ -30,21 +29,22 @@ COMMON_STEMS = 50
 SUBJECT_CHARS = 4_000  # a long text's subject is in its opening: the rest is not read
 
 
-def chain_of(user_id: int, stems: list[str]) -> tuple[list[int], int]:
+def chain_of(db: Database, user_id: int, stems: list[str]) -> tuple[list[int], int]:
     """The chain of rows about `stems`: the rows in the most of their chains (in all of them
     when any row is), ordered by when they were said, then by item id; and how many they
     share. Rows past the chains' cursor (at most a batch, see Store.flush) are chained here,
     in the same snapshot as the table, so none is missed while its batch is pending."""
-    with snapshot("read the chains") as conn:
+    mark = "%s" if db.postgres else "?"
+    with db.snapshot("read the chains") as conn:
         rows = conn.execute(
-            "SELECT item_id, max(at), count(*) FROM chain WHERE user_id = ? AND term IN"
-            f" ({in_list(stems)}) GROUP BY item_id", (user_id, *stems)).fetchall()
+            f"SELECT item_id, max(at), count(*) FROM chain WHERE user_id = {mark} AND term IN"
+            f" ({marks(db.postgres, len(stems))}) GROUP BY item_id", (user_id, *stems)).fetchall()
         (after,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
-        pending = _text_rows(conn, after, None, user_id)
+        pending = _text_rows(db, conn, after, None, user_id)
     found = {i: (at, n) for i, at, n in rows}
     wanted = set(stems)
     for i, _, at, text in pending:
-        if n := len(wanted.intersection(subjects(text))):
+        if n := len(wanted.intersection(subjects(db.dictionary, text))):
             found[i] = (at, n)  # a row re-derived since it was chained has the same subjects
     if not found:
         return [], 0
@@ -53,24 +53,24 @@ def chain_of(user_id: int, stems: list[str]) -> tuple[list[int], int]:
             if n == best], best
 
 
-def _subject_words(text: str) -> tuple[dict[str, int], dict[str, str]]:
+def _subject_words(d: Dictionary, text: str) -> tuple[dict[str, int], dict[str, str]]:
     """The words of `text` that can be subjects, by stem: occurrences, and the first form seen."""
     text = text[:SUBJECT_CHARS]
     # ASCII text is split as Dictionary.id_list splits it (the same words as the tokenizer's
     # pipeline, several times faster); anything else goes through the pipeline.
     words: Iterable[bytes | str] = (
         text.encode("ascii").translate(dictionary._ASCII_FOLD).split() if text.isascii()
-        else dictionary.load().words(text))
+        else d.words(text))
     counts: dict[str, int] = {}
     forms: dict[str, str] = {}
-    cache = _SUBJECT_STEM.setdefault(dictionary.load().version, {})
+    cache = _SUBJECT_STEM.setdefault(d.version, {})
     # Counter counts in C, in order of first occurrence; stems are then looked up per distinct
     # word only (a text repeats most of its words).
     for w, n in Counter(words).items():
         if w in cache:
             known = cache[w]
         else:
-            known = cache[w] = _subject_stem(w.decode() if isinstance(w, bytes) else w)
+            known = cache[w] = _subject_stem(d, w.decode() if isinstance(w, bytes) else w)
         if known is not None:
             stem, form = known
             if stem in counts:
@@ -89,70 +89,82 @@ def _subject_words(text: str) -> tuple[dict[str, int], dict[str, str]]:
 _SUBJECT_STEM: dict[str, dict[bytes | str, tuple[str, str] | None]] = {}
 
 
-def _subject_stem(word: str) -> tuple[str, str] | None:
+def _subject_stem(d: Dictionary, word: str) -> tuple[str, str] | None:
     if len(word) < 3 or word.isdigit() or word in dictionary.STOP_WORDS:
         return None
     s = dictionary.stem(word)
-    return None if _rank(s) < dictionary.FIRST_STEM_ID + COMMON_STEMS else (s, word)
+    return None if _rank(d, s) < dictionary.FIRST_STEM_ID + COMMON_STEMS else (s, word)
 
 
-def subjects(text: str) -> list[str]:
+def subjects(d: Dictionary, text: str) -> list[str]:
     """The stems of the chains a text row joins: its most repeated subject words, then the
     rarest (a stem the corpus never saw counts rarest), at most SUBJECTS; ties by stem."""
-    counts, _ = _subject_words(text)
-    d = dictionary.load()
+    counts, _ = _subject_words(d, text)
     rank, unseen = d.stem_ids, d.hash_base
     return heapq.nsmallest(SUBJECTS, counts, key=lambda s: (-counts[s], -rank.get(s, unseen), s))
 
 
-def _rank(stem: str) -> int:
+def _rank(d: Dictionary, stem: str) -> int:
     """A stem's place in the dictionary's corpus by falling frequency; unseen ones rank last."""
-    d = dictionary.load()
     return d.stem_ids.get(stem, d.hash_base)
 
 
-_INSERT_CHAIN = "INSERT OR IGNORE INTO chain (user_id, term, at, item_id) VALUES (?, ?, ?, ?)"
+def insert_chain(table: str) -> Rows:
+    """The insert of chain rows (user_id, term, at, item_id) into `table` (`chain`, or the
+    staged copy a re-derivation fills, maintenance.py); an existing row stays."""
+    head = f"INSERT INTO {table} (user_id, term, at, item_id) VALUES "
+    return Rows(f"INSERT OR IGNORE{head[6:]}(?, ?, ?, ?)", head, "(%s, %s, %s, %s)",
+                " ON CONFLICT DO NOTHING")
 
 
-def derive_chains(after: int, upto: int) -> None:
+_INSERT_CHAIN = insert_chain("chain")
+
+
+def derive_chains(db: Database, after: int, upto: int) -> None:
     """Join the text rows stored with after < retrieval.seq <= upto to their subjects' chains
     (Store.flush calls this in the batch's transaction: the chains' only writer)."""
-    conn = connection()
-    conn.executemany(_INSERT_CHAIN, [(user, s, at, i) for i, user, at, text
-                                     in _text_rows(conn, after, upto, None)
-                                     for s in subjects(text)])
+    conn = db.connection()
+    d = db.dictionary
+    _INSERT_CHAIN.run(conn, db.postgres, [(user, s, at, i) for i, user, at, text
+                                          in _text_rows(db, conn, after, upto, None)
+                                          for s in subjects(d, text)])
 
 
-def _text_rows(conn: Sql, after: int, upto: int | None,
+def _text_rows(db: Database, conn: Sql, after: int, upto: int | None,
                user_id: int | None) -> list[tuple[int, int, float, str]]:
     """(item id, user id, when said, text) of the non-blank text rows past retrieval.seq
     `after` (up to `upto`; of `user_id` only, when given)."""
+    mark = "%s" if db.postgres else "?"
     where, args = "", [Kind.TEXT.value, after]
     if upto is not None:
-        where, args = where + " AND r.seq <= ?", [*args, upto]
+        where, args = where + f" AND r.seq <= {mark}", [*args, upto]
     if user_id is not None:
-        where, args = where + " AND r.user_id = ?", [*args, user_id]
+        where, args = where + f" AND r.user_id = {mark}", [*args, user_id]
     return [r for r in conn.execute(
         "SELECT r.item_id, r.user_id, m.at, i.text FROM retrieval r"
         " JOIN item i ON i.id = r.item_id JOIN message m ON m.id = r.message_id"
-        f" WHERE i.kind = ? AND r.seq > ?{where} ORDER BY r.seq", args) if r[3].strip()]
+        f" WHERE i.kind = {mark} AND r.seq > {mark}{where} ORDER BY r.seq", args)
+        if r[3].strip()]
 
 
-def backfill_chains(conn: Sql) -> int:
+_TEXT_ITEMS = SQL.both(
+    "SELECT i.id, i.text, m.user_id, m.at FROM item i JOIN message m ON m.id = i.message_id"
+    " WHERE i.kind = ? AND i.id > ? ORDER BY i.id LIMIT 1000")
+
+
+def backfill_chains(db: Database, conn: Sql) -> int:
     """Chains for the text rows stored before chains existed (their migration calls this, so
     no row is ever without its chains). Returns the rows read."""
     last = done = 0
-    while rows := conn.execute(
-            "SELECT i.id, i.text, m.user_id, m.at FROM item i JOIN message m ON m.id = i.message_id"
-            " WHERE i.kind = ? AND i.id > ? ORDER BY i.id LIMIT 1000",
-            (Kind.TEXT.value, last)).fetchall():
-        conn.executemany(_INSERT_CHAIN, [(user, s, at, i) for i, text, user, at in rows
-                                         if text.strip() for s in subjects(text)])
+    d = db.dictionary
+    while rows := conn.execute(db.pick(_TEXT_ITEMS), (Kind.TEXT.value, last)).fetchall():
+        _INSERT_CHAIN.run(conn, db.postgres, [(user, s, at, i) for i, text, user, at in rows
+                                              if text.strip() for s in subjects(d, text)])
         last, done = rows[-1][0], done + len(rows)
     return done
 
 
-def m004_recall(database: pw.Database) -> None:
+def m004_recall(db: Database) -> None:
     """The recall tools' structures (this module and bindings.py), one writer each: the binding log (rows that
     came up together in one turn, written after the turn) and the subject chains (written with
     each message; rows stored before them are chained here, so none is without its chains)."""
@@ -166,5 +178,5 @@ def m004_recall(database: pw.Database) -> None:
         " PRIMARY KEY (user_id, term, at, item_id)) WITHOUT ROWID",
         "CREATE INDEX chain_item ON chain (item_id)",
     ):
-        connection().execute(sql)
-    backfill_chains(connection())
+        db.connection().execute(db.legacy(sql))
+    backfill_chains(db, db.connection())

@@ -1,11 +1,16 @@
-"""The database handle the store and every reader share: SQLite (WAL, one writer at a time) or
-PostgreSQL, through peewee, with the one write path and the one error boundary.
+"""The handle on one memory's database, `Database`: SQLite (WAL, one writer at a time) or
+PostgreSQL, through peewee, with the one write path and the one error boundary. Each Store owns
+one (`store.db`) and hands it, or itself, to every module that reads or writes: no module holds
+a process-wide connection, so two stores in one process (a migration, a test) each use their
+own. Only the store imports this module (tests/test_database.py checks it).
 
-Every write goes through `writing` (BEGIN IMMEDIATE: a second process on the same file waits
-for the lock instead of failing; on PostgreSQL, a transaction that first takes WRITE_LOCK, an
-advisory lock every process's writers share), reads that must agree through `snapshot`, and the
-database's errors leave the store as StoreError (`failing_as`). Ids are never handed out twice
-(m010).
+Every write goes through `Database.writing` (BEGIN IMMEDIATE: a second process on the same file
+waits for the lock instead of failing; on PostgreSQL, a transaction that first takes WRITE_LOCK,
+an advisory lock every process's writers share), reads that must agree through
+`Database.snapshot`, and the database's errors leave the store as StoreError (`failing_as`).
+Statements are written per backend (dialect.SQL: `Database.pick` chooses); the few written once
+in SQLite's dialect say so (`Database.legacy`, `Database.translated`). Ids are never handed out
+twice (m010).
 
 Several processes over one PostgreSQL database: every writer of every process takes WRITE_LOCK,
 an advisory lock held until its transaction ends, in one of two modes.
@@ -33,14 +38,25 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence, Sized
+import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
-from perpetuity_core.memory.dialect import PgConnection, Postgres, Sql, driver_errors
+from perpetuity_core.memory.dialect import (
+    SQL,
+    PgConnection,
+    Postgres,
+    Sql,
+    Translated,
+    driver_errors,
+    translate_legacy,
+)
+from perpetuity_core.memory.dictionary import Dictionary, Live
 
 
 class _Tracked(pw.Database):
@@ -54,6 +70,9 @@ class _Tracked(pw.Database):
         super().__init__(database, **kwargs)
         self._opened: set[Any] = set()
         self._guard = threading.Lock()
+        # A store dropped without closing (a test's, one the proxy replaced) closes its
+        # connections when it goes, not the collector one by one, each with a warning.
+        weakref.finalize(self, _close_every, self._opened, self._guard)
 
     def connect(self, reuse_if_open: bool = False) -> bool:
         opened = super().connect(reuse_if_open)
@@ -79,10 +98,14 @@ class _Tracked(pw.Database):
         """Close every thread's connection; a thread still reading gets a StoreError."""
         if not self.is_closed():
             self.close()
-        with self._guard:
-            for conn in self._opened:
-                conn.close()
-            self._opened.clear()
+        _close_every(self._opened, self._guard)
+
+
+def _close_every(opened: set[Any], guard: threading.Lock) -> None:
+    with guard:
+        for conn in opened:
+            conn.close()
+        opened.clear()
 
 
 class Sqlite(_Tracked, pw.SqliteDatabase):
@@ -93,8 +116,6 @@ class PostgresDatabase(_Tracked, Postgres):
     pass
 
 
-db = pw.DatabaseProxy()  # SQLite, or PostgreSQL (dialect.py): Store.__init__ decides
-
 # WAL lets readers scan while the single writer appends; NORMAL is durable across process crashes
 # (only an OS crash can lose the last commits), which is the trade SQLite documents for WAL.
 PRAGMAS = {"journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1, "busy_timeout": 5000}
@@ -103,17 +124,6 @@ PRAGMAS = {"journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1, "b
 # Every writer of a PostgreSQL memory, in every process, takes this transaction-level lock
 # first, shared or exclusive (module docstring). The key is arbitrary, fixed forever.
 WRITE_LOCK = 0x7065727065747569
-
-
-def postgres() -> bool:
-    return isinstance(db.obj, pw.PostgresqlDatabase)
-
-
-def connection() -> Sql:
-    """This thread's connection, as the store's SQL (SQLite's) runs on it."""
-    raw = db.connection()
-    return PgConnection(raw) if postgres() else raw
-
 
 _ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, pw.PeeweeException, *driver_errors())
 
@@ -135,47 +145,89 @@ def failing_as(what: str) -> Iterator[None]:
         raise StoreError(f"could not {what}: {' '.join(str(cause).split())}") from e
 
 
-@contextmanager
-def writing(what: str, *, ordered: bool = True) -> Iterator[Sql]:
-    """The one way to write: a transaction that takes the write lock when it begins.
+class Database:
+    """One memory's database, owned by its Store (`store.db`) and handed to everything that
+    reads or writes it: peewee's `Database` for that file or URL, bound when the store opens,
+    never a process-wide one, so two stores in one process each keep their own connections.
 
-    A deferred `BEGIN` that reads before it writes gets "database is locked" at once, busy
-    timeout ignored, when another connection committed in between (SQLite cannot upgrade a
-    stale read snapshot): two processes storing 1,500 messages each failed 36 and 40 writes in
-    the review, 4 and 2 in scripts/bench_writers.py here (the batched flush reads first); with
-    BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each. On PostgreSQL an
-    unordered write takes the lock shared, an ordered one exclusive (module docstring); SQLite
-    has one writer at a time either way. Nested, it is a savepoint of the enclosing write."""
-    if not postgres():
-        with failing_as(what), db.atomic("IMMEDIATE"):
-            yield db.connection()
-        return
-    with failing_as(what), db.atomic():
-        conn = connection()
-        conn.execute(f"SELECT pg_advisory_xact_lock{'' if ordered else '_shared'}(?)",
-                     (WRITE_LOCK,))
-        yield conn
+    Peewee keeps one connection per thread (the store's writer, the scanner's, the recall
+    tools', the preparing thread); closing the handle closes them all."""
+
+    def __init__(self, location: Path | str) -> None:
+        self.postgres = not isinstance(location, Path)
+        self.peewee: Sqlite | PostgresDatabase = (
+            PostgresDatabase(str(location)) if self.postgres
+            else Sqlite(str(location), pragmas=PRAGMAS, check_same_thread=False))
+        self.live = Live(self.postgres)  # the dictionary the rows are derived with
+
+    @property
+    def dictionary(self) -> Dictionary:
+        """This memory's live dictionary (`live.follow` reads which one the database names)."""
+        return self.live.dictionary
+
+    def pick(self, sql: SQL) -> str:
+        """The statement as this database's driver takes it."""
+        return sql.postgres if self.postgres else sql.sqlite
+
+    def legacy(self, sql: str) -> str:
+        """A statement written once, in SQLite's dialect, as this database runs it: the
+        migrations' DDL and the cold statements (dialect.translate_legacy); never per request."""
+        return translate_legacy(sql) if self.postgres else sql
+
+    def translated(self, conn: Sql | None = None) -> Sql:
+        """`conn` (this thread's connection by default) running statements written once in
+        SQLite's dialect: the cold paths' (maintenance commands, the integrity check, tests)."""
+        conn = conn if conn is not None else self.connection()
+        return Translated(conn) if self.postgres else conn
+
+    def connection(self) -> Sql:
+        """This thread's connection: sqlite3's, or a psycopg one (dialect.PgConnection)."""
+        raw = self.peewee.connection()
+        return PgConnection(raw) if self.postgres else raw
+
+    def close(self) -> None:
+        """Close every thread's connection; a thread still reading gets a StoreError."""
+        self.peewee.close_all()
+
+    @contextmanager
+    def writing(self, what: str, *, ordered: bool = True) -> Iterator[Sql]:
+        """The one way to write: a transaction that takes the write lock when it begins.
+
+        A deferred `BEGIN` that reads before it writes gets "database is locked" at once, busy
+        timeout ignored, when another connection committed in between (SQLite cannot upgrade a
+        stale read snapshot): two processes storing 1,500 messages each failed 36 and 40 writes
+        in the review, 4 and 2 in scripts/bench_writers.py here (the batched flush reads
+        first); with BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each.
+        On PostgreSQL an unordered write takes the lock shared, an ordered one exclusive
+        (module docstring); SQLite has one writer at a time either way. Nested, it is a
+        savepoint of the enclosing write."""
+        if not self.postgres:
+            with failing_as(what), self.peewee.atomic("IMMEDIATE"):
+                yield self.peewee.connection()
+            return
+        with failing_as(what), self.peewee.atomic():
+            conn = self.connection()
+            conn.execute(_LOCK_ORDERED if ordered else _LOCK_SHARED, (WRITE_LOCK,))
+            yield conn
+
+    @contextmanager
+    def snapshot(self, what: str) -> Iterator[Sql]:
+        """A read transaction: everything read inside it is of one commit (WAL: never blocked;
+        on PostgreSQL, REPEATABLE READ: one snapshot for the whole transaction)."""
+        if not self.postgres:
+            with failing_as(what), self.peewee.atomic():
+                yield self.peewee.connection()
+            return
+        with failing_as(what), self.peewee.atomic(isolation_level="REPEATABLE READ"):
+            yield self.connection()
 
 
-@contextmanager
-def snapshot(what: str) -> Iterator[Sql]:
-    """A read transaction: everything read inside it is of one commit (WAL: never blocked;
-    on PostgreSQL, REPEATABLE READ: one snapshot for the whole transaction)."""
-    if not postgres():
-        with failing_as(what), db.atomic():
-            yield db.connection()
-        return
-    with failing_as(what), db.atomic(isolation_level="REPEATABLE READ"):
-        yield connection()
+_LOCK_ORDERED = "SELECT pg_advisory_xact_lock(%s)"
+_LOCK_SHARED = "SELECT pg_advisory_xact_lock_shared(%s)"
 
 
 # The most values one IN-list takes: SQLite's host parameters were limited to 999 before 3.32.
 IN_CHUNK = 500
-
-
-def in_list(values: Sized) -> str:
-    """The `?` placeholders of an IN-list of `values`."""
-    return ",".join("?" * len(values))
 
 
 def in_chunks[T](values: Sequence[T]) -> Iterator[list[T]]:

@@ -1,15 +1,20 @@
-"""The store's SQL is SQLite's; on PostgreSQL each statement is translated once (and cached) by
-`translate`, so every module keeps one code path. What differs:
+"""What differs between the backends, written out side by side: no statement is rewritten at
+run time on the request path.
 
-- placeholders `?` become `%s` (a literal `%` doubles);
-- `INSERT OR IGNORE` becomes `ON CONFLICT DO NOTHING`; `INSERT OR REPLACE` (tables keyed by one
-  column, `_KEYS`) becomes an upsert of every column named;
-- `instr` is `strpos`, `group_concat(x)` is `string_agg(x::text, ',')`, the `user` table is quoted,
-  a time cast to INTEGER is truncated first (PostgreSQL's cast rounds);
-- DDL: BLOB is BYTEA, REAL is DOUBLE PRECISION (PostgreSQL's REAL is 4 bytes: epoch seconds
-  would lose their minutes), INTEGER is BIGINT, AUTOINCREMENT keys are BIGSERIAL, WITHOUT ROWID
-  goes; triggers are written per dialect where they are created (`trigger`);
-- an INSERT into a table whose key the write path reads back (`lastrowid`) gets `RETURNING`.
+- `SQL(sqlite=..., postgres=...)`: a statement per backend, each with its driver's placeholders
+  (sqlite3's `?`, psycopg's `%s`); `SQL.both` for one spelled alike but for them. The handle
+  picks (`Database.pick`); precomputed strings, so a per-request statement costs no building.
+- `Rows`: an insert of a message's rows, one statement on PostgreSQL (round trips), executemany
+  on SQLite; `marks` and `one_of`: IN-lists in each driver's style.
+- `trigger`: an AFTER DELETE trigger, per backend.
+- `translate_legacy`: SQLite's dialect translated for PostgreSQL (cached), kept for what is
+  written once and runs by hand: the migrations' DDL and statements, the maintenance commands
+  (purge, dictionary upload/rederive/flip), `memory check`, the CLI's stats, and the tests. It
+  rewrites placeholders, `INSERT OR IGNORE/REPLACE` (tables keyed by one column, `_KEYS`),
+  `instr`, `group_concat`, the `user` table's quoting, a time cast to INTEGER (truncated first:
+  PostgreSQL's cast rounds), and DDL types: BLOB is BYTEA, REAL is DOUBLE PRECISION
+  (PostgreSQL's REAL is 4 bytes: epoch seconds would lose their minutes), INTEGER is BIGINT,
+  AUTOINCREMENT keys are BIGSERIAL, WITHOUT ROWID goes.
 
 Sums come back as `numeric`; they are loaded as int (or float), as SQLite returns them.
 """
@@ -18,14 +23,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import peewee as pw
 
 _KEYS = {"setting": "key", "activation": "item_id", "retrieval_next": "item_id"}
-_RETURNING = {"message": "id", "item": "id", "retrieval": "seq", "user": "id",
-              "conversation": "id"}
 
 
 class Sql(Protocol):
@@ -33,6 +37,25 @@ class Sql(Protocol):
 
     def execute(self, sql: str, parameters: Any = ..., /) -> Any: ...
     def executemany(self, sql: str, parameters: Any, /) -> Any: ...
+
+
+def marks(postgres: bool, n: int) -> str:
+    """`n` placeholders, comma-separated, in the driver's style: an IN-list's."""
+    return ",".join(("%s",) * n) if postgres else ",".join("?" * n)
+
+
+class SQL(NamedTuple):
+    """One statement written out per backend, side by side: the handle picks one
+    (`Database.pick`). Each has its driver's placeholders: sqlite3's `?`, psycopg's `%s`."""
+
+    sqlite: str
+    postgres: str
+
+    @classmethod
+    def both(cls, sqlite: str) -> SQL:
+        """A statement both backends spell alike but for their placeholders (made once, at
+        import): `?` there never stands in a string literal."""
+        return cls(sqlite, sqlite.replace("?", "%s"))
 
 
 def _ddl(sql: str) -> str:
@@ -44,8 +67,11 @@ def _ddl(sql: str) -> str:
 
 
 @lru_cache(maxsize=1024)
-def translate(sql: str) -> str:
-    """SQLite's statement as PostgreSQL runs it."""
+def translate_legacy(sql: str) -> str:
+    """SQLite's statement as PostgreSQL runs it: the migrations' and the cold statements still
+    written once (the maintenance commands', the integrity check's, the CLI's stats: run by
+    hand, never per request), through `Database.legacy` or `Database.translated`. The write
+    path and the read paths are written per backend (`SQL`, `Rows`) or built by peewee."""
     if sql.lstrip().upper().startswith(("CREATE", "ALTER")):
         sql = _ddl(sql)
     sql = re.sub(r"\b(FROM|INTO|JOIN|UPDATE|TABLE|ON) user\b", r'\1 "user"', sql, flags=re.I)
@@ -62,71 +88,75 @@ def translate(sql: str) -> str:
         sets = ", ".join(f"{c} = excluded.{c}" for c in columns)
         sql = (f"INSERT INTO {sql[m.start(1):]} ON CONFLICT ({key}) DO "
                + (f"UPDATE SET {sets}" if sets else "NOTHING"))
-    elif ((m := re.match(r'\s*INSERT INTO "?(\w+)"? ', sql)) and m.group(1) in _RETURNING
-          and (values := re.search(r"\bVALUES\b", sql)) and "SELECT" not in sql[:values.start()]
-          and "RETURNING" not in sql):  # one row inserted from values, not a copy of a query
-        sql += f" RETURNING {_RETURNING[m.group(1)]}"
     # `?` outside string literals only (the even pieces between quotes); `%` everywhere.
     pieces = sql.replace("%", "%%").split("'")
     return "'".join(p.replace("?", "%s") if i % 2 == 0 else p for i, p in enumerate(pieces))
 
 
-class _Cursor:
-    """A psycopg cursor with sqlite3's `lastrowid` (from the RETURNING translate adds)."""
+class Translated:
+    """A connection running statements written once in SQLite's dialect, each translated
+    (`translate_legacy`, cached): for the cold paths only (`Database.translated`)."""
 
-    def __init__(self, cursor: Any, returning: bool) -> None:
-        self._cursor = cursor
-        self.lastrowid: int | None = None
-        if returning:
-            row = cursor.fetchone()
-            self.lastrowid = row[0] if row else None
+    def __init__(self, conn: Sql) -> None:
+        self.conn = conn
 
-    @property
-    def rowcount(self) -> int:
-        return int(self._cursor.rowcount)
+    def execute(self, sql: str, parameters: Any = ()) -> Any:
+        return self.conn.execute(translate_legacy(sql), parameters)
 
-    def fetchone(self) -> Any:
-        return self._cursor.fetchone()
-
-    def fetchall(self) -> list[Any]:
-        return self._cursor.fetchall()
-
-    def __iter__(self) -> Any:
-        return iter(self._cursor)
+    def executemany(self, sql: str, parameters: Any) -> Any:
+        return self.conn.executemany(translate_legacy(sql), parameters)
 
 
 class PgConnection:
-    """A psycopg connection that runs the store's SQLite statements (see `translate`)."""
+    """A psycopg connection with sqlite3's two methods: each statement runs as written (with
+    psycopg's `%s`), its cursor returned."""
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
 
-    def execute(self, sql: str, parameters: Any = ()) -> _Cursor:
-        text = translate(sql)
-        cursor = self.raw.cursor()
-        cursor.execute(text, tuple(parameters) if parameters else None)
-        return _Cursor(cursor, text.endswith(("RETURNING id", "RETURNING seq"))
-                       and cursor.description is not None)
+    def execute(self, sql: str, parameters: Any = ()) -> Any:
+        return self.raw.execute(sql, tuple(parameters) if parameters else None)
 
-    def executemany(self, sql: str, parameters: Any) -> _Cursor:
+    def executemany(self, sql: str, parameters: Any) -> Any:
         rows = [tuple(p) for p in parameters]
-        text = translate(sql)
         cursor = self.raw.cursor()
-        # A message's few rows in one statement: psycopg's executemany costs a pipeline's
-        # round trips, and the write path runs it several times a message. Only where one
-        # statement means the same as a row at a time: one row, or an insert whose rows
-        # cannot collide in an update.
-        values = re.search(r"\bVALUES (\([^()]*\))", text)
+        # One row: one statement, not a pipeline (its sync is a round trip of its own).
         if len(rows) == 1:
-            cursor.execute(text, rows[0])
-        elif (values and text.startswith("INSERT") and "DO UPDATE" not in text
-              and 1 < len(rows) <= 100):
-            many = ", ".join([values.group(1)] * len(rows))
-            cursor.execute(text[:values.start(1)] + many + text[values.end(1):],
-                           [v for row in rows for v in row])
+            cursor.execute(sql, rows[0])
         else:
-            cursor.executemany(text, rows)
-        return _Cursor(cursor, False)
+            cursor.executemany(sql, rows)
+        return cursor
+
+
+# The most rows one multi-row VALUES statement takes (more go by psycopg's executemany).
+MANY_ROWS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """An INSERT of rows from values, per backend: SQLite's one-row statement (run by
+    executemany: one writer, no round trips), and PostgreSQL's `head VALUES row, row... tail`.
+
+    A message's few rows go in one PostgreSQL statement: psycopg's executemany costs a
+    pipeline's round trips, and the write path inserts several times a message. Only where one
+    statement means the same as a row at a time: an insert whose rows cannot collide in an
+    update (no DO UPDATE tail), up to MANY_ROWS rows."""
+
+    sqlite: str
+    head: str  # "INSERT INTO t (a, b) VALUES "
+    row: str  # "(%s, %s)"
+    tail: str = ""  # " ON CONFLICT DO NOTHING"
+
+    def run(self, conn: Sql, postgres: bool, rows: Sequence[Sequence[Any]]) -> None:
+        if not postgres:
+            conn.executemany(self.sqlite, rows)
+        elif len(rows) == 1:
+            conn.execute(self.head + self.row + self.tail, rows[0])
+        elif 1 < len(rows) <= MANY_ROWS:
+            conn.execute(self.head + ", ".join([self.row] * len(rows)) + self.tail,
+                         [v for row in rows for v in row])
+        elif rows:
+            conn.executemany(self.head + self.row + self.tail, rows)
 
 
 def register_numeric(conn: Any) -> None:
@@ -151,11 +181,11 @@ class Postgres(pw.PostgresqlDatabase):
 
 def one_of(postgres: bool, column: str, values: Sequence[int]) -> tuple[str, list[Any]]:
     """`column` is one of the integers `values`, as SQL and its parameters: an IN-list on SQLite;
-    on PostgreSQL `= ANY` of one array, a statement whose text does not change with the list's
+    on PostgreSQL `= ANY` of one array (with psycopg's placeholder), a statement whose text does not change with the list's
     length, so psycopg parses it once, not per call (the rows of a frame, ~280 ids: 1.7 ms
     against 2.3 as an IN-list, 10M tokens pooled)."""
     if postgres:
-        return f"{column} = ANY(CAST(? AS BIGINT[]))", [list(values)]
+        return f"{column} = ANY(CAST(%s AS BIGINT[]))", [list(values)]
     return f"{column} IN ({','.join('?' * len(values))})", list(values)
 
 

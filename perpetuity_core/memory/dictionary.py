@@ -22,17 +22,20 @@ import hashlib
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.dialect import Sql
+from perpetuity_core.memory.dialect import SQL, Sql
+
+if TYPE_CHECKING:
+    from tokenizers.normalizers import Normalizer
+    from tokenizers.pre_tokenizers import PreTokenizer
 
 DATA_FILE = "retrieval-dictionary.json.gz"
 STOP_ID = 0  # stop words: counted nowhere, scored nowhere
@@ -219,33 +222,6 @@ def shipped() -> Dictionary:
     return Dictionary.from_file(shipped_path())
 
 
-_live: Dictionary | None = None
-
-
-def load() -> Dictionary:
-    """The live dictionary: the one the memory's rows are derived with (the store sets it on
-    open and follows a flip, see `use`), the shipped one until then."""
-    return _live if _live is not None else shipped()
-
-
-def use(d: Dictionary | None) -> None:
-    """Make `d` the live dictionary (None: the shipped one)."""
-    global _live
-    _live = d
-
-
-@contextmanager
-def using(d: Dictionary) -> Iterator[Dictionary]:
-    """`d` live for a while (re-deriving rows under a version before its flip), in a process
-    that does not serve meanwhile."""
-    before = _live
-    use(d)
-    try:
-        yield d
-    finally:
-        use(before)
-
-
 def build(word_counts: dict[str, int], min_count: int = 2) -> dict:
     """The dictionary's data from the word counts of a corpus (see scripts/build_dictionary.py).
 
@@ -284,7 +260,7 @@ def build(word_counts: dict[str, int], min_count: int = 2) -> dict:
     return {"version": f"1-{digest}", "stems": stems, "term_of": term_of, "tokenizer": tokenizer}
 
 
-def make_normalizer():  # noqa: ANN201 - a tokenizers object
+def make_normalizer() -> Normalizer:
     from tokenizers import normalizers
 
     return normalizers.Sequence(
@@ -292,7 +268,7 @@ def make_normalizer():  # noqa: ANN201 - a tokenizers object
     )
 
 
-def make_pre_tokenizer():  # noqa: ANN201 - a tokenizers object
+def make_pre_tokenizer() -> PreTokenizer:
     from tokenizers import Regex, pre_tokenizers
 
     # Words are runs of letters and digits; apostrophes split ("don't" -> "don", "t"), and the
@@ -303,39 +279,50 @@ def make_pre_tokenizer():  # noqa: ANN201 - a tokenizers object
 # --- The live version of a memory
 
 
-def live_dictionary(conn: Sql) -> Dictionary:
-    """The dictionary the database names live, made live in this process (loaded once per
-    version): a flip by another process is followed by the next write or catch-up."""
-    current = load()
-    row = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
-    if row is None or row[0] == current.version or row[0] in _missing:
-        return current
-    if row[0] == shipped().version:
-        d = shipped()
-    elif body := conn.execute("SELECT body FROM dictionary WHERE version = ?",
-                              (row[0],)).fetchone():
-        d = Dictionary.from_bytes(body[0])
-    else:
-        _missing.add(row[0])
-        return current
-    use(d)
-    return d
+class Live:
+    """One memory's live dictionary: the one its rows are derived with, as the database names
+    it (the shipped one until read). Each store's handle holds its own (`Database.live`), so
+    two memories in one process each follow their own flips."""
+
+    def __init__(self, postgres: bool) -> None:
+        self._body = _BODY.postgres if postgres else _BODY.sqlite
+        self.current: Dictionary | None = None
+        self.missing: set[str] = set()  # live versions whose body the database does not hold
+
+    @property
+    def dictionary(self) -> Dictionary:
+        return self.current if self.current is not None else shipped()
+
+    def follow(self, conn: Sql) -> Dictionary:
+        """The dictionary the database names live, made this memory's (loaded once per
+        version): a flip by another process is followed by the next write or catch-up."""
+        current = self.dictionary
+        row = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
+        if row is None or row[0] == current.version or row[0] in self.missing:
+            return current
+        if row[0] == shipped().version:
+            d = shipped()
+        elif body := conn.execute(self._body, (row[0],)).fetchone():
+            d = Dictionary.from_bytes(body[0])
+        else:
+            self.missing.add(row[0])
+            return current
+        self.current = d
+        return d
+
+    def notice(self, conn: Sql) -> str | None:
+        """One line when the memory's rows are not on the dictionary this release ships."""
+        (live,) = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
+        ours = shipped().version
+        if live == ours:
+            return None
+        how = ("run `perpetuity memory dictionary rederive` (in the background, the proxy keeps"
+               " serving), then `perpetuity memory dictionary flip`")
+        if live in self.missing:
+            return (f"the memory's rows are on retrieval dictionary {live}, which it does not"
+                    f" hold: searches tokenise with the shipped {ours} until re-derived; {how}")
+        return (f"the memory's rows are on retrieval dictionary {live}, this release ships"
+                f" {ours}; {how}")
 
 
-_missing: set[str] = set()  # live versions whose body the database does not hold
-
-
-def dictionary_notice(conn: Sql) -> str | None:
-    """One line when the memory's rows are not on the dictionary this release ships."""
-    (live,) = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
-    ours = shipped().version
-    if live == ours:
-        return None
-    how = ("run `perpetuity memory dictionary rederive` (in the background, the proxy keeps"
-           " serving), then `perpetuity memory dictionary flip`")
-    if live in _missing:
-        return (f"the memory's rows are on retrieval dictionary {live}, which it does not hold:"
-                f" searches tokenise with the shipped {ours} until re-derived; {how}")
-    return (f"the memory's rows are on retrieval dictionary {live}, this release ships"
-            f" {ours}; {how}")
-
+_BODY = SQL.both("SELECT body FROM dictionary WHERE version = ?")

@@ -33,6 +33,7 @@ from perpetuity_core.memory.rows import (
     time_label,
 )
 from perpetuity_core.memory.scan import Hit, Scanner
+from perpetuity_core.memory.store import Database
 from perpetuity_core.memory.tenants import withheld
 from perpetuity_core.wire.conversation import Kind, Message, Part
 
@@ -76,20 +77,21 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     harness did not keep as sent (`recent_messages`, its rows newest first while they fit
     RECENT_TOKENS, skipping bulk over RECENT_ROW).
     """
+    db = scanner.db
     excluded = set(exclude_messages)
     recent = set(recent_messages) - excluded
     found = _retrieve(scanner, query, user_id, asked_at, excluded, limits)
-    hits, warm = found.hits, heat.warm_set(user_id, found.now, found.reheats)
-    recent_items = items_of(recent)
+    hits, warm = found.hits, heat.warm_set(db, user_id, found.now, found.reheats)
+    recent_items = items_of(db, recent)
     warm_ids = warm.item_ids.tolist()
     seen = set(warm_ids)
-    rows = _rows(warm_ids + [i for i in recent_items if i not in seen], excluded)
+    rows = _rows(db, warm_ids + [i for i in recent_items if i not in seen], excluded)
     recent_set = _latest(rows, recent_items)
-    other = _companion(hits, excluded, rows, limits)
+    other = _companion(db, hits, excluded, rows, limits)
     must = ({hits[0].item_id} if hits else set()) | set(other) | recent_set
 
     def render_ids(new: list[int]) -> list[Message]:
-        return _assemble(_turns(rows, new, recent_set, asked_at, conversation_id), asked_at)
+        return _assemble(_turns(db, rows, new, recent_set, asked_at, conversation_id), asked_at)
 
     new = _fill(rows, warm, must, found.budget, render_ids)
     if not new:
@@ -120,15 +122,16 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
     shared Claude Code sessions, addenda of them cost 0.04 of direct and kept fewer of the
     identifiers a next reply used.
     """
+    db = scanner.db
     excluded = set(exclude_messages)
     found = _retrieve(scanner, query, user_id, asked_at, excluded, limits)
     hits = [h for h in found.hits if h.conversation_id != conversation_id]
     if not hits or hits[0].item_id in shown:
         return None
-    rows = _rows([h.item_id for h in hits], excluded)
-    other = _companion(hits, excluded, rows | _rows(_other_half(hits[0], excluded), excluded),
+    rows = _rows(db, [h.item_id for h in hits], excluded)
+    other = _companion(db, hits, excluded, rows | _rows(db, _other_half(db, hits[0], excluded), excluded),
                        limits)
-    rows |= _rows(other, excluded)
+    rows |= _rows(db, other, excluded)
     order = list(dict.fromkeys(i for i in [hits[0].item_id, *other, *(h.item_id for h in hits)]
                                if i in rows and i not in shown))
     new: list[int] = []
@@ -148,7 +151,7 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
         return None
 
     def render_ids(ids: list[int]) -> list[Message]:
-        return _assemble(_turns(rows, ids, set(), asked_at, conversation_id), asked_at,
+        return _assemble(_turns(db, rows, ids, set(), asked_at, conversation_id), asked_at,
                          header=MORE_HEADER)
 
     more = _frame(render_ids(new), new, rows, found, frozenset())
@@ -168,10 +171,11 @@ def _retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float, exclu
               limits: cap.Cap) -> _Found:
     """A question's hits, the reheats they bring (peaks by rank, neighbours warming with
     them), the user's clock and the breadth-sized budget."""
+    db = scanner.db
     hits = search(scanner, query, user_id, asked_at, excluded)
     reheats = heat.rank_reheats([h.item_id for h in hits],
-                                _neighbours(hits[:NEIGHBOUR_HITS], excluded))
-    return _Found(hits, reheats, heat.clock(user_id),
+                                _neighbours(db, hits[:NEIGHBOUR_HITS], excluded))
+    return _Found(hits, reheats, heat.clock(db, user_id),
                   cap.budget(np.asarray([h.score for h in hits]), limits))
 
 
@@ -201,21 +205,21 @@ def _latest(rows: dict[int, Row], items: list[int]) -> set[int]:
     return out
 
 
-def _companion(hits: list[Hit], excluded: set[int], rows: dict[int, Row],
+def _companion(db: Database, hits: list[Hit], excluded: set[int], rows: dict[int, Row],
                limits: cap.Cap) -> list[int]:
     """The top hit comes with the other half of its exchange, unless that is a bulk (a long
     tool output) over half the largest frame."""
-    other = [i for i in (_other_half(hits[0], excluded) if hits else []) if i in rows]
+    other = [i for i in (_other_half(db, hits[0], excluded) if hits else []) if i in rows]
     if sum(token_estimate(_quote(rows[i])) for i in other) > limits.ceiling // 2:
         return []
     return other
 
 
-def _turns(rows: dict[int, Row], ids: list[int], recent: set[int], asked_at: float,
+def _turns(db: Database, rows: dict[int, Row], ids: list[int], recent: set[int], asked_at: float,
            conversation_id: int | None) -> list[tuple[str, str]]:
     """The chosen rows as turns: the rows found, then the conversation's latest stretch."""
-    return (_section([rows[i] for i in ids if i not in recent], asked_at, conversation_id)
-            + _section([rows[i] for i in ids if i in recent], asked_at, conversation_id))
+    return (_section(db, [rows[i] for i in ids if i not in recent], asked_at, conversation_id)
+            + _section(db, [rows[i] for i in ids if i in recent], asked_at, conversation_id))
 
 
 def _frame(messages: list[Message], chosen: list[int], rows: dict[int, Row], found: _Found,
@@ -243,24 +247,24 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
     return found[:limit]
 
 
-def _neighbours(hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
+def _neighbours(db: Database, hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
     """(rank, item_id) of the rows in the messages around each hit, in its conversation."""
     return [(rank, item) for rank, item, message in
-            around([(h.conversation_id, h.message_id) for h in hits], NEIGHBOURS)
+            around(db, [(h.conversation_id, h.message_id) for h in hits], NEIGHBOURS)
             if message not in excluded]
 
 
-def _other_half(hit: Hit, excluded: set[int]) -> list[int]:
+def _other_half(db: Database, hit: Hit, excluded: set[int]) -> list[int]:
     """The rows of the other half of a hit's exchange: the reply to it, or the question it
     answers. The two travel together; either alone is often not the answer."""
-    row = next_spoken(hit.conversation_id, hit.message_id, after=hit.role == "user")
+    row = next_spoken(db, hit.conversation_id, hit.message_id, after=hit.role == "user")
     other = row[0] if row and row[1] != hit.role and row[0] not in excluded else None
-    return items_of({other} if other else set())
+    return items_of(db, {other} if other else set())
 
 
-def _rows(item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
+def _rows(db: Database, item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
     # No owner filter: in a shared pool the reheated hits may be another user's rows.
-    return {i: r for i, r in shown_rows(item_ids).items() if r.message_id not in excluded}
+    return {i: r for i, r in shown_rows(db, item_ids).items() if r.message_id not in excluded}
 
 
 def _fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], budget: int,
@@ -330,7 +334,7 @@ def _assemble(turns: list[tuple[str, str]], asked_at: float,
     return messages
 
 
-def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> list[tuple[str, str]]:
+def _section(db: Database, rows: list[Row], asked_at: float, conversation_id: int | None) -> list[tuple[str, str]]:
     groups: dict[int, list[Row]] = {}
     for r in sorted(rows, key=lambda r: (r.message_id, r.item_id)):
         groups.setdefault(r.conversation_id, []).append(r)
@@ -338,14 +342,14 @@ def _section(rows: list[Row], asked_at: float, conversation_id: int | None) -> l
     order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
     turns: list[tuple[str, str]] = []
     for c in order:
-        adjacent = adjacent_pairs(tuple(sorted({r.message_id for r in groups[c]})))
+        adjacent = adjacent_pairs(db, tuple(sorted({r.message_id for r in groups[c]})))
         by_message: dict[int, list[Row]] = {}
         for r in groups[c]:
             by_message.setdefault(r.message_id, []).append(r)
         previous: Row | None = None
         for parts in by_message.values():
             first = parts[0]
-            # A row flagged at capture as holding a credential (store.m011) is withheld
+            # A row flagged at capture as holding a credential (schema.m011) is withheld
             # from every other conversation's frame.
             text = "\n".join(withheld(p) if p.secret and c != conversation_id else _quote(p)
                              for p in parts)

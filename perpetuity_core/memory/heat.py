@@ -33,9 +33,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import peewee as pw
 
-from perpetuity_core.memory.store import StoredItem, connection, in_list, postgres, writing
+from perpetuity_core.memory.dialect import SQL, marks
+from perpetuity_core.memory.store import Database, StoredItem
 from perpetuity_core.wire.conversation import Kind
 
 BIRTH_PEAK = 1.0
@@ -85,35 +85,49 @@ def half_life(kind: Kind, role: str, text: str) -> float:
     return HALF_LIFE[kind]
 
 
-def derive_activation(items: list[StoredItem]) -> None:
+# OR REPLACE: a purged item leaves its activation, and SQLite gives its id to the next item.
+# The clock is read by the insert itself: one statement, one round trip on PostgreSQL.
+_BIRTH = SQL(
+    "INSERT OR REPLACE INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
+    " VALUES (?,?,?,coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0),?,?)",
+    "INSERT INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
+    " VALUES (%s,%s,%s,coalesce((SELECT position FROM clock WHERE user_id = %s), 0.0),%s,%s)"
+    " ON CONFLICT (item_id) DO UPDATE SET user_id = excluded.user_id,"
+    " conversation_id = excluded.conversation_id, at = excluded.at, peak = excluded.peak,"
+    " half_life = excluded.half_life")
+# The clock moves by an increment in the database (module docstring).
+_ADVANCE = SQL.both("INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
+                    " DO UPDATE SET position = clock.position + excluded.position")
+_CLOCK = SQL.both("SELECT position FROM clock WHERE user_id = ?")
+_WARM = ("SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?")
+_WARM_WINDOW = SQL.both(_WARM)
+_STANDING_WARM = SQL.both(_WARM + f" AND half_life >= {STANDING_HALF_LIFE}")
+_REHEATED = SQL.both("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?")
+
+
+def derive_activation(db: Database, items: list[StoredItem]) -> None:
     """Rows are born hot at their user's clock position, in the transaction that stores them."""
     if not items:
         return
     m = items[0]
-    # OR REPLACE: a purged item leaves its activation, and SQLite gives its id to the next item.
-    # The clock is read by the insert itself: one statement, one round trip on PostgreSQL.
-    connection().executemany(
-        "INSERT OR REPLACE INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
-        " VALUES (?,?,?,coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0),?,?)",
+    db.connection().executemany(
+        db.pick(_BIRTH),
         [(it.id, m.user_id, m.conversation_id, m.user_id,
           0.0 if it.kind == Kind.CONTEXT else BIRTH_PEAK,
           half_life(Kind(it.kind), m.role, it.text))
          for it in items])
 
 
-def advance(user_id: int, tokens: float) -> None:
+def advance(db: Database, user_id: int, tokens: float) -> None:
     """Move the user's clock by the tokens an exchange sent or received (the store's writer)."""
     if tokens <= 0:
         return
-    with writing("move the clock", ordered=False) as conn:
-        conn.execute(
-            "INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
-            " DO UPDATE SET position = clock.position + excluded.position", (user_id, float(tokens)))
+    with db.writing("move the clock", ordered=False) as conn:
+        conn.execute(db.pick(_ADVANCE), (user_id, float(tokens)))
 
 
-def clock(user_id: int) -> float:
-    row = connection().execute("SELECT position FROM clock WHERE user_id = ?",
-                                  (user_id,)).fetchone()
+def clock(db: Database, user_id: int) -> float:
+    row = db.connection().execute(db.pick(_CLOCK), (user_id,)).fetchone()
     return float(row[0]) if row else 0.0
 
 
@@ -128,18 +142,15 @@ class Warm:
     foreign: frozenset[int] = frozenset()
 
 
-def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
+def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) -> Warm:
     """Every row of `user_id` at least WARM_FLOOR warm at `now`, with `reheats` (item -> peak
     reached now) applied where they beat the current trajectory, and other users' rows among
     `reheats` at their reheat peak. Reads only."""
-    conn = connection()
-    rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation"
-                        " WHERE user_id = ? AND at >= ?", (user_id, now - _WINDOW)).fetchall()
+    conn = db.connection()
+    rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - _WINDOW)).fetchall()
     # Standing rows stay warm far longer than the window: read through their own small index.
     seen = {r[0] for r in rows}
-    for r in conn.execute(
-            "SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?"
-            f" AND half_life >= {STANDING_HALF_LIFE}", (user_id, now - _STANDING_WINDOW)):
+    for r in conn.execute(db.pick(_STANDING_WARM), (user_id, now - _STANDING_WINDOW)):
         if r[0] not in seen:
             rows.append(r)
             seen.add(r[0])
@@ -147,9 +158,10 @@ def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
     if reheats:
         missing = [i for i in reheats if i not in seen]
         if missing:
+            mark = "%s" if db.postgres else "?"
             own = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
-                               f" item_id IN ({in_list(missing)}) AND user_id = ?",
-                               (*missing, user_id)).fetchall()
+                               f" item_id IN ({marks(db.postgres, len(missing))})"
+                               f" AND user_id = {mark}", (*missing, user_id)).fetchall()
             foreign = frozenset(missing) - {r[0] for r in own}
             # A foreign row's own trajectory is on another clock: only the reheat counts.
             rows += own + [(i, now, 0.0, 1.0) for i in sorted(foreign)]
@@ -166,21 +178,21 @@ def warm_set(user_id: int, now: float, reheats: dict[int, float]) -> Warm:
     return Warm(ids[order], w[order], foreign)
 
 
-def reheat(now: float, reheats: dict[int, float]) -> int:
+def reheat(db: Database, now: float, reheats: dict[int, float]) -> int:
     """Write reheats that beat each row's current trajectory; the store's writer calls this."""
     if not reheats:
         return 0
     ids = sorted(reheats)
-    with writing("reheat rows", ordered=False) as conn:
+    with db.writing("reheat rows", ordered=False) as conn:
         # Read and written in one transaction, under SQLite's one writer or, on PostgreSQL
         # (writers in parallel), under the rows' own locks, taken in id order so that two
         # reheats of the same rows cannot deadlock.
-        lock = " ORDER BY item_id FOR UPDATE" if postgres() else ""
+        lock = " ORDER BY item_id FOR UPDATE" if db.postgres else ""
         rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
-                            f" item_id IN ({in_list(ids)}){lock}", ids).fetchall()
+                            f" item_id IN ({marks(db.postgres, len(ids))}){lock}", ids).fetchall()
         better = [(now, reheats[i], i) for i, at, peak, half in rows
                   if reheats[i] > peak * 2.0 ** (-(now - at) / half)]
-        conn.executemany("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?", better)
+        conn.executemany(db.pick(_REHEATED), better)
     return len(better)
 
 
@@ -197,7 +209,7 @@ def rank_reheats(ranked_items: Sequence[int], neighbours: Iterable[tuple[int, in
     return out
 
 
-def m003_heat(database: pw.Database) -> None:
+def m003_heat(db: Database) -> None:
     """Heat (see heat.py): each user's token clock and each row's activation."""
     for sql in (
         "CREATE TABLE clock (user_id INTEGER PRIMARY KEY, position REAL NOT NULL)",
@@ -206,11 +218,11 @@ def m003_heat(database: pw.Database) -> None:
         " half_life REAL NOT NULL)",
         "CREATE INDEX activation_warm ON activation (user_id, at)",
     ):
-        connection().execute(sql)
+        db.connection().execute(db.legacy(sql))
 
 
-def m005_standing(database: pw.Database) -> None:
+def m005_standing(db: Database) -> None:
     """Standing instructions and preferences (heat.STANDING_HALF_LIFE) stay warm beyond the
     warm set's window: a partial index finds them without reading every activation."""
-    connection().execute("CREATE INDEX activation_standing ON activation (user_id, at)"
-                         f" WHERE half_life >= {STANDING_HALF_LIFE}")
+    db.connection().execute(db.legacy("CREATE INDEX activation_standing ON activation"
+                                      f" (user_id, at) WHERE half_life >= {STANDING_HALF_LIFE}"))

@@ -20,19 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-import peewee as pw
 
-from perpetuity_core.memory.dialect import trigger
-from perpetuity_core.memory.dictionary import live_dictionary
-from perpetuity_core.memory.store import (
-    Store,
-    StoredItem,
-    connection,
-    in_chunks,
-    in_list,
-    postgres,
-    writing,
-)
+from perpetuity_core.memory.dialect import SQL, Rows, Sql, marks, trigger
+from perpetuity_core.memory.store import Database, Store, StoredItem, in_chunks
 from perpetuity_core.wire.conversation import Kind, Message, without_scaffold
 
 
@@ -66,13 +56,13 @@ FOLD_EVERY = 4096
 _CONTEXT = Kind.CONTEXT.value
 
 
-def derive_retrieval(items: list[StoredItem]) -> None:
+def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
     """Write the retrieval rows and counts of a message's items (inside its transaction). On
     PostgreSQL they wait in retrieval_pending until `sequence` orders them (database.py)."""
     if not items:
         return
-    conn = connection()
-    d = live_dictionary(conn)  # inside the write lock: a flip elsewhere is seen here
+    conn = db.connection()
+    d = db.live.follow(conn)  # inside the write lock: a flip elsewhere is seen here
     rows = []
     for it in items:
         if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
@@ -84,83 +74,85 @@ def derive_retrieval(items: list[StoredItem]) -> None:
                      bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes()))
     if not rows:
         return
-    if postgres():
-        conn.executemany(f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ({_MARKS})", rows)
+    if db.postgres:
+        _PENDING.run(conn, True, rows)
         return
     seq = 0
     for row in rows:
-        seq = conn.execute(f"INSERT INTO retrieval ({_COLUMNS}) VALUES ({_MARKS})", row).lastrowid
-    _fold_due(conn, seq)
+        seq = conn.execute(_INSERT_ROW, row).lastrowid
+    _fold_due(db, conn, seq)
 
 
 _COLUMNS = "item_id, message_id, user_id, conversation_id, at, length, tokens, version, terms, counts"
-_MARKS = ",".join("?" * len(_COLUMNS.split(",")))
+_INSERT_ROW = f"INSERT INTO retrieval ({_COLUMNS}) VALUES ({marks(False, 10)})"
+# PostgreSQL: the rows wait for their seq (`sequence`); SQLite never writes this table.
+_PENDING = Rows(f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ({marks(False, 10)})",
+                f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ",
+                f"({marks(True, 10)})")
 
 
-def _fold_due(conn, seq: int) -> None:  # noqa: ANN001 - a connection, inside a write
+def _fold_due(db: Database, conn: Sql, seq: int) -> None:
     (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
     if seq - folded >= FOLD_EVERY:
-        fold(conn)
+        fold(db, conn)
 
 
-def sequence() -> int:
+def sequence(db: Database) -> int:
     """PostgreSQL: order the retrieval rows stored since the last call (by any process) into
     `retrieval`; returns how many. Called before every catch-up and every batch, so a reader
     never misses a committed row. SQLite writes them there directly (one writer at a time)."""
-    if not postgres() or not pending(connection()):
+    if not db.postgres or not pending(db.connection()):
         return 0
-    return order_pending()
+    return order_pending(db)
 
 
-def pending(conn) -> bool:  # noqa: ANN001 - a connection
+def pending(conn: Sql) -> bool:
     return bool(conn.execute("SELECT EXISTS (SELECT 1 FROM retrieval_pending)").fetchone()[0])
 
 
-def order_pending() -> int:
+def order_pending(db: Database) -> int:
     """`sequence` for a caller that has just seen rows pending (no second look)."""
-    with writing("order the stored rows") as conn:
-        return sequence_in(conn)
+    with db.writing("order the stored rows") as conn:
+        return sequence_in(db, conn)
 
 
-def sequence_in(conn) -> int:  # noqa: ANN001 - a connection, inside an ordered write
+def sequence_in(db: Database, conn: Sql) -> int:
     """`sequence` inside a write that holds the lock exclusive: the pending rows move into
     `retrieval` in the order they were stored, each getting its seq there, under the lock, so
     seqs follow commit order (database.py); the counts are folded when due."""
-    if not postgres():
+    if not db.postgres:
         return 0
     moved = conn.execute(
         f"WITH moved AS (DELETE FROM retrieval_pending RETURNING *) INSERT INTO retrieval"
         f" ({_COLUMNS}) SELECT {_COLUMNS} FROM moved ORDER BY id").rowcount
     if moved:
-        _fold_due(conn, conn.execute("SELECT max(seq) FROM retrieval").fetchone()[0])
+        _fold_due(db, conn, conn.execute("SELECT max(seq) FROM retrieval").fetchone()[0])
     return moved
 
 
-def count_terms(conn, terms: np.ndarray, sign: int,  # noqa: ANN001 - a sqlite3 connection
+def count_terms(db: Database, conn: Sql, terms: np.ndarray, sign: int,
                 table: str = "retrieval_term") -> None:
     """Add (or take back) one to the document frequency of each occurrence in `terms` (in
     `table`: the live counts, or the staged ones a re-derivation fills, maintenance.py)."""
     if terms.size == 0:
         return
     t, n = np.unique(terms, return_counts=True)
-    conn.executemany(f"INSERT INTO {table} (term, df) VALUES (?, ?)"
+    conn.executemany(f"INSERT INTO {table} (term, df) VALUES ({marks(db.postgres, 2)})"
                      f" ON CONFLICT(term) DO UPDATE SET df = {table}.df + excluded.df",
                      zip(t.tolist(), (n * sign).tolist(), strict=True))
 
 
-def fold(conn) -> None:  # noqa: ANN001 - a sqlite3 connection, inside a transaction
+def fold(db: Database, conn: Sql) -> None:
     """Add the rows stored since the last fold to the pooled counts."""
     # Deletions first: a row deleted before this fold was never counted, and settling it
     # after the cursor passed its seq would take it out all the same.
-    settle_in(conn)
+    settle_in(db, conn)
     (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
-    rows = conn.execute("SELECT seq, length, tokens, terms FROM retrieval WHERE seq > ?"
-                        " ORDER BY seq", (folded,)).fetchall()
+    rows = conn.execute(db.pick(_UNFOLDED), (folded,)).fetchall()
     if not rows:
         return
-    count_terms(conn, np.frombuffer(b"".join(r[3] for r in rows), "<i4"), +1)
-    conn.execute("UPDATE retrieval_total SET rows = rows + ?, length = length + ?,"
-                 " tokens = tokens + ?, folded_seq = ? WHERE id = 1",
+    count_terms(db, conn, np.frombuffer(b"".join(r[3] for r in rows), "<i4"), +1)
+    conn.execute(db.pick(_FOLDED),
                  (len(rows), sum(r[1] for r in rows), sum(r[2] for r in rows), rows[-1][0]))
 
 
@@ -170,7 +162,12 @@ _UNSETTLED = ("FROM retrieval_gone g, retrieval_total t WHERE g.settled = 0"
               " AND g.row_seq <= t.folded_seq")
 
 
-def totals(conn) -> tuple[int, int, int]:  # noqa: ANN001 - a sqlite3 connection
+_UNFOLDED = SQL.both("SELECT seq, length, tokens, terms FROM retrieval WHERE seq > ? ORDER BY seq")
+_FOLDED = SQL.both("UPDATE retrieval_total SET rows = rows + ?, length = length + ?,"
+                   " tokens = tokens + ?, folded_seq = ? WHERE id = 1")
+
+
+def totals(conn: Sql) -> tuple[int, int, int]:
     """Live rows, their total length and tokens: the folded counts plus the rows stored since,
     less the deletions not settled yet."""
     rows, length, tokens = conn.execute(
@@ -182,15 +179,15 @@ def totals(conn) -> tuple[int, int, int]:  # noqa: ANN001 - a sqlite3 connection
     return rows - gone[0], length - gone[1], tokens - gone[2]
 
 
-def unfolded_df(conn, terms: np.ndarray) -> np.ndarray:  # noqa: ANN001
+def unfolded_df(db: Database, conn: Sql, terms: np.ndarray) -> np.ndarray:
     """Document frequency of `terms` (ascending): folded counts plus rows not folded yet, less
     unsettled deletions of folded rows."""
     (folded,) = conn.execute("SELECT folded_seq FROM retrieval_total WHERE id = 1").fetchone()
     got = dict(conn.execute(
-        f"SELECT term, df FROM retrieval_term WHERE term IN ({','.join('?' * terms.size)})",
+        f"SELECT term, df FROM retrieval_term WHERE term IN ({marks(db.postgres, terms.size)})",
         terms.tolist()).fetchall())
     df = np.asarray([got.get(t, 0) for t in terms.tolist()], np.int64)
-    recent = conn.execute("SELECT terms FROM retrieval WHERE seq > ?", (folded,)).fetchall()
+    recent = conn.execute(db.pick(_RECENT_TERMS), (folded,)).fetchall()
     gone = conn.execute("SELECT g.terms " + _UNSETTLED).fetchall()
     for blobs, sign in ((recent, 1), (gone, -1)):
         if blobs:
@@ -200,14 +197,18 @@ def unfolded_df(conn, terms: np.ndarray) -> np.ndarray:  # noqa: ANN001
     return df
 
 
+_RECENT_TERMS = SQL.both("SELECT terms FROM retrieval WHERE seq > ?")
+
+
 def settle(store: Store) -> int:
     """Take the counts of deleted retrieval rows back out; returns how many were settled.
     The store's writer calls this (or settle_in inside its own write)."""
-    with writing("settle deletions") as conn:
-        return settle_in(conn)
+    with store.db.writing("settle deletions") as conn:
+        return settle_in(store.db, conn)
 
 
-def settle_in(conn) -> int:  # noqa: ANN001 - a sqlite3 connection, inside a transaction
+def settle_in(db: Database, conn: Sql) -> int:
+    """`settle` inside a write."""
     gone = conn.execute(
         "SELECT seq, length, tokens, terms, row_seq FROM retrieval_gone WHERE settled = 0"
     ).fetchall()
@@ -218,41 +219,49 @@ def settle_in(conn) -> int:  # noqa: ANN001 - a sqlite3 connection, inside a tra
     counted = [g for g in gone if g[4] <= folded]
     if counted:
         terms = np.frombuffer(b"".join(g[3] for g in counted), "<i4")
-        count_terms(conn, terms, -1)
-        conn.executemany("DELETE FROM retrieval_term WHERE term = ? AND df <= 0",
-                         [(t,) for t in np.unique(terms).tolist()])
-        conn.execute("UPDATE retrieval_total SET rows = rows - ?, length = length - ?,"
-                     " tokens = tokens - ? WHERE id = 1",
+        count_terms(db, conn, terms, -1)
+        conn.executemany(db.pick(_EMPTY_TERM), [(t,) for t in np.unique(terms).tolist()])
+        conn.execute(db.pick(_SETTLED_TOTAL),
                      (len(counted), sum(g[1] for g in counted), sum(g[2] for g in counted)))
-    conn.executemany("UPDATE retrieval_gone SET settled = 1 WHERE seq = ?",
-                     [(g[0],) for g in gone])
+    conn.executemany(db.pick(_SETTLED), [(g[0],) for g in gone])
     return len(gone)
+
+
+_EMPTY_TERM = SQL.both("DELETE FROM retrieval_term WHERE term = ? AND df <= 0")
+_SETTLED_TOTAL = SQL.both("UPDATE retrieval_total SET rows = rows - ?, length = length - ?,"
+                          " tokens = tokens - ? WHERE id = 1")
+_SETTLED = SQL.both("UPDATE retrieval_gone SET settled = 1 WHERE seq = ?")
 
 
 def purge(store: Store, item_ids: Iterable[int]) -> int:
     """Delete items (and their retrieval rows, counts and activations) in one transaction."""
     ids = [(int(i),) for i in item_ids]
-    with writing("purge rows") as conn:
-        conn.executemany("DELETE FROM item WHERE id = ?", ids)  # cascades
-        conn.executemany("DELETE FROM activation WHERE item_id = ?", ids)  # keyed, not linked
-        settle_in(conn)
+    db = store.db
+    with db.writing("purge rows") as conn:
+        conn.executemany(db.pick(_PURGE_ITEM), ids)  # cascades
+        conn.executemany(db.pick(_PURGE_ACTIVATION), ids)  # keyed, not linked
+        settle_in(db, conn)
     return len(ids)
 
 
-def items_by_message(item_ids: list[int]) -> list[list[StoredItem]]:
+_PURGE_ITEM = SQL.both("DELETE FROM item WHERE id = ?")
+_PURGE_ACTIVATION = SQL.both("DELETE FROM activation WHERE item_id = ?")
+
+
+def items_by_message(db: Database, item_ids: list[int]) -> list[list[StoredItem]]:
     """The items with these ids (their messages joined, as derive_retrieval reads them),
     grouped by message."""
     by_message: dict[int, list[StoredItem]] = {}
     for chunk in in_chunks(item_ids):
-        for row in connection().execute(
+        for row in db.connection().execute(
                 "SELECT i.id, m.id, m.user_id, m.conversation_id, m.role, m.at, i.seq, i.kind,"
                 " i.name, i.call_id, i.text FROM item i JOIN message m ON m.id = i.message_id"
-                f" WHERE i.id IN ({in_list(chunk)}) ORDER BY i.id", chunk):
+                f" WHERE i.id IN ({marks(db.postgres, len(chunk))}) ORDER BY i.id", chunk):
             by_message.setdefault(row[1], []).append(StoredItem(*row))
     return list(by_message.values())
 
 
-def m002_retrieval(database: pw.Database) -> None:
+def m002_retrieval(db: Database) -> None:
     """Retrieval rows (this module, and scan.py for the reads): one per item, with the pooled frequency counts BM25 needs.
 
     `seq` only grows, so a reader catches up by reading rows past its cursor; a re-derived row
@@ -274,14 +283,14 @@ def m002_retrieval(database: pw.Database) -> None:
         " row_seq INTEGER NOT NULL, item_id INTEGER NOT NULL, length INTEGER NOT NULL,"
         " tokens INTEGER NOT NULL, terms BLOB NOT NULL, settled INTEGER NOT NULL DEFAULT 0)",
         "CREATE INDEX retrieval_gone_unsettled ON retrieval_gone (seq) WHERE settled = 0",
-        *trigger(postgres(), "retrieval_deleted", "retrieval", "true",
+        *trigger(db.postgres, "retrieval_deleted", "retrieval", "true",
                  "INSERT INTO retrieval_gone (row_seq, item_id, length, tokens, terms)"
                  " VALUES (old.seq, old.item_id, old.length, old.tokens, old.terms)"),
     ):
-        connection().execute(sql)
+        db.connection().execute(db.legacy(sql))
 
 
-def m008_retrieval_time(database: pw.Database) -> None:
+def m008_retrieval_time(db: Database) -> None:
     """Each retrieval row carries when its message was said, so a search can rank the rows of a
     day the question names first (dates.py) from the arena alone. Whole seconds: a catch-up
     reads integers as text several times faster than REALs, and days are what is asked."""
@@ -290,16 +299,16 @@ def m008_retrieval_time(database: pw.Database) -> None:
         ("UPDATE retrieval SET at = (SELECT CAST(m.at AS INTEGER) FROM message m"
          " WHERE m.id = retrieval.message_id)"),
     ):
-        connection().execute(sql)
+        db.connection().execute(db.legacy(sql))
 
 
-def m012_retrieval_pending(database: pw.Database) -> None:
+def m012_retrieval_pending(db: Database) -> None:
     """Parallel writers on PostgreSQL (database.py): a message's retrieval rows wait here, in
     the order they were stored, until `sequence` moves them into `retrieval` under the
     exclusive lock. SQLite has the table too (the same schema on both) and never fills it."""
-    connection().execute(
+    db.connection().execute(db.legacy(
         "CREATE TABLE retrieval_pending (id INTEGER PRIMARY KEY AUTOINCREMENT,"
         " item_id INTEGER NOT NULL UNIQUE REFERENCES item(id) ON DELETE CASCADE,"
         " message_id INTEGER NOT NULL, user_id INTEGER NOT NULL, conversation_id INTEGER NOT NULL,"
         " at INTEGER NOT NULL, length INTEGER NOT NULL, tokens INTEGER NOT NULL,"
-        " version TEXT NOT NULL, terms BLOB NOT NULL, counts BLOB NOT NULL)")
+        " version TEXT NOT NULL, terms BLOB NOT NULL, counts BLOB NOT NULL)"))

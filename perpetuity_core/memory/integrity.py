@@ -25,22 +25,23 @@ from collections import Counter
 
 import numpy as np
 
-from perpetuity_core.memory import capture, chains, dictionary
+from perpetuity_core.memory import capture, chains
 from perpetuity_core.memory.dialect import Sql
-from perpetuity_core.memory.dictionary import live_dictionary
-from perpetuity_core.memory.store import Store, snapshot
+from perpetuity_core.memory.store import Database, Store
 from perpetuity_core.wire.conversation import Kind
 
 SHOWN = 5  # ids listed per violation
 
 
 def check(store: Store) -> list[str]:
-    with snapshot("check the memory") as conn:
-        live_dictionary(conn)
-        out: list[str] = []
-        for check_one in (_rows, _counts, _orphans, _chains, _ids, _twice):
-            out += check_one(conn)
-        return out
+    """The violations found, one line each. Its statements are written once, in SQLite's
+    dialect (`Database.translated`): this runs by hand, never per request."""
+    db = store.db
+    with db.snapshot("check the memory") as conn:
+        live = db.live.follow(conn).version
+        legacy = db.translated(conn)
+        return [*_rows(legacy, live), *_counts(legacy), *_orphans(legacy),
+                *_chains(db, conn, legacy), *_ids(legacy), *_twice(legacy)]
 
 
 def _ids_of(conn: Sql, what: str, sql: str, *args: object) -> list[str]:
@@ -54,8 +55,7 @@ _RETRIEVAL = ("(SELECT item_id, message_id, user_id, conversation_id, at, versio
               " FROM retrieval_pending)")
 
 
-def _rows(conn: Sql) -> list[str]:
-    live = dictionary.load().version
+def _rows(conn: Sql, live: str) -> list[str]:
     return [
         *_ids_of(conn, "items without a retrieval row", "SELECT i.id FROM item i"
                  f" LEFT JOIN {_RETRIEVAL} r ON r.item_id = i.id WHERE r.item_id IS NULL"
@@ -138,10 +138,12 @@ def _orphans(conn: Sql) -> list[str]:
     ]
 
 
-def _chains(conn: Sql) -> list[str]:
+def _chains(db: Database, raw: Sql, conn: Sql) -> list[str]:
+    """`raw`: the connection chains' own statements (written per backend) run on."""
     (cursor,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
-    want = {(user, s, at, i) for i, user, at, text in chains._text_rows(conn, 0, cursor, None)
-            for s in chains.subjects(text)}
+    d = db.dictionary
+    want = {(user, s, at, i) for i, user, at, text in chains._text_rows(db, raw, 0, cursor, None)
+            for s in chains.subjects(d, text)}
     have = set(conn.execute(
         "SELECT c.user_id, c.term, c.at, c.item_id FROM chain c"
         " JOIN retrieval r ON r.item_id = c.item_id WHERE r.seq <= ?", (cursor,)).fetchall())

@@ -52,7 +52,7 @@ from perpetuity_core.memory.index import (
     settle_in,
     token_estimate,
 )
-from perpetuity_core.memory.store import Store, postgres, snapshot, writing
+from perpetuity_core.memory.store import Database, Store
 from perpetuity_core.wire.conversation import Kind
 
 _CONTEXT = Kind.CONTEXT.value  # harness text: stored, never retrieved (no retrieval row)
@@ -84,7 +84,9 @@ def purge_user(store: Store, user_key: str) -> Purged:
     messages, rows, retrieval rows and their counts, activations, clock, chains, conversation
     names, and every binding to their rows, in one transaction. The user and conversation rows
     stay (keys only, no content): a running proxy holds their ids."""
-    with writing("purge a user") as conn:
+    db = store.db
+    with db.writing("purge a user") as raw:
+        conn = db.translated(raw)
         uid, key = tenants.find_user(conn, user_key)
         mine = "SELECT id FROM message WHERE user_id = ?"
         (items,) = conn.execute(f"SELECT count(*) FROM item WHERE message_id IN ({mine})",
@@ -97,7 +99,7 @@ def purge_user(store: Store, user_key: str) -> Purged:
         # A conversation's name is made of what was said in it (names.py).
         conn.execute("UPDATE conversation SET title = '', opening = '', folder = ''"
                      " WHERE user_id = ?", (uid,))
-        settle_in(conn)
+        settle_in(db, raw)
     return Purged(messages, items, key)
 
 
@@ -113,7 +115,8 @@ class Version:
 
 
 def versions(store: Store) -> list[Version]:
-    with snapshot("list dictionary versions") as conn:
+    with store.db.snapshot("list dictionary versions") as raw:
+        conn = store.db.translated(raw)
         live = _live_version(conn)
         dark = dict(conn.execute("SELECT version, count(*) FROM retrieval_next GROUP BY version"))
         return [Version(v, at, v == live, dark.get(v, 0)) for v, at in conn.execute(
@@ -127,8 +130,8 @@ def upload(store: Store, path: Path) -> str:
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e}") from e
     version = dictionary.Dictionary.from_bytes(body).version
-    with writing("upload a dictionary") as conn:
-        conn.execute("INSERT OR IGNORE INTO dictionary VALUES (?, ?, ?)",
+    with store.db.writing("upload a dictionary") as raw:
+        store.db.translated(raw).execute("INSERT OR IGNORE INTO dictionary VALUES (?, ?, ?)",
                      (version, body, time.time()))
     return version
 
@@ -136,7 +139,7 @@ def upload(store: Store, path: Path) -> str:
 def target(store: Store, version: str | None = None) -> str:
     """The version to re-derive into: the one named, else the newest uploaded that is not
     live, else the shipped one (uploaded here) when the memory is not on it."""
-    with snapshot("read dictionary versions") as conn:
+    with store.db.snapshot("read dictionary versions") as conn:
         live = _live_version(conn)
         held = [v for (v,) in conn.execute(
             "SELECT version FROM dictionary ORDER BY uploaded_at DESC")]
@@ -158,12 +161,14 @@ def rederive(store: Store, version: str, progress: bool = True) -> int:
     stopped; returns the items written now."""
     from tqdm import tqdm
 
-    d = _dictionary(version)
-    if not postgres():
-        _drop_old()
-    with writing("start re-deriving") as conn:
+    db = store.db
+    d = _dictionary(db, version)
+    if not db.postgres:
+        _drop_old(db)
+    with db.writing("start re-deriving") as raw:
+        conn = db.translated(raw)
         staged = {v for (v,) in conn.execute("SELECT version FROM retrieval_next LIMIT 1")}
-        if postgres():  # see _flip_in_place
+        if db.postgres:  # see _flip_in_place
             conn.execute("DELETE FROM retrieval_next WHERE version != ?", (version,))
         elif not _staging(conn) or staged - {version}:  # rows of an abandoned version go
             _unstage(conn)
@@ -177,7 +182,7 @@ def rederive(store: Store, version: str, progress: bool = True) -> int:
     bar = tqdm(total=total, initial=done, unit="row", desc=f"re-deriving {version}",
                disable=not progress)
     written = 0
-    while n := _rederive_batch(d, REDERIVE_BATCH, upto):
+    while n := _rederive_batch(db, d, REDERIVE_BATCH, upto):
         written += n
         bar.update(n)
         time.sleep(REDERIVE_PAUSE)
@@ -191,42 +196,44 @@ def flip(store: Store, version: str) -> int:
     structure renamed with its staged twin (SQLite; on PostgreSQL the rows, counts and chains
     are still rebuilt inside the flip's transaction, _flip_in_place). Returns the rows now
     live."""
-    d = _dictionary(version)
-    with writing("flip the dictionary") as conn:
+    db = store.db
+    d = _dictionary(db, version)
+    with db.writing("flip the dictionary") as raw:
+        conn = db.translated(raw)
         (dark,) = conn.execute("SELECT count(*) FROM retrieval_next WHERE version = ?",
                                (version,)).fetchone()
-        if not dark or not (postgres() or _staging(conn)):
+        if not dark or not (db.postgres or _staging(conn)):
             raise ConfigError(f"nothing re-derived under {version}: run rederive first")
         # PostgreSQL: the rows still waiting for their seq (stored under the old dictionary)
         # are ordered in first, so the flip replaces them with the rest. Item ids past the
         # re-derivation's cursor are the only ones it has not seen, although writers run in
         # parallel there: every batch, like this flip, holds the lock exclusive, so no id
         # handed out before it belongs to a transaction still in flight (database.py).
-        sequence_in(conn)
-        while _rederive_batch(d, REDERIVE_BATCH):  # savepoints inside this transaction
+        sequence_in(db, raw)
+        while _rederive_batch(db, d, REDERIVE_BATCH):  # savepoints inside this transaction
             pass
         # Every deletion of the old version goes with it (its counts go whole); arenas rebuild
         # on the version change, so nothing else is logged.
         conn.execute("UPDATE retrieval_gone SET settled = 1 WHERE settled = 0")
-        if postgres():
-            _flip_in_place(conn)
+        if db.postgres:
+            _flip_in_place(db, raw)
         else:
-            _swap_staged(conn)
+            _swap_staged(db, raw)
         conn.execute("UPDATE derived SET seq = (SELECT coalesce(max(seq), 0) FROM retrieval)")
         conn.execute("UPDATE setting SET value = ? WHERE key = 'dictionary'", (version,))
         conn.execute("INSERT INTO setting VALUES ('flips', '1') ON CONFLICT(key) DO UPDATE"
                      " SET value = CAST(CAST(setting.value AS INTEGER) + 1 AS TEXT)")
         (rows,) = conn.execute("SELECT rows FROM retrieval_total").fetchone()
-    dictionary.use(d)
-    if not postgres():
-        _drop_old()
+    db.live.current = d
+    if not db.postgres:
+        _drop_old(db)
     return rows
 
 
-def _swap_staged(conn: Sql) -> None:
+def _swap_staged(db: Database, conn: Sql) -> None:
     """Rename each swapped structure with its staged twin (SQLite: a rename touches the
     schema only), the staged counts first cleared of the rows purged since they were staged."""
-    _settle_staged(conn)
+    _settle_staged(db, conn)
     (trigger,) = conn.execute(
         "SELECT sql FROM sqlite_master WHERE name = 'retrieval_deleted'").fetchone()
     conn.execute("DROP TRIGGER retrieval_deleted")
@@ -238,10 +245,11 @@ def _swap_staged(conn: Sql) -> None:
     _twin(conn, "retrieval_next_old", "retrieval_next")
 
 
-def _flip_in_place(conn: Sql) -> None:
+def _flip_in_place(db: Database, raw: Sql) -> None:
     """PostgreSQL: every retrieval row, the pooled counts and the chains rebuilt from
     retrieval_next inside the flip's transaction (staging there is left to do: its tables
     would share the retrieval sequence, which belongs to the table it was made with)."""
+    conn = db.translated(raw)
     before = _delete_unlogged(conn)
     conn.execute(
         "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
@@ -252,7 +260,7 @@ def _flip_in_place(conn: Sql) -> None:
     conn.execute("DELETE FROM retrieval_term")
     conn.execute("UPDATE retrieval_total SET rows = 0, length = 0, tokens = 0, folded_seq = ?",
                  (before,))
-    fold(conn)
+    fold(db, raw)
     conn.execute("DELETE FROM chain")
     # One statement splitting the subjects in the server: sent a row at a time (318k at 10M
     # tokens pooled) they took 4.3 s of a 5.9 s flip.
@@ -319,7 +327,7 @@ def _twin(conn: Sql, table: str, twin: str, gen: int = 0) -> None:
         conn.execute(index)
 
 
-def _settle_staged(conn: Sql) -> None:
+def _settle_staged(db: Database, conn: Sql) -> None:
     """Take the staged rows deleted since they were staged out of the staged counts."""
     gone = conn.execute("SELECT length, tokens, terms FROM retrieval_staged_gone").fetchall()
     conn.execute("DROP TRIGGER retrieval_staged_deleted")
@@ -327,7 +335,7 @@ def _settle_staged(conn: Sql) -> None:
     if not gone:
         return
     terms = np.frombuffer(b"".join(g[2] for g in gone), "<i4")
-    count_terms(conn, terms, -1, "retrieval_term_staged")
+    count_terms(db, conn, terms, -1, "retrieval_term_staged")
     conn.executemany("DELETE FROM retrieval_term_staged WHERE term = ? AND df <= 0",
                      [(t,) for t in np.unique(terms).tolist()])
     conn.execute("UPDATE retrieval_total_staged SET rows = rows - ?, length = length - ?,"
@@ -335,13 +343,13 @@ def _settle_staged(conn: Sql) -> None:
                                           sum(g[1] for g in gone)))
 
 
-def _drop_old() -> None:
+def _drop_old(db: Database) -> None:
     """Drop what the last flip swapped out, after it (resumed by the next rederive or flip):
     DROP_BATCH rows per transaction, pausing between, then the empty table (dropped whole,
     one made a turn wait 1.3 s at 82M tokens, scripts/bench_flip.py)."""
     for table in (*(f"{t}_old" for t in _SWAPPED), "retrieval_next_old"):
         while True:
-            with writing("drop the previous dictionary's rows") as conn:
+            with db.writing("drop the previous dictionary's rows") as conn:
                 if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'"
                                     " AND name = ?", (table,)).fetchone():
                     break
@@ -375,11 +383,13 @@ def _row_key(conn: Sql, table: str) -> str:
         (r[5], r[1]) for r in conn.execute(f"PRAGMA table_info({table})") if r[5]))
 
 
-def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = None) -> int:
+def _rederive_batch(db: Database, d: dictionary.Dictionary, limit: int,
+                    upto: int | None = None) -> int:
     """Re-derive the next `limit` items past the cursor (up to item `upto`) under `d` into
     retrieval_next and the staged structures (rows, counts, chains); returns how many."""
-    with writing("re-derive rows") as conn:
-        staging = not postgres()  # see _flip_in_place
+    with db.writing("re-derive rows") as raw:
+        conn = db.translated(raw)
+        staging = not db.postgres  # see _flip_in_place
         if staging and not _staging(conn):
             _unstage(conn)
             _stage(conn)
@@ -392,19 +402,18 @@ def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = Non
         if not items:
             return 0
         nxt, staged, chained, bags = [], [], [], []
-        with dictionary.using(d):
-            for i, kind, name, text, message, user, conversation, at in items:
-                t = item_text(kind, name, text)
-                bag = d.bag(t)
-                bags.append(bag.terms)
-                terms = bag.terms.astype("<i4", copy=False).tobytes()
-                subjects = chains.subjects(text) if kind == Kind.TEXT.value and text.strip() else []
-                n_tokens = token_estimate(t)
-                nxt.append((i, d.version, bag.length, n_tokens, terms, bag.counts.tobytes(),
-                            " ".join(subjects)))
-                staged.append((i, message, user, conversation, int(at), bag.length, n_tokens,
-                               d.version, terms, bag.counts.tobytes()))
-                chained += [(user, s, at, i) for s in subjects]
+        for i, kind, name, text, message, user, conversation, at in items:
+            t = item_text(kind, name, text)
+            bag = d.bag(t)
+            bags.append(bag.terms)
+            terms = bag.terms.astype("<i4", copy=False).tobytes()
+            subjects = chains.subjects(d, text) if kind == Kind.TEXT.value and text.strip() else []
+            n_tokens = token_estimate(t)
+            nxt.append((i, d.version, bag.length, n_tokens, terms, bag.counts.tobytes(),
+                        " ".join(subjects)))
+            staged.append((i, message, user, conversation, int(at), bag.length, n_tokens,
+                           d.version, terms, bag.counts.tobytes()))
+            chained += [(user, s, at, i) for s in subjects]
         conn.executemany("INSERT OR REPLACE INTO retrieval_next (item_id, version, length, tokens,"
                          " terms, counts, subjects) VALUES (?,?,?,?,?,?,?)", nxt)
         if not staging:
@@ -412,20 +421,20 @@ def _rederive_batch(d: dictionary.Dictionary, limit: int, upto: int | None = Non
         conn.executemany(
             "INSERT INTO retrieval_staged (item_id, message_id, user_id, conversation_id, at,"
             " length, tokens, version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?,?)", staged)
-        conn.executemany(chains._INSERT_CHAIN.replace("INTO chain", "INTO chain_staged"),
-                         chained)
-        count_terms(conn, np.concatenate(bags), +1, "retrieval_term_staged")
+        chains.insert_chain("chain_staged").run(raw, db.postgres, chained)
+        count_terms(db, raw, np.concatenate(bags), +1, "retrieval_term_staged")
         conn.execute("UPDATE retrieval_total_staged SET rows = rows + ?, length = length + ?,"
                      " tokens = tokens + ?, folded_seq = (SELECT max(seq) FROM retrieval_staged)",
                      (len(staged), sum(s[5] for s in staged), sum(s[6] for s in staged)))
     return len(items)
 
 
-def _dictionary(version: str) -> dictionary.Dictionary:
+def _dictionary(db: Database, version: str) -> dictionary.Dictionary:
     if version == dictionary.shipped().version:
         return dictionary.shipped()
-    with snapshot("read a dictionary") as conn:
-        row = conn.execute("SELECT body FROM dictionary WHERE version = ?", (version,)).fetchone()
+    with db.snapshot("read a dictionary") as raw:
+        row = db.translated(raw).execute("SELECT body FROM dictionary WHERE version = ?",
+                                         (version,)).fetchone()
     if row is None:
         raise ConfigError(f"no dictionary version {version!r} uploaded")
     return dictionary.Dictionary.from_bytes(row[0])

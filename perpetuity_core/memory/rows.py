@@ -6,23 +6,15 @@ messages are adjacent).
 
 from __future__ import annotations
 
-import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from perpetuity_core.memory.dialect import Sql, one_of
+from perpetuity_core.memory.dialect import SQL, Sql, marks, one_of
 from perpetuity_core.memory.names import label
-from perpetuity_core.memory.store import (
-    IN_CHUNK,
-    connection,
-    db,
-    failing_as,
-    in_chunks,
-    in_list,
-    postgres,
-    snapshot,
-)
+from perpetuity_core.memory.store import IN_CHUNK, Database, failing_as, in_chunks
 from perpetuity_core.wire.conversation import Kind, without_scaffold
 
 # What a model may be shown of memory: what was said and done, not harness scaffolding or
@@ -46,7 +38,8 @@ class Row:
     secret: str = ""  # the kind of credential the row holds (m011), shown only as withheld
 
 
-def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int, Row]:
+def shown_rows(db: Database, item_ids: Iterable[int],
+               user_id: int | None = None) -> dict[int, Row]:
     """The rows among `item_ids` (of `user_id` only, when given) that a model may be shown:
     SHOWN_KINDS, and not blank."""
     ids = list(dict.fromkeys(item_ids))
@@ -55,17 +48,17 @@ def shown_rows(item_ids: Iterable[int], user_id: int | None = None) -> dict[int,
         # One statement reads one commit by itself: no transaction, whose BEGIN and COMMIT
         # are two more round trips on PostgreSQL.
         with failing_as("read rows"):
-            return _shown_rows(connection(), ids, user_id, out)
-    with snapshot("read rows") as conn:
-        return _shown_rows(conn, ids, user_id, out)
+            return _shown_rows(db, db.connection(), ids, user_id, out)
+    with db.snapshot("read rows") as conn:
+        return _shown_rows(db, conn, ids, user_id, out)
 
 
-def _shown_rows(conn: Sql, ids: list[int], user_id: int | None,
+def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
                 out: dict[int, Row]) -> dict[int, Row]:
-    kinds = ",".join("?" * len(SHOWN_KINDS))
-    owner = " AND m.user_id = ?" if user_id is not None else ""
+    kinds = marks(db.postgres, len(SHOWN_KINDS))
+    owner = f" AND m.user_id = {marks(db.postgres, 1)}" if user_id is not None else ""
     for chunk in in_chunks(ids):
-        these, args = one_of(postgres(), "i.id", chunk)
+        these, args = one_of(db.postgres, "i.id", chunk)
         args += (*SHOWN_KINDS, *(() if user_id is None else (user_id,)))
         for (item, message, conv, title, opening, folder, role, at, kind, name,
              text, secret) in conn.execute(
@@ -108,7 +101,7 @@ _AROUND_PG = (
     " JOIN item i ON i.message_id = x.id")
 
 
-def around(hits: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int, int]]:
+def around(db: Database, hits: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int, int]]:
     """(hit index, item_id, message_id) of the rows of the `n` messages before each hit's message
     and the `n` after it, in its conversation; `hits` are (conversation_id, message_id).
 
@@ -120,8 +113,8 @@ def around(hits: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int, int]
     five calls: 3 ms)."""
     if not hits:
         return []
-    if postgres():
-        raw = connection().raw  # type: ignore[attr-defined]  # PgConnection's psycopg one
+    if db.postgres:
+        raw = db.connection().raw  # type: ignore[attr-defined]  # PgConnection's psycopg one
         return raw.execute(_AROUND_PG, ([c for c, _ in hits], [m for _, m in hits], n, n),
                            prepare=False).fetchall()
     branches: list[str] = []
@@ -133,45 +126,66 @@ def around(hits: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int, int]
                 f" m.conversation_id = ? AND m.id {cmp} ? AND m.id IN (SELECT id FROM message"
                 f" WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order} LIMIT ?)")
             args += (conversation_id, message_id, conversation_id, message_id, n)
-    return connection().execute(" UNION ALL ".join(branches), args).fetchall()
+    return db.connection().execute(" UNION ALL ".join(branches), args).fetchall()
 
 
-def next_spoken(conversation_id: int, message_id: int, *, after: bool) -> tuple[int, str] | None:
+def next_spoken(db: Database, conversation_id: int, message_id: int, *,
+                after: bool) -> tuple[int, str] | None:
     """(id, role) of the nearest user or assistant message after (or before) a message in its
     conversation. Harness text between them (Claude Code's mid-conversation system message) is
     skipped."""
-    cmp, order = (">", "ASC") if after else ("<", "DESC")
-    row = connection().execute(
-        f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ?"
-        f" AND role IN ('user', 'assistant') ORDER BY id {order} LIMIT 1",
-        (conversation_id, message_id)).fetchone()
+    row = db.connection().execute(db.pick(_NEXT_SPOKEN[after]),
+                                  (conversation_id, message_id)).fetchone()
     return (row[0], row[1]) if row else None
 
 
-def items_of(message_ids: set[int]) -> list[int]:
+_NEXT_SPOKEN = {after: SQL.both(
+    f"SELECT id, role FROM message WHERE conversation_id = ? AND id {cmp} ?"
+    f" AND role IN ('user', 'assistant') ORDER BY id {order} LIMIT 1")
+    for after, (cmp, order) in ((True, (">", "ASC")), (False, ("<", "DESC")))}
+
+
+def items_of(db: Database, message_ids: set[int]) -> list[int]:
     """The ids of these messages' rows, in store order."""
     if not message_ids:
         return []
     ids = sorted(message_ids)
-    return [i for (i,) in connection().execute(
-        f"SELECT id FROM item WHERE message_id IN ({in_list(ids)}) ORDER BY id", ids)]
+    return [i for (i,) in db.connection().execute(
+        f"SELECT id FROM item WHERE message_id IN ({marks(db.postgres, len(ids))}) ORDER BY id",
+        ids)]
 
 
-def adjacent_pairs(ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
+def adjacent_pairs(db: Database, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
     """Pairs of rendered messages (of one conversation, ids ascending) with nothing stored
-    between them."""
-    return _adjacent_pairs(str(db.database), ids)
-
-
-@functools.lru_cache(maxsize=4096)
-def _adjacent_pairs(database: str, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
-    """Cached per database file: ids only grow, so nothing can come between two later and the
-    answer keeps (a purge could only add pairs, and then a run is labelled once more than it
-    needs)."""
+    between them. Cached per database: ids only grow, so nothing can come between two later
+    and the answer keeps (a purge could only add pairs, and then a run is labelled once more
+    than it needs)."""
     if len(ids) < 2:
         return frozenset()
-    stored = [i for (i,) in connection().execute(
-        "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
-        " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id", (ids[0], ids[0], ids[-1]))]
+    key = (str(db.peewee.database), ids)
+    with _ADJACENT_GUARD:  # frames are built on several threads
+        if (known := _ADJACENT.get(key)) is not None:
+            _ADJACENT.move_to_end(key)
+            return known
+    pairs = _adjacent_pairs(db, ids)
+    with _ADJACENT_GUARD:
+        _ADJACENT[key] = pairs
+        if len(_ADJACENT) > ADJACENT_CACHED:
+            _ADJACENT.popitem(last=False)
+    return pairs
+
+
+# Keyed by the database's file or URL, not its handle: a closed store's handle is not kept.
+ADJACENT_CACHED = 4096
+_ADJACENT_GUARD = threading.Lock()
+_ADJACENT: OrderedDict[tuple[str, tuple[int, ...]], frozenset[tuple[int, int]]] = OrderedDict()
+_BETWEEN = SQL.both(
+    "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
+    " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id")
+
+
+def _adjacent_pairs(db: Database, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
+    stored = [i for (i,) in db.connection().execute(db.pick(_BETWEEN),
+                                                    (ids[0], ids[0], ids[-1]))]
     follows = dict(zip(stored, stored[1:], strict=False))
     return frozenset((a, b) for a, b in zip(ids, ids[1:], strict=False) if follows.get(a) == b)

@@ -60,17 +60,9 @@ import numpy as np
 
 from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, build_segment
 from perpetuity_core.memory.bm25 import Params, make_query
-from perpetuity_core.memory.dialect import one_of
-from perpetuity_core.memory.dictionary import live_dictionary
+from perpetuity_core.memory.dialect import marks, one_of
 from perpetuity_core.memory.index import item_text, sequence, totals, unfolded_df
-from perpetuity_core.memory.store import (
-    Store,
-    connection,
-    failing_as,
-    in_list,
-    postgres,
-    snapshot,
-)
+from perpetuity_core.memory.store import Database, Store, failing_as
 from perpetuity_core.memory.view import Visibility
 
 
@@ -104,7 +96,8 @@ class Scanner:
         self.pool_of = pool_of
         self.params = params
         self.store_rows = store_rows
-        self.arena = Arena(layout, threads)
+        self.db = store.db
+        self.arena = Arena(self.db, layout, threads)
         self._use_arena = store_rows <= 0
         # The frame's searches and the recall tools' run on different threads. One catch-up
         # at a time (each holds this a few milliseconds); the scans read the view the last
@@ -115,16 +108,17 @@ class Scanner:
         """Bring the arena (if in use) up to date; returns rows read. Deletions not settled yet
         are accounted for, not settled (the store's writer does that). Its one write, on
         PostgreSQL only, orders the rows stored in parallel (index.sequence)."""
+        db = self.db
         with self._lock:
             known = self.arena.version
             if known is None:  # the store's path, or the arena's first catch-up
-                with snapshot("read the dictionary version") as conn:
-                    live_dictionary(conn)  # a flip (maybe by another process) is followed here
+                with db.snapshot("read the dictionary version") as conn:
+                    db.live.follow(conn)  # a flip (maybe by another process) is followed here
                     if not self._use_arena:
                         rows, _, _ = totals(conn)
                         self._use_arena = rows > self.store_rows
                 if not self._use_arena:
-                    sequence()  # PostgreSQL: rows other writers stored (the arena does it itself)
+                    sequence(db)  # PostgreSQL: rows other writers stored (the arena does it itself)
                     return 0
             read = self.arena.catch_up()
             if known is not None and self.arena.version != known:
@@ -133,9 +127,9 @@ class Scanner:
                 # tokenises with it. Otherwise that is not read again: on PostgreSQL the
                 # snapshot reading it cost three round trips a search (BEGIN, the read, COMMIT).
                 with failing_as("read the dictionary version"):
-                    live_dictionary(connection())
+                    db.live.follow(db.connection())
             if self.arena.stale():  # a flip re-derived every row, or most rows are dead
-                fresh = Arena(self.arena.layout, self.arena.threads)
+                fresh = Arena(db, self.arena.layout, self.arena.threads)
                 read = fresh.catch_up()
                 self.arena = fresh  # readers keep the old arena's view until this
             return read
@@ -155,30 +149,33 @@ class Scanner:
             self.catch_up()
             if self._use_arena:
                 view = self.arena.view
-                ranked = view.top(view.query(query, self.params), k, visible)
+                ranked = view.top(view.query(self.db.dictionary, query, self.params), k,
+                                  visible)
             else:
                 ranked = self._store_top(query, k, visible)
-            hits = fetch_hits(ranked)
+            hits = fetch_hits(self.db, ranked)
         return [h for h in hits if h.item_id not in exclude][:limit]
 
     def _store_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The small-memory path: score the visible rows read straight from the store."""
-        with snapshot("search memory") as conn:
+        db = self.db
+        with db.snapshot("search memory") as conn:
             n_rows, total, _ = totals(conn)
-            q = make_query(text, lambda t: unfolded_df(conn, t), n_rows, total, self.params)
+            q = make_query(db.dictionary, text, lambda t: unfolded_df(db, conn, t), n_rows,
+                           total, self.params)
             if q.empty:
                 return []
             where, args = "", []
             if visible.user_id is not None and not visible.share_pool:
-                where, args = "WHERE user_id = ?", [visible.user_id]
+                where, args = f"WHERE user_id = {marks(db.postgres, 1)}", [visible.user_id]
             elif visible.user_id is not None and visible.pool is not None:
                 args = [visible.user_id, *visible.pool]
-                where = f"WHERE user_id IN ({in_list(args)})"
+                where = f"WHERE user_id IN ({marks(db.postgres, len(args))})"
             rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts"
                                 f" FROM retrieval {where} ORDER BY seq", args).fetchall()
         if not rows:
             return []
-        tmp = Arena(ROWS, threads=1)
+        tmp = Arena(db, ROWS, threads=1)
         seq, user, conv, at, length, terms_b, counts_b = zip(*rows)
         tmp.put_rows(*(np.asarray(c, _COLUMNS[name]) for name, c in
                        zip(("seq", "user", "conv", "at", "length"), (seq, user, conv, at, length),
@@ -189,12 +186,12 @@ class Scanner:
         return tmp.publish().top(q, k, visible)
 
 
-def fetch_hits(ranked: list[tuple[float, int, bool]]) -> list[Hit]:
+def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]:
     """Hits for ranked (score, seq, own) triples, in that order; rows deleted meanwhile drop."""
     if not ranked:
         return []
-    where, args = one_of(postgres(), "r.seq", [s for _, s, _ in ranked])
-    rows = connection().execute(
+    where, args = one_of(db.postgres, "r.seq", [s for _, s, _ in ranked])
+    rows = db.connection().execute(
         "SELECT r.seq, r.item_id, r.message_id, r.user_id, r.conversation_id, m.role, m.at,"
         " i.name, i.text, r.tokens FROM retrieval r JOIN item i ON i.id = r.item_id"
         f" JOIN message m ON m.id = r.message_id WHERE {where}", args).fetchall()

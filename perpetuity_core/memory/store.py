@@ -1,6 +1,7 @@
 """The store: users, conversations, messages and their immutable rows, in SQLite (the embedded
 default) or PostgreSQL (`--db postgresql://user@host:port/dbname`, location.py) via peewee.
-The SQL is SQLite's, translated for PostgreSQL by dialect.py: one code path.
+Each statement is written for both backends, by peewee's query builder or side by side per
+backend (dialect.SQL); only the migrations' DDL is translated (dialect.translate_ddl).
 
 Every message is written in one transaction, as one `Message` row plus one `Item` row per part,
 and nothing is updated in place afterwards. Structures derived from the rows (retrieval rows,
@@ -12,9 +13,10 @@ retrieval needs at once (the chains) are written by the same writer a batch of m
 time, one transaction per batch (`Store.flush`), each with a cursor: their readers add the rows
 past the cursor themselves, so they too never see a row without what is derived from it.
 
-Every write goes through `writing`, reads that must agree through `snapshot`, and the
-database's errors leave the store as StoreError: database.py, the handle. Ids are never
-handed out twice (m010).
+The store owns its database, `store.db` (database.Database, the handle): every read and write
+of the memory goes through it, every write through `store.db.writing`, reads that must agree
+through `store.db.snapshot`, and the database's errors leave the store as StoreError. Ids are
+never handed out twice (m010).
 
 Credentials never reach this module: identity arrives already hashed.
 """
@@ -30,20 +32,16 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
 from perpetuity_core.memory.database import IN_CHUNK as IN_CHUNK
-from perpetuity_core.memory.database import PRAGMAS as PRAGMAS
-from perpetuity_core.memory.database import WRITE_LOCK as WRITE_LOCK
-from perpetuity_core.memory.database import PostgresDatabase as PostgresDatabase
-from perpetuity_core.memory.database import Sqlite, connection, db, postgres, writing
+from perpetuity_core.memory.database import Database as Database
 from perpetuity_core.memory.database import failing_as as failing_as
 from perpetuity_core.memory.database import in_chunks as in_chunks
-from perpetuity_core.memory.database import in_list as in_list
-from perpetuity_core.memory.database import snapshot as snapshot
-from perpetuity_core.memory.dialect import Sql, trigger
+from perpetuity_core.memory.dialect import SQL, Sql, marks
 from perpetuity_core.memory.location import shown, where
 from perpetuity_core.memory.secrets import secret_kind
 from perpetuity_core.wire.conversation import Message, Usage
@@ -52,8 +50,8 @@ log = logging.getLogger("perpetuity")
 
 
 class BaseModel(pw.Model):
-    class Meta:
-        database = db
+    """Unbound: a query names the store's database (`.bind(store.db.peewee)`), never a class
+    attribute two stores would share."""
 
 
 class Setting(BaseModel):
@@ -67,11 +65,13 @@ class Migration(BaseModel):
 
 
 class User(BaseModel):
+    id = pw.AutoField()  # peewee's implicit key, named for the queries that read it
     key = pw.TextField(unique=True)
     created_at = pw.FloatField()
 
 
 class Conversation(BaseModel):
+    id = pw.AutoField()  # peewee's implicit key, named for the queries that read it
     user = pw.ForeignKeyField(User, backref="conversations")
     key = pw.TextField()
     provider = pw.TextField()
@@ -116,110 +116,16 @@ class Item(BaseModel):
     text = pw.TextField()
 
 
-def m001_initial(database: pw.Database) -> None:
+def create_tables(db: Database, models: Sequence[type[pw.Model]]) -> None:
+    """peewee's create_tables, on this database (the models are unbound): `models` in the
+    order their foreign keys need."""
+    for model in models:
+        pw.SchemaManager(model, db.peewee).create_all()
+
+
+def m001_initial(db: Database) -> None:
     """The spine: users, conversations, messages and their rows."""
-    database.create_tables([Setting, User, Conversation, StoredMessage, Item])
-
-
-def m006_batched(database: pw.Database) -> None:
-    """Fewer pages in each message's commit, which writes one per B-tree page it touches.
-
-    The chains touched up to seven (one per subject, one for their item index): they are now
-    written a batch of messages at a time (Store.flush), and `derived` holds how far, in
-    retrieval.seq (which is never reused, unlike item ids), each batched structure is written;
-    every row stored before has its chains. The index on message.conversation_id alone goes:
-    the (conversation_id, pair_key) index serves the same lookups. retrieval_total, updated
-    with every message, now counts only the rows up to its folded_seq, as retrieval_term does
-    (see index.totals): rows past it, and unsettled deletions of them, leave its counts."""
-    past = "FROM retrieval WHERE seq > folded_seq"
-    gone = "FROM retrieval_gone WHERE settled = 0 AND row_seq > folded_seq"
-    for sql in (
-        "CREATE TABLE derived (name TEXT PRIMARY KEY, seq INTEGER NOT NULL) WITHOUT ROWID",
-        "INSERT INTO derived SELECT 'chain', coalesce(max(seq), 0) FROM retrieval",
-        "DROP INDEX IF EXISTS storedmessage_conversation_id",
-        "UPDATE retrieval_total SET"
-        f" rows = rows - (SELECT count(*) {past}) - (SELECT count(*) {gone}),"
-        f" length = length - (SELECT coalesce(sum(length), 0) {past})"
-        f" - (SELECT coalesce(sum(length), 0) {gone}),"
-        f" tokens = tokens - (SELECT coalesce(sum(tokens), 0) {past})"
-        f" - (SELECT coalesce(sum(tokens), 0) {gone})",
-    ):
-        connection().execute(sql)
-
-
-def m007_conversation_order(database: pw.Database) -> None:
-    """The messages of a conversation in store order. m006 dropped the index on
-    conversation_id as redundant, but the (conversation_id, pair_key) and (conversation_id,
-    fingerprint) indexes do not keep id order: every "latest / around message X" lookup read
-    and sorted the whole conversation, on every request of a long coding session."""
-    connection().execute("CREATE INDEX message_conversation_order ON message (conversation_id, id)")
-
-
-def m010_store_guarantees(database: pw.Database) -> None:
-    """Ids that are never handed out twice, and the retrieval dictionary kept as data.
-
-    SQLite gives a new row max(id) + 1, so a deleted newest message or item lent its id to the
-    next one, while frame caches assume ids only grow. A trigger keeps the highest id ever
-    deleted (`high_water`) and the write path numbers rows past both (no AUTOINCREMENT table
-    rebuild). `dictionary` holds every version uploaded (the live one named by the setting
-    `dictionary`), `retrieval_next` the dark rows a new version is re-derived into before its
-    flip (see maintenance.py). The live version is the one the stored rows were made with."""
-    from perpetuity_core.memory import dictionary
-
-    shipped = dictionary.shipped()
-    versions = [v for (v,) in connection().execute("SELECT DISTINCT version FROM retrieval")]
-    live = versions[0] if len(versions) == 1 else shipped.version
-    for sql in (
-        "CREATE TABLE high_water (name TEXT PRIMARY KEY, id INTEGER NOT NULL) WITHOUT ROWID",
-        "INSERT INTO high_water SELECT 'message', coalesce(max(id), 0) FROM message",
-        "INSERT INTO high_water SELECT 'item', coalesce(max(id), 0) FROM item",
-        "CREATE TABLE dictionary (version TEXT PRIMARY KEY, body BLOB NOT NULL,"
-        " uploaded_at REAL NOT NULL)",
-        "CREATE TABLE retrieval_next (item_id INTEGER PRIMARY KEY REFERENCES item(id)"
-        " ON DELETE CASCADE, version TEXT NOT NULL, length INTEGER NOT NULL,"
-        " tokens INTEGER NOT NULL, terms BLOB NOT NULL, counts BLOB NOT NULL,"
-        " subjects TEXT NOT NULL)",  # the row's chains under that version, space-separated
-    ):
-        connection().execute(sql)
-    for table in ("message", "item"):
-        for sql in trigger(postgres(), f"{table}_high_water", table,
-                           f"old.id > (SELECT id FROM high_water WHERE name = '{table}')",
-                           f"UPDATE high_water SET id = old.id WHERE name = '{table}'"):
-            connection().execute(sql)
-    if live == shipped.version:
-        connection().execute("INSERT INTO dictionary VALUES (?, ?, ?)",
-                             (live, dictionary.shipped_path().read_bytes(), time.time()))
-    connection().execute("INSERT OR REPLACE INTO setting (key, value) VALUES ('dictionary', ?)",
-                         (live,))
-def m011_secret(database: pw.Database) -> None:
-    """Each row carries the kind of credential the notes' scan finds in it (capture-time, off
-    the request path): stored verbatim, it is shown to another conversation only as
-    `[secret withheld: <kind>]`. Rows stored before are scanned here."""
-    connection().execute("ALTER TABLE item ADD COLUMN secret TEXT NOT NULL DEFAULT ''")
-    last = 0
-    while rows := connection().execute("SELECT id, text FROM item WHERE id > ? ORDER BY id"
-                                       " LIMIT 5000", (last,)).fetchall():
-        flagged = [(kind, i) for i, text in rows if (kind := secret_kind(text))]
-        for kind, i in flagged:
-            connection().execute("UPDATE item SET secret = ? WHERE id = ?", (kind, i))
-        last = rows[-1][0]
-
-
-def m013_id_sequences(database: pw.Database) -> None:
-    """PostgreSQL: messages and items take their ids from their sequences, since writers store
-    in parallel there (database.py); until now the write path numbered them itself, so the
-    sequences start past every id stored or freed (high_water). SQLite: nothing changes."""
-    if postgres():
-        ids_past_high_water(connection())
-
-
-def ids_past_high_water(conn: Sql) -> None:
-    """PostgreSQL: the message and item sequences set past every id stored or freed."""
-    for table in ("message", "item"):
-        conn.execute(
-            f"SELECT setval(pg_get_serial_sequence('{table}', 'id'), greatest((SELECT"
-            f" coalesce(max(id), 0) FROM {table}), (SELECT id FROM high_water WHERE"
-            f" name = '{table}')) + 1, false)")
+    create_tables(db, [Setting, User, Conversation, StoredMessage, Item])
 
 
 # The next id of a table whose rows can be deleted: past its newest row and past every id a
@@ -227,14 +133,6 @@ def ids_past_high_water(conn: Sql) -> None:
 # (database.py), and a sequence never hands out a number twice (m013_id_sequences).
 _NEXT_ID = ("max((SELECT coalesce(max(id), 0) FROM {0}),"
             " (SELECT id FROM high_water WHERE name = '{0}')) + 1,")
-
-
-def _id() -> str:
-    return "" if postgres() else "id, "
-
-
-def _next_id(table: str) -> str:
-    return "" if postgres() else _NEXT_ID.format(table)
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,13 +153,13 @@ class StoredItem:
 
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
-Deriver = Callable[[list[StoredItem]], None]
+Deriver = Callable[[Database, list[StoredItem]], None]
 # Called by Store.flush, inside the batch's transaction, for the rows with after < seq <= upto.
-BatchDeriver = Callable[[int, int], None]
+BatchDeriver = Callable[[Database, int, int], None]
 # Takes the counts of deleted retrieval rows back out, or orders the rows stored in parallel
 # (PostgreSQL, database.py), inside the flush's transaction; returns the rows it touched.
-Settle = Callable[[Sql], int]
-Migrate = Callable[[pw.Database], None]
+Settle = Callable[[Database, Sql], int]
+Migrate = Callable[[Database], None]
 # Rows stored before the batched structures are written: larger batches dirty fewer pages per
 # message, and a reader derives at most this many rows itself (see chains.chain_of).
 BATCH_ROWS = 256
@@ -280,7 +178,17 @@ def default_db_path() -> str | Path:
 
 
 class Store:
-    """The one handle on a database file. Use it from one thread (the proxy gives it its own)."""
+    """One memory: its database (`db`, which it owns and closes) and the one writer of it.
+
+    Threads. Writes (`user_id`, `conversation_id`, `name_conversation`, `add_message`, `flush`,
+    and heat's, bindings' and maintenance's writes through `db`) come from one thread at a
+    time: the proxy's writer thread, or the command that opened the store. The caches below
+    are filled by that writer only. Other threads only read: the request thread
+    (`find_user`, `find_conversation`, `message_ids`, `latest_messages`, the frame's reads),
+    the scanner's catch-ups and the recall tools. That is safe because peewee gives each
+    thread its own connection, each read sees committed rows only (WAL on SQLite, MVCC on
+    PostgreSQL), and a reader only looks the caches up (a dict read under the GIL), where a
+    missing entry costs one query."""
 
     def __init__(self, path: str | Path, *, migrations: Sequence[Migrate],
                  derivers: Iterable[Deriver], batched: Mapping[str, BatchDeriver],
@@ -295,27 +203,23 @@ class Store:
         self.batched = dict(batched)
         self._settle = settle
         self._sequence = sequence
-        from perpetuity_core.memory.dictionary import dictionary_notice, live_dictionary
-
-        if db.obj is not None:  # the proxy moves to this database: the last one's are orphans
-            db.obj.close_all()
+        
         try:
             if isinstance(self.path, Path):
                 _create_private(self.path)
-                db.initialize(Sqlite(str(self.path), pragmas=PRAGMAS, check_same_thread=False))
-            else:
-                db.initialize(PostgresDatabase(self.path))
+            self.db = Database(self.path)
             with failing_as(f"open the memory database {self.shown}"):
-                db.connect(reuse_if_open=True)
+                self.db.peewee.connect(reuse_if_open=True)
                 self._migrate()
                 self.salt = self._setting("identity_salt", lambda: secrets.token_hex(16))
                 # Rows left behind by a process that stopped before its batch: the next flush
                 # writes them (opening does not: a reader may open the store too).
-                (self._behind,) = connection().execute(
+                conn = self.db.connection()
+                (self._behind,) = conn.execute(
                     "SELECT count(*) FROM retrieval WHERE seq > (SELECT min(seq) FROM derived)"
                 ).fetchone()
-                live_dictionary(connection())
-                self.notice = dictionary_notice(connection())
+                self.db.live.follow(conn)
+                self.notice = self.db.live.notice(conn)
         except OSError as e:
             raise StoreError(f"cannot open the memory database {self.path}: {e}") from e
         if self.notice:
@@ -330,52 +234,59 @@ class Store:
         """The database's size on disk."""
         if isinstance(self.path, Path):
             return self.path.stat().st_size
-        return int(connection().execute(
+        return int(self.db.connection().execute(
             "SELECT pg_database_size(current_database())").fetchone()[0])
 
     def close(self) -> None:
-        if db.obj is not None:
-            db.obj.close_all()
+        """Close the database's connections, every thread's; other stores keep theirs."""
+        self.db.close()
 
     def _migrate(self) -> None:
-        with writing("migrate the memory database"):
-            db.create_tables([Migration])
-            done = {m.name for m in Migration.select()}
+        database = self.db.peewee
+        with self.db.writing("migrate the memory database"):
+            create_tables(self.db, [Migration])
+            done = {m.name for m in Migration.select(Migration.name).bind(database)}
             for migration in self.migrations:
                 if migration.__name__ not in done:
-                    migration(db.obj)
-                    Migration.create(name=migration.__name__, applied_at=time.time())
+                    migration(self.db)
+                    Migration.insert(name=migration.__name__,
+                                     applied_at=time.time()).bind(database).execute()
 
     def _setting(self, key: str, make: Callable[[], str]) -> str:
-        with writing(f"write the setting {key}"):
-            row = Setting.get_or_none(Setting.key == key)
+        database = self.db.peewee
+        with self.db.writing(f"write the setting {key}"):
+            row = Setting.select(Setting.value).where(Setting.key == key).bind(database).scalar()
             if row is None:
-                row = Setting.create(key=key, value=make())
-        return row.value
+                row = make()
+                Setting.insert(key=key, value=row).bind(database).execute()
+        return str(row)
 
-    # The per-request path below is raw SQL: peewee's query building cost more than SQLite's
-    # work here (measured: 1.3 ms of a 1.5 ms store_turn), and this runs on every model call.
+    # The per-request path below is raw SQL, written per backend: peewee's query building cost
+    # more than SQLite's work here (measured: 1.3 ms of a 1.5 ms store_turn), and this runs on
+    # every model call. A user or conversation is written once; peewee's builder does that.
 
     def user_id(self, key: str) -> int:
         if (cached := self._users.get(key)) is not None:
             return cached
-        with writing("store a user", ordered=False) as conn:
-            conn.execute("INSERT OR IGNORE INTO user (key, created_at) VALUES (?, ?)", (key, time.time()))
-            (uid,) = conn.execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
+        with self.db.writing("store a user", ordered=False):
+            User.insert(key=key, created_at=time.time()).on_conflict_ignore().bind(
+                self.db.peewee).execute()
+            uid = User.select(User.id).where(User.key == key).bind(self.db.peewee).scalar()
         self._users[key] = uid
-        return uid
+        return int(uid)
 
     def conversation_id(self, user_id: int, key: str, provider: str) -> int:
         if (cached := self._conversations.get((user_id, key))) is not None:
             return cached
-        with writing("store a conversation", ordered=False) as conn:
-            conn.execute(
-                "INSERT OR IGNORE INTO conversation (user_id, key, provider, created_at)"
-                " VALUES (?, ?, ?, ?)", (user_id, key, provider, time.time()))
-            (cid,) = conn.execute("SELECT id FROM conversation WHERE user_id = ? AND key = ?",
-                                  (user_id, key)).fetchone()
+        with self.db.writing("store a conversation", ordered=False):
+            Conversation.insert(user=user_id, key=key, provider=provider,
+                                created_at=time.time()).on_conflict_ignore().bind(
+                self.db.peewee).execute()
+            cid = Conversation.select(Conversation.id).where(
+                (Conversation.user == user_id) & (Conversation.key == key)).bind(
+                self.db.peewee).scalar()
         self._conversations[(user_id, key)] = cid
-        return cid
+        return int(cid)
 
     def name_conversation(self, conversation_id: int, *, title: str = "", opening: str = "",
                           folder: str = "") -> None:
@@ -386,10 +297,9 @@ class Store:
                   if value and (conversation_id, column) not in self._named]
         if not wanted:
             return
-        with writing(f"name conversation {conversation_id}", ordered=False) as conn:
+        with self.db.writing(f"name conversation {conversation_id}", ordered=False) as conn:
             for column, value in wanted:
-                conn.execute(f"UPDATE conversation SET {column} = ?"
-                             f" WHERE id = ? AND {column} = ''", (value, conversation_id))
+                conn.execute(self.db.pick(_NAME[column]), (value, conversation_id))
         self._named.update((conversation_id, column) for column, _ in wanted)
 
     def find_user(self, key: str) -> int | None:
@@ -397,7 +307,7 @@ class Store:
         if (cached := self._users.get(key)) is not None:
             return cached
         with failing_as("read a user"):
-            row = connection().execute("SELECT id FROM user WHERE key = ?", (key,)).fetchone()
+            row = self.db.connection().execute(self.db.pick(_FIND_USER), (key,)).fetchone()
         return row[0] if row else None
 
     def find_conversation(self, user_id: int, key: str) -> int | None:
@@ -405,35 +315,34 @@ class Store:
         if (cached := self._conversations.get((user_id, key))) is not None:
             return cached
         with failing_as("read a conversation"):
-            row = connection().execute(
-                "SELECT id FROM conversation WHERE user_id = ? AND key = ?", (user_id, key)
-            ).fetchone()
+            row = self.db.connection().execute(self.db.pick(_FIND_CONVERSATION),
+                                               (user_id, key)).fetchone()
         return row[0] if row else None
 
     def latest_messages(self, conversation_id: int, n: int) -> list[int]:
         """The ids of the conversation's last `n` stored messages."""
         with failing_as("read the latest messages"):
-            return [i for (i,) in connection().execute(
-                "SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?",
-                (conversation_id, n))]
+            return [i for (i,) in self.db.connection().execute(
+                self.db.pick(_LATEST), (conversation_id, n))]
 
     def message_ids(self, conversation_id: int, fingerprints: list[str]) -> list[int]:
         """The stored messages of a conversation with these fingerprints."""
         with failing_as("read messages"):
             return [i for (i,) in _in_query(
-                connection(),
-                "SELECT id FROM message WHERE conversation_id = ? AND fingerprint IN",
+                self.db, self.db.connection(),
+                "SELECT id FROM message WHERE conversation_id = {} AND fingerprint IN",
                 conversation_id, fingerprints)]
 
     def known(self, conversation_id: int, pair_keys: list[str],
               reply_fingerprints: list[str]) -> tuple[set[str], set[str]]:
         """Which pair keys, and which assistant fingerprints, this conversation already holds."""
-        with snapshot("read what a conversation holds") as conn:
+        with self.db.snapshot("read what a conversation holds") as conn:
             keys = {k for (k,) in _in_query(
-                conn, "SELECT pair_key FROM message WHERE conversation_id = ? AND pair_key IN",
+                self.db, conn,
+                "SELECT pair_key FROM message WHERE conversation_id = {} AND pair_key IN",
                 conversation_id, pair_keys)}
             replies = {f for (f,) in _in_query(
-                conn, "SELECT fingerprint FROM message WHERE conversation_id = ?"
+                self.db, conn, "SELECT fingerprint FROM message WHERE conversation_id = {}"
                 " AND role = 'assistant' AND fingerprint IN", conversation_id, reply_fingerprints)}
         return keys, replies
 
@@ -453,26 +362,23 @@ class Store:
         complete: bool = True,
     ) -> Written:
         """Write one message and its rows, and everything derived from them, in one transaction."""
-        with writing(f"store a {message.role} message", ordered=False) as conn:
-            cur = conn.execute(
-                f"INSERT INTO message ({_id()}conversation_id, user_id, role, provider, model, at,"
-                " stored_at, pair_key, fingerprint, source, complete, stop_reason, usage)"
-                f" VALUES ({_next_id('message')}?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (conversation_id, user_id, message.role, provider, model, at, time.time(),
-                 pair_key, message.fingerprint(), source, complete, stop_reason,
-                 json.dumps(dataclasses.asdict(usage)) if usage else ""))
-            message_id = int(cur.lastrowid or 0)
+        db = self.db
+        with db.writing(f"store a {message.role} message", ordered=False) as conn:
+            message_id = _id(db, conn.execute(db.pick(_INSERT_MESSAGE), (
+                conversation_id, user_id, message.role, provider, model, at, time.time(),
+                pair_key, message.fingerprint(), source, complete, stop_reason,
+                json.dumps(dataclasses.asdict(usage)) if usage else "")))
             items = []
+            insert_item = db.pick(_INSERT_ITEM)
             for i, p in enumerate(message.parts):
-                cur = conn.execute(
-                    f"INSERT INTO item ({_id()}message_id, seq, kind, name, call_id, text, secret)"
-                    f" VALUES ({_next_id('item')}?,?,?,?,?,?,?)",
-                    (message_id, i, p.kind.value, p.name, p.call_id, p.text, secret_kind(p.text)))
-                items.append(StoredItem(int(cur.lastrowid or 0), message_id, user_id,
-                                        conversation_id, message.role, at, i, p.kind.value,
-                                        p.name, p.call_id, p.text))
+                item_id = _id(db, conn.execute(insert_item, (
+                    message_id, i, p.kind.value, p.name, p.call_id, p.text,
+                    secret_kind(p.text))))
+                items.append(StoredItem(item_id, message_id, user_id, conversation_id,
+                                        message.role, at, i, p.kind.value, p.name, p.call_id,
+                                        p.text))
             for derive in self.derivers:
-                derive(items)
+                derive(db, items)
         self._behind += len(items)
         if self._behind >= BATCH_ROWS:
             self.flush()
@@ -481,27 +387,59 @@ class Store:
     def flush(self) -> None:
         """Write the batched structures up to the last stored row, with their cursors, in one
         transaction. Only the store's writer calls this (add_message, every BATCH_ROWS rows)."""
-        with writing("write the batched derivations") as conn:
+        db = self.db
+        with db.writing("write the batched derivations") as conn:
             # Rows other writers stored are ordered first, so the batch covers them too, and
             # deletions made behind the writer's back (another process, a cascade) are settled:
             # the writer is the only one who settles (readers account for the rest).
-            self._sequence(conn)
-            self._settle(conn)
+            self._sequence(db, conn)
+            self._settle(db, conn)
             (upto,) = conn.execute("SELECT coalesce(max(seq), 0) FROM retrieval").fetchone()
             for name, derive in self.batched.items():
-                (after,) = conn.execute("SELECT seq FROM derived WHERE name = ?",
-                                        (name,)).fetchone()
+                (after,) = conn.execute(db.pick(_DERIVED), (name,)).fetchone()
                 if upto > after:
-                    derive(after, upto)
-                    conn.execute("UPDATE derived SET seq = ? WHERE name = ?", (upto, name))
+                    derive(db, after, upto)
+                    conn.execute(db.pick(_DERIVED_TO), (upto, name))
         self._behind = 0
 
 
-def _in_query(conn: Sql, sql: str, conversation_id: int,
+_NAME = {column: SQL.both(f"UPDATE conversation SET {column} = ? WHERE id = ?"
+                          f" AND {column} = ''") for column in ("title", "opening", "folder")}
+_FIND_USER = SQL('SELECT id FROM user WHERE key = ?', 'SELECT id FROM "user" WHERE key = %s')
+_FIND_CONVERSATION = SQL.both("SELECT id FROM conversation WHERE user_id = ? AND key = ?")
+_LATEST = SQL.both("SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?")
+_DERIVED = SQL.both("SELECT seq FROM derived WHERE name = ?")
+_DERIVED_TO = SQL.both("UPDATE derived SET seq = ? WHERE name = ?")
+# SQLite numbers the rows itself, past every id a deletion freed (m010); PostgreSQL takes them
+# from the sequences (m013). PostgreSQL returns the id (RETURNING: no round trip of its own);
+# SQLite's is the cursor's lastrowid: RETURNING there made a message's write ~60 us slower
+# (p50, 3,000 messages, busy machine).
+_MESSAGE_COLUMNS = ("conversation_id, user_id, role, provider, model, at, stored_at, pair_key,"
+                    " fingerprint, source, complete, stop_reason, usage")
+_INSERT_MESSAGE = SQL(
+    f"INSERT INTO message (id, {_MESSAGE_COLUMNS}) VALUES ({_NEXT_ID.format('message')}"
+    f"{','.join('?' * 13)})",
+    f"INSERT INTO message ({_MESSAGE_COLUMNS}) VALUES ({','.join(['%s'] * 13)}) RETURNING id")
+_ITEM_COLUMNS = "message_id, seq, kind, name, call_id, text, secret"
+_INSERT_ITEM = SQL(
+    f"INSERT INTO item (id, {_ITEM_COLUMNS}) VALUES ({_NEXT_ID.format('item')}"
+    f"{','.join('?' * 7)})",
+    f"INSERT INTO item ({_ITEM_COLUMNS}) VALUES ({','.join(['%s'] * 7)}) RETURNING id")
+
+
+def _id(db: Database, cur: Any) -> int:
+    """The id an insert handed out: sqlite3's lastrowid; PostgreSQL's RETURNING."""
+    return int(cur.fetchone()[0] if db.postgres else cur.lastrowid)
+
+
+def _in_query(db: Database, conn: Sql, sql: str, conversation_id: int,
               values: list[str]) -> list[tuple]:
+    """`sql` (its one placeholder written `{}`) with an IN-list of `values` appended."""
     if not values:
         return []
-    return conn.execute(f"{sql} ({in_list(values)})", (conversation_id, *values)).fetchall()
+    mark = "%s" if db.postgres else "?"
+    return conn.execute(f"{sql.format(mark)} ({marks(db.postgres, len(values))})",
+                        (conversation_id, *values)).fetchall()
 
 
 def _create_private(path: Path) -> None:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.dialect import Sql
+from perpetuity_core.memory.dialect import SQL, Sql
 from perpetuity_core.memory.rows import Row
-from perpetuity_core.memory.store import Store, connection
+from perpetuity_core.memory.store import Store
 from perpetuity_core.wire.conversation import Kind, Message
 
 TENANTS_DIR = "tenants"  # under the notes root: one library per tenant
@@ -90,12 +90,17 @@ def users(conn: Sql) -> list[UserSummary]:
 def pool_of(store: Store, user_id: int, pooled: frozenset[str]) -> frozenset[int]:
     """The users whose rows `user_id` may see besides its own: those of the operator-named
     tenant set, when the asker's tenant is in it; no one otherwise."""
-    conn = connection()
-    row = conn.execute("SELECT key FROM user WHERE id = ?", (user_id,)).fetchone()
+    db = store.db
+    conn = db.connection()
+    row = conn.execute(db.pick(_KEY_OF), (user_id,)).fetchone()
     if row is None or tenant_of(row[0]) not in pooled:
         return frozenset()
-    return frozenset(uid for uid, key in conn.execute("SELECT id, key FROM user")
+    return frozenset(uid for uid, key in conn.execute(db.pick(_USERS))
                      if tenant_of(key) in pooled)
+
+
+_KEY_OF = SQL("SELECT key FROM user WHERE id = ?", 'SELECT key FROM "user" WHERE id = %s')
+_USERS = SQL("SELECT id, key FROM user", 'SELECT id, key FROM "user"')
 
 
 def quotes_untrusted(messages: list[Message]) -> bool:
@@ -106,6 +111,6 @@ def quotes_untrusted(messages: list[Message]) -> bool:
 
 
 def withheld(row: Row) -> str:
-    """A row flagged at capture (the notes' credential scan, store.m011) as another
+    """A row flagged at capture (the notes' credential scan, schema.m011) as another
     conversation sees it; the row stays stored verbatim: it is the user's data."""
     return f"[secret withheld: {row.secret}]"

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from perpetuity_core.memory.bm25 import Params, Query, contributions, make_query, merge, top_k
+from perpetuity_core.memory.dictionary import Dictionary
 
 
 class Frequencies:
@@ -130,11 +131,12 @@ class View:
     gone_cursor: int
     pool: ThreadPoolExecutor | None
 
-    def query(self, text: str, params: Params) -> Query:
+    def query(self, d: Dictionary, text: str, params: Params) -> Query:
+        """`text` as a query (tokenised by `d`, the live dictionary) over this view's rows."""
         df = self.df
         if df is None:
-            return make_query(text, lambda t: np.zeros(t.size), 0, 0, params)
-        return make_query(text, df.get, self.n_rows, self.total_length, params)
+            return make_query(d, text, lambda t: np.zeros(t.size), 0, 0, params)
+        return make_query(d, text, df.get, self.n_rows, self.total_length, params)
 
     def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""

@@ -110,7 +110,7 @@ def terms(text: str) -> frozenset[str]:
     letters and digits: `node.js` is `nod` and `js`, `docker-compose` is `docker` and `compos`),
     minus stop words, single letters and short numbers."""
     found: set[str] = set()
-    for word in dictionary.load().words(text):
+    for word in dictionary.shipped().words(text):
         stem = dictionary.stem(word)
         if _keep(word, stem):
             found.add(stem)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from perpetuity_core.memory.rows import Row, quoted, shown_rows, time_label
+from perpetuity_core.memory.store import Database
 from perpetuity_core.memory.tenants import withheld
 
 SNIPPET_CHARS = 100  # memory_count lists instances, not their whole text
@@ -43,9 +44,9 @@ class BadArguments(ValueError):
     """The call's arguments do not fit its schema: the message tells the model what does."""
 
 
-def fetch_rows(user_id: int, item_ids: Iterable[int]) -> dict[int, Row]:
+def fetch_rows(db: Database, user_id: int, item_ids: Iterable[int]) -> dict[int, Row]:
     """The rows of `user_id` among `item_ids` that the model may be shown."""
-    return shown_rows(item_ids, user_id)
+    return shown_rows(db, item_ids, user_id)
 
 
 def _label(r: Row, *extra: str) -> str:

@@ -17,10 +17,12 @@ import numpy as np
 
 from perpetuity_core.memory import dictionary
 from perpetuity_core.memory.chains import _rank, _subject_words, chain_of
+from perpetuity_core.memory.dialect import SQL, marks
+from perpetuity_core.memory.dictionary import Dictionary
 from perpetuity_core.memory.names import label
 from perpetuity_core.memory.rows import SHOWN_KINDS, Row
 from perpetuity_core.memory.scan import Hit, Scanner
-from perpetuity_core.memory.store import connection, in_chunks, in_list
+from perpetuity_core.memory.store import Database, in_chunks
 from perpetuity_core.recall.answers import (
     LABEL_CHARS,
     RESULT_CHARS,
@@ -73,11 +75,11 @@ class Filters:
                 math.inf if self.before is None else self.before)
 
 
-def _filters(args: dict[str, Any], memory: TurnMemory) -> Filters:
+def _filters(db: Database, args: dict[str, Any], memory: TurnMemory) -> Filters:
     conv = None
     key = args.get("conversation")
     if key:
-        conv = memory.conversation_id if key == "current" else _own_conversation(memory, key)
+        conv = memory.conversation_id if key == "current" else _own_conversation(db, memory, key)
         if conv is None:
             raise BadArguments(f"there is no conversation {key!r}")
     said = ", ".join(f"{k} {args[k]}" for k in ("conversation", "role", "after", "before")
@@ -86,14 +88,17 @@ def _filters(args: dict[str, Any], memory: TurnMemory) -> Filters:
                    f" ({said})" if said else "")
 
 
-def _own_conversation(memory: TurnMemory, number: str) -> int | None:
+def _own_conversation(db: Database, memory: TurnMemory, number: str) -> int | None:
     """The id of the user's conversation an answer numbered `number` (c12), else None."""
     digits = number.strip().removeprefix("c")
     if not digits.isdigit():
         return None
-    row = connection().execute("SELECT id FROM conversation WHERE id = ? AND user_id = ?",
+    row = db.connection().execute(db.pick(_OWN_CONVERSATION),
                                   (int(digits), memory.user_id)).fetchone()
     return row[0] if row else None
+
+
+_OWN_CONVERSATION = SQL.both("SELECT id FROM conversation WHERE id = ? AND user_id = ?")
 
 
 def _instant(args: dict[str, Any], key: str) -> float | None:
@@ -118,37 +123,37 @@ def _search(scanner: Scanner, memory: TurnMemory, query: str, f: Filters, want: 
     while True:
         hits = scanner.search(query, memory.user_id, limit=k, exclude=exclude,
                               conversation_id=f.conversation_id, during=f.during())
-        rows = fetch_rows(memory.user_id, [h.item_id for h in hits])
+        rows = fetch_rows(scanner.db, memory.user_id, [h.item_id for h in hits])
         keep = [(h, rows[h.item_id]) for h in hits if h.item_id in rows
                 and f.admits(rows[h.item_id])]
         if holding is not None:
-            held = _holding([h.item_id for h, _ in keep], holding)
+            held = _holding(scanner.db, [h.item_id for h, _ in keep], holding)
             keep = [(h, r) for h, r in keep if h.item_id in held]
         if len(keep) >= want or len(hits) < k or k >= MAX_SCAN:
             return keep[:want]
         k = min(k * 4, MAX_SCAN)
 
 
-def _holding(item_ids: list[int], terms: np.ndarray) -> set[int]:
+def _holding(db: Database, item_ids: list[int], terms: np.ndarray) -> set[int]:
     """Which of the rows hold at least one of `terms` themselves (not only their context)."""
     if not item_ids or terms.size == 0:
         return set()
-    rows = connection().execute(
-        f"SELECT item_id, terms FROM retrieval WHERE item_id IN ({in_list(item_ids)})",
-        item_ids).fetchall()
+    rows = db.connection().execute(
+        "SELECT item_id, terms FROM retrieval WHERE item_id IN"
+        f" ({marks(db.postgres, len(item_ids))})", item_ids).fetchall()
     return {i for i, blob in rows if np.isin(np.frombuffer(blob, "<i4"), terms).any()}
 
 
-def _query_terms(text: str) -> np.ndarray:
+def _query_terms(d: Dictionary, text: str) -> np.ndarray:
     """The distinct term ids of a tool's query; a query of common words only is bad input."""
-    terms = np.unique(dictionary.load().ids(text))
+    terms = np.unique(d.ids(text))
     if terms.size == 0:
         raise BadArguments(f"{text!r} holds no searchable word (only common words)")
     return terms
 
 
 def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
-    f = _filters(args, memory)
+    f = _filters(scanner.db, args, memory)
     query, limit = args["query"], args["limit"]
     found = _search(scanner, memory, query, f, limit, memory.shown)
     if not found:
@@ -160,9 +165,10 @@ def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
 
 def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     if "item" in args:
-        return _continue_row(args["item"], args["offset"], memory)
+        return _continue_row(scanner.db, args["item"], args["offset"], memory)
     limit, page = args["limit"], args["page"]
-    rows = fetch_rows(memory.user_id, [i for i in memory.below_cap if i not in memory.shown])
+    rows = fetch_rows(scanner.db, memory.user_id,
+                      [i for i in memory.below_cap if i not in memory.shown])
     left = [rows[i] for i in dict.fromkeys(memory.below_cap) if i in rows]
     if not left:
         return "memory_more: nothing this turn's retrieval found is left unseen; try memory_search."
@@ -176,8 +182,8 @@ def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> s
                    [(r.item_id, _line(r, chars)) for r in part])
 
 
-def _continue_row(item_id: int, offset: int, memory: TurnMemory) -> str:
-    r = fetch_rows(memory.user_id, [item_id]).get(item_id)
+def _continue_row(db: Database, item_id: int, offset: int, memory: TurnMemory) -> str:
+    r = fetch_rows(db, memory.user_id, [item_id]).get(item_id)
     if r is None:
         return f"memory_more: there is no row #{item_id} in your memory."
     body = _body(r)
@@ -190,15 +196,16 @@ def _continue_row(item_id: int, offset: int, memory: TurnMemory) -> str:
 
 def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     category, match = args["category"], args["match"]
-    terms = _query_terms(category)
-    f = _filters(args, memory)
-    ids, at, conv = count_rows(memory.user_id, terms, match == "all", f)
+    db = scanner.db
+    terms = _query_terms(db.dictionary, category)
+    f = _filters(db, args, memory)
+    ids, at, conv = count_rows(db, memory.user_id, terms, match == "all", f)
     what = f"memory_count {category!r}{f.said}, rows holding {match} of its words"
     if ids.size == 0:
         return f"{what}: 0 rows."
     listed = ids[np.lexsort((ids, at))[:args["limit"]]].tolist()  # oldest first
-    rows = fetch_rows(memory.user_id, listed)
-    keys = _conversation_names(np.unique(conv).tolist())
+    rows = fetch_rows(db, memory.user_id, listed)
+    keys = _conversation_names(db, np.unique(conv).tolist())
     days = np.datetime_as_string((at // 86_400).astype(np.int64).astype("datetime64[D]"))
     header = (f"{what}: {_n(ids.size, 'row')}, in {_n(np.unique(conv).size, 'conversation')},"
               f" on {_n(np.unique(days).size, 'day')}.")
@@ -210,9 +217,9 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
         (None, "by date: " + ", ".join(f"{d} {n}" for d, n in by_day[:DAYS_LISTED])
          + (f", and {len(by_day) - DAYS_LISTED} more days" if len(by_day) > DAYS_LISTED else "")),
     ]
-    marks = [dictionary.stem(w) for w in dictionary.load().words(category)
+    stems = [dictionary.stem(w) for w in db.dictionary.words(category)
              if w not in dictionary.STOP_WORDS]
-    entries += [_instance(rows[i], marks, memory) for i in listed if i in rows]
+    entries += [_instance(rows[i], stems, memory) for i in listed if i in rows]
     if ids.size > len(listed):
         entries.append((None, (f"[{ids.size - len(listed)} more instances not listed: raise"
                                " limit, or narrow by conversation, role or dates]")))
@@ -225,26 +232,31 @@ def _tally(values: np.ndarray) -> list[tuple[Any, int]]:
     return list(zip(u.tolist(), n.tolist(), strict=True))
 
 
-def _conversation_names(conversation_ids: list[int]) -> dict[int, str]:
+def _conversation_names(db: Database, conversation_ids: list[int]) -> dict[int, str]:
     if not conversation_ids:
         return {}
     return {c: _conversation(c, label(title, opening, folder)) for c, title, opening, folder
-            in connection().execute(
+            in db.connection().execute(
                 "SELECT id, title, opening, folder FROM conversation WHERE id IN"
-                f" ({in_list(conversation_ids)})", conversation_ids)}
+                f" ({marks(db.postgres, len(conversation_ids))})", conversation_ids)}
 
 
-def count_rows(user_id: int, terms: np.ndarray, every: bool,
+_USER_ROWS = SQL.both("SELECT item_id, terms FROM retrieval WHERE user_id = ?")
+_USER_CONVERSATION_ROWS = SQL.both(
+    "SELECT item_id, terms FROM retrieval WHERE user_id = ? AND conversation_id = ?")
+
+
+def count_rows(db: Database, user_id: int, terms: np.ndarray, every: bool,
                f: Filters) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every row of `user_id` passing the filters that holds every one of `terms` (or, unless
     `every`, any of them): (item ids, times, conversation ids), by item id. Exact: every
     retrieval row of the user is read and matched in numpy over its term blob; only the
     matches are then joined to their messages for the other filters."""
-    sql, params = "SELECT item_id, terms FROM retrieval WHERE user_id = ?", [user_id]
+    sql, params = _USER_ROWS, [user_id]
     if f.conversation_id is not None:
-        sql, params = sql + " AND conversation_id = ?", [user_id, f.conversation_id]
-    conn = connection()
-    rows = conn.execute(sql, params).fetchall()
+        sql, params = _USER_CONVERSATION_ROWS, [user_id, f.conversation_id]
+    conn = db.connection()
+    rows = conn.execute(db.pick(sql), params).fetchall()
     empty = np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
     if not rows:
         return empty
@@ -259,7 +271,8 @@ def count_rows(user_id: int, terms: np.ndarray, every: bool,
     for chunk in in_chunks(matched):
         kept += [(i, at, conv) for i, at, conv, role, kind in conn.execute(
             "SELECT i.id, m.at, m.conversation_id, m.role, i.kind FROM item i JOIN message m"
-            f" ON m.id = i.message_id WHERE i.id IN ({in_list(chunk)}) ORDER BY i.id",
+            f" ON m.id = i.message_id WHERE i.id IN ({marks(db.postgres, len(chunk))})"
+            " ORDER BY i.id",
             chunk) if kind in SHOWN_KINDS and (f.role is None or role == f.role)
             and (f.after is None or at >= f.after) and (f.before is None or at < f.before)]
     if not kept:
@@ -270,8 +283,8 @@ def count_rows(user_id: int, terms: np.ndarray, every: bool,
 
 def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     query, limit = args["query"], args["limit"]
-    terms = _query_terms(query)
-    f = _filters(args, memory)
+    terms = _query_terms(scanner.db.dictionary, query)
+    f = _filters(scanner.db, args, memory)
     # Rows already shown are still events on the timeline: they come back as stubs.
     found = _search(scanner, memory, query, f, limit, (), holding=terms)
     if not found:
@@ -288,21 +301,22 @@ def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
 
 def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     topic, limit = args["topic"], args["limit"]
-    terms = _query_terms(topic)
+    db = scanner.db
+    terms = _query_terms(db.dictionary, topic)
     # The topic's matches are rows that mention it, not rows that only sit beside one.
     anchors = [h.item_id for h, _ in _search(scanner, memory, topic, Filters(), ANCHORS, (),
                                              holding=terms)]
     if not anchors:
         return f"memory_cooccur {topic!r}: nothing stored matches it."
-    turns, bound, together = cooccurring(anchors)
-    rows = fetch_rows(memory.user_id, bound[:COOCCUR_ROWS].tolist())
+    turns, bound, together = cooccurring(db, anchors)
+    rows = fetch_rows(db, memory.user_id, bound[:COOCCUR_ROWS].tolist())
     near = [i for i in bound[:COOCCUR_ROWS].tolist() if i in rows]
     if not near:
         return (f"memory_cooccur {topic!r}: its matches have not come up in a recorded turn with"
                 " anything else yet; memory_search finds them.")
     times = dict(zip(bound.tolist(), together.tolist(), strict=True))
-    topic_stems = set(_subject_words(topic)[0])
-    words = frequent_words([rows[i].text for i in near], topic_stems)
+    topic_stems = set(_subject_words(db.dictionary, topic)[0])
+    words = frequent_words(db.dictionary, [rows[i].text for i in near], topic_stems)
     new = [rows[i] for i in near if i not in memory.shown][:limit]
     header = (f"memory_cooccur {topic!r}: its best matches came up in {_n(turns, 'recorded turn')},"
               f" with {_n(len(near), 'other row')}; the most often first")
@@ -316,15 +330,15 @@ def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -
     return _answer(memory, header, entries)
 
 
-def cooccurring(anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
+def cooccurring(db: Database, anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
     """From the binding log: how many turns bound any of `anchors` (a topic's matches, best
     first), and the other rows bound in those turns, most strongly first, with how many of
     those turns each shares. A turn weighs 1 / (1 + rank) of the best anchor it holds, a row
     the sum of its turns' weights; ties by item id."""
-    conn = connection()
+    conn = db.connection()
     pairs = conn.execute(
         f"SELECT turn_message_id, item_id FROM binding WHERE item_id IN"
-        f" ({in_list(anchors)})", anchors).fetchall()
+        f" ({marks(db.postgres, len(anchors))})", anchors).fetchall()
     empty = np.zeros(0, np.int64)
     if not pairs:
         return 0, empty, empty
@@ -337,7 +351,8 @@ def cooccurring(anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
     for chunk in in_chunks(turns):
         bound += conn.execute(
             "SELECT turn_message_id, item_id FROM binding WHERE turn_message_id IN"
-            f" ({in_list(chunk)}) ORDER BY turn_message_id, item_id", chunk).fetchall()
+            f" ({marks(db.postgres, len(chunk))}) ORDER BY turn_message_id, item_id",
+            chunk).fetchall()
     turn = np.asarray([b[0] for b in bound], np.int64)
     item = np.asarray([b[1] for b in bound], np.int64)
     w = np.asarray([weight[t] for t in turns])[np.searchsorted(turns, turn)]
@@ -350,30 +365,32 @@ def cooccurring(anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
     return len(turns), ids[order], together[order]
 
 
-def frequent_words(texts: Iterable[str], leave_out: set[str]) -> list[tuple[str, int]]:
+def frequent_words(d: Dictionary, texts: Iterable[str],
+                   leave_out: set[str]) -> list[tuple[str, int]]:
     """The subject words found in most of `texts` (each text counts a word once), with how
     many texts hold them; ties go to the rarer word, which tells more, then by stem."""
     rows: Counter[str] = Counter()
     surface: dict[str, str] = {}
     for text in texts:
-        counts, forms = _subject_words(text)
+        counts, forms = _subject_words(d, text)
         rows.update(s for s in counts if s not in leave_out)
         for s, w in forms.items():
             surface.setdefault(s, w)
-    best = sorted(rows.items(), key=lambda sn: (-sn[1], -_rank(sn[0]), sn[0]))[:COOCCUR_TERMS]
+    best = sorted(rows.items(), key=lambda sn: (-sn[1], -_rank(d, sn[0]), sn[0]))[:COOCCUR_TERMS]
     return [(surface[s], n) for s, n in best]
 
 
 def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     subject, limit, page = args["subject"], args["limit"], args["page"]
-    counts, forms = _subject_words(subject)
+    db = scanner.db
+    counts, forms = _subject_words(db.dictionary, subject)
     stems = sorted(counts)
     if not stems:
         raise BadArguments(f"{subject!r} has no distinctive word to follow (common words are"
                            " not chained; memory_search finds them)")
-    ids, covered = chain_of(memory.user_id, stems)
+    ids, covered = chain_of(db, memory.user_id, stems)
     words = " and ".join(forms[s] for s in stems)
-    rows = fetch_rows(memory.user_id, ids)
+    rows = fetch_rows(db, memory.user_id, ids)
     chain = [rows[i] for i in ids if i in rows]
     if not chain:
         return f"memory_chains {subject!r}: no stored row is about {words}."
@@ -395,7 +412,7 @@ def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
         gap = [f"+{span(chain[k].at - chain[k - 1].at)}"] if k > 0 else []
         entries.append(_event(chain[k], chars, memory, *gap))
     # Linked subjects of the rows on this page: a long chain's whole would cost a read per row.
-    linked = frequent_words((r.text for r in chain[start:end]), set(stems))
+    linked = frequent_words(db.dictionary, (r.text for r in chain[start:end]), set(stems))
     if linked := [(w, n) for w, n in linked if n > 1][:LINKED]:
         entries.append((None, "linked subjects: " + ", ".join(f"{w} ({n})" for w, n in linked)))
     return _answer(memory, header, entries)

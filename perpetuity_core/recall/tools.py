@@ -137,7 +137,7 @@ def run(call_name: str, arguments: dict | str, memory: TurnMemory, scanner: Scan
         # Some tools read the store's rows directly (count, chains, dates): on PostgreSQL, what
         # was stored since the last search, by this process or another, is ordered in first
         # (a tool that searches catches up itself; nothing to do on SQLite).
-        sequence()
+        sequence(scanner.db)
         return _RUNNERS[call_name](args, memory, scanner)
     except BadArguments as e:
         return f"{call_name}: {e}. It takes {_signature(spec)}."

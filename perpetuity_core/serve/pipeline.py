@@ -356,12 +356,12 @@ class Pipeline:
         """Store what is new in the request, each message in its own transaction, this turn's
         reheats (retrieval is the only writer of activation after birth), and move the clock
         by what the model was sent. The store's writer calls this."""
-        heat.reheat(p.clock, p.reheats)
+        heat.reheat(self.store.db, p.clock, p.reheats)
         _, turn = capture.record(
             self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
             model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",
             folder=p.folder)
-        heat.advance(turn.user_id, p.sent_tokens)
+        heat.advance(self.store.db, turn.user_id, p.sent_tokens)
         return turn
 
     def store_reply(self, turn: TurnContext, reply: Reply, at: float,
@@ -375,9 +375,9 @@ class Pipeline:
             return
         message_id = capture.record_reply(self.store, turn, reply, at)
         if message_id is not None:
-            heat.advance(turn.user_id, messages_tokens([reply.message]))
+            heat.advance(self.store.db, turn.user_id, messages_tokens([reply.message]))
             if pending and (bound := pending.hits | (pending.shown - pending.frame_rows)):
-                bindings.record_bindings(message_id, bound)
+                bindings.record_bindings(self.store.db, message_id, bound)
         recalled = pending.notes if pending else []
         if recalled and pending and pending.library is not None:
             text = "\n".join(p.text for p in reply.message.parts)
