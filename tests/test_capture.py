@@ -121,7 +121,5 @@ def test_the_same_words_after_a_reply_are_a_new_turn(either: Store) -> None:
 
 
 def store_texts(store: Store) -> list[tuple[str]]:
-    from perpetuity_core.memory.store import connection
-
-    return connection().execute("SELECT i.text FROM message m JOIN item i"
-                                " ON i.message_id = m.id ORDER BY m.id, i.seq").fetchall()
+    return store.db.translated().execute("SELECT i.text FROM message m JOIN item i"
+                                        " ON i.message_id = m.id ORDER BY m.id, i.seq").fetchall()
