@@ -27,7 +27,7 @@ at least 500 users), copied to PostgreSQL by `memory migrate`'s copy (timed), bo
 `memory check` (timed), then on each backend: the cold arena; p50/p99 of real LoCoMo and BEAM
 questions through Scanner.search (the scan and the hits' text), each asked by a user who holds
 the conversation, as the proxy asks them (scripts/bench_steady.py), and of the reads the frame
-makes around it (the rows around the first hits and every row shown, memory/frame.py); the
+makes around it (the rows around the first hits and every row shown, memory/frame_read.py); the
 statements a search sends, per statement (PostgreSQL's pg_stat_statements); and the catch-up of
 `rows` one-row messages another process stored (bench_writers.py's writer).
 Prints one JSON object.
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import frame, importers, index, scan  # noqa: E402
+from perpetuity_core.memory import frame_read, importers, index, scan  # noqa: E402
 from perpetuity_core.memory.integrity import check  # noqa: E402
 from perpetuity_core.memory.rows import around, shown_rows  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
@@ -169,12 +169,12 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def frame_reads(scanner: scan.Scanner, q: str, user: int) -> None:
-    """A question's search and the reads the frame makes around it (frame._retrieve, _rows):
+    """A question's search and the reads the frame makes around it (frame_read.retrieve, _rows):
     the rows around the first hits, then every row it may show."""
-    hits = frame.search(scanner, q, user, 1.8e9)
+    hits = frame_read.search(scanner, q, user, 1.8e9)
     near = [i for _, i, _ in around(scanner.db, [(h.conversation_id, h.message_id)
-                                                 for h in hits[:frame.NEIGHBOUR_HITS]],
-                                    frame.NEIGHBOURS)]
+                                                 for h in hits[:frame_read.NEIGHBOUR_HITS]],
+                                    frame_read.NEIGHBOURS)]
     shown_rows(scanner.db, [h.item_id for h in hits] + near)
 
 

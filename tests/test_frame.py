@@ -14,8 +14,8 @@ import numpy as np
 import openai
 import pytest
 
-from perpetuity_core.memory import cap, capture, frame, heat
-from perpetuity_core.memory.rows import Row, around, shown_rows
+from perpetuity_core.memory import cap, capture, frame, frame_read, frame_render, frame_select, heat
+from perpetuity_core.memory.rows import Row, adjacent_pairs, around, shown_rows
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store
@@ -206,6 +206,25 @@ def test_the_neighbours_of_hits_are_the_messages_beside_each_in_its_conversation
     assert around(store.db, [], 2) == []
 
 
+def test_adjacency_read_once_for_every_row_holds_for_any_rows_chosen(store: Store) -> None:
+    """The frame reads which of its candidate rows' messages follow one another once
+    (frame_read); a run of any subset rendered is then what the store says of that subset."""
+    say(store, "a", *[f"alpha {i}" for i in range(8)])
+    say(store, "b", "beta 0", "beta 1", "beta 2")
+    say(store, "a", *[f"alpha {i}" for i in range(12)])  # four more, stored after b's
+    items = [i for (i,) in query(store.path, "SELECT id FROM item ORDER BY id")]
+    rows = shown_rows(store.db, items)
+    adjacent = frame_read._adjacent(store.db, rows)
+    by_conversation: dict[int, list[int]] = {}
+    for r in rows.values():
+        by_conversation.setdefault(r.conversation_id, []).append(r.message_id)
+    for messages in by_conversation.values():
+        for picked in itertools.chain.from_iterable(
+                itertools.combinations(sorted(messages), k) for k in (2, 3)):
+            here = {p for p in itertools.pairwise(picked) if p in adjacent}
+            assert here == set(adjacent_pairs(store.db, picked)), picked
+
+
 def test_budget_grows_with_the_spread_of_good_matches() -> None:
     limits = cap.Cap(floor=1000, ceiling=8000)
     one_clear = cap.budget(np.array([10.0, 2.0, 1.5, 1.0]), limits)
@@ -227,11 +246,11 @@ def test_the_budget_goes_to_the_most_warmth_per_token() -> None:
     def render(new: list[int]) -> list[Message]:
         return [Message("user", (text_part(rows[i].text),)) for i in new]
 
-    new = frame._fill(rows, warm, set(), 400, render)
+    new = frame_select.fill(rows, warm, set(), 400, render)
     # The warmest row alone would spend the whole budget; three substantive turns and a
     # two-word one give more warmth for it.
     assert sorted(new) == [2, 3, 4, 5]
-    new = frame._fill(rows, warm, {1}, 400, render)
+    new = frame_select.fill(rows, warm, {1}, 400, render)
     assert new[0] == 1  # a mandatory row is never traded away
 
 
@@ -486,7 +505,7 @@ def test_anthropic_markers_let_the_next_turn_read_what_this_one_kept(tmp_path: P
 
 
 def test_markers_yield_to_the_harness_own() -> None:
-    frame_messages = frame._assemble([("user", "a"), ("assistant", "b")], 0.0)
+    frame_messages = frame_render.assemble([("user", "a"), ("assistant", "b")], 0.0)
     closing = frame.NOW.format(datetime.fromtimestamp(0.0, UTC))
     live = {"role": "user", "content": [{"type": "text", "text": "live", "cache_control": {}}]}
     body = {"model": "m", "system": [{"type": "text", "text": "s", "cache_control": {}}] * 3,

@@ -2,7 +2,7 @@
 
 "What did Jolene ask Deb on 13 March, 2023?" is about what was said that day, whether or not
 the turn repeats any of the question's words; the retrieval ranks the rows said then first
-(see frame.build). Absolute dates are read in the forms people write them (13 March 2023,
+(see frame_read.search). Absolute dates are read in the forms people write them (13 March 2023,
 March 13th, 2023, 2023-03-13, March 2023, in 2023, in March); relative ones (today, yesterday,
 last week, last month, on Tuesday, last Friday, 3 days ago, two weeks ago) count back from when
 the question is asked and are read only where no absolute date is named, since "last week, as

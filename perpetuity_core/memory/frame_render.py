@@ -1,0 +1,172 @@
+"""The frame's rendering: from the chosen rows to the messages the model reads. Pure: no reads.
+
+Rows are grouped by conversation, the current one last, oldest first within each, and
+labelled with a time resolved now: the absolute date and how many days before the live
+question, whose own time closes the frame. The result is neutral messages that alternate user
+and assistant, all plain text (a tool call from memory is quoted, not replayed), so any
+protocol accepts them before the turns the harness keeps as it sent them.
+
+Which rendered messages follow one another in the store (`adjacent`) is read beforehand
+(frame_read): given the rows and those pairs, the same selection always renders the same text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from datetime import UTC, datetime
+
+from perpetuity_core.memory.index import token_estimate
+from perpetuity_core.memory.rows import Row, quoted, time_label
+from perpetuity_core.memory.tenants import withheld
+from perpetuity_core.wire.conversation import Kind, Message, Part
+
+# The lines the model reads around the quoted turns. They say what the turns are (quoted, not
+# said now), how they are ordered and what [...] means, and the closing line gives the time of
+# the question, since labels give only the day's distance. Changing any of them changes every
+# frame, and so every cached prefix.
+HEADER = ("[Memory: turns quoted verbatim from earlier conversations, grouped by conversation "
+          "with this one last, labelled with when they were said; [...] marks turns left out.]")
+MORE_HEADER = ("[Memory for the next message: more turns quoted verbatim from earlier"
+               " conversations, labelled with when they were said.]")
+CLOSING = "[End of quoted memory.]"
+NOW = "[End of quoted memory. Now: {:%Y-%m-%d %H:%M} UTC.]"
+# Turns further apart than this in time are labelled afresh: half an hour's silence is another
+# sitting to a reader (chosen with the labels, not measured).
+RUN_GAP = 30 * 60
+SKIPPED = "[...]"  # the same sitting resumes after turns the frame leaves out
+
+_TOOLS = (Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value)  # hot: once, not per row
+
+Turn = tuple[str, str]  # (role, text)
+
+
+def messages(rows: dict[int, Row], ids: Iterable[int], recent: Collection[int],
+             adjacent: Collection[tuple[int, int]], asked_at: float,
+             conversation_id: int | None, header: str = HEADER) -> list[Message]:
+    """The rows `ids` as the model reads them: the rows found, then the conversation's latest
+    stretch (`recent`), under `header`."""
+    return assemble(turns(rows, list(ids), recent, adjacent, asked_at, conversation_id),
+                    asked_at, header)
+
+
+def cost(r: Row) -> int:
+    """A row's estimated tokens as quoted, without its label."""
+    return token_estimate(quote(r))
+
+
+def quote(r: Row) -> str:
+    return f"[{quoted(r)}]" if r.kind in _TOOLS else r.text
+
+
+def turns(rows: dict[int, Row], ids: list[int], recent: Collection[int],
+          adjacent: Collection[tuple[int, int]], asked_at: float,
+          conversation_id: int | None) -> list[Turn]:
+    """The chosen rows as turns: the rows found, then the conversation's latest stretch."""
+    return (section([rows[i] for i in ids if i not in recent], adjacent, asked_at, conversation_id)
+            + section([rows[i] for i in ids if i in recent], adjacent, asked_at, conversation_id))
+
+
+def assemble(turns: list[Turn], asked_at: float, header: str = HEADER) -> list[Message]:
+    """(role, text) turns, section after section, as alternating user and assistant messages
+    under the header; within a section they are grouped by conversation (the current one
+    last), oldest first (`section`). The closing line tells the time of the question: labels
+    give only the day's distance."""
+    if not turns:
+        return []
+    messages: list[Message] = []
+    if turns[0][0] != "user":
+        messages.append(Message("user", (Part(Kind.TEXT, header),)))
+    else:
+        turns[0] = ("user", header + "\n\n" + turns[0][1])
+    for role, text in turns:
+        part = Part(Kind.TEXT, text)
+        if messages and messages[-1].role == role:
+            messages[-1] = Message(role, messages[-1].parts + (part,))
+        else:
+            messages.append(Message(role, (part,)))
+    closing = Part(Kind.TEXT, NOW.format(datetime.fromtimestamp(asked_at, UTC)))
+    if messages[-1].role == "user":
+        messages.append(Message("assistant", (closing,)))
+    else:
+        messages[-1] = Message("assistant", messages[-1].parts + (closing,))
+    return messages
+
+
+def section(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float,
+            conversation_id: int | None) -> list[Turn]:
+    """Rows as turns, grouped by conversation, oldest first. `adjacent` holds the pairs of
+    these rows' messages with nothing stored between them (a run said together)."""
+    groups: dict[int, list[Row]] = {}
+    for r in sorted(rows, key=lambda r: (r.message_id, r.item_id)):
+        groups.setdefault(r.conversation_id, []).append(r)
+    # Other conversations by when they were last said, then the current one.
+    order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
+    out: list[Turn] = []
+    for c in order:
+        by_message: dict[int, list[Row]] = {}
+        for r in groups[c]:
+            by_message.setdefault(r.message_id, []).append(r)
+        previous: Row | None = None
+        for parts in by_message.values():
+            first = parts[0]
+            # A row flagged at capture as holding a credential (store.m011) is withheld
+            # from every other conversation's frame.
+            text = "\n".join(withheld(p) if p.secret and c != conversation_id else quote(p)
+                             for p in parts)
+            # A label opens each run of turns said together; within a run the alternation
+            # itself tells the speakers apart, and a label per turn would cost a row's worth.
+            # Labels are a tenth of a frame: the conversation is named once per group, and a
+            # run resuming the same sitting after skipped turns is marked by SKIPPED alone.
+            if previous is None:
+                label = _label(first, asked_at, c == conversation_id)
+            elif not _same_run(previous, first, adjacent):
+                label = SKIPPED if first.at - previous.at <= RUN_GAP else _when(first, asked_at)
+            else:
+                label = ""
+            out.append(("assistant" if first.role == "assistant" else "user",
+                        f"{label}\n{text}" if label else text))
+            previous = first
+    return out
+
+
+def _same_run(previous: Row, row: Row, adjacent: Collection[tuple[int, int]]) -> bool:
+    return (previous.message_id, row.message_id) in adjacent and row.at - previous.at <= RUN_GAP
+
+
+def _label(r: Row, asked_at: float, current: bool) -> str:
+    # Another conversation by the name a person knows it by (names.py), never its session id.
+    where = ("this conversation" if current else
+             f"conversation {r.conversation}" if r.conversation else "another conversation")
+    return f"[{where}, {_when(r, asked_at)[1:]}"
+
+
+def _when(r: Row, asked_at: float) -> str:
+    when = datetime.fromtimestamp(r.at, UTC)
+    return f"[{time_label(r.at)}, {ago(when, datetime.fromtimestamp(asked_at, UTC))}]"
+
+
+def ago(when: datetime, asked: datetime) -> str:
+    """How long before the question, counted in calendar days (UTC): a label then changes
+    only at midnight, all labels at once, and the frame in front stays the prefix a provider
+    has cached. "3 minutes before" would change with every turn (measured with bench_prefix,
+    turns a minute apart: Anthropic's cost per request 3,044 units against 2,278 for the same
+    turns a second apart)."""
+    days = (asked.date() - when.date()).days
+    if days <= 0:
+        return "earlier today"
+    if days == 1:
+        return "yesterday"
+    unit, size = next((u, s) for u, s in (("year", 365), ("month", 30), ("week", 7), ("day", 1))
+                       if days >= s)
+    n = days // size
+    return f"{n} {unit}{'s' if n > 1 else ''} before"
+
+
+def with_note(messages: list[Message], note: str) -> list[Message]:
+    """The frame with a note at its end (after the stable part, so the cached prefix holds);
+    a note alone when memory had no frame to give."""
+    if not messages:
+        return [Message("user", (Part(Kind.TEXT, note),)),
+                Message("assistant", (Part(Kind.TEXT, CLOSING),))]
+    last = messages[-1]
+    return messages[:-1] + [Message(last.role, last.parts + (Part(Kind.TEXT, note),))]

@@ -1,0 +1,157 @@
+"""The frame's selection: from the rows read (frame_read) and this question's scores to the rows
+that enter. Pure: no reads.
+
+How much, by the breadth-sized cap (cap.py). What, for a frame, by heat: this turn's retrieval
+has reheated its hits, and the warm rows that give the most warmth per token enter until the
+budget is spent, measured as rendered (frame_render). Never left out: the question's top hit,
+the other half of its exchange (unless that is a bulk), and the conversation's latest stretch.
+An addendum takes its hits in rank order instead, within a narrow question's budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from perpetuity_core.memory import cap, heat
+from perpetuity_core.memory.frame_render import cost
+from perpetuity_core.memory.index import messages_tokens
+from perpetuity_core.memory.rows import Row
+from perpetuity_core.memory.scan import Hit
+from perpetuity_core.wire.conversation import Message
+
+# The latest stretch of the conversation, in tokens, and the largest row it takes. What a coding
+# task's next reply uses from before its prompt lies mostly in the task just before it (262 of
+# 458 identifiers on the six shared Claude Code sessions), and mostly in small rows: tool calls,
+# the assistant's own words (250 in a row under 200 tokens, 383 under 1,000). Measured with
+# `perpetuity replay` on them (cost of direct, identifiers kept): no stretch 0.71 / 0.71;
+# 4,000 tokens of rows up to 200: 0.76 / 0.84; 6,000 of up to 300: 0.78 / 0.86; 8,000 of up to
+# 250: 0.78 / 0.87; 8,000 of up to 300: 0.80 / 0.88 (d053c9c).
+RECENT_TOKENS = 8_000
+RECENT_ROW = 250
+# What every row costs on top of its words when the fill weighs warmth per token, so that an
+# "ok" or a "thanks" does not outrank a turn with substance. Measured with HITS 200 (LoCoMo /
+# BEAM recall_all, `perpetuity eval`): warmth order 0.834 / 0.530; warmth per token 0.798 /
+# 0.758; per (tokens + 50) 0.827 / 0.766; per (tokens + 100) 0.831 / 0.749; per sqrt(tokens)
+# 0.824 / 0.704.
+ROW_FLOOR = 100
+
+# Why a row that could not be left out is in (inspection shows it).
+MUST_TOP, MUST_HALF, MUST_RECENT = ("the top hit", "the other half of the top hit's exchange",
+                                    "the conversation's latest stretch")
+
+Render = Callable[[list[int], Collection[int]], list[Message]]  # (ids, recent) -> messages
+
+
+@dataclass(slots=True)
+class Selection:
+    """The rows that enter, in the order they were chosen, and why the mandatory ones are."""
+
+    item_ids: list[int]
+    considered: dict[int, Row]  # the rows it was chosen from
+    recent: set[int] = field(default_factory=set)  # of them, the latest stretch (rendered last)
+    must: dict[int, str] = field(default_factory=dict)
+
+
+def budget(hits: list[Hit], limits: cap.Cap) -> int:
+    """The breadth-sized budget of a question whose retrieval found `hits`."""
+    return cap.budget(np.asarray([h.score for h in hits]), limits)
+
+
+def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int],
+          recent_items: list[int], tokens: int, limits: cap.Cap, render: Render) -> Selection:
+    """A frame's rows: the mandatory ones, then the most warmth per token within `tokens` as
+    rendered. `half` is the rows of the top hit's other half, `recent_items` the rows of the
+    conversation's latest stretch (store order)."""
+    recent = latest(rows, recent_items)
+    other = companion(half, rows, limits)
+    must = ({hits[0].item_id} if hits else set()) | set(other) | recent
+    new = fill(rows, warm, must, tokens, lambda ids: render(ids, recent))
+    why = {**dict.fromkeys(recent, MUST_RECENT), **dict.fromkeys(other, MUST_HALF),
+           **({hits[0].item_id: MUST_TOP} if hits else {})}
+    return Selection(new, rows, recent, why)
+
+
+def addendum(rows: dict[int, Row], hits: list[Hit], half: list[int], shown: Collection[int],
+             tokens: int, limits: cap.Cap) -> Selection:
+    """An addendum's rows: the top hit and its other half, then the hits in rank order, none
+    already `shown`, within a narrow question's budget (`tokens` at most the floor)."""
+    other = companion(half, rows, limits)
+    hit_ids = {h.item_id for h in hits}
+    considered = {i: r for i, r in rows.items() if i in hit_ids or i in other}
+    order = list(dict.fromkeys(i for i in [hits[0].item_id, *other, *(h.item_id for h in hits)]
+                               if i in considered and i not in shown))
+    new: list[int] = []
+    used = 0
+    # A narrow question's frame at most: an addendum is written at 1.25 the input price and
+    # re-read on every call until the next frame (shared Claude Code sessions: addenda within
+    # the whole breadth-sized budget cost 0.85 of direct, within a fifth of it 0.75, none
+    # 0.70, the identifiers kept 0.84 each way).
+    within = min(tokens, limits.floor)
+    for i in order:
+        c = cost(considered[i])
+        if new and used + c > within:
+            continue
+        new.append(i)
+        used += c
+    return Selection(new, considered, set(), {hits[0].item_id: MUST_TOP,
+                                              **dict.fromkeys(other, MUST_HALF)})
+
+
+def latest(rows: dict[int, Row], items: list[int]) -> set[int]:
+    """The conversation's latest rows, newest first, while they fit RECENT_TOKENS, skipping
+    bulk over RECENT_ROW."""
+    out: set[int] = set()
+    used = 0
+    for i in sorted((i for i in items if i in rows), reverse=True):
+        c = cost(rows[i])
+        if c > RECENT_ROW:
+            continue
+        if used + c > RECENT_TOKENS:
+            break
+        out.add(i)
+        used += c
+    return out
+
+
+def companion(half: list[int], rows: dict[int, Row], limits: cap.Cap) -> list[int]:
+    """The top hit comes with the other half of its exchange (`half`, those of its rows that
+    may be shown), unless that is a bulk (a long tool output) over half the largest frame."""
+    other = [i for i in half if i in rows]
+    if sum(cost(rows[i]) for i in other) > limits.ceiling // 2:
+        return []
+    return other
+
+
+def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
+         render: Callable[[list[int]], list[Message]]) -> list[int]:
+    """The rows to render: the rows with the most warmth per token while their estimated size
+    fits, then render and measure, dropping the last added rows until the rendered frame
+    fits. `must` is never dropped."""
+    costs = {i: cost(r) for i, r in rows.items()}
+    # A budget is filled best by the most warmth per token (the greedy knapsack): one long
+    # reply must earn its place against the several short turns it would push out.
+    warmth = dict(zip(warm.item_ids.tolist(), warm.warmth.tolist()))
+    order = sorted((i for i in warmth if i in rows), key=lambda i: -warmth[i] / (costs[i] + ROW_FLOOR))
+    ordered = set(order)
+    order += [i for i in rows if i not in ordered]  # mandatory rows gone cold still come
+    new = [i for i in order if i in must]
+    used = sum(costs[i] for i in new)
+    for i in order:
+        if i not in must and used + costs[i] <= tokens:
+            new.append(i)
+            used += costs[i]
+    droppable = [i for i in new if i not in must]
+    while droppable:
+        over = messages_tokens(render(new)) - tokens
+        if over <= 0:
+            break
+        # Drop the last added rows worth the overshoot, then measure again: labels make
+        # the estimate low, so this converges in a few renders, not one per row.
+        while over > 0 and droppable:
+            i = droppable.pop()
+            new.remove(i)
+            over -= costs[i]
+    return new

@@ -1,0 +1,211 @@
+"""What the model reads, from rows alone: the frame's selection (frame_select) and rendering
+(frame_render) on rows built in memory, no database. The reference cases spell out whole
+selections and whole rendered frames: they fail if either changes."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+import pytest
+
+from perpetuity_core.memory import frame_render, frame_select, heat
+from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.index import messages_tokens
+from perpetuity_core.memory.rows import Row
+from perpetuity_core.memory.scan import Hit
+from perpetuity_core.wire.conversation import Kind, Message
+
+ASKED = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
+DAY = 86_400.0
+CURRENT = 3  # the conversation the question is asked in
+
+
+def row(item: int, message: int, conversation: int, role: str, at: float, text: str, *,
+        kind: Kind = Kind.TEXT, name: str = "", secret: str = "", label: str = "") -> Row:
+    return Row(item, message, conversation, label, role, at, kind.value, name, text, secret)
+
+
+def hit(r: Row, score: float) -> Hit:
+    return Hit(r.item_id, r.message_id, 1, r.conversation_id, r.role, r.at, score, r.text)
+
+
+def said(messages: list[Message]) -> list[tuple[str, list[str]]]:
+    return [(m.role, [p.text for p in m.parts]) for m in messages]
+
+
+# A small memory: a trip planned three days before the question (a run of two turns, two left
+# out, then one more that sitting), a tool call and a credential in an unnamed conversation 40
+# days before, and the question's own conversation two minutes before it.
+TRIP = '"We fly to Lisbon" in travel'
+ROWS = {r.item_id: r for r in [
+    row(1, 10, 1, "user", ASKED - 3 * DAY, "We fly to Lisbon on May 3rd.", label=TRIP),
+    row(2, 11, 1, "assistant", ASKED - 3 * DAY + 60, "Lovely, enjoy Lisbon.", label=TRIP),
+    row(3, 14, 1, "user", ASKED - 3 * DAY + 600, "Book the hotel near the river.", label=TRIP),
+    row(4, 20, 2, "assistant", ASKED - 40 * DAY, "ls -la", kind=Kind.TOOL_CALL, name="bash"),
+    row(5, 21, 2, "user", ASKED - 40 * DAY + 60, "my key is sk-0000", secret="API key"),
+    row(6, 30, CURRENT, "user", ASKED - 120, "Where were we?"),
+    row(7, 31, CURRENT, "assistant", ASKED - 60, "3 files", kind=Kind.TOOL_RESULT),
+]}
+# Messages 11 and 14 have two stored between them; 20 and 21, 30 and 31 follow one another.
+ADJACENT = frozenset({(10, 11), (20, 21), (30, 31)})
+
+
+def render(ids: list[int], recent: Collection[int] = ()) -> list[Message]:
+    return frame_render.messages(ROWS, ids, recent, ADJACENT, ASKED, CURRENT)
+
+
+def test_reference_frame_as_the_model_reads_it() -> None:
+    """Groups by conversation (the current one last, others by when last said), oldest first;
+    a label opens each run, [...] marks turns skipped within a sitting; a tool call is quoted;
+    a credential is withheld from another conversation; the latest stretch comes last."""
+    assert said(render([3, 1, 2, 5, 4, 7], recent={6, 7})) == [
+        ("user", [frame_render.HEADER]),
+        ("assistant", ["[another conversation, 2023-10-05 22:13 UTC, 1 month before]"
+                       "\n[called bash: ls -la]"]),
+        ("user", ["[secret withheld: API key]",
+                  '[conversation "We fly to Lisbon" in travel, 2023-11-11 22:13 UTC, 3 days'
+                  ' before]\nWe fly to Lisbon on May 3rd.']),
+        ("assistant", ["Lovely, enjoy Lisbon."]),
+        ("user", ["[...]\nBook the hotel near the river."]),
+        ("assistant", ["[this conversation, 2023-11-14 22:12 UTC, earlier today]"
+                       "\n[tool result: 3 files]",
+                       "[End of quoted memory. Now: 2023-11-14 22:13 UTC.]"]),
+    ]
+
+
+def test_reference_frame_opening_with_the_users_words() -> None:
+    """The header joins a first user turn; the closing joins a last assistant one. Two turns
+    of one message are one turn; a message after a gap over RUN_GAP is labelled afresh."""
+    later = row(8, 15, 1, "user", ASKED - 3 * DAY + 2 * frame_render.RUN_GAP,
+                "And a table for two.", label=TRIP)
+    rows = {**ROWS, 8: later, 9: row(9, 10, 1, "user", ASKED - 3 * DAY, "Window seats.")}
+    out = frame_render.messages(rows, [1, 9, 2, 8], (), ADJACENT | {(14, 15)}, ASKED, None)
+    assert said(out) == [
+        ("user", [frame_render.HEADER + "\n\n" + '[conversation "We fly to Lisbon" in travel,'
+                  ' 2023-11-11 22:13 UTC, 3 days before]\nWe fly to Lisbon on May 3rd.'
+                  "\nWindow seats."]),
+        ("assistant", ["Lovely, enjoy Lisbon."]),
+        ("user", ["[2023-11-11 23:13 UTC, 3 days before]\nAnd a table for two."]),
+        ("assistant", ["[End of quoted memory. Now: 2023-11-14 22:13 UTC.]"]),
+    ]
+
+
+def test_a_credential_is_quoted_in_its_own_conversation() -> None:
+    mine = frame_render.messages(ROWS, [5], (), ADJACENT, ASKED, 2)
+    assert "my key is sk-0000" in mine[0].parts[0].text
+    theirs = frame_render.messages(ROWS, [5], (), ADJACENT, ASKED, CURRENT)
+    assert "sk-0000" not in theirs[0].parts[0].text
+
+
+@pytest.mark.parametrize("days, said", [
+    (0.0, "earlier today"), (1.0, "yesterday"), (6.0, "6 days before"), (7.0, "1 week before"),
+    (29.0, "4 weeks before"), (30.0, "1 month before"), (400.0, "1 year before"),
+    (800.0, "2 years before"),
+])
+def test_labels_count_calendar_days(days: float, said: str) -> None:
+    out = frame_render.messages({1: row(1, 1, 1, "user", ASKED - days * DAY, "x")}, [1], (),
+                                (), ASKED, None)
+    assert out[0].parts[0].text.endswith(f" UTC, {said}]\nx")
+
+
+def test_nothing_chosen_renders_nothing() -> None:
+    assert render([]) == []
+
+
+def warm(warmth: dict[int, float]) -> heat.Warm:
+    ids = sorted(warmth, key=lambda i: (-warmth[i], i))
+    return heat.Warm(np.array(ids, np.int64), np.array([warmth[i] for i in ids]))
+
+
+def words(n: int) -> str:
+    return " ".join(["word"] * n)
+
+
+def test_reference_selection() -> None:
+    """A frame's rows: the top hit, the other half of its exchange and the latest stretch
+    whatever their warmth, then the most warmth per token that fits as rendered."""
+    rows = {r.item_id: r for r in [
+        row(1, 1, 1, "user", ASKED - DAY, "What was the ferry's name? " + words(20)),  # top hit
+        row(2, 2, 1, "assistant", ASKED - DAY + 60, "The Tagus Star. " + words(30)),  # its answer
+        row(3, 3, 1, "user", ASKED - DAY + 120, words(600)),  # warm but long
+        row(4, 4, 1, "assistant", ASKED - DAY + 180, words(40)),
+        row(5, 5, 1, "user", ASKED - DAY + 240, words(40)),
+        row(6, 6, 1, "assistant", ASKED - DAY + 300, "ok"),
+        row(7, 7, CURRENT, "user", ASKED - 120, words(50)),  # the latest stretch
+        row(8, 8, CURRENT, "assistant", ASKED - 60, words(400)),  # bulk: not in the stretch
+    ]}
+    hot = warm({1: 2.0, 3: 1.9, 4: 1.0, 5: 0.9, 6: 0.9, 2: 0.05})
+    hits = [hit(rows[1], 9.0), hit(rows[3], 8.0), hit(rows[4], 1.0)]
+    tokens = frame_select.budget(hits, Cap(floor=400, ceiling=2_000))
+    assert tokens == 544  # two good matches of three: a little over the floor
+
+    def measure(ids: list[int], recent: Collection[int]) -> list[Message]:
+        return frame_render.messages(rows, ids, recent, frozenset(), ASKED, CURRENT)
+
+    chosen = frame_select.frame(rows, hot, hits, [2], [7, 8], tokens, Cap(400, 2_000), measure)
+    assert chosen.item_ids == [1, 2, 7, 6, 4, 5]
+    assert chosen.recent == {7}
+    assert chosen.must == {7: frame_select.MUST_RECENT, 2: frame_select.MUST_HALF,
+                           1: frame_select.MUST_TOP}
+    assert messages_tokens(measure(chosen.item_ids, chosen.recent)) <= tokens
+    # All six fit 300 tokens by their estimate (238), not as rendered (327): the last added
+    # goes. The long warm row never fits.
+    smaller = frame_select.frame(rows, hot, hits, [2], [7, 8], 300, Cap(400, 2_000), measure)
+    assert smaller.item_ids == [1, 2, 7, 6, 4]
+
+
+def test_the_fill_drops_what_labels_push_over_the_budget() -> None:
+    """The estimate leaves out labels; the rendered frame is measured and the last rows added
+    go until it fits."""
+    rows = {i: row(i, i, i, "user", ASKED - i * DAY, words(40)) for i in range(1, 6)}
+    hot = warm(dict.fromkeys(rows, 1.0))
+
+    def measure(ids: list[int]) -> list[Message]:
+        return frame_render.messages(rows, ids, (), frozenset(), ASKED, None)
+
+    new = frame_select.fill(rows, hot, {1}, 250, measure)
+    # Five fit by the estimate (5 x 50 tokens), rendered they take 379: the last added go by
+    # their estimated size against the 129 over, 5, 4 and 3 ([1, 2, 3] renders to 249).
+    assert new == [1, 2]
+    assert messages_tokens(measure(new)) <= 250
+
+
+def test_the_latest_stretch_is_the_newest_small_rows_within_its_tokens() -> None:
+    small, bulky = words(frame_select.RECENT_ROW * 4 // 5 - 1), words(frame_select.RECENT_ROW)
+    rows = {i: row(i, i, CURRENT, "user", float(i), bulky if i == 99 else small)
+            for i in range(1, 100)}
+    fits = frame_select.RECENT_TOKENS // frame_render.cost(rows[1])
+    got = frame_select.latest(rows, list(rows))
+    assert 99 not in got  # over RECENT_ROW: skipped, not an end to the stretch
+    assert got == set(range(98 - fits + 1, 99))
+
+
+def test_a_bulky_other_half_does_not_come() -> None:
+    rows = {1: row(1, 1, 1, "user", 0.0, "q"), 2: row(2, 2, 1, "assistant", 0.0, words(500))}
+    assert frame_select.companion([2], rows, Cap(100, 2_000)) == [2]
+    assert frame_select.companion([2], rows, Cap(100, 1_000)) == []
+    assert frame_select.companion([3], rows, Cap(100, 2_000)) == []  # not shown: not there
+
+
+def test_reference_addendum_selection() -> None:
+    """Rank order from the top hit and its other half, nothing already shown, within the
+    floor at most; the top hit comes however long."""
+    rows = {r.item_id: r for r in [
+        row(1, 1, 1, "user", 0.0, words(100)),
+        row(2, 2, 1, "assistant", 60.0, words(30)),
+        row(3, 3, 2, "user", 0.0, words(90)),
+        row(4, 4, 2, "user", 0.0, words(30)),
+        row(5, 5, 2, "user", 0.0, words(30)),
+        row(6, 6, 2, "user", 0.0, words(30)),
+    ]}
+    hits = [hit(rows[i], 10.0 - i) for i in (1, 3, 4, 5, 6)]
+    chosen = frame_select.addendum(rows, hits, [2], {5}, 5_000, Cap(240, 2_000))
+    assert chosen.item_ids == [1, 2, 4, 6]  # 125 + 38 + 38 + 38 tokens; 3 (113) does not fit, 5 is shown
+    assert set(chosen.considered) == {1, 2, 3, 4, 5, 6}
+    assert chosen.must == {1: frame_select.MUST_TOP, 2: frame_select.MUST_HALF}
+    alone = frame_select.addendum(rows, hits, [2], (), 5_000, Cap(10, 2_000))
+    assert alone.item_ids == [1]
+    # The other half is considered only when it comes.
+    rows[2] = row(2, 2, 1, "assistant", 60.0, words(1_200))
+    assert 2 not in frame_select.addendum(rows, hits, [2], (), 5_000, Cap(240, 2_000)).considered
