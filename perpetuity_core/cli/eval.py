@@ -54,6 +54,8 @@ class Question:
     at: float
     evidence: list[int]  # indexes into the thread's messages
     category: str = ""  # the dataset's own: LoCoMo's question category, BEAM's ability
+    answer: str = ""  # the dataset's gold answer (a rubric for LongMemEval's preferences)
+    key: str = ""  # the dataset's own id for the question, else its case and place
 
 
 @dataclass(slots=True)
@@ -76,12 +78,13 @@ def locomo(path: Path) -> Iterator[Case]:
         index = {label: i for i, label in enumerate(t.labels)}
         at = max(t.times) + 86400
         case = Case(t)
-        for qa in sample.get("qa", []):
+        for k, qa in enumerate(sample.get("qa", [])):
             ids = [e for x in qa.get("evidence", []) for e in re.split(r"[;,\s]+", x) if e]
             ev = [index[e] for e in ids if e in index]
             if ev and qa.get("category") != 5:  # category 5 is adversarial: nothing to find
                 case.questions.append(Question(str(qa["question"]), at, ev,
-                                               LOCOMO_CATEGORIES.get(qa.get("category"), "")))
+                                               LOCOMO_CATEGORIES.get(qa.get("category"), ""),
+                                               str(qa.get("answer", "")), f"{t.user_key}:{k}"))
         yield case
 
 
@@ -120,7 +123,8 @@ def longmemeval(path: Path) -> Iterator[Case]:
         ev = [i for i, label in enumerate(thread.labels) if label in answers]
         day, _, clock = str(q["question_date"]).split(" ")
         at = datetime.strptime(f"{day} {clock}", "%Y/%m/%d %H:%M").replace(tzinfo=UTC).timestamp()
-        yield Case(thread, [Question(str(q["question"]), at, ev, str(q.get("question_type", "")))]
+        yield Case(thread, [Question(str(q["question"]), at, ev, str(q.get("question_type", "")),
+                                     str(q.get("answer", "")), str(q.get("question_id", "")))]
                    if ev else [])
 
 
@@ -150,13 +154,15 @@ DATASETS = {"locomo": locomo, "beam": beam, "longmemeval": longmemeval}
 
 
 def chat_request(user: str, conversation: str, at: float, messages: list[dict[str, str]],
-             probe: bool = False) -> HttpRequest:
-    headers = [("authorization", "Bearer sk-eval"), ("content-type", "application/json"),
+                 probe: bool = False, model: str = "eval", key: str = "sk-eval") -> HttpRequest:
+    """A Chat Completions request as a client sends it, the dataset's speaker and time in
+    perpetuity's headers."""
+    headers = [("authorization", f"Bearer {key}"), ("content-type", "application/json"),
                ("x-perpetuity-user", user), ("x-perpetuity-conversation", conversation),
                ("x-perpetuity-time", datetime.fromtimestamp(at, UTC).isoformat())]
     if probe:
         headers.append(("x-perpetuity-probe", "on"))
-    body = {"model": "eval", "messages": messages}
+    body = {"model": model, "messages": messages}
     return HttpRequest("POST", "127.0.0.1", "/v1/chat/completions", tuple(headers),
                        json.dumps(body).encode(), direct=True)
 

@@ -116,17 +116,36 @@ def reader_reply(body: dict[str, Any], second: str) -> dict[str, Any]:
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
 
 
+class EventLoop:
+    """An event loop of its own in a thread, for the reader and the relay; `run` waits."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="eval-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def run[T](self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
 class Reader:
     """The scripted reader as an HTTP endpoint (Chat Completions, whole bodies) on 127.0.0.1,
-    on an event loop of its own in a thread; every request it received is kept in order."""
+    on an event loop of its own in a thread (the relay's too, in process); every request it
+    received is kept in order."""
 
     def __init__(self, second: str = "more") -> None:
         if second not in SECOND_MOVES:
             raise ConfigError(f"unknown second move {second!r}; one of {', '.join(SECOND_MOVES)}")
         self.second = second
         self.requests: list[dict[str, Any]] = []
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="reader", daemon=True)
+        self.loop = EventLoop()
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -135,21 +154,14 @@ class Reader:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Reader:
-        self._thread.start()
-        self._server = self.run(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self._server = self.loop.run(asyncio.start_server(self._serve, "127.0.0.1", 0))
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._server is not None:
             self._server.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
         self.loop.close()
-
-    def run[T](self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine on the reader's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER)
@@ -187,21 +199,22 @@ class Proxy:
     between (the tests drive the same reader through a real mitmdump). Writes happen on the
     relay's loop while the asking thread waits for the reply: one writer, in order."""
 
-    def __init__(self, pipeline: Pipeline, reader: Reader) -> None:
-        self.pipeline, self.reader = pipeline, reader
+    def __init__(self, pipeline: Pipeline, loop: EventLoop, timeout: float = 60.0) -> None:
+        self.pipeline, self.loop = pipeline, loop
         self.relay = Relay(self._store_request, self._store_reply, self._run_tool)
-        reader.run(self.relay.start())
-        self.http = httpx.Client(trust_env=False, timeout=60.0)
+        loop.run(self.relay.start())
+        self.http = httpx.Client(trust_env=False, timeout=timeout)
 
     def close(self) -> None:
         self.http.close()
-        self.reader.run(self.relay.stop())
+        self.loop.run(self.relay.stop())
 
-    def send(self, job: Job) -> None:
-        """Run one job's exchange through the relay, as mitmproxy hands it over."""
+    def send(self, job: Job) -> httpx.Response:
+        """Run one job's exchange through the relay, as mitmproxy hands it over: the reply
+        the client receives."""
         token = self.relay.submit(job)
-        self.http.post(f"http://127.0.0.1:{self.relay.port}/", headers={JOB_HEADER: token},
-                       content=b"").raise_for_status()
+        return self.http.post(f"http://127.0.0.1:{self.relay.port}/",
+                              headers={JOB_HEADER: token}, content=b"")
 
     def _store_request(self, job: Job) -> None:
         if job.turn is None:
@@ -238,7 +251,7 @@ def check(requests: list[dict[str, Any]], evidence: list[str], category: str = "
                    tuple(token_estimate(t) for t in texts[:ROUNDS]), category, first)
 
 
-def ask_in_sequence(proxy: Proxy, case: base.Case) -> list[Outcome]:
+def ask_in_sequence(proxy: Proxy, reader: Reader, case: base.Case) -> list[Outcome]:
     user = case.thread.user_key
     conversation = user + ":reader"
     history: list[dict[str, str]] = []
@@ -247,10 +260,10 @@ def ask_in_sequence(proxy: Proxy, case: base.Case) -> list[Outcome]:
         at = q.at + k * base.SEQUENCE_GAP
         history.append({"role": "user", "content": q.text})
         d = proxy.pipeline.prepare(base.chat_request(user, conversation, at, history))
-        before = len(proxy.reader.requests)
+        before = len(reader.requests)
         if d.job is not None:
-            proxy.send(d.job)
-            requests = proxy.reader.requests[before:]
+            proxy.send(d.job).raise_for_status()
+            requests = reader.requests[before:]
         else:  # not captured: what would have gone upstream, as the frame alone
             requests = [json.loads(d.body) if d.body is not None else {"messages": history}]
         evidence = [case.thread.messages[i].text for i in q.evidence]
@@ -276,13 +289,13 @@ def evaluate(dataset: str, path: Path, *, second: str = "more", pooled: bool = F
                 store = open_memory(Path(tmp) / f"memory-{n}.db")
                 proxy = Proxy(Pipeline(store, {p: reader.url for p in Provider}, limits=limits,
                                        share_pool=pooled, trust_identity=True,
-                                       tool_rounds=ROUNDS + 1), reader)
+                                       tool_rounds=ROUNDS + 1), reader.loop)
             base.feed(proxy.pipeline, case.thread)
             bar.update(1)
             if pooled and n < len(cases) - 1:
                 continue
             for c in cases[: n + 1] if pooled else [case]:
-                results += ask_in_sequence(proxy, c)
+                results += ask_in_sequence(proxy, reader, c)
             bar.set_postfix(questions=len(results))
         if proxy is not None:
             proxy.close()
