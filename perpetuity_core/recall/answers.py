@@ -48,18 +48,18 @@ def fetch_rows(user_id: int, item_ids: Iterable[int]) -> dict[int, Row]:
     return shown_rows(item_ids, user_id)
 
 
-def _label(r: Row, *extra: str) -> str:
-    return "[" + " · ".join((f"#{r.item_id}", _conversation(r.conversation_id, r.conversation),
+def row_label(r: Row, *extra: str) -> str:
+    return "[" + " · ".join((f"#{r.item_id}", conversation_name(r.conversation_id, r.conversation),
                              r.role, time_label(r.at), *extra)) + "]"
 
 
-def _conversation(conversation_id: int, name: str) -> str:
+def conversation_name(conversation_id: int, name: str) -> str:
     """A conversation as an answer names it: the number a filter takes, and the name a person
     knows it by (names.py), never its session id."""
     return f"c{conversation_id} {name}" if name else f"c{conversation_id}"
 
 
-def _body(r: Row) -> str:
+def row_body(r: Row) -> str:
     """A row as the model reads it; a row holding a credential is withheld (an answer can
     carry it into any conversation)."""
     if r.secret:
@@ -81,22 +81,22 @@ def clip(text: str, item_id: int, start: int, chars: int) -> str:
             f" memory_more(item={item_id}, offset={end})]")
 
 
-def _row_chars(limit: int) -> int:
+def row_chars(limit: int) -> int:
     """A row's share of the answer, so `limit` rows fit in RESULT_CHARS."""
     return max(MIN_ROW_CHARS, RESULT_CHARS // max(limit, 1) - LABEL_CHARS)
 
 
-def _line(r: Row, chars: int, *extra: str) -> str:
-    body = _body(r)
-    return f"{_label(r, *extra)} {clip(body, r.item_id, 0, chars)}"
+def row_line(r: Row, chars: int, *extra: str) -> str:
+    body = row_body(r)
+    return f"{row_label(r, *extra)} {clip(body, r.item_id, 0, chars)}"
 
 
 def _stub(r: Row, *extra: str) -> str:
     """A row the model has already seen this turn: where it sits, never its text again."""
-    return f"{_label(r, *extra)} (already shown)"
+    return f"{row_label(r, *extra)} (already shown)"
 
 
-def _answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, str]]) -> str:
+def render_answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, str]]) -> str:
     """Header, then lines while they fit in RESULT_CHARS. Rows whose text went out (an id
     beside the line) join `shown`; a line that did not fit is left for the next call."""
     out = [header]
@@ -114,20 +114,20 @@ def _answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, s
     return "\n".join(out)
 
 
-def _day(at: float) -> str:
+def day_of(at: float) -> str:
     return time_label(at)[:10]
 
 
-def _days(at: np.ndarray) -> str:
-    first, last = _day(float(at.min())), _day(float(at.max()))
+def days_span(at: np.ndarray) -> str:
+    first, last = day_of(float(at.min())), day_of(float(at.max()))
     return first if first == last else f"{first} to {last}"
 
 
-def _n(count: int, noun: str) -> str:
+def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
-def _instance(r: Row, marks: list[str], memory: TurnMemory) -> tuple[int | None, str]:
+def instance_line(r: Row, marks: list[str], memory: TurnMemory) -> tuple[int | None, str]:
     """One counted row, compactly: a snippet around the first of `marks` (the category's
     stems) it holds. Its id joins `shown` only when the snippet is the whole row: a row seen
     in part stays reachable in full by memory_search."""
@@ -135,7 +135,7 @@ def _instance(r: Row, marks: list[str], memory: TurnMemory) -> tuple[int | None,
     head = f"#{r.item_id} {time_label(r.at)[:16]} c{r.conversation_id} {r.role}"
     if r.item_id in memory.shown:
         return None, f"{head} (already shown)"
-    body = " ".join(_body(r).split())
+    body = " ".join(row_body(r).split())
     if len(body) <= SNIPPET_CHARS:
         return r.item_id, f"{head}: {body}"
     return None, f"{head}: {snippet(body, marks)}"
@@ -155,10 +155,10 @@ def snippet(body: str, marks: list[str]) -> str:
     return ("…" if start else "") + body[start:end] + ("…" if end < len(body) else "")
 
 
-def _event(r: Row, chars: int, memory: TurnMemory, *extra: str) -> tuple[int | None, str]:
+def event_line(r: Row, chars: int, memory: TurnMemory, *extra: str) -> tuple[int | None, str]:
     if r.item_id in memory.shown:
         return None, _stub(r, *extra)
-    return r.item_id, _line(r, chars, *extra)
+    return r.item_id, row_line(r, chars, *extra)
 
 
 def span(seconds: float) -> str:

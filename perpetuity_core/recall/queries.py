@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.chains import _rank, _subject_words, chain_of
+from perpetuity_core.memory.chains import chain_of, stem_rank, subject_words
 from perpetuity_core.memory.names import label
 from perpetuity_core.memory.rows import SHOWN_KINDS, Row
 from perpetuity_core.memory.scan import Hit, Scanner
@@ -26,19 +26,19 @@ from perpetuity_core.recall.answers import (
     RESULT_CHARS,
     BadArguments,
     TurnMemory,
-    _answer,
-    _body,
-    _conversation,
-    _day,
-    _days,
-    _event,
-    _instance,
-    _label,
-    _line,
-    _n,
-    _row_chars,
     clip,
+    conversation_name,
+    day_of,
+    days_span,
+    event_line,
     fetch_rows,
+    instance_line,
+    plural,
+    render_answer,
+    row_body,
+    row_chars,
+    row_label,
+    row_line,
     span,
 )
 
@@ -153,9 +153,9 @@ def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
     found = _search(scanner, memory, query, f, limit, memory.shown)
     if not found:
         return f"memory_search {query!r}{f.said}: nothing you have not seen this turn matches."
-    chars = _row_chars(limit)
-    return _answer(memory, f"memory_search {query!r}{f.said}: {_n(len(found), 'row')}, best first",
-                   [(r.item_id, _line(r, chars)) for _, r in found])
+    chars = row_chars(limit)
+    return render_answer(memory, f"memory_search {query!r}{f.said}: {plural(len(found), 'row')}, best first",
+                   [(r.item_id, row_line(r, chars)) for _, r in found])
 
 
 def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
@@ -168,22 +168,22 @@ def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> s
         return "memory_more: nothing this turn's retrieval found is left unseen; try memory_search."
     pages = -(-len(left) // limit)
     if page > pages:
-        return f"memory_more: there are {_n(pages, 'page')} ({_n(len(left), 'row')} not seen yet)."
-    chars = _row_chars(limit)
+        return f"memory_more: there are {plural(pages, 'page')} ({plural(len(left), 'row')} not seen yet)."
+    chars = row_chars(limit)
     part = left[(page - 1) * limit:page * limit]
-    return _answer(memory, f"memory_more: page {page} of {pages} ({_n(len(left), 'row')} found"
+    return render_answer(memory, f"memory_more: page {page} of {pages} ({plural(len(left), 'row')} found"
                            " this turn and not seen yet), best first",
-                   [(r.item_id, _line(r, chars)) for r in part])
+                   [(r.item_id, row_line(r, chars)) for r in part])
 
 
 def _continue_row(item_id: int, offset: int, memory: TurnMemory) -> str:
     r = fetch_rows(memory.user_id, [item_id]).get(item_id)
     if r is None:
         return f"memory_more: there is no row #{item_id} in your memory."
-    body = _body(r)
+    body = row_body(r)
     if offset >= len(body):
         return f"memory_more: row #{item_id} has {len(body):,} characters; nothing after {offset}."
-    header = f"{_label(r)} from character {offset:,} of {len(body):,}:"
+    header = f"{row_label(r)} from character {offset:,} of {len(body):,}:"
     memory.shown.add(item_id)
     return header + "\n" + clip(body, item_id, offset, RESULT_CHARS - len(header) - LABEL_CHARS)
 
@@ -200,23 +200,23 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
     rows = fetch_rows(memory.user_id, listed)
     keys = _conversation_names(np.unique(conv).tolist())
     days = np.datetime_as_string((at // 86_400).astype(np.int64).astype("datetime64[D]"))
-    header = (f"{what}: {_n(ids.size, 'row')}, in {_n(np.unique(conv).size, 'conversation')},"
-              f" on {_n(np.unique(days).size, 'day')}.")
+    header = (f"{what}: {plural(ids.size, 'row')}, in {plural(np.unique(conv).size, 'conversation')},"
+              f" on {plural(np.unique(days).size, 'day')}.")
     by_conv = sorted(_tally(conv), key=lambda cn: (-cn[1], keys.get(cn[0], "")))
     by_day = _tally(days)
     entries: list[tuple[int | None, str]] = [
         (None, "by conversation: " + "; ".join(
-            f"{keys.get(c, str(c))} {n} ({_days(at[conv == c])})" for c, n in by_conv)),
+            f"{keys.get(c, str(c))} {n} ({days_span(at[conv == c])})" for c, n in by_conv)),
         (None, "by date: " + ", ".join(f"{d} {n}" for d, n in by_day[:DAYS_LISTED])
          + (f", and {len(by_day) - DAYS_LISTED} more days" if len(by_day) > DAYS_LISTED else "")),
     ]
     marks = [dictionary.stem(w) for w in dictionary.load().words(category)
              if w not in dictionary.STOP_WORDS]
-    entries += [_instance(rows[i], marks, memory) for i in listed if i in rows]
+    entries += [instance_line(rows[i], marks, memory) for i in listed if i in rows]
     if ids.size > len(listed):
         entries.append((None, (f"[{ids.size - len(listed)} more instances not listed: raise"
                                " limit, or narrow by conversation, role or dates]")))
-    return _answer(memory, header, entries)
+    return render_answer(memory, header, entries)
 
 
 def _tally(values: np.ndarray) -> list[tuple[Any, int]]:
@@ -228,7 +228,7 @@ def _tally(values: np.ndarray) -> list[tuple[Any, int]]:
 def _conversation_names(conversation_ids: list[int]) -> dict[int, str]:
     if not conversation_ids:
         return {}
-    return {c: _conversation(c, label(title, opening, folder)) for c, title, opening, folder
+    return {c: conversation_name(c, label(title, opening, folder)) for c, title, opening, folder
             in connection().execute(
                 "SELECT id, title, opening, folder FROM conversation WHERE id IN"
                 f" ({in_list(conversation_ids)})", conversation_ids)}
@@ -277,13 +277,13 @@ def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
     if not found:
         return f"memory_dates {query!r}{f.said}: no stored row mentions it."
     rows = sorted((r for _, r in found), key=lambda r: (r.at, r.item_id))
-    header = (f"memory_dates {query!r}{f.said}: {_n(len(rows), 'row')}, oldest first; first to last"
+    header = (f"memory_dates {query!r}{f.said}: {plural(len(rows), 'row')}, oldest first; first to last"
               f" {span(rows[-1].at - rows[0].at)}; the latest {span(memory.asked_at - rows[-1].at)}"
               " before this question")
-    chars = _row_chars(limit)
-    entries = [_event(r, chars, memory, *([f"+{span(r.at - p.at)}"] if p else []))
+    chars = row_chars(limit)
+    entries = [event_line(r, chars, memory, *([f"+{span(r.at - p.at)}"] if p else []))
                for p, r in zip([None, *rows[:-1]], rows, strict=True)]
-    return _answer(memory, header, entries)
+    return render_answer(memory, header, entries)
 
 
 def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
@@ -301,19 +301,19 @@ def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -
         return (f"memory_cooccur {topic!r}: its matches have not come up in a recorded turn with"
                 " anything else yet; memory_search finds them.")
     times = dict(zip(bound.tolist(), together.tolist(), strict=True))
-    topic_stems = set(_subject_words(topic)[0])
+    topic_stems = set(subject_words(topic)[0])
     words = frequent_words([rows[i].text for i in near], topic_stems)
     new = [rows[i] for i in near if i not in memory.shown][:limit]
-    header = (f"memory_cooccur {topic!r}: its best matches came up in {_n(turns, 'recorded turn')},"
-              f" with {_n(len(near), 'other row')}; the most often first")
+    header = (f"memory_cooccur {topic!r}: its best matches came up in {plural(turns, 'recorded turn')},"
+              f" with {plural(len(near), 'other row')}; the most often first")
     said = ", ".join(f"{w} ({n})" for w, n in words)
     entries: list[tuple[int | None, str]] = [(None, f"words most frequent among them: {said}")]
-    chars = _row_chars(limit)
-    entries += [(r.item_id, _line(r, chars, f"together in {_n(times[r.item_id], 'turn')}"))
+    chars = row_chars(limit)
+    entries += [(r.item_id, row_line(r, chars, f"together in {plural(times[r.item_id], 'turn')}"))
                 for r in new]
     if not new:
         entries.append((None, "(every one of those rows has been shown this turn)"))
-    return _answer(memory, header, entries)
+    return render_answer(memory, header, entries)
 
 
 def cooccurring(anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
@@ -356,17 +356,17 @@ def frequent_words(texts: Iterable[str], leave_out: set[str]) -> list[tuple[str,
     rows: Counter[str] = Counter()
     surface: dict[str, str] = {}
     for text in texts:
-        counts, forms = _subject_words(text)
+        counts, forms = subject_words(text)
         rows.update(s for s in counts if s not in leave_out)
         for s, w in forms.items():
             surface.setdefault(s, w)
-    best = sorted(rows.items(), key=lambda sn: (-sn[1], -_rank(sn[0]), sn[0]))[:COOCCUR_TERMS]
+    best = sorted(rows.items(), key=lambda sn: (-sn[1], -stem_rank(sn[0]), sn[0]))[:COOCCUR_TERMS]
     return [(surface[s], n) for s, n in best]
 
 
 def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     subject, limit, page = args["subject"], args["limit"], args["page"]
-    counts, forms = _subject_words(subject)
+    counts, forms = subject_words(subject)
     stems = sorted(counts)
     if not stems:
         raise BadArguments(f"{subject!r} has no distinctive word to follow (common words are"
@@ -379,29 +379,29 @@ def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
         return f"memory_chains {subject!r}: no stored row is about {words}."
     pages = -(-len(chain) // limit)
     if page > pages:
-        return (f"memory_chains {subject!r}: the chain has {_n(len(chain), 'row')},"
-                f" {_n(pages, 'page')}.")
+        return (f"memory_chains {subject!r}: the chain has {plural(len(chain), 'row')},"
+                f" {plural(pages, 'page')}.")
     end = len(chain) - (page - 1) * limit
     start = max(0, end - limit)
     partial = (f" (no row mentions all of {words}; these mention {covered} of them)"
                if covered < len(stems) else "")
-    header = (f"memory_chains {subject!r}: {_n(len(chain), 'row')} about {words}{partial},"
-              f" {_day(chain[0].at)} to {_day(chain[-1].at)}; oldest first, the latest state last")
+    header = (f"memory_chains {subject!r}: {plural(len(chain), 'row')} about {words}{partial},"
+              f" {day_of(chain[0].at)} to {day_of(chain[-1].at)}; oldest first, the latest state last")
     entries: list[tuple[int | None, str]] = []
     if start > 0:
-        entries.append((None, f"[{_n(start, 'earlier row')}: memory_chains page={page + 1}]"))
-    chars = _row_chars(limit)
+        entries.append((None, f"[{plural(start, 'earlier row')}: memory_chains page={page + 1}]"))
+    chars = row_chars(limit)
     for k in range(start, end):
         gap = [f"+{span(chain[k].at - chain[k - 1].at)}"] if k > 0 else []
-        entries.append(_event(chain[k], chars, memory, *gap))
+        entries.append(event_line(chain[k], chars, memory, *gap))
     # Linked subjects of the rows on this page: a long chain's whole would cost a read per row.
     linked = frequent_words((r.text for r in chain[start:end]), set(stems))
     if linked := [(w, n) for w, n in linked if n > 1][:LINKED]:
         entries.append((None, "linked subjects: " + ", ".join(f"{w} ({n})" for w, n in linked)))
-    return _answer(memory, header, entries)
+    return render_answer(memory, header, entries)
 
 
-_RUNNERS: dict[str, Callable[[dict[str, Any], TurnMemory, Scanner], str]] = {
+RUNNERS: dict[str, Callable[[dict[str, Any], TurnMemory, Scanner], str]] = {
     "memory_search": memory_search,
     "memory_more": memory_more,
     "memory_cooccur": memory_cooccur,

@@ -27,7 +27,7 @@ from typing import Any
 from perpetuity_core.memory.index import sequence
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.recall.answers import BadArguments, TurnMemory
-from perpetuity_core.recall.queries import _RUNNERS, COUNT_LIST
+from perpetuity_core.recall.queries import COUNT_LIST, RUNNERS
 
 log = logging.getLogger("perpetuity")
 
@@ -138,7 +138,7 @@ def run(call_name: str, arguments: dict | str, memory: TurnMemory, scanner: Scan
         # was stored since the last search, by this process or another, is ordered in first
         # (a tool that searches catches up itself; nothing to do on SQLite).
         sequence()
-        return _RUNNERS[call_name](args, memory, scanner)
+        return RUNNERS[call_name](args, memory, scanner)
     except BadArguments as e:
         return f"{call_name}: {e}. It takes {_signature(spec)}."
     except Exception as e:  # the reply goes on: the model reads that the call failed
