@@ -15,12 +15,17 @@ from pathlib import Path
 
 import numpy as np
 
+from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.index import token_estimate
 from perpetuity_core.memory.rows import Row, quoted, shown_rows, time_label
 from perpetuity_core.memory.tenants import withheld
 
 SNIPPET_CHARS = 100  # memory_count lists instances, not their whole text
 RESULT_CHARS = 8_000  # 2,000 tokens at four characters a token (index.token_estimate's rule)
 MIN_ROW_CHARS = 400  # a row is never cut shorter than this, whatever the limit
+# A search's answer is sized as the frame is (memory.cap): by how its scores are spread, from
+# the floor for one clear match to the ceiling for many close ones, in tokens.
+ANSWER_CAP = Cap(floor=400, ceiling=1_500)
 # Room a row's label takes, kept out of its text's share: the conversation's name is most
 # of it (a title of up to names.TITLE_CHARS, and the project folder).
 LABEL_CHARS = 160
@@ -110,6 +115,35 @@ def render_answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | N
         size += len(line) + 1
         if item_id is not None:
             given.append(item_id)
+    memory.shown.update(given)
+    return "\n".join(out)
+
+
+def fill(memory: TurnMemory, header: str, rows: Sequence[Row], budget: int) -> str:
+    """Header, then whole rows in the order given while they fit in `budget` tokens; a row that
+    does not fit is passed over for a smaller one after it, and the first row, when it fits
+    nowhere, is cut to the budget. Rows already shown this turn are never given again; the
+    rows given join `shown`."""
+    out = [header]
+    used = token_estimate(header)
+    given: list[int] = []
+    passed = 0
+    for r in rows:
+        if r.item_id in memory.shown or r.item_id in given:
+            continue
+        line = f"{row_label(r)} {row_body(r)}"
+        cost = token_estimate(line) + 1
+        if used + cost > budget:
+            if given or passed:
+                passed += 1
+                continue
+            line = row_line(r, max(MIN_ROW_CHARS, (budget - used) * 4 - LABEL_CHARS))
+            cost = token_estimate(line) + 1
+        out.append(line)
+        used += cost
+        given.append(r.item_id)
+    if passed:
+        out.append(f"[{passed} more rows left out for size: call again for them]")
     memory.shown.update(given)
     return "\n".join(out)
 

@@ -15,13 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from perpetuity_core.memory import dictionary
+from perpetuity_core.memory import cap, dictionary
 from perpetuity_core.memory.chains import chain_of, stem_rank, subject_words
 from perpetuity_core.memory.names import label
-from perpetuity_core.memory.rows import SHOWN_KINDS, Row
+from perpetuity_core.memory.rows import SHOWN_KINDS, Row, next_spoken
 from perpetuity_core.memory.scan import Hit, Scanner
 from perpetuity_core.memory.store import connection, in_chunks, in_list
 from perpetuity_core.recall.answers import (
+    ANSWER_CAP,
     LABEL_CHARS,
     RESULT_CHARS,
     BadArguments,
@@ -32,6 +33,7 @@ from perpetuity_core.recall.answers import (
     days_span,
     event_line,
     fetch_rows,
+    fill,
     instance_line,
     plural,
     render_answer,
@@ -42,6 +44,7 @@ from perpetuity_core.recall.answers import (
     span,
 )
 
+MAX_ROWS = 50  # the most rows memory_search gives, however small
 MAX_SCAN = 4_096  # the most ranked rows a filtered search reads through before giving up
 COUNT_LIST = 20  # instances memory_count lists unless asked for more
 DAYS_LISTED = 40  # dates memory_count spells out in its by-date tally
@@ -147,15 +150,55 @@ def _query_terms(text: str) -> np.ndarray:
     return terms
 
 
+SEARCH_DEPTH = 40  # ranked rows past those already shown that memory_search reads through
+
+
 def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
+    """The best rows for the query in rank order, each with the other half of its exchange (the
+    reply to it, or the question it answers), whole, in a budget set by the spread of their
+    scores as the frame's is. A row the model was shown is not shown again, but the other half
+    of its exchange can be: either alone is often not the answer."""
     f = _filters(args, memory)
-    query, limit = args["query"], args["limit"]
-    found = _search(scanner, memory, query, f, limit, memory.shown)
-    if not found:
+    query, limit = args["query"], args.get("limit") or MAX_ROWS
+    found = _search(scanner, memory, query, f, SEARCH_DEPTH + len(memory.shown), ())
+    unseen = [(h, r) for h, r in found if r.item_id not in memory.shown][:limit]
+    if not unseen and not found:
         return f"memory_search {query!r}{f.said}: nothing you have not seen this turn matches."
-    chars = row_chars(limit)
-    return render_answer(memory, f"memory_search {query!r}{f.said}: {plural(len(found), 'row')}, best first",
-                   [(r.item_id, row_line(r, chars)) for _, r in found])
+    depth = found.index(unseen[-1]) + 1 if unseen else len(found)
+    hits = found[:depth]
+    halves = other_halves(memory.user_id, [r for _, r in hits])
+    order: list[Row] = []
+    for _, r in hits:
+        pair = [r, *(x for x in halves.get(r.item_id, []) if f.admits(x))]
+        order += sorted(pair, key=lambda x: (x.at, x.message_id, x.item_id))
+    if all(r.item_id in memory.shown for r in order):
+        return f"memory_search {query!r}{f.said}: nothing you have not seen this turn matches."
+    budget = cap.budget(np.asarray([h.score for h, _ in unseen or hits], np.float64), ANSWER_CAP)
+    return fill(memory, f"memory_search {query!r}{f.said}: best first, each row with the other"
+                        " half of its exchange", order, budget)
+
+
+def other_halves(user_id: int, rows: list[Row]) -> dict[int, list[Row]]:
+    """Each row's other half of its exchange: the rows of the reply to a user's turn, or of the
+    question an assistant's turn answers, in its conversation."""
+    partner: dict[int, int] = {}
+    for r in rows:
+        if r.role not in ("user", "assistant"):
+            continue
+        spoken = next_spoken(r.conversation_id, r.message_id, after=r.role == "user")
+        if spoken and spoken[1] != r.role:
+            partner[r.item_id] = spoken[0]
+    if not partner:
+        return {}
+    items = connection().execute(
+        f"SELECT id, message_id FROM item WHERE message_id IN ({in_list(list(partner.values()))})"
+        " ORDER BY id", list(partner.values())).fetchall()
+    by_message: dict[int, list[int]] = {}
+    for item_id, message_id in items:
+        by_message.setdefault(message_id, []).append(item_id)
+    shown = fetch_rows(user_id, [i for ids in by_message.values() for i in ids])
+    return {item: [shown[i] for i in by_message.get(message, []) if i in shown]
+            for item, message in partner.items()}
 
 
 def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:

@@ -65,10 +65,12 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "memory_search",
         "Search everything stored from earlier conversations with this user, best match first."
-        " Returns only rows you have not seen this turn, each as [#id · conversation number and"
-        " name · role · time] text.",
+        " Returns only rows you have not seen this turn, each with the other half of its"
+        " exchange, as [#id · conversation number and name · role · time] text.",
         _schema(["query"], query={"type": "string", "description": "Words said before."},
-                **_FILTERS, limit=_limit())),
+                **_FILTERS, limit={"type": "integer", "minimum": 1, "maximum": MAX_LIMIT,
+                                   "description": "At most this many matches; without it, as"
+                                   " many as the closeness of their scores calls for."})),
     ToolSpec(
         "memory_more",
         "More of what this turn's retrieval found but the frame left out, best first, one page"
