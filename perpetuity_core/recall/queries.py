@@ -212,13 +212,11 @@ def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> s
     pages = -(-len(left) // limit)
     if page > pages:
         return f"memory_more: there are {plural(pages, 'page')} ({plural(len(left), 'row')} not seen yet)."
+    chars = row_chars(limit)
     part = left[(page - 1) * limit:page * limit]
-    halves = other_halves(memory.user_id, part)
-    order = [x for r in part for x in sorted([r, *halves.get(r.item_id, [])],
-                                              key=lambda x: (x.at, x.message_id, x.item_id))]
-    return fill(memory, f"memory_more: page {page} of {pages} ({plural(len(left), 'row')} found"
-                        " this turn and not seen yet), best first, each row with the other half"
-                        " of its exchange", order, ANSWER_CAP.ceiling)
+    return render_answer(memory, f"memory_more: page {page} of {pages} ({plural(len(left), 'row')} found"
+                           " this turn and not seen yet), best first",
+                   [(r.item_id, row_line(r, chars)) for r in part])
 
 
 def _continue_row(item_id: int, offset: int, memory: TurnMemory) -> str:

@@ -73,9 +73,8 @@ TOOLS: tuple[ToolSpec, ...] = (
                                    " many as the closeness of their scores calls for."})),
     ToolSpec(
         "memory_more",
-        "More of what this turn's retrieval found but the frame left out, best first, each row"
-        " with the other half of its exchange, one page per call. With `item`, the rest of a row"
-        " that an answer cut short.",
+        "More of what this turn's retrieval found but the frame left out, best first, one page"
+        " per call. With `item`, the rest of a row that an answer cut short.",
         _schema([], page={"type": "integer", "minimum": 1, "default": 1},
                 limit=_limit(),
                 item={"type": "integer", "minimum": 1, "description": "A cut row's #id."},
