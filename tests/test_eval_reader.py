@@ -88,7 +88,7 @@ def test_eval_reader_command(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     path = str(tiny_locomo(tmp_path / "l.json"))
     assert main(["eval", "locomo", path, "--reader", "search", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["two_rounds"]["recall_all"] == 1.0
-    assert main(["eval", "locomo", path, "--reader", "search", "--second", "rare",
+    assert main(["eval", "locomo", path, "--reader", "search", "--second", "more",
                  "--pooled"]) == 0
     assert "two rounds" in capsys.readouterr().out
 

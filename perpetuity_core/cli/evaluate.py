@@ -34,7 +34,7 @@ def register(sub: Any) -> None:
     p.add_argument("--reader", choices=["search"],
                    help="a scripted reader in the model's place, through the relay's tool loop:"
                         " recall after the frame, one and two tool rounds (in sequence)")
-    p.add_argument("--second", choices=eval_reader.SECOND_MOVES, default="more",
+    p.add_argument("--second", choices=eval_reader.SECOND_MOVES, default="rare",
                    help="the scripted reader's second round")
     p.add_argument("--json", action="store_true", help="the reader's report as JSON")
     online = p.add_argument_group("online", "a real model answers, a judge model grades")
