@@ -347,11 +347,11 @@ def table(r: dict[str, Any]) -> str:
     """The report as a person reads it."""
     lines = [f"{r['dataset']} ({r['memory']}), {r['questions']} questions in sequence;"
              f" second round: {r['reader']['second']}",
-             f"{'':18}{'frame':>16}{'one round':>16}{'two rounds':>16}"]
+             f"{'':26}{'frame':>16}{'one round':>16}{'two rounds':>16}"]
     rows = [("all", r), ("first question", r["first_question"])]
     rows += list(r["by_category"].items())
     for name, f in rows:
         cells = "".join(f"{f[s]['recall_all']:>8.3f} {f[s]['tokens_mean']:>6}t"
                         for s in ("frame", "one_round", "two_rounds"))
-        lines.append(f"{name[:18]:18}{cells}")
+        lines.append(f"{name[:26]:26}{cells}")
     return "\n".join(lines)
