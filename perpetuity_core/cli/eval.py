@@ -22,7 +22,6 @@ the memory chosen for that question (`new_memory_tokens`: a new frame or an adde
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import tempfile
@@ -55,6 +54,8 @@ class Question:
     at: float
     evidence: list[int]  # indexes into the thread's messages
     category: str = ""  # the dataset's own: LoCoMo's question category, BEAM's ability
+    answer: str = ""  # the dataset's gold answer (a rubric for LongMemEval's preferences)
+    key: str = ""  # the dataset's own id for the question, else its case and place
 
 
 @dataclass(slots=True)
@@ -77,12 +78,13 @@ def locomo(path: Path) -> Iterator[Case]:
         index = {label: i for i, label in enumerate(t.labels)}
         at = max(t.times) + 86400
         case = Case(t)
-        for qa in sample.get("qa", []):
+        for k, qa in enumerate(sample.get("qa", [])):
             ids = [e for x in qa.get("evidence", []) for e in re.split(r"[;,\s]+", x) if e]
             ev = [index[e] for e in ids if e in index]
             if ev and qa.get("category") != 5:  # category 5 is adversarial: nothing to find
                 case.questions.append(Question(str(qa["question"]), at, ev,
-                                               LOCOMO_CATEGORIES.get(qa.get("category"), "")))
+                                               LOCOMO_CATEGORIES.get(qa.get("category"), ""),
+                                               str(qa.get("answer", "")), f"{t.user_key}:{k}"))
         yield case
 
 
@@ -121,7 +123,8 @@ def longmemeval(path: Path) -> Iterator[Case]:
         ev = [i for i, label in enumerate(thread.labels) if label in answers]
         day, _, clock = str(q["question_date"]).split(" ")
         at = datetime.strptime(f"{day} {clock}", "%Y/%m/%d %H:%M").replace(tzinfo=UTC).timestamp()
-        yield Case(thread, [Question(str(q["question"]), at, ev, str(q.get("question_type", "")))]
+        yield Case(thread, [Question(str(q["question"]), at, ev, str(q.get("question_type", "")),
+                                     str(q.get("answer", "")), str(q.get("question_id", "")))]
                    if ev else [])
 
 
@@ -150,14 +153,16 @@ DATASETS = {"locomo": locomo, "beam": beam, "longmemeval": longmemeval}
 # --------------------------------------------------------------------------- feeding and asking
 
 
-def _request(user: str, conversation: str, at: float, messages: list[dict[str, str]],
-             probe: bool = False) -> HttpRequest:
-    headers = [("authorization", "Bearer sk-eval"), ("content-type", "application/json"),
+def chat_request(user: str, conversation: str, at: float, messages: list[dict[str, str]],
+                 probe: bool = False, model: str = "eval", key: str = "sk-eval") -> HttpRequest:
+    """A Chat Completions request as a client sends it, the dataset's speaker and time in
+    perpetuity's headers."""
+    headers = [("authorization", f"Bearer {key}"), ("content-type", "application/json"),
                ("x-perpetuity-user", user), ("x-perpetuity-conversation", conversation),
                ("x-perpetuity-time", datetime.fromtimestamp(at, UTC).isoformat())]
     if probe:
         headers.append(("x-perpetuity-probe", "on"))
-    body = {"model": "eval", "messages": messages}
+    body = {"model": model, "messages": messages}
     return HttpRequest("POST", "127.0.0.1", "/v1/chat/completions", tuple(headers),
                        json.dumps(body).encode(), direct=True)
 
@@ -180,7 +185,7 @@ def feed(pipeline: Pipeline, thread: importers.Thread) -> None:
         window = [j for j in range(max(0, i - HISTORY), i + 1)
                   if not convs or convs[j] == conversation]
         messages = [{"role": sent[j], "content": thread.messages[j].text} for j in window]
-        d = pipeline.prepare(_request(thread.user_key, conversation, thread.times[i], messages))
+        d = pipeline.prepare(chat_request(thread.user_key, conversation, thread.times[i], messages))
         if d.job is None:
             raise ConfigError(f"turn {i} of {thread.conversation_key} was not captured: {d.note}")
         turn = _Turn(conversation, pipeline.store_turn(d.job.pending), d.job.pending)
@@ -211,7 +216,7 @@ class _Turn:
 
 def ask(pipeline: Pipeline, thread: importers.Thread, q: Question) -> tuple[str, int]:
     """The request text that would go upstream for a question, and its frame's tokens."""
-    req = _request(thread.user_key, thread.user_key + ":question", q.at,
+    req = chat_request(thread.user_key, thread.user_key + ":question", q.at,
                    [{"role": "user", "content": q.text}], probe=True)
     d = pipeline.prepare(req)
     body = json.loads(d.body) if d.body is not None else json.loads(req.body)
@@ -283,7 +288,7 @@ def _ask_in_sequence(pipeline: Pipeline, case: Case, limits: Cap) -> list[Result
     for k, q in enumerate(case.questions):
         at = q.at + k * SEQUENCE_GAP
         history.append({"role": "user", "content": q.text})
-        d = pipeline.prepare(_request(user, conversation, at, history))
+        d = pipeline.prepare(chat_request(user, conversation, at, history))
         sent = json.loads(d.body)["messages"] if d.body is not None else history
         text = "\n".join(str(m.get("content", "")) for m in sent)
         # The memory the request carried: its frame and addenda (the recall tools' note is
@@ -362,28 +367,3 @@ def _report(dataset: str, pooled: bool, limits: Cap,
                 "frame_tokens_mean": round(sum(r.tokens for r in rs) / len(rs))}
             for c, rs in sorted(by_category.items()) if c},
     }
-
-
-def register(sub: Any) -> None:
-    p = sub.add_parser("eval", help="is the evidence in the frame? (LoCoMo, BEAM, LongMemEval)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dataset", choices=sorted(DATASETS))
-    p.add_argument("path", type=Path, help="locomo10.json, a BEAM chats folder, a LongMemEval file")
-    p.add_argument("--pooled", action="store_true", help="one memory of every conversation")
-    p.add_argument("--floor", type=int, default=Cap().floor, help="smallest frame, in tokens")
-    p.add_argument("--ceiling", type=int, default=Cap().ceiling, help="largest frame, in tokens")
-    p.add_argument("--limit", type=int, default=0, help="only the first N conversations")
-    p.add_argument("--frames", type=Path, help="write every rendered request to this folder")
-    p.add_argument("--sequence", action="store_true",
-                   help="ask each conversation's questions one after another in one conversation")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    if not args.path.exists():
-        raise ConfigError(f"no such dataset path: {args.path}")
-    report = evaluate(args.dataset, args.path, pooled=args.pooled,
-                      limits=Cap(args.floor, args.ceiling), frames=args.frames, limit=args.limit,
-                      sequence=args.sequence)
-    print(json.dumps(report, indent=2))
-    return 0

@@ -12,7 +12,7 @@ from perpetuity_core.errors import PerpetuityError
 # `func(args) -> int` runs it. Imported lazily so `perpetuity --help` stays fast.
 COMMAND_MODULES = ["perpetuity_core.cli.proxy", "perpetuity_core.cli.notes",
                    "perpetuity_core.cli.search", "perpetuity_core.cli.memory",
-                   "perpetuity_core.cli.eval", "perpetuity_core.cli.replay",
+                   "perpetuity_core.cli.evaluate", "perpetuity_core.cli.replay",
                    "perpetuity_core.cli.show"]
 
 

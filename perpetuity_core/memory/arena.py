@@ -204,7 +204,7 @@ _GONE = SQL.both("SELECT seq, row_seq, length, terms FROM retrieval_gone WHERE s
                  " ORDER BY seq")
 
 # The arena's per-row columns and their types (see Arena).
-_COLUMNS = {"seq": np.int64, "user": np.int32, "conv": np.int32, "at": np.int64,
+COLUMNS = {"seq": np.int64, "user": np.int32, "conv": np.int32, "at": np.int64,
             "length": np.int32, "prev": np.int32, "next": np.int32}
 
 
@@ -230,7 +230,7 @@ class Arena:
         # views of their first rows: a catch-up appends its few rows in place instead of
         # copying every column (measured before: 13.5 ms a catch-up at 1M rows, 37.5 at 5M).
         self._buffers: dict[str, np.ndarray] = {
-            name: np.full(1, -1, dtype) for name, dtype in _COLUMNS.items()}
+            name: np.full(1, -1, dtype) for name, dtype in COLUMNS.items()}
         self.seq = self.user = self.conv = self.at = self.length = np.zeros(0, np.int64)
         # The previous and next live row of the same conversation in store order (-1: none).
         self.prev = self.next = np.zeros(0, np.int32)

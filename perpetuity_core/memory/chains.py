@@ -53,7 +53,7 @@ def chain_of(db: Database, user_id: int, stems: list[str]) -> tuple[list[int], i
             if n == best], best
 
 
-def _subject_words(d: Dictionary, text: str) -> tuple[dict[str, int], dict[str, str]]:
+def subject_words(d: Dictionary, text: str) -> tuple[dict[str, int], dict[str, str]]:
     """The words of `text` that can be subjects, by stem: occurrences, and the first form seen."""
     text = text[:SUBJECT_CHARS]
     # ASCII text is split as Dictionary.id_list splits it (the same words as the tokenizer's
@@ -93,18 +93,18 @@ def _subject_stem(d: Dictionary, word: str) -> tuple[str, str] | None:
     if len(word) < 3 or word.isdigit() or word in dictionary.STOP_WORDS:
         return None
     s = dictionary.stem(word)
-    return None if _rank(d, s) < dictionary.FIRST_STEM_ID + COMMON_STEMS else (s, word)
+    return None if stem_rank(d, s) < dictionary.FIRST_STEM_ID + COMMON_STEMS else (s, word)
 
 
 def subjects(d: Dictionary, text: str) -> list[str]:
     """The stems of the chains a text row joins: its most repeated subject words, then the
     rarest (a stem the corpus never saw counts rarest), at most SUBJECTS; ties by stem."""
-    counts, _ = _subject_words(d, text)
+    counts, _ = subject_words(d, text)
     rank, unseen = d.stem_ids, d.hash_base
     return heapq.nsmallest(SUBJECTS, counts, key=lambda s: (-counts[s], -rank.get(s, unseen), s))
 
 
-def _rank(d: Dictionary, stem: str) -> int:
+def stem_rank(d: Dictionary, stem: str) -> int:
     """A stem's place in the dictionary's corpus by falling frequency; unseen ones rank last."""
     return d.stem_ids.get(stem, d.hash_base)
 

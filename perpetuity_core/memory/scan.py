@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory.arena import _COLUMNS, ROWS, TERMS, Arena, build_segment
+from perpetuity_core.memory.arena import COLUMNS, ROWS, TERMS, Arena, build_segment
 from perpetuity_core.memory.bm25 import Params, make_query
 from perpetuity_core.memory.dialect import marks, one_of
 from perpetuity_core.memory.index import item_text, sequence, totals, unfolded_df
@@ -177,7 +177,7 @@ class Scanner:
             return []
         tmp = Arena(db, ROWS, threads=1)
         seq, user, conv, at, length, terms_b, counts_b = zip(*rows)
-        tmp.put_rows(*(np.asarray(c, _COLUMNS[name]) for name, c in
+        tmp.put_rows(*(np.asarray(c, COLUMNS[name]) for name, c in
                        zip(("seq", "user", "conv", "at", "length"), (seq, user, conv, at, length),
                            strict=True)))
         row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))

@@ -13,11 +13,11 @@ from pathlib import Path
 from perpetuity_core.memory.secrets import scan_credentials
 from perpetuity_core.notes.library import (
     IndexReport,
-    _write,
-    _write_index,
     load_notes,
     save_note,
     slugify,
+    write_atomic,
+    write_index,
 )
 from perpetuity_core.notes.model import (
     CONFIDENCE,
@@ -26,7 +26,7 @@ from perpetuity_core.notes.model import (
     CredentialError,
     Note,
     NoteError,
-    _render_body,
+    render_body,
     render_note,
 )
 from perpetuity_core.notes.similarity import SIMILARITY_THRESHOLD, merge_bodies, similarity
@@ -163,11 +163,11 @@ def note_from_fields(fields: Mapping[str, object], today: date) -> Note:
         supersedes=None,
         pinned=False,
         origin="agent-created",
-        body=_render_body("", [(h, c) for h, c in sections if c]),
+        body=render_body("", [(h, c) for h, c in sections if c]),
     )
 
 
-def _fold(stronger: Note, weaker: Note) -> Note:
+def fold_notes(stronger: Note, weaker: Note) -> Note:
     """The stronger note, refined by the weaker: tags united, sections extended, confidence the
     higher of the two, use counted together, last use the later."""
     used = [d for d in (stronger.last_used, weaker.last_used) if d]
@@ -223,10 +223,10 @@ def capture(root: Path, fields: Mapping[str, object], today: date) -> CaptureRes
         note = dataclasses.replace(candidate, path=path)
         text = render_note(note)
         _refuse_credentials({"note": text})
-        _write(path, text)
+        write_atomic(path, text)
         action = "created"
     else:
-        merged = _fold(target, candidate)
+        merged = fold_notes(target, candidate)
         note = dataclasses.replace(
             merged,
             confidence=max(target.confidence, candidate.confidence, key=CONFIDENCE.index),
@@ -237,7 +237,7 @@ def capture(root: Path, fields: Mapping[str, object], today: date) -> CaptureRes
         _refuse_credentials({"note": render_note(note)})
         note = save_note(note)
         action = "patched"
-    index = _write_index(root, load_notes(root))
+    index = write_index(root, load_notes(root))
     assert note.path is not None
     return CaptureResult(action, note.name, note.path, index, score)
 

@@ -12,18 +12,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from pathlib import Path
 
-from perpetuity_core.notes.capture import _fold
+from perpetuity_core.notes.capture import fold_notes
 from perpetuity_core.notes.library import (
     IndexReport,
-    _index_report,
-    _write_index,
     index_lines,
+    index_report,
     load_notes,
     render_index,
     save_note,
+    write_index,
 )
 from perpetuity_core.notes.model import ARCHIVE_DIR, INDEX_FILE, NOTES_DIR, Note, render_note
-from perpetuity_core.notes.similarity import SIMILARITY_THRESHOLD, _strength, similarity
+from perpetuity_core.notes.similarity import SIMILARITY_THRESHOLD, similarity, strength
 
 # Ageing, counted in whole days from last_used (or created, if the note was never used):
 # 30 or more days unused -> state: stale; 90 or more -> moved to .archive/ with state: archived.
@@ -126,10 +126,10 @@ def _consolidate(live: dict[str, Note]) -> list[tuple[Note, Note]]:
     while candidates:
         (a, b), _ = min(candidates.items(), key=lambda kv: (-kv[1], kv[0]))
         x, y = live[a], live[b]
-        stronger, weaker = (x, y) if _strength(x) >= _strength(y) else (y, x)
+        stronger, weaker = (x, y) if strength(x) >= strength(y) else (y, x)
         # `supersedes` holds one name: the latest fold. The weaker keeps its own link in
         # .archive/, so the chain of what was folded stays readable there and in the snapshot.
-        folded = dataclasses.replace(_fold(stronger, weaker), supersedes=weaker.name)
+        folded = dataclasses.replace(fold_notes(stronger, weaker), supersedes=weaker.name)
         del live[weaker.name]
         live[stronger.name] = folded
         merges.append((weaker, folded))
@@ -184,7 +184,7 @@ def curate(
     index_path = root / INDEX_FILE
     index_current = index_path.read_text(encoding="utf-8") if index_path.is_file() else None
     if not changed and not to_archive and index_current == render_index(survivors):
-        summary.index = _index_report(root, index_lines(survivors), False)
+        summary.index = index_report(root, index_lines(survivors), False)
         return summary
 
     summary.snapshot = _snapshot(root, clock().strftime("%Y%m%dT%H%M%SZ"))
@@ -194,6 +194,6 @@ def curate(
         assert note.path is not None
         save_note(note)
         os.replace(note.path, _unique(root / ARCHIVE_DIR / note.path.name))
-    summary.index = _write_index(root, load_notes(root))
+    summary.index = write_index(root, load_notes(root))
     return summary
 

@@ -94,7 +94,7 @@ def find_note(root: Path, name: str) -> Note:
     raise NoteError(f"no note named {name!r} in {root / NOTES_DIR}")
 
 
-def _write(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """Write through a temporary file and a rename, so a reader never sees half a note."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -108,7 +108,7 @@ def save_note(note: Note) -> Note:
         raise NoteError(f"note {note.name!r} has no file to write")
     text = render_note(note)
     if text != note.text:
-        _write(note.path, text)
+        write_atomic(note.path, text)
     return dataclasses.replace(note, text=text)
 
 
@@ -156,7 +156,7 @@ def render_index(notes: Iterable[Note]) -> str:
     return INDEX_HEADER + "".join(f"{line}\n" for line in lines)
 
 
-def _index_report(root: Path, lines: Sequence[str], written: bool) -> IndexReport:
+def index_report(root: Path, lines: Sequence[str], written: bool) -> IndexReport:
     return IndexReport(
         path=root / INDEX_FILE,
         lines=len(lines),
@@ -165,19 +165,19 @@ def _index_report(root: Path, lines: Sequence[str], written: bool) -> IndexRepor
     )
 
 
-def _write_index(root: Path, notes: Sequence[Note]) -> IndexReport:
+def write_index(root: Path, notes: Sequence[Note]) -> IndexReport:
     """Write INDEX.md if its content would change; report its size against the budget."""
     text = render_index(notes)
     path = root / INDEX_FILE
     current = path.read_text(encoding="utf-8") if path.is_file() else None
     if current != text:
-        _write(path, text)
-    return _index_report(root, index_lines(notes), current != text)
+        write_atomic(path, text)
+    return index_report(root, index_lines(notes), current != text)
 
 
 def reindex(root: Path) -> IndexReport:
     """Regenerate <root>/INDEX.md from the notes' frontmatter and report it against the budget."""
     if not root.is_dir():
         raise NoteError(f"no notes library at {root}")
-    return _write_index(root, load_notes(root))
+    return write_index(root, load_notes(root))
 

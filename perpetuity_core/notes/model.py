@@ -219,7 +219,7 @@ def _key_extent(lines: list[str], key: str) -> tuple[int, int] | None:
     return None
 
 
-def _render_body(preamble: str, sections: Sequence[tuple[str, str]]) -> str:
+def render_body(preamble: str, sections: Sequence[tuple[str, str]]) -> str:
     parts = [preamble.strip()] if preamble.strip() else []
     parts += [f"## {heading}\n\n{content.strip()}".rstrip() for heading, content in sections]
     return "\n" + "\n\n".join(parts) + "\n"

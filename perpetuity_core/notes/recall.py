@@ -13,14 +13,14 @@ from datetime import date
 from pathlib import Path
 
 from perpetuity_core.notes.library import (
-    _index_report,
-    _write_index,
     index_lines,
+    index_report,
     load_notes,
     save_note,
+    write_index,
 )
 from perpetuity_core.notes.model import Note
-from perpetuity_core.notes.similarity import _strength, body_terms, tag_terms, terms
+from perpetuity_core.notes.similarity import body_terms, strength, tag_terms, terms
 
 # Recall scores each distinct task term once, at its best weight: a tag term 3, a term of the
 # name or description 2, a body term 1. A note loads in full at RECALL_MIN_SCORE or more, at
@@ -54,7 +54,7 @@ class RecallResult:
 
     @property
     def over_budget(self) -> bool:
-        return _index_report(self.root, self.index_lines, False).over_budget
+        return index_report(self.root, self.index_lines, False).over_budget
 
     @property
     def text(self) -> str:
@@ -96,7 +96,7 @@ def _score(note: Note, task: frozenset[str]) -> tuple[int, tuple[str, ...]]:
 def _successors(notes: Sequence[Note]) -> dict[str, Note]:
     """For each superseded name, the strongest live note that supersedes it."""
     out: dict[str, Note] = {}
-    for note in sorted(notes, key=_strength):
+    for note in sorted(notes, key=strength):
         if note.supersedes and note.supersedes != note.name:
             out[note.supersedes] = note
     return out
@@ -125,7 +125,7 @@ def recall(root: Path, task_text: str) -> RecallResult:
         replaced = prior[3] | ({note.name} if final is not note else set())
         found[final.name] = (final, max(prior[1], score), prior[2] | set(matched), replaced)
     ranked = sorted(
-        found.values(), key=lambda f: (-f[1], [-x for x in _strength(f[0])[:2]], f[0].name)
+        found.values(), key=lambda f: (-f[1], [-x for x in strength(f[0])[:2]], f[0].name)
     )
     recalled = tuple(
         RecalledNote(
@@ -177,6 +177,6 @@ def mark_used(root: Path, names: Iterable[str], today: date) -> list[str]:
         )
         updated.append(note.name)
     if updated:
-        _write_index(root, load_notes(root))
+        write_index(root, load_notes(root))
     return updated
 

@@ -15,7 +15,7 @@ import re
 
 from perpetuity_core.memory import dictionary
 from perpetuity_core.notes.library import slugify
-from perpetuity_core.notes.model import CONFIDENCE, Note, _render_body, split_sections
+from perpetuity_core.notes.model import CONFIDENCE, Note, render_body, split_sections
 
 # Two notes cover the same ground when similarity() >= SIMILARITY_THRESHOLD. similarity() is
 # TAG_SHARE * Jaccard(normalised tags) + (1 - TAG_SHARE) * Jaccard(terms of name, description and
@@ -78,7 +78,7 @@ def merge_bodies(stronger: str, weaker: str) -> str:
     result = [(h, merged[h]) for h in order]
     if result == sections:
         return stronger
-    return _render_body(preamble, result)
+    return render_body(preamble, result)
 
 
 # Words every task or every note says (generic verbs, "error", section headings), on top of the
@@ -146,7 +146,7 @@ def similarity(a: Note, b: Note) -> float:
     )
 
 
-def _strength(note: Note) -> tuple[int, int, str, str]:
+def strength(note: Note) -> tuple[int, int, str, str]:
     """Stronger first when sorted descending: confidence, then use, then the newer note."""
     return (CONFIDENCE.index(note.confidence), note.use_count, note.created or "", note.name)
 

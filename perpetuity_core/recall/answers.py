@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from perpetuity_core.memory.cap import Cap
+from perpetuity_core.memory.index import token_estimate
 from perpetuity_core.memory.rows import Row, quoted, shown_rows, time_label
 from perpetuity_core.memory.store import Database
 from perpetuity_core.memory.tenants import withheld
@@ -22,6 +24,9 @@ from perpetuity_core.memory.tenants import withheld
 SNIPPET_CHARS = 100  # memory_count lists instances, not their whole text
 RESULT_CHARS = 8_000  # 2,000 tokens at four characters a token (index.token_estimate's rule)
 MIN_ROW_CHARS = 400  # a row is never cut shorter than this, whatever the limit
+# A search's answer is sized as the frame is (memory.cap): by how its scores are spread, from
+# the floor for one clear match to the ceiling for many close ones, in tokens.
+ANSWER_CAP = Cap(floor=400, ceiling=1_500)
 # Room a row's label takes, kept out of its text's share: the conversation's name is most
 # of it (a title of up to names.TITLE_CHARS, and the project folder).
 LABEL_CHARS = 160
@@ -49,18 +54,18 @@ def fetch_rows(db: Database, user_id: int, item_ids: Iterable[int]) -> dict[int,
     return shown_rows(db, item_ids, user_id)
 
 
-def _label(r: Row, *extra: str) -> str:
-    return "[" + " · ".join((f"#{r.item_id}", _conversation(r.conversation_id, r.conversation),
+def row_label(r: Row, *extra: str) -> str:
+    return "[" + " · ".join((f"#{r.item_id}", conversation_name(r.conversation_id, r.conversation),
                              r.role, time_label(r.at), *extra)) + "]"
 
 
-def _conversation(conversation_id: int, name: str) -> str:
+def conversation_name(conversation_id: int, name: str) -> str:
     """A conversation as an answer names it: the number a filter takes, and the name a person
     knows it by (names.py), never its session id."""
     return f"c{conversation_id} {name}" if name else f"c{conversation_id}"
 
 
-def _body(r: Row) -> str:
+def row_body(r: Row) -> str:
     """A row as the model reads it; a row holding a credential is withheld (an answer can
     carry it into any conversation)."""
     if r.secret:
@@ -82,22 +87,22 @@ def clip(text: str, item_id: int, start: int, chars: int) -> str:
             f" memory_more(item={item_id}, offset={end})]")
 
 
-def _row_chars(limit: int) -> int:
+def row_chars(limit: int) -> int:
     """A row's share of the answer, so `limit` rows fit in RESULT_CHARS."""
     return max(MIN_ROW_CHARS, RESULT_CHARS // max(limit, 1) - LABEL_CHARS)
 
 
-def _line(r: Row, chars: int, *extra: str) -> str:
-    body = _body(r)
-    return f"{_label(r, *extra)} {clip(body, r.item_id, 0, chars)}"
+def row_line(r: Row, chars: int, *extra: str) -> str:
+    body = row_body(r)
+    return f"{row_label(r, *extra)} {clip(body, r.item_id, 0, chars)}"
 
 
 def _stub(r: Row, *extra: str) -> str:
     """A row the model has already seen this turn: where it sits, never its text again."""
-    return f"{_label(r, *extra)} (already shown)"
+    return f"{row_label(r, *extra)} (already shown)"
 
 
-def _answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, str]]) -> str:
+def render_answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, str]]) -> str:
     """Header, then lines while they fit in RESULT_CHARS. Rows whose text went out (an id
     beside the line) join `shown`; a line that did not fit is left for the next call."""
     out = [header]
@@ -115,20 +120,49 @@ def _answer(memory: TurnMemory, header: str, lines: Sequence[tuple[int | None, s
     return "\n".join(out)
 
 
-def _day(at: float) -> str:
+def fill(memory: TurnMemory, header: str, rows: Sequence[Row], budget: int) -> str:
+    """Header, then whole rows in the order given while they fit in `budget` tokens; a row that
+    does not fit is passed over for a smaller one after it, and the first row, when it fits
+    nowhere, is cut to the budget. Rows already shown this turn are never given again; the
+    rows given join `shown`."""
+    out = [header]
+    used = token_estimate(header)
+    given: list[int] = []
+    passed = 0
+    for r in rows:
+        if r.item_id in memory.shown or r.item_id in given:
+            continue
+        line = f"{row_label(r)} {row_body(r)}"
+        cost = token_estimate(line) + 1
+        if used + cost > budget:
+            if given or passed:
+                passed += 1
+                continue
+            line = row_line(r, max(MIN_ROW_CHARS, (budget - used) * 4 - LABEL_CHARS))
+            cost = token_estimate(line) + 1
+        out.append(line)
+        used += cost
+        given.append(r.item_id)
+    if passed:
+        out.append(f"[{passed} more rows left out for size: call again for them]")
+    memory.shown.update(given)
+    return "\n".join(out)
+
+
+def day_of(at: float) -> str:
     return time_label(at)[:10]
 
 
-def _days(at: np.ndarray) -> str:
-    first, last = _day(float(at.min())), _day(float(at.max()))
+def days_span(at: np.ndarray) -> str:
+    first, last = day_of(float(at.min())), day_of(float(at.max()))
     return first if first == last else f"{first} to {last}"
 
 
-def _n(count: int, noun: str) -> str:
+def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
-def _instance(r: Row, marks: list[str], memory: TurnMemory) -> tuple[int | None, str]:
+def instance_line(r: Row, marks: list[str], memory: TurnMemory) -> tuple[int | None, str]:
     """One counted row, compactly: a snippet around the first of `marks` (the category's
     stems) it holds. Its id joins `shown` only when the snippet is the whole row: a row seen
     in part stays reachable in full by memory_search."""
@@ -136,7 +170,7 @@ def _instance(r: Row, marks: list[str], memory: TurnMemory) -> tuple[int | None,
     head = f"#{r.item_id} {time_label(r.at)[:16]} c{r.conversation_id} {r.role}"
     if r.item_id in memory.shown:
         return None, f"{head} (already shown)"
-    body = " ".join(_body(r).split())
+    body = " ".join(row_body(r).split())
     if len(body) <= SNIPPET_CHARS:
         return r.item_id, f"{head}: {body}"
     return None, f"{head}: {snippet(body, marks)}"
@@ -156,10 +190,10 @@ def snippet(body: str, marks: list[str]) -> str:
     return ("…" if start else "") + body[start:end] + ("…" if end < len(body) else "")
 
 
-def _event(r: Row, chars: int, memory: TurnMemory, *extra: str) -> tuple[int | None, str]:
+def event_line(r: Row, chars: int, memory: TurnMemory, *extra: str) -> tuple[int | None, str]:
     if r.item_id in memory.shown:
         return None, _stub(r, *extra)
-    return r.item_id, _line(r, chars, *extra)
+    return r.item_id, row_line(r, chars, *extra)
 
 
 def span(seconds: float) -> str:

@@ -15,35 +15,38 @@ from typing import Any
 
 import numpy as np
 
-from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.chains import _rank, _subject_words, chain_of
-from perpetuity_core.memory.dialect import SQL, marks
+from perpetuity_core.memory import cap, dictionary
+from perpetuity_core.memory.chains import chain_of, stem_rank, subject_words
+from perpetuity_core.memory.dialect import SQL, marks, one_of
 from perpetuity_core.memory.dictionary import Dictionary
 from perpetuity_core.memory.names import label
-from perpetuity_core.memory.rows import SHOWN_KINDS, Row
+from perpetuity_core.memory.rows import SHOWN_KINDS, Row, next_spoken
 from perpetuity_core.memory.scan import Hit, Scanner
 from perpetuity_core.memory.store import Database, in_chunks
 from perpetuity_core.recall.answers import (
+    ANSWER_CAP,
     LABEL_CHARS,
     RESULT_CHARS,
     BadArguments,
     TurnMemory,
-    _answer,
-    _body,
-    _conversation,
-    _day,
-    _days,
-    _event,
-    _instance,
-    _label,
-    _line,
-    _n,
-    _row_chars,
     clip,
+    conversation_name,
+    day_of,
+    days_span,
+    event_line,
     fetch_rows,
+    fill,
+    instance_line,
+    plural,
+    render_answer,
+    row_body,
+    row_chars,
+    row_label,
+    row_line,
     span,
 )
 
+MAX_ROWS = 50  # the most rows memory_search gives, however small
 MAX_SCAN = 4_096  # the most ranked rows a filtered search reads through before giving up
 COUNT_LIST = 20  # instances memory_count lists unless asked for more
 DAYS_LISTED = 40  # dates memory_count spells out in its by-date tally
@@ -152,15 +155,55 @@ def _query_terms(d: Dictionary, text: str) -> np.ndarray:
     return terms
 
 
+SEARCH_DEPTH = 40  # ranked rows past those already shown that memory_search reads through
+
+
 def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
+    """The best rows for the query in rank order, each with the other half of its exchange (the
+    reply to it, or the question it answers), whole, in a budget set by the spread of their
+    scores as the frame's is. A row the model was shown is not shown again, but the other half
+    of its exchange can be: either alone is often not the answer."""
     f = _filters(scanner.db, args, memory)
-    query, limit = args["query"], args["limit"]
-    found = _search(scanner, memory, query, f, limit, memory.shown)
-    if not found:
+    query, limit = args["query"], args.get("limit") or MAX_ROWS
+    found = _search(scanner, memory, query, f, SEARCH_DEPTH + len(memory.shown), ())
+    unseen = [(h, r) for h, r in found if r.item_id not in memory.shown][:limit]
+    if not unseen and not found:
         return f"memory_search {query!r}{f.said}: nothing you have not seen this turn matches."
-    chars = _row_chars(limit)
-    return _answer(memory, f"memory_search {query!r}{f.said}: {_n(len(found), 'row')}, best first",
-                   [(r.item_id, _line(r, chars)) for _, r in found])
+    depth = found.index(unseen[-1]) + 1 if unseen else len(found)
+    hits = found[:depth]
+    halves = other_halves(scanner.db, memory.user_id, [r for _, r in hits])
+    order: list[Row] = []
+    for _, r in hits:
+        pair = [r, *(x for x in halves.get(r.item_id, []) if f.admits(x))]
+        order += sorted(pair, key=lambda x: (x.at, x.message_id, x.item_id))
+    if all(r.item_id in memory.shown for r in order):
+        return f"memory_search {query!r}{f.said}: nothing you have not seen this turn matches."
+    budget = cap.budget(np.asarray([h.score for h, _ in unseen or hits], np.float64), ANSWER_CAP)
+    return fill(memory, f"memory_search {query!r}{f.said}: best first, each row with the other"
+                        " half of its exchange", order, budget)
+
+
+def other_halves(db: Database, user_id: int, rows: list[Row]) -> dict[int, list[Row]]:
+    """Each row's other half of its exchange: the rows of the reply to a user's turn, or of the
+    question an assistant's turn answers, in its conversation."""
+    partner: dict[int, int] = {}
+    for r in rows:
+        if r.role not in ("user", "assistant"):
+            continue
+        spoken = next_spoken(db, r.conversation_id, r.message_id, after=r.role == "user")
+        if spoken and spoken[1] != r.role:
+            partner[r.item_id] = spoken[0]
+    if not partner:
+        return {}
+    where, values = one_of(db.postgres, "message_id", sorted(set(partner.values())))
+    items = db.connection().execute(
+        f"SELECT id, message_id FROM item WHERE {where} ORDER BY id", values).fetchall()
+    by_message: dict[int, list[int]] = {}
+    for item_id, message_id in items:
+        by_message.setdefault(message_id, []).append(item_id)
+    shown = fetch_rows(db, user_id, [i for ids in by_message.values() for i in ids])
+    return {item: [shown[i] for i in by_message.get(message, []) if i in shown]
+            for item, message in partner.items()}
 
 
 def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
@@ -174,22 +217,22 @@ def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> s
         return "memory_more: nothing this turn's retrieval found is left unseen; try memory_search."
     pages = -(-len(left) // limit)
     if page > pages:
-        return f"memory_more: there are {_n(pages, 'page')} ({_n(len(left), 'row')} not seen yet)."
-    chars = _row_chars(limit)
+        return f"memory_more: there are {plural(pages, 'page')} ({plural(len(left), 'row')} not seen yet)."
+    chars = row_chars(limit)
     part = left[(page - 1) * limit:page * limit]
-    return _answer(memory, f"memory_more: page {page} of {pages} ({_n(len(left), 'row')} found"
+    return render_answer(memory, f"memory_more: page {page} of {pages} ({plural(len(left), 'row')} found"
                            " this turn and not seen yet), best first",
-                   [(r.item_id, _line(r, chars)) for r in part])
+                   [(r.item_id, row_line(r, chars)) for r in part])
 
 
 def _continue_row(db: Database, item_id: int, offset: int, memory: TurnMemory) -> str:
     r = fetch_rows(db, memory.user_id, [item_id]).get(item_id)
     if r is None:
         return f"memory_more: there is no row #{item_id} in your memory."
-    body = _body(r)
+    body = row_body(r)
     if offset >= len(body):
         return f"memory_more: row #{item_id} has {len(body):,} characters; nothing after {offset}."
-    header = f"{_label(r)} from character {offset:,} of {len(body):,}:"
+    header = f"{row_label(r)} from character {offset:,} of {len(body):,}:"
     memory.shown.add(item_id)
     return header + "\n" + clip(body, item_id, offset, RESULT_CHARS - len(header) - LABEL_CHARS)
 
@@ -207,23 +250,23 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
     rows = fetch_rows(db, memory.user_id, listed)
     keys = _conversation_names(db, np.unique(conv).tolist())
     days = np.datetime_as_string((at // 86_400).astype(np.int64).astype("datetime64[D]"))
-    header = (f"{what}: {_n(ids.size, 'row')}, in {_n(np.unique(conv).size, 'conversation')},"
-              f" on {_n(np.unique(days).size, 'day')}.")
+    header = (f"{what}: {plural(ids.size, 'row')}, in {plural(np.unique(conv).size, 'conversation')},"
+              f" on {plural(np.unique(days).size, 'day')}.")
     by_conv = sorted(_tally(conv), key=lambda cn: (-cn[1], keys.get(cn[0], "")))
     by_day = _tally(days)
     entries: list[tuple[int | None, str]] = [
         (None, "by conversation: " + "; ".join(
-            f"{keys.get(c, str(c))} {n} ({_days(at[conv == c])})" for c, n in by_conv)),
+            f"{keys.get(c, str(c))} {n} ({days_span(at[conv == c])})" for c, n in by_conv)),
         (None, "by date: " + ", ".join(f"{d} {n}" for d, n in by_day[:DAYS_LISTED])
          + (f", and {len(by_day) - DAYS_LISTED} more days" if len(by_day) > DAYS_LISTED else "")),
     ]
     stems = [dictionary.stem(w) for w in db.dictionary.words(category)
              if w not in dictionary.STOP_WORDS]
-    entries += [_instance(rows[i], stems, memory) for i in listed if i in rows]
+    entries += [instance_line(rows[i], stems, memory) for i in listed if i in rows]
     if ids.size > len(listed):
         entries.append((None, (f"[{ids.size - len(listed)} more instances not listed: raise"
                                " limit, or narrow by conversation, role or dates]")))
-    return _answer(memory, header, entries)
+    return render_answer(memory, header, entries)
 
 
 def _tally(values: np.ndarray) -> list[tuple[Any, int]]:
@@ -235,7 +278,7 @@ def _tally(values: np.ndarray) -> list[tuple[Any, int]]:
 def _conversation_names(db: Database, conversation_ids: list[int]) -> dict[int, str]:
     if not conversation_ids:
         return {}
-    return {c: _conversation(c, label(title, opening, folder)) for c, title, opening, folder
+    return {c: conversation_name(c, label(title, opening, folder)) for c, title, opening, folder
             in db.connection().execute(
                 "SELECT id, title, opening, folder FROM conversation WHERE id IN"
                 f" ({marks(db.postgres, len(conversation_ids))})", conversation_ids)}
@@ -290,13 +333,13 @@ def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
     if not found:
         return f"memory_dates {query!r}{f.said}: no stored row mentions it."
     rows = sorted((r for _, r in found), key=lambda r: (r.at, r.item_id))
-    header = (f"memory_dates {query!r}{f.said}: {_n(len(rows), 'row')}, oldest first; first to last"
+    header = (f"memory_dates {query!r}{f.said}: {plural(len(rows), 'row')}, oldest first; first to last"
               f" {span(rows[-1].at - rows[0].at)}; the latest {span(memory.asked_at - rows[-1].at)}"
               " before this question")
-    chars = _row_chars(limit)
-    entries = [_event(r, chars, memory, *([f"+{span(r.at - p.at)}"] if p else []))
+    chars = row_chars(limit)
+    entries = [event_line(r, chars, memory, *([f"+{span(r.at - p.at)}"] if p else []))
                for p, r in zip([None, *rows[:-1]], rows, strict=True)]
-    return _answer(memory, header, entries)
+    return render_answer(memory, header, entries)
 
 
 def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
@@ -315,19 +358,19 @@ def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -
         return (f"memory_cooccur {topic!r}: its matches have not come up in a recorded turn with"
                 " anything else yet; memory_search finds them.")
     times = dict(zip(bound.tolist(), together.tolist(), strict=True))
-    topic_stems = set(_subject_words(db.dictionary, topic)[0])
+    topic_stems = set(subject_words(db.dictionary, topic)[0])
     words = frequent_words(db.dictionary, [rows[i].text for i in near], topic_stems)
     new = [rows[i] for i in near if i not in memory.shown][:limit]
-    header = (f"memory_cooccur {topic!r}: its best matches came up in {_n(turns, 'recorded turn')},"
-              f" with {_n(len(near), 'other row')}; the most often first")
+    header = (f"memory_cooccur {topic!r}: its best matches came up in {plural(turns, 'recorded turn')},"
+              f" with {plural(len(near), 'other row')}; the most often first")
     said = ", ".join(f"{w} ({n})" for w, n in words)
     entries: list[tuple[int | None, str]] = [(None, f"words most frequent among them: {said}")]
-    chars = _row_chars(limit)
-    entries += [(r.item_id, _line(r, chars, f"together in {_n(times[r.item_id], 'turn')}"))
+    chars = row_chars(limit)
+    entries += [(r.item_id, row_line(r, chars, f"together in {plural(times[r.item_id], 'turn')}"))
                 for r in new]
     if not new:
         entries.append((None, "(every one of those rows has been shown this turn)"))
-    return _answer(memory, header, entries)
+    return render_answer(memory, header, entries)
 
 
 def cooccurring(db: Database, anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
@@ -372,18 +415,18 @@ def frequent_words(d: Dictionary, texts: Iterable[str],
     rows: Counter[str] = Counter()
     surface: dict[str, str] = {}
     for text in texts:
-        counts, forms = _subject_words(d, text)
+        counts, forms = subject_words(d, text)
         rows.update(s for s in counts if s not in leave_out)
         for s, w in forms.items():
             surface.setdefault(s, w)
-    best = sorted(rows.items(), key=lambda sn: (-sn[1], -_rank(d, sn[0]), sn[0]))[:COOCCUR_TERMS]
+    best = sorted(rows.items(), key=lambda sn: (-sn[1], -stem_rank(d, sn[0]), sn[0]))[:COOCCUR_TERMS]
     return [(surface[s], n) for s, n in best]
 
 
 def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     subject, limit, page = args["subject"], args["limit"], args["page"]
     db = scanner.db
-    counts, forms = _subject_words(db.dictionary, subject)
+    counts, forms = subject_words(db.dictionary, subject)
     stems = sorted(counts)
     if not stems:
         raise BadArguments(f"{subject!r} has no distinctive word to follow (common words are"
@@ -396,29 +439,29 @@ def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
         return f"memory_chains {subject!r}: no stored row is about {words}."
     pages = -(-len(chain) // limit)
     if page > pages:
-        return (f"memory_chains {subject!r}: the chain has {_n(len(chain), 'row')},"
-                f" {_n(pages, 'page')}.")
+        return (f"memory_chains {subject!r}: the chain has {plural(len(chain), 'row')},"
+                f" {plural(pages, 'page')}.")
     end = len(chain) - (page - 1) * limit
     start = max(0, end - limit)
     partial = (f" (no row mentions all of {words}; these mention {covered} of them)"
                if covered < len(stems) else "")
-    header = (f"memory_chains {subject!r}: {_n(len(chain), 'row')} about {words}{partial},"
-              f" {_day(chain[0].at)} to {_day(chain[-1].at)}; oldest first, the latest state last")
+    header = (f"memory_chains {subject!r}: {plural(len(chain), 'row')} about {words}{partial},"
+              f" {day_of(chain[0].at)} to {day_of(chain[-1].at)}; oldest first, the latest state last")
     entries: list[tuple[int | None, str]] = []
     if start > 0:
-        entries.append((None, f"[{_n(start, 'earlier row')}: memory_chains page={page + 1}]"))
-    chars = _row_chars(limit)
+        entries.append((None, f"[{plural(start, 'earlier row')}: memory_chains page={page + 1}]"))
+    chars = row_chars(limit)
     for k in range(start, end):
         gap = [f"+{span(chain[k].at - chain[k - 1].at)}"] if k > 0 else []
-        entries.append(_event(chain[k], chars, memory, *gap))
+        entries.append(event_line(chain[k], chars, memory, *gap))
     # Linked subjects of the rows on this page: a long chain's whole would cost a read per row.
     linked = frequent_words(db.dictionary, (r.text for r in chain[start:end]), set(stems))
     if linked := [(w, n) for w, n in linked if n > 1][:LINKED]:
         entries.append((None, "linked subjects: " + ", ".join(f"{w} ({n})" for w, n in linked)))
-    return _answer(memory, header, entries)
+    return render_answer(memory, header, entries)
 
 
-_RUNNERS: dict[str, Callable[[dict[str, Any], TurnMemory, Scanner], str]] = {
+RUNNERS: dict[str, Callable[[dict[str, Any], TurnMemory, Scanner], str]] = {
     "memory_search": memory_search,
     "memory_more": memory_more,
     "memory_cooccur": memory_cooccur,

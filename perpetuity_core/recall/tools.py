@@ -27,7 +27,7 @@ from typing import Any
 from perpetuity_core.memory.index import sequence
 from perpetuity_core.memory.scan import Scanner
 from perpetuity_core.recall.answers import BadArguments, TurnMemory
-from perpetuity_core.recall.queries import _RUNNERS, COUNT_LIST
+from perpetuity_core.recall.queries import COUNT_LIST, RUNNERS
 
 log = logging.getLogger("perpetuity")
 
@@ -65,10 +65,12 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "memory_search",
         "Search everything stored from earlier conversations with this user, best match first."
-        " Returns only rows you have not seen this turn, each as [#id · conversation number and"
-        " name · role · time] text.",
+        " Returns only rows you have not seen this turn, each with the other half of its"
+        " exchange, as [#id · conversation number and name · role · time] text.",
         _schema(["query"], query={"type": "string", "description": "Words said before."},
-                **_FILTERS, limit=_limit())),
+                **_FILTERS, limit={"type": "integer", "minimum": 1, "maximum": MAX_LIMIT,
+                                   "description": "At most this many matches; without it, as"
+                                   " many as the closeness of their scores calls for."})),
     ToolSpec(
         "memory_more",
         "More of what this turn's retrieval found but the frame left out, best first, one page"
@@ -138,7 +140,7 @@ def run(call_name: str, arguments: dict | str, memory: TurnMemory, scanner: Scan
         # was stored since the last search, by this process or another, is ordered in first
         # (a tool that searches catches up itself; nothing to do on SQLite).
         sequence(scanner.db)
-        return _RUNNERS[call_name](args, memory, scanner)
+        return RUNNERS[call_name](args, memory, scanner)
     except BadArguments as e:
         return f"{call_name}: {e}. It takes {_signature(spec)}."
     except Exception as e:  # the reply goes on: the model reads that the call failed

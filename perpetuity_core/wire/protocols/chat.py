@@ -111,7 +111,7 @@ def _message(m: dict[str, Any]) -> Message:
     for call in m.get("tool_calls") or []:
         if isinstance(call, dict):
             fn = call.get("function") or {}
-            parts.append(Part(Kind.TOOL_CALL, _args(fn.get("arguments")), name=str(fn.get("name", "")), call_id=str(call.get("id", ""))))
+            parts.append(Part(Kind.TOOL_CALL, canonical_arguments(fn.get("arguments")), name=str(fn.get("name", "")), call_id=str(call.get("id", ""))))
     return Message(role, tuple(parts))
 
 
@@ -123,7 +123,7 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def _args(raw: Any) -> str:
+def canonical_arguments(raw: Any) -> str:
     """Arguments as canonical JSON when they parse, else as sent."""
     if isinstance(raw, str):
         try:
@@ -188,7 +188,7 @@ class ReplyAssembler:
         if self._text:
             parts.append(text_part("".join(self._text)))
         for _, c in sorted(self._calls.items()):
-            parts.append(Part(Kind.TOOL_CALL, _args(c["args"]), name=c["name"], call_id=c["id"]))
+            parts.append(Part(Kind.TOOL_CALL, canonical_arguments(c["args"]), name=c["name"], call_id=c["id"]))
         return Reply(Message("assistant", tuple(parts)), self._usage, self._stop, self._done)
 
 

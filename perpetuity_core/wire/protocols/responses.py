@@ -24,7 +24,7 @@ from perpetuity_core.wire.conversation import (
     text_part,
 )
 from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase, spliced
-from perpetuity_core.wire.protocols.chat import HINT_FIELDS, _args
+from perpetuity_core.wire.protocols.chat import HINT_FIELDS, canonical_arguments
 from perpetuity_core.wire.sse import Event
 
 CODEX_TURN = "x-codex-turn-metadata"
@@ -141,7 +141,7 @@ def _item(item: dict[str, Any]) -> tuple[str, list[Part]] | None:
         return "assistant", [Part(Kind.THINKING, summary)]
     if t in _CALLS:
         args = item.get("arguments", item.get("input", ""))
-        return "assistant", [Part(Kind.TOOL_CALL, _args(args), name=str(item.get("name", "")), call_id=str(item.get("call_id", "")))]
+        return "assistant", [Part(Kind.TOOL_CALL, canonical_arguments(args), name=str(item.get("name", "")), call_id=str(item.get("call_id", "")))]
     if t in _OUTPUTS:
         out = item.get("output", "")
         if isinstance(out, list):
