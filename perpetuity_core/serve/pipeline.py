@@ -55,7 +55,13 @@ from perpetuity_core.wire.conversation import (
 )
 from perpetuity_core.wire.identity import Identity, identify
 from perpetuity_core.wire.protocols import ADAPTERS
-from perpetuity_core.wire.route import CONTROL_PREFIX, credential, parse_controls, route
+from perpetuity_core.wire.route import (
+    CONTROL_PREFIX,
+    credential,
+    gemini_call,
+    parse_controls,
+    route,
+)
 
 log = logging.getLogger("perpetuity")
 
@@ -134,7 +140,13 @@ class Pipeline:
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
-        ident = identify(headers, parsed, credential(headers), self.store.salt,
+        if (call := gemini_call(req.path)) is not None:
+            # Gemini: the path names the model and the streaming; countTokens is answered for
+            # the request as it would go upstream (framed), and stores nothing.
+            parsed.model, parsed.stream = call.model or parsed.model, call.stream
+            if call.count:
+                controls = replace(controls, probe=True)
+        ident = identify(headers, parsed, credential(headers, req.path), self.store.salt,
                          self.trust_identity)
         decision.identity, decision.parsed = ident, parsed
         library = tenants.library(self.notes_root, ident.tenant)

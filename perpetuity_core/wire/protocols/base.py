@@ -46,6 +46,7 @@ class BodyMergerBase:
     says what a round is (`_take`) and how the merged body reads (`finish`)."""
 
     USAGE: tuple[str, ...] = ()  # the usage counters summed over rounds
+    USAGE_FIELD = "usage"  # the body's field that holds them
 
     def __init__(self, ours: frozenset[str]) -> None:
         self.ours = ours
@@ -59,7 +60,7 @@ class BodyMergerBase:
         self.last = body
         self._take(body)
         for key in self.usage:
-            self.usage[key] += int((body.get("usage") or {}).get(key) or 0)
+            self.usage[key] += int((body.get(self.USAGE_FIELD) or {}).get(key) or 0)
 
     def _take(self, body: dict[str, Any]) -> None:
         raise NotImplementedError
