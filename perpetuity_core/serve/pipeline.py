@@ -42,7 +42,15 @@ from perpetuity_core.serve.exchange import (
     PendingTurn,
     Recall,
 )
-from perpetuity_core.serve.plan import Plan, carried, mark, place, should_rebuild, with_addendum
+from perpetuity_core.serve.plan import (
+    Plan,
+    carried,
+    mark,
+    place,
+    rule_for,
+    should_rebuild,
+    with_addendum,
+)
 from perpetuity_core.wire import repair
 from perpetuity_core.wire.conversation import (
     Message,
@@ -297,7 +305,8 @@ class Pipeline:
             tuple(front), messages_tokens(front), mark(messages, keep), mark(messages, prompt), asked_at,
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
-            left_out=built.left_out if built else 0)
+            left_out=built.left_out if built else 0,
+            rule=rule_for(parsed.protocol, parsed.model))
 
     def _add(self, out: Recall, parsed: ParsedRequest, prompt: int, keep: int, conv: int | None,
              query: str, asked_at: float) -> None:

@@ -5,6 +5,7 @@ call, whatever the wire format. An adapter is a module; mypy checks each against
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from perpetuity_core.wire.conversation import Message, ParsedRequest, Reply
@@ -20,6 +21,18 @@ def spliced(raw: list[Any], keep_from: int, inserts: Mapping[int, list[Message]]
         out += render((inserts or {}).get(i, []))
         out.append(raw[i])
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRule:
+    """How a provider's prompt cache bills a request's prefix, in units of one uncached input
+    token: nothing shorter than `min_tokens` is cached; a cached prefix is read at `read`,
+    written at `write`, and lives `ttl` seconds from its last use."""
+
+    min_tokens: int
+    read: float
+    write: float
+    ttl: float
 
 
 class Assembler(Protocol):

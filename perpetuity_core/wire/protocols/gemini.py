@@ -32,13 +32,43 @@ from perpetuity_core.wire.conversation import (
     Usage,
     text_part,
 )
-from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase, spliced
+from perpetuity_core.wire.protocols.base import (
+    BodyMergerBase,
+    CacheRule,
+    StreamMergerBase,
+    spliced,
+)
 from perpetuity_core.wire.sse import Event
 
 # The wrappers around a request: Code Assist's envelope, countTokens' full request form.
 _WRAPPERS = ("request", "generateContentRequest")
 USAGE = ("promptTokenCount", "candidatesTokenCount", "totalTokenCount", "thoughtsTokenCount",
          "cachedContentTokenCount", "toolUsePromptTokenCount")
+
+# Gemini's implicit prefix cache, by model family (the longest family name the model's name
+# starts with): the smallest prefix it caches, in tokens, and a read's price as a share of the
+# input price. Minimums: Google's context-caching page (ai.google.dev/gemini-api/docs/caching,
+# updated 2026-10-13: 4,096 for 3.x Flash, 3.1 Pro and 4; 2,048 for 2.5 Flash and Pro; Flash-Lite
+# unlisted, 2,048 as the API enforces it). Reads: "a 90% discount on cached tokens" (Vertex AI's
+# context cache overview); the Gemini API's price list gives 2.5 Pro and Flash the same tenth.
+# Writing costs nothing extra. How long an implicit entry lives is not published: 5 minutes,
+# as the other providers keep theirs, is our assumption. Models before 2.5 cache nothing.
+IMPLICIT_CACHE: dict[str, tuple[int, float]] = {
+    "gemini-2.5-pro": (2_048, 0.1), "gemini-2.5-flash": (2_048, 0.1),
+    "gemini-2.5-flash-lite": (2_048, 0.1), "gemini-3": (4_096, 0.1), "gemini-4": (4_096, 0.1),
+}
+NO_CACHE = (1 << 62, 1.0)  # gemini-1.x, gemini-2.0: no implicit cache
+IMPLICIT_TTL = 300.0
+
+
+def cache_rule(model: str) -> CacheRule:
+    """The implicit cache's rule for `model` (a newer family than the table knows: 4,096 and a
+    tenth, as every model since 3 has it)."""
+    name = model.lower().removeprefix("models/")
+    family = max((k for k in IMPLICIT_CACHE if name.startswith(k)), key=len, default=None)
+    old = name.startswith(("gemini-1", "gemini-2.0", "gemini-pro"))
+    least, read = IMPLICIT_CACHE[family] if family else NO_CACHE if old else (4_096, 0.1)
+    return CacheRule(least, read, 1.0, IMPLICIT_TTL)
 
 
 def _inner(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
