@@ -122,15 +122,19 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
     )
 
 
+def _list(value: Any) -> list[Any]:
+    """A field that should be a list, as one (anything else counts as empty)."""
+    return value if isinstance(value, list) else []
+
+
 def _declarations(req: dict[str, Any]) -> list[dict[str, Any]]:
-    return [d for t in req.get("tools") or [] if isinstance(t, dict)
-            for d in t.get("functionDeclarations") or [] if isinstance(d, dict)]
+    return [d for t in _list(req.get("tools")) if isinstance(t, dict)
+            for d in _list(t.get("functionDeclarations")) if isinstance(d, dict)]
 
 
 def _message(content: dict[str, Any], before: Message | None) -> Message:
     role = "assistant" if content.get("role") == "model" else "user"
-    parts = content.get("parts")
-    return Message(role, _parts(parts if isinstance(parts, list) else [], before))
+    return Message(role, _parts(_list(content.get("parts")), before))
 
 
 def _parts(raw: list[Any], before: Message | None) -> tuple[Part, ...]:
@@ -207,7 +211,7 @@ def check(body: dict[str, Any]) -> list[str]:
         errors.append("the first content is not the user's")
     called: set[str] = set()
     for i, c in enumerate(raw):
-        parts = [p for p in (c.get("parts") or []) if isinstance(p, dict)] \
+        parts = [p for p in _list(c.get("parts")) if isinstance(p, dict)] \
             if isinstance(c, dict) else []
         answers = {str(p["functionResponse"].get("name")) for p in parts
                    if isinstance(p.get("functionResponse"), dict)}
@@ -236,15 +240,16 @@ def _response(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _candidate(data: dict[str, Any]) -> dict[str, Any]:
-    for c in data.get("candidates") or []:
-        if isinstance(c, dict) and int(c.get("index") or 0) == 0:
+    for c in _list(data.get("candidates")):
+        if isinstance(c, dict) and c.get("index") in (None, 0):
             return c
     return {}
 
 
 def _content_parts(candidate: dict[str, Any]) -> list[dict[str, Any]]:
-    parts = (candidate.get("content") or {}).get("parts")
-    return [p for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+    content = candidate.get("content")
+    parts = content.get("parts") if isinstance(content, dict) else None
+    return [p for p in _list(parts) if isinstance(p, dict)]
 
 
 def reply_from_body(body: dict[str, Any]) -> Reply:
@@ -317,15 +322,17 @@ def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: boo
     key, req = _inner(body)
     ours = [{"name": t["name"], "description": t["description"],
              "parametersJsonSchema": t["input_schema"]} for t in tools]
-    held = [t for t in req.get("tools") or [] if isinstance(t, dict)]
-    at = next((i for i, t in enumerate(held) if "functionDeclarations" in t), None)
+    held = [t for t in _list(req.get("tools")) if isinstance(t, dict)]
+    at = next((i for i, t in enumerate(held) if isinstance(t.get("functionDeclarations"), list)),
+              None)
     if at is None:
         held.append({"functionDeclarations": ours})
     else:
         held[at] = {**held[at], "functionDeclarations": [*held[at]["functionDeclarations"], *ours]}
     out = {**req, "tools": held}
     if last_round:
-        out["toolConfig"] = {**(req.get("toolConfig") or {}),
+        config = req.get("toolConfig")
+        out["toolConfig"] = {**(config if isinstance(config, dict) else {}),
                              "functionCallingConfig": {"mode": "NONE"}}
     return _wrapped(body, key, out)
 
