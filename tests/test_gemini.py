@@ -242,3 +242,55 @@ def test_paths_that_carry_no_turn() -> None:
     assert gemini_call("/v1internal:loadCodeAssist") is None
     counted = gemini_call("/v1beta/models/gemini-2.5-flash:countTokens")
     assert counted is not None and counted.count
+
+
+def code_assist(proxy: Proxy, text: str, conversation: str, stream: bool = True) -> httpx.Response:
+    """A Code Assist call as gemini-cli makes it when CODE_ASSIST_ENDPOINT names the proxy."""
+    envelope = {"model": "gemini-3.8-flash", "project": "proj-7",
+                "request": {"contents": [{"role": "user", "parts": [{"text": text}]}]}}
+    method = "streamGenerateContent?alt=sse" if stream else "generateContent"
+    return httpx.post(f"{proxy.url}/v1internal:{method}", json=envelope, trust_env=False,
+                      timeout=30, headers={"authorization": "Bearer ya29.tool-loop",
+                                           "x-perpetuity-user": "g7",
+                                           "x-perpetuity-conversation": conversation})
+
+
+def test_code_assist_tool_loop_keeps_the_envelope_and_the_wrapping(
+        proxy: Proxy, fake: FakeProvider) -> None:
+    fake.script(Text("Noted."))
+    assert code_assist(proxy, "The vault code is 4471.", "earlier").status_code == 200
+    proxy.wait_messages("g7", 2)
+    fake.clear()
+    fake.script(ToolCall("memory_search", {"query": "vault code"}, text="Looking."),
+                Text("It is 4471."))
+    r = code_assist(proxy, "What is the vault code?", "now")
+    chunks = [ev.json() for ev in SSEDecoder().feed(r.content)]
+    assert chunks and all(c is not None and set(c) == {"response"} for c in chunks)
+    parts = [p for c in chunks for p in c["response"]["candidates"][0]["content"]["parts"]]
+    assert "".join(p.get("text", "") for p in parts) == "Looking.It is 4471."
+    assert not any("functionCall" in p for p in parts)
+    assert chunks[-1]["response"]["candidates"][0]["finishReason"] == "STOP"
+    first, second = fake.wait_requests(2)
+    assert second.json["project"] == "proj-7" and second.json["model"] == "gemini-3.8-flash"
+    call = second.json["request"]["contents"][-2]["parts"][-1]["functionCall"]
+    assert call["name"] == "memory_search"
+    fake.script(ToolCall("memory_search", {"query": "vault"}), Text("4471."))
+    whole = code_assist(proxy, "And again, the vault code?", "whole", stream=False).json()
+    assert whole["response"]["candidates"][0]["content"]["parts"] == [{"text": "4471."}]
+
+
+def test_unread_shapes_pass_through_as_sent(proxy: Proxy, fake: FakeProvider) -> None:
+    """A stream without alt=sse (one JSON array) and a body without contents: forwarded to the
+    Gemini upstream untouched, nothing stored."""
+    body = {"contents": [{"role": "user", "parts": [{"text": "array please"}]}]}
+    fake.script(Text("As an array."))
+    r = httpx.post(f"{proxy.url}/v1beta/models/{MODEL}:streamGenerateContent", json=body,
+                   headers={"x-goog-api-key": KEY, "x-perpetuity-user": "g8"}, trust_env=False)
+    assert r.status_code == 200 and isinstance(r.json(), list)
+    assert fake.requests[-1].json == body
+    r = httpx.post(f"{proxy.url}/v1beta/models/{MODEL}:generateContent",
+                   json={"contents": "not a list"}, headers={"x-goog-api-key": KEY,
+                                                             "x-perpetuity-user": "g8"},
+                   trust_env=False)
+    assert r.status_code == 200 and fake.requests[-1].json == {"contents": "not a list"}
+    assert proxy.messages("g8") == []
