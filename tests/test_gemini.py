@@ -14,9 +14,9 @@ import pytest
 from google import genai
 from google.genai import types
 
-from perpetuity_core.wire.conversation import Kind, Message, Part
+from perpetuity_core.wire.conversation import Kind, Message, Part, Provider
 from perpetuity_core.wire.protocols import gemini
-from perpetuity_core.wire.route import credential, gemini_call
+from perpetuity_core.wire.route import credential, gemini_call, provider_of
 from perpetuity_core.wire.sse import SSEDecoder
 from tests.conftest import FIXTURES, Proxy, needs_fixtures, owned, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text, ToolCall
@@ -242,6 +242,10 @@ def test_paths_that_carry_no_turn() -> None:
     assert gemini_call("/v1internal:loadCodeAssist") is None
     counted = gemini_call("/v1beta/models/gemini-2.5-flash:countTokens")
     assert counted is not None and counted.count
+    bearer = {"authorization": "Bearer sk-proj-x"}
+    assert provider_of("/v1/models", bearer, "") == Provider.OPENAI  # OpenAI's list, not Gemini's
+    assert provider_of("/v1beta/models", {}, "") == Provider.GOOGLE
+    assert provider_of("/v1internal:loadCodeAssist", bearer, "") == Provider.GOOGLE
 
 
 def code_assist(proxy: Proxy, text: str, conversation: str, stream: bool = True) -> httpx.Response:

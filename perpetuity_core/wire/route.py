@@ -76,9 +76,10 @@ def gemini_call(path: str) -> GeminiCall | None:
 
 
 def is_gemini(path: str) -> bool:
-    """Any Gemini API or Code Assist path (models, files, loadCodeAssist, ...)."""
+    """A Gemini API or Code Assist path: its versions (OpenAI's are `/v1/` alone), or a model's
+    `:method` (models, files, loadCodeAssist, embedContent, ...)."""
     p = urlsplit(path).path
-    return p.startswith("/v1internal:") or bool(re.match(r"/v1[a-z0-9]*/(models|tunedModels|files|cachedContents)\b", p))
+    return p.startswith(("/v1internal:", "/v1beta/", "/v1alpha/")) or bool(_GEMINI_PATH.search(p))
 
 
 def parse_upstream(url: str) -> str:
