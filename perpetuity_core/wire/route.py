@@ -107,8 +107,10 @@ def provider_of(path: str, headers: Mapping[str, str], model: str) -> Provider |
     path and the model. None when nothing names a provider: a credential must never be sent to
     a provider it was not meant for (a Gemini key, a CI token), so such a request is not ours."""
     auth = headers.get("authorization", "")
-    if "x-goog-api-key" in headers or is_gemini(path):
+    if is_gemini(path):
         return Provider.GOOGLE
+    if "x-goog-api-key" in headers:
+        return None  # a Gemini key on another provider's path: meant for neither
     if "x-api-key" in headers or "anthropic-version" in headers or auth.startswith("Bearer sk-ant-"):
         return Provider.ANTHROPIC
     if model.startswith("claude") or protocol_of(path) == Protocol.ANTHROPIC:
