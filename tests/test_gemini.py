@@ -15,6 +15,7 @@ from google import genai
 from google.genai import types
 
 from perpetuity_core.wire.conversation import Kind, Message, Part, Provider
+from perpetuity_core.wire.identity import identify
 from perpetuity_core.wire.protocols import gemini
 from perpetuity_core.wire.route import credential, gemini_call, provider_of
 from perpetuity_core.wire.sse import SSEDecoder
@@ -298,3 +299,12 @@ def test_unread_shapes_pass_through_as_sent(proxy: Proxy, fake: FakeProvider) ->
                    trust_env=False)
     assert r.status_code == 200 and fake.requests[-1].json == {"contents": "not a list"}
     assert proxy.messages("g8") == []
+
+
+def test_gemini_cli_compression_is_a_side_request() -> None:
+    body = {"systemInstruction": {"parts": [{"text": "\nYou are a specialized system component "
+            "responsible for distilling chat history into a structured XML <state_snapshot>."}]},
+            "contents": [{"role": "user", "parts": [{"text": "summarise"}]}]}
+    headers = {"user-agent": "GeminiCLI/0.61.0/gemini-3.8-flash (linux; x64)"}
+    assert identify(headers, gemini.parse_request(body), "AIza-k", "salt").side == "compaction"
+    assert identify({}, gemini.parse_request(body), "AIza-k", "salt").side == ""  # not gemini-cli

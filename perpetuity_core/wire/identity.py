@@ -21,6 +21,8 @@ from perpetuity_core.wire.conversation import Kind, ParsedRequest
 
 CLAUDE_CODE_COMPACT = "Your task is to create a detailed summary of the conversation so far"
 OPENCODE_TITLE = "You are a title generator"
+# gemini-cli's chat compression prompt (its getCompressionPrompt), the history summarised.
+GEMINI_CLI_COMPRESS = "distilling chat history into a structured XML <state_snapshot>"
 CODEX_TURN = "x-codex-turn-metadata"
 ANONYMOUS = "anonymous"  # the one tenant every request without a credential shares
 
@@ -128,6 +130,8 @@ def _side(headers: Mapping[str, str], req: ParsedRequest, harness: str) -> str:
             return "compaction"
     if harness == "opencode" and not req.tool_names and req.system.startswith(OPENCODE_TITLE):
         return "title"
+    if harness == "gemini-cli" and GEMINI_CLI_COMPRESS in req.system:
+        return "compaction"
     if harness == "gemini-cli" and req.structured_output and not req.tool_names:
         # Its routing classifier and next-speaker check: the history under a prompt of their
         # own, answered as JSON by schema.
