@@ -49,8 +49,8 @@ USAGE = ("promptTokenCount", "candidatesTokenCount", "totalTokenCount", "thought
 # starts with): the smallest prefix it caches, in tokens, and a read's price as a share of the
 # input price. Minimums: Google's context-caching page (ai.google.dev/gemini-api/docs/caching,
 # updated 2026-10-13: 4,096 for 3.x Flash, 3.1 Pro and 4; 2,048 for 2.5 Flash and Pro; Flash-Lite
-# unlisted, 2,048 as the API enforces it). Reads: "a 90% discount on cached tokens" (Vertex AI's
-# context cache overview); the Gemini API's price list gives 2.5 Pro and Flash the same tenth.
+# unlisted, 2,048 as the API enforces it, reported on Google's developer forum). Reads: "a 90%
+# discount on cached tokens" (Vertex AI's context cache overview), taken for every family here.
 # Writing costs nothing extra. How long an implicit entry lives is not published: 5 minutes,
 # as the other providers keep theirs, is our assumption. Models before 2.5 cache nothing.
 IMPLICIT_CACHE: dict[str, tuple[int, float]] = {
