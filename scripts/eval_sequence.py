@@ -25,7 +25,7 @@ from perpetuity_core.cli import eval as ev
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.index import token_estimate
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Provider, Reply, Usage
 
 
@@ -36,15 +36,15 @@ def run(dataset: str, path: Path, limit: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for n, case in enumerate(cases):
             store = open_memory(Path(tmp) / f"memory-{n}.db")
-            pipeline = Pipeline(store, {p: "http://127.0.0.1:9" for p in Provider},
-                                limits=limits, trust_identity=True)
+            pipeline = Pipeline(store, Settings(upstreams={p: "http://127.0.0.1:9" for p in Provider},
+                                                limits=limits, trust_identity=True))
             ev.feed(pipeline, case.thread)
             user = case.thread.user_key
             history: list[dict[str, str]] = []
             for k, q in enumerate(case.questions):
                 at = q.at + k * ev.SEQUENCE_GAP
                 history.append({"role": "user", "content": q.text})
-                d = pipeline.prepare(ev._request(user, user + ":sequence", at, history))
+                d = pipeline.prepare(ev.chat_request(user, user + ":sequence", at, history))
                 sent = json.loads(d.body)["messages"] if d.body is not None else history
                 text = "\n".join(str(m.get("content", "")) for m in sent)
                 laid = d.recall.plan if d.recall is not None and d.body is not None else None
@@ -53,14 +53,14 @@ def run(dataset: str, path: Path, limit: int) -> dict:
                 evidence = [case.thread.messages[i].text for i in q.evidence]
                 out.append({
                     "k": k, "all": all(e in text for e in evidence),
-                    "ranked": ev._ranked_holds(pipeline, user, q.text, at, memory, evidence),
-                    "ranked_new": ev._ranked_holds(pipeline, user, q.text, at, new, evidence),
+                    "ranked": ev.ranked_holds(pipeline, user, q.text, at, memory, evidence),
+                    "ranked_new": ev.ranked_holds(pipeline, user, q.text, at, new, evidence),
                     "memory": memory, "new": new,
                     "request": sum(token_estimate(str(m.get("content", ""))) for m in sent),
                     "made": d.recall.made if d.recall is not None and d.frame else "none"})
                 if d.job is not None:
                     turn = pipeline.store_turn(d.job.pending)
-                    pipeline.store_reply(turn, Reply(ev._noted(), Usage()), at, d.job.pending)
+                    pipeline.store_reply(turn, Reply(ev.noted(), Usage()), at, d.job.pending)
                 history.append({"role": "assistant", "content": "Noted."})
             store.close()
             print(f"{dataset} {n + 1}/{len(cases)}", file=sys.stderr)

@@ -94,6 +94,7 @@ def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None,
         "--set", f"perpetuity_db={db}",
         "--set", f"perpetuity_anthropic_upstream={upstream}",
         "--set", f"perpetuity_openai_upstream={upstream}",
+        "--set", f"perpetuity_gemini_upstream={upstream}",
         "--set", "connection_strategy=lazy",
         *extra,
     ]

@@ -1,13 +1,18 @@
 """A faithful fake model provider for the test suite.
 
 An HTTP/1.1 server (asyncio + h11) on 127.0.0.1, on its own event loop in a background
-thread, that speaks three provider wire protocols, streamed and not streamed, closely
-enough that the official ``anthropic`` and ``openai`` SDKs work against it unchanged:
+thread, that speaks four provider wire protocols, streamed and not streamed, closely
+enough that the official ``anthropic``, ``openai`` and ``google-genai`` SDKs (and gemini-cli)
+work against it unchanged:
 
 * Anthropic Messages: ``POST /v1/messages`` (also ``?beta=true``) and
   ``POST /v1/messages/count_tokens``.
 * OpenAI Chat Completions: ``POST /v1/chat/completions``.
 * OpenAI Responses: ``POST /v1/responses``.
+* Gemini: ``POST /v1beta/models/{model}:generateContent``, ``:streamGenerateContent`` (SSE with
+  ``?alt=sse``, else one JSON array) and ``:countTokens``; the same under Code Assist's
+  ``/v1internal:{method}``, its request in ``{model, project, request}`` and each reply or
+  chunk in ``{response, traceId}``.
 
 The event and field shapes copy the captures in ``/work/shared/fixtures/harness``.
 
@@ -37,6 +42,7 @@ import contextlib
 import hashlib
 import http
 import json
+import re
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, replace
@@ -206,6 +212,7 @@ class _Ctx:
     input_tokens: int
     ids: _Ids
     include_usage: bool = False
+    wrapped: bool = False  # Gemini under Code Assist: replies inside {response, traceId}
 
 
 @dataclass
@@ -220,6 +227,7 @@ class _Reply:
 
 
 SSE = "text/event-stream; charset=utf-8"
+GEMINI_SSE = "text/event-stream"  # as the captures have it
 JSON_CT = "application/json"
 ORG_ID = "00000000-0000-0000-0000-000000000000"
 
@@ -575,13 +583,87 @@ def _responses(turn: _Turn, ctx: _Ctx, stream: bool) -> tuple[list[bytes], dict]
     return events, full
 
 
+# --------------------------------------------------------------------------- Gemini
+
+
+_GOOGLE_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+                  404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL",
+                  503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+_GEMINI_PATH = re.compile(r"^/v1[a-z0-9]*/models/(?P<model>[^/:]+):(?P<method>\w+)$"
+                          r"|^/v1internal:(?P<internal>\w+)$")
+
+
+def _gemini_error_body(status: int) -> dict:
+    state = _GOOGLE_STATUS.get(status, "INTERNAL" if status >= 500 else "INVALID_ARGUMENT")
+    return {"error": {"code": status, "message": _reason(status).decode() or "Error", "status": state}}
+
+
+def _gemini(turn: _Turn, ctx: _Ctx, stream: bool) -> tuple[list[bytes], dict]:
+    """Chunks as the Gemini API streams them: text in pieces (thoughts first, marked
+    ``thought``), each call whole in one part with a ``thoughtSignature``, no ids; every chunk
+    with the usage so far, the last with ``finishReason`` and the whole usage."""
+    ids = ctx.ids
+    resp_id = ids.hex("gemini", 22)
+    thoughts = _tokens(turn.thinking)
+    out_tokens = max(1, _tokens(turn.text) + _tokens(turn.tool_args))
+    chunks: list[list[dict]] = []
+    if turn.thinking is not None:
+        chunks += [[{"text": piece, "thought": True}] for piece in _split(turn.thinking, turn.chunks)]
+    if turn.text is not None:
+        chunks += [[{"text": piece}] for piece in _split(turn.text, turn.chunks)]
+    calls = [(turn.tool_name, turn.tool_args, None)] if turn.tool_name else []
+    for n, (name, args, _) in enumerate(calls + list(turn.more_tools)):
+        part: dict[str, Any] = {"functionCall": {"name": name, "args": json.loads(args or "{}")}}
+        if n == 0:  # Gemini 3 signs the first call of a step
+            part["thoughtSignature"] = ids.signature()[:64]
+        chunks.append([part])
+    chunks = chunks or [[{"text": ""}]]
+    usage = {"promptTokenCount": ctx.input_tokens, "candidatesTokenCount": out_tokens,
+             "totalTokenCount": ctx.input_tokens + out_tokens + thoughts}
+    if thoughts:
+        usage["thoughtsTokenCount"] = thoughts
+
+    def body(parts: list[dict], last: bool) -> dict:
+        candidate: dict[str, Any] = {"content": {"parts": parts, "role": "model"}, "index": 0}
+        if last:
+            candidate["finishReason"] = "STOP"
+        so_far = usage if last else {"promptTokenCount": ctx.input_tokens,
+                                     "totalTokenCount": ctx.input_tokens}
+        return {"candidates": [candidate], "usageMetadata": so_far,
+                "modelVersion": ctx.model, "responseId": resp_id}
+
+    def wrap(data: dict) -> dict:
+        return {"response": data, "traceId": ids.hex("trace", 16)} if ctx.wrapped else data
+
+    events = [f"data: {_dumps(wrap(body(parts, i == len(chunks) - 1)))}\r\n\r\n".encode()
+              for i, parts in enumerate(chunks)]
+    whole = [p for parts in chunks for p in parts if p != {"text": ""}]
+    merged: list[dict] = []
+    for p in whole:  # a whole reply joins the text a stream sends in pieces
+        if merged and "text" in p and "text" in merged[-1] and p.get("thought") == merged[-1].get("thought"):
+            merged[-1] = {**merged[-1], "text": merged[-1]["text"] + p["text"]}
+        else:
+            merged.append(p)
+    return events, wrap(body(merged, True))
+
+
+def _gemini_call(path: str, query: str) -> tuple[str, str, bool] | None:
+    """(model, method, SSE) for a Gemini or Code Assist path."""
+    m = _GEMINI_PATH.match(path)
+    if not m:
+        return None
+    return m["model"] or "", m["method"] or m["internal"], "alt=sse" in query.split("&")
+
+
 # --------------------------------------------------------------------------- the server
 
 
-_PROTOCOLS = {"anthropic": _anthropic, "chat": _chat, "responses": _responses}
+_PROTOCOLS = {"anthropic": _anthropic, "chat": _chat, "responses": _responses, "gemini": _gemini}
 
 
 def _protocol_of(path: str) -> str | None:
+    if _GEMINI_PATH.match(path):
+        return "gemini"
     if path.endswith("/messages/count_tokens"):
         return "count_tokens"
     if path.endswith("/messages"):
@@ -773,6 +855,13 @@ class FakeProvider:
         proto = _protocol_of(rec.path)
         body = rec.json if isinstance(rec.json, dict) else None
         model = str(body.get("model", "")) if body else ""
+        gemini = _gemini_call(rec.path, rec.query) if proto == "gemini" else None
+        if gemini is not None:
+            model = gemini[0] or model
+            if body is not None and "contents" not in body and isinstance(body.get("request"), dict):
+                body = {**body["request"], "wrapped": True}  # Code Assist's envelope
+            if body is not None:  # the path says whether it streams, not the body
+                body = {**body, "stream": gemini[1] == "streamGenerateContent"}
         ids = _Ids(proto, rec.method, rec.path, model, bool(body and body.get("stream")))
         anthropic_like = proto in ("anthropic", "count_tokens")
         req_id = "req_fake_" + ids.hex("request", 16)
@@ -784,7 +873,8 @@ class FakeProvider:
 
         def error(status: int, err_body: dict | None = None, extra: dict[str, str] | None = None, rid: str = req_id) -> _Reply:
             if err_body is None:
-                err_body = _anthropic_error_body(status, rid) if anthropic_like else _openai_error_body(status)
+                err_body = (_anthropic_error_body(status, rid) if anthropic_like
+                            else _gemini_error_body(status) if gemini else _openai_error_body(status))
             headers = base_headers(JSON_CT)
             headers = [(k, rid if k in ("request-id", "x-request-id") else v) for k, v in headers]
             for k, v in (extra or {}).items():
@@ -804,6 +894,10 @@ class FakeProvider:
         input_tokens = max(1, len(rec.body) // 4)
         if proto == "count_tokens":
             return _Reply(200, base_headers(JSON_CT), body=_dumps({"input_tokens": input_tokens}).encode())
+        if gemini is not None and gemini[1] == "countTokens":
+            return _Reply(200, base_headers(JSON_CT), body=_dumps({"totalTokens": input_tokens}).encode())
+        if gemini is not None and gemini[1] not in ("generateContent", "streamGenerateContent"):
+            return error(404)
 
         item = self._next_item()
         stream = bool(body.get("stream"))
@@ -818,13 +912,19 @@ class FakeProvider:
             input_tokens=input_tokens,
             ids=ids,
             include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+            wrapped=bool(body.get("wrapped")),
         )
         events, full = _PROTOCOLS[proto](_turn_of(item), ctx, stream)
         hold = item.hold if isinstance(item, Text) else None
         delay = item.delay if isinstance(item, Text | ToolCall) else 0.0
         cut = max(0, item.after_events) if isinstance(item, Cut) else None
+        if stream and gemini is not None and not gemini[2]:
+            # Without alt=sse the API streams one JSON array of the chunks.
+            array = "[" + ",\r\n".join(e.decode()[6:].strip() for e in events) + "]"
+            return _Reply(200, base_headers(JSON_CT), body=array.encode(), cut=cut)
         if stream:
-            return _Reply(200, base_headers(SSE), events=events, cut=cut, delay=delay, hold=hold)
+            return _Reply(200, base_headers(GEMINI_SSE if gemini else SSE), events=events, cut=cut,
+                          delay=delay, hold=hold)
         return _Reply(200, base_headers(JSON_CT), body=_dumps(full).encode(), cut=cut)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import anthropic
+from google import genai
+from google.genai import types
 
 from tests.conftest import free_port, owned
 from tests.fake_provider import FakeProvider, Text
@@ -24,19 +26,26 @@ def test_perpetuity_proxy_serves_and_prints_the_harness_settings(tmp_path: Path)
         proc = subprocess.Popen(
             [str(PERPETUITY), "proxy", "--port", str(port), "--db", str(db),
              "--anthropic-upstream", fake.url, "--openai-upstream", fake.url,
+             "--gemini-upstream", fake.url,
              "--set", f"confdir={tmp_path}", "-q"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         try:
-            banner = [proc.stdout.readline() for _ in range(5)]
+            banner = [proc.stdout.readline() for _ in range(6)]
             assert f"listening on http://127.0.0.1:{port}" in banner[0]
             assert f"ANTHROPIC_BASE_URL=http://127.0.0.1:{port}" in "".join(banner)
             assert "wire_api" in "".join(banner)
+            assert f"GOOGLE_GEMINI_BASE_URL=http://127.0.0.1:{port}" in "".join(banner)
             fake.script(Text("via the CLI"))
             c = owned(anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="sk-ant-cli",
                                     max_retries=0))
             r = c.messages.create(model="claude-opus-4-8", max_tokens=5,
                                   messages=[{"role": "user", "content": "hi"}])
             assert r.content[0].text == "via the CLI"
+            fake.script(Text("Gemini via the CLI"))
+            g = owned(genai.Client(api_key="AIza-cli", http_options=types.HttpOptions(
+                base_url=f"http://127.0.0.1:{port}")))
+            assert g.models.generate_content(model="gemini-2.5-flash",
+                                             contents="hi").text == "Gemini via the CLI"
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and not db.exists():
                 time.sleep(0.05)

@@ -94,7 +94,13 @@ def test_protocol_identity_and_side_requests(pipeline: Pipeline, harness: str) -
         headers = {k.lower(): v for k, v in raw["headers"]}
         number = f.name[:2]
         if harness == "gemini-cli":
-            assert d.job is None and d.identity is None, f  # not a protocol we speak: untouched
+            assert d.route.protocol == Protocol.GEMINI and d.identity.harness == "gemini-cli", f
+            # Its routing classifier (generateContent, a JSON schema): passed through, no job.
+            check = raw["path"].endswith(":generateContent")
+            assert d.identity.side == ("gemini-cli-check" if check else ""), f
+            assert (d.job is None) == check, f
+            assert d.identity.tenant.startswith("key-")  # from x-goog-api-key
+            assert d.identity.conversation.startswith("derived-")
             continue
         if raw["path"].endswith("count_tokens"):
             assert d.route.protocol is None and d.job is None
@@ -163,3 +169,15 @@ def test_codex_and_opencode_sessions(pipeline: Pipeline) -> None:
         ("user", '"say hello"'), ("user", '"RUN_SHELL please run echo hi"'),
         ("user", '"second turn: what did I ask?"'), ("user", '"RUN_BASH please run echo hi"'),
     ]
+
+
+def test_gemini_cli_sessions_store_each_typed_turn_once(pipeline: Pipeline) -> None:
+    captured = [d for _, d in replay(pipeline, "gemini-cli") if d.job]
+    assert [t for _, role, t in stored(pipeline) if role == "user"] == [
+        "say hello", "READ_FILE:/home/dev/gemini-proj/notes.txt", "second turn: what did I ask?",
+        "RUN_SHELL please run echo hi"]
+    con = opened(pipeline.store.path)
+    sources = dict(con.execute("select source, count(*) from message where role = 'assistant' "
+                               "group by source").fetchall())
+    con.close()
+    assert sources == {"reply": len(captured)}  # a re-sent model turn is never stored again

@@ -54,6 +54,15 @@ def message(roles: list[str], types: list[str]) -> st.SearchStrategy:
         "tool_call_id": maybe(text), "name": maybe(text)})
 
 
+gemini_part = st.fixed_dictionaries({}, optional={
+    "text": maybe(text), "thought": anything, "thoughtSignature": maybe(text),
+    "functionCall": maybe(st.fixed_dictionaries({"name": maybe(text), "args": anything},
+                                                optional={"id": maybe(text)})),
+    "functionResponse": maybe(st.fixed_dictionaries({"name": maybe(text), "response": anything},
+                                                    optional={"id": maybe(text)})),
+    "inlineData": maybe(st.fixed_dictionaries({"mimeType": maybe(text), "data": text}))})
+gemini_content = st.fixed_dictionaries({"role": maybe(st.sampled_from(["user", "model"]))},
+                                       optional={"parts": maybe(st.lists(gemini_part, max_size=4))})
 COMMON = {"stream": maybe(st.booleans()), "metadata": anything, "user": maybe(text),
           "tools": maybe(st.lists(st.fixed_dictionaries({"name": maybe(text),
                                                          "input_schema": anything}), max_size=2))}
@@ -77,6 +86,12 @@ BODIES = {
             "output_text"]), max_size=6)))},
         optional={"instructions": maybe(text), "prompt_cache_key": maybe(text),
                   "previous_response_id": maybe(text), **COMMON}),
+    "/v1beta/models/gemini-3.8-flash:streamGenerateContent?alt=sse": st.fixed_dictionaries({
+        "contents": maybe(st.lists(gemini_content, max_size=6))}, optional={
+        "systemInstruction": maybe(st.fixed_dictionaries({"parts": st.lists(gemini_part, max_size=2)})),
+        "tools": maybe(st.lists(st.fixed_dictionaries({"functionDeclarations": maybe(st.lists(
+            st.fixed_dictionaries({"name": maybe(text)}), max_size=2))}), max_size=2)),
+        "generationConfig": anything, "toolConfig": anything, "session_id": maybe(text)}),
 }
 
 
@@ -97,7 +112,8 @@ HEADERS = st.lists(st.sampled_from([
     ("x-perpetuity-time", "9999-12-31T23:59:59"), ("x-perpetuity-conversation", ""),
     ("x-perpetuity-harness", "coding"), ("user-agent", "claude-cli/2.1"),
     ("x-claude-code-session-id", "s1"), ("x-codex-turn-metadata", "{not json"),
-    ("x-perpetuity-recall", "off"), ("x-perpetuity-tools", "off")]), max_size=5, unique=True)
+    ("x-perpetuity-recall", "off"), ("x-perpetuity-tools", "off"), ("x-goog-api-key", "AIza-fuzz"),
+    ("user-agent", "GeminiCLI/0.61.0")]), max_size=5, unique=True)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve import plan
 from perpetuity_core.serve.exchange import Decision
 from perpetuity_core.serve.pipeline import Pipeline, Settings
-from perpetuity_core.wire.conversation import Message, Provider, Reply, Usage, text_part
+from perpetuity_core.wire.conversation import Message, Protocol, Provider, Reply, Usage, text_part
 from tests.test_fixtures import to_request
 from tests.test_frame import say
 
@@ -240,3 +240,13 @@ def test_a_short_conversation_is_sent_as_it_is_under_a_frame_for_each_prompt(
     assert d.frame is not None and "tests/test_csv.py" in json.dumps(second[:-3])
     third, d = s.tool_round("ok " * 20)
     assert d.frame is None and _unmarked(third).startswith(_unmarked(second)[:-1])
+
+
+def test_a_gemini_plan_rebuilds_sooner_its_cache_writing_at_no_surcharge() -> None:
+    anthropic = plan.Plan((), 0, (0, ""), (0, ""), 0.0, excess=105.0)
+    gemini = replace(anthropic, rule=plan.rule_for(Protocol.GEMINI, "gemini-3.8-flash"))
+    assert gemini.rule.write == 1.0 and gemini.rule.min_tokens == 4_096
+    # 105 + 0.1 x 2,000 re-read: at least a frame of 300 written at 1.0, not at 1.25.
+    assert plan.should_rebuild(gemini, 2_000, 10.0, 300)
+    assert not plan.should_rebuild(anthropic, 2_000, 10.0, 300)
+    assert plan.rule_for(Protocol.CHAT, "gpt-5") == plan.ANTHROPIC

@@ -13,9 +13,11 @@ from perpetuity_core.cli.main import main
 from perpetuity_core.cli.replay.billing import (
     AnthropicCache,
     Block,
+    GeminiCache,
     OpenAICache,
     anthropic_blocks,
     anthropic_min_tokens,
+    gemini_blocks,
 )
 from perpetuity_core.cli.replay.measure import identifiers
 from perpetuity_core.cli.replay.request import DEFAULT_TEMPLATE, build, load_template
@@ -277,6 +279,32 @@ def test_openai_prefix_cache() -> None:
     small = OpenAICache()
     small.bill_blocks(blocks(("a", 900, 0)), 0, "gpt-4o")
     assert small.bill_blocks(blocks(("a", 900, 0)), 1, "gpt-4o").read == 0  # under 1,024
+
+
+def test_gemini_implicit_cache_reads_to_the_token_from_its_minimum() -> None:
+    cache = GeminiCache()
+    assert cache.bill_blocks(blocks(("a", 4000, 0), ("b", 500, 0)), 0, "gemini-3.8-flash").cost == 4500
+    bill = cache.bill_blocks(blocks(("a", 4000, 0), ("b", 500, 0), ("c", 300, 0)), 60,
+                             "gemini-3.8-flash")
+    assert bill.read == 4500 and bill.cost == pytest.approx(4500 * 0.1 + 300)  # no steps
+    small = GeminiCache()
+    small.bill_blocks(blocks(("a", 3000, 0)), 0, "gemini-3.1-pro-preview")
+    assert small.bill_blocks(blocks(("a", 3000, 0)), 1, "gemini-3.1-pro-preview").read == 0
+    assert small.bill_blocks(blocks(("a", 3000, 0)), 2, "gemini-2.5-pro").read == 0  # not cached
+    assert small.bill_blocks(blocks(("a", 3000, 0)), 3, "gemini-2.5-pro").read == 3000  # 2,048
+    assert GeminiCache().bill_blocks(blocks(("a", 9000, 0)), 0, "gemini-2.0-flash").read == 0
+    expired = GeminiCache()
+    expired.bill_blocks(blocks(("a", 5000, 0)), 0, "gemini-3-flash")
+    assert expired.bill_blocks(blocks(("a", 5000, 0)), 301, "gemini-3-flash").read == 0
+
+
+def test_gemini_blocks_read_the_code_assist_envelope() -> None:
+    request = {"systemInstruction": {"parts": [{"text": "s " * 50}]},
+               "contents": [{"role": "user", "parts": [{"text": "q " * 40}]}]}
+    direct = gemini_blocks(request)
+    assert [b.tokens for b in direct] == [b.tokens for b in gemini_blocks(
+        {"model": "gemini-2.5-pro", "project": "p", "request": request})]
+    assert len(direct) == 2 and direct[1].tokens > 0
 
 
 # --------------------------------------------------------------------------- end to end

@@ -301,20 +301,20 @@ def _ask_in_sequence(pipeline: Pipeline, case: Case, limits: Cap) -> list[Result
         history_tokens = sum(token_estimate(m.text) for m, t in zip(
             case.thread.messages, case.thread.times) if t <= q.at)
         out.append(Result(all(found), any(found), new, history_tokens, q.category, memory, new,
-                          _ranked_holds(pipeline, user, q.text, at, memory, evidence),
-                          _ranked_holds(pipeline, user, q.text, at, new, evidence)))
+                          ranked_holds(pipeline, user, q.text, at, memory, evidence),
+                          ranked_holds(pipeline, user, q.text, at, new, evidence)))
         if d.job is not None:
             turn = pipeline.store_turn(d.job.pending)
-            pipeline.store_reply(turn, Reply(_noted(), Usage()), at, d.job.pending)
+            pipeline.store_reply(turn, Reply(noted(), Usage()), at, d.job.pending)
         history.append({"role": "assistant", "content": "Noted."})
     return out
 
 
-def _noted() -> Message:
+def noted() -> Message:
     return Message("assistant", (Part(Kind.TEXT, "Noted."),))
 
 
-def _ranked_holds(pipeline: Pipeline, user: str, query: str, at: float, tokens: int,
+def ranked_holds(pipeline: Pipeline, user: str, query: str, at: float, tokens: int,
                   evidence: list[str]) -> bool:
     """Do the ranking's top rows, taken best first while they fit `tokens`, hold every piece
     of evidence?"""

@@ -25,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--db", default=None, help=f"memory database (default {default_db_path()})")
     p.add_argument("--anthropic-upstream", default=None, help="where Anthropic traffic goes")
     p.add_argument("--openai-upstream", default=None, help="where OpenAI traffic goes")
+    p.add_argument("--gemini-upstream", default=None, help="where Gemini traffic goes")
     p.set_defaults(func=run, accepts_extra=True)
 
 
@@ -41,7 +42,8 @@ def mitmdump_command(args: argparse.Namespace) -> list[str]:
            "--listen-port", str(args.port)]
     for option, value in (("perpetuity_db", args.db),
                           ("perpetuity_anthropic_upstream", args.anthropic_upstream),
-                          ("perpetuity_openai_upstream", args.openai_upstream)):
+                          ("perpetuity_openai_upstream", args.openai_upstream),
+                          ("perpetuity_gemini_upstream", args.gemini_upstream)):
         if value:
             cmd += ["--set", f"{option}={value}"]
     return cmd + list(args.extra)

@@ -68,6 +68,9 @@ class Perpetuity:
                           "Where Anthropic traffic goes (scheme://host[:port]).")
         loader.add_option("perpetuity_openai_upstream", str, DEFAULT_UPSTREAMS[Provider.OPENAI],
                           "Where OpenAI traffic goes (scheme://host[:port]).")
+        loader.add_option("perpetuity_gemini_upstream", str, DEFAULT_UPSTREAMS[Provider.GOOGLE],
+                          "Where Gemini traffic goes (scheme://host[:port]); left as it is, "
+                          "Code Assist's goes to its own host.")
         loader.add_option("perpetuity_notes_dir", str, "",
                           "The notes library (default: $PERPETUITY_NOTES_DIR, a repository's "
                           ".perpetuity/, else ~/.claude/perpetuity/).")
@@ -106,6 +109,7 @@ class Perpetuity:
 
     def _configure(self, updated: set[str]) -> None:
         keys = {"perpetuity_db", "perpetuity_anthropic_upstream", "perpetuity_openai_upstream",
+                "perpetuity_gemini_upstream",
                 "perpetuity_tools", "perpetuity_notes_dir", "perpetuity_frame_ceiling",
                 "perpetuity_share_pool", "perpetuity_tool_rounds", "perpetuity_trust_identity",
                 "perpetuity_notes_capture", "perpetuity_tool_timeout"}
@@ -133,6 +137,7 @@ class Perpetuity:
             upstreams = {
                 Provider.ANTHROPIC: parse_upstream(ctx.options.perpetuity_anthropic_upstream),
                 Provider.OPENAI: parse_upstream(ctx.options.perpetuity_openai_upstream),
+                Provider.GOOGLE: parse_upstream(ctx.options.perpetuity_gemini_upstream),
             }
             if self.store is None or moved:  # before serving: the file given at start-up
                 self.store = self.executor.submit(self._open, ctx.options.perpetuity_db).result()
@@ -166,6 +171,7 @@ class Perpetuity:
             f"perpetuity: listening on http://{host}:{port}, memory in {self.store.shown if self.store else ''}\n"
             f"  Claude Code / Anthropic SDK: ANTHROPIC_BASE_URL=http://{host}:{port}\n"
             f"  OpenAI SDK / opencode:       OPENAI_BASE_URL=http://{host}:{port}/v1\n"
+            f"  gemini-cli / Google GenAI SDK: GOOGLE_GEMINI_BASE_URL=http://{host}:{port}\n"
             f"  Codex (~/.codex/config.toml): [model_providers.perpetuity] base_url = "
             f"\"http://{host}:{port}/v1\", wire_api = \"responses\"\n"
             f"  any other harness: HTTPS_PROXY=http://{host}:{port} with the mitmproxy CA trusted",

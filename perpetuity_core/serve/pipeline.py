@@ -60,7 +60,13 @@ from perpetuity_core.wire.conversation import (
 )
 from perpetuity_core.wire.identity import Identity, identify
 from perpetuity_core.wire.protocols import ADAPTERS
-from perpetuity_core.wire.route import CONTROL_PREFIX, credential, parse_controls, route
+from perpetuity_core.wire.route import (
+    CONTROL_PREFIX,
+    credential,
+    gemini_call,
+    parse_controls,
+    route,
+)
 
 log = logging.getLogger("perpetuity")
 
@@ -160,8 +166,14 @@ class Pipeline:
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
+        if (call := gemini_call(req.path)) is not None:
+            # Gemini: the path names the model and the streaming; countTokens is answered for
+            # the request as it would go upstream (framed), and stores nothing.
+            parsed.model, parsed.stream = call.model or parsed.model, call.stream
+            if call.count:
+                controls = replace(controls, probe=True)
         settings = self.settings
-        ident = identify(headers, parsed, credential(headers), self.store.salt,
+        ident = identify(headers, parsed, credential(headers, req.path), self.store.salt,
                          settings.trust_identity)
         decision.identity, decision.parsed = ident, parsed
         library = tenants.library(settings.notes_root, ident.tenant)
@@ -306,7 +318,8 @@ class Pipeline:
             anchor=plan.mark(messages, keep), prompt=plan.mark(messages, prompt), at=asked_at,
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
-            left_out=built.left_out if built else 0)
+            left_out=built.left_out if built else 0,
+            rule=plan.rule_for(parsed.protocol, parsed.model))
         return _Built(plan=rebuilt, frame=built, made="frame", notes=notes_shown)
 
     def _add(self, carried: Plan, parsed: ParsedRequest, prompt: int, keep: int, user_id: int,

@@ -1,7 +1,9 @@
 """When the frame changes: one plan per conversation, so that the provider's prompt cache holds.
 
 Providers bill a request by exact prefix. Anthropic reads a cached prefix at 0.1 of the input
-price and writes one at 1.25; OpenAI reads at a tenth to a half and writes at 1. A harness that
+price and writes one at 1.25; OpenAI reads at a tenth to a half and writes at 1, Gemini at a
+tenth and 1 (its table in wire.protocols.gemini; a plan is weighed by its provider's rule,
+`rule_for`). A harness that
 re-sends its whole history pays 0.1 a token for it, and 1.25 only for what is new. Anything we
 change early in a request is written again at 1.25, with everything after it. So the request
 that goes upstream is
@@ -47,11 +49,20 @@ from dataclasses import dataclass, replace
 
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.index import messages_tokens
-from perpetuity_core.wire.conversation import Message
+from perpetuity_core.wire.conversation import Message, Protocol
+from perpetuity_core.wire.protocols import gemini
+from perpetuity_core.wire.protocols.base import CacheRule
 
 # The provider's cache, as the plan (and the replay's bill, cli/replay/billing.py) prices it.
 TTL = 300.0  # seconds: Anthropic's default cache lifetime, refreshed on use
 READ, WRITE = 0.1, 1.25  # cache read and write prices, in units of an uncached input token
+ANTHROPIC = CacheRule(1_024, READ, WRITE, TTL)  # the rule a plan is weighed by unless told
+
+
+def rule_for(protocol: Protocol, model: str) -> CacheRule:
+    """The cache rule a conversation's plan is weighed by: Gemini's implicit cache writes at no
+    surcharge (so a rebuild is cheaper there), the others as Anthropic's explicit one."""
+    return gemini.cache_rule(model) if protocol == Protocol.GEMINI else ANTHROPIC
 
 
 Mark = tuple[int, str]  # a message's index in the request and its fingerprint
@@ -75,6 +86,7 @@ class Plan:
     below_cap: tuple[int, ...] = ()  # the frame's hits left out, best first (memory_more)
     left_out: int = 0  # warm rows the frame's cap left out
     excess: float = 0.0  # re-read cost paid since the frame was built for what a rebuild drops
+    rule: CacheRule = ANTHROPIC  # the provider's cache prices (`rule_for`)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,15 +120,15 @@ def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> 
     one (`kept_tokens`: the harness's turns before the prompt and the addenda)?"""
     if kept_tokens <= frame_size:
         return False  # a rebuild would not shrink the request
-    if at - plan.at > TTL:
+    if at - plan.at > plan.rule.ttl:
         return True  # the cache has expired: keeping is written again in full anyway
-    return plan.excess + READ * kept_tokens >= WRITE * frame_size
+    return plan.excess + plan.rule.read * kept_tokens >= plan.rule.write * frame_size
 
 
 def carried(plan: Plan, kept_tokens: int, at: float, prompt: Mark) -> Plan:
     """The plan after one more call that keeps it: what a rebuild would have dropped was
     re-read once more."""
-    return replace(plan, at=at, prompt=prompt, excess=plan.excess + READ * kept_tokens)
+    return replace(plan, at=at, prompt=prompt, excess=plan.excess + plan.rule.read * kept_tokens)
 
 
 def with_addendum(plan: Plan, prompt: Mark, messages: list[Message], tokens: int,

@@ -16,11 +16,13 @@ class Protocol(StrEnum):
     ANTHROPIC = "anthropic-messages"
     CHAT = "openai-chat"
     RESPONSES = "openai-responses"
+    GEMINI = "gemini-generate-content"
 
 
 class Provider(StrEnum):
     ANTHROPIC = "anthropic"
     OPENAI = "openai"
+    GOOGLE = "google"
 
 
 class Kind(StrEnum):
@@ -83,7 +85,7 @@ def _fingerprint(message: Message) -> str:
 _SCAFFOLD = re.compile(
     r"\s*<(system-reminder|environment_context|user_instructions|permissions instructions|"
     r"skills_instructions|local-command-caveat|local-command-stdout|command-name|command-message|"
-    r"command-args|ide_opened_file|ide_selection|task-notification)\b"
+    r"command-args|ide_opened_file|ide_selection|task-notification|session_context)\b"
     r"|\s*Base directory for this skill: "
     # Claude Code's compaction summary, re-sent as the first user turn of the compacted session.
     r"|\s*This session is being continued from a previous conversation that ran out of context"

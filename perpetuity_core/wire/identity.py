@@ -21,6 +21,8 @@ from perpetuity_core.wire.conversation import Kind, ParsedRequest
 
 CLAUDE_CODE_COMPACT = "Your task is to create a detailed summary of the conversation so far"
 OPENCODE_TITLE = "You are a title generator"
+# gemini-cli's chat compression prompt (its getCompressionPrompt), the history summarised.
+GEMINI_CLI_COMPRESS = "distilling chat history into a structured XML <state_snapshot>"
 CODEX_TURN = "x-codex-turn-metadata"
 ANONYMOUS = "anonymous"  # the one tenant every request without a credential shares
 
@@ -29,7 +31,7 @@ ANONYMOUS = "anonymous"  # the one tenant every request without a credential sha
 class Identity:
     user: str  # the store's user key: "<tenant>/<claimed>", the tenant alone, or (trusted) the claim
     conversation: str
-    harness: str  # "claude-code" | "codex" | "opencode" | "client"
+    harness: str  # "claude-code" | "codex" | "opencode" | "gemini-cli" | "client"
     side: str = ""  # why this request is a harness side request and not a turn ("" for turns)
     tenant: str = ANONYMOUS  # whose memory and notes this request may reach
 
@@ -74,6 +76,8 @@ def _harness(headers: Mapping[str, str]) -> str:
         return "codex"
     if agent.startswith("opencode"):
         return "opencode"
+    if agent.startswith("GeminiCLI"):
+        return "gemini-cli"
     return "client"
 
 
@@ -98,6 +102,7 @@ def _harness_conversation(headers: Mapping[str, str], req: ParsedRequest, cc: di
         headers.get("session-id")
         or str(turn_meta.get("session_id") or "")
         or req.hints.get("prompt_cache_key", "")
+        or req.hints.get("session_id", "")  # gemini-cli's, in the Code Assist envelope
         or headers.get("x-session-id", "")
     )
 
@@ -125,6 +130,12 @@ def _side(headers: Mapping[str, str], req: ParsedRequest, harness: str) -> str:
             return "compaction"
     if harness == "opencode" and not req.tool_names and req.system.startswith(OPENCODE_TITLE):
         return "title"
+    if harness == "gemini-cli" and GEMINI_CLI_COMPRESS in req.system:
+        return "compaction"
+    if harness == "gemini-cli" and req.structured_output and not req.tool_names:
+        # Its routing classifier and next-speaker check: the history under a prompt of their
+        # own, answered as JSON by schema.
+        return "gemini-cli-check"
     return ""
 
 

@@ -1,22 +1,27 @@
 """Which provider and wire protocol a request speaks, where it goes, and what the caller asked of us.
 
 One listening port serves every client: the path names the protocol, the credential and the
-model's name tell Anthropic from OpenAI. As a regular HTTPS proxy, the provider hosts are
-recognised by name and every other host is left alone.
+model's name tell Anthropic from OpenAI; Gemini's paths are its own. As a regular HTTPS proxy,
+the provider hosts are recognised by name and every other host is left alone.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.wire.conversation import Protocol, Provider
 
-PROVIDER_HOSTS = {"api.anthropic.com": Provider.ANTHROPIC, "api.openai.com": Provider.OPENAI}
-DEFAULT_UPSTREAMS = {Provider.ANTHROPIC: "https://api.anthropic.com", Provider.OPENAI: "https://api.openai.com"}
+# Code Assist (gemini-cli signed in with Google) is Gemini's second host.
+CODE_ASSIST = "cloudcode-pa.googleapis.com"
+PROVIDER_HOSTS = {"api.anthropic.com": Provider.ANTHROPIC, "api.openai.com": Provider.OPENAI,
+                  "generativelanguage.googleapis.com": Provider.GOOGLE, CODE_ASSIST: Provider.GOOGLE}
+DEFAULT_UPSTREAMS = {Provider.ANTHROPIC: "https://api.anthropic.com", Provider.OPENAI: "https://api.openai.com",
+                     Provider.GOOGLE: "https://generativelanguage.googleapis.com"}
 
 CONTROL_PREFIX = "x-perpetuity"
 OPENAI_MODELS = ("gpt-", "o1", "o3", "o4", "codex", "chatgpt")
@@ -41,6 +46,42 @@ class Controls:
     at: float | None = None  # the time to record for this turn
 
 
+# The Gemini API's `models/{model}:method` and Code Assist's `v1internal:method`.
+_GEMINI_PATH = re.compile(r"/v1[a-z0-9]*/models/(?P<model>[^/:?]+):(?P<method>\w+)$"
+                          r"|/v1internal:(?P<internal>\w+)$")
+_GEMINI_TURNS = ("generateContent", "streamGenerateContent", "countTokens")
+
+
+@dataclass(frozen=True, slots=True)
+class GeminiCall:
+    """What a Gemini path says that other protocols put in the body."""
+
+    model: str  # "" for Code Assist, whose body names it
+    stream: bool
+    count: bool  # countTokens: answered for the request as it would go upstream, not a turn
+
+
+def gemini_call(path: str) -> GeminiCall | None:
+    """The call a Gemini path makes, when it carries a conversation. A stream without `alt=sse`
+    is a JSON array: not read, it passes through as sent."""
+    parts = urlsplit(path)
+    m = _GEMINI_PATH.search(parts.path)
+    method = m and (m["method"] or m["internal"])
+    if not m or method not in _GEMINI_TURNS:
+        return None
+    stream = method == "streamGenerateContent"
+    if stream and parse_qs(parts.query).get("alt") != ["sse"]:
+        return None
+    return GeminiCall(m["model"] or "", stream, method == "countTokens")
+
+
+def is_gemini(path: str) -> bool:
+    """A Gemini API or Code Assist path: its versions (OpenAI's are `/v1/` alone), or a model's
+    `:method` (models, files, loadCodeAssist, embedContent, ...)."""
+    p = urlsplit(path).path
+    return p.startswith(("/v1internal:", "/v1beta/", "/v1alpha/")) or bool(_GEMINI_PATH.search(p))
+
+
 def parse_upstream(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -50,6 +91,8 @@ def parse_upstream(url: str) -> str:
 
 def protocol_of(path: str) -> Protocol | None:
     p = path.split("?", 1)[0].rstrip("/")
+    if gemini_call(path) is not None:
+        return Protocol.GEMINI
     if p.endswith("/messages"):
         return Protocol.ANTHROPIC
     if p.endswith("/chat/completions"):
@@ -64,6 +107,10 @@ def provider_of(path: str, headers: Mapping[str, str], model: str) -> Provider |
     path and the model. None when nothing names a provider: a credential must never be sent to
     a provider it was not meant for (a Gemini key, a CI token), so such a request is not ours."""
     auth = headers.get("authorization", "")
+    if is_gemini(path):
+        return Provider.GOOGLE
+    if "x-goog-api-key" in headers:
+        return None  # a Gemini key on another provider's path: meant for neither
     if "x-api-key" in headers or "anthropic-version" in headers or auth.startswith("Bearer sk-ant-"):
         return Provider.ANTHROPIC
     if model.startswith("claude") or protocol_of(path) == Protocol.ANTHROPIC:
@@ -93,7 +140,12 @@ def route(
     provider = provider_of(path, headers, model) if direct else PROVIDER_HOSTS.get(host)
     if provider is None:
         return None
-    base = upstreams[provider]
+    base = upstreams.get(provider, DEFAULT_UPSTREAMS[provider])
+    if (provider == Provider.GOOGLE and base == DEFAULT_UPSTREAMS[Provider.GOOGLE]
+            and urlsplit(path).path.startswith("/v1internal:")):
+        # Code Assist lives on its own host; a Gemini upstream that was set (a gateway, a test's
+        # provider) takes both.
+        base = "https://" + CODE_ASSIST
     # Clients configured with ".../v1" as base URL and upstreams given the same way: one "/v1".
     if base.endswith("/v1") and path.startswith("/v1/"):
         base = base[:-3]
@@ -122,9 +174,13 @@ def parse_controls(headers: Mapping[str, str]) -> Controls:
     )
 
 
-def credential(headers: Mapping[str, str]) -> str:
-    key = headers.get("x-api-key") or headers.get("api-key")
+def credential(headers: Mapping[str, str], path: str = "") -> str:
+    """The request's key: its header (Gemini's among them), else Gemini's `?key=`, else the
+    bearer token (Code Assist's OAuth token too, sent upstream as it came)."""
+    key = headers.get("x-api-key") or headers.get("api-key") or headers.get("x-goog-api-key")
     if key:
         return key
+    if "key=" in path and (keys := parse_qs(urlsplit(path).query).get("key")):
+        return keys[0]
     auth = headers.get("authorization", "")
     return auth[7:] if auth.lower().startswith("bearer ") else auth

@@ -14,6 +14,10 @@ Prices: read 0.1, written 1.25 (2.0 for a 1-hour entry), the rest 1.0.
 OpenAI (automatic). Every request of 1,024 tokens or more caches its prefix; a later request
 reads the longest prefix it shares with one still cached, in steps of 128 tokens past the first
 1,024, at a read price that depends on the model family; entries live 5 minutes from last use.
+
+Gemini (implicit). The same automatic prefix cache, its prefix the system instruction, the tools
+and each content whole, read to the token, from a minimum size and at a read price by model
+(`wire.protocols.gemini.IMPLICIT_CACHE`); writing costs nothing extra.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 from perpetuity_core.memory.index import token_estimate
 from perpetuity_core.serve.plan import READ, TTL, WRITE
+from perpetuity_core.wire.protocols import gemini
 
 # The cache the plan prices (serve/plan.py: READ, a 5-minute WRITE, TTL), and the 1-hour entry
 # a harness's own mark may ask for, which only the bill meets.
@@ -274,4 +279,49 @@ class OpenAICache:
                 self.entries[b.key] = at + TTL
         price = openai_read_price(model)
         return Bill(tokens=total, read=read, uncached=total - read, read_cost=price * read,
+                    uncached_cost=float(total - read))
+
+
+def gemini_blocks(body: dict[str, Any]) -> list[Block]:
+    """The prompt as Gemini's implicit cache sees its prefix: the system instruction, the
+    tools, then each content whole (a Code Assist envelope read inside)."""
+    inner = body.get("request")
+    req: dict[str, Any] = inner if "contents" not in body and isinstance(inner, dict) else body
+    units: list[tuple[str, Any, int]] = []
+    if (system := req.get("systemInstruction")) is not None:
+        units.append(("system", system, token_estimate(json.dumps(system, ensure_ascii=False))))
+    for tool in req.get("tools") or []:
+        units.append(("tool", tool, token_estimate(json.dumps(tool, ensure_ascii=False))))
+    for n, content in enumerate(req.get("contents") or []):
+        parts = content.get("parts") if isinstance(content, dict) else None
+        text = "\n".join(str(p.get("text", "")) if "text" in p else json.dumps(p, ensure_ascii=False)
+                         for p in parts or [] if isinstance(p, dict))
+        units.append((f"{n}", content, token_estimate(text)))
+    return [Block(b.key, b.tokens) for b in _chain(units)]
+
+
+@dataclass(slots=True)
+class GeminiCache:
+    """Gemini's implicit prefix cache: each request reads, to the token, the longest prefix it
+    shares with a cached one, when that is at least the model's minimum."""
+
+    entries: dict[bytes, float] = field(default_factory=dict)  # prefix key -> expiry
+
+    def bill(self, body: dict[str, Any], at: float, model: str) -> Bill:
+        """`model`: the path names it (Code Assist's body too)."""
+        return self.bill_blocks(gemini_blocks(body), at, model or str(body.get("model", "")))
+
+    def bill_blocks(self, blocks: list[Block], at: float, model: str) -> Bill:
+        rule = gemini.cache_rule(model)
+        ends, total = [], 0
+        for b in blocks:
+            total += b.tokens
+            ends.append(total)
+        shared = max((ends[i] for i, b in enumerate(blocks)
+                      if self.entries.get(b.key, -1.0) >= at), default=0)
+        read = shared if shared >= rule.min_tokens else 0
+        if total >= rule.min_tokens:
+            for b in blocks:
+                self.entries[b.key] = at + rule.ttl
+        return Bill(tokens=total, read=read, uncached=total - read, read_cost=rule.read * read,
                     uncached_cost=float(total - read))

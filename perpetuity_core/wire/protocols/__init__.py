@@ -2,11 +2,12 @@
 behind the `Adapter` interface (base.py)."""
 
 from perpetuity_core.wire.conversation import Protocol
-from perpetuity_core.wire.protocols import anthropic, chat, responses
+from perpetuity_core.wire.protocols import anthropic, chat, gemini, responses
 from perpetuity_core.wire.protocols.base import Adapter
 
 ADAPTERS: dict[Protocol, Adapter] = {
     Protocol.ANTHROPIC: anthropic,
     Protocol.CHAT: chat,
     Protocol.RESPONSES: responses,
+    Protocol.GEMINI: gemini,
 }

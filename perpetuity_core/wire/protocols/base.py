@@ -5,6 +5,7 @@ call, whatever the wire format. An adapter is a module; mypy checks each against
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from perpetuity_core.wire.conversation import Message, ParsedRequest, Reply
@@ -20,6 +21,18 @@ def spliced(raw: list[Any], keep_from: int, inserts: Mapping[int, list[Message]]
         out += render((inserts or {}).get(i, []))
         out.append(raw[i])
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRule:
+    """How a provider's prompt cache bills a request's prefix, in units of one uncached input
+    token: nothing shorter than `min_tokens` is cached; a cached prefix is read at `read`,
+    written at `write`, and lives `ttl` seconds from its last use."""
+
+    min_tokens: int
+    read: float
+    write: float
+    ttl: float
 
 
 class Assembler(Protocol):
@@ -46,6 +59,7 @@ class BodyMergerBase:
     says what a round is (`_take`) and how the merged body reads (`finish`)."""
 
     USAGE: tuple[str, ...] = ()  # the usage counters summed over rounds
+    USAGE_FIELD = "usage"  # the body's field that holds them
 
     def __init__(self, ours: frozenset[str]) -> None:
         self.ours = ours
@@ -59,7 +73,7 @@ class BodyMergerBase:
         self.last = body
         self._take(body)
         for key in self.usage:
-            self.usage[key] += int((body.get("usage") or {}).get(key) or 0)
+            self.usage[key] += int((body.get(self.USAGE_FIELD) or {}).get(key) or 0)
 
     def _take(self, body: dict[str, Any]) -> None:
         raise NotImplementedError
