@@ -243,7 +243,8 @@ def test_a_short_conversation_is_sent_as_it_is_under_a_frame_for_each_prompt(
 
 
 def test_a_gemini_plan_rebuilds_sooner_its_cache_writing_at_no_surcharge() -> None:
-    anthropic = plan.Plan((), 0, (0, ""), (0, ""), 0.0, excess=105.0)
+    anthropic = plan.Plan(frame=(), frame_tokens=0, anchor=(0, ""), prompt=(0, ""), at=0.0,
+                          excess=105.0)
     gemini = replace(anthropic, rule=plan.rule_for(Protocol.GEMINI, "gemini-3.8-flash"))
     assert gemini.rule.write == 1.0 and gemini.rule.min_tokens == 4_096
     # 105 + 0.1 x 2,000 re-read: at least a frame of 300 written at 1.0, not at 1.25.

@@ -42,6 +42,9 @@ def test_proxies_over_one_database_store_at_once_and_recall_what_the_others_stor
             list(pool.map(lambda job: ask(*job), jobs))
         # A fact told to the first proxy is in the frame the last one sends upstream.
         ask(proxies[0].url, "carol", "My locker code at the marina is 4417, please remember it.")
+        # The turn is committed on the proxy's writer thread a moment after the client has its
+        # reply: another proxy can recall it only once it is in the database.
+        assert len(proxies[0].wait_messages("carol", 2)) == 2
         ask(proxies[-1].url, "carol", "What was my locker code at the marina?")
         sent = fake.requests[-1].json
         assert "4417" in str(sent["messages"][:-1]) + str(sent.get("system", ""))
