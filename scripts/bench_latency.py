@@ -37,9 +37,11 @@ ROUNDS = 5  # calls of a task: its prompt and four tool rounds
 
 
 def messages(side: str, n: int) -> list[dict]:
-    """A first prompt; on the task sides, call n % ROUNDS of task n // ROUNDS."""
+    """A first prompt; on the task sides, call n % ROUNDS of task n // ROUNDS. Each side's
+    prompts are its own conversation: sides sharing one, the first to send a prompt built its
+    frame and the others carried it (the rotation gave the build to the relay 6 times in 7)."""
     if not side.startswith("task"):
-        return [{"role": "user", "content": f"benchmark turn {n}"}]
+        return [{"role": "user", "content": f"benchmark turn {n} on {side}"}]
     task, rounds = divmod(n, ROUNDS)
     out: list[dict] = [{"role": "user", "content": f"benchmark task {task} on {side}"}]
     for k in range(rounds):
