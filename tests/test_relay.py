@@ -6,14 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import Executor, Future
+from pathlib import Path
 from typing import Any
 
+from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve.exchange import Job, PendingTurn
+from perpetuity_core.serve.exchange import HttpRequest, Job, PendingTurn
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.relay import JOB_HEADER, Relay
 from perpetuity_core.serve.writer import Capture
-from perpetuity_core.wire.conversation import Message, Protocol, Reply, Usage, text_part
+from perpetuity_core.wire.conversation import Message, Protocol, Provider, Reply, Usage, text_part
+from perpetuity_core.wire.protocols import ADAPTERS
 from tests.fake_provider import FakeProvider, Text, ToolCall
 
 
@@ -152,3 +156,34 @@ def test_a_chunked_request_body_is_read_whole() -> None:
     assert b"Hi there." in second
     # Every chunk, the end and the clean-up reach the capture: one write each, in order.
     assert written.log == [("turn", "c"), ("reply", "Hi there.")]
+
+
+def test_the_first_round_is_built_when_preparing_as_the_relay_built_it(tmp_path: Path) -> None:
+    """The tool loop's first body comes made from the preparing thread (the event loop sends
+    it as it is): the same bytes as the relay's own reading, adding and writing of the request,
+    the last round's tool_choice included when there is only one."""
+    for rounds in (4, 1):
+        store = open_memory(tmp_path / f"m{rounds}.db")
+        pipeline = Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
+                                                       Provider.OPENAI: "https://o.test"},
+                                            tool_rounds=rounds))
+
+        def request(conversation: str, text: str) -> HttpRequest:
+            body = {"model": "m", "max_tokens": 9, "stream": True,
+                    "messages": [{"role": "user", "content": text}]}
+            return HttpRequest("POST", "api.anthropic.com", "/v1/messages", (
+                ("x-api-key", "sk-ant-k"), ("x-perpetuity-user", "ann"),
+                ("x-perpetuity-conversation", conversation)), json.dumps(body).encode(), False)
+
+        first = pipeline.prepare(request("earlier", "The vault code is 4471 — ünïcode."))
+        assert first.job is not None
+        turn = pipeline.store_turn(first.job.pending)
+        pipeline.store_reply(turn, Reply(Message("assistant", (text_part("Noted."),)), Usage()),
+                             1.0)
+        job = pipeline.prepare(request("now", "What is the vault code?")).job
+        assert job is not None and job.relay and job.first_round is not None
+        built = ADAPTERS[Protocol.ANTHROPIC].add_tools(json.loads(job.body), job.tool_specs,
+                                                       rounds == 1)
+        assert job.first_round == json.dumps(built).encode()
+        assert ("tool_choice" in json.loads(job.first_round)) == (rounds == 1)
+        store.close()

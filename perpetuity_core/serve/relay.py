@@ -286,13 +286,17 @@ class ToolLoop:
     async def run(self) -> bool:
         job, upstream, capture = self.job, self.upstream, self.capture
         assert job.memory is not None
-        body = json.loads(job.body)
+        body: dict[str, Any] | None = None  # the request's JSON, read when a round follows
         specs = job.tool_specs
         try:
             for round_ in range(job.max_rounds):
                 last = round_ == job.max_rounds - 1
-                sent = self.adapter.add_tools(body, specs, last)
-                request = upstream.request(job, json.dumps(sent).encode())
+                if round_ == 0 and job.first_round is not None:
+                    content = job.first_round  # built when preparing, off the event loop
+                else:
+                    body = json.loads(job.body) if body is None else body
+                    content = json.dumps(self.adapter.add_tools(body, specs, last)).encode()
+                request = upstream.request(job, content)
                 self.round = Round(time.time(), request.content)
                 job.rounds.append(self.round)
                 resp = await upstream.send(request)
@@ -316,7 +320,8 @@ class ToolLoop:
                 if results is None:
                     return False  # the client went away: no further upstream call
                 self.round.results = results
-                body = self.adapter.continue_body(body, self.merger.assistant_blocks(), results)
+                body = self.adapter.continue_body(json.loads(job.body) if body is None else body,
+                                                  self.merger.assistant_blocks(), results)
                 self.merger.next_round()
             await self._write(self.merger.finish())
             _reply(capture, self.tee)  # the request before its reply: one writer, in order
