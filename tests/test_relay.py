@@ -9,9 +9,12 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
+from perpetuity_core.serve import relay as relay_module
 from perpetuity_core.serve.exchange import HttpRequest, Job, PendingTurn
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.relay import JOB_HEADER, Relay
@@ -187,3 +190,47 @@ def test_the_first_round_is_built_when_preparing_as_the_relay_built_it(tmp_path:
         assert job.first_round == json.dumps(built).encode()
         assert ("tool_choice" in json.loads(job.first_round)) == (rounds == 1)
         store.close()
+
+
+async def _held_at_the_first_bytes(fake: FakeProvider, written: Written,
+                                   memory: TurnMemory | None) -> tuple[bytes, list, bytes]:
+    relay = Relay(None)  # type: ignore[arg-type]
+    await relay.start()
+    body = {"model": "claude-opus-4-8", "max_tokens": 20, "stream": True,
+            "messages": [{"role": "user", "content": "hello"}]}
+    specs = [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
+             for t in tools.TOOLS] if memory else []
+    job = _job(fake, body, stream=True, memory=memory, tool_specs=specs)
+    job.forwarded = asyncio.Event()
+    token = relay.submit(Capture(job, written, Inline()))
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                 "content-length: 0\r\n\r\n".encode())
+    await writer.drain()
+    first = await asyncio.wait_for(reader.readuntil(b"event: message_start"), 20)
+    first += await asyncio.wait_for(reader.readuntil(b"\n\n"), 20)
+    await asyncio.sleep(0.2)  # the relay, given time, goes no further
+    held = list(written.log)
+    job.forwarded.set()  # mitmproxy has them on their way
+    rest = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+    writer.close()
+    await writer.wait_closed()
+    await relay.stop()
+    return first, held, rest
+
+
+@pytest.mark.parametrize("memory", [None, TurnMemory(1, None, 0.0)], ids=["plain", "tool loop"])
+def test_the_relay_goes_on_once_its_first_bytes_are_passed_on(
+        monkeypatch: pytest.MonkeyPatch, memory: TurnMemory | None) -> None:
+    """Nothing more is sent and nothing is queued for the store until mitmproxy has the
+    first bytes on their way (the addon's Forwarded sets job.forwarded), then all of it, the
+    request stored before its reply."""
+    monkeypatch.setattr(relay_module, "FORWARD_WAIT", 30.0)
+    with FakeProvider() as fake:
+        fake.script(Text("Hi there.", chunks=3))
+        written = Written()
+        first, held, rest = asyncio.run(_held_at_the_first_bytes(fake, written, memory))
+    assert first.startswith(b"HTTP/1.1 200 ") and b"content_block" not in first
+    assert held == []
+    assert b"event: message_stop" in rest
+    assert written.log == [("turn", "c"), ("reply", "Hi there.")]

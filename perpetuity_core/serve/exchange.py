@@ -6,6 +6,7 @@ headers no hop carries to the next.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,9 @@ class Job:
     # The tool loop's first round as it goes upstream, our tools added: built when preparing,
     # off the event loop, which then sends it as it is (None: the relay builds it).
     first_round: bytes | None = None
+    # Set by the addon once mitmproxy has the relay's first bytes on their way to the client
+    # (None: no one will; the relay then goes straight on).
+    forwarded: asyncio.Event | None = None
     # The tool loop's upstream rounds as they happened (relay.Round), for inspection.
     rounds: list[Any] = field(default_factory=list)
 
