@@ -17,11 +17,12 @@ upstream call (httpx) costs about what mitmproxy's does; what the relay added wa
 the provider's reply already read, the relay decoded, merged and queued the writes of all of
 it before mitmproxy passed on the first chunk (6 ms from the relay's head to mitmproxy's
 responseheaders, 4 more to the first chunk, the store's writer thread competing). It now waits
-for mitmproxy to pass on its first bytes (relay.forwarded): 0.6 and 2 ms. Added ttfb p50, two
-runs of --requests 100 each, the old code and this interleaved: relay over stream, a first
-prompt 10.0 / 8.9 ms before, 1.0 / 5.6 after; a task's tool rounds 6.7 / 5.3 before, 3.9 / 3.0
-after. Before this script gave each side its own conversation, the relay built the frame 6
-times in 7 and the stream side carried it: the 21 ms "relay over stream" of a first prompt.
+for mitmproxy to pass on its first bytes (relay.forwarded): 0.6 and 2 ms. Added ttfb p50,
+medians of four runs of --requests 100 each, the old code and this alternating (load 2-4 on 2
+cores): relay over stream for the same first prompt 9.4 ms before, 3.8 after; a task's tool
+rounds through the relay 12.5 before, 9.4 after (stream 6.3 / 6.5), 6.1 over stream before,
+3.1 after. Before this script gave each side its own conversation, the relay built the frame
+6 times in 7 and the stream side carried it: 20 ms of "relay over stream" on a first prompt.
 
     .venv/bin/python scripts/bench_latency.py [--requests 200]
 """
