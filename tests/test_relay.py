@@ -6,14 +6,21 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import Executor, Future
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve.exchange import Job, PendingTurn
+from perpetuity_core.serve import relay as relay_module
+from perpetuity_core.serve.exchange import HttpRequest, Job, PendingTurn
+from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.relay import JOB_HEADER, Relay
 from perpetuity_core.serve.writer import Capture
-from perpetuity_core.wire.conversation import Message, Protocol, Reply, Usage, text_part
+from perpetuity_core.wire.conversation import Message, Protocol, Provider, Reply, Usage, text_part
+from perpetuity_core.wire.protocols import ADAPTERS
 from tests.fake_provider import FakeProvider, Text, ToolCall
 
 
@@ -151,4 +158,79 @@ def test_a_chunked_request_body_is_read_whole() -> None:
     assert second.lstrip().startswith(b"HTTP/1.1 200 "), second[:200]
     assert b"Hi there." in second
     # Every chunk, the end and the clean-up reach the capture: one write each, in order.
+    assert written.log == [("turn", "c"), ("reply", "Hi there.")]
+
+
+def test_the_first_round_is_built_when_preparing_as_the_relay_built_it(tmp_path: Path) -> None:
+    """The tool loop's first body comes made from the preparing thread (the event loop sends
+    it as it is): the same bytes as the relay's own reading, adding and writing of the request,
+    the last round's tool_choice included when there is only one."""
+    for rounds in (4, 1):
+        store = open_memory(tmp_path / f"m{rounds}.db")
+        pipeline = Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
+                                                       Provider.OPENAI: "https://o.test"},
+                                            tool_rounds=rounds))
+
+        def request(conversation: str, text: str) -> HttpRequest:
+            body = {"model": "m", "max_tokens": 9, "stream": True,
+                    "messages": [{"role": "user", "content": text}]}
+            return HttpRequest("POST", "api.anthropic.com", "/v1/messages", (
+                ("x-api-key", "sk-ant-k"), ("x-perpetuity-user", "ann"),
+                ("x-perpetuity-conversation", conversation)), json.dumps(body).encode(), False)
+
+        first = pipeline.prepare(request("earlier", "The vault code is 4471 — ünïcode."))
+        assert first.job is not None
+        turn = pipeline.store_turn(first.job.pending)
+        pipeline.store_reply(turn, Reply(Message("assistant", (text_part("Noted."),)), Usage()),
+                             1.0)
+        job = pipeline.prepare(request("now", "What is the vault code?")).job
+        assert job is not None and job.relay and job.first_round is not None
+        built = ADAPTERS[Protocol.ANTHROPIC].add_tools(json.loads(job.body), job.tool_specs,
+                                                       rounds == 1)
+        assert job.first_round == json.dumps(built).encode()
+        assert ("tool_choice" in json.loads(job.first_round)) == (rounds == 1)
+        store.close()
+
+
+async def _held_at_the_first_bytes(fake: FakeProvider, written: Written,
+                                   memory: TurnMemory | None) -> tuple[bytes, list, bytes]:
+    relay = Relay(None)  # type: ignore[arg-type]
+    await relay.start()
+    body = {"model": "claude-opus-4-8", "max_tokens": 20, "stream": True,
+            "messages": [{"role": "user", "content": "hello"}]}
+    specs = [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
+             for t in tools.TOOLS] if memory else []
+    job = _job(fake, body, stream=True, memory=memory, tool_specs=specs)
+    job.forwarded = asyncio.Event()
+    token = relay.submit(Capture(job, written, Inline()))
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                 "content-length: 0\r\n\r\n".encode())
+    await writer.drain()
+    first = await asyncio.wait_for(reader.readuntil(b"event: message_start"), 20)
+    first += await asyncio.wait_for(reader.readuntil(b"\n\n"), 20)
+    await asyncio.sleep(0.2)  # the relay, given time, goes no further
+    held = list(written.log)
+    job.forwarded.set()  # mitmproxy has them on their way
+    rest = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+    writer.close()
+    await writer.wait_closed()
+    await relay.stop()
+    return first, held, rest
+
+
+@pytest.mark.parametrize("memory", [None, TurnMemory(1, None, 0.0)], ids=["plain", "tool loop"])
+def test_the_relay_goes_on_once_its_first_bytes_are_passed_on(
+        monkeypatch: pytest.MonkeyPatch, memory: TurnMemory | None) -> None:
+    """Nothing more is sent and nothing is queued for the store until mitmproxy has the
+    first bytes on their way (the addon's Forwarded sets job.forwarded), then all of it, the
+    request stored before its reply."""
+    monkeypatch.setattr(relay_module, "FORWARD_WAIT", 30.0)
+    with FakeProvider() as fake:
+        fake.script(Text("Hi there.", chunks=3))
+        written = Written()
+        first, held, rest = asyncio.run(_held_at_the_first_bytes(fake, written, memory))
+    assert first.startswith(b"HTTP/1.1 200 ") and b"content_block" not in first
+    assert held == []
+    assert b"event: message_stop" in rest
     assert written.log == [("turn", "c"), ("reply", "Hi there.")]

@@ -28,7 +28,14 @@ from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import inspection
 from perpetuity_core.serve.direct import Addressing
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Decision, HttpRequest
-from perpetuity_core.serve.flowstate import STATE, FlowState, Kept, StreamTee, state_of
+from perpetuity_core.serve.flowstate import (
+    STATE,
+    FlowState,
+    Forwarded,
+    Kept,
+    StreamTee,
+    state_of,
+)
 from perpetuity_core.serve.flowview import FACTS, PerpetuityView, round_flows
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.relay import JOB_HEADER, REFUSED, Relay, ReplyTee, as_sent
@@ -270,7 +277,10 @@ class Perpetuity:
         if d.job is not None and self.pipeline is not None:
             state.capture = Capture(d.job, self.pipeline, self.executor)
             state.relayed = d.job.relay
-        token = self.relay.submit(state.capture) if state.capture and state.relayed else ""
+        token = ""
+        if state.capture and state.relayed:
+            state.capture.job.forwarded = asyncio.Event()  # the first bytes out (Forwarded)
+            token = self.relay.submit(state.capture)
         for name in d.strip:
             del flow.request.headers[name]
         if token:
@@ -294,11 +304,13 @@ class Perpetuity:
             return
         if flow.response.status_code == 400 and state.original is not None:
             return  # buffered: the response hook retries it as the client sent it
-        stream: StreamTee | None = None
+        stream: StreamTee | Forwarded | None = None
         capture = None if state.relayed else state.capture  # the relay reads its own reply
         if capture and flow.response.status_code < 400:
             state.tee = ReplyTee(capture.job, flow.response.headers.get("content-encoding", ""))
             stream = StreamTee(state, capture)
+        elif state.relayed and state.capture and (event := state.capture.job.forwarded):
+            stream = Forwarded(event)
         if _readable():  # mitmproxy keeps nothing of a streamed body: a copy to inspect
             state.kept = Kept(stream)
             flow.response.stream = state.kept

@@ -6,6 +6,7 @@ headers no hop carries to the next.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,12 @@ class Job:
     # The body exactly as the client sent it, when we changed it: a 400 on the first round is
     # retried once with it (the rejection may be ours: the frame, a tool).
     original: bytes | None = None
+    # The tool loop's first round as it goes upstream, our tools added: built when preparing,
+    # off the event loop, which then sends it as it is (None: the relay builds it).
+    first_round: bytes | None = None
+    # Set by the addon once mitmproxy has the relay's first bytes on their way to the client
+    # (None: no one will; the relay then goes straight on).
+    forwarded: asyncio.Event | None = None
     # The tool loop's upstream rounds as they happened (relay.Round), for inspection.
     rounds: list[Any] = field(default_factory=list)
 
@@ -127,6 +134,7 @@ class Recall:
     """What memory adds to one request."""
 
     body: bytes | None = None  # the body to send instead
+    sent: dict[str, Any] | None = None  # that body's JSON (the tools' first round builds on it)
     built: Frame | None = None  # the frame or addendum built for this request, if any
     keep: int = 0  # the first message kept as the harness sent it
     memory: TurnMemory | None = None  # set when the recall tools ride along

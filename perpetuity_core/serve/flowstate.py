@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ class Kept:
     """A `flow.response.stream` callable that keeps a copy of the body as it passed, for
     inspection, around the tee when there is one."""
 
-    def __init__(self, inner: StreamTee | None) -> None:
+    def __init__(self, inner: Callable[[bytes], bytes] | None) -> None:
         self.inner = inner
         self.chunks: list[bytes] = []
 
@@ -96,4 +97,17 @@ class StreamTee:
                 self.capture.replied(tee.reply())
         except Exception:
             log.exception("perpetuity: capture failed; the reply is forwarded unchanged")
+        return chunk
+
+
+class Forwarded:
+    """A relayed flow's `flow.response.stream` callable: every chunk goes to the client
+    unchanged; the first tells the relay it is on its way (`relay.forwarded`). It cannot raise."""
+
+    def __init__(self, event: asyncio.Event) -> None:
+        self.event = event
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if chunk and not self.event.is_set():
+            self.event.set()
         return chunk

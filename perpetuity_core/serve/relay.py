@@ -14,6 +14,7 @@ cuts the client the same way. Capture can never break the stream: its errors are
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -102,6 +103,23 @@ class ReplyTee:
 # Runs one of our tools off the event loop: (name, arguments, the turn's memory) -> result text.
 RunTool = Callable[[str, Any, TurnMemory], Awaitable[str]]
 PING_EVERY = 1.0  # seconds between keep-alive pings while our tools run
+# The longest the relay waits, after its first bytes, for mitmproxy to pass them on.
+FORWARD_WAIT = 0.05
+
+
+async def forwarded(job: Job) -> None:
+    """Until mitmproxy has the relay's first bytes on their way to the client (the addon's
+    stream callable sets `job.forwarded`), bounded by FORWARD_WAIT; at once if no one will.
+    The relay runs on mitmproxy's event loop: a provider whose whole reply is already read
+    would otherwise have the relay decode, merge and queue the writes of all of it before
+    mitmproxy passed on the first chunk, and the store's writer (its thread) would compete
+    with that chunk for the interpreter. The stream path's tee starts the writes after the
+    first chunk is on its way (flowstate.StreamTee); this puts the relay in the same order."""
+    event = job.forwarded
+    if event is None or event.is_set():
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), FORWARD_WAIT)
 
 
 class Upstream(Protocol):
@@ -215,6 +233,7 @@ class Relay:
             # its end: the harness's next request must find it stored (one writer, in order).
             _start(http, resp)
             await http.drain()
+            first = True
             async for chunk in resp.aiter_raw():
                 if not chunk:
                     continue
@@ -222,8 +241,11 @@ class Relay:
                 if tee:
                     tee.feed(chunk)
                 await http.drain()
-                # Once the first bytes are on their way, so the write never delays them.
-                capture.sent()
+                if first:
+                    # Once the first bytes are on their way, so the write never delays them.
+                    first = False
+                    await forwarded(job)
+                    capture.sent()
             _reply(capture, tee)  # the request, then its reply, before the client sees the end
             tee = None
             await http.end()
@@ -281,18 +303,23 @@ class ToolLoop:
             frozenset(str(t["name"]) for t in job.tool_specs))
         self.tee = ReplyTee(job, "")
         self.started = False  # the client has seen the response head
+        self.forwarded = False  # mitmproxy passed on our first bytes (or we stopped waiting)
         self.round = Round(0.0, b"")  # the round in progress
 
     async def run(self) -> bool:
         job, upstream, capture = self.job, self.upstream, self.capture
         assert job.memory is not None
-        body = json.loads(job.body)
+        body: dict[str, Any] | None = None  # the request's JSON, read when a round follows
         specs = job.tool_specs
         try:
             for round_ in range(job.max_rounds):
                 last = round_ == job.max_rounds - 1
-                sent = self.adapter.add_tools(body, specs, last)
-                request = upstream.request(job, json.dumps(sent).encode())
+                if round_ == 0 and job.first_round is not None:
+                    content = job.first_round  # built when preparing, off the event loop
+                else:
+                    body = json.loads(job.body) if body is None else body
+                    content = json.dumps(self.adapter.add_tools(body, specs, last)).encode()
+                request = upstream.request(job, content)
                 self.round = Round(time.time(), request.content)
                 job.rounds.append(self.round)
                 resp = await upstream.send(request)
@@ -316,7 +343,8 @@ class ToolLoop:
                 if results is None:
                     return False  # the client went away: no further upstream call
                 self.round.results = results
-                body = self.adapter.continue_body(body, self.merger.assistant_blocks(), results)
+                body = self.adapter.continue_body(json.loads(job.body) if body is None else body,
+                                                  self.merger.assistant_blocks(), results)
                 self.merger.next_round()
             await self._write(self.merger.finish())
             _reply(capture, self.tee)  # the request before its reply: one writer, in order
@@ -371,6 +399,9 @@ class ToolLoop:
         self.http.send(data)
         self.tee.feed(data)
         await self.http.drain()
+        if not self.forwarded:
+            self.forwarded = True
+            await forwarded(self.job)  # the first bytes to the client before the rest
 
     async def _run_tools(self, calls: list[tuple[str, str, Any]]) -> list[tuple[str, str]] | None:
         """Our calls' results, pinging the client while they run; None if it went away."""
