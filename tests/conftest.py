@@ -16,6 +16,10 @@ from typing import Protocol
 
 import pytest
 
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.store import Store
+from perpetuity_core.serve.pipeline import Pipeline, Settings
+from perpetuity_core.wire.conversation import Provider
 from tests import postgres
 from tests.fake_provider import FakeProvider
 
@@ -204,6 +208,33 @@ def memory_at(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
     if request.param == "sqlite":
         return tmp_path / "memory.db"
     return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def store(memory_at: Path | str) -> Iterator[Store]:
+    """A new migrated memory on SQLite, then on PostgreSQL; closed after the test."""
+    s = open_memory(memory_at)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[Store]:
+    """A new migrated memory in a SQLite file, for what only SQLite does (its files, its WAL)."""
+    s = open_memory(tmp_path / "memory.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def pipeline(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Pipeline]:
+    """A pipeline over a new SQLite memory whose upstreams are never reached. A test module
+    whose captures name their device sets `TRUST_IDENTITY = True`."""
+    s = open_memory(tmp_path / "m.db")
+    yield Pipeline(s, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
+                                          Provider.OPENAI: "https://o.test"},
+                               trust_identity=getattr(request.module, "TRUST_IDENTITY", False)))
+    s.close()
 
 
 @pytest.fixture(autouse=True)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import random
 import threading
-from pathlib import Path
 
 import pytest
 
 from perpetuity_core.memory import arena, bm25, index, scan
-from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store
 from perpetuity_core.memory.view import Frequencies, View, Visibility
 from tests.test_retrieval import WORDS, add, fill, random_text, reference
@@ -22,22 +20,15 @@ from tests.test_retrieval import WORDS, add, fill, random_text, reference
 QUERIES = ["support group guitar", "guitar", "painting sunrise camping", "dog the cat kids"]
 
 
-@pytest.fixture
-def store(tmp_path: Path):
-    s = open_memory(tmp_path / "memory.db")
-    yield s
-    s.close()
-
-
 def test_readers_scan_views_while_the_writer_appends_and_purges(
-        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+        sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arena, "SEGMENT_ROWS", 29)  # catch-ups append, merge and regrow
     monkeypatch.setattr(Frequencies, "FOLD_AT", 7)  # frequencies fold often
     rng = random.Random(23)
-    fill(store, rng, 60)
-    sc = scan.Scanner(store, store_rows=0, threads=2)
+    fill(sqlite_store, rng, 60)
+    sc = scan.Scanner(sqlite_store, store_rows=0, threads=2)
     sc.catch_up()
-    users = [store.user_id(f"u{i}") for i in range(3)]
+    users = [sqlite_store.user_id(f"u{i}") for i in range(3)]
     asks = [(q, u) for q in QUERIES for u in [*users, None]]
     # Per published view (kept alive, so ids stay unique): what the reference says of it.
     want: dict[int, dict[tuple[str, int | None], list[tuple[int, float]]]] = {}
@@ -51,8 +42,8 @@ def test_readers_scan_views_while_the_writer_appends_and_purges(
     def publish_reference() -> None:
         view = sc.arena.view
         views.append(view)
-        item_of.update(store.db.translated().execute("SELECT seq, item_id FROM retrieval"))
-        want[id(view)] = {(q, u): reference(store, q, u, 10) for q, u in asks}
+        item_of.update(sqlite_store.db.translated().execute("SELECT seq, item_id FROM retrieval"))
+        want[id(view)] = {(q, u): reference(sqlite_store, q, u, 10) for q, u in asks}
 
     def read(seed: int) -> None:
         r = random.Random(seed)
@@ -61,7 +52,7 @@ def test_readers_scan_views_while_the_writer_appends_and_purges(
                 view = sc.arena.view
                 q, u = r.choice(asks)
                 got.append((view, q, u,
-                            view.top(view.query(store.db.dictionary, q, bm25.Params()), 10, Visibility(u))))
+                            view.top(view.query(sqlite_store.db.dictionary, q, bm25.Params()), 10, Visibility(u))))
                 sc.search(r.choice(WORDS), u, 5)  # a search's own catch-up races the writer's
         except BaseException as e:  # noqa: BLE001 - the test reports every failure
             errors.append(e)
@@ -74,11 +65,11 @@ def test_readers_scan_views_while_the_writer_appends_and_purges(
         for step in range(30):
             for _ in range(rng.choice([1, 2, 5, 13, 40])):
                 user = f"u{rng.randrange(3)}"
-                add(store, user, f"{user}-c{rng.randrange(3)}", [random_text(rng)],
+                add(sqlite_store, user, f"{user}-c{rng.randrange(3)}", [random_text(rng)],
                     at=100.0 + step)
             if step % 7 == 3:
-                live = [i for (i,) in store.db.translated().execute("SELECT item_id FROM retrieval")]
-                index.purge(store, rng.sample(live, 5))
+                live = [i for (i,) in sqlite_store.db.translated().execute("SELECT item_id FROM retrieval")]
+                index.purge(sqlite_store, rng.sample(live, 5))
             sc.catch_up()
             publish_reference()
     finally:

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from perpetuity_core.memory import capture
-from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.store import Store
 from perpetuity_core.wire.conversation import Kind, Message, Part, Reply, Usage, text_part
 from perpetuity_core.wire.sse import SSEDecoder
@@ -15,13 +10,6 @@ from perpetuity_core.wire.sse import SSEDecoder
 
 def msg(role: str, text: str) -> Message:
     return Message(role, (text_part(text),))
-
-
-@pytest.fixture
-def store(tmp_path: Path):
-    s = open_memory(tmp_path / "m.db")
-    yield s
-    s.close()
 
 
 def record(store: Store, messages: list[Message]) -> tuple[list[int], capture.TurnContext]:
@@ -79,20 +67,11 @@ def test_long_histories_are_checked_from_their_tail(store: Store) -> None:
     assert len(record(store, rewritten)[0]) == 25
 
 
-@pytest.fixture
-def either(memory_at: Path | str):
-    """A store on SQLite, then on PostgreSQL."""
-    s = open_memory(memory_at)
-    yield s
-    s.close()
-
-
-def test_a_turn_sent_again_after_its_unanswered_copy_is_stored_once(either: Store) -> None:
+def test_a_turn_sent_again_after_its_unanswered_copy_is_stored_once(store: Store) -> None:
     """Issue 20: the proxy died before the reply; the harness kept the unanswered turn and sent
     the same text again as the next message. Stored once whether its copy was stored before the
     kill (the plain stream stores the request at its first byte) or not (the tool loop, after
     its first round): a message keyed by its copy looked new, "after itself"."""
-    store = either
     opened = [msg("user", "Plan the garden"), msg("assistant", "Beds first.")]
     record(store, opened)
     ask = msg("user", "And the lantern?")
@@ -114,10 +93,10 @@ def test_a_turn_sent_again_after_its_unanswered_copy_is_stored_once(either: Stor
                      "Thanks", "What about copper?"]
 
 
-def test_the_same_words_after_a_reply_are_a_new_turn(either: Store) -> None:
+def test_the_same_words_after_a_reply_are_a_new_turn(store: Store) -> None:
     """Only a message right after its copy is a copy: "again" after an answer is said twice."""
     history = [msg("user", "again"), msg("assistant", "Done."), msg("user", "again")]
-    assert len(record(either, history)[0]) == 3
+    assert len(record(store, history)[0]) == 3
 
 
 def store_texts(store: Store) -> list[tuple[str]]:

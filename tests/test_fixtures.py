@@ -10,11 +10,10 @@ from urllib.parse import urlencode
 
 import pytest
 
-from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import HttpRequest
-from perpetuity_core.serve.pipeline import Pipeline, Settings
+from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.serve.relay import ReplyTee
-from perpetuity_core.wire.conversation import Protocol, Provider
+from perpetuity_core.wire.conversation import Protocol
 from tests.conftest import FIXTURES, needs_fixtures, opened
 
 pytestmark = needs_fixtures
@@ -45,14 +44,6 @@ def to_request(d: dict) -> HttpRequest:
         headers=tuple((k, v) for k, v in d["headers"]), body=json.dumps(d["body"]).encode(),
         direct=True,
     )
-
-
-@pytest.fixture
-def pipeline(tmp_path: Path):
-    store = open_memory(tmp_path / "m.db")
-    yield Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
-                                               Provider.OPENAI: "https://o.test"}))
-    store.close()
 
 
 def replay(pipeline: Pipeline, harness: str) -> list[tuple[Path, object]]:

@@ -36,13 +36,6 @@ from tests.test_fixtures import http_fixtures, replay, to_request
 from tests.validity import CHECKS
 
 
-@pytest.fixture
-def store(memory_at: Path | str):
-    s = open_memory(memory_at)
-    yield s
-    s.close()
-
-
 def say(store: Store, conversation: str, *texts: str, user: str = "u") -> list[int]:
     """Store alternating user/assistant turns; returns their message ids."""
     msgs = [Message("user" if i % 2 == 0 else "assistant", (text_part(t),))

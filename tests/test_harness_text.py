@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
-import pytest
-
-from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve.pipeline import Pipeline, Settings
-from perpetuity_core.wire.conversation import Message, Provider, Reply, Usage, text_part
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.conversation import Message, Reply, Usage, text_part
 from tests.conftest import FIXTURES, needs_fixtures, opened
 from tests.test_fixtures import replay, to_request
 from tests.test_names import DEVICE, REMINDER, claude_code
@@ -63,13 +59,7 @@ def session_one() -> list[list[dict]]:
     return [first, second, third]
 
 
-@pytest.fixture
-def pipeline(tmp_path: Path):
-    store = open_memory(tmp_path / "m.db")
-    yield Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
-                                              Provider.OPENAI: "https://o.test"},
-                                   trust_identity=True))  # the captures name their device
-    store.close()
+TRUST_IDENTITY = True  # the captures name their device (the `pipeline` fixture, conftest)
 
 
 def exchange(pipeline: Pipeline, request: dict, answer: str) -> str:

@@ -17,8 +17,8 @@ from perpetuity_core.memory import capture, importers, names, schema
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve.pipeline import Pipeline, Settings
-from perpetuity_core.wire.conversation import Kind, Message, Part, Provider, Reply, Usage, text_part
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.conversation import Kind, Message, Part, Reply, Usage, text_part
 from tests.conftest import Proxy, opened, query
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import to_request
@@ -68,13 +68,7 @@ def send(pipeline: Pipeline, request: dict, answer: str) -> None:
                          time.time(), job.pending)
 
 
-@pytest.fixture
-def pipeline(tmp_path: Path):
-    store = open_memory(tmp_path / "m.db")
-    yield Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test",
-                                              Provider.OPENAI: "https://o.test"},
-                                   trust_identity=True))  # the captures name their device
-    store.close()
+TRUST_IDENTITY = True  # the captures name their device (the `pipeline` fixture, conftest)
 
 
 def conversation_names(pipeline: Pipeline) -> dict[str, tuple[str, str, str]]:

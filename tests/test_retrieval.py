@@ -32,13 +32,6 @@ WORDS = ["support", "group", "painting", "sunrise", "camping", "kids", "dog", "c
 STOP = ["the", "a", "of", "to", "and", "was", "is", "i", "you", "we"]
 
 
-@pytest.fixture
-def store(memory_at: Path | str):
-    s = open_memory(memory_at)
-    yield s
-    s.close()
-
-
 def add(store: Store, user: str, conv: str, texts: list[str], role: str = "user",
         at: float = 0.0) -> list[int]:
     """One message per text (a text with ' | ' in it becomes several parts)."""

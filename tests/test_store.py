@@ -28,13 +28,6 @@ from tests.test_retrieval import WORDS, add, fill, ranked, reference, same
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def store(memory_at: Path | str):
-    s = open_memory(memory_at)
-    yield s
-    s.close()
-
-
 def test_two_processes_writing_one_file_lose_nothing() -> None:
     """scripts/bench_writers.py: two real processes store 400 turns each into one file."""
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_writers.py"),

@@ -8,7 +8,6 @@ import random
 import re
 import sqlite3
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,13 +30,6 @@ T0 = 1_700_000_000.0
 DAY = 86_400.0
 ASKED = T0 + 40 * DAY
 LABEL = re.compile(r"\[#(\d+) · ([^·\]]+) · (\w+) · (\d{4}-\d\d-\d\d \d\d:\d\d) UTC")
-
-
-@pytest.fixture
-def store(memory_at: Path | str) -> Iterator[Store]:
-    s = open_memory(memory_at)
-    yield s
-    s.close()
 
 
 def say(store: Store, conversation: str, turns: list[tuple[float, str]], user: str = "u") -> None:
