@@ -40,7 +40,7 @@ def chain_of(db: Database, user_id: int, stems: list[str]) -> tuple[list[int], i
             f"SELECT item_id, max(at), count(*) FROM chain WHERE user_id = {mark} AND term IN"
             f" ({marks(db.postgres, len(stems))}) GROUP BY item_id", (user_id, *stems)).fetchall()
         (after,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
-        pending = _text_rows(db, conn, after, None, user_id)
+        pending = text_rows(db, conn, after, None, user_id)
     found = {i: (at, n) for i, at, n in rows}
     wanted = set(stems)
     for i, _, at, text in pending:
@@ -59,7 +59,7 @@ def subject_words(d: Dictionary, text: str) -> tuple[dict[str, int], dict[str, s
     # ASCII text is split as Dictionary.id_list splits it (the same words as the tokenizer's
     # pipeline, several times faster); anything else goes through the pipeline.
     words: Iterable[bytes | str] = (
-        text.encode("ascii").translate(dictionary._ASCII_FOLD).split() if text.isascii()
+        text.encode("ascii").translate(dictionary.ASCII_FOLD).split() if text.isascii()
         else d.words(text))
     counts: dict[str, int] = {}
     forms: dict[str, str] = {}
@@ -126,11 +126,11 @@ def derive_chains(db: Database, after: int, upto: int) -> None:
     conn = db.connection()
     d = db.dictionary
     _INSERT_CHAIN.run(conn, db.postgres, [(user, s, at, i) for i, user, at, text
-                                          in _text_rows(db, conn, after, upto, None)
+                                          in text_rows(db, conn, after, upto, None)
                                           for s in subjects(d, text)])
 
 
-def _text_rows(db: Database, conn: Sql, after: int, upto: int | None,
+def text_rows(db: Database, conn: Sql, after: int, upto: int | None,
                user_id: int | None) -> list[tuple[int, int, float, str]]:
     """(item id, user id, when said, text) of the non-blank text rows past retrieval.seq
     `after` (up to `upto`; of `user_id` only, when given)."""

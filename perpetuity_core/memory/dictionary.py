@@ -55,7 +55,7 @@ STOP_WORDS = frozenset(
 )
 
 # ASCII letters and digits to themselves (upper case lowered), every other byte to a space.
-_ASCII_FOLD = bytes((c | 0x20 if 65 <= c <= 90 else c) if chr(c).isalnum() and c < 128 else 32
+ASCII_FOLD = bytes((c | 0x20 if 65 <= c <= 90 else c) if chr(c).isalnum() and c < 128 else 32
                     for c in range(256))
 _ALPHA = re.compile(r"^[a-z]+$")
 _VOWEL = re.compile(r"[aeiouy]")
@@ -168,7 +168,7 @@ class Dictionary:
             # as the Rust pipeline. One bytes.translate (lowercase, everything else a space)
             # and a split find them several times faster than the pipeline or a regex.
             get = self._ascii_ids.get
-            words = text.encode("ascii").translate(_ASCII_FOLD).split()
+            words = text.encode("ascii").translate(ASCII_FOLD).split()
             ids = [get(w, -1) for w in words]
             if -1 in ids:
                 resolve = self._resolve
@@ -190,7 +190,7 @@ class Dictionary:
         # text get(word, word) maps known words to ids and leaves unseen ones as bytes keys,
         # all inside Counter's C loop; only distinct unseen words go through Python.
         if text.isascii():
-            words = text.encode("ascii").translate(_ASCII_FOLD).split()
+            words = text.encode("ascii").translate(ASCII_FOLD).split()
             counts = Counter(map(self._ascii_ids.get, words, words))
             for w in [k for k in counts if type(k) is bytes]:
                 n = counts.pop(w)

@@ -142,7 +142,7 @@ def _chains(db: Database, raw: Sql, conn: Sql) -> list[str]:
     """`raw`: the connection chains' own statements (written per backend) run on."""
     (cursor,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
     d = db.dictionary
-    want = {(user, s, at, i) for i, user, at, text in chains._text_rows(db, raw, 0, cursor, None)
+    want = {(user, s, at, i) for i, user, at, text in chains.text_rows(db, raw, 0, cursor, None)
             for s in chains.subjects(d, text)}
     have = set(conn.execute(
         "SELECT c.user_id, c.term, c.at, c.item_id FROM chain c"
