@@ -180,3 +180,15 @@ def test_tenants_lists_and_joins_and_parts(tmp_path: Path,
         assert tenants.pool_of(store, store.user_id("key-ccc/alice"), frozenset()) == set()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("given,expected", [([], None), (["--tenants", "credential"], "credential"),
+                                            (["--tenants", "personal"], "personal")])
+def test_perpetuity_proxy_passes_the_tenancy(given: list[str], expected: str | None) -> None:
+    from perpetuity_core.cli.main import build_parser
+    from perpetuity_core.cli.proxy import mitmdump_command
+
+    args, extra = build_parser().parse_known_args(["proxy", *given])
+    args.extra = extra
+    sets = [a for a in mitmdump_command(args) if a.startswith("perpetuity_tenants=")]
+    assert sets == ([f"perpetuity_tenants={expected}"] if expected else [])
