@@ -22,7 +22,7 @@ from perpetuity_core.memory import tenants
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.wire.identity import tenant_of
 from tests.conftest import Proxy, owned, start_proxy, stop_proxy
-from tests.fake_provider import FakeProvider, Text
+from tests.fake_provider import FakeProvider, Text, ToolCall
 
 PERPETUITY = Path(sys.executable).with_name("perpetuity")
 CLAUDE_KEY, CODEX_KEY = "sk-ant-api03-personal-claude-0000", "sk-proj-personal-codex-0000"
@@ -192,3 +192,25 @@ def test_perpetuity_proxy_passes_the_tenancy(given: list[str], expected: str | N
     args.extra = extra
     sets = [a for a in mitmdump_command(args) if a.startswith("perpetuity_tenants=")]
     assert sets == ([f"perpetuity_tenants={expected}"] if expected else [])
+
+
+def test_a_personal_proxys_recall_tools_read_the_whole_file(fake: FakeProvider,
+                                                             tmp_path: Path) -> None:
+    """The recall tools on a personal proxy count and chain an imported history, as its frames
+    quote it (before, they read only the asking user's rows and found nothing)."""
+    assert main(["memory", "import", "claude-code", str(claude_code_history(tmp_path)),
+                 "--db", str(tmp_path / "memory.db"), "--quiet"]) == 0
+    p = start_proxy(tmp_path, fake.url, tenants=None)
+    try:
+        fake.script(ToolCall("memory_count", {"category": "pelican"}, call_id="toolu_count"),
+                    ToolCall("memory_chains", {"subject": "pelican"}, call_id="toolu_chain"),
+                    Text("pelican"))
+        client = owned(anthropic.Anthropic(base_url=p.url, api_key=CLAUDE_KEY, max_retries=0))
+        client.messages.create(model="claude-opus-4-8", max_tokens=20, messages=[
+            {"role": "user", "content": "Look up which branch the release train leaves from."}])
+        rounds = fake.wait_requests(3)
+        for n, call in ((1, "toolu_count"), (2, "toolu_chain")):
+            result = rounds[n].json["messages"][-1]["content"][0]
+            assert result["tool_use_id"] == call and "Tuesday" in json.dumps(result), result
+    finally:
+        stop_proxy(p)

@@ -265,7 +265,7 @@ class Pipeline:
         if front and tools_on:
             front = frame.with_note(front, _tools_note(laid_plan.left_out))
             out.memory = TurnMemory(user_id, conv, asked_at, set(laid_plan.shown),
-                                    list(laid_plan.below_cap))
+                                    list(laid_plan.below_cap), everyone=self.settings.personal)
         if not front and not laid.inserts:
             return out
         replaced = repair.replace_history(
