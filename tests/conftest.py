@@ -85,7 +85,10 @@ class Proxy:
 
 
 def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None,
-                db: Path | str | None = None) -> Proxy:
+                db: Path | str | None = None, tenants: str | None = "credential") -> Proxy:
+    """`tenants`: the suite's proxies serve many tests' "people" at once, each its own key or
+    claimed user, so they keep tenants apart as a shared proxy does; None leaves the
+    deployment's default (personal on loopback), as tests/test_personal.py means to."""
     port = port or free_port()
     db = db or tmp / "memory.db"
     confdir = tmp / "mitm"
@@ -100,6 +103,7 @@ def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None,
         "--set", f"perpetuity_openai_upstream={upstream}",
         "--set", f"perpetuity_gemini_upstream={upstream}",
         "--set", "connection_strategy=lazy",
+        *(("--set", f"perpetuity_tenants={tenants}") if tenants else ()),
         *extra,
     ]
     with open(log, "ab") as out:  # a restarted proxy (same tmp) appends to its log

@@ -1,6 +1,6 @@
-"""`perpetuity memory {import,search,stats,users,check,purge,migrate,dictionary}`: load and
-query a memory (cli/search.py), list its users, keep it whole beside a serving proxy, and move
-it to another store."""
+"""`perpetuity memory {import,search,stats,users,tenants,check,purge,migrate,dictionary}`:
+load and query a memory (cli/search.py), list its users and tenants (and join one person's),
+keep it whole beside a serving proxy, and move it to another store."""
 
 from __future__ import annotations
 
@@ -28,6 +28,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=cmd_users)
+    t = verbs.add_parser("tenants", help=cmd_tenants.__doc__, description=cmd_tenants.__doc__)
+    t.add_argument("--db", help=DB_HELP)
+    t.set_defaults(func=cmd_tenants)
+    tv = t.add_subparsers(dest="action")
+    p = tv.add_parser("join", help=cmd_join.__doc__, description=cmd_join.__doc__)
+    p.add_argument("tenant", nargs="+", help="tenants as `perpetuity memory tenants` lists them"
+                   " (key-<hash>, anonymous)")
+    # SUPPRESS: a --db given before the action (to `tenants`) is not reset by the action's.
+    p.add_argument("--db", help=DB_HELP, default=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_join)
+    p = tv.add_parser("part", help=cmd_part.__doc__, description=cmd_part.__doc__)
+    p.add_argument("tenant")
+    p.add_argument("--db", help=DB_HELP, default=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_part)
     p = verbs.add_parser("check", help=cmd_check.__doc__, description=cmd_check.__doc__)
     p.add_argument("--db", help=DB_HELP)
     p.set_defaults(func=cmd_check)
@@ -116,6 +130,60 @@ def cmd_users(args: argparse.Namespace) -> int:
         print(f"{u.key:<{width}}  {u.tenant:<28} {u.conversations:>13} {u.messages:>9}"
               f" {u.tokens:>10}  {seen}")
     print(f"{len(listed)} users in {store.shown}", file=sys.stderr)
+    return 0
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    """Every tenant (a credential's memory), the person it is joined to, and its users. A
+    personal proxy (loopback) serves all of them as one memory; a shared one keeps them apart
+    unless joined."""
+    from perpetuity_core.memory import tenants
+
+    store = _open(args.db)
+    try:
+        listed = tenants.tenant_list(store.db.translated())
+    finally:
+        store.close()
+    for t in listed:
+        joined = f"  joined as {t.person}" if t.person and t.person != t.tenant else (
+            "  joined (its person)" if t.person else "")
+        print(f"{t.tenant}{joined}")
+        for u in t.users:
+            print(f"  {u.key}  {u.conversations} conversations, {u.messages} messages")
+    print(f"{len(listed)} tenants in {store.shown}", file=sys.stderr)
+    return 0
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    """Join tenants as one person's: their users search each other's memory (a shared proxy
+    honours it on its next search; a personal one already serves everyone as one)."""
+    from perpetuity_core.memory import tenants
+
+    if len(set(args.tenant)) < 2:
+        raise ConfigError("name at least two tenants to join")
+    store = _open(args.db)
+    try:
+        with store.db.writing("join tenants") as raw:
+            person = tenants.join(store.db.translated(raw), args.tenant)
+    finally:
+        store.close()
+    print(f"joined {', '.join(args.tenant)} as {person}", file=sys.stderr)
+    return 0
+
+
+def cmd_part(args: argparse.Namespace) -> int:
+    """Take a tenant out of the person it was joined to: its memory is its own again."""
+    from perpetuity_core.memory import tenants
+
+    store = _open(args.db)
+    try:
+        with store.db.writing("part a tenant") as raw:
+            parted = tenants.part(store.db.translated(raw), args.tenant)
+    finally:
+        store.close()
+    if not parted:
+        raise ConfigError(f"{args.tenant!r} is not joined to anyone")
+    print(f"parted {args.tenant}", file=sys.stderr)
     return 0
 
 

@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     # Memory answers whoever reaches the port: only this machine, unless asked otherwise.
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--tenants", choices=("personal", "credential"), default=None,
+                   help="personal: one memory for whoever reaches the port; credential: one per"
+                   " API key (default: personal on loopback only, credential otherwise)")
     p.add_argument("--db", default=None, help=f"memory database (default {default_db_path()})")
     p.add_argument("--anthropic-upstream", default=None, help="where Anthropic traffic goes")
     p.add_argument("--openai-upstream", default=None, help="where OpenAI traffic goes")
@@ -40,7 +43,7 @@ def mitmdump_command(args: argparse.Namespace) -> list[str]:
         where(args.db)  # a URL the store cannot open is refused here, in one line
     cmd = [mitmdump, "-s", str(ADDON_SCRIPT), "--listen-host", args.host,
            "--listen-port", str(args.port)]
-    for option, value in (("perpetuity_db", args.db),
+    for option, value in (("perpetuity_db", args.db), ("perpetuity_tenants", args.tenants),
                           ("perpetuity_anthropic_upstream", args.anthropic_upstream),
                           ("perpetuity_openai_upstream", args.openai_upstream),
                           ("perpetuity_gemini_upstream", args.gemini_upstream)):

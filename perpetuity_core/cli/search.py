@@ -33,7 +33,8 @@ def add_verbs(sub: argparse._SubParsersAction, alias: bool = False) -> None:
     p.add_argument("source", choices=["claude-code", "locomo", "beam", "longmemeval"])
     p.add_argument("path", nargs="?", help="default for claude-code: ~/.claude/projects")
     p.add_argument("--db", help="memory database (default: $PERPETUITY_DB or ~/.perpetuity)")
-    p.add_argument("--user", help="user key for claude-code sessions (default: claude-code:local)")
+    p.add_argument("--user", help="user key for claude-code sessions (default: claude-code:local, which"
+                   " a personal proxy reaches; a shared one once joined: `memory tenants join`)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_import)
 

@@ -29,16 +29,19 @@ COMMON_STEMS = 50
 SUBJECT_CHARS = 4_000  # a long text's subject is in its opening: the rest is not read
 
 
-def chain_of(db: Database, user_id: int, stems: list[str]) -> tuple[list[int], int]:
+def chain_of(db: Database, user_id: int | None, stems: list[str]) -> tuple[list[int], int]:
     """The chain of rows about `stems`: the rows in the most of their chains (in all of them
     when any row is), ordered by when they were said, then by item id; and how many they
     share. Rows past the chains' cursor (at most a batch, see Store.flush) are chained here,
     in the same snapshot as the table, so none is missed while its batch is pending."""
     mark = "%s" if db.postgres else "?"
+    # Everyone's chains for None (a personal proxy's asker: the whole file is theirs).
+    mine = "" if user_id is None else f"user_id = {mark} AND "
+    args: list[int] = [] if user_id is None else [user_id]
     with db.snapshot("read the chains") as conn:
         rows = conn.execute(
-            f"SELECT item_id, max(at), count(*) FROM chain WHERE user_id = {mark} AND term IN"
-            f" ({marks(db.postgres, len(stems))}) GROUP BY item_id", (user_id, *stems)).fetchall()
+            f"SELECT item_id, max(at), count(*) FROM chain WHERE {mine}term IN"
+            f" ({marks(db.postgres, len(stems))}) GROUP BY item_id", (*args, *stems)).fetchall()
         (after,) = conn.execute("SELECT seq FROM derived WHERE name = 'chain'").fetchone()
         pending = text_rows(db, conn, after, None, user_id)
     found = {i: (at, n) for i, at, n in rows}

@@ -89,10 +89,15 @@ class Scanner:
 
     def __init__(self, store: Store, *, share_pool: bool = False, threads: int | None = None,
                  layout: str = TERMS, params: Params = Params(), store_rows: int = 2000,
-                 pool_of: Callable[[int], frozenset[int]] | None = None) -> None:
-        """`pool_of`: with `share_pool`, the users a user's pool holds (default: everyone)."""
+                 pool_of: Callable[[int], frozenset[int]] | None = None,
+                 one_person: bool = False) -> None:
+        """`pool_of`: with `share_pool`, the users a user's pool holds (default: everyone);
+        `one_person`: every row is the asker's own (a personal proxy's file is one person's,
+        whichever user key a row was stored under), so none ranks behind another as a
+        stranger's."""
         self.store = store
         self.share_pool = share_pool
+        self.one_person = one_person
         self.pool_of = pool_of
         self.params = params
         self.store_rows = store_rows
@@ -142,6 +147,8 @@ class Scanner:
         exclude = frozenset(exclude)
         if limit <= 0 or not query.strip():
             return []
+        if self.one_person:
+            user_id = None
         pool = self.pool_of(user_id) if self.pool_of and self.share_pool and user_id else None
         visible = Visibility(user_id, self.share_pool, conversation_id, during, pool)
         k = limit + len(exclude)  # excluded rows are dropped after ranking: fetch enough

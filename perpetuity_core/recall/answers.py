@@ -43,14 +43,22 @@ class TurnMemory:
     below_cap: list[int] = field(default_factory=list)  # ranked retrieval the cap left out
     library: Path | None = None  # the asking tenant's notes library, when note_capture rides
     untrusted: bool = False  # the conversation quoted untrusted content (a fetched page)
+    # A personal proxy: every stored row is the asker's, as in its frames (older tenants',
+    # imports'), so the tools read the whole file; otherwise only the asking user's rows.
+    everyone: bool = False
+
+    @property
+    def owner(self) -> int | None:
+        """Whose rows alone the tools may read: the asking user's, or no one's (everyone)."""
+        return None if self.everyone else self.user_id
 
 
 class BadArguments(ValueError):
     """The call's arguments do not fit its schema: the message tells the model what does."""
 
 
-def fetch_rows(db: Database, user_id: int, item_ids: Iterable[int]) -> dict[int, Row]:
-    """The rows of `user_id` among `item_ids` that the model may be shown."""
+def fetch_rows(db: Database, user_id: int | None, item_ids: Iterable[int]) -> dict[int, Row]:
+    """The rows among `item_ids` (of `user_id` only, when given) that the model may be shown."""
     return shown_rows(db, item_ids, user_id)
 
 

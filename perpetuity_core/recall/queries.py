@@ -96,12 +96,15 @@ def _own_conversation(db: Database, memory: TurnMemory, number: str) -> int | No
     digits = number.strip().removeprefix("c")
     if not digits.isdigit():
         return None
-    row = db.connection().execute(db.pick(_OWN_CONVERSATION),
-                                  (int(digits), memory.user_id)).fetchone()
+    owner = memory.owner
+    row = db.connection().execute(
+        db.pick(_ANY_CONVERSATION) if owner is None else db.pick(_OWN_CONVERSATION),
+        (int(digits),) if owner is None else (int(digits), owner)).fetchone()
     return row[0] if row else None
 
 
 _OWN_CONVERSATION = SQL.both("SELECT id FROM conversation WHERE id = ? AND user_id = ?")
+_ANY_CONVERSATION = SQL.both("SELECT id FROM conversation WHERE id = ?")
 
 
 def _instant(args: dict[str, Any], key: str) -> float | None:
@@ -126,7 +129,7 @@ def _search(scanner: Scanner, memory: TurnMemory, query: str, f: Filters, want: 
     while True:
         hits = scanner.search(query, memory.user_id, limit=k, exclude=exclude,
                               conversation_id=f.conversation_id, during=f.during())
-        rows = fetch_rows(scanner.db, memory.user_id, [h.item_id for h in hits])
+        rows = fetch_rows(scanner.db, memory.owner, [h.item_id for h in hits])
         keep = [(h, rows[h.item_id]) for h in hits if h.item_id in rows
                 and f.admits(rows[h.item_id])]
         if holding is not None:
@@ -210,7 +213,7 @@ def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> s
     if "item" in args:
         return _continue_row(scanner.db, args["item"], args["offset"], memory)
     limit, page = args["limit"], args["page"]
-    rows = fetch_rows(scanner.db, memory.user_id,
+    rows = fetch_rows(scanner.db, memory.owner,
                       [i for i in memory.below_cap if i not in memory.shown])
     left = [rows[i] for i in dict.fromkeys(memory.below_cap) if i in rows]
     if not left:
@@ -226,7 +229,7 @@ def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> s
 
 
 def _continue_row(db: Database, item_id: int, offset: int, memory: TurnMemory) -> str:
-    r = fetch_rows(db, memory.user_id, [item_id]).get(item_id)
+    r = fetch_rows(db, memory.owner, [item_id]).get(item_id)
     if r is None:
         return f"memory_more: there is no row #{item_id} in your memory."
     body = row_body(r)
@@ -242,12 +245,12 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
     db = scanner.db
     terms = _query_terms(db.dictionary, category)
     f = _filters(db, args, memory)
-    ids, at, conv = count_rows(db, memory.user_id, terms, match == "all", f)
+    ids, at, conv = count_rows(db, memory.owner, terms, match == "all", f)
     what = f"memory_count {category!r}{f.said}, rows holding {match} of its words"
     if ids.size == 0:
         return f"{what}: 0 rows."
     listed = ids[np.lexsort((ids, at))[:args["limit"]]].tolist()  # oldest first
-    rows = fetch_rows(db, memory.user_id, listed)
+    rows = fetch_rows(db, memory.owner, listed)
     keys = _conversation_names(db, np.unique(conv).tolist())
     days = np.datetime_as_string((at // 86_400).astype(np.int64).astype("datetime64[D]"))
     header = (f"{what}: {plural(ids.size, 'row')}, in {plural(np.unique(conv).size, 'conversation')},"
@@ -287,17 +290,22 @@ def _conversation_names(db: Database, conversation_ids: list[int]) -> dict[int, 
 _USER_ROWS = SQL.both("SELECT item_id, terms FROM retrieval WHERE user_id = ?")
 _USER_CONVERSATION_ROWS = SQL.both(
     "SELECT item_id, terms FROM retrieval WHERE user_id = ? AND conversation_id = ?")
+_ALL_ROWS = SQL.both("SELECT item_id, terms FROM retrieval")
+_CONVERSATION_ROWS = SQL.both("SELECT item_id, terms FROM retrieval WHERE conversation_id = ?")
 
 
-def count_rows(db: Database, user_id: int, terms: np.ndarray, every: bool,
+def count_rows(db: Database, user_id: int | None, terms: np.ndarray, every: bool,
                f: Filters) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every row of `user_id` passing the filters that holds every one of `terms` (or, unless
+    """Every row of `user_id` (of everyone, for None) passing the filters that holds every one of `terms` (or, unless
     `every`, any of them): (item ids, times, conversation ids), by item id. Exact: every
     retrieval row of the user is read and matched in numpy over its term blob; only the
     matches are then joined to their messages for the other filters."""
     sql, params = _USER_ROWS, [user_id]
+    if user_id is None:
+        sql, params = _ALL_ROWS, []
     if f.conversation_id is not None:
-        sql, params = _USER_CONVERSATION_ROWS, [user_id, f.conversation_id]
+        sql, params = ((_CONVERSATION_ROWS, [f.conversation_id]) if user_id is None
+                       else (_USER_CONVERSATION_ROWS, [user_id, f.conversation_id]))
     conn = db.connection()
     rows = conn.execute(db.pick(sql), params).fetchall()
     empty = np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
@@ -352,7 +360,7 @@ def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -
     if not anchors:
         return f"memory_cooccur {topic!r}: nothing stored matches it."
     turns, bound, together = cooccurring(db, anchors)
-    rows = fetch_rows(db, memory.user_id, bound[:COOCCUR_ROWS].tolist())
+    rows = fetch_rows(db, memory.owner, bound[:COOCCUR_ROWS].tolist())
     near = [i for i in bound[:COOCCUR_ROWS].tolist() if i in rows]
     if not near:
         return (f"memory_cooccur {topic!r}: its matches have not come up in a recorded turn with"
@@ -431,9 +439,9 @@ def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
     if not stems:
         raise BadArguments(f"{subject!r} has no distinctive word to follow (common words are"
                            " not chained; memory_search finds them)")
-    ids, covered = chain_of(db, memory.user_id, stems)
+    ids, covered = chain_of(db, memory.owner, stems)
     words = " and ".join(forms[s] for s in stems)
-    rows = fetch_rows(db, memory.user_id, ids)
+    rows = fetch_rows(db, memory.owner, ids)
     chain = [rows[i] for i in ids if i in rows]
     if not chain:
         return f"memory_chains {subject!r}: no stored row is about {words}."

@@ -17,8 +17,10 @@ from typing import Any
 
 import httpx
 from mitmproxy import contentviews, ctx, exceptions, http
+from mitmproxy.proxy.mode_specs import ProxyMode
 
 from perpetuity_core.errors import PerpetuityError
+from perpetuity_core.memory import tenants
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.location import where
 from perpetuity_core.memory.schema import open_memory
@@ -48,6 +50,10 @@ from perpetuity_core.wire.sse import Event
 log = logging.getLogger("perpetuity")
 # Not carried onto a retry beside the hop-by-hop headers: encodings (httpx decodes what it reads).
 _NOT_RESENT = HOP_BY_HOP | {"content-encoding"}
+_TENANCY = {tenants.PERSONAL: "one person's memory, whatever the key: whoever can reach the "
+                              "port reads it",
+            tenants.CREDENTIAL: "a memory per credential; `perpetuity memory tenants join` "
+                                "joins one person's"}
 
 
 class Perpetuity:
@@ -66,6 +72,7 @@ class Perpetuity:
         self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-notes")
         self.serving = False  # from the running hook on, the database is fixed
         self.addressing = Addressing()  # did the client address us or a host through us?
+        self.tenancy = tenants.CREDENTIAL  # whose memory a request reaches (tenants.tenancy)
 
     def load(self, loader: Any) -> None:
         contentviews.add(PerpetuityView)
@@ -92,6 +99,10 @@ class Perpetuity:
                           "Trust x-perpetuity-user and the harnesses' identity fields across "
                           "credentials: only behind a gateway that authenticates them. Off, "
                           "every identity is scoped under its request's credential.")
+        loader.add_option("perpetuity_tenants", str, "",
+                          "personal: every credential is one person's and reaches one memory "
+                          "(with every row already stored); credential: a tenant per credential. "
+                          "Empty: personal when every listen address is loopback, else credential.")
         loader.add_option("perpetuity_notes_capture", bool, True,
                           "Offer note_capture and answer /perpetuity-curate through the proxy.")
         loader.add_option("perpetuity_tool_timeout", int, 30,
@@ -119,7 +130,8 @@ class Perpetuity:
                 "perpetuity_gemini_upstream",
                 "perpetuity_tools", "perpetuity_notes_dir", "perpetuity_frame_ceiling",
                 "perpetuity_share_pool", "perpetuity_tool_rounds", "perpetuity_trust_identity",
-                "perpetuity_notes_capture", "perpetuity_tool_timeout"}
+                "perpetuity_notes_capture", "perpetuity_tool_timeout", "perpetuity_tenants",
+                "listen_host", "mode"}
         if not updated & keys:
             return
         try:
@@ -150,6 +162,10 @@ class Perpetuity:
                 self.store = self.executor.submit(self._open, ctx.options.perpetuity_db).result()
         except PerpetuityError as e:
             raise exceptions.OptionsError(str(e)) from e
+        try:
+            self.tenancy = tenants.tenancy(ctx.options.perpetuity_tenants, listening())
+        except ValueError as e:
+            raise exceptions.OptionsError(str(e)) from e
         notes_dir = ctx.options.perpetuity_notes_dir
         ceiling = ctx.options.perpetuity_frame_ceiling
         if ceiling < Cap().floor:
@@ -159,7 +175,8 @@ class Perpetuity:
             tool_rounds=max(1, ctx.options.perpetuity_tool_rounds),
             notes_root=Path(notes_dir).expanduser() if notes_dir else notes_root(),
             notes_capture=ctx.options.perpetuity_notes_capture, limits=Cap(ceiling=ceiling),
-            share_pool=pooled, trust_identity=ctx.options.perpetuity_trust_identity))
+            share_pool=pooled, trust_identity=ctx.options.perpetuity_trust_identity,
+            personal=self.tenancy == tenants.PERSONAL))
 
     def _open(self, path: str) -> Store:
         if self.store is not None:
@@ -184,6 +201,7 @@ class Perpetuity:
             f"  any other harness: HTTPS_PROXY=http://{host}:{port} with the mitmproxy CA trusted",
             flush=True,
         )
+        print(f"perpetuity: tenants: {self.tenancy} ({_TENANCY[self.tenancy]})", flush=True)
         if self.store is not None and self.store.notice:
             print(f"perpetuity: {self.store.notice}", flush=True)
 
@@ -413,6 +431,17 @@ class Perpetuity:
         pool = self.notes if pipeline.writes_notes(name) else self.tools
         return await asyncio.get_running_loop().run_in_executor(
             pool, pipeline.run_tool, name, arguments, memory)
+
+
+def listening() -> list[str]:
+    """Every address the proxy listens on (each mode's own, else listen_host; "" is all)."""
+    hosts = []
+    for spec in ctx.options.mode:
+        try:
+            hosts.append(ProxyMode.parse(spec).listen_host(ctx.options.listen_host))
+        except ValueError:
+            hosts.append("")  # mitmproxy refuses it anyway; never taken for loopback
+    return hosts
 
 
 def _readable() -> bool:

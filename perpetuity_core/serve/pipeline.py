@@ -58,7 +58,7 @@ from perpetuity_core.wire.conversation import (
     is_prompt,
     prompt_text,
 )
-from perpetuity_core.wire.identity import Identity, identify
+from perpetuity_core.wire.identity import PERSONAL, Identity, identify
 from perpetuity_core.wire.protocols import ADAPTERS
 from perpetuity_core.wire.route import (
     CONTROL_PREFIX,
@@ -100,6 +100,9 @@ class Settings:
     # tenants with each other (the proxy); False, each user sees their own.
     share_pool: bool | frozenset[str] = False
     trust_identity: bool = False  # claimed identities are authenticated upstream of us (identity)
+    # A personal proxy (tenants.tenancy): every request is one person's, and so is every row
+    # already in the file (old credential tenants, imports): one memory, nothing re-keyed.
+    personal: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,9 +128,15 @@ class Pipeline:
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
         share = settings.share_pool
         pool = share if isinstance(share, frozenset) else None
-        self.scanner = Scanner(store, share_pool=bool(share),
+        # A set of tenants (the proxy's, even empty) asks tenants.pool_of on every search, so
+        # an operator's `perpetuity memory tenants join` reaches a running proxy.
+        self.scanner = Scanner(store, share_pool=bool(share) or pool is not None,
                                pool_of=(lambda uid: tenants.pool_of(store, uid, pool))
-                               if pool is not None else None)
+                               if pool is not None else None, one_person=settings.personal)
+        if settings.personal:
+            # The one user exists before the first request (written once, at start-up): on a
+            # file of imports and older tenants, the person's first request recalls them.
+            store.user_id(PERSONAL)
         # Each conversation's plan: when its frame changes (`perpetuity_core.serve.plan`). Only
         # the preparing thread touches it; a restart costs one rebuilt frame.
         self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
@@ -174,7 +183,7 @@ class Pipeline:
                 controls = replace(controls, probe=True)
         settings = self.settings
         ident = identify(headers, parsed, credential(headers, req.path), self.store.salt,
-                         settings.trust_identity)
+                         settings.trust_identity, settings.personal)
         decision.identity, decision.parsed = ident, parsed
         library = tenants.library(settings.notes_root, ident.tenant)
         if (_last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
@@ -269,7 +278,7 @@ class Pipeline:
         if front and tools_on:
             front = frame.with_note(front, _tools_note(laid_plan.left_out))
             out.memory = TurnMemory(user_id, conv, asked_at, set(laid_plan.shown),
-                                    list(laid_plan.below_cap))
+                                    list(laid_plan.below_cap), everyone=self.settings.personal)
         if not front and not laid.inserts:
             return out
         replaced = repair.replace_history(

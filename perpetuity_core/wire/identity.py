@@ -6,7 +6,9 @@ module), or `anonymous` for every request that carries none. Explicit `x-perpetu
 claims is scoped under its tenant, so a claim partitions the tenant's memory but never reaches
 into another's (a `device_id` or `x-perpetuity-user: alice` sent with someone else's key used to
 read Alice's turns). Only a deployment whose own gateway authenticates the headers trusts them
-globally (`trust`). A conversation without an id is derived from its first user turn, which
+globally (`trust`). A personal proxy (`personal`: one person's, listening on loopback) is one
+memory: every credential and every claim is that person's, so all of them are one user,
+`personal`, and a fact told to one harness is in every other's frames. A conversation without an id is derived from its first user turn, which
 every later request of that conversation re-sends unchanged.
 """
 
@@ -25,6 +27,7 @@ OPENCODE_TITLE = "You are a title generator"
 GEMINI_CLI_COMPRESS = "distilling chat history into a structured XML <state_snapshot>"
 CODEX_TURN = "x-codex-turn-metadata"
 ANONYMOUS = "anonymous"  # the one tenant every request without a credential shares
+PERSONAL = "personal"  # a personal proxy's one tenant and user, whatever the credential
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +40,10 @@ class Identity:
 
 
 def identify(headers: Mapping[str, str], req: ParsedRequest, credential: str, salt: str,
-             trust: bool = False) -> Identity:
+             trust: bool = False, personal: bool = False) -> Identity:
     """`headers` must have lower-case keys; `trust`: the identity headers are authenticated
-    upstream of us, so a claimed user is the user, whatever the credential."""
+    upstream of us, so a claimed user is the user, whatever the credential; `personal`: every
+    request is the one person's (claims ignored: a device id must not split them in two)."""
     harness = _harness(headers)
     cc = _claude_code_metadata(req.hints.get("metadata.user_id", ""))
     tenant = tenant_of(credential, salt)
@@ -51,7 +55,9 @@ def identify(headers: Mapping[str, str], req: ParsedRequest, credential: str, sa
         or req.hints.get("safety_identifier")
         or ""
     )
-    if trust:
+    if personal:
+        user = tenant = PERSONAL
+    elif trust:
         user = str(claimed) or tenant
         tenant = user
     else:
