@@ -18,8 +18,9 @@ import openai
 import pytest
 
 from perpetuity_core.cli.main import main
-from perpetuity_core.memory import tenants
+from perpetuity_core.memory import users
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.wire import identity
 from perpetuity_core.wire.identity import tenant_of
 from tests.conftest import Proxy, owned, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text, ToolCall
@@ -67,7 +68,7 @@ def test_a_personal_proxy_is_one_memory_across_harnesses(fake: FakeProvider, tmp
         tell_claude_code(p, fake)
         assert "quokka-17" in ask_codex(p, fake, api)
         # One user: the device id the harness claimed split nothing off.
-        assert p.rows("select key from user") == [(tenants.PERSONAL,)]
+        assert p.rows("select key from user") == [(identity.PERSONAL,)]
     finally:
         stop_proxy(p)
 
@@ -145,12 +146,12 @@ def test_imported_history_and_older_tenants_are_the_persons(fake: FakeProvider,
     ("personal", ["0.0.0.0"], "personal"),  # the operator said so
 ])
 def test_tenancy_follows_the_listen_addresses(setting: str, hosts: list[str], mode: str) -> None:
-    assert tenants.tenancy(setting, hosts) == mode
+    assert identity.tenancy(setting, hosts) == mode
 
 
 def test_tenancy_refuses_another_word() -> None:
     with pytest.raises(ValueError, match="'personal' or 'credential'"):
-        tenants.tenancy("shared", ["127.0.0.1"])
+        identity.tenancy("shared", ["127.0.0.1"])
 
 
 def test_tenants_lists_and_joins_and_parts(tmp_path: Path,
@@ -173,11 +174,11 @@ def test_tenants_lists_and_joins_and_parts(tmp_path: Path,
     assert main(["memory", "tenants", "part", "key-ccc", "--db", str(db)]) == 1
     store = open_memory(db)
     try:
-        assert tenants.persons(store.db.translated()) == {"key-aaa": "key-aaa",
+        assert users.persons(store.db.translated()) == {"key-aaa": "key-aaa",
                                                           "key-bbb": "key-aaa"}
         aaa = store.user_id("key-aaa/dev-1")
-        assert tenants.pool_of(store, aaa, frozenset()) == {aaa, store.user_id("key-bbb")}
-        assert tenants.pool_of(store, store.user_id("key-ccc/alice"), frozenset()) == set()
+        assert users.pool_of(store, aaa, frozenset()) == {aaa, store.user_id("key-bbb")}
+        assert users.pool_of(store, store.user_id("key-ccc/alice"), frozenset()) == set()
     finally:
         store.close()
 

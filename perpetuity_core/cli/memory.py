@@ -108,11 +108,11 @@ def cmd_users(args: argparse.Namespace) -> int:
     first). The key is what --user takes; the name after the tenant does when it is unique."""
     import json
 
-    from perpetuity_core.memory import tenants
+    from perpetuity_core.memory import users
 
     store = _open(args.db)
     try:
-        listed = tenants.users(store.db.translated())  # a command's statements: written once
+        listed = users.users(store.db.translated())  # a command's statements: written once
     finally:
         store.close()
     if args.json:
@@ -137,11 +137,11 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     """Every tenant (a credential's memory), the person it is joined to, and its users. A
     personal proxy (loopback) serves all of them as one memory; a shared one keeps them apart
     unless joined."""
-    from perpetuity_core.memory import tenants
+    from perpetuity_core.memory import users
 
     store = _open(args.db)
     try:
-        listed = tenants.tenant_list(store.db.translated())
+        listed = users.tenant_list(store.db.translated())
     finally:
         store.close()
     for t in listed:
@@ -157,14 +157,14 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 def cmd_join(args: argparse.Namespace) -> int:
     """Join tenants as one person's: their users search each other's memory (a shared proxy
     honours it on its next search; a personal one already serves everyone as one)."""
-    from perpetuity_core.memory import tenants
+    from perpetuity_core.memory import users
 
     if len(set(args.tenant)) < 2:
         raise ConfigError("name at least two tenants to join")
     store = _open(args.db)
     try:
         with store.db.writing("join tenants") as raw:
-            person = tenants.join(store.db.translated(raw), args.tenant)
+            person = users.join(store.db.translated(raw), args.tenant)
     finally:
         store.close()
     print(f"joined {', '.join(args.tenant)} as {person}", file=sys.stderr)
@@ -173,12 +173,12 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def cmd_part(args: argparse.Namespace) -> int:
     """Take a tenant out of the person it was joined to: its memory is its own again."""
-    from perpetuity_core.memory import tenants
+    from perpetuity_core.memory import users
 
     store = _open(args.db)
     try:
         with store.db.writing("part a tenant") as raw:
-            parted = tenants.part(store.db.translated(raw), args.tenant)
+            parted = users.part(store.db.translated(raw), args.tenant)
     finally:
         store.close()
     if not parted:

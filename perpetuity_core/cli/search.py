@@ -108,10 +108,10 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def _user(store: Store, spec: str | None) -> int | None:
-    from perpetuity_core.memory import tenants
+    from perpetuity_core.memory import users
 
     # A command's statements, written once: through the translating connection.
-    return None if spec is None else tenants.find_user(store.db.translated(), spec)[0]
+    return None if spec is None else users.find_user(store.db.translated(), spec)[0]
 
 
 def _hit(h: Hit) -> dict:

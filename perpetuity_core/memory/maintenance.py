@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory import chains, dictionary, tenants
+from perpetuity_core.memory import chains, dictionary, users
 from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.index import (
     count_terms,
@@ -80,14 +80,14 @@ class Purged:
 
 
 def purge_user(store: Store, user_key: str) -> Purged:
-    """Remove a user's memory as a unit (the user named as tenants.find_user takes it):
+    """Remove a user's memory as a unit (the user named as users.find_user takes it):
     messages, rows, retrieval rows and their counts, activations, clock, chains, conversation
     names, and every binding to their rows, in one transaction. The user and conversation rows
     stay (keys only, no content): a running proxy holds their ids."""
     db = store.db
     with db.writing("purge a user") as raw:
         conn = db.translated(raw)
-        uid, key = tenants.find_user(conn, user_key)
+        uid, key = users.find_user(conn, user_key)
         mine = "SELECT id FROM message WHERE user_id = ?"
         (items,) = conn.execute(f"SELECT count(*) FROM item WHERE message_id IN ({mine})",
                                 (uid,)).fetchone()

@@ -20,7 +20,6 @@ from mitmproxy import contentviews, ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ProxyMode
 
 from perpetuity_core.errors import PerpetuityError
-from perpetuity_core.memory import tenants
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.location import where
 from perpetuity_core.memory.schema import open_memory
@@ -42,6 +41,7 @@ from perpetuity_core.serve.flowview import FACTS, PerpetuityView, round_flows
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.relay import JOB_HEADER, REFUSED, Relay, ReplyTee, as_sent
 from perpetuity_core.serve.writer import Capture
+from perpetuity_core.wire import identity
 from perpetuity_core.wire.conversation import Provider
 from perpetuity_core.wire.protocols import responses
 from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, parse_upstream
@@ -50,9 +50,9 @@ from perpetuity_core.wire.sse import Event
 log = logging.getLogger("perpetuity")
 # Not carried onto a retry beside the hop-by-hop headers: encodings (httpx decodes what it reads).
 _NOT_RESENT = HOP_BY_HOP | {"content-encoding"}
-_TENANCY = {tenants.PERSONAL: "one person's memory, whatever the key: whoever can reach the "
+_TENANCY = {identity.PERSONAL: "one person's memory, whatever the key: whoever can reach the "
                               "port reads it",
-            tenants.CREDENTIAL: "a memory per credential; `perpetuity memory tenants join` "
+            identity.CREDENTIAL: "a memory per credential; `perpetuity memory tenants join` "
                                 "joins one person's"}
 
 
@@ -72,7 +72,7 @@ class Perpetuity:
         self.notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-notes")
         self.serving = False  # from the running hook on, the database is fixed
         self.addressing = Addressing()  # did the client address us or a host through us?
-        self.tenancy = tenants.CREDENTIAL  # whose memory a request reaches (tenants.tenancy)
+        self.tenancy = identity.CREDENTIAL  # whose memory a request reaches (identity.tenancy)
 
     def load(self, loader: Any) -> None:
         contentviews.add(PerpetuityView)
@@ -163,7 +163,7 @@ class Perpetuity:
         except PerpetuityError as e:
             raise exceptions.OptionsError(str(e)) from e
         try:
-            self.tenancy = tenants.tenancy(ctx.options.perpetuity_tenants, listening())
+            self.tenancy = identity.tenancy(ctx.options.perpetuity_tenants, listening())
         except ValueError as e:
             raise exceptions.OptionsError(str(e)) from e
         notes_dir = ctx.options.perpetuity_notes_dir
@@ -176,7 +176,7 @@ class Perpetuity:
             notes_root=Path(notes_dir).expanduser() if notes_dir else notes_root(),
             notes_capture=ctx.options.perpetuity_notes_capture, limits=Cap(ceiling=ceiling),
             share_pool=pooled, trust_identity=ctx.options.perpetuity_trust_identity,
-            personal=self.tenancy == tenants.PERSONAL))
+            personal=self.tenancy == identity.PERSONAL))
 
     def _open(self, path: str) -> Store:
         if self.store is not None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from perpetuity_core import notes
 from perpetuity_core.errors import PerpetuityError
-from perpetuity_core.memory import bindings, capture, frame, heat, names, tenants
+from perpetuity_core.memory import bindings, capture, frame, heat, names, tenants, users
 from perpetuity_core.memory.cap import Cap
 from perpetuity_core.memory.capture import TurnContext
 from perpetuity_core.memory.frame import Frame
@@ -100,7 +100,7 @@ class Settings:
     # tenants with each other (the proxy); False, each user sees their own.
     share_pool: bool | frozenset[str] = False
     trust_identity: bool = False  # claimed identities are authenticated upstream of us (identity)
-    # A personal proxy (tenants.tenancy): every request is one person's, and so is every row
+    # A personal proxy (identity.tenancy): every request is one person's, and so is every row
     # already in the file (old credential tenants, imports): one memory, nothing re-keyed.
     personal: bool = False
 
@@ -128,10 +128,10 @@ class Pipeline:
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
         share = settings.share_pool
         pool = share if isinstance(share, frozenset) else None
-        # A set of tenants (the proxy's, even empty) asks tenants.pool_of on every search, so
+        # A set of tenants (the proxy's, even empty) asks users.pool_of on every search, so
         # an operator's `perpetuity memory tenants join` reaches a running proxy.
         self.scanner = Scanner(store, share_pool=bool(share) or pool is not None,
-                               pool_of=(lambda uid: tenants.pool_of(store, uid, pool))
+                               pool_of=(lambda uid: users.pool_of(store, uid, pool))
                                if pool is not None else None, one_person=settings.personal)
         if settings.personal:
             # The one user exists before the first request (written once, at start-up): on a

@@ -15,8 +15,9 @@ every later request of that conversation re-sends unchanged.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from perpetuity_core.wire.conversation import Kind, ParsedRequest
@@ -167,3 +168,33 @@ def _json_header(value: str) -> dict[str, object]:
 
 def _digest(salt: str, value: str) -> str:
     return hashlib.blake2b(value.encode(), key=salt.encode()[:64], digest_size=12).hexdigest()
+
+
+CREDENTIAL = "credential"  # the shared proxy's tenancy; PERSONAL the other
+
+
+def tenancy(setting: str, hosts: Iterable[str]) -> str:
+    """`personal` or `credential`: the setting when given, else `personal` only when every
+    address the proxy listens on is loopback (whoever can reach the port reads the memory;
+    an empty host is every interface). A ValueError names a setting that is neither."""
+    if setting in (PERSONAL, CREDENTIAL):
+        return setting
+    if setting:
+        raise ValueError(f"perpetuity_tenants is {PERSONAL!r} or {CREDENTIAL!r}, not {setting!r}")
+    hosts = list(hosts)
+    return PERSONAL if hosts and all(_loopback(h) for h in hosts) else CREDENTIAL
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another name: it may resolve beyond this machine
+
+
+def tenant_of_key(user_key: str) -> str:
+    """A stored user's tenant: the part of its key before the claimed name (`key-<hash>/<name>`,
+    as `identify` makes it); `tenant_of` makes that tenant from a credential."""
+    return user_key.split("/", 1)[0]
