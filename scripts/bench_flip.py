@@ -29,10 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import capture, importers, index, maintenance  # noqa: E402
+from perpetuity_core.memory.derived import index  # noqa: E402
+from perpetuity_core.memory.jobs import importers, maintenance  # noqa: E402
+from perpetuity_core.memory.jobs.transfer import copy_memory  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
-from perpetuity_core.memory.store import Database, Store  # noqa: E402
-from perpetuity_core.memory.transfer import copy_memory  # noqa: E402
+from perpetuity_core.memory.storage import capture  # noqa: E402
+from perpetuity_core.memory.storage.store import Database, Store  # noqa: E402
 from perpetuity_core.wire.conversation import Message  # noqa: E402
 from scripts.bench_retrieval import parse_size, pct  # noqa: E402
 from scripts.bench_steady import build  # noqa: E402

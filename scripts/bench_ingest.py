@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import heat, importers, index  # noqa: E402
+from perpetuity_core.memory.derived import heat, index  # noqa: E402
+from perpetuity_core.memory.jobs import importers  # noqa: E402
 from perpetuity_core.memory.schema import open_memory
 from scripts.bench_retrieval import fts5_insert  # noqa: E402
 

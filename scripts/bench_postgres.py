@@ -27,7 +27,7 @@ at least 500 users), copied to PostgreSQL by `memory migrate`'s copy (timed), bo
 `memory check` (timed), then on each backend: the cold arena; p50/p99 of real LoCoMo and BEAM
 questions through Scanner.search (the scan and the hits' text), each asked by a user who holds
 the conversation, as the proxy asks them (scripts/bench_steady.py), and of the reads the frame
-makes around it (the rows around the first hits and every row shown, memory/frame_read.py); the
+makes around it (the rows around the first hits and every row shown, frame/read.py); the
 statements a search sends, per statement (PostgreSQL's pg_stat_statements); and the catch-up of
 `rows` one-row messages another process stored (bench_writers.py's writer).
 Prints one JSON object.
@@ -55,12 +55,14 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import frame_read, importers, index, scan  # noqa: E402
-from perpetuity_core.memory.integrity import check  # noqa: E402
-from perpetuity_core.memory.rows import around, shown_rows  # noqa: E402
+from perpetuity_core.frame import read as frame_read  # noqa: E402
+from perpetuity_core.frame.rows import around, shown_rows  # noqa: E402
+from perpetuity_core.memory.derived import index, scan  # noqa: E402
+from perpetuity_core.memory.jobs import importers  # noqa: E402
+from perpetuity_core.memory.jobs.integrity import check  # noqa: E402
+from perpetuity_core.memory.jobs.transfer import copy_memory  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
-from perpetuity_core.memory.store import Database, Store  # noqa: E402
-from perpetuity_core.memory.transfer import copy_memory  # noqa: E402
+from perpetuity_core.memory.storage.store import Database, Store  # noqa: E402
 from perpetuity_core.wire.conversation import Kind, Message, Part  # noqa: E402
 from scripts.bench_retrieval import UNIT_USERS, parse_size, pct, questions  # noqa: E402
 from scripts.bench_steady import build  # noqa: E402

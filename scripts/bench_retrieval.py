@@ -50,13 +50,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import (
-    importers,  # noqa: E402
-    index,
-    scan,
-)
+from perpetuity_core.memory.derived import index, scan  # noqa: E402
+from perpetuity_core.memory.jobs import importers  # noqa: E402
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store  # noqa: E402
+from perpetuity_core.memory.storage.store import Store  # noqa: E402
 
 UNIT_USERS = 20
 

@@ -26,9 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import capture, importers, index, scan  # noqa: E402
+from perpetuity_core.memory.derived import index, scan  # noqa: E402
+from perpetuity_core.memory.jobs import importers  # noqa: E402
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store  # noqa: E402
+from perpetuity_core.memory.storage import capture  # noqa: E402
+from perpetuity_core.memory.storage.store import Store  # noqa: E402
 from scripts.bench_retrieval import (  # noqa: E402
     UNIT_USERS,
     ingest,

@@ -23,11 +23,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from perpetuity_core.memory import importers
-from perpetuity_core.memory.index import token_estimate
-from perpetuity_core.memory.scan import Scanner
+from perpetuity_core.memory.derived.index import token_estimate
+from perpetuity_core.memory.derived.scan import Scanner
+from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.recall import answers, tools
 from perpetuity_core.wire.protocols import anthropic
 

@@ -42,7 +42,7 @@ def peak(writer: int, i: int) -> float:
 def write(path: str, user: str, n: int) -> None:
     """One writer process: `n` turns, then the number of failed writes on stdout."""
     from perpetuity_core.errors import StoreError
-    from perpetuity_core.memory import heat
+    from perpetuity_core.memory.derived import heat
     from perpetuity_core.wire.conversation import Kind, Message, Part
 
     s = open_memory(path)
@@ -87,8 +87,8 @@ def main() -> int:
         if args.write:
             write(str(path), args.write[0], int(args.write[1]))
             return 0
-        from perpetuity_core.memory import heat
-        from perpetuity_core.memory.integrity import check
+        from perpetuity_core.memory.derived import heat
+        from perpetuity_core.memory.jobs.integrity import check
         from perpetuity_core.wire.conversation import Kind, Message, Part
 
         store = open_memory(path)  # migrated once, so every writer starts on the same schema

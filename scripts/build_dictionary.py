@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import dictionary  # noqa: E402
+from perpetuity_core.memory.storage import dictionary  # noqa: E402
 
 
 def corpus_texts(root: Path) -> Iterator[str]:

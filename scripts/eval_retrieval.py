@@ -38,9 +38,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory import bm25, dictionary, frame, importers, index, scan  # noqa: E402
+from perpetuity_core.frame import build as frame  # noqa: E402
+from perpetuity_core.memory.derived import bm25, index, scan  # noqa: E402
+from perpetuity_core.memory.jobs import importers  # noqa: E402
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store  # noqa: E402
+from perpetuity_core.memory.storage import dictionary  # noqa: E402
+from perpetuity_core.memory.storage.store import Store  # noqa: E402
 
 KS = (5, 10, 20, 50)
 BUDGETS = (2000, 4000, 8000)

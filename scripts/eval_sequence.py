@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perpetuity_core.cli import eval as ev
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.index import token_estimate
+from perpetuity_core.frame.cap import Cap
+from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Provider, Reply, Usage

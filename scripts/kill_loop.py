@@ -126,7 +126,7 @@ class Client(threading.Thread):
 
 def check_memory(db: Path | str) -> list[str]:
     """`perpetuity memory check` against the live memory (a second process: this one)."""
-    from perpetuity_core.memory.integrity import check
+    from perpetuity_core.memory.jobs.integrity import check
 
     store = open_memory(db)
     try:

@@ -17,7 +17,7 @@ from typing import Protocol
 import pytest
 
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Provider
 from tests import postgres

@@ -107,7 +107,7 @@ class Other:
     def __init__(self, location: object) -> None:
         import sqlite3
 
-        from perpetuity_core.memory.dialect import PgConnection, Translated
+        from perpetuity_core.memory.storage.dialect import PgConnection, Translated
 
         if isinstance(location, str):
             import psycopg

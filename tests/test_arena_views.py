@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from perpetuity_core.memory import arena, bm25, index, scan
-from perpetuity_core.memory.store import Store
-from perpetuity_core.memory.view import Frequencies, View, Visibility
+from perpetuity_core.memory.derived import arena, bm25, index, scan
+from perpetuity_core.memory.derived.view import Frequencies, View, Visibility
+from perpetuity_core.memory.storage.store import Store
 from tests.test_retrieval import WORDS, add, fill, random_text, reference
 
 QUERIES = ["support group guitar", "guitar", "painting sunrise camping", "dog the cat kids"]

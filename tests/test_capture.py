@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from perpetuity_core.memory import capture
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage import capture
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Kind, Message, Part, Reply, Usage, text_part
 from perpetuity_core.wire.sse import SSEDecoder
 

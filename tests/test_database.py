@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from perpetuity_core.memory import heat, index, scan
-from perpetuity_core.memory.integrity import check
+from perpetuity_core.memory.derived import heat, index, scan
+from perpetuity_core.memory.jobs.integrity import check
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage.store import Store
 from tests.test_retrieval import add, fill, ranked, reference, same
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,11 +93,11 @@ def _sources() -> dict[str, str]:
 
 def test_only_the_store_reaches_the_database_module() -> None:
     """The handle is reached through a store (or the handle it hands out), never imported:
-    no module but the store imports memory.database, and no module holds a process-wide
+    no module but the store imports memory.storage.database, and no module holds a process-wide
     connection (the names the module had before its handle)."""
     importers = {path for path, text in _sources().items()
-                 if re.search(r"memory(\.database import|\.database\b| import database)", text)}
-    assert importers == {"perpetuity_core/memory/store.py"}
+                 if re.search(r"storage(\.database import|\.database\b| import database)", text)}
+    assert importers == {"perpetuity_core/memory/storage/store.py"}
     for path, text in _sources().items():
         assert not re.search(r"^(db|connection|snapshot|writing|postgres)\s*=|"
                              r"^def (connection|snapshot|writing|postgres)\(", text, re.M), path
@@ -108,10 +108,11 @@ def test_translation_is_named_where_it_is_used() -> None:
     """SQL written once in SQLite's dialect runs on PostgreSQL only through the handle's
     `legacy` or `translated` (migrations, maintenance commands, the check): the per-request
     modules write theirs per backend."""
-    per_request = ("scan", "arena", "rows", "heat", "index", "bindings", "tenants", "frame",
-                   "chains")
+    per_request = ("memory/derived/scan", "memory/derived/arena", "memory/derived/heat",
+                   "memory/derived/index", "memory/derived/bindings", "memory/derived/chains",
+                   "memory/storage/users", "frame/rows", "frame/read")
     for name in per_request:
-        text = (PACKAGE / "memory" / f"{name}.py").read_text()
+        text = (PACKAGE / f"{name}.py").read_text()
         body = text.split("\ndef m0", 1)[0]  # a module's migrations come last
         assert ".translated(" not in body and "translate_legacy" not in body, name
         assert ".legacy(" not in body, name

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from perpetuity_core.memory import dates
+from perpetuity_core.frame import dates
 
 ASKED = datetime(2023, 11, 15, 10, 30, tzinfo=UTC).timestamp()  # a Wednesday
 

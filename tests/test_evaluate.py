@@ -9,7 +9,7 @@ import pytest
 
 from perpetuity_core.cli.eval import evaluate
 from perpetuity_core.cli.main import main
-from perpetuity_core.memory.cap import Cap
+from perpetuity_core.frame.cap import Cap
 from tests.conftest import SHARED
 
 LONGMEMEVAL = SHARED / "data" / "longmemeval" / "longmemeval_s_one_question.json"

@@ -16,7 +16,7 @@ import pytest
 from mitmproxy import exceptions
 from mitmproxy.test import taddons
 
-from perpetuity_core.memory import tenants
+from perpetuity_core.frame import tenants
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.wire.identity import tenant_of

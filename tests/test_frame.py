@@ -14,11 +14,17 @@ import numpy as np
 import openai
 import pytest
 
-from perpetuity_core.memory import cap, capture, frame, frame_read, frame_render, frame_select, heat
-from perpetuity_core.memory.rows import Row, adjacent_pairs, around, shown_rows
-from perpetuity_core.memory.scan import Scanner
+from perpetuity_core.frame import build as frame
+from perpetuity_core.frame import cap
+from perpetuity_core.frame import read as frame_read
+from perpetuity_core.frame import render as frame_render
+from perpetuity_core.frame import select as frame_select
+from perpetuity_core.frame.rows import Row, adjacent_pairs, around, shown_rows
+from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage import capture
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import (
     Kind,

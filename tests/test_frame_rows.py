@@ -9,11 +9,13 @@ from collections.abc import Collection
 import numpy as np
 import pytest
 
-from perpetuity_core.memory import frame_render, frame_select, heat
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.index import messages_tokens
-from perpetuity_core.memory.rows import Row
-from perpetuity_core.memory.scan import Hit
+from perpetuity_core.frame import render as frame_render
+from perpetuity_core.frame import select as frame_select
+from perpetuity_core.frame.cap import Cap
+from perpetuity_core.frame.rows import Row
+from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived.index import messages_tokens
+from perpetuity_core.memory.derived.scan import Hit
 from perpetuity_core.wire.conversation import Kind, Message
 
 ASKED = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.location import sqlite_path
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage.location import sqlite_path
 from tests.conftest import MITMDUMP, ROOT, free_port
 
 PERPETUITY = Path(sys.executable).with_name("perpetuity")

@@ -13,8 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from perpetuity_core.memory import capture, importers, names, schema
+from perpetuity_core.memory import schema
+from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage import capture, names
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.pipeline import Pipeline

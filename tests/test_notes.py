@@ -13,7 +13,7 @@ import pytest
 from perpetuity_core import notes
 from perpetuity_core.cli import main as cli
 from perpetuity_core.errors import PerpetuityError
-from perpetuity_core.memory import dictionary
+from perpetuity_core.memory.storage import dictionary
 
 REPO = Path(__file__).resolve().parent.parent
 TODAY = date(2026, 11, 30)

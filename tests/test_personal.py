@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from perpetuity_core.cli.main import main
-from perpetuity_core.memory import users
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage import users
 from perpetuity_core.wire import identity
 from perpetuity_core.wire.identity import tenant_of
 from tests.conftest import Proxy, owned, start_proxy, stop_proxy

@@ -1,4 +1,4 @@
-"""When the frame changes (perpetuity_core.serve.plan): append-only within a task and across prompts,
+"""When the frame changes (perpetuity_core.frame.plan): append-only within a task and across prompts,
 addenda before new prompts, a rebuild when the arithmetic says so, and never a stale plan."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from perpetuity_core.memory import frame
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.index import messages_tokens
+from perpetuity_core.frame import build as frame
+from perpetuity_core.frame import plan
+from perpetuity_core.frame.cap import Cap
+from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.serve import plan
 from perpetuity_core.serve.exchange import Decision
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Message, Protocol, Provider, Reply, Usage, text_part

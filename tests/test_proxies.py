@@ -1,5 +1,5 @@
 """Several proxies over one PostgreSQL memory: real mitmdump processes storing at once, each
-arena catching up on what the others stored (memory/database.py explains the write lock)."""
+arena catching up on what the others stored (memory/storage/database.py explains the write lock)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import anthropic
 import pytest
 
-from perpetuity_core.memory.integrity import check
+from perpetuity_core.memory.jobs.integrity import check
 from perpetuity_core.memory.schema import open_memory
 from tests import postgres
 from tests.conftest import start_proxy, stop_proxy

@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perpetuity_core.memory import arena, bm25, dictionary, index, maintenance, scan, view
-from perpetuity_core.memory.dialect import Sql
+from perpetuity_core.memory.derived import arena, bm25, index, scan, view
+from perpetuity_core.memory.jobs import maintenance
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage import dictionary
+from perpetuity_core.memory.storage.dialect import Sql
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Kind, Message, Part
 from tests.conftest import opened_other
 
@@ -166,7 +168,7 @@ def test_unknown_words_hash_deterministically_into_the_reserved_range() -> None:
     (t,) = d.ids("zorblaxification")
     assert d.hash_base <= t < d.n_terms
     assert t == dictionary.hash_term(dictionary.stem("zorblaxification"), d.hash_base)
-    code = ("from perpetuity_core.memory import dictionary;"
+    code = ("from perpetuity_core.memory.storage import dictionary;"
             "print(int(dictionary.shipped().ids('zorblaxification')[0]))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            cwd=ROOT, check=True)
@@ -561,7 +563,7 @@ def test_search_and_stats_commands(memory_at: Path | str, capsys: pytest.Capture
 
 @needs_shared
 def test_import_the_benchmark_formats(tmp_path: Path) -> None:
-    from perpetuity_core.memory import importers
+    from perpetuity_core.memory.jobs import importers
 
     store = open_memory(tmp_path / "m.db")
     lme = importers.run(store, "longmemeval",
@@ -584,7 +586,7 @@ def test_import_the_benchmark_formats(tmp_path: Path) -> None:
 
 
 def test_import_claude_code_sessions(tmp_path: Path) -> None:
-    from perpetuity_core.memory import importers
+    from perpetuity_core.memory.jobs import importers
 
     project = tmp_path / "projects" / "-home-dev-app"
     project.mkdir(parents=True)

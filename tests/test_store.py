@@ -17,10 +17,12 @@ import pytest
 
 from perpetuity_core.cli import main as cli
 from perpetuity_core.errors import StoreError
-from perpetuity_core.memory import capture, dictionary, heat, index, maintenance, scan
-from perpetuity_core.memory.integrity import check
+from perpetuity_core.memory.derived import heat, index, scan
+from perpetuity_core.memory.jobs import maintenance
+from perpetuity_core.memory.jobs.integrity import check
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage import capture, dictionary
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Kind, Message, Part
 from tests.conftest import opened_other, query
 from tests.test_retrieval import WORDS, add, fill, ranked, reference, same

@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 
 from perpetuity_core.errors import StoreError
-from perpetuity_core.memory import bindings, cap, capture, chains, index, names
-from perpetuity_core.memory.index import token_estimate
-from perpetuity_core.memory.scan import Scanner
+from perpetuity_core.frame import cap
+from perpetuity_core.memory.derived import bindings, chains, index
+from perpetuity_core.memory.derived.index import token_estimate
+from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Database, Store
+from perpetuity_core.memory.storage import capture, names
+from perpetuity_core.memory.storage.store import Database, Store
 from perpetuity_core.recall import answers, queries, tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.recall.tools import run
@@ -318,7 +320,7 @@ def test_a_reader_on_its_own_thread_sees_the_chains_of_a_row_stored_just_before(
 
 def test_no_chain_is_lost_across_batches_a_crash_and_a_purged_newest_row(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from perpetuity_core.memory import store as store_module
+    from perpetuity_core.memory.storage import store as store_module
 
     monkeypatch.setattr(store_module, "BATCH_ROWS", 3)
     rng = random.Random(7)

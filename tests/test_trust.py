@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from perpetuity_core.memory import tenants
+from perpetuity_core.frame import tenants
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.wire.identity import tenant_of
 from tests.conftest import FIXTURES, Proxy, needs_fixtures, start_proxy, stop_proxy

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from perpetuity_core.memory.cap import Cap
+from perpetuity_core.frame.cap import Cap
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import Decision
 from perpetuity_core.serve.pipeline import Pipeline, Settings

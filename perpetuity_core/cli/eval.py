@@ -14,7 +14,7 @@ conversation in one memory, each its own user, with pool sharing on (own rows fi
 
 In sequence (`--sequence`), a conversation's questions are asked one after another in one
 conversation, as a person asks them (a minute apart, each answered "Noted."), and stored: the
-frame then lives as it does for a person (`perpetuity_core.plan`: kept, added to, rebuilt).
+frame then lives as it does for a person (`perpetuity_core.frame.plan`: kept, added to, rebuilt).
 Beside the request's recall, the ranking's own: its top rows within as many tokens as the
 memory the request carried (`memory_tokens`: the frame and its addenda), and within as many as
 the memory chosen for that question (`new_memory_tokens`: a new frame or an addendum).
@@ -35,12 +35,14 @@ import numpy as np
 from tqdm import tqdm
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory import capture, frame, importers
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.index import token_estimate
-from perpetuity_core.memory.rows import shown_rows
+from perpetuity_core.frame import build as frame
+from perpetuity_core.frame.cap import Cap
+from perpetuity_core.frame.rows import shown_rows
+from perpetuity_core.memory.derived.index import token_estimate
+from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage import capture
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.serve.exchange import HttpRequest, PendingTurn
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Kind, Message, Part, Provider, Reply, Usage

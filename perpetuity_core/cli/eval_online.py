@@ -33,7 +33,7 @@ from tqdm import tqdm
 from perpetuity_core.cli import eval as base
 from perpetuity_core.cli.eval_reader import EventLoop, Proxy
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.cap import Cap
+from perpetuity_core.frame.cap import Cap
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Provider

@@ -45,10 +45,10 @@ from tqdm import tqdm
 
 from perpetuity_core.cli import eval as base
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.index import token_estimate
+from perpetuity_core.frame.cap import Cap
+from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage import dictionary
 from perpetuity_core.serve.exchange import Job
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.relay import JOB_HEADER, Relay

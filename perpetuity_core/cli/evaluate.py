@@ -12,7 +12,7 @@ from typing import Any
 from perpetuity_core.cli import eval as frame_eval
 from perpetuity_core.cli import eval_online, eval_reader
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.cap import Cap
+from perpetuity_core.frame.cap import Cap
 
 
 def register(sub: Any) -> None:

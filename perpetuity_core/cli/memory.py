@@ -14,7 +14,7 @@ from perpetuity_core.cli import search
 from perpetuity_core.errors import ConfigError
 
 if TYPE_CHECKING:  # imported by the commands that use it: the CLI starts light
-    from perpetuity_core.memory.store import Store
+    from perpetuity_core.memory.storage.store import Store
 
 DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity)"
 
@@ -82,14 +82,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _open(db: str | None) -> Store:
     from perpetuity_core.memory.schema import open_memory
-    from perpetuity_core.memory.store import default_db_path
+    from perpetuity_core.memory.storage.store import default_db_path
 
     return open_memory(db or default_db_path())
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Recompute every invariant; one line per violation, exit status 1 when any."""
-    from perpetuity_core.memory.integrity import check
+    from perpetuity_core.memory.jobs.integrity import check
 
     store = _open(args.db)
     try:
@@ -108,7 +108,7 @@ def cmd_users(args: argparse.Namespace) -> int:
     first). The key is what --user takes; the name after the tenant does when it is unique."""
     import json
 
-    from perpetuity_core.memory import users
+    from perpetuity_core.memory.storage import users
 
     store = _open(args.db)
     try:
@@ -137,7 +137,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     """Every tenant (a credential's memory), the person it is joined to, and its users. A
     personal proxy (loopback) serves all of them as one memory; a shared one keeps them apart
     unless joined."""
-    from perpetuity_core.memory import users
+    from perpetuity_core.memory.storage import users
 
     store = _open(args.db)
     try:
@@ -157,7 +157,7 @@ def cmd_tenants(args: argparse.Namespace) -> int:
 def cmd_join(args: argparse.Namespace) -> int:
     """Join tenants as one person's: their users search each other's memory (a shared proxy
     honours it on its next search; a personal one already serves everyone as one)."""
-    from perpetuity_core.memory import users
+    from perpetuity_core.memory.storage import users
 
     if len(set(args.tenant)) < 2:
         raise ConfigError("name at least two tenants to join")
@@ -173,7 +173,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def cmd_part(args: argparse.Namespace) -> int:
     """Take a tenant out of the person it was joined to: its memory is its own again."""
-    from perpetuity_core.memory import users
+    from perpetuity_core.memory.storage import users
 
     store = _open(args.db)
     try:
@@ -189,9 +189,9 @@ def cmd_part(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     """Copy a SQLite memory, row for row, into an empty store (PostgreSQL), then check both."""
-    from perpetuity_core.memory.integrity import check
-    from perpetuity_core.memory.location import shown, sqlite_path
-    from perpetuity_core.memory.transfer import copy_memory
+    from perpetuity_core.memory.jobs.integrity import check
+    from perpetuity_core.memory.jobs.transfer import copy_memory
+    from perpetuity_core.memory.storage.location import shown, sqlite_path
 
     source = sqlite_path(args.source)
     if not source.is_file():
@@ -221,7 +221,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_purge(args: argparse.Namespace) -> int:
     """Remove a user's memory as a unit (notes are untouched)."""
-    from perpetuity_core.memory.maintenance import purge_user
+    from perpetuity_core.memory.jobs.maintenance import purge_user
 
     store = _open(args.db)
     try:
@@ -234,7 +234,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     """The dictionary versions this memory holds: which is live, how far each is re-derived."""
-    from perpetuity_core.memory.maintenance import versions
+    from perpetuity_core.memory.jobs.maintenance import versions
 
     store = _open(args.db)
     try:
@@ -249,7 +249,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_upload(args: argparse.Namespace) -> int:
     """Store a dictionary file dark (nothing changes until it is re-derived and flipped)."""
-    from perpetuity_core.memory.maintenance import upload
+    from perpetuity_core.memory.jobs.maintenance import upload
 
     store = _open(args.db)
     try:
@@ -261,7 +261,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
 
 def cmd_rederive(args: argparse.Namespace) -> int:
     """Re-derive every row under a dark version (resumable; the proxy keeps serving)."""
-    from perpetuity_core.memory.maintenance import rederive, target
+    from perpetuity_core.memory.jobs.maintenance import rederive, target
 
     store = _open(args.db)
     try:
@@ -276,7 +276,7 @@ def cmd_rederive(args: argparse.Namespace) -> int:
 
 def cmd_flip(args: argparse.Namespace) -> int:
     """Make the re-derived version live, in one transaction (heat and novelty untouched)."""
-    from perpetuity_core.memory.maintenance import flip, target
+    from perpetuity_core.memory.jobs.maintenance import flip, target
 
     store = _open(args.db)
     try:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.location import where
-from perpetuity_core.memory.store import default_db_path
+from perpetuity_core.memory.storage.location import where
+from perpetuity_core.memory.storage.store import default_db_path
 
 # Inside the package, so an installed wheel runs the proxy too (not imported here: it builds the addon).
 ADDON_SCRIPT = Path(__file__).resolve().parent.parent / "serve" / "script.py"

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from perpetuity_core.errors import ConfigError
 
 if TYPE_CHECKING:  # imported by the commands that use them: the CLI starts light
-    from perpetuity_core.memory.scan import Hit
-    from perpetuity_core.memory.store import Store
+    from perpetuity_core.memory.derived.scan import Hit
+    from perpetuity_core.memory.storage.store import Store
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,14 +57,14 @@ def add_verbs(sub: argparse._SubParsersAction, alias: bool = False) -> None:
 
 def _open(db: str | None) -> Store:
     from perpetuity_core.memory.schema import open_memory
-    from perpetuity_core.memory.store import default_db_path
+    from perpetuity_core.memory.storage.store import default_db_path
 
     return open_memory(db or default_db_path())
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     """Import existing histories (one transaction per message, times from the source)."""
-    from perpetuity_core.memory import importers
+    from perpetuity_core.memory.jobs import importers
 
     path = args.path or ("~/.claude/projects" if args.source == "claude-code" else None)
     if path is None:
@@ -83,7 +83,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     """Rank the stored rows against a query: id, user, conversation, role, time, score, text."""
-    from perpetuity_core.memory import scan
+    from perpetuity_core.memory.derived import scan
 
     store = _open(args.db)
     try:
@@ -108,7 +108,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def _user(store: Store, spec: str | None) -> int | None:
-    from perpetuity_core.memory import users
+    from perpetuity_core.memory.storage import users
 
     # A command's statements, written once: through the translating connection.
     return None if spec is None else users.find_user(store.db.translated(), spec)[0]
@@ -131,7 +131,7 @@ def _table(hits: list) -> None:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     """Users, conversations, messages, rows, tokens, dictionary version, arena size."""
-    from perpetuity_core.memory.arena import Arena
+    from perpetuity_core.memory.derived.arena import Arena
 
     store = _open(args.db)
     try:

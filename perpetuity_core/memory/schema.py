@@ -17,11 +17,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.chains import derive_chains, m004_recall
-from perpetuity_core.memory.dialect import Sql, trigger
-from perpetuity_core.memory.heat import derive_activation, m003_heat, m005_standing
-from perpetuity_core.memory.index import (
+from perpetuity_core.memory.derived.chains import derive_chains, m004_recall
+from perpetuity_core.memory.derived.heat import derive_activation, m003_heat, m005_standing
+from perpetuity_core.memory.derived.index import (
     derive_retrieval,
     items_by_message,
     m002_retrieval,
@@ -30,9 +28,11 @@ from perpetuity_core.memory.index import (
     sequence_in,
     settle_in,
 )
-from perpetuity_core.memory.names import opening_words
-from perpetuity_core.memory.secrets import secret_kind
-from perpetuity_core.memory.store import (
+from perpetuity_core.memory.storage import dictionary
+from perpetuity_core.memory.storage.dialect import Sql, trigger
+from perpetuity_core.memory.storage.names import opening_words
+from perpetuity_core.memory.storage.secrets import secret_kind
+from perpetuity_core.memory.storage.store import (
     Database,
     Deriver,
     Migrate,

@@ -23,7 +23,7 @@ Errors are `NoteError` (a `PerpetuityError`); a note that looks like it holds a 
 with `CredentialError`, which names the kind of secret and where, never the secret itself.
 """
 
-from perpetuity_core.memory.secrets import CredentialFinding, scan_credentials, secret_kind
+from perpetuity_core.memory.storage.secrets import CredentialFinding, scan_credentials, secret_kind
 from perpetuity_core.notes.capture import (
     CAPTURE_RULES,
     CAPTURE_TOOL_NAME,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
-from perpetuity_core.memory.secrets import scan_credentials
+from perpetuity_core.memory.storage.secrets import scan_credentials
 from perpetuity_core.notes.library import (
     IndexReport,
     load_notes,

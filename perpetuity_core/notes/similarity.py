@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 
-from perpetuity_core.memory import dictionary
+from perpetuity_core.memory.storage import dictionary
 from perpetuity_core.notes.library import slugify
 from perpetuity_core.notes.model import CONFIDENCE, Note, render_body, split_sections
 

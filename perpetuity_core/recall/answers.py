@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.index import token_estimate
-from perpetuity_core.memory.rows import Row, quoted, shown_rows, time_label
-from perpetuity_core.memory.store import Database
-from perpetuity_core.memory.tenants import withheld
+from perpetuity_core.frame.cap import Cap
+from perpetuity_core.frame.rows import Row, quoted, shown_rows, time_label
+from perpetuity_core.frame.tenants import withheld
+from perpetuity_core.memory.derived.index import token_estimate
+from perpetuity_core.memory.storage.store import Database
 
 SNIPPET_CHARS = 100  # memory_count lists instances, not their whole text
 RESULT_CHARS = 8_000  # 2,000 tokens at four characters a token (index.token_estimate's rule)

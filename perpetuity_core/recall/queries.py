@@ -15,14 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from perpetuity_core.memory import cap, dictionary
-from perpetuity_core.memory.chains import chain_of, stem_rank, subject_words
-from perpetuity_core.memory.dialect import SQL, marks, one_of
-from perpetuity_core.memory.dictionary import Dictionary
-from perpetuity_core.memory.names import label
-from perpetuity_core.memory.rows import SHOWN_KINDS, Row, next_spoken
-from perpetuity_core.memory.scan import Hit, Scanner
-from perpetuity_core.memory.store import Database, in_chunks
+from perpetuity_core.frame import cap
+from perpetuity_core.frame.rows import SHOWN_KINDS, Row, next_spoken
+from perpetuity_core.memory.derived.chains import chain_of, stem_rank, subject_words
+from perpetuity_core.memory.derived.scan import Hit, Scanner
+from perpetuity_core.memory.storage import dictionary
+from perpetuity_core.memory.storage.dialect import SQL, marks, one_of
+from perpetuity_core.memory.storage.dictionary import Dictionary
+from perpetuity_core.memory.storage.names import label
+from perpetuity_core.memory.storage.store import Database, in_chunks
 from perpetuity_core.recall.answers import (
     ANSWER_CAP,
     LABEL_CHARS,

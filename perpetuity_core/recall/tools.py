@@ -10,7 +10,7 @@ Every answer is for one user (another user's rows never appear, pooled or not) a
 `TurnMemory.shown` holds the rows the model has seen this turn (the frame's, then every row a
 call returned), and no call shows a row's text twice. Answers are compact: LIMIT rows by
 default. The structures derived for the tools, with their writers, are memory's: the binding
-log (memory/bindings.py) and the subject chains (memory/chains.py).
+log (memory/derived/bindings.py) and the subject chains (memory/derived/chains.py).
 
 How it fails: `run` never raises. Bad arguments and unknown names get a one-line error the
 model can read and correct; a failure inside a tool is logged and reported the same way.
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from perpetuity_core.memory.index import sequence
-from perpetuity_core.memory.scan import Scanner
+from perpetuity_core.memory.derived.index import sequence
+from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.recall.answers import BadArguments, TurnMemory
 from perpetuity_core.recall.queries import COUNT_LIST, RUNNERS
 

@@ -20,10 +20,10 @@ from mitmproxy import contentviews, ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ProxyMode
 
 from perpetuity_core.errors import PerpetuityError
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.location import where
+from perpetuity_core.frame.cap import Cap
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.store import Store, default_db_path
+from perpetuity_core.memory.storage.location import where
+from perpetuity_core.memory.storage.store import Store, default_db_path
 from perpetuity_core.notes.library import notes_root
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import inspection

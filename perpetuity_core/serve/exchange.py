@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perpetuity_core.memory.frame import Frame
+from perpetuity_core.frame.build import Frame
+from perpetuity_core.frame.plan import Plan
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve.plan import Plan
 from perpetuity_core.wire.conversation import Message, ParsedRequest, Protocol
 from perpetuity_core.wire.identity import Identity
 from perpetuity_core.wire.route import Route

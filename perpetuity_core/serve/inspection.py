@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from perpetuity_core.memory import cap
-from perpetuity_core.memory.frame import Frame
-from perpetuity_core.memory.index import messages_tokens, token_estimate
-from perpetuity_core.memory.tenants import withheld
+from perpetuity_core.frame import cap
+from perpetuity_core.frame.build import Frame
+from perpetuity_core.frame.plan import Plan
+from perpetuity_core.frame.tenants import withheld
+from perpetuity_core.memory.derived.index import messages_tokens, token_estimate
 from perpetuity_core.serve.exchange import Decision, Job, Recall
-from perpetuity_core.serve.plan import Plan
 from perpetuity_core.serve.relay import Round
 from perpetuity_core.wire.conversation import Kind, Message
 

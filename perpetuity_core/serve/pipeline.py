@@ -27,16 +27,19 @@ from typing import Any
 
 from perpetuity_core import notes
 from perpetuity_core.errors import PerpetuityError
-from perpetuity_core.memory import bindings, capture, frame, heat, names, tenants, users
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.capture import TurnContext
-from perpetuity_core.memory.frame import Frame
-from perpetuity_core.memory.index import messages_tokens
-from perpetuity_core.memory.scan import Scanner
-from perpetuity_core.memory.store import Store
+from perpetuity_core.frame import build as frame
+from perpetuity_core.frame import plan, tenants
+from perpetuity_core.frame.build import Frame
+from perpetuity_core.frame.cap import Cap
+from perpetuity_core.frame.plan import Plan
+from perpetuity_core.memory.derived import bindings, heat
+from perpetuity_core.memory.derived.index import messages_tokens
+from perpetuity_core.memory.derived.scan import Scanner
+from perpetuity_core.memory.storage import capture, names, users
+from perpetuity_core.memory.storage.capture import TurnContext
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve import plan
 from perpetuity_core.serve.exchange import (
     HOP_BY_HOP,
     UNKNOWN_PROVIDER,
@@ -47,7 +50,6 @@ from perpetuity_core.serve.exchange import (
     PendingTurn,
     Recall,
 )
-from perpetuity_core.serve.plan import Plan
 from perpetuity_core.wire import repair
 from perpetuity_core.wire.conversation import (
     Message,
@@ -137,7 +139,7 @@ class Pipeline:
             # The one user exists before the first request (written once, at start-up): on a
             # file of imports and older tenants, the person's first request recalls them.
             store.user_id(PERSONAL)
-        # Each conversation's plan: when its frame changes (`perpetuity_core.serve.plan`). Only
+        # Each conversation's plan: when its frame changes (`perpetuity_core.frame.plan`). Only
         # the preparing thread touches it; a restart costs one rebuilt frame.
         self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
 
@@ -248,7 +250,7 @@ class Pipeline:
     def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
                 protocol: Protocol, asked_at: float, tools_on: bool,
                 library: Path | None) -> Recall:
-        """The request laid out by its conversation's plan (`perpetuity_core.serve.plan`): the
+        """The request laid out by its conversation's plan (`perpetuity_core.frame.plan`): the
         frame in front, the harness's messages from the anchor on, addenda before the prompts
         they serve; notes when a task starts, and the note on the recall tools when they ride
         along. What changes is `plan.decide`'s to say; this builds and lays out what it said."""

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Executor, Future
 from typing import Protocol
 
-from perpetuity_core.memory.capture import TurnContext
+from perpetuity_core.memory.storage.capture import TurnContext
 from perpetuity_core.serve.exchange import Job, PendingTurn
 from perpetuity_core.wire.conversation import Reply
 

@@ -1,6 +1,6 @@
 """The neutral conversation model every protocol adapter translates to and from.
 
-Nothing outside `perpetuity_core.protocols` sees provider JSON: it sees these types.
+Nothing outside `perpetuity_core.wire.protocols` sees provider JSON: it sees these types.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from typing import Any
 from perpetuity_core.cli.replay.drive import Report, chat_locomo, claude_code
 from perpetuity_core.cli.replay.report import plot, table
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.location import sqlite_path
+from perpetuity_core.frame.cap import Cap
+from perpetuity_core.memory.storage.location import sqlite_path
 
 __all__ = ["Report", "chat_locomo", "claude_code", "register"]
 

@@ -27,11 +27,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from perpetuity_core.memory.index import token_estimate
-from perpetuity_core.serve.plan import READ, TTL, WRITE
+from perpetuity_core.frame.plan import READ, TTL, WRITE
+from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.wire.protocols import gemini
 
-# The cache the plan prices (serve/plan.py: READ, a 5-minute WRITE, TTL), and the 1-hour entry
+# The cache the plan prices (frame/plan.py: READ, a 5-minute WRITE, TTL), and the 1-hour entry
 # a harness's own mark may ask for, which only the bill meets.
 WRITE_1H, TTL_1H = 2.0, 3600.0
 LOOKBACK = 20  # blocks before a mark where Anthropic still finds a cached prefix

@@ -32,7 +32,7 @@ from perpetuity_core.cli.replay.measure import (
 from perpetuity_core.cli.replay.request import Template, build, load_template
 from perpetuity_core.cli.replay.sessions import Call, Session, sessions_in_order
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory import importers
+from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline, Settings

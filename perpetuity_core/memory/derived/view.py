@@ -11,8 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from perpetuity_core.memory.bm25 import Params, Query, contributions, make_query, merge, top_k
-from perpetuity_core.memory.dictionary import Dictionary
+from perpetuity_core.memory.derived.bm25 import (
+    Params,
+    Query,
+    contributions,
+    make_query,
+    merge,
+    top_k,
+)
+from perpetuity_core.memory.storage.dictionary import Dictionary
 
 
 class Frequencies:

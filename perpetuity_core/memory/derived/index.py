@@ -21,8 +21,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from perpetuity_core.memory.dialect import SQL, Rows, Sql, marks, trigger
-from perpetuity_core.memory.store import Database, Store, StoredItem, in_chunks
+from perpetuity_core.memory.storage.dialect import SQL, Rows, Sql, marks, trigger
+from perpetuity_core.memory.storage.store import Database, Store, StoredItem, in_chunks
 from perpetuity_core.wire.conversation import Kind, Message, without_scaffold
 
 

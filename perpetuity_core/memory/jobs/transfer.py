@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.dialect import Sql
 from perpetuity_core.memory.schema import ids_past_high_water
-from perpetuity_core.memory.store import Database, Store
+from perpetuity_core.memory.storage.dialect import Sql
+from perpetuity_core.memory.storage.store import Database, Store
 
 # Parents before children (foreign keys are checked per statement on PostgreSQL); the tables
 # a migration fills (settings, totals, cursors) are replaced by the source's.

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from datetime import UTC, datetime
 
-from perpetuity_core.memory.index import token_estimate
-from perpetuity_core.memory.rows import Row, quoted, time_label
-from perpetuity_core.memory.tenants import withheld
+from perpetuity_core.frame.rows import Row, quoted, time_label
+from perpetuity_core.frame.tenants import withheld
+from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.wire.conversation import Kind, Message, Part
 
 # The lines the model reads around the quoted turns. They say what the turns are (quoted, not

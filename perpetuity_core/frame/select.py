@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from perpetuity_core.memory import cap, heat
-from perpetuity_core.memory.frame_render import cost
-from perpetuity_core.memory.index import messages_tokens
-from perpetuity_core.memory.rows import Row
-from perpetuity_core.memory.scan import Hit
+from perpetuity_core.frame import cap
+from perpetuity_core.frame.render import cost
+from perpetuity_core.frame.rows import Row
+from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived.index import messages_tokens
+from perpetuity_core.memory.derived.scan import Hit
 from perpetuity_core.wire.conversation import Message
 
 # The latest stretch of the conversation, in tokens, and the largest row it takes. What a coding

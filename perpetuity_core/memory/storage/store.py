@@ -37,13 +37,13 @@ from typing import Any
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
-from perpetuity_core.memory.database import IN_CHUNK as IN_CHUNK
-from perpetuity_core.memory.database import Database as Database
-from perpetuity_core.memory.database import failing_as as failing_as
-from perpetuity_core.memory.database import in_chunks as in_chunks
-from perpetuity_core.memory.dialect import SQL, Sql, marks
-from perpetuity_core.memory.location import shown, where
-from perpetuity_core.memory.secrets import secret_kind
+from perpetuity_core.memory.storage.database import IN_CHUNK as IN_CHUNK
+from perpetuity_core.memory.storage.database import Database as Database
+from perpetuity_core.memory.storage.database import failing_as as failing_as
+from perpetuity_core.memory.storage.database import in_chunks as in_chunks
+from perpetuity_core.memory.storage.dialect import SQL, Sql, marks
+from perpetuity_core.memory.storage.location import shown, where
+from perpetuity_core.memory.storage.secrets import secret_kind
 from perpetuity_core.wire.conversation import Message, Usage
 
 log = logging.getLogger("perpetuity")

@@ -14,13 +14,16 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from perpetuity_core.memory import cap, frame_read, frame_select, heat
-from perpetuity_core.memory.frame_read import NEIGHBOUR_HITS, NEIGHBOURS, search
-from perpetuity_core.memory.frame_render import CLOSING, HEADER, MORE_HEADER, NOW, with_note
-from perpetuity_core.memory.frame_render import messages as render
-from perpetuity_core.memory.index import messages_tokens
-from perpetuity_core.memory.rows import Row
-from perpetuity_core.memory.scan import Hit, Scanner
+from perpetuity_core.frame import cap
+from perpetuity_core.frame import read as frame_read
+from perpetuity_core.frame import select as frame_select
+from perpetuity_core.frame.read import NEIGHBOUR_HITS, NEIGHBOURS, search
+from perpetuity_core.frame.render import CLOSING, HEADER, MORE_HEADER, NOW, with_note
+from perpetuity_core.frame.render import messages as render
+from perpetuity_core.frame.rows import Row
+from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived.index import messages_tokens
+from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.wire.conversation import Message
 
 # What callers used from here before the split (serve, cli, scripts, tests).
@@ -39,7 +42,7 @@ class Frame:
     reheats: dict[int, float] = field(default_factory=dict)  # own rows only; written unless probing
     below_cap: list[int] = field(default_factory=list)  # this turn's hits left out, best first
     hits: list[int] = field(default_factory=list)  # this turn's hits rendered, best first
-    # For inspection (perpetuity_core.inspection), references only, read after the reply: the
+    # For inspection (perpetuity_core.serve.inspection), references only, read after the reply: the
     # ranked hits with their scores, the rows considered, the warm set, and why each row that
     # could not be left out was in.
     ranked: list[Hit] = field(default_factory=list)

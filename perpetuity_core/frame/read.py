@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from perpetuity_core.memory import dates, heat
-from perpetuity_core.memory.rows import (
+from perpetuity_core.frame import dates
+from perpetuity_core.frame.rows import (
     Row,
     adjacent_pairs,
     around,
@@ -22,8 +22,9 @@ from perpetuity_core.memory.rows import (
     next_spoken,
     shown_rows,
 )
-from perpetuity_core.memory.scan import Hit, Scanner
-from perpetuity_core.memory.store import Database
+from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived.scan import Hit, Scanner
+from perpetuity_core.memory.storage.store import Database
 
 # The ranked rows a question's retrieval reheats: a broad question's evidence lies deep in the
 # ranking (470dd1a, with the fill by warmth per token: BEAM recall_all 0.530 -> 0.749 from 100

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory.dialect import SQL, marks
-from perpetuity_core.memory.store import Database, StoredItem
+from perpetuity_core.memory.storage.dialect import SQL, marks
+from perpetuity_core.memory.storage.store import Database, StoredItem
 from perpetuity_core.wire.conversation import Kind
 
 BIRTH_PEAK = 1.0

@@ -42,9 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory import chains, dictionary, users
-from perpetuity_core.memory.dialect import Sql
-from perpetuity_core.memory.index import (
+from perpetuity_core.memory.derived import chains
+from perpetuity_core.memory.derived.index import (
     count_terms,
     fold,
     item_text,
@@ -52,7 +51,9 @@ from perpetuity_core.memory.index import (
     settle_in,
     token_estimate,
 )
-from perpetuity_core.memory.store import Database, Store
+from perpetuity_core.memory.storage import dictionary, users
+from perpetuity_core.memory.storage.dialect import Sql
+from perpetuity_core.memory.storage.store import Database, Store
 from perpetuity_core.wire.conversation import Kind
 
 _CONTEXT = Kind.CONTEXT.value  # harness text: stored, never retrieved (no retrieval row)

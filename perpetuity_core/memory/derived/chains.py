@@ -13,10 +13,10 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable
 
-from perpetuity_core.memory import dictionary
-from perpetuity_core.memory.dialect import SQL, Rows, Sql, marks
-from perpetuity_core.memory.dictionary import Dictionary
-from perpetuity_core.memory.store import Database
+from perpetuity_core.memory.storage import dictionary
+from perpetuity_core.memory.storage.dialect import SQL, Rows, Sql, marks
+from perpetuity_core.memory.storage.dictionary import Dictionary
+from perpetuity_core.memory.storage.store import Database
 from perpetuity_core.wire.conversation import Kind
 
 # Chains. A row's subjects are its words that are neither stop words nor among the commonest

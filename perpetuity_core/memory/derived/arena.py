@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory.dialect import SQL, Sql
-from perpetuity_core.memory.index import order_pending, sequence
-from perpetuity_core.memory.store import Database, failing_as
-from perpetuity_core.memory.view import Frequencies, Segment, View
+from perpetuity_core.memory.derived.index import order_pending, sequence
+from perpetuity_core.memory.derived.view import Frequencies, Segment, View
+from perpetuity_core.memory.storage.dialect import SQL, Sql
+from perpetuity_core.memory.storage.store import Database, failing_as
 
 SEGMENT_ROWS = 1 << 16  # local row ids are uint16
 TERMS = "terms"  # term-major layout (shipped)

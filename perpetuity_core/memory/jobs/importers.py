@@ -26,7 +26,7 @@ from typing import Any
 from tqdm import tqdm
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Kind, Message, Part, as_context
 
 
@@ -45,7 +45,7 @@ class Thread:
 
 def write(store: Store, thread: Thread, source: str = "import") -> list[int]:
     """Store a thread through the capture write path; returns the new message ids."""
-    from perpetuity_core.memory import capture
+    from perpetuity_core.memory.storage import capture
 
     ids, turn = capture.record(store, user_key=thread.user_key,
                                conversation_key=thread.conversation_key, provider=thread.provider,

@@ -25,9 +25,10 @@ from collections import Counter
 
 import numpy as np
 
-from perpetuity_core.memory import capture, chains
-from perpetuity_core.memory.dialect import Sql
-from perpetuity_core.memory.store import Database, Store
+from perpetuity_core.memory.derived import chains
+from perpetuity_core.memory.storage import capture
+from perpetuity_core.memory.storage.dialect import Sql
+from perpetuity_core.memory.storage.store import Database, Store
 from perpetuity_core.wire.conversation import Kind
 
 SHOWN = 5  # ids listed per violation

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from perpetuity_core.memory.dialect import SQL, Sql, marks, one_of
-from perpetuity_core.memory.names import label
-from perpetuity_core.memory.store import IN_CHUNK, Database, failing_as, in_chunks
+from perpetuity_core.memory.storage.dialect import SQL, Sql, marks, one_of
+from perpetuity_core.memory.storage.names import label
+from perpetuity_core.memory.storage.store import IN_CHUNK, Database, failing_as, in_chunks
 from perpetuity_core.wire.conversation import Kind, without_scaffold
 
 # What a model may be shown of memory: what was said and done, not harness scaffolding or

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.dialect import SQL, Sql
+from perpetuity_core.memory.storage.dialect import SQL, Sql
 
 if TYPE_CHECKING:
     from tokenizers.normalizers import Normalizer

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from perpetuity_core.memory.dialect import SQL, Rows, marks
-from perpetuity_core.memory.store import Database, in_chunks
+from perpetuity_core.memory.storage.dialect import SQL, Rows, marks
+from perpetuity_core.memory.storage.store import Database, in_chunks
 
 _USER_OF = SQL.both("SELECT user_id FROM message WHERE id = ?")
 _ITEMS_OF = SQL.both("SELECT id FROM item WHERE message_id = ?")

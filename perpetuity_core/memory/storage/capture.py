@@ -19,8 +19,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from perpetuity_core.memory import names
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage import names
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Message, Reply
 
 

@@ -3,7 +3,7 @@
 There is no approximate index between a question and the memory: every stored row gets its
 exact score (rows holding none of the query's terms score exactly zero and are not hits).
 
-Write side: memory/index.py (one retrieval row per stored item that is memory, and the pooled
+Write side: memory/derived/index.py (one retrieval row per stored item that is memory, and the pooled
 counts BM25 needs, which readers complete with the rows stored since the last fold).
 
 Read side. A `Scanner` answers `search`. A small memory is scored straight from the store; a
@@ -58,12 +58,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory.arena import COLUMNS, ROWS, TERMS, Arena, build_segment
-from perpetuity_core.memory.bm25 import Params, make_query
-from perpetuity_core.memory.dialect import marks, one_of
-from perpetuity_core.memory.index import item_text, sequence, totals, unfolded_df
-from perpetuity_core.memory.store import Database, Store, failing_as
-from perpetuity_core.memory.view import Visibility
+from perpetuity_core.memory.derived.arena import COLUMNS, ROWS, TERMS, Arena, build_segment
+from perpetuity_core.memory.derived.bm25 import Params, make_query
+from perpetuity_core.memory.derived.index import item_text, sequence, totals, unfolded_df
+from perpetuity_core.memory.derived.view import Visibility
+from perpetuity_core.memory.storage.dialect import marks, one_of
+from perpetuity_core.memory.storage.store import Database, Store, failing_as
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from perpetuity_core.memory.rows import Row
+from perpetuity_core.frame.rows import Row
 from perpetuity_core.wire.conversation import Kind, Message
 
 TENANTS_DIR = "tenants"  # under the notes root: one library per tenant

@@ -47,7 +47,7 @@ from typing import Any
 import peewee as pw
 
 from perpetuity_core.errors import StoreError
-from perpetuity_core.memory.dialect import (
+from perpetuity_core.memory.storage.dialect import (
     SQL,
     PgConnection,
     Postgres,
@@ -56,7 +56,7 @@ from perpetuity_core.memory.dialect import (
     driver_errors,
     translate_legacy,
 )
-from perpetuity_core.memory.dictionary import Dictionary, Live
+from perpetuity_core.memory.storage.dictionary import Dictionary, Live
 
 
 class _Tracked(pw.Database):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory.dictionary import Dictionary
+from perpetuity_core.memory.storage.dictionary import Dictionary
 
 
 @dataclass(frozen=True, slots=True)

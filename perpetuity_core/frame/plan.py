@@ -47,8 +47,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from perpetuity_core.memory.cap import Cap
-from perpetuity_core.memory.index import messages_tokens
+from perpetuity_core.frame.cap import Cap
+from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.wire.conversation import Message, Protocol
 from perpetuity_core.wire.protocols import gemini
 from perpetuity_core.wire.protocols.base import CacheRule

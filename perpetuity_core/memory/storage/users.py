@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.dialect import SQL, Sql
-from perpetuity_core.memory.store import Store
+from perpetuity_core.memory.storage.dialect import SQL, Sql
+from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.identity import tenant_of_key
 
 PERSON = "person:"  # the setting key's prefix recording a joined tenant's person
