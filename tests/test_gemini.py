@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,21 +18,13 @@ from perpetuity_core.wire.identity import identify
 from perpetuity_core.wire.protocols import gemini
 from perpetuity_core.wire.route import credential, gemini_call, provider_of
 from perpetuity_core.wire.sse import SSEDecoder
-from tests.conftest import FIXTURES, Proxy, needs_fixtures, owned, start_proxy, stop_proxy
+from tests.conftest import FIXTURES, Proxy, needs_fixtures, owned
 from tests.fake_provider import FakeProvider, Text, ToolCall
 
 KEY = "AIzaSyGEMINI-test-key-never-stored-0123456"
 MODEL = "gemini-2.5-flash"
 CAPTURES = FIXTURES / "gemini-cli"
 MEMORY = ["The vault code is 4471.", "Noted.", "My sister Ada lives in Oslo.", "Noted."]
-
-
-@pytest.fixture(scope="module")
-def proxy(fake: FakeProvider, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
-    p = start_proxy(tmp_path_factory.mktemp("gemini"), fake.url)
-    yield p
-    stop_proxy(p)
-    assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
 
 
 def client(proxy: Proxy, user: str, conversation: str) -> genai.Client:

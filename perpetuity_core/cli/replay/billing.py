@@ -166,6 +166,17 @@ def anthropic_blocks(body: dict[str, Any]) -> list[Block]:
     return _chain(units)
 
 
+def shared_prefix(entries: dict[bytes, float], blocks: list[Block], at: float) -> tuple[int, int]:
+    """An automatic prefix cache's view of a request (OpenAI's, Gemini's): its tokens, and
+    those of the longest prefix still cached at `at`."""
+    ends, total = [], 0
+    for b in blocks:
+        total += b.tokens
+        ends.append(total)
+    return total, max((ends[i] for i, b in enumerate(blocks) if entries.get(b.key, -1.0) >= at),
+                      default=0)
+
+
 def _chain(units: list[tuple[str, Any, int]]) -> list[Block]:
     h = hashlib.blake2b(digest_size=16)
     out = []
@@ -265,12 +276,7 @@ class OpenAICache:
         return self.bill_blocks(openai_blocks(body), at, str(body.get("model", "")))
 
     def bill_blocks(self, blocks: list[Block], at: float, model: str) -> Bill:
-        ends, total = [], 0
-        for b in blocks:
-            total += b.tokens
-            ends.append(total)
-        shared = max((ends[i] for i, b in enumerate(blocks)
-                      if self.entries.get(b.key, -1.0) >= at), default=0)
+        total, shared = shared_prefix(self.entries, blocks, at)
         read = 0
         if shared >= OPENAI_MIN_TOKENS:
             read = OPENAI_MIN_TOKENS + (shared - OPENAI_MIN_TOKENS) // OPENAI_STEP * OPENAI_STEP
@@ -313,12 +319,7 @@ class GeminiCache:
 
     def bill_blocks(self, blocks: list[Block], at: float, model: str) -> Bill:
         rule = gemini.cache_rule(model)
-        ends, total = [], 0
-        for b in blocks:
-            total += b.tokens
-            ends.append(total)
-        shared = max((ends[i] for i, b in enumerate(blocks)
-                      if self.entries.get(b.key, -1.0) >= at), default=0)
+        total, shared = shared_prefix(self.entries, blocks, at)
         read = shared if shared >= rule.min_tokens else 0
         if total >= rule.min_tokens:
             for b in blocks:
