@@ -46,6 +46,16 @@ def test_locomo_evidence_in_the_frame(tmp_path: Path) -> None:
     assert pooled["memory"] == "pooled" and pooled["questions"] == 2
 
 
+def test_in_sequence_the_request_is_measured_beside_the_ranking(tmp_path: Path) -> None:
+    report = evaluate("locomo", tiny_locomo(tmp_path / "locomo.json"), limits=Cap(500, 1000),
+                      progress=False, sequence=True)
+    seq = report["sequence"]
+    assert seq["questions"] == 2 and seq["first_question"]["questions"] == 1
+    # The request carries the frame, the questions asked so far and their answers.
+    assert seq["request_tokens_mean"] > seq["memory_tokens_mean"] > 0
+    assert sum(m["questions"] for m in seq["by_made"].values()) == 2
+
+
 def test_eval_command_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "locomo", str(tiny_locomo(tmp_path / "l.json"))]) == 0
     assert json.loads(capsys.readouterr().out)["dataset"] == "locomo"

@@ -21,7 +21,7 @@ from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
 from perpetuity_core.frame.rows import Row, adjacent_pairs, around, shown_rows
 from perpetuity_core.memory.derived import heat
-from perpetuity_core.memory.derived.scan import Scanner
+from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
 from perpetuity_core.memory.storage.store import Store
@@ -233,6 +233,17 @@ def test_budget_grows_with_the_spread_of_good_matches() -> None:
     closer = [cap.budget(np.array([10.0, s, s, s]), limits) for s in (5.0, 7.0, 9.0, 10.0)]
     assert closer == sorted(closer)
     assert cap.budget(np.array([]), limits) == limits.floor
+
+
+def test_the_live_history_kept_as_sent_pays_from_the_budget() -> None:
+    """A short conversation keeps its turns as sent; the cap is on what the model reads, so its
+    frame shrinks by them, never below a narrow question's budget."""
+    limits = cap.Cap(floor=1000, ceiling=8000)
+    assert frame_select.budget([], limits, 500) == limits.floor
+    broad = [Hit(i, i, 1, 1, "user", 0.0, 10.0, "t") for i in range(20)]
+    assert frame_select.budget(broad, limits) == limits.ceiling
+    assert frame_select.budget(broad, limits, 3000) == limits.ceiling - 3000
+    assert frame_select.budget(broad, limits, 20_000) == limits.floor
 
 
 def test_the_budget_goes_to_the_most_warmth_per_token() -> None:

@@ -102,6 +102,27 @@ def turn(store: Store, conversation: str | None = "trip", shown: set[int] | None
     return TurnMemory(uid, conv, ASKED, set(shown or ()), list(below_cap or ()))
 
 
+def test_search_never_gives_back_what_the_request_carries_as_sent(memory: Store) -> None:
+    """The live history kept in front of the model is shown: its rows are never an answer."""
+    scanner = Scanner(memory)
+    alone = run("memory_search", {"query": "hiking Oslo"}, turn(memory), scanner)
+    assert {item(memory, HIKE), item(memory, OSLO)} <= set(ids(alone))
+    m = turn(memory)
+    m.sent = [Message("user", (text_part(HIKE),)), Message("assistant", (text_part(OSLO),))]
+    out = run("memory_search", {"query": "hiking Oslo"}, m, scanner)
+    assert not {item(memory, HIKE), item(memory, OSLO)} & set(ids(out))
+    assert {item(memory, HIKE), item(memory, OSLO)} <= m.shown and not m.sent
+
+
+def test_search_names_each_conversation_once(memory: Store) -> None:
+    out = run("memory_search", {"query": "favourite colour blue noted"}, turn(memory, None),
+              Scanner(memory))
+    trip = number(memory, "trip")
+    labels = [lab for lab in LABEL.findall(out) if lab[1].split(" ", 1)[0] == trip]
+    assert len(labels) >= 2  # BLUE and the reply to it, both of "trip"
+    assert sum(1 for lab in labels if '"' in lab[1]) == 1 and '"' in labels[0][1]
+
+
 def test_six_tools_with_schemas_and_instructions() -> None:
     names = {"memory_search", "memory_more", "memory_cooccur", "memory_count", "memory_chains",
              "memory_dates"}

@@ -207,6 +207,9 @@ class Result(NamedTuple):
     new_memory: int = 0
     ranked_all: bool = False
     ranked_new_all: bool = False
+    request: int = 0  # every message's text the request carried, four characters a token
+    first: bool = False  # the conversation's first question
+    made: str = ""  # what the plan made for it: a frame, an addendum, or nothing new
 
 
 @dataclass(slots=True)
@@ -302,9 +305,12 @@ def _ask_in_sequence(pipeline: Pipeline, case: Case, limits: Cap) -> list[Result
         found = [e in text for e in evidence]
         history_tokens = sum(token_estimate(m.text) for m, t in zip(
             case.thread.messages, case.thread.times) if t <= q.at)
+        made = d.recall.made if d.recall is not None and d.frame else "none"
         out.append(Result(all(found), any(found), new, history_tokens, q.category, memory, new,
                           ranked_holds(pipeline, user, q.text, at, memory, evidence),
-                          ranked_holds(pipeline, user, q.text, at, new, evidence)))
+                          ranked_holds(pipeline, user, q.text, at, new, evidence),
+                          sum(token_estimate(str(m.get("content", ""))) for m in sent),
+                          k == 0, made))
         if d.job is not None:
             turn = pipeline.store_turn(d.job.pending)
             pipeline.store_reply(turn, Reply(noted(), Usage()), at, d.job.pending)
@@ -337,15 +343,27 @@ def ranked_holds(pipeline: Pipeline, user: str, query: str, at: float, tokens: i
 
 
 def _sequence_report(results: list[Result]) -> dict[str, Any]:
-    n = len(results)
-    return {
-        "recall_all": round(sum(r.all for r in results) / n, 4),
-        "memory_tokens_mean": round(sum(r.memory for r in results) / n),
-        "ranking_recall_all_within_memory_tokens": round(sum(r.ranked_all for r in results) / n, 4),
-        "new_memory_tokens_mean": round(sum(r.new_memory for r in results) / n),
-        "ranking_recall_all_within_new_memory_tokens": round(
-            sum(r.ranked_new_all for r in results) / n, 4),
-    }
+    """In sequence: the request's recall and size beside the ranking's recall within the same
+    memory, for every question, the first of each conversation, and by what the plan made."""
+
+    def figures(rs: list[Result]) -> dict[str, Any]:
+        n = max(len(rs), 1)
+        return {
+            "questions": len(rs),
+            "recall_all": round(sum(r.all for r in rs) / n, 4),
+            "request_tokens_mean": round(sum(r.request for r in rs) / n),
+            "memory_tokens_mean": round(sum(r.memory for r in rs) / n),
+            "ranking_recall_all_within_memory_tokens": round(sum(r.ranked_all for r in rs) / n,
+                                                             4),
+            "new_memory_tokens_mean": round(sum(r.new_memory for r in rs) / n),
+            "ranking_recall_all_within_new_memory_tokens": round(
+                sum(r.ranked_new_all for r in rs) / n, 4),
+        }
+
+    made = sorted({r.made for r in results})
+    return figures(results) | {
+        "first_question": figures([r for r in results if r.first]),
+        "by_made": {m: figures([r for r in results if r.made == m]) for m in made}}
 
 
 def _report(dataset: str, pooled: bool, limits: Cap,

@@ -53,17 +53,19 @@ class Frame:
 
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
           exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap,
-          recent_messages: Iterable[int] = ()) -> Frame | None:
+          recent_messages: Iterable[int] = (), kept_tokens: int = 0) -> Frame | None:
     """The frame for one question, or None when memory holds nothing to show. Reads only.
 
     Never trimmed: the question's top hit and the latest stretch of the conversation that the
     harness did not keep as sent (`recent_messages`, its rows newest first while they fit
-    frame_select.RECENT_TOKENS, skipping bulk over RECENT_ROW).
+    frame_select.RECENT_TOKENS, skipping bulk over RECENT_ROW). `kept_tokens`: the harness's
+    earlier turns kept as sent in front of the prompt, which the breadth-sized budget pays for
+    (frame_select.budget).
     """
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded)
     warm, shelf = frame_read.for_frame(scanner.db, found, user_id, excluded, recent_messages)
-    tokens = frame_select.budget(found.hits, limits)
+    tokens = frame_select.budget(found.hits, limits, kept_tokens)
 
     def rendered(ids: list[int], recent: Collection[int]) -> list[Message]:
         return render(shelf.rows, ids, recent, shelf.adjacent, asked_at, conversation_id)

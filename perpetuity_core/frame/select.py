@@ -56,9 +56,13 @@ class Selection:
     must: dict[int, str] = field(default_factory=dict)
 
 
-def budget(hits: list[Hit], limits: cap.Cap) -> int:
-    """The breadth-sized budget of a question whose retrieval found `hits`."""
-    return cap.budget(np.asarray([h.score for h in hits]), limits)
+def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0) -> int:
+    """The breadth-sized budget of a question whose retrieval found `hits`, less the turns the
+    harness keeps as sent in front of its prompt (`kept_tokens`: a short conversation's whole
+    history), never below a narrow question's: the cap is on what the model reads, memory and
+    live history together, and the live history is never cut."""
+    breadth_sized = cap.budget(np.asarray([h.score for h in hits]), limits)
+    return max(limits.floor, breadth_sized - kept_tokens)
 
 
 def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int],

@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from perpetuity_core.frame.cap import Cap
-from perpetuity_core.frame.rows import Row, quoted, shown_rows, time_label
+from perpetuity_core.frame.rows import Row, items_of, quoted, shown_rows, time_label
 from perpetuity_core.frame.tenants import withheld
 from perpetuity_core.memory.derived.index import token_estimate
-from perpetuity_core.memory.storage.store import Database
+from perpetuity_core.memory.storage.store import Database, Store
+from perpetuity_core.wire.conversation import Message
 
 SNIPPET_CHARS = 100  # memory_count lists instances, not their whole text
 RESULT_CHARS = 8_000  # 2,000 tokens at four characters a token (index.token_estimate's rule)
@@ -46,11 +47,23 @@ class TurnMemory:
     # A personal proxy: every stored row is the asker's, as in its frames (older tenants',
     # imports'), so the tools read the whole file; otherwise only the asking user's rows.
     everyone: bool = False
+    # The harness's messages in front of the model as it sent them (the live history kept):
+    # their rows are read into `shown` at the first call (`see_sent`), so a tool never gives
+    # back what the request already carries. Read lazily: most turns call no tool.
+    sent: Sequence[Message] = ()
 
     @property
     def owner(self) -> int | None:
         """Whose rows alone the tools may read: the asking user's, or no one's (everyone)."""
         return None if self.everyone else self.user_id
+
+
+def see_sent(memory: TurnMemory, store: Store) -> None:
+    """Count the rows of the messages the request carries as sent among those shown."""
+    if memory.sent and memory.conversation_id is not None:
+        ids = store.message_ids(memory.conversation_id, [m.fingerprint() for m in memory.sent])
+        memory.shown.update(items_of(store.db, set(ids)))
+    memory.sent = ()
 
 
 class BadArguments(ValueError):
@@ -62,9 +75,16 @@ def fetch_rows(db: Database, user_id: int | None, item_ids: Iterable[int]) -> di
     return shown_rows(db, item_ids, user_id)
 
 
-def row_label(r: Row, *extra: str) -> str:
-    return "[" + " · ".join((f"#{r.item_id}", conversation_name(r.conversation_id, r.conversation),
-                             r.role, time_label(r.at), *extra)) + "]"
+def row_label(r: Row, *extra: str, named: set[int] | None = None) -> str:
+    """A row's label: its id, its conversation, role and time. With `named`, the conversations
+    already named in this answer: a conversation's name comes at its first row only (LoCoMo's
+    turns are some 30 tokens, a label with the name 25 of its own)."""
+    conversation = (f"c{r.conversation_id}" if named is not None and r.conversation_id in named
+                    else conversation_name(r.conversation_id, r.conversation))
+    if named is not None:
+        named.add(r.conversation_id)
+    return "[" + " · ".join((f"#{r.item_id}", conversation, r.role, time_label(r.at),
+                             *extra)) + "]"
 
 
 def conversation_name(conversation_id: int, name: str) -> str:
@@ -100,9 +120,9 @@ def row_chars(limit: int) -> int:
     return max(MIN_ROW_CHARS, RESULT_CHARS // max(limit, 1) - LABEL_CHARS)
 
 
-def row_line(r: Row, chars: int, *extra: str) -> str:
+def row_line(r: Row, chars: int, *extra: str, named: set[int] | None = None) -> str:
     body = row_body(r)
-    return f"{row_label(r, *extra)} {clip(body, r.item_id, 0, chars)}"
+    return f"{row_label(r, *extra, named=named)} {clip(body, r.item_id, 0, chars)}"
 
 
 def _stub(r: Row, *extra: str) -> str:
@@ -137,16 +157,21 @@ def fill(memory: TurnMemory, header: str, rows: Sequence[Row], budget: int) -> s
     used = token_estimate(header)
     given: list[int] = []
     passed = 0
+    named: set[int] = set()
     for r in rows:
         if r.item_id in memory.shown or r.item_id in given:
             continue
-        line = f"{row_label(r)} {row_body(r)}"
+        first = r.conversation_id not in named
+        line = f"{row_label(r, named=named)} {row_body(r)}"
         cost = token_estimate(line) + 1
         if used + cost > budget:
+            if first:
+                named.discard(r.conversation_id)  # not given: the next row names it
             if given or passed:
                 passed += 1
                 continue
-            line = row_line(r, max(MIN_ROW_CHARS, (budget - used) * 4 - LABEL_CHARS))
+            line = row_line(r, max(MIN_ROW_CHARS, (budget - used) * 4 - LABEL_CHARS),
+                            named=named)
             cost = token_estimate(line) + 1
         out.append(line)
         used += cost

@@ -26,7 +26,7 @@ from typing import Any
 
 from perpetuity_core.memory.derived.index import sequence
 from perpetuity_core.memory.derived.scan import Scanner
-from perpetuity_core.recall.answers import BadArguments, TurnMemory
+from perpetuity_core.recall.answers import BadArguments, TurnMemory, see_sent
 from perpetuity_core.recall.queries import COUNT_LIST, RUNNERS
 
 log = logging.getLogger("perpetuity")
@@ -140,6 +140,7 @@ def run(call_name: str, arguments: dict | str, memory: TurnMemory, scanner: Scan
         # was stored since the last search, by this process or another, is ordered in first
         # (a tool that searches catches up itself; nothing to do on SQLite).
         sequence(scanner.db)
+        see_sent(memory, scanner.store)
         return RUNNERS[call_name](args, memory, scanner)
     except BadArguments as e:
         return f"{call_name}: {e}. It takes {_signature(spec)}."

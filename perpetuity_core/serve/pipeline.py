@@ -280,7 +280,8 @@ class Pipeline:
         if front and tools_on:
             front = frame.with_note(front, _tools_note(laid_plan.left_out))
             out.memory = TurnMemory(user_id, conv, asked_at, set(laid_plan.shown),
-                                    list(laid_plan.below_cap), everyone=self.settings.personal)
+                                    list(laid_plan.below_cap), everyone=self.settings.personal,
+                                    sent=messages[laid.keep:])
         if not front and not laid.inserts:
             return out
         replaced = repair.replace_history(
@@ -318,7 +319,8 @@ class Pipeline:
         recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
         built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
-                            recent_messages=recent)
+                            recent_messages=recent,
+                            kept_tokens=messages_tokens(messages[keep:prompt]))
         front = built.messages if built else []
         notes_shown: list[str] = []
         if starts_task(messages) and (lesson := self._notes_for(parsed, library)):
