@@ -102,3 +102,40 @@ def test_every_path_that_reaches_a_write_makes_it_once(tmp_path: Path, monkeypat
         addon.executor.submit(lambda: None).result()  # the store's thread is done
         assert writes == ["turn", "reply"]
         assert STATE not in flow.metadata
+
+
+def test_a_relayed_request_goes_to_the_relay_without_its_body(tmp_path: Path) -> None:
+    """The job carries the body upstream: mitmproxy sends the relay none (issue 24: a coding
+    session's requests grow to hundreds of KB, every round)."""
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+                       perpetuity_anthropic_upstream="http://upstream.test:9")
+        first = direct_flow(b'{"model": "claude-opus-4-8", "max_tokens": 20, "messages": '
+                            b'[{"role": "user", "content": "the lighthouse keeper is Ingrid"}]}')
+        answer = (b'{"id": "msg_1", "type": "message", "role": "assistant", "model": "m", '
+                  b'"stop_reason": "end_turn", "content": [{"type": "text", "text": "Noted."}], '
+                  b'"usage": {"input_tokens": 1, "output_tokens": 1}}')
+        body = (b'{"model": "claude-opus-4-8", "max_tokens": 20, "messages": '
+                b'[{"role": "user", "content": "who keeps the lighthouse?"}]}')
+        second = direct_flow(body)
+
+        async def hooks() -> None:
+            await addon.request(first)  # nothing in memory yet: mitmproxy's own stream
+            first.response = http.Response.make(200, b"", {"content-type": "application/json"})
+            addon.responseheaders(first)
+            stream = first.response.stream
+            assert callable(stream)
+            stream(answer)
+            stream(b"")
+            await addon.response(first)
+            addon.executor.submit(lambda: None).result()  # stored
+            await addon.request(second)
+
+        asyncio.run(hooks())
+        state = second.metadata[STATE]
+        assert state.relayed and second.request.headers[JOB_HEADER]
+        assert second.request.port == addon.relay.port
+        assert second.request.content == b"" and second.request.headers["content-length"] == "0"
+        job = state.capture.job
+        assert job.original == body and b"Ingrid" in job.body and job.first_round

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openai
@@ -529,3 +530,58 @@ def test_markers_yield_to_the_harness_own() -> None:
     assert marked() == ["live"]  # the harness's four (the stripped history's went with it)
     body["system"] = body["system"][:2]
     assert marked() == ["b\n\n" + closing, "live"]  # one to spare: the frame's end
+
+
+def test_the_frame_is_the_render_the_fill_measured_last(store: Store,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A render is most of a frame's selection time (issue 24): the rows the fill measured
+    last are the frame as rendered then, not rendered a second time."""
+    say(store, "trip", *[f"turn {i} about the Lisbon trip " * (5 + 20 * (i % 3)) for i in range(12)])
+    uid = store.find_user("u")
+    calls: list[tuple[list[int], tuple[object, ...]]] = []
+    real = frame.render
+
+    def counted(rows: dict[int, Row], ids: list[int], *args: Any) -> list[Message]:
+        calls.append((list(ids), (rows, list(ids), *args)))
+        return real(rows, ids, *args)
+
+    monkeypatch.setattr(frame, "render", counted)
+    for limits in (cap.Cap(), cap.Cap(floor=60, ceiling=60)):
+        calls.clear()
+        built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
+                            query="the Lisbon trip", exclude_messages=[], asked_at=time.time(),
+                            limits=limits)
+        assert built is not None
+        shown = [args for ids, args in calls if ids == built.item_ids]
+        assert len(shown) == 1  # one render of the rows shown (two before)
+        assert built.messages == real(*shown[0])  # type: ignore[arg-type]
+
+
+def _count_markers_reference(value: object) -> int:
+    """The obvious recursive count, to prove the walk exact."""
+    if isinstance(value, dict):
+        return (value.get("cache_control") is not None) + sum(
+            _count_markers_reference(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_count_markers_reference(v) for v in value)
+    return 0
+
+
+@needs_fixtures
+def test_cache_markers_are_counted_anywhere_as_the_reference_counts_them() -> None:
+    from perpetuity_core.wire.protocols.anthropic import _count_markers
+
+    nested = {"tools": [{"name": "t", "cache_control": {"type": "ephemeral"},
+                         "input_schema": {"properties": {"cache_control": None}}}],
+              "system": [{"type": "text", "text": "s", "cache_control": {}}],
+              "messages": [{"role": "user", "content": [
+                  {"type": "tool_result", "content": [{"type": "text", "text": "x",
+                                                       "cache_control": {}}]}]}],
+              "metadata": "cache_control"}
+    bodies = [nested] + [json.loads(f.read_text())["body"]
+                         for harness in ("claude-code", "anthropic-python")
+                         for f in http_fixtures(harness)]
+    assert len(bodies) > 5
+    for body in bodies:
+        assert _count_markers(body) == _count_markers_reference(body)
+    assert _count_markers(nested) == 3

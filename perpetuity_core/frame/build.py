@@ -67,8 +67,16 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     warm, shelf = frame_read.for_frame(scanner.db, found, user_id, excluded, recent_messages)
     tokens = frame_select.budget(found.hits, limits, kept_tokens)
 
+    last: list[tuple[list[int], Collection[int], list[Message]]] = []
+
     def rendered(ids: list[int], recent: Collection[int]) -> list[Message]:
-        return render(shelf.rows, ids, recent, shelf.adjacent, asked_at, conversation_id)
+        # The fill's last measure rendered the rows it chose: that render is the frame, not
+        # a second one of the same rows (a render is most of the selection's time).
+        if last and last[0][0] == ids and last[0][1] is recent:
+            return last[0][2]
+        out = render(shelf.rows, ids, recent, shelf.adjacent, asked_at, conversation_id)
+        last[:] = [(list(ids), recent, out)]
+        return out
 
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
                                 tokens, limits, rendered)

@@ -57,6 +57,7 @@ def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
                 out: dict[int, Row]) -> dict[int, Row]:
     kinds = marks(db.postgres, len(SHOWN_KINDS))
     owner = f" AND m.user_id = {marks(db.postgres, 1)}" if user_id is not None else ""
+    names: dict[int, str] = {}  # each conversation's, made once: a frame's ~100 rows have a few
     for chunk in in_chunks(ids):
         these, args = one_of(db.postgres, "i.id", chunk)
         args += (*SHOWN_KINDS, *(() if user_id is None else (user_id,)))
@@ -68,8 +69,9 @@ def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
             " JOIN conversation c ON c.id = m.conversation_id"
             f" WHERE {these} AND i.kind IN ({kinds}){owner}", args):
             if (shown := without_scaffold(text)).strip():
-                out[item] = Row(item, message, conv, label(title, opening, folder), role, at,
-                                kind, name, shown, secret)
+                if (named := names.get(conv)) is None:
+                    named = names[conv] = label(title, opening, folder)
+                out[item] = Row(item, message, conv, named, role, at, kind, name, shown, secret)
     return out
 
 

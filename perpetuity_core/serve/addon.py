@@ -304,6 +304,10 @@ class Perpetuity:
         if token:
             flow.request.scheme, flow.request.host, flow.request.port = "http", "127.0.0.1", self.relay.port
             flow.request.headers[JOB_HEADER] = token
+            # The job carries the body: the relay would read mitmproxy's copy only to drop it,
+            # and a coding session's requests grow to hundreds of KB, sent again every round.
+            # (_settle puts what went upstream back for inspection.)
+            flow.request.content = b""
         else:
             flow.request.url = route.upstream_url
             if d.job:  # the reply is read by our tee, which cannot read every encoding

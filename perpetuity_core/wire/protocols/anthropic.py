@@ -129,12 +129,18 @@ def _calls(m: dict[str, Any]) -> set[str]:
 
 def _count_markers(value: Any) -> int:
     """cache_control markers anywhere in the body: tools, system, messages, nested blocks."""
-    if isinstance(value, dict):
-        own = 1 if value.get("cache_control") is not None else 0
-        return own + sum(_count_markers(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_count_markers(v) for v in value)
-    return 0
+    # A walk with a list of what is left, not a call per value: it runs over the whole request
+    # (a Claude Code one has 600 containers, most in its tools' schemas) twice a request.
+    count = 0
+    left = [value]
+    while left:
+        v = left.pop()
+        if isinstance(v, dict):
+            count += v.get("cache_control") is not None
+            left += [x for x in v.values() if isinstance(x, (dict, list))]
+        elif isinstance(v, list):
+            left += [x for x in v if isinstance(x, (dict, list))]
+    return count
 
 
 def message_from(m: dict[str, Any]) -> Message:
