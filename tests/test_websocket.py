@@ -259,6 +259,9 @@ def test_codex_socket_is_framed_as_http_is(tmp_path: Path) -> None:
     held = [whole for p in providers for _, whole in p.sent]
     bodies = [body for p in providers for body, _ in p.sent]
     assert held == http  # the same lifecycle: Carry, Addendum, Rebuild as over HTTP
+    sent_as_is = [exchanges[0][0] for _, exchanges in sessions]
+    assert bodies[0] == sent_as_is[0] and bodies[2] == sent_as_is[1]  # prewarms, as sent
+    assert bodies[9] == sent_as_is[3]  # the compaction on a new socket, as sent
     # Message by message: 6 prewarm, 7 the fact, 18 prewarm, 19 the question, 23, 24, then the
     # reconnect's 26 (whole), 27 (a tool output), 28 (compaction trigger), 30 and 31.
     question, tool_round, trigger, after = 3, 7, 8, 10
