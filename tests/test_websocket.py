@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket as stdlib_socket
+import ssl
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 from mitmproxy import websocket
 from mitmproxy.test import taddons, tflow
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Request, TextMessage
 from wsproto.frame_protocol import Opcode
 
 from perpetuity_core.memory.schema import open_memory
@@ -18,8 +25,10 @@ from perpetuity_core.serve.chain import http_body
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.protocols import responses
+from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, route
 from perpetuity_core.wire.sse import Event
-from tests.conftest import FIXTURES, needs_fixtures, query
+from tests.conftest import FIXTURES, Proxy, needs_fixtures, query
+from tests.fake_provider import FakeProvider, Text
 
 CODEX = FIXTURES / "codex"
 
@@ -317,3 +326,85 @@ def test_codex_chain_holds_across_sockets(tmp_path: Path) -> None:
         assert asyncio.run(resend(unknown)) == unknown
         other = asyncio.run(resend(known, ("authorization", "Bearer sk-someone-else")))
         assert other == known
+
+
+def through_proxy(p: Proxy, host: str, path: str, headers: list[tuple[str, str]],
+                  messages: list[dict]) -> list[list[dict]]:
+    """A WebSocket client using the proxy as its HTTPS proxy (CONNECT, mitmproxy's CA): each
+    message sent once the last one's response ended; the events of each."""
+    raw = stdlib_socket.create_connection(("127.0.0.1", p.port), timeout=10)
+    raw.sendall(f"CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n\r\n".encode())
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+        reply += raw.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+    ca = ssl.create_default_context(cafile=str(p.confdir / "mitmproxy-ca-cert.pem"))
+    tls = ca.wrap_socket(raw, server_hostname=host)
+    ws = WSConnection(ConnectionType.CLIENT)
+    tls.sendall(ws.send(Request(host=host, target=path, extra_headers=[
+        (k.encode(), v.encode()) for k, v in headers])))
+
+    def received() -> Iterator[Any]:
+        while True:
+            yield from ws.events()
+            ws.receive_data(tls.recv(65536))
+
+    stream = received()
+    assert isinstance(next(stream), AcceptConnection)
+    out: list[list[dict]] = []
+    with tls:
+        for body in messages:
+            if body.get("previous_response_id") == "<last>":
+                body = {**body, "previous_response_id": completed_id(out[-1])}
+            tls.sendall(ws.send(TextMessage(json.dumps(body))))
+            events, text = [], ""
+            while not events or events[-1].get("type") not in ("response.completed", "error"):
+                ev = next(stream)
+                if isinstance(ev, TextMessage):
+                    text += ev.data
+                    if ev.message_finished:
+                        events.append(json.loads(text))
+                        text = ""
+            out.append(events)
+    return out
+
+
+def test_chatgpt_backend_through_the_proxy_as_https_proxy(proxy: Proxy, fake: FakeProvider) -> None:
+    """Codex signed in with ChatGPT, the proxy as its HTTPS proxy: ChatGPT's Codex endpoint is
+    recognised, its bearer and account headers reach the provider byte-identical, and its turns
+    are stored; the rest of chatgpt.com is not provider traffic."""
+    headers = [("authorization", "Bearer eyJhbGciOi.chatgpt-oauth.sig"),
+               ("chatgpt-account-id", "acct-7f3e-0001"), ("originator", "codex_exec"),
+               ("openai-beta", "responses_websockets=2026-02-06"), ("session-id", "s-chatgpt-1"),
+               ("x-perpetuity-user", "cg1")]
+    first = {"type": "response.create", "model": "gpt-6.2-sol", "stream": True, "store": False,
+             "input": [{"type": "message", "role": "user",
+                        "content": [{"type": "input_text", "text": "the vault opens at dawn"}]}]}
+    second = {**first, "previous_response_id": "<last>", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "when?"}]}]}
+    fake.script(Text("Noted."), Text("At dawn."))
+    got = through_proxy(proxy, "chatgpt.com", "/backend-api/codex/responses", headers,
+                        [first, second])
+    assert [e[-1]["type"] for e in got] == ["response.completed", "response.completed"]
+    upgrade = next(r for r in fake.requests if r.method == "GET")
+    assert upgrade.path == "/backend-api/codex/responses"
+    for k, v in headers[:5]:
+        assert upgrade.headers[k] == v
+    assert "x-perpetuity-user" not in upgrade.headers
+    assert fake.refused == []
+    texts = [t for _, _, t, _ in proxy.wait_messages("cg1", 4)]
+    assert texts == ["the vault opens at dawn", "Noted.", "when?", "At dawn."]
+
+
+@pytest.mark.parametrize(("host", "path", "direct", "upstream"), [
+    ("chatgpt.com", "/backend-api/codex/responses", False, "https://chatgpt.com/backend-api/codex/responses"),
+    ("chatgpt.com", "/backend-api/conversation", False, None),  # the rest of ChatGPT: not ours
+    ("api.openai.com", "/v1/responses", False, "https://api.openai.com/v1/responses"),
+    ("127.0.0.1", "/backend-api/codex/models", True, "https://chatgpt.com/backend-api/codex/models"),
+    ("127.0.0.1", "/v1/responses", True, "https://api.openai.com/v1/responses"),
+])
+def test_codex_endpoints_route_to_their_own_hosts(host: str, path: str, direct: bool,
+                                                  upstream: str | None) -> None:
+    r = route(host=host, path=path, direct=direct, headers={"authorization": "Bearer t"},
+              model="", upstreams=DEFAULT_UPSTREAMS)
+    assert (r.upstream_url if r else None) == upstream
