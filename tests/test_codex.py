@@ -38,16 +38,22 @@ def personal(fake: FakeProvider, tmp_path: Path) -> Iterator[Proxy]:
     assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
 
 
-def run_codex(proxy: Proxy, home: Path, *args: str) -> subprocess.CompletedProcess:
-    """`codex exec` with its built-in provider, pointed at the proxy by `openai_base_url` (the
-    OPENAI_BASE_URL variable is not read for it), signed in by CODEX_API_KEY."""
+def run_codex(proxy: Proxy, home: Path, *args: str, base_url: bool = True
+              ) -> subprocess.CompletedProcess:
+    """`codex exec` with its built-in provider, signed in by CODEX_API_KEY, pointed at the
+    proxy by `openai_base_url` (the OPENAI_BASE_URL variable is not read for it), or else using
+    it as its HTTPS proxy."""
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)
-    (codex_home / "config.toml").write_text(f'openai_base_url = "{proxy.url}/v1"\n')
+    (codex_home / "config.toml").write_text(
+        f'openai_base_url = "{proxy.url}/v1"\n' if base_url else "")
     env = {k: v for k, v in os.environ.items()
            if not k.lower().endswith("_proxy") and not k.startswith(("OPENAI", "CODEX"))}
     env.update(HOME=str(home), CODEX_HOME=str(codex_home), CODEX_API_KEY="sk-proj-e2e-codex",
                NO_COLOR="1")
+    if not base_url:
+        env.update(HTTPS_PROXY=proxy.url,
+                   CODEX_CA_CERTIFICATE=str(proxy.confdir / "mitmproxy-ca-cert.pem"))
     work = home / "work"
     work.mkdir(exist_ok=True)
     return subprocess.run([codex_bin, "exec", "--skip-git-repo-check", *args], cwd=work, env=env,
@@ -119,3 +125,19 @@ def test_codex_falls_back_to_http_when_the_upgrade_is_refused(
     assert [r.method for r in fake.requests][:1] == ["GET"]
     posts = [r for r in fake.requests if r.method == "POST" and r.path == "/v1/responses"]
     assert posts and "quokka-17" in json.dumps(posts[0].json["input"])
+
+
+def test_codex_through_the_proxy_as_https_proxy(personal: Proxy, fake: FakeProvider,
+                                                tmp_path: Path) -> None:
+    """No base URL: Codex reaches api.openai.com through HTTPS_PROXY, trusting mitmproxy's CA
+    (CODEX_CA_CERTIFICATE); its socket is framed the same way, its key byte-identical."""
+    tell_claude_code(personal, fake)
+    fake.clear()
+    fake.script(Text("quokka-17, by proxy."))
+    got = run_codex(personal, tmp_path, QUESTION, base_url=False)
+    assert got.returncode == 0, got.stderr
+    assert "quokka-17, by proxy." in got.stdout
+    upgrades = [r for r in fake.requests if r.method == "GET"]
+    assert upgrades and upgrades[0].headers["authorization"] == "Bearer sk-proj-e2e-codex"
+    asked = turns(fake)
+    assert len(asked) == 1 and "quokka-17" in json.dumps(held(fake, asked[0]))
