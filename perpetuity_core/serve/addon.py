@@ -198,8 +198,9 @@ class Perpetuity:
             f"  Claude Code / Anthropic SDK: ANTHROPIC_BASE_URL=http://{host}:{port}\n"
             f"  OpenAI SDK / opencode:       OPENAI_BASE_URL=http://{host}:{port}/v1\n"
             f"  gemini-cli / Google GenAI SDK: GOOGLE_GEMINI_BASE_URL=http://{host}:{port}\n"
-            f"  Codex (~/.codex/config.toml): [model_providers.perpetuity] base_url = "
-            f"\"http://{host}:{port}/v1\", wire_api = \"responses\"\n"
+            f"  Codex (~/.codex/config.toml): openai_base_url = \"http://{host}:{port}/v1\"; "
+            f"signed in with ChatGPT, HTTPS_PROXY=http://{host}:{port} with "
+            f"CODEX_CA_CERTIFICATE=~/.mitmproxy/mitmproxy-ca-cert.pem\n"
             f"  any other harness: HTTPS_PROXY=http://{host}:{port} with the mitmproxy CA trusted",
             flush=True,
         )
