@@ -408,3 +408,23 @@ def test_codex_endpoints_route_to_their_own_hosts(host: str, path: str, direct: 
     r = route(host=host, path=path, direct=direct, headers={"authorization": "Bearer t"},
               model="", upstreams=DEFAULT_UPSTREAMS)
     assert (r.upstream_url if r else None) == upstream
+
+
+@needs_fixtures
+def test_a_failing_pipeline_sends_the_socket_message_as_sent(tmp_path: Path, monkeypatch) -> None:
+    """Fail open over the socket too: the message goes as the client sent it, and the chain
+    still holds (the next message, on it, as sent)."""
+    sessions = tui_sessions()[:2]
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "ws.db"),
+                       perpetuity_notes_dir=str(tmp_path / "notes"))
+        asyncio.run(socket(addon, CODEX / sessions[0][0], sessions[0][1], Client(), []))
+        assert addon.pipeline is not None
+
+        def fails(_req: HttpRequest) -> None:
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(addon.pipeline, "prepare", fails)
+        provider = asyncio.run(socket(addon, CODEX / sessions[1][0], sessions[1][1], Client(), []))
+    assert [body for body, _ in provider.sent] == [body for body, _ in sessions[1][1]]

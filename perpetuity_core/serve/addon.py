@@ -262,21 +262,37 @@ class Perpetuity:
             else:
                 self._server_message(state, state.chain, message)
         except Exception:
+            state.chain.lost()
             log.exception("perpetuity: could not read a WebSocket message; it went through as sent")
 
     async def _client_message(self, state: FlowState, handshake: HttpRequest, link: Chain,
                               message: Any) -> None:
         state.message = None
+        decision, content = await asyncio.get_running_loop().run_in_executor(
+            self.parser, self._frame_message, handshake, link, message.content)
+        if content is not None:  # every change at once, after everything it needs succeeded
+            message.content = content
+        if decision.job is not None and self.pipeline is not None:
+            capture = Capture(decision.job, self.pipeline, self.executor)
+            capture.sent()
+            state.message = (capture, responses.ReplyAssembler())
+
+    def _frame_message(self, handshake: HttpRequest, link: Chain,
+                       content: bytes) -> tuple[Decision, bytes | None]:
+        """On the parsing thread (the event loop never parses or frames a message): the
+        decision for the HTTP request the message stands for, and what goes upstream in its
+        place (None: the message as sent). The socket's hook is awaited meanwhile, so nothing
+        else touches its chain."""
         try:
-            body = json.loads(message.content)
+            body = json.loads(content)
         except ValueError:
-            body = None
+            return Decision(), None
         if not request(body):
-            return
+            return Decision(), None
         whole = link.whole(body)
         if whole is None:
             link.passed(body)
-            return
+            return Decision(), None
         assert self.pipeline is not None
         # The recall tools do not ride over the socket: the client's chain must hold every
         # item the provider answered.
@@ -284,19 +300,13 @@ class Perpetuity:
                           handshake.headers + (("x-perpetuity-tools", "off"),),
                           http_body(body, whole), handshake.direct)
         try:
-            decision = await asyncio.get_running_loop().run_in_executor(
-                self.parser, self.pipeline.prepare, req)
+            decision = self.pipeline.prepare(req)
         except Exception:
             log.exception("perpetuity: pipeline failed; the WebSocket message goes unframed")
             decision = Decision()
         target = json.loads(decision.body)["input"] if decision.body is not None else whole
         out = link.send(body, whole, target)
-        if out is not None:  # every change at once, after everything it needs succeeded
-            message.content = json.dumps(out, ensure_ascii=False).encode()
-        if decision.job is not None:
-            capture = Capture(decision.job, self.pipeline, self.executor)
-            capture.sent()
-            state.message = (capture, responses.ReplyAssembler())
+        return decision, None if out is None else json.dumps(out, ensure_ascii=False).encode()
 
     @staticmethod
     def _server_message(state: FlowState, link: Chain, message: Any) -> None:

@@ -16,6 +16,7 @@ provider did not issue on this connection, but a message passed as sent.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,18 +34,22 @@ class Histories:
     def __init__(self, bound: int = HISTORIES) -> None:
         self.bound = bound
         self._seen: OrderedDict[tuple[str, str], Items] = OrderedDict()
+        # Read on the parsing thread, written from the event loop (a reply's end).
+        self._lock = threading.Lock()
 
     def get(self, key: str, response_id: str) -> Items | None:
-        got = self._seen.get((key, response_id))
-        if got is not None:
-            self._seen.move_to_end((key, response_id))
-        return got
+        with self._lock:
+            got = self._seen.get((key, response_id))
+            if got is not None:
+                self._seen.move_to_end((key, response_id))
+            return got
 
     def put(self, key: str, response_id: str, items: Items) -> None:
-        self._seen[(key, response_id)] = items
-        self._seen.move_to_end((key, response_id))
-        while len(self._seen) > self.bound:
-            self._seen.popitem(last=False)
+        with self._lock:
+            self._seen[(key, response_id)] = items
+            self._seen.move_to_end((key, response_id))
+            while len(self._seen) > self.bound:
+                self._seen.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -110,6 +115,11 @@ class Chain:
         out["input"] = target
         return out
 
+    def lost(self) -> None:
+        """A message went by that we could not follow: what the connection holds is unknown,
+        so the next message goes whole."""
+        self.pending, self.last_id, self.held = None, "", []
+
     def event(self, event: Any) -> None:
         """A provider event: a finished item is the reply's; a completed response is where both
         chains now stand; anything else that ends a response leaves the connection holding
@@ -130,8 +140,7 @@ class Chain:
             if isinstance(rid, str) and rid and pending.client is not None:
                 self.histories.put(self.key, rid, pending.client + pending.items)
         elif kind in ENDED:
-            self.pending = None
-            self.last_id, self.held = "", []
+            self.lost()
 
 
 def http_body(body: dict[str, Any], whole: Items) -> bytes:
