@@ -17,7 +17,8 @@ import pytest
 
 from tests.conftest import ROOT, Proxy, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text
-from tests.test_personal import QUESTION, tell_claude_code
+from tests.test_claude_code import claude_bin, run_claude
+from tests.test_personal import FACT, QUESTION, tell_claude_code
 
 CODEX = ROOT / ".cache" / "npm" / "node_modules" / ".bin" / "codex"
 codex_bin = str(CODEX) if CODEX.exists() else shutil.which("codex")
@@ -141,3 +142,22 @@ def test_codex_through_the_proxy_as_https_proxy(personal: Proxy, fake: FakeProvi
     assert upgrades and upgrades[0].headers["authorization"] == "Bearer sk-proj-e2e-codex"
     asked = turns(fake)
     assert len(asked) == 1 and "quokka-17" in json.dumps(held(fake, asked[0]))
+
+
+@pytest.mark.skipif(claude_bin is None, reason="Claude Code is not installed (scripts/run test "
+                    "installs it with npm where npm exists)")
+def test_a_fact_told_in_claude_code_reaches_a_new_codex_session(
+        personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
+    """The two real programs through one proxy on loopback with default settings."""
+    fake.script(Text("Noted."))
+    (tmp_path / "cc").mkdir()
+    told = run_claude(personal, tmp_path / "cc", "-p", FACT)
+    assert told.returncode == 0, told.stderr
+    personal.wait_messages("", 2)
+    fake.clear()
+    fake.script(Text("On quokka-17."))
+    asked = run_codex(personal, tmp_path / "codex", QUESTION)
+    assert asked.returncode == 0, asked.stderr
+    assert "On quokka-17." in asked.stdout
+    sent = turns(fake)
+    assert len(sent) == 1 and FACT in json.dumps(held(fake, sent[0]))
