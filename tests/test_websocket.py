@@ -206,6 +206,20 @@ def messages_of(*numbered: tuple[int, str | None]) -> list[tuple[dict, list[dict
     return out
 
 
+REASONING = {"id": "rs_fake_0001", "type": "reasoning", "summary": [],
+             "encrypted_content": "gAAAAB-encrypted-reasoning-blob"}
+
+
+def reasoned(exchanges: list[tuple[dict, list[dict]]], index: int) -> list[tuple[dict, list[dict]]]:
+    """The reply to message `index` led by an encrypted reasoning item (store: false with
+    include reasoning.encrypted_content, as Codex asks)."""
+    body, frames = exchanges[index]
+    done = {"type": "response.output_item.done", "output_index": 0, "item": REASONING}
+    shifted = [{**f, "output_index": f["output_index"] + 1} if "output_index" in f else f
+               for f in frames]
+    return [*exchanges[:index], (body, [shifted[0], done, *shifted[1:]]), *exchanges[index + 1:]]
+
+
 def tui_sessions() -> list[tuple[str, list[tuple[dict, list[dict]]]]]:
     """A fact told in one Codex session, then the captured TUI session asking for it: a
     prompt, two more, a reconnect (its history re-sent whole, a tool round, a compaction
@@ -213,7 +227,7 @@ def tui_sessions() -> list[tuple[str, list[tuple[dict, list[dict]]]]]:
     return [
         ("05-builtin_ws_basic-ws_handshake-v1_responses.json", messages_of((6, None), (7, FACT))),
         ("17-tui_ws_multiturn-ws_handshake-v1_responses.json",
-         messages_of((18, None), (19, ASK), (23, None), (24, None))),
+         reasoned(messages_of((18, None), (19, ASK), (23, None), (24, None)), 1)),
         ("25-tui_ws_after_reconnect-ws_handshake-v1_responses.json",
          messages_of((26, None), (27, None), (28, None))),
         ("29-tui_compact-ws_handshake-v1_responses.json", messages_of((30, None), (31, None))),
@@ -277,6 +291,8 @@ def test_codex_socket_is_framed_as_http_is(tmp_path: Path) -> None:
     assert "PELICAN-42" in frame_text(held[question])  # the fact, in front of the question
     assert wholes[question][-1] == held[question][-1]  # the live prompt, as the client sent it
     assert bodies[tool_round]["previous_response_id"] and len(bodies[tool_round]["input"]) == 1
+    # The encrypted reasoning of the question's reply stays, byte for byte, in what follows.
+    assert all(h.count(REASONING) == 1 for h in held[question + 1:question + 3])
     # Remote compaction compacts the client's own history, not the frame; whole, no chain.
     assert held[trigger] == wholes[trigger] and "previous_response_id" not in bodies[trigger]
     assert any(i.get("type") == "compaction" for i in held[after])  # its summary is kept
