@@ -27,7 +27,7 @@ from perpetuity_core.memory.storage.store import Store, default_db_path
 from perpetuity_core.notes.library import notes_root
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import inspection
-from perpetuity_core.serve.chain import ENDED, Chain, Histories, http_body, request
+from perpetuity_core.serve.chain import ENDED, Chain, Histories, framed
 from perpetuity_core.serve.direct import Addressing
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Decision, HttpRequest
 from perpetuity_core.serve.flowstate import (
@@ -268,45 +268,15 @@ class Perpetuity:
     async def _client_message(self, state: FlowState, handshake: HttpRequest, link: Chain,
                               message: Any) -> None:
         state.message = None
+        assert self.pipeline is not None
         decision, content = await asyncio.get_running_loop().run_in_executor(
-            self.parser, self._frame_message, handshake, link, message.content)
+            self.parser, framed, self.pipeline, handshake, link, message.content)
         if content is not None:  # every change at once, after everything it needs succeeded
             message.content = content
-        if decision.job is not None and self.pipeline is not None:
+        if decision.job is not None:
             capture = Capture(decision.job, self.pipeline, self.executor)
             capture.sent()
             state.message = (capture, responses.ReplyAssembler())
-
-    def _frame_message(self, handshake: HttpRequest, link: Chain,
-                       content: bytes) -> tuple[Decision, bytes | None]:
-        """On the parsing thread (the event loop never parses or frames a message): the
-        decision for the HTTP request the message stands for, and what goes upstream in its
-        place (None: the message as sent). The socket's hook is awaited meanwhile, so nothing
-        else touches its chain."""
-        try:
-            body = json.loads(content)
-        except ValueError:
-            return Decision(), None
-        if not request(body):
-            return Decision(), None
-        whole = link.whole(body)
-        if whole is None:
-            link.passed(body)
-            return Decision(), None
-        assert self.pipeline is not None
-        # The recall tools do not ride over the socket: the client's chain must hold every
-        # item the provider answered.
-        req = HttpRequest("POST", handshake.host, handshake.path,
-                          handshake.headers + (("x-perpetuity-tools", "off"),),
-                          http_body(body, whole), handshake.direct)
-        try:
-            decision = self.pipeline.prepare(req)
-        except Exception:
-            log.exception("perpetuity: pipeline failed; the WebSocket message goes unframed")
-            decision = Decision()
-        target = json.loads(decision.body)["input"] if decision.body is not None else whole
-        out = link.send(body, whole, target)
-        return decision, None if out is None else json.dumps(out, ensure_ascii=False).encode()
 
     @staticmethod
     def _server_message(state: FlowState, link: Chain, message: Any) -> None:

@@ -16,10 +16,16 @@ provider did not issue on this connection, but a message passed as sent.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from perpetuity_core.serve.exchange import Decision, HttpRequest
+from perpetuity_core.serve.pipeline import Pipeline
+
+log = logging.getLogger("perpetuity")
 
 HISTORIES = 256  # client response ids remembered (a resumed session past them goes as sent)
 ENDED = ("response.failed", "response.incomplete", "error")
@@ -148,3 +154,34 @@ def http_body(body: dict[str, Any], whole: Items) -> bytes:
     out = {k: v for k, v in body.items() if k != "previous_response_id"}
     out["input"] = whole
     return json.dumps(out, ensure_ascii=False).encode()
+
+
+def framed(pipeline: Pipeline, handshake: HttpRequest, link: Chain,
+           content: bytes) -> tuple[Decision, bytes | None]:
+    """A client message, on the parsing thread (the event loop never parses or frames one):
+    the decision for the HTTP request it stands for, and what goes upstream in its place (None:
+    the message as sent). The socket's hook is awaited meanwhile, so nothing else touches its
+    chain."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return Decision(), None
+    if not request(body):
+        return Decision(), None
+    whole = link.whole(body)
+    if whole is None:
+        link.passed(body)
+        return Decision(), None
+    # The recall tools do not ride over the socket: the client's chain must hold every item
+    # the provider answered.
+    req = HttpRequest("POST", handshake.host, handshake.path,
+                      handshake.headers + (("x-perpetuity-tools", "off"),),
+                      http_body(body, whole), handshake.direct)
+    try:
+        decision = pipeline.prepare(req)
+    except Exception:
+        log.exception("perpetuity: pipeline failed; the WebSocket message goes unframed")
+        decision = Decision()
+    target = json.loads(decision.body)["input"] if decision.body is not None else whole
+    out = link.send(body, whole, target)
+    return decision, None if out is None else json.dumps(out, ensure_ascii=False).encode()
