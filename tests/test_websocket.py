@@ -355,7 +355,13 @@ def through_proxy(p: Proxy, host: str, path: str, headers: list[tuple[str, str]]
         reply += raw.recv(4096)
     assert reply.startswith(b"HTTP/1.1 200"), reply
     ca = ssl.create_default_context(cafile=str(p.confdir / "mitmproxy-ca-cert.pem"))
-    tls = ca.wrap_socket(raw, server_hostname=host)
+    return exchanged(ca.wrap_socket(raw, server_hostname=host), host, path, headers, messages)
+
+
+def exchanged(tls: stdlib_socket.socket, host: str, path: str, headers: list[tuple[str, str]],
+              messages: list[dict]) -> list[list[dict]]:
+    """A WebSocket on this connection: each message sent once the last one's response ended
+    (a previous_response_id of "<last>" names it); the events of each."""
     ws = WSConnection(ConnectionType.CLIENT)
     tls.sendall(ws.send(Request(host=host, target=path, extra_headers=[
         (k.encode(), v.encode()) for k, v in headers])))
@@ -444,3 +450,19 @@ def test_a_failing_pipeline_sends_the_socket_message_as_sent(tmp_path: Path, mon
         monkeypatch.setattr(addon.pipeline, "prepare", fails)
         provider = asyncio.run(socket(addon, CODEX / sessions[1][0], sessions[1][1], Client(), []))
     assert [body for body, _ in provider.sent] == [body for body, _ in sessions[1][1]]
+
+
+def test_the_fake_provider_refuses_an_id_it_did_not_issue_on_the_connection(
+        fake: FakeProvider) -> None:
+    """As the provider does with store: false: the connection's last response chains, an id
+    from another connection (or none it issued) is previous_response_not_found."""
+    create = {"type": "response.create", "model": "gpt-5", "store": False, "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+    addr = ("127.0.0.1", fake.port or 0)
+    first = exchanged(stdlib_socket.create_connection(addr, timeout=10), "127.0.0.1",
+                      "/v1/responses", [], [create, {**create, "previous_response_id": "<last>"}])
+    assert [e[-1]["type"] for e in first] == ["response.completed"] * 2
+    other = exchanged(stdlib_socket.create_connection(addr, timeout=10), "127.0.0.1",
+                      "/v1/responses", [], [{**create, "previous_response_id": completed_id(first[1])}])
+    assert other[0][-1]["error"]["code"] == "previous_response_not_found"
+    assert fake.refused == [completed_id(first[1])]
