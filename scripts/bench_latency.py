@@ -7,7 +7,9 @@ loop runs), the frame without tools (mitmproxy's own stream), capture alone (rec
 pure pass-through (x-perpetuity: off). Each of those requests is a first prompt. The two
 `task_*` sides send what a coding harness sends: a prompt, then four tool rounds of the same
 task (the shared Claude Code sessions average 4.5 calls a prompt), where the frame chosen at the
-prompt is reused as it was.
+prompt is reused as it was. Beside them, Gemini's streamed path (`gemini_*`) and Codex's
+WebSocket (`ws_*`: a `response.create` on a socket opened beforehand, time to its first event
+and to `response.completed`), each against its own direct side.
 Prints JSON.
 
 Where a relayed request's time went (issue 24; one request traced from arrival to first byte,
@@ -31,13 +33,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import CloseConnection, Request, TextMessage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -46,7 +53,9 @@ from tests.fake_provider import FakeProvider, Text
 
 SIDES = {"direct": {}, "frame_and_tools_relay": {}, "frame_stream": {"x-perpetuity-tools": "off"},
          "capture_stream": {"x-perpetuity-recall": "off"}, "pass_through": {"x-perpetuity": "off"},
-         "task_relay": {}, "task_stream": {"x-perpetuity-tools": "off"}}
+         "task_relay": {}, "task_stream": {"x-perpetuity-tools": "off"},
+         "gemini_direct": {}, "gemini_frame_and_tools_relay": {}, "ws_direct": {}, "ws_frame": {}}
+GEMINI = "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse"
 ROUNDS = 5  # calls of a task: its prompt and four tool rounds
 
 
@@ -68,6 +77,10 @@ def messages(side: str, n: int) -> list[dict]:
 
 
 def timed(client: httpx.Client, url: str, side: str, n: int) -> tuple[float, float]:
+    if side.startswith("ws_"):
+        return timed_socket(url, side, n)
+    if side.startswith("gemini_"):
+        return timed_gemini(client, url, side, n)
     body = {"model": "claude-opus-4-8", "max_tokens": 100, "stream": True,
             "metadata": {"user_id": "bench"}, "messages": messages(side, n)}
     extra = SIDES[side]
@@ -80,6 +93,56 @@ def timed(client: httpx.Client, url: str, side: str, n: int) -> tuple[float, flo
         for _ in chunks:
             pass
     return first * 1000, (time.perf_counter() - start) * 1000
+
+
+def timed_gemini(client: httpx.Client, url: str, side: str, n: int) -> tuple[float, float]:
+    body = {"contents": [{"role": "user", "parts": [{"text": f"benchmark turn {n} on {side}"}]}]}
+    start = time.perf_counter()
+    with client.stream("POST", url + GEMINI, json=body,
+                       headers={"x-goog-api-key": "AIza-bench", "x-perpetuity-user": "bench"}) as r:
+        chunks = r.iter_raw()
+        next(chunks)
+        first = time.perf_counter() - start
+        for _ in chunks:
+            pass
+    return first * 1000, (time.perf_counter() - start) * 1000
+
+
+def timed_socket(url: str, side: str, n: int) -> tuple[float, float]:
+    """Codex's first prompt on a new socket: the upgrade before the clock starts."""
+    host, port = urlsplit(url).hostname or "", urlsplit(url).port or 80
+    with socket.create_connection((host, port), timeout=30) as conn:
+        ws = WSConnection(ConnectionType.CLIENT)
+        conn.sendall(ws.send(Request(host=f"{host}:{port}", target="/v1/responses", extra_headers=[
+            (b"authorization", b"Bearer sk-bench"), (b"session-id", f"bench-{side}-{n}".encode()),
+            (b"openai-beta", b"responses_websockets=2026-02-06")])))
+
+        def events() -> Iterator[object]:
+            while True:
+                yield from ws.events()
+                ws.receive_data(conn.recv(65536))
+
+        got = events()
+        next(got)  # accepted
+        body = {"type": "response.create", "model": "gpt-5", "stream": True, "store": False,
+                "input": [{"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": f"benchmark turn {n} on {side}"}]}]}
+        start = time.perf_counter()
+        conn.sendall(ws.send(TextMessage(json.dumps(body))))
+        first = 0.0
+        text = ""
+        for ev in got:
+            if not isinstance(ev, TextMessage):
+                continue
+            first = first or time.perf_counter() - start
+            text += ev.data
+            if ev.message_finished:
+                if json.loads(text).get("type") in ("response.completed", "error"):
+                    break
+                text = ""
+        total = time.perf_counter() - start
+        conn.sendall(ws.send(CloseConnection(code=1000)))
+    return first * 1000, total * 1000
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -100,7 +163,7 @@ def main() -> None:
                 for i in range(args.requests + 5):
                     for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotate
                         fake.script(Text("A reply of a few words, streamed in pieces.", chunks=8))
-                        url = fake.url if side == "direct" else proxy.url
+                        url = fake.url if side.endswith("direct") else proxy.url
                         ttfb, total = timed(client, url, side, i)
                         if i >= 5:  # the first few warm connections and the database up
                             results[side]["ttfb"].append(ttfb)
@@ -111,10 +174,14 @@ def main() -> None:
     for side, r in results.items():
         out[side] = {f"{m}_ms_{q}": pct(v, p) for m, v in r.items()
                      for q, p in (("p50", 0.5), ("p99", 0.99))}
-    direct = results["direct"]
+    def direct(side: str) -> dict[str, list[float]]:  # each protocol against its own
+        return results[side.split("_")[0] + "_direct" if side.startswith(("ws_", "gemini_"))
+                       else "direct"]
+
     out["added_ms_p50"] = {
-        side: {m: round(statistics.median(r[m]) - statistics.median(direct[m]), 3) for m in r}
-        for side, r in results.items() if side != "direct"
+        side: {m: round(statistics.median(r[m]) - statistics.median(direct(side)[m]), 3)
+               for m in r}
+        for side, r in results.items() if not side.endswith("direct")
     }
     print(json.dumps(out, indent=2))
 

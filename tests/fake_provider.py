@@ -8,7 +8,13 @@ work against it unchanged:
 * Anthropic Messages: ``POST /v1/messages`` (also ``?beta=true``) and
   ``POST /v1/messages/count_tokens``.
 * OpenAI Chat Completions: ``POST /v1/chat/completions``.
-* OpenAI Responses: ``POST /v1/responses``.
+* OpenAI Responses: ``POST /v1/responses``, and over a WebSocket (``GET /v1/responses`` or
+  ChatGPT's ``/backend-api/codex/responses`` upgraded, one ``response.create`` a message, one
+  event a message) as Codex's built-in provider speaks it: a ``previous_response_id`` must be
+  the connection's last response (or one stored with ``store: true``), else the message is
+  refused with ``previous_response_not_found``; ``generate: false`` answers an empty
+  response; a ``compaction_trigger`` item a single ``compaction`` item. ``websockets=False``
+  answers the upgrade ``426``, as a provider without them does.
 * Gemini: ``POST /v1beta/models/{model}:generateContent``, ``:streamGenerateContent`` (SSE with
   ``?alt=sse``, else one JSON array) and ``:countTokens``; the same under Code Assist's
   ``/v1internal:{method}``, its request in ``{model, project, request}`` and each reply or
@@ -50,6 +56,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import h11
+from wsproto.connection import Connection, ConnectionType
+from wsproto.events import CloseConnection, Ping, TextMessage
 
 __all__ = ["DEFAULT_REPLY", "Cut", "Error", "FakeProvider", "Recorded", "Text", "ToolCall"]
 
@@ -675,6 +683,23 @@ def _protocol_of(path: str) -> str | None:
     return None
 
 
+def _ws_error(status: int, code: str, message: str, param: str | None) -> dict:
+    return {"type": "error", "status": status, "error": {
+        "type": "invalid_request_error", "code": code, "message": message, "param": param}}
+
+
+def _ws_bare(rid: str, model: str, output: list[dict]) -> list[dict]:
+    """A response of these items and nothing streamed between (a prewarm, a compaction)."""
+    response = {"id": rid, "object": "response", "status": "in_progress", "model": model,
+                "output": [], "usage": None}
+    done = {**response, "status": "completed", "output": output, "usage": {
+        "input_tokens": 1, "output_tokens": len(output), "total_tokens": 1 + len(output)}}
+    return [{"type": "response.created", "response": response},
+            *({"type": "response.output_item.done", "output_index": i, "item": item}
+              for i, item in enumerate(output)),
+            {"type": "response.completed", "response": done}]
+
+
 def _reason(status: int) -> bytes:
     try:
         return http.HTTPStatus(status).phrase.encode()
@@ -687,6 +712,10 @@ class FakeProvider:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
+        self.websockets = True  # False: an upgrade is answered 426
+        self.refused: list[str] = []  # previous_response_ids refused (never issued here)
+        self._stored: set[str] = set()  # responses kept for any connection (store: true)
+        self._serial = 0  # WebSocket responses get ids of their own: every id issued once
         self.port: int | None = None
         self._bind_port = port
         self._cond = threading.Condition()
@@ -806,6 +835,7 @@ class FakeProvider:
         with self._cond:
             self._requests.clear()
             self._queue.clear()
+            self.refused.clear()
 
     # ---------------------------------------------------------------- internals
 
@@ -882,6 +912,8 @@ class FakeProvider:
                 headers.append((k, v))
             return _Reply(status, headers, body=_dumps(err_body).encode())
 
+        if rec.method == "GET" and rec.headers.get("upgrade", "").lower() == "websocket":
+            return error(426)  # websockets off: the client retries over HTTP
         if rec.method in ("HEAD", "GET") and rec.path in ("", "/"):
             # Claude Code probes ``HEAD /`` before its first request.
             return _Reply(200, [("Content-Type", JSON_CT)], body=b"{}")
@@ -940,6 +972,10 @@ class FakeProvider:
                 if got is None:
                     break
                 rec = self._record(*got, carried)
+                if (self.websockets and rec.method == "GET"
+                        and rec.headers.get("upgrade", "").lower() == "websocket"):
+                    await self._websocket(rec, conn.trailing_data[0], reader, writer)
+                    break
                 if not await self._respond(conn, writer, rec):
                     break
                 if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
@@ -963,6 +999,93 @@ class FakeProvider:
                     self._tasks.discard(task)
                 self._live.difference_update(carried)
                 self._cond.notify_all()
+
+    async def _websocket(self, handshake: Recorded, data: bytes, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        """The Responses WebSocket: the upgrade accepted (no extension), then each text
+        message recorded and answered with its events, one event a message."""
+        key = handshake.headers.get("sec-websocket-key", "")
+        accept = base64.b64encode(hashlib.sha1(
+            (key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+        writer.write(("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                      f"Connection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\n\r\n").encode())
+        ws = Connection(ConnectionType.SERVER)
+        last = ""  # the connection's last response: what store: false keeps
+        text: list[str] = []
+        while True:
+            if data:
+                ws.receive_data(data)
+            for event in ws.events():
+                if isinstance(event, Ping):
+                    writer.write(ws.send(event.response()))
+                elif isinstance(event, CloseConnection):
+                    writer.write(ws.send(event.response()))
+                    await writer.drain()
+                    return
+                elif isinstance(event, TextMessage):
+                    text.append(event.data)
+                    if not event.message_finished:
+                        continue
+                    body, text = "".join(text), []
+                    rec = self._record_message(handshake, body)
+                    for reply in self._ws_reply(rec.json, last):
+                        if reply.get("type") == "response.completed":
+                            last = reply["response"]["id"]
+                        writer.write(ws.send(TextMessage(data=json.dumps(reply))))
+            await writer.drain()
+            data = await reader.read(65536)
+            if not data:
+                return
+
+    def _record_message(self, handshake: Recorded, body: str) -> Recorded:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        rec = replace(handshake, method="WS", body=body.encode(), json=parsed)
+        with self._cond:
+            self._requests.append(rec)
+            self._cond.notify_all()
+        return rec
+
+    def _ws_reply(self, body: Any, last: str) -> list[dict]:
+        """A `response.create` message's events."""
+        if not isinstance(body, dict) or body.get("type") != "response.create":
+            return [_ws_error(400, "invalid_request_error", "expected response.create", None)]
+        prev = body.get("previous_response_id")
+        if prev is not None and prev != last and prev not in self._stored:
+            with self._cond:
+                self.refused.append(str(prev))
+            return [_ws_error(400, "previous_response_not_found",
+                              f"Previous response with id '{prev}' not found.",
+                              "previous_response_id")]
+        items = body.get("input") if isinstance(body.get("input"), list) else []
+        with self._cond:
+            self._serial += 1
+            rid = f"resp_ws_{self._serial:06d}_" + hashlib.sha256(
+                f"{id(self)}:{self._serial}".encode()).hexdigest()[:12]
+        if body.get("store") is not False:
+            self._stored.add(rid)
+        model = str(body.get("model", ""))
+        if body.get("generate") is False:
+            return _ws_bare(rid, model, [])
+        if items and isinstance(items[-1], dict) and items[-1].get("type") == "compaction_trigger":
+            return _ws_bare(rid, model, [{"id": "cmp_" + rid, "type": "compaction",
+                                          "encrypted_content": "FAKE_COMPACTION_" + rid}])
+        item = self._next_item()
+        if isinstance(item, Error):
+            return [_ws_error(item.status, "server_error", "scripted error", None)]
+        ids = _Ids("responses", True, _item_key(item), model, rid)
+        ctx = _Ctx(model=model, input_tokens=max(1, len(json.dumps(items)) // 4), ids=ids,
+                   include_usage=False, wrapped=False)
+        events, _ = _responses(_turn_of(item), ctx, True)
+        out = []
+        for raw in events:
+            event = json.loads(raw.decode().split("data: ", 1)[1])
+            if isinstance(event.get("response"), dict):
+                event["response"]["id"] = rid
+            out.append(event)
+        return out
 
     async def _read_request(
         self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

@@ -33,7 +33,7 @@ def test_perpetuity_proxy_serves_and_prints_the_harness_settings(tmp_path: Path)
             banner = [proc.stdout.readline() for _ in range(6)]
             assert f"listening on http://127.0.0.1:{port}" in banner[0]
             assert f"ANTHROPIC_BASE_URL=http://127.0.0.1:{port}" in "".join(banner)
-            assert "wire_api" in "".join(banner)
+            assert f'openai_base_url = "http://127.0.0.1:{port}/v1"' in "".join(banner)
             assert f"GOOGLE_GEMINI_BASE_URL=http://127.0.0.1:{port}" in "".join(banner)
             fake.script(Text("via the CLI"))
             c = owned(anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="sk-ant-cli",

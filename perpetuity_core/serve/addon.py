@@ -27,6 +27,7 @@ from perpetuity_core.memory.storage.store import Store, default_db_path
 from perpetuity_core.notes.library import notes_root
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import inspection
+from perpetuity_core.serve.chain import ENDED, Chain, Histories, framed
 from perpetuity_core.serve.direct import Addressing
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Decision, HttpRequest
 from perpetuity_core.serve.flowstate import (
@@ -44,7 +45,7 @@ from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire import identity
 from perpetuity_core.wire.conversation import Provider
 from perpetuity_core.wire.protocols import responses
-from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, parse_upstream
+from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, credential, parse_upstream
 from perpetuity_core.wire.sse import Event
 
 log = logging.getLogger("perpetuity")
@@ -73,6 +74,7 @@ class Perpetuity:
         self.serving = False  # from the running hook on, the database is fixed
         self.addressing = Addressing()  # did the client address us or a host through us?
         self.tenancy = identity.CREDENTIAL  # whose memory a request reaches (identity.tenancy)
+        self.histories = Histories()  # Codex's WebSocket chains: the client's side (chain)
 
     def load(self, loader: Any) -> None:
         contentviews.add(PerpetuityView)
@@ -196,8 +198,9 @@ class Perpetuity:
             f"  Claude Code / Anthropic SDK: ANTHROPIC_BASE_URL=http://{host}:{port}\n"
             f"  OpenAI SDK / opencode:       OPENAI_BASE_URL=http://{host}:{port}/v1\n"
             f"  gemini-cli / Google GenAI SDK: GOOGLE_GEMINI_BASE_URL=http://{host}:{port}\n"
-            f"  Codex (~/.codex/config.toml): [model_providers.perpetuity] base_url = "
-            f"\"http://{host}:{port}/v1\", wire_api = \"responses\"\n"
+            f"  Codex (~/.codex/config.toml): openai_base_url = \"http://{host}:{port}/v1\"; "
+            f"signed in with ChatGPT, HTTPS_PROXY=http://{host}:{port} with "
+            f"CODEX_CA_CERTIFICATE=~/.mitmproxy/mitmproxy-ca-cert.pem\n"
             f"  any other harness: HTTPS_PROXY=http://{host}:{port} with the mitmproxy CA trusted",
             flush=True,
         )
@@ -239,37 +242,57 @@ class Perpetuity:
         if (state and decision.route
                 and flow.request.headers.get("upgrade", "").lower() == "websocket"):
             state.handshake = req  # the identity of every message to come
+            headers = {k.lower(): v for k, v in req.headers}
+            state.chain = Chain(self.histories, credential(headers, req.path))
 
     async def websocket_message(self, flow: http.HTTPFlow) -> None:
         """Codex's own provider speaks Responses over a WebSocket: each client message is a
-        request (stored like one, without a frame: later ones chain to server-side state by
-        previous_response_id) and the server's events are its reply."""
+        request, read whole through the client's chain (`chain`), framed and stored as the
+        HTTP request it stands for, and sent upstream on the proxy's own chain; the server's
+        events are its reply. Anything we cannot read goes as sent."""
         state = state_of(flow.metadata)
         handshake = state.handshake if state else None
-        if state is None or handshake is None or flow.websocket is None or self.pipeline is None:
+        if (state is None or handshake is None or state.chain is None or flow.websocket is None
+                or self.pipeline is None):
             return
         message = flow.websocket.messages[-1]
         try:
             if message.from_client:
-                req = HttpRequest("POST", handshake.host, handshake.path,
-                                  handshake.headers + (("x-perpetuity-recall", "off"),),
-                                  message.content, handshake.direct)
-                decision = await asyncio.get_running_loop().run_in_executor(
-                    self.parser, self.pipeline.prepare, req)
-                if decision.job is not None:
-                    capture = Capture(decision.job, self.pipeline, self.executor)
-                    capture.sent()
-                    state.message = (capture, responses.ReplyAssembler())
-            elif state.message is not None:
-                capture, assembler = state.message
-                event = json.loads(message.content)
-                kind = str(event.get("type", "")) if isinstance(event, dict) else ""
-                assembler.feed(Event(kind, message.text))
-                if kind in ("response.completed", "response.incomplete", "response.failed"):
-                    state.message = None
-                    capture.replied(assembler.reply())
+                await self._client_message(state, handshake, state.chain, message)
+            else:
+                self._server_message(state, state.chain, message)
         except Exception:
-            log.exception("perpetuity: could not capture a WebSocket message; it went through as sent")
+            state.chain.lost()
+            log.exception("perpetuity: could not read a WebSocket message; it went through as sent")
+
+    async def _client_message(self, state: FlowState, handshake: HttpRequest, link: Chain,
+                              message: Any) -> None:
+        state.message = None
+        assert self.pipeline is not None
+        decision, content = await asyncio.get_running_loop().run_in_executor(
+            self.parser, framed, self.pipeline, handshake, link, message.content)
+        if content is not None:  # every change at once, after everything it needs succeeded
+            message.content = content
+        if decision.job is not None:
+            capture = Capture(decision.job, self.pipeline, self.executor)
+            capture.sent()
+            state.message = (capture, responses.ReplyAssembler())
+
+    @staticmethod
+    def _server_message(state: FlowState, link: Chain, message: Any) -> None:
+        try:
+            event = json.loads(message.content)
+        except ValueError:
+            return
+        link.event(event)
+        if state.message is None or not isinstance(event, dict):
+            return
+        capture, assembler = state.message
+        kind = str(event.get("type", ""))
+        assembler.feed(Event(kind, message.text))
+        if kind in ("response.completed", *ENDED):
+            state.message = None
+            capture.replied(assembler.reply())
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         """Whatever comes through a tunnel was addressed to the tunnel's host, never to us."""
@@ -402,7 +425,7 @@ class Perpetuity:
         if kept is not None and flow.response is not None and flow.response.raw_content is None:
             flow.response.raw_content = b"".join(kept.chunks)  # the reply the client received
         if flow.websocket and state.handshake is not None:
-            flow.metadata[STATE] = FlowState(handshake=state.handshake)
+            flow.metadata[STATE] = FlowState(handshake=state.handshake, chain=state.chain)
         else:
             del flow.metadata[STATE]
         if d is None or not _readable():

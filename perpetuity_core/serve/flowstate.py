@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from perpetuity_core.serve.chain import Chain
 from perpetuity_core.serve.exchange import Decision, HttpRequest
 from perpetuity_core.serve.relay import ReplyTee
 from perpetuity_core.serve.writer import Capture
@@ -34,9 +35,10 @@ class FlowState:
     tee: ReplyTee | None = None  # reads the reply on mitmproxy's stream until it ends
     kept: Kept | None = None  # a copy of a streamed body, for inspection
     fell_open: str = ""  # why the request went upstream as the client sent it after all
-    # A WebSocket's: its handshake (the identity of every message to come), and the client
-    # message whose reply is being read.
+    # A WebSocket's: its handshake (the identity of every message to come), its two chains,
+    # and the client message whose reply is being read.
     handshake: HttpRequest | None = None
+    chain: Chain | None = None
     message: tuple[Capture, ReplyAssembler] | None = None
 
     def finish(self) -> None:

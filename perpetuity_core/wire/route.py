@@ -18,6 +18,9 @@ from perpetuity_core.wire.conversation import Protocol, Provider
 
 # Code Assist (gemini-cli signed in with Google) is Gemini's second host.
 CODE_ASSIST = "cloudcode-pa.googleapis.com"
+# Codex signed in with ChatGPT speaks Responses to ChatGPT's backend; the rest of that host is
+# not provider traffic.
+CHATGPT, CHATGPT_CODEX = "chatgpt.com", "/backend-api/codex/"
 PROVIDER_HOSTS = {"api.anthropic.com": Provider.ANTHROPIC, "api.openai.com": Provider.OPENAI,
                   "generativelanguage.googleapis.com": Provider.GOOGLE, CODE_ASSIST: Provider.GOOGLE}
 DEFAULT_UPSTREAMS = {Provider.ANTHROPIC: "https://api.anthropic.com", Provider.OPENAI: "https://api.openai.com",
@@ -137,10 +140,18 @@ def route(
     `direct` is true when the client addressed the proxy itself (a base URL pointing at us);
     otherwise the client used us as its HTTP(S) proxy to reach `host`.
     """
-    provider = provider_of(path, headers, model) if direct else PROVIDER_HOSTS.get(host)
+    chatgpt = urlsplit(path).path.startswith(CHATGPT_CODEX)
+    if chatgpt and (direct or host == CHATGPT):
+        provider: Provider | None = Provider.OPENAI
+    elif not direct and host == CHATGPT:
+        provider = None
+    else:
+        provider = provider_of(path, headers, model) if direct else PROVIDER_HOSTS.get(host)
     if provider is None:
         return None
     base = upstreams.get(provider, DEFAULT_UPSTREAMS[provider])
+    if provider == Provider.OPENAI and chatgpt and base == DEFAULT_UPSTREAMS[Provider.OPENAI]:
+        base = "https://" + CHATGPT  # its own host; an OpenAI upstream that was set takes both
     if (provider == Provider.GOOGLE and base == DEFAULT_UPSTREAMS[Provider.GOOGLE]
             and urlsplit(path).path.startswith("/v1internal:")):
         # Code Assist lives on its own host; a Gemini upstream that was set (a gateway, a test's

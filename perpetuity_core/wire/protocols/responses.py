@@ -70,12 +70,13 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
                     inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
     """The body with input items before `keep_from` replaced by the frame, and each of
     `inserts` (raw index -> messages) put just before the item at that index; system and
-    developer messages stay first, untouched."""
+    developer items stay first, untouched, and so does every item the neutral model cannot
+    read (Codex's `additional_tools`, a `compaction` summary): memory cannot stand in for it."""
     raw = body["input"]
     if isinstance(raw, str):
         raw, keep_from = [{"type": "message", "role": "user", "content": raw}], 0
     kept_system = [m for m in raw[:keep_from] if isinstance(m, dict)
-                   and m.get("type", "message") == "message" and m.get("role") in ("system", "developer")]
+                   and (m.get("role") in ("system", "developer") or _item(m) is None)]
     kept = spliced(raw, keep_from, inserts, _render)
     return {**body, "input": kept_system + _render(frame) + kept}
 

@@ -1,0 +1,163 @@
+"""Codex itself (`codex exec`, its built-in provider: Responses over a WebSocket) through a real
+mitmdump to the fake provider, which refuses a previous_response_id it never issued as the
+provider does: a fact told through the Anthropic path reaches a new Codex session's model, the
+chain stays valid through `codex exec resume --last`, and a provider without WebSockets (426)
+gets Codex's HTTP fallback, framed too."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, Proxy, start_proxy, stop_proxy
+from tests.fake_provider import FakeProvider, Text
+from tests.test_claude_code import claude_bin, run_claude
+from tests.test_personal import FACT, QUESTION, tell_claude_code
+
+CODEX = ROOT / ".cache" / "npm" / "node_modules" / ".bin" / "codex"
+codex_bin = str(CODEX) if CODEX.exists() else shutil.which("codex")
+
+pytestmark = pytest.mark.skipif(
+    codex_bin is None,
+    reason="Codex is not installed (scripts/run test installs @openai/codex with npm where npm exists)",
+)
+
+
+@pytest.fixture
+def personal(fake: FakeProvider, tmp_path: Path) -> Iterator[Proxy]:
+    """One proxy on loopback with default settings (personal tenancy)."""
+    (tmp_path / "proxy").mkdir()
+    p = start_proxy(tmp_path / "proxy", fake.url, tenants=None)
+    yield p
+    stop_proxy(p)
+    assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
+
+
+def run_codex(proxy: Proxy, home: Path, *args: str, base_url: bool = True
+              ) -> subprocess.CompletedProcess:
+    """`codex exec` with its built-in provider, signed in by CODEX_API_KEY, pointed at the
+    proxy by `openai_base_url` (the OPENAI_BASE_URL variable is not read for it), or else using
+    it as its HTTPS proxy."""
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True, exist_ok=True)
+    (codex_home / "config.toml").write_text(
+        f'openai_base_url = "{proxy.url}/v1"\n' if base_url else "")
+    env = {k: v for k, v in os.environ.items()
+           if not k.lower().endswith("_proxy") and not k.startswith(("OPENAI", "CODEX"))}
+    env.update(HOME=str(home), CODEX_HOME=str(codex_home), CODEX_API_KEY="sk-proj-e2e-codex",
+               NO_COLOR="1")
+    if not base_url:
+        env.update(HTTPS_PROXY=proxy.url,
+                   CODEX_CA_CERTIFICATE=str(proxy.confdir / "mitmproxy-ca-cert.pem"))
+    work = home / "work"
+    work.mkdir(exist_ok=True)
+    return subprocess.run([codex_bin, "exec", "--skip-git-repo-check", *args], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def turns(fake: FakeProvider) -> list[dict]:
+    """The model calls the provider received over the socket (not the prewarms)."""
+    return [r.json for r in fake.requests if r.method == "WS" and isinstance(r.json, dict)
+            and r.json.get("generate") is not False]
+
+
+def held(fake: FakeProvider, body: dict) -> list[dict]:
+    """What the provider held for a message: its chain's history, then its input."""
+    out: list[dict] = []
+    prev = body.get("previous_response_id")
+    messages = [r.json for r in fake.requests if r.method == "WS" and isinstance(r.json, dict)]
+    if prev:
+        # The message that made `prev`: the one before this on its connection.
+        before = messages[messages.index(body) - 1]
+        out = held(fake, before)
+    return out + list(body["input"])
+
+
+def test_codex_recalls_a_fact_told_through_anthropic_and_resumes_on_a_valid_chain(
+        personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
+    tell_claude_code(personal, fake)
+    fake.clear()
+    fake.script(Text("It lives on quokka-17."))
+    first = run_codex(personal, tmp_path, QUESTION)
+    assert first.returncode == 0, first.stderr
+    assert "It lives on quokka-17." in first.stdout
+    asked = turns(fake)
+    assert len(asked) == 1
+    assert "quokka-17" in json.dumps(held(fake, asked[0]))  # the frame reached the model
+    upgrades = [r for r in fake.requests if r.method == "GET"]
+    assert upgrades and upgrades[0].headers["authorization"] == "Bearer sk-proj-e2e-codex"
+
+    fake.clear()
+    fake.script(Text("Still quokka-17."))
+    again = run_codex(personal, tmp_path, "resume", "--last", "And where is the bastion?")
+    assert again.returncode == 0, again.stderr
+    assert "Still quokka-17." in again.stdout
+    assert fake.refused == []  # every previous_response_id was one the provider issued
+    resumed = turns(fake)
+    assert len(resumed) == 1
+    whole = json.dumps(held(fake, resumed[0]))
+    assert QUESTION in whole and "And where is the bastion?" in whole
+    assert "quokka-17" in whole  # the frame again, on the resumed session's new socket
+    rows = personal.rows("select count(*) from message m join item i on i.message_id = m.id"
+                         " where i.text = ?", QUESTION)
+    assert rows == [(1,)]  # the question stored once, though Codex sent it twice
+
+
+def test_codex_falls_back_to_http_when_the_upgrade_is_refused(
+        personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
+    """A provider without WebSockets answers the upgrade 426; it reaches Codex as sent, and
+    Codex retries over HTTP, which the proxy frames."""
+    tell_claude_code(personal, fake)
+    fake.clear()
+    fake.websockets = False
+    try:
+        fake.script(Text("quokka-17, over HTTP."))
+        got = run_codex(personal, tmp_path, QUESTION)
+    finally:
+        fake.websockets = True
+    assert got.returncode == 0, got.stderr
+    assert "quokka-17, over HTTP." in got.stdout
+    assert [r.method for r in fake.requests][:1] == ["GET"]
+    posts = [r for r in fake.requests if r.method == "POST" and r.path == "/v1/responses"]
+    assert posts and "quokka-17" in json.dumps(posts[0].json["input"])
+
+
+def test_codex_through_the_proxy_as_https_proxy(personal: Proxy, fake: FakeProvider,
+                                                tmp_path: Path) -> None:
+    """No base URL: Codex reaches api.openai.com through HTTPS_PROXY, trusting mitmproxy's CA
+    (CODEX_CA_CERTIFICATE); its socket is framed the same way, its key byte-identical."""
+    tell_claude_code(personal, fake)
+    fake.clear()
+    fake.script(Text("quokka-17, by proxy."))
+    got = run_codex(personal, tmp_path, QUESTION, base_url=False)
+    assert got.returncode == 0, got.stderr
+    assert "quokka-17, by proxy." in got.stdout
+    upgrades = [r for r in fake.requests if r.method == "GET"]
+    assert upgrades and upgrades[0].headers["authorization"] == "Bearer sk-proj-e2e-codex"
+    asked = turns(fake)
+    assert len(asked) == 1 and "quokka-17" in json.dumps(held(fake, asked[0]))
+
+
+@pytest.mark.skipif(claude_bin is None, reason="Claude Code is not installed (scripts/run test "
+                    "installs it with npm where npm exists)")
+def test_a_fact_told_in_claude_code_reaches_a_new_codex_session(
+        personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
+    """The two real programs through one proxy on loopback with default settings."""
+    fake.script(Text("Noted."))
+    (tmp_path / "cc").mkdir()
+    told = run_claude(personal, tmp_path / "cc", "-p", FACT)
+    assert told.returncode == 0, told.stderr
+    personal.wait_messages("", 2)
+    fake.clear()
+    fake.script(Text("On quokka-17."))
+    asked = run_codex(personal, tmp_path / "codex", QUESTION)
+    assert asked.returncode == 0, asked.stderr
+    assert "On quokka-17." in asked.stdout
+    sent = turns(fake)
+    assert len(sent) == 1 and FACT in json.dumps(held(fake, sent[0]))
