@@ -85,6 +85,7 @@ class _Side:
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
         self.prepared = 0.0
+        self.stubs = 0  # the last call's tool results sent as stubs
 
     def send(self, path: str, headers: tuple[tuple[str, str], ...], body: dict[str, Any],
              reply: dict[str, Any], replied_at: float) -> tuple[dict[str, Any], bool]:
@@ -93,6 +94,8 @@ class _Side:
         started = time.perf_counter()
         d = self.pipeline.prepare(req)
         self.prepared = time.perf_counter() - started
+        laid = d.recall.plan if d.recall is not None else None
+        self.stubs = len(laid.stubs) if laid is not None else 0
         sent = json.loads(d.body) if d.body is not None else body
         job = d.job
         if job is None:
@@ -161,7 +164,8 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
     if tally.per_call is not None:
         tally.per_call.append({"direct_tokens": direct.tokens, "upstream_tokens": upstream.tokens,
                                "prepare_ms": round(side.prepared * 1000, 2),
-                               "rss_mb": round(_rss() / 2**20, 1), "live_identical": kept})
+                               "rss_mb": round(_rss() / 2**20, 1), "live_identical": kept,
+                               "stubs": side.stubs})
 
 
 def _rss() -> int:
