@@ -79,8 +79,14 @@ RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
 
-# A JSON escape that matters for surrogates: an escaped backslash (2 bytes: what follows it is
-# text), a surrogate pair (12), a lone surrogate (6). Only a lone one needs the whole check.
+# What may be a lone surrogate's JSON escape: a high one not followed by a low one, a low one
+# not after a high one, or one after an escaped backslash (then text, or not: `_ESCAPES` tells).
+# Paired ones (a history's emoji) are the common case, and pass in one scan.
+_MAYBE_LONE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                         rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                         rb"|\\\\u[dD]")
+# The escapes that decide it: an escaped backslash (2 bytes: what follows it is text), a
+# surrogate pair (12), a lone surrogate (6).
 _ESCAPES = re.compile(rb"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
                       rb"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
@@ -550,7 +556,7 @@ def _lone_surrogate(raw: bytes) -> bool:
     """Does the body escape a surrogate that is not half of a pair? Scanned, not re-encoded: a
     long history's emoji (paired) made every call dump and encode the whole body (0.3 s at
     6.5 MB)."""
-    return any(len(m[0]) == 6 for m in _ESCAPES.finditer(raw))
+    return bool(_MAYBE_LONE.search(raw)) and any(len(m[0]) == 6 for m in _ESCAPES.finditer(raw))
 
 
 def _json_body(raw: bytes) -> dict | None:
