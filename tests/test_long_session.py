@@ -161,7 +161,7 @@ def test_chained_sessions_are_one_conversation_that_never_ends(tmp_path: Path) -
 def test_real_sessions_chained_stay_within_the_bound(tmp_path: Path) -> None:
     """The shared sessions' first calls as one conversation, under a bound it passes often."""
     bound = 40_000
-    report = replay.claude_code([SESSIONS], calls=12, chain=True, tools=False,
+    report = replay.claude_code([SESSIONS], calls=12, chain=1, tools=False,
                                 limits=Cap(bound=bound)).as_dict()
     chain = report["sessions"][0]
     assert chain["calls"] == 72 and chain["largest_direct_tokens"] > 2 * bound

@@ -79,16 +79,9 @@ RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
 
-# What may be a lone surrogate's JSON escape: a high one not followed by a low one, a low one
-# not after a high one, or one after an escaped backslash (then text, or not: `_ESCAPES` tells).
-# Paired ones (a history's emoji) are the common case, and pass in one scan.
-_MAYBE_LONE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-                         rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
-                         rb"|\\\\u[dD]")
-# The escapes that decide it: an escaped backslash (2 bytes: what follows it is text), a
-# surrogate pair (12), a lone surrogate (6).
-_ESCAPES = re.compile(rb"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
-                      rb"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# A surrogate's JSON escape: its high half (d800-dbff) or its low half (dc00-dfff).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_LOW = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -555,8 +548,18 @@ def _curate(root: Path) -> str:
 def _lone_surrogate(raw: bytes) -> bool:
     """Does the body escape a surrogate that is not half of a pair? Scanned, not re-encoded: a
     long history's emoji (paired) made every call dump and encode the whole body (0.3 s at
-    6.5 MB)."""
-    return bool(_MAYBE_LONE.search(raw)) and any(len(m[0]) == 6 for m in _ESCAPES.finditer(raw))
+    6.5 MB). An escape is one only after an even run of backslashes (else it is text)."""
+    paired = -1  # where the low half of the last pair starts
+    for m in _SURROGATE.finditer(raw):
+        start = k = m.start()
+        while k and raw[k - 1] == 0x5C:
+            k -= 1
+        if (start - k) % 2 or start == paired:
+            continue
+        if raw[start + 3] not in b"89abAB" or not _LOW.match(raw, m.end()):
+            return True
+        paired = m.end()
+    return False
 
 
 def _json_body(raw: bytes) -> dict | None:

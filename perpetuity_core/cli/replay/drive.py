@@ -109,11 +109,13 @@ class _Side:
 
 
 def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None = None,
-                template: Path | None = None, progress: bool = False, chain: bool = False,
+                template: Path | None = None, progress: bool = False, chain: int = 0,
                 **pipeline_options: Any) -> Report:
     """Replay Claude Code sessions (files, or folders searched for *.jsonl) into one memory,
-    in time order; `calls` keeps each session's first N calls. `chain` replays them as one
-    conversation that never ends (`sessions.chained`), with each call's figures in the report.
+    in time order; `calls` keeps each session's first N calls. `chain` replays them `chain`
+    times over as one conversation that never ends (`sessions.chained`), with each call's
+    figures in the report (not what its reply used of older history: that scan of the whole
+    history on every call would be most of the replay's time).
     `pipeline_options` go to `Pipeline` as the proxy's options would (limits=Cap(...),
     tools=False, tool_rounds=...)."""
     shape = load_template(template)
@@ -123,7 +125,7 @@ def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None
     if chain:
         for s in sessions:
             s.calls = s.calls[:calls] if calls else s.calls
-        sessions, calls = [chained(sessions)], None
+        sessions, calls = [chained(sessions * chain)], None
     report = Report([Tally(s.id, skipped_lines=s.skipped_lines, per_call=[] if chain else None)
                      for s in sessions], shape.source)
     queue = [(c.at, n, i, c) for n, s in enumerate(sessions) for i, c in
@@ -155,10 +157,12 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
     direct = direct_cache.bill(built.body, call.at)
     upstream = upstream_cache.bill(sent, call.at)
     messages = built.body["messages"]
-    live_text = request_text({"messages": messages[built.live_from:]})
-    older = identifiers(reply_text(call.reply)) & identifiers(
-        request_text({"messages": messages[:built.live_from]}))
-    older -= identifiers(live_text) | harness_ids
+    older: set[str] = set()
+    if tally.per_call is None:
+        live_text = request_text({"messages": messages[built.live_from:]})
+        older = identifiers(reply_text(call.reply)) & identifiers(
+            request_text({"messages": messages[:built.live_from]}))
+        older -= identifiers(live_text) | harness_ids
     kept = live_kept(messages, sent.get("messages") or [], built.live_from)
     tally.add(direct, upstream, anthropic.check(sent), kept, older, request_text(sent), framed)
     if tally.per_call is not None:
