@@ -78,6 +78,9 @@ Mark = tuple[int, str]  # a message's index in the request and its fingerprint
 Stub = tuple[str, str]  # a tool call's id, and the text its result is sent as
 LAST_ROUNDS = 4  # a live task's latest tool rounds, never stubbed
 HEADROOM = 8  # a trim frees a further 1/HEADROOM of the bound
+# What the provider counts for an image or a document the text estimate sees as a short label:
+# an image near Anthropic's 1.15-megapixel cap, (w*h)/750 (the replay's bill counts the same).
+MEDIA_TOKENS = 1_600
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,8 +186,10 @@ class Rebuild:
 def size(plan: Plan, messages: list[Message], keep: int, fixed: int) -> int:
     """The tokens of the request as `plan` lays it out from message `keep` on, `fixed` those of
     what the harness sends besides its messages (its system prompt, its tools)."""
-    return (fixed + plan.frame_tokens + plan.insert_tokens + messages_tokens(messages[keep:])
-            - plan.stubbed)
+    kept = messages[keep:]
+    media = sum(1 for m in kept for p in m.parts if p.kind == Kind.MEDIA)
+    return (fixed + plan.frame_tokens + plan.insert_tokens + messages_tokens(kept)
+            + MEDIA_TOKENS * media - plan.stubbed)
 
 
 def trimmed(plan: Plan, messages: list[Message], keep: int, prompt: int, fixed: int,

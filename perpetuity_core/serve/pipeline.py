@@ -83,6 +83,12 @@ BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the bin
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _LOW = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
+# Our tools' definitions as they ride along (notes' note_capture with them), in characters.
+_OUR_TOOLS_CHARS = len(json.dumps(
+    [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
+     for t in tools.TOOLS] + [{"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
+                               "input_schema": notes.CAPTURE_TOOL_SCHEMA}]))
+
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
 
@@ -275,8 +281,9 @@ class Pipeline:
         key = (user_id, ident.conversation)
         query = prompt_text(messages[prompt])
         # What the request carries besides its messages and the plan's frame: the harness's
-        # system prompt and tools, and our tools' note on the frame (its longest).
-        fixed = (parsed.fixed_chars + len(_tools_note(10**9)) + 3) // 4  # token_estimate's rule
+        # system prompt and tools, and our tools with their note on the frame (its longest).
+        ours = _OUR_TOOLS_CHARS + len(_tools_note(10**9)) if tools_on else 0
+        fixed = (parsed.fixed_chars + ours + 3) // 4  # token_estimate's rule
         match plan.decide(self._plans.get(key), messages, prompt, asked_at, self.limits, fixed):
             case plan.Carry(plan=carried):
                 made = _Built(plan=carried)
