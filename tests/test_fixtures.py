@@ -94,7 +94,9 @@ def test_protocol_identity_and_side_requests(pipeline: Pipeline, harness: str) -
             assert d.identity.conversation.startswith("derived-")
             continue
         if raw["path"].endswith("count_tokens"):
-            assert d.route.protocol is None and d.job is None
+            # Counted for the request as it would go upstream: read, framed, never a turn.
+            assert d.route.protocol == Protocol.ANTHROPIC and d.job is None, f
+            assert d.note.startswith("probe"), f
             continue
         assert d.route.protocol == {"/v1/messages": Protocol.ANTHROPIC,
                                     "/v1/chat/completions": Protocol.CHAT,

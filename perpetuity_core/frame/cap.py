@@ -27,6 +27,10 @@ class Cap:
 
     floor: int = 1_000
     ceiling: int = 5_000
+    # The largest request that goes upstream, everything in it (frame/plan.py): below Claude
+    # Code's own compaction threshold (its 200k window less its reserve), so a harness whose
+    # history grows without end is never refused, where going direct it would have compacted.
+    bound: int = 150_000
 
 
 def breadth(scores: np.ndarray) -> float:

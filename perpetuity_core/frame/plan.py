@@ -32,6 +32,15 @@ and it changes in only three ways:
   has expired (no call within `TTL`), when keeping would be written again in full anyway, if
   what it drops is larger than a frame.
 
+A request never passes `Cap.bound` (150k tokens, everything in it): a harness whose context is
+framed never compacts, and a long task has no prompt to rebuild at, so a request about to pass
+the bound is rebuilt mid-task, the turns before the live task dropped (memory holds them). When
+the live task alone is too large, its oldest tool results go as short stubs naming the stored
+row that `memory_more` reads (Anthropic's context editing, but recallable): a `Trim`, the frame
+kept. Its prompt and its last `LAST_ROUNDS` rounds are never cut. Each of these rewrites the
+cache from the first change on, so it happens only at the bound, and a trim frees `HEADROOM`
+more than it must, so that the calls after it grow at their end again before the next.
+
 A conversation whose history is shorter than a frame is never replaced at all (a chat of a few
 thousand tokens is cheapest sent as it is): it gets a frame of other conversations' memory in
 front, its own turns kept as sent, until its history outgrows the frame. Each of its prompts
@@ -48,8 +57,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from perpetuity_core.frame.cap import Cap
-from perpetuity_core.memory.derived.index import messages_tokens
-from perpetuity_core.wire.conversation import Message, Protocol
+from perpetuity_core.memory.derived.index import messages_tokens, token_estimate
+from perpetuity_core.wire.conversation import Kind, Message, Protocol
 from perpetuity_core.wire.protocols import gemini
 from perpetuity_core.wire.protocols.base import CacheRule
 
@@ -66,6 +75,12 @@ def rule_for(protocol: Protocol, model: str) -> CacheRule:
 
 
 Mark = tuple[int, str]  # a message's index in the request and its fingerprint
+Stub = tuple[str, str]  # a tool call's id, and the text its result is sent as
+LAST_ROUNDS = 4  # a live task's latest tool rounds, never stubbed
+HEADROOM = 8  # a trim frees a further 1/HEADROOM of the bound
+# What the provider counts for an image or a document the text estimate sees as a short label:
+# an image near Anthropic's 1.15-megapixel cap, (w*h)/750 (the replay's bill counts the same).
+MEDIA_TOKENS = 1_600
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +102,8 @@ class Plan:
     left_out: int = 0  # warm rows the frame's cap left out
     excess: float = 0.0  # re-read cost paid since the frame was built for what a rebuild drops
     rule: CacheRule = ANTHROPIC  # the provider's cache prices (`rule_for`)
+    stubs: tuple[Stub, ...] = ()  # the live task's tool results sent as stubs, oldest first
+    stubbed: int = 0  # tokens the stubs save
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,20 +171,70 @@ class Addendum:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Trim:
+    """The request is about to pass the bound with nothing before its live task left to drop:
+    the frame stays, more of the live task's oldest tool results become stubs (`trimmed`)."""
+
+    plan: Plan  # the plan after this call, before the new stubs (`carried`)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Rebuild:
     """A new frame for the prompt."""
 
 
+def size(plan: Plan, messages: list[Message], keep: int, fixed: int) -> int:
+    """The tokens of the request as `plan` lays it out from message `keep` on, `fixed` those of
+    what the harness sends besides its messages (its system prompt, its tools)."""
+    kept = messages[keep:]
+    media = sum(1 for m in kept for p in m.parts if p.kind == Kind.MEDIA)
+    return (fixed + plan.frame_tokens + plan.insert_tokens + messages_tokens(kept)
+            + MEDIA_TOKENS * media - plan.stubbed)
+
+
+def trimmed(plan: Plan, messages: list[Message], keep: int, prompt: int, fixed: int,
+            limits: Cap, stubs: dict[str, str]) -> Plan:
+    """`plan` with the live task's oldest tool results as stubs until its request is within
+    the bound, HEADROOM under it (none when it is already); `stubs` holds each tool result
+    that may go as a stub (stored, so memory can give it back) with its stub's text. Never the
+    prompt's own message, nor the last LAST_ROUNDS rounds."""
+    over = size(plan, messages, keep, fixed) - limits.bound
+    if over <= 0:
+        return plan
+    need = plan.stubbed + over + limits.bound // HEADROOM  # what all the stubs must save
+    chosen, saved = list(plan.stubs), plan.stubbed
+    done = {call_id for call_id, _ in chosen}
+    for m in messages[max(keep, prompt + 1):max(prompt + 1, len(messages) - 2 * LAST_ROUNDS)]:
+        for p in m.parts:
+            if saved >= need:
+                break
+            text = stubs.get(p.call_id) if p.kind == Kind.TOOL_RESULT else None
+            gain = messages_tokens([Message(m.role, (p,))]) - token_estimate(text or "")
+            if text is not None and p.call_id not in done and gain > 0:
+                chosen.append((p.call_id, text))
+                done.add(p.call_id)
+                saved += gain
+    return replace(plan, stubs=tuple(chosen), stubbed=saved)
+
+
 def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
-           limits: Cap) -> Carry | Addendum | Rebuild:
+           limits: Cap, fixed: int = 0) -> Carry | Addendum | Trim | Rebuild:
     """What this request does with its conversation's plan `old` (None: no plan yet, or it was
     forgotten), `prompt` the index of the person's latest prompt in `messages`, `at` the time it
-    was asked. Pure: the caller builds what it says and acts on it."""
+    was asked, `fixed` the tokens of what it carries besides its messages. Pure: the caller
+    builds what it says and acts on it."""
     placed = place(old, messages) if old else None
     if old is None or placed is None:
         return Rebuild()  # none, or the history changed under it
     kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
     here = mark(messages, prompt)
+    grows = 0 if here == old.prompt else limits.ceiling  # a new prompt may get an addendum
+    if size(old, messages, placed.keep, fixed) + grows > limits.bound:
+        # About to pass the bound, mid-task too: the turns before the live task go (memory
+        # holds them) when there are any worth a frame; else the live task is trimmed.
+        if kept - old.insert_tokens > limits.ceiling:
+            return Rebuild()
+        return Trim(plan=carried(old, kept, at, here))
     if here == old.prompt:  # a tool round of the task in progress
         return Carry(plan=carried(old, kept, at, here))
     if messages_tokens(messages[:prompt]) <= limits.ceiling:

@@ -162,6 +162,13 @@ def ago(when: datetime, asked: datetime) -> str:
     return f"{n} {unit}{'s' if n > 1 else ''} before"
 
 
+def stub(item_id: int, tokens: int) -> str:
+    """What a live task's tool result is sent as when the request would pass its bound
+    (frame/plan.py): the stored row that gives it back whole."""
+    return (f"[This tool result ({tokens:,} tokens) was cleared to keep the request small;"
+            f" it is stored: memory_more(item={item_id}) reads it.]")
+
+
 def with_note(messages: list[Message], note: str) -> list[Message]:
     """The frame with a note at its end (after the stable part, so the cached prefix holds);
     a note alone when memory had no frame to give."""

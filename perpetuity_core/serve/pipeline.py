@@ -28,7 +28,7 @@ from typing import Any
 from perpetuity_core import notes
 from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.frame import build as frame
-from perpetuity_core.frame import plan, tenants
+from perpetuity_core.frame import plan, render, tenants
 from perpetuity_core.frame.build import Frame
 from perpetuity_core.frame.cap import Cap
 from perpetuity_core.frame.plan import Plan
@@ -52,6 +52,7 @@ from perpetuity_core.serve.exchange import (
 )
 from perpetuity_core.wire import repair
 from perpetuity_core.wire.conversation import (
+    Kind,
     Message,
     ParsedRequest,
     Protocol,
@@ -61,9 +62,10 @@ from perpetuity_core.wire.conversation import (
     prompt_text,
 )
 from perpetuity_core.wire.identity import PERSONAL, Identity, identify
-from perpetuity_core.wire.protocols import ADAPTERS
+from perpetuity_core.wire.protocols import ADAPTERS, anthropic
 from perpetuity_core.wire.route import (
     CONTROL_PREFIX,
+    anthropic_count,
     credential,
     gemini_call,
     parse_controls,
@@ -77,7 +79,15 @@ RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
 
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's JSON escape, paired or not
+# A surrogate's JSON escape: its high half (d800-dbff) or its low half (dc00-dfff).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_LOW = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+# Our tools' definitions as they ride along (notes' note_capture with them), in characters.
+_OUR_TOOLS_CHARS = len(json.dumps(
+    [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
+     for t in tools.TOOLS] + [{"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
+                               "input_schema": notes.CAPTURE_TOOL_SCHEMA}]))
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -177,12 +187,15 @@ class Pipeline:
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
+        # Anthropic's count_tokens and Gemini's countTokens are answered for the request as it
+        # would go upstream (framed; Anthropic's with our tools beside the harness's), and
+        # store nothing: a harness sizing its context sees what the model reads.
+        count = anthropic_count(req.path)
         if (call := gemini_call(req.path)) is not None:
-            # Gemini: the path names the model and the streaming; countTokens is answered for
-            # the request as it would go upstream (framed), and stores nothing.
+            # Gemini: the path names the model and the streaming.
             parsed.model, parsed.stream = call.model or parsed.model, call.stream
-            if call.count:
-                controls = replace(controls, probe=True)
+        if count or (call is not None and call.count):
+            controls = replace(controls, probe=True)
         settings = self.settings
         ident = identify(headers, parsed, credential(headers, req.path), self.store.salt,
                          settings.trust_identity, settings.personal)
@@ -211,7 +224,8 @@ class Pipeline:
             return decision
         at = controls.at if controls.at is not None else time.time()
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
-        tools_on = settings.tools and controls.tools and not controls.probe and controls.capture
+        tools_on = (settings.tools and controls.tools and controls.capture
+                    and (count or not controls.probe))
         recall = Recall()
         if controls.recall and "previous_response_id" not in parsed.hints:
             recall = self._recall(body, parsed, ident, r.protocol, at, tools_on, library)
@@ -219,6 +233,9 @@ class Pipeline:
             recall.memory.library = library if settings.notes_capture else None
             recall.memory.untrusted = tenants.quotes_untrusted(parsed.messages)
         decision.body, decision.frame, decision.recall = recall.body, recall.built, recall
+        if count and recall.memory is not None:
+            specs = self._tool_specs(recall.memory, parsed.tool_names)
+            decision.body = _first_round(r.protocol, recall.sent, specs, settings.tool_rounds)
         if controls.probe or not controls.capture:
             decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
             return decision
@@ -263,14 +280,21 @@ class Pipeline:
         # By the conversation's key, not its row: a first request has no row yet.
         key = (user_id, ident.conversation)
         query = prompt_text(messages[prompt])
-        match plan.decide(self._plans.get(key), messages, prompt, asked_at, self.limits):
+        # What the request carries besides its messages and the plan's frame: the harness's
+        # system prompt and tools, and our tools with their note on the frame (its longest).
+        ours = _OUR_TOOLS_CHARS + len(_tools_note(10**9)) if tools_on else 0
+        fixed = (parsed.fixed_chars + ours + 3) // 4  # token_estimate's rule
+        match plan.decide(self._plans.get(key), messages, prompt, asked_at, self.limits, fixed):
             case plan.Carry(plan=carried):
                 made = _Built(plan=carried)
             case plan.Addendum(plan=carried, keep=keep):
                 made = self._add(carried, parsed, prompt, keep, user_id, conv, query, asked_at,
                                  library)
+            case plan.Trim(plan=carried):
+                made = _Built(plan=self._trim(carried, parsed, prompt, conv, fixed))
             case plan.Rebuild():
                 made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library)
+                made = replace(made, plan=self._trim(made.plan, parsed, prompt, conv, fixed))
         laid_plan = made.plan
         out = Recall(key=key, plan=laid_plan, built=made.frame, made=made.made, notes=made.notes)
         laid = plan.place(laid_plan, messages)
@@ -281,9 +305,11 @@ class Pipeline:
             front = frame.with_note(front, _tools_note(laid_plan.left_out))
             out.memory = TurnMemory(user_id, conv, asked_at, set(laid_plan.shown),
                                     list(laid_plan.below_cap), everyone=self.settings.personal,
-                                    sent=messages[laid.keep:])
-        if not front and not laid.inserts:
+                                    sent=_sent_whole(messages[laid.keep:], laid_plan.stubs))
+        if not front and not laid.inserts and not laid_plan.stubs:
             return out
+        if laid_plan.stubs:
+            body = anthropic.stub_results(body, dict(laid_plan.stubs), parsed.raw_index[laid.keep])
         replaced = repair.replace_history(
             ADAPTERS[protocol], body, parsed, front, laid.keep,
             {parsed.raw_index[i]: list(m) for i, m in laid.inserts.items()})
@@ -297,7 +323,7 @@ class Pipeline:
             out.plan = replace(laid_plan, anchor=plan.mark(messages, replaced.keep))
         out.keep, out.note, out.front = replaced.keep, replaced.why, front
         out.sent_tokens = (messages_tokens(front) + laid_plan.insert_tokens
-                           + messages_tokens(messages[replaced.keep:]))
+                           + messages_tokens(messages[replaced.keep:]) - laid_plan.stubbed)
         out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
         out.sent = replaced.body
         return out
@@ -336,6 +362,23 @@ class Pipeline:
             left_out=built.left_out if built else 0,
             rule=plan.rule_for(parsed.protocol, parsed.model))
         return _Built(plan=rebuilt, frame=built, made="frame", notes=notes_shown)
+
+    def _trim(self, laid: Plan, parsed: ParsedRequest, prompt: int, conv: int | None,
+              fixed: int) -> Plan:
+        """`laid` with the live task's oldest tool results as stubs when its request would
+        pass the bound (`plan.trimmed`); only results the store holds, so memory_more gives
+        them back. Anthropic's results are stubbed; another wire's go as sent."""
+        messages = parsed.messages
+        keep = laid.anchor[0]
+        if (parsed.protocol != Protocol.ANTHROPIC or conv is None
+                or plan.size(laid, messages, keep, fixed) <= self.limits.bound):
+            return laid
+        results = {p.call_id: messages_tokens([Message(m.role, (p,))])
+                   for m in messages[prompt + 1:] for p in m.parts
+                   if p.kind == Kind.TOOL_RESULT and p.call_id}
+        items = self.store.result_items(conv, list(results))
+        stubs = {c: render.stub(i, results[c]) for c, i in items.items()}
+        return plan.trimmed(laid, messages, keep, prompt, fixed, self.limits, stubs)
 
     def _add(self, carried: Plan, parsed: ParsedRequest, prompt: int, keep: int, user_id: int,
              conv: int | None, query: str, asked_at: float, library: Path | None) -> _Built:
@@ -478,6 +521,15 @@ def _first_round(protocol: Protocol, sent: dict[str, Any] | None, specs: list[di
     return json.dumps(ADAPTERS[protocol].add_tools(sent, specs, rounds == 1)).encode()
 
 
+def _sent_whole(messages: list[Message], stubs: tuple[plan.Stub, ...]) -> list[Message]:
+    """The messages the model reads as the harness sent them: a tool result sent as a stub is
+    not in front of the model (memory_more gives it back)."""
+    stubbed = {call_id for call_id, _ in stubs}
+    if not stubbed:
+        return messages
+    return [m for m in messages if not any(p.call_id in stubbed for p in m.parts)]
+
+
 def _tools_note(left_out: int) -> str:
     left = (f" {left_out} more remembered items were left out of this frame;"
             " memory_more and memory_search reach them." if left_out else "")
@@ -511,12 +563,29 @@ def _curate(root: Path) -> str:
         return f"perpetuity: curate failed: {e}"
 
 
+def _lone_surrogate(raw: bytes) -> bool:
+    """Does the body escape a surrogate that is not half of a pair? Scanned, not re-encoded: a
+    long history's emoji (paired) made every call dump and encode the whole body (0.3 s at
+    6.5 MB). An escape is one only after an even run of backslashes (else it is text)."""
+    paired = -1  # where the low half of the last pair starts
+    for m in _SURROGATE.finditer(raw):
+        start = k = m.start()
+        while k and raw[k - 1] == 0x5C:
+            k -= 1
+        if (start - k) % 2 or start == paired:
+            continue
+        if raw[start + 3] not in b"89abAB" or not _LOW.match(raw, m.end()):
+            return True
+        paired = m.end()
+    return False
+
+
 def _json_body(raw: bytes) -> dict | None:
     if not raw or len(raw) > MAX_BODY:
         return None
     try:
         data = json.loads(raw)
-        if _SURROGATE.search(raw):  # a lone one (\ud800) cannot be stored: found by fuzzing
+        if _lone_surrogate(raw):  # a lone one (\ud800) cannot be stored: found by fuzzing
             json.dumps(data, ensure_ascii=False).encode()
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
         return None

@@ -158,6 +158,9 @@ class ParsedRequest:
     compaction: bool = False  # the harness asks for its history to be summarised
     # For each message, the index in the body's own list where it starts (adapters map back).
     raw_index: list[int] = field(default_factory=list)
+    # Characters of what the request carries besides its messages (system prompt, tool
+    # definitions): what a bound on the whole request counts beside them.
+    fixed_chars: int = 0
 
 
 @dataclass(slots=True)

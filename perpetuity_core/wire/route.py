@@ -92,11 +92,17 @@ def parse_upstream(url: str) -> str:
     return url.rstrip("/")
 
 
+def anthropic_count(path: str) -> bool:
+    """Anthropic's `/v1/messages/count_tokens`: a request's tokens, answered for the request as
+    it would go upstream (framed), not a turn."""
+    return path.split("?", 1)[0].rstrip("/").endswith("/messages/count_tokens")
+
+
 def protocol_of(path: str) -> Protocol | None:
     p = path.split("?", 1)[0].rstrip("/")
     if gemini_call(path) is not None:
         return Protocol.GEMINI
-    if p.endswith("/messages"):
+    if p.endswith("/messages") or anthropic_count(path):
         return Protocol.ANTHROPIC
     if p.endswith("/chat/completions"):
         return Protocol.CHAT

@@ -4,7 +4,7 @@ Recorded conversations go through the real request pipeline, one memory for all 
 time order, each call answered with its recorded reply and billed twice under the provider's
 prompt-cache rules: as the harness sent it (direct) and as it reached the provider.
 
-    perpetuity replay claude-code PATH... [--db DB] [--calls N] [--json] [--plot FILE.png]
+    perpetuity replay claude-code PATH... [--chain [--passes N]] [--db DB] [--calls N] [--json] [--plot FILE.png]
     perpetuity replay chat locomo PATH [--db DB] [--limit N] [--json] [--plot FILE.png]
 
 PATH may be session files or folders (such as ~/.claude/projects, searched for *.jsonl).
@@ -41,6 +41,13 @@ def register(sub: Any) -> None:
     cc = kinds.add_parser("claude-code", help="Claude Code session files (~/.claude/projects)")
     cc.add_argument("paths", nargs="+", type=Path, metavar="PATH")
     cc.add_argument("--calls", type=int, help="only each session's first N calls")
+    cc.add_argument("--chain", action="store_true",
+                    help="the sessions as one conversation that never ends, each after the whole "
+                    "history of those before it; each call's sizes, request-path time and RSS "
+                    "reported")
+    cc.add_argument("--passes", type=int, default=1, metavar="N",
+                    help="with --chain: the sessions N times over, for a history longer than "
+                    "they hold")
     cc.add_argument("--request-template", type=Path, metavar="FILE",
                     help="a captured Claude Code request giving the system prompt and tools")
     chat = kinds.add_parser("chat", help="a chat dataset re-sent turn by turn (LoCoMo)")
@@ -68,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError(f"no such path: {', '.join(missing)}")
         report = claude_code(args.paths, db=_new_file(args.db), calls=args.calls,
                              template=args.request_template, limits=limits,
-                             tools=not args.no_tools, progress=True)
+                             tools=not args.no_tools, progress=True, chain=args.passes if args.chain else 0)
     else:
         report = chat_locomo(args.path, db=_new_file(args.db), limit=args.limit, turns=args.turns,
                              limits=limits, tools=not args.no_tools, progress=True)

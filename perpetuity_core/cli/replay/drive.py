@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
+import resource
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -30,7 +32,7 @@ from perpetuity_core.cli.replay.measure import (
     request_text,
 )
 from perpetuity_core.cli.replay.request import Template, build, load_template
-from perpetuity_core.cli.replay.sessions import Call, Session, sessions_in_order
+from perpetuity_core.cli.replay.sessions import Call, Session, chained, sessions_in_order
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
@@ -77,16 +79,23 @@ def _pipeline(db: Path | None, options: dict[str, Any]) -> Iterator[Pipeline]:
 
 
 class _Side:
-    """One call through the pipeline: the body that goes upstream, and the reply stored."""
+    """One call through the pipeline: the body that goes upstream, and the reply stored;
+    `prepared` is how long the last call's request path took (the proxy's added time)."""
 
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
+        self.prepared = 0.0
+        self.stubs = 0  # the last call's tool results sent as stubs
 
     def send(self, path: str, headers: tuple[tuple[str, str], ...], body: dict[str, Any],
              reply: dict[str, Any], replied_at: float) -> tuple[dict[str, Any], bool]:
         """(the body as it reached the provider, whether the history was replaced)."""
         req = HttpRequest("POST", "127.0.0.1", path, headers, json.dumps(body).encode(), True)
+        started = time.perf_counter()
         d = self.pipeline.prepare(req)
+        self.prepared = time.perf_counter() - started
+        laid = d.recall.plan if d.recall is not None else None
+        self.stubs = len(laid.stubs) if laid is not None else 0
         sent = json.loads(d.body) if d.body is not None else body
         job = d.job
         if job is None:
@@ -100,16 +109,24 @@ class _Side:
 
 
 def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None = None,
-                template: Path | None = None, progress: bool = False,
+                template: Path | None = None, progress: bool = False, chain: int = 0,
                 **pipeline_options: Any) -> Report:
     """Replay Claude Code sessions (files, or folders searched for *.jsonl) into one memory,
-    in time order; `calls` keeps each session's first N calls. `pipeline_options` go to
-    `Pipeline` as the proxy's options would (limits=Cap(...), tools=False, tool_rounds=...)."""
+    in time order; `calls` keeps each session's first N calls. `chain` replays them `chain`
+    times over as one conversation that never ends (`sessions.chained`), with each call's
+    figures in the report (not what its reply used of older history: that scan of the whole
+    history on every call would be most of the replay's time).
+    `pipeline_options` go to `Pipeline` as the proxy's options would (limits=Cap(...),
+    tools=False, tool_rounds=...)."""
     shape = load_template(template)
     sessions = list(sessions_in_order(paths))
     if not sessions:
         raise ConfigError("no Claude Code session files (*.jsonl) under the given paths")
-    report = Report([Tally(s.id, skipped_lines=s.skipped_lines)
+    if chain:
+        for s in sessions:
+            s.calls = s.calls[:calls] if calls else s.calls
+        sessions, calls = [chained(sessions * chain)], None
+    report = Report([Tally(s.id, skipped_lines=s.skipped_lines, per_call=[] if chain else None)
                      for s in sessions], shape.source)
     queue = [(c.at, n, i, c) for n, s in enumerate(sessions) for i, c in
              enumerate(s.calls[:calls] if calls else s.calls)]
@@ -140,13 +157,27 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
     direct = direct_cache.bill(built.body, call.at)
     upstream = upstream_cache.bill(sent, call.at)
     messages = built.body["messages"]
-    live_text = request_text({"messages": messages[built.live_from:]})
-    older = identifiers(reply_text(call.reply)) & identifiers(
-        request_text({"messages": messages[:built.live_from]}))
-    older -= identifiers(live_text) | harness_ids
-    tally.add(direct, upstream, anthropic.check(sent),
-              live_kept(messages, sent.get("messages") or [], built.live_from), older,
-              request_text(sent), framed)
+    older: set[str] = set()
+    if tally.per_call is None:
+        live_text = request_text({"messages": messages[built.live_from:]})
+        older = identifiers(reply_text(call.reply)) & identifiers(
+            request_text({"messages": messages[:built.live_from]}))
+        older -= identifiers(live_text) | harness_ids
+    kept = live_kept(messages, sent.get("messages") or [], built.live_from)
+    tally.add(direct, upstream, anthropic.check(sent), kept, older, request_text(sent), framed)
+    if tally.per_call is not None:
+        tally.per_call.append({"direct_tokens": direct.tokens, "upstream_tokens": upstream.tokens,
+                               "prepare_ms": round(side.prepared * 1000, 2),
+                               "rss_mb": round(_rss() / 2**20, 1), "live_identical": kept,
+                               "stubs": side.stubs})
+
+
+def _rss() -> int:
+    """This process's resident memory, in bytes (0 where /proc is not there)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
 
 
 # --------------------------------------------------------------------------- chat replay

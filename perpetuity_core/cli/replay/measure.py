@@ -102,6 +102,8 @@ class Tally:
     framed: int = 0  # calls whose history the proxy replaced
     direct_curve: list[float] = field(default_factory=list)  # cumulative cost
     upstream_curve: list[float] = field(default_factory=list)
+    # Each call's sizes, request-path time and memory (a chained replay's; None: not kept).
+    per_call: list[dict[str, Any]] | None = None
 
     def add(self, direct: Bill, upstream: Bill, problems: list[str], live_same: bool,
             older: set[str], upstream_text: str, framed: bool) -> None:
@@ -147,4 +149,23 @@ class Tally:
                               "kept": self.older_kept,
                               "recall": ratio(self.older_kept, self.older_used)},
             "live_task_identical": ratio(self.live_identical, self.calls),
-        }
+        } | ({} if self.per_call is None else _long_session(self.per_call))
+
+
+def _long_session(per_call: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chained replay's figures: the largest requests each way, the request path's time
+    early and late (medians of the first and last tenth of the calls) and each call's own."""
+    tenth = max(1, len(per_call) // 10)
+
+    def median_ms(calls: list[dict[str, Any]]) -> float:
+        times = sorted(c["prepare_ms"] for c in calls)
+        return times[len(times) // 2] if times else 0.0
+
+    early, late = median_ms(per_call[:tenth]), median_ms(per_call[-tenth:])
+    return {"largest_direct_tokens": max((c["direct_tokens"] for c in per_call), default=0),
+            "largest_upstream_tokens": max((c["upstream_tokens"] for c in per_call), default=0),
+            "prepare_ms": {"early_median": early, "late_median": late,
+                           "late_over_early": round(late / early, 2) if early else None},
+            "rss_mb": {"first": per_call[0]["rss_mb"] if per_call else 0.0,
+                       "max": max((c["rss_mb"] for c in per_call), default=0.0)},
+            "per_call": per_call}

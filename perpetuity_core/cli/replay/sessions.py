@@ -200,3 +200,44 @@ def sessions_in_order(paths: Iterable[Path]) -> Iterator[Session]:
     """Every session under the paths, earliest first call first."""
     sessions = [read_session(p) for p in find_sessions(paths)]
     yield from sorted(sessions, key=lambda s: (s.calls[0].at if s.calls else float("inf"), s.id))
+
+
+CHAIN_GAP = 60.0  # seconds from one chained session's last reply to the next one's first call
+_CLOSING = {"type": "text", "text": "[the task ended here]"}
+
+
+def chained(sessions: list[Session], gap: float = CHAIN_GAP) -> Session:
+    """The sessions as one conversation that never ends, as a person who never starts a new
+    session would have sent them through the proxy: each session's calls after the whole
+    history of those before it, its times moved to follow them `gap` seconds after the last
+    reply. Nor does it ever compact (through the proxy Claude Code does not): a call whose
+    history is shorter than the one before it (a compaction summary) keeps what came before.
+    The history carried on ends with a reply's text only: a tool call there was never answered
+    (a prompt follows), and a reply of none but calls is a stand-in line."""
+    live = [s for s in sessions if s.calls]
+    if not live:
+        return Session("chain", Path("chain"))
+    out = Session(live[0].id, live[0].path, live[0].version, live[0].cwd,
+                  skipped_lines=sum(s.skipped_lines for s in sessions))
+    prefix: list[dict[str, Any]] = []
+    end: float | None = None
+    for s in live:
+        shift = 0.0 if end is None else end + gap - s.calls[0].at
+        previous: Call | None = None
+        for c in s.calls:
+            if previous is not None and len(c.messages) < len(previous.messages):
+                prefix = _closed(prefix, previous)
+            out.calls.append(Call(prefix + c.messages, c.reply, c.model, c.at + shift,
+                                  c.replied_at + shift, c.live_from + len(prefix),
+                                  c.starts_task))
+            previous = c
+        out.prompts += s.prompts
+        prefix = _closed(prefix, s.calls[-1])
+        end = s.calls[-1].replied_at + shift
+    return out
+
+
+def _closed(prefix: list[dict[str, Any]], call: Call) -> list[dict[str, Any]]:
+    """The history carried on after `call`: its messages and its reply's text."""
+    said = [b for b in call.reply if b.get("type") == "text"] or [_CLOSING]
+    return prefix + call.messages + [{"role": "assistant", "content": said}]

@@ -333,6 +333,16 @@ class Store:
                 "SELECT id FROM message WHERE conversation_id = {} AND fingerprint IN",
                 conversation_id, fingerprints)]
 
+    def result_items(self, conversation_id: int, call_ids: list[str]) -> dict[str, int]:
+        """The stored row of each of these tool calls' results in a conversation, by call id
+        (a result not stored yet is not there)."""
+        with failing_as("read tool results"):
+            return {c: i for c, i in _in_query(
+                self.db, self.db.connection(),
+                "SELECT i.call_id, i.id FROM item i JOIN message m ON m.id = i.message_id"
+                " WHERE m.conversation_id = {} AND i.kind = 'tool_result' AND i.call_id IN",
+                conversation_id, call_ids)}
+
     def known(self, conversation_id: int, pair_keys: list[str],
               reply_fingerprints: list[str]) -> tuple[set[str], set[str]]:
         """Which pair keys, and which assistant fingerprints, this conversation already holds."""

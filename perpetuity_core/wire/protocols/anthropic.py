@@ -33,16 +33,18 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
     if isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
         hints["metadata.user_id"] = meta["user_id"]
     output_config = body.get("output_config")
+    system = _text_of(body.get("system"))
     return ParsedRequest(
         protocol=Protocol.ANTHROPIC,
         model=str(body.get("model", "")),
         stream=bool(body.get("stream", False)),
         messages=parsed,
-        system=_text_of(body.get("system")),
+        system=system,
         tool_names=[t.get("name", "") for t in body.get("tools") or [] if isinstance(t, dict)],
         hints=hints,
         structured_output=isinstance(output_config, dict) and "format" in output_config,
         raw_index=raw_index,
+        fixed_chars=len(system) + len(json.dumps(body.get("tools") or [], ensure_ascii=False)),
     )
 
 
@@ -67,6 +69,18 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
     if rendered and spare > 0:
         rendered[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
     return {**body, "messages": rendered + kept}
+
+
+def stub_results(body: dict[str, Any], stubs: Mapping[str, str], keep_from: int) -> dict[str, Any]:
+    """The body with the tool results of these calls (by id) from raw index `keep_from` on sent
+    as the stubs' text; the messages holding none are the same objects."""
+    raw = body["messages"]
+    return {**body, "messages": raw[:keep_from] + [
+        {**m, "content": [{**b, "content": stubs[str(b.get("tool_use_id"))]}
+                          if b.get("type") == "tool_result" and b.get("tool_use_id") in stubs
+                          else b for b in _blocks(m)]}
+        if any(b.get("type") == "tool_result" and b.get("tool_use_id") in stubs
+               for b in _blocks(m)) else m for m in raw[keep_from:]]}
 
 
 def _render(messages: list[Message]) -> list[dict[str, Any]]:
