@@ -19,7 +19,7 @@ from perpetuity_core.cli.replay.billing import (
     anthropic_min_tokens,
     gemini_blocks,
 )
-from perpetuity_core.cli.replay.measure import identifiers
+from perpetuity_core.cli.replay.measure import identifiers, parts_text, with_context
 from perpetuity_core.cli.replay.request import DEFAULT_TEMPLATE, build, load_template
 from perpetuity_core.cli.replay.sessions import read_session
 from perpetuity_core.errors import ConfigError
@@ -198,6 +198,21 @@ def test_identifiers_are_code_names_not_words() -> None:
                         "The quick brown fox.")
     assert found == {"src/app/main.py", "parse_when", "HttpRequest", "store.find_user",
                      "~/notes/todo", "lib/a/b"}
+
+
+def test_a_name_counts_in_context_only_with_the_text_around_its_latest_mention() -> None:
+    older = parts_text([
+        {"role": "user", "content": "Look at src/app/main.py first."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Edit",
+                                           "input": {"path": "src/app/main.py", "old": "x = 1"}}]},
+    ])
+    latest = older[-1]  # the tool call as stored: its arguments' keys sorted
+    assert latest == '{"old": "x = 1", "path": "src/app/main.py"}'
+    names = {"src/app/main.py"}
+    assert with_context(names, older, "Memory: Edit " + latest) == 1
+    assert with_context(names, older, "src/app/main.py, parse_when") == 0  # a bare list of names
+    assert with_context(names, older, "Look at src/app/main.py first.") == 0  # an older mention
+    assert with_context({"absent_name"}, older, latest) == 0
 
 
 # --------------------------------------------------------------------------- billing

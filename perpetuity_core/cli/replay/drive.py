@@ -26,8 +26,10 @@ from perpetuity_core.cli.replay.measure import (
     Tally,
     identifiers,
     live_kept,
+    parts_text,
     reply_text,
     request_text,
+    with_context,
 )
 from perpetuity_core.cli.replay.request import Template, build, load_template
 from perpetuity_core.cli.replay.sessions import Call, Session, sessions_in_order
@@ -144,9 +146,11 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
     older = identifiers(reply_text(call.reply)) & identifiers(
         request_text({"messages": messages[:built.live_from]}))
     older -= identifiers(live_text) | harness_ids
+    in_context = with_context(older, parts_text(messages[:built.live_from]),
+                              "\n".join(parts_text(sent.get("messages") or []))) if older else 0
     tally.add(direct, upstream, anthropic.check(sent),
               live_kept(messages, sent.get("messages") or [], built.live_from), older,
-              request_text(sent), framed)
+              request_text(sent), framed, in_context)
 
 
 # --------------------------------------------------------------------------- chat replay
