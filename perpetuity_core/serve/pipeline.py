@@ -76,6 +76,7 @@ CURATE_COMMAND = "/perpetuity-curate"
 RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame's tail comes from
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
+NO_ONE = 0  # the recall tools' user before the store holds the asker: no row is anyone's 0
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate's JSON escape, paired or not
 
@@ -258,7 +259,9 @@ class Pipeline:
         prompt = _prompt_index(messages)
         user_id = self.store.find_user(ident.user)
         if user_id is None or prompt is None:
-            return self._lesson_only(body, parsed, protocol, library)
+            out = self._lesson_only(body, parsed, protocol, library)
+            out.memory = self._memory(user_id or NO_ONE, None, asked_at, None, tools_on)
+            return out
         conv = self.store.find_conversation(user_id, ident.conversation)
         # By the conversation's key, not its row: a first request has no row yet.
         key = (user_id, ident.conversation)
@@ -272,15 +275,14 @@ class Pipeline:
             case plan.Rebuild():
                 made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library)
         laid_plan = made.plan
-        out = Recall(key=key, plan=laid_plan, built=made.frame, made=made.made, notes=made.notes)
+        out = Recall(key=key, plan=laid_plan, built=made.frame, made=made.made, notes=made.notes,
+                     memory=self._memory(user_id, conv, asked_at, laid_plan, tools_on))
         laid = plan.place(laid_plan, messages)
         if laid is None:
             return out
         front = list(laid_plan.frame)
         if front and tools_on:
             front = frame.with_note(front, _tools_note(laid_plan.left_out))
-            out.memory = TurnMemory(user_id, conv, asked_at, set(laid_plan.shown),
-                                    list(laid_plan.below_cap), everyone=self.settings.personal)
         if not front and not laid.inserts:
             return out
         replaced = repair.replace_history(
@@ -288,7 +290,7 @@ class Pipeline:
             {parsed.raw_index[i]: list(m) for i, m in laid.inserts.items()})
         if replaced.body is None:
             log.warning("perpetuity: %s", replaced.why)
-            return Recall(note=replaced.why)
+            return Recall(note=replaced.why, memory=out.memory)
         if replaced.why:
             log.info("perpetuity: %s", replaced.why)
         if replaced.keep != laid.keep:
@@ -300,6 +302,17 @@ class Pipeline:
         out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
         out.sent = replaced.body
         return out
+
+    def _memory(self, user_id: int, conv: int | None, asked_at: float, laid: Plan | None,
+                tools_on: bool) -> TurnMemory | None:
+        """What the recall tools read this call, or None when they do not ride along. They
+        ride along on every call they may, frame or not: tools come first in the provider's
+        cached prefix, so tools that came and went between the calls of one conversation
+        would rewrite its whole prefix each time."""
+        if not tools_on:
+            return None
+        return TurnMemory(user_id, conv, asked_at, set(laid.shown) if laid else set(),
+                          list(laid.below_cap) if laid else [], everyone=self.settings.personal)
 
     def _rebuild(self, parsed: ParsedRequest, prompt: int, user_id: int, conv: int | None,
                  query: str, asked_at: float, library: Path | None) -> _Built:
