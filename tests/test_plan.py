@@ -61,9 +61,9 @@ LIMITS = Cap(floor=100, ceiling=1_000)
 
 
 def _plan(anchor: int = 2, prompt: int = 2, frame_tokens: int = 500, excess: float = 0.0,
-          talk: list[Message] = TALK) -> plan.Plan:
+          talk: list[Message] = TALK, pace: plan.Pace = plan.Pace()) -> plan.Plan:
     return plan.Plan(frame=(), frame_tokens=frame_tokens, anchor=plan.mark(talk, anchor),
-                     prompt=plan.mark(talk, prompt), at=T0, excess=excess)
+                     prompt=plan.mark(talk, prompt), at=T0, excess=excess, pace=pace)
 
 
 EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
@@ -88,6 +88,11 @@ EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
      plan.Rebuild),
     ("a frame under the floor is priced at the floor", _plan(frame_tokens=10),
      TALK[:5], 4, T0 + 10, plan.Addendum),
+    # Tasks of 20 calls: 0.1 x 800 re-read on each of the next task's 21 / 2 calls >= 625.
+    ("a long task ahead re-reads what is kept on every call", _plan(pace=plan.Pace(20, 1)),
+     TALK[:5], 4, T0 + 10, plan.Rebuild),
+    ("a short conversation whose task took tool rounds", _plan(anchor=0, prompt=0,
+     pace=plan.Pace(3, 1)), TALK[:3], 2, T0 + 10, plan.Addendum),
 ])
 def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: int, at: float,
                 expected: type) -> None:
@@ -99,8 +104,9 @@ def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: i
         kept = messages_tokens(talk[old.anchor[0]:prompt])
         # Carried: the call is priced (what a rebuild would drop, re-read once more) and the
         # plan moves to this prompt and time; nothing else of it changes.
-        assert got.plan == replace(old, at=at, prompt=plan.mark(talk, prompt),
-                                   excess=old.excess + plan.READ * kept), case
+        here = plan.mark(talk, prompt)
+        assert got.plan == replace(old, at=at, prompt=here, excess=old.excess + plan.READ * kept,
+                                   pace=old.pace.then(here != old.prompt)), case
     if isinstance(got, plan.Addendum):
         assert got.keep == old.anchor[0], case  # the addendum goes after what is kept
 
@@ -196,7 +202,7 @@ def test_within_a_task_the_request_only_grows_and_no_frame_is_built(tmp_path: Pa
 def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path) -> None:
     s = Session(tmp_path, Cap(floor=100, ceiling=300))
     s.prompt("Which module parses toml files?")
-    s.tool_round("toml " * 300)
+    s.tool_round("toml " * 100)
     before, _ = s.prompt("Add a test for the toml module")
     s.tool_round("ok " * 50)
     after, d = s.prompt("And where do the csv tests live?")

@@ -31,12 +31,20 @@ and it changes in only three ways:
   reaches 1.25 F, F the largest frame (`Cap.ceiling`); and it always rebuilds when the cache
   has expired (no call within `TTL`), when keeping would be written again in full anyway, if
   what it drops is larger than a frame.
+  A frame can only change at a prompt, though, and what is kept there is re-read on every call
+  of the task it starts: a coding task is tens of calls (tool rounds), not one. So the re-read
+  cost a prompt counts is the one its task is expected to pay, 0.1 K times the calls a task of
+  this conversation has taken so far (`Pace`): on the six shared Claude Code sessions one kept
+  a 20k-token task under a 37-call task, 0.1 K a call, since one call's 0.1 K was below 1.25 F.
 
 A conversation whose history is shorter than a frame is never replaced at all (a chat of a few
 thousand tokens is cheapest sent as it is): it gets a frame of other conversations' memory in
-front, its own turns kept as sent, until its history outgrows the frame. Each of its prompts
-gets a new frame: what that rewrites after the frame is the short history, about what an
-addendum would cost, and the frame then holds what this prompt needs, not what earlier ones did.
+front, its own turns kept as sent, until its history outgrows the frame. In a chat (a call a
+prompt) each prompt gets a new frame: what that rewrites after the frame is the short history,
+about what an addendum would cost, and the frame then holds what this prompt needs, not what
+earlier ones did. Once a task has taken tool rounds, its conversation's prompts get addenda
+instead: a new frame rewrote the frame and the history after it at every prompt, 1.1 to 1.4
+times the direct cost of a new Claude Code session's first calls.
 
 Plans live in memory, on the thread that prepares requests; after a restart the next call
 rebuilds once. A plan whose anchor or addenda no longer appear in what the harness sends
@@ -68,6 +76,23 @@ def rule_for(protocol: Protocol, model: str) -> CacheRule:
 Mark = tuple[int, str]  # a message's index in the request and its fingerprint
 
 
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """How a conversation's tasks have run so far: its calls and its prompts, this one
+    counted."""
+
+    calls: int = 1
+    prompts: int = 1
+
+    def then(self, prompt: bool) -> Pace:
+        """The pace after one more call, a new prompt's or a tool round's."""
+        return Pace(self.calls + 1, self.prompts + prompt)
+
+    @property
+    def per_task(self) -> float:
+        return self.calls / self.prompts
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """One conversation's request plan, kept between calls."""
@@ -87,6 +112,7 @@ class Plan:
     left_out: int = 0  # warm rows the frame's cap left out
     excess: float = 0.0  # re-read cost paid since the frame was built for what a rebuild drops
     rule: CacheRule = ANTHROPIC  # the provider's cache prices (`rule_for`)
+    pace: Pace = Pace()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,13 +148,15 @@ def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> 
         return False  # a rebuild would not shrink the request
     if at - plan.at > plan.rule.ttl:
         return True  # the cache has expired: keeping is written again in full anyway
-    return plan.excess + plan.rule.read * kept_tokens >= plan.rule.write * frame_size
+    task = plan.rule.read * kept_tokens * plan.pace.then(True).per_task
+    return plan.excess + task >= plan.rule.write * frame_size
 
 
 def carried(plan: Plan, kept_tokens: int, at: float, prompt: Mark) -> Plan:
     """The plan after one more call that keeps it: what a rebuild would have dropped was
     re-read once more."""
-    return replace(plan, at=at, prompt=prompt, excess=plan.excess + plan.rule.read * kept_tokens)
+    return replace(plan, at=at, prompt=prompt, excess=plan.excess + plan.rule.read * kept_tokens,
+                   pace=plan.pace.then(prompt != plan.prompt))
 
 
 def with_addendum(plan: Plan, prompt: Mark, messages: list[Message], tokens: int,
@@ -157,25 +185,30 @@ class Addendum:
 class Rebuild:
     """A new frame for the prompt."""
 
+    pace: Pace = Pace()  # the conversation's, this call counted (the new plan carries it)
+
 
 def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
            limits: Cap) -> Carry | Addendum | Rebuild:
     """What this request does with its conversation's plan `old` (None: no plan yet, or it was
     forgotten), `prompt` the index of the person's latest prompt in `messages`, `at` the time it
     was asked. Pure: the caller builds what it says and acts on it."""
-    placed = place(old, messages) if old else None
-    if old is None or placed is None:
-        return Rebuild()  # none, or the history changed under it
-    kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
+    if old is None:
+        return Rebuild()  # none yet, or forgotten
     here = mark(messages, prompt)
+    pace = old.pace.then(here != old.prompt)
+    placed = place(old, messages)
+    if placed is None:
+        return Rebuild(pace=pace)  # the history changed under it
+    kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
     if here == old.prompt:  # a tool round of the task in progress
         return Carry(plan=carried(old, kept, at, here))
-    if messages_tokens(messages[:prompt]) <= limits.ceiling:
-        # A short conversation: a new frame rewrites only the short history after it, about
-        # what an addendum would cost, and leaves out what earlier prompts needed (LoCoMo's
-        # questions asked in sequence: 0.854 of them with their evidence when only a new
-        # subject got a new frame, 0.864 so).
-        return Rebuild()
+    if messages_tokens(messages[:prompt]) <= limits.ceiling and old.pace.per_task == 1:
+        # A short chat: a new frame rewrites only the short history after it, about what an
+        # addendum would cost, and leaves out what earlier prompts needed (LoCoMo's questions
+        # asked in sequence: 0.854 of them with their evidence when only a new subject got a
+        # new frame, 0.864 so).
+        return Rebuild(pace=pace)
     if should_rebuild(old, kept, at, max(old.frame_tokens, limits.floor)):
-        return Rebuild()
+        return Rebuild(pace=pace)
     return Addendum(plan=carried(old, kept, at, here), keep=placed.keep)

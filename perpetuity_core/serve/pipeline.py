@@ -35,7 +35,7 @@ from perpetuity_core.frame.plan import Plan
 from perpetuity_core.memory.derived import bindings, heat
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Scanner
-from perpetuity_core.memory.storage import capture, names, users
+from perpetuity_core.memory.storage import capture, names, templates, users
 from perpetuity_core.memory.storage.capture import TurnContext
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.recall import tools
@@ -52,6 +52,7 @@ from perpetuity_core.serve.exchange import (
 )
 from perpetuity_core.wire import repair
 from perpetuity_core.wire.conversation import (
+    Kind,
     Message,
     ParsedRequest,
     Protocol,
@@ -143,6 +144,7 @@ class Pipeline:
         # Each conversation's plan: when its frame changes (`perpetuity_core.frame.plan`). Only
         # the preparing thread touches it; a restart costs one rebuilt frame.
         self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
+        self._shapes: dict[str, str] = {}  # harness -> digest of its request shape last kept
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -235,7 +237,8 @@ class Pipeline:
             notes=recall.notes, hits=set(built.hits[:BOUND_HITS]) if built else set(),
             shown=recall.memory.shown if recall.memory else set(),
             frame_rows=set(recall.plan.shown) if recall.plan else set(),
-            folder=names.folder(parsed), library=library)
+            folder=names.folder(parsed), library=library,
+            shape=self._new_shape(r.protocol, ident.harness, body, req.headers, parsed))
         specs = self._tool_specs(recall.memory, parsed.tool_names) if recall.memory else []
         decision.job = Job(
             method=req.method, url=r.upstream_url, headers=_forwarded(req),
@@ -247,6 +250,21 @@ class Pipeline:
             if recall.memory is not None else None)
         decision.note = _noted("captured", recall.note)
         return decision
+
+    def _new_shape(self, protocol: Protocol, harness: str, body: dict[str, Any],
+                   headers: tuple[tuple[str, str], ...], parsed: ParsedRequest) -> tuple[str, dict[str, Any]] | None:
+        """Claude Code's request shape (its system prompt and tools) for `perpetuity replay`
+        to bill this person's sessions with (memory.storage.templates), when it differs from
+        the one last kept; None otherwise. Not looked at in a tool round (most calls): a task's
+        rounds are sent with the shape its prompt had."""
+        if (protocol != Protocol.ANTHROPIC or harness != "claude-code" or not parsed.messages
+                or any(p.kind == Kind.TOOL_RESULT for p in parsed.messages[-1].parts)):
+            return None
+        shape = templates.shape(body, list(headers))
+        if shape is None or self._shapes.get(harness) == (digest := templates.digest(shape)):
+            return None
+        self._shapes[harness] = digest
+        return harness, shape
 
     def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
                 protocol: Protocol, asked_at: float, tools_on: bool,
@@ -272,8 +290,9 @@ class Pipeline:
             case plan.Addendum(plan=carried, keep=keep):
                 made = self._add(carried, parsed, prompt, keep, user_id, conv, query, asked_at,
                                  library)
-            case plan.Rebuild():
-                made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library)
+            case plan.Rebuild(pace=pace):
+                made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library,
+                                     pace)
         laid_plan = made.plan
         out = Recall(key=key, plan=laid_plan, built=made.frame, made=made.made, notes=made.notes,
                      memory=self._memory(user_id, conv, asked_at, laid_plan, tools_on))
@@ -315,7 +334,8 @@ class Pipeline:
                           list(laid.below_cap) if laid else [], everyone=self.settings.personal)
 
     def _rebuild(self, parsed: ParsedRequest, prompt: int, user_id: int, conv: int | None,
-                 query: str, asked_at: float, library: Path | None) -> _Built:
+                 query: str, asked_at: float, library: Path | None,
+                 pace: plan.Pace) -> _Built:
         """A new frame for the prompt, the harness's messages before it dropped (memory holds
         them); a conversation shorter than a frame keeps them all, with other conversations'
         memory in front."""
@@ -345,7 +365,7 @@ class Pipeline:
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0,
-            rule=plan.rule_for(parsed.protocol, parsed.model))
+            rule=plan.rule_for(parsed.protocol, parsed.model), pace=pace)
         return _Built(plan=rebuilt, frame=built, made="frame", notes=notes_shown)
 
     def _add(self, carried: Plan, parsed: ParsedRequest, prompt: int, keep: int, user_id: int,
@@ -396,6 +416,9 @@ class Pipeline:
         reheats (retrieval is the only writer of activation after birth), and move the clock
         by what the model was sent. The store's writer calls this."""
         heat.reheat(self.store.db, p.clock, p.reheats)
+        if p.shape is not None:
+            with self.store.db.writing("keep the harness's request shape") as raw:
+                templates.keep(self.store.db.translated(raw), *p.shape)
         _, turn = capture.record(
             self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
             model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
+import sqlite3
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,10 +37,15 @@ from perpetuity_core.cli.replay.sessions import Call, Session, sessions_in_order
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage import templates
+from perpetuity_core.memory.storage.location import where
+from perpetuity_core.memory.storage.store import default_db_path
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Provider
 from perpetuity_core.wire.protocols import ADAPTERS, anthropic
+
+HARNESS = "claude-code"  # whose request shape the proxy keeps for this replay
 
 
 @dataclass(slots=True)
@@ -101,13 +107,39 @@ class _Side:
         return sent, d.body is not None
 
 
+def proxy_shape(memory: str | Path | None = None) -> tuple[dict[str, Any], str] | None:
+    """The Claude Code request shape the proxy kept in its memory (`memory`, else
+    $PERPETUITY_DB or ~/.perpetuity/memory.db), and where; None when it kept none. A SQLite
+    memory is read only, and one that is not there is not created."""
+    at = where(memory or default_db_path())
+    source = f"the latest Claude Code request through the proxy ({at})"
+    if isinstance(at, Path):
+        if not at.is_file():
+            return None
+        try:
+            with contextlib.closing(sqlite3.connect(f"{at.resolve().as_uri()}?mode=ro",
+                                                    uri=True)) as conn:
+                kept = templates.kept(conn, HARNESS)
+        except sqlite3.Error:  # not a memory, or one from before settings
+            return None
+    else:
+        store = open_memory(at)
+        try:
+            kept = templates.kept(store.db.translated(), HARNESS)
+        finally:
+            store.close()
+    return (kept, source) if kept else None
+
+
 def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None = None,
                 template: Path | None = None, progress: bool = False,
-                **pipeline_options: Any) -> Report:
+                proxy_db: str | Path | None = None, **pipeline_options: Any) -> Report:
     """Replay Claude Code sessions (files, or folders searched for *.jsonl) into one memory,
-    in time order; `calls` keeps each session's first N calls. `pipeline_options` go to
-    `Pipeline` as the proxy's options would (limits=Cap(...), tools=False, tool_rounds=...)."""
-    shape = load_template(template)
+    in time order; `calls` keeps each session's first N calls. The system prompt and tools are
+    `template`'s, else ../shared's capture, else those the proxy kept in `proxy_db`
+    (`proxy_shape`), else stand-ins. `pipeline_options` go to `Pipeline` as the proxy's options
+    would (limits=Cap(...), tools=False, tool_rounds=...)."""
+    shape = load_template(template, kept=proxy_shape(proxy_db) if template is None else None)
     sessions = list(sessions_in_order(paths))
     if not sessions:
         raise ConfigError("no Claude Code session files (*.jsonl) under the given paths")
