@@ -61,9 +61,10 @@ LIMITS = Cap(floor=100, ceiling=1_000)
 
 
 def _plan(anchor: int = 2, prompt: int = 2, frame_tokens: int = 500, excess: float = 0.0,
-          talk: list[Message] = TALK, pace: plan.Pace = plan.Pace()) -> plan.Plan:
+          talk: list[Message] = TALK, pace: plan.Pace | None = None) -> plan.Plan:
     return plan.Plan(frame=(), frame_tokens=frame_tokens, anchor=plan.mark(talk, anchor),
-                     prompt=plan.mark(talk, prompt), at=T0, excess=excess, pace=pace)
+                     prompt=plan.mark(talk, prompt), at=T0, excess=excess,
+                     pace=pace or plan.Pace())
 
 
 EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
@@ -91,8 +92,8 @@ EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
     # Tasks of 20 calls: 0.1 x 800 re-read on each of the next task's 21 / 2 calls >= 625.
     ("a long task ahead re-reads what is kept on every call", _plan(pace=plan.Pace(20, 1)),
      TALK[:5], 4, T0 + 10, plan.Rebuild),
-    ("a short conversation whose task took tool rounds", _plan(anchor=0, prompt=0,
-     pace=plan.Pace(3, 1)), TALK[:3], 2, T0 + 10, plan.Addendum),
+    ("a new prompt in an agent's short conversation", replace(_plan(anchor=0, prompt=0),
+     agent=True), TALK[:3], 2, T0 + 10, plan.Addendum),
 ])
 def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: int, at: float,
                 expected: type) -> None:

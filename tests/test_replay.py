@@ -21,8 +21,8 @@ from perpetuity_core.cli.replay.billing import (
     anthropic_min_tokens,
     gemini_blocks,
 )
-from perpetuity_core.cli.replay.measure import identifiers, parts_text, with_context
 from perpetuity_core.cli.replay.drive import proxy_shape
+from perpetuity_core.cli.replay.measure import identifiers, parts_text, with_context
 from perpetuity_core.cli.replay.request import (
     DEFAULT_TEMPLATE,
     STAND_IN_SOURCE,

@@ -39,12 +39,12 @@ and it changes in only three ways:
 
 A conversation whose history is shorter than a frame is never replaced at all (a chat of a few
 thousand tokens is cheapest sent as it is): it gets a frame of other conversations' memory in
-front, its own turns kept as sent, until its history outgrows the frame. In a chat (a call a
-prompt) each prompt gets a new frame: what that rewrites after the frame is the short history,
-about what an addendum would cost, and the frame then holds what this prompt needs, not what
-earlier ones did. Once a task has taken tool rounds, its conversation's prompts get addenda
-instead: a new frame rewrote the frame and the history after it at every prompt, 1.1 to 1.4
-times the direct cost of a new Claude Code session's first calls.
+front, its own turns kept as sent, until its history outgrows the frame. In a chat (a client
+that sends no tools of its own) each prompt gets a new frame: what that rewrites after the
+frame is the short history, about what an addendum would cost, and the frame then holds what
+this prompt needs, not what earlier ones did. An agent's prompts get addenda instead: a new
+frame rewrote the frame and the history after it at every prompt, 1.1 to 1.4 times the direct
+cost of a new Claude Code session's first calls.
 
 Plans live in memory, on the thread that prepares requests; after a restart the next call
 rebuilds once. A plan whose anchor or addenda no longer appear in what the harness sends
@@ -113,6 +113,7 @@ class Plan:
     excess: float = 0.0  # re-read cost paid since the frame was built for what a rebuild drops
     rule: CacheRule = ANTHROPIC  # the provider's cache prices (`rule_for`)
     pace: Pace = Pace()
+    agent: bool = False  # the harness sends tools of its own (a chat client sends none)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,7 +204,7 @@ def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
     kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
     if here == old.prompt:  # a tool round of the task in progress
         return Carry(plan=carried(old, kept, at, here))
-    if messages_tokens(messages[:prompt]) <= limits.ceiling and old.pace.per_task == 1:
+    if messages_tokens(messages[:prompt]) <= limits.ceiling and not old.agent:
         # A short chat: a new frame rewrites only the short history after it, about what an
         # addendum would cost, and leaves out what earlier prompts needed (LoCoMo's questions
         # asked in sequence: 0.854 of them with their evidence when only a new subject got a

@@ -365,7 +365,8 @@ class Pipeline:
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0,
-            rule=plan.rule_for(parsed.protocol, parsed.model), pace=pace)
+            rule=plan.rule_for(parsed.protocol, parsed.model), pace=pace,
+            agent=bool(parsed.tool_names))
         return _Built(plan=rebuilt, frame=built, made="frame", notes=notes_shown)
 
     def _add(self, carried: Plan, parsed: ParsedRequest, prompt: int, keep: int, user_id: int,
