@@ -123,7 +123,9 @@ def test_decide_prices_a_plan_by_what_it_carries() -> None:
 class Session:
     """A coding session through a real pipeline: prompts, tool rounds, replies stored."""
 
-    def __init__(self, tmp_path: Path, limits: Cap = Cap()) -> None:
+    def __init__(self, tmp_path: Path, limits: Cap = Cap(),
+                 tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []  # the harness's own: an agent sends some, a chat none
         self.store = open_memory(tmp_path / "m.db")
         # Memory of an earlier session, long enough that this one's frame has rows to show.
         say(self.store, "earlier", *[f"The {w} module parses {w} files and its tests live in"
@@ -140,7 +142,8 @@ class Session:
         """(the messages that went upstream, the decision); `asked` keeps what the harness sent."""
         self.at += gap
         self.asked = list(self.history)
-        body = {"model": "m", "max_tokens": 100, "messages": self.asked}
+        body = {"model": "m", "max_tokens": 100, "messages": self.asked,
+                **({"tools": self.tools} if self.tools else {})}
         d = self.pipeline.prepare(to_request({
             "method": "POST", "path": "/v1/messages",
             "headers": [["x-api-key", "k"], ["x-perpetuity-user", "dev"],
@@ -212,6 +215,19 @@ def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path
     grown = json.dumps(after[len(before):-1])
     assert frame.MORE_HEADER in grown and "tests/test_csv.py" in grown
     assert d.frame is not None and after[-2]["role"] == "assistant"
+
+
+def test_an_agents_new_prompt_gets_no_addendum(tmp_path: Path) -> None:
+    s = Session(tmp_path, Cap(floor=100, ceiling=300), tools=[
+        {"name": "Read", "description": "Read a file.", "input_schema": {"type": "object"}}])
+    s.prompt("Which module parses toml files?")
+    s.tool_round("toml " * 100)
+    before, _ = s.prompt("Add a test for the toml module")
+    s.tool_round("ok " * 50)
+    after, d = s.prompt("And where do the csv tests live?")
+    assert _unmarked(after).startswith(_unmarked(before)[:-1])  # still append-only
+    assert frame.MORE_HEADER not in json.dumps(after) and d.frame is None
+    assert after[len(before) - 1:] == s.asked[len(s.asked) - len(after) + len(before) - 1:]
 
 
 def test_history_is_replaced_once_re_reading_it_costs_more_than_a_new_frame(
