@@ -103,6 +103,8 @@ def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: i
     if isinstance(got, plan.Carry | plan.Addendum):
         assert old is not None
         kept = messages_tokens(talk[old.anchor[0]:prompt])
+        if messages_tokens(talk[:prompt]) <= LIMITS.ceiling:
+            kept = 0  # a short conversation's rebuild would drop nothing
         # Carried: the call is priced (what a rebuild would drop, re-read once more) and the
         # plan moves to this prompt and time; nothing else of it changes.
         here = plan.mark(talk, prompt)

@@ -52,9 +52,10 @@ def session(prompts: int) -> list[list[dict[str, Any]]]:
     return calls
 
 
-def send(proxy: Proxy, user: str, conversation: str, messages: list[dict[str, Any]]) -> None:
-    body = {"model": "claude-sonnet-4-6", "max_tokens": 100, "system": SYSTEM, "tools": TOOLS,
-            "messages": marked(messages)}
+def send(proxy: Proxy, user: str, conversation: str, messages: list[dict[str, Any]],
+         tools: list[dict[str, Any]] = TOOLS) -> None:
+    body = {"model": "claude-sonnet-4-6", "max_tokens": 100, "system": SYSTEM,
+            "messages": marked(messages), **({"tools": tools} if tools else {})}
     r = owned(httpx.Client(timeout=30)).post(
         f"{proxy.url}/v1/messages", content=json.dumps(body),
         headers={"x-api-key": "sk-ant-prefix", "anthropic-version": "2023-06-01",
@@ -81,3 +82,17 @@ def test_system_and_tools_are_byte_stable_within_a_conversation(proxy: Proxy,
         assert sent[0].json["system"] == SYSTEM  # the harness's own, as it sent it
     # The second conversation was framed: the stable prefix is not an unframed one.
     assert any("[Memory" in json.dumps(r.json["messages"]) for r in sent)
+
+
+def test_a_chats_recall_tools_once_they_ride_stay(proxy: Proxy, fake: FakeProvider) -> None:
+    # A chat client sends no tools of its own: ours wait for its first frame (with nothing to
+    # recall they are only cost), then ride on every call.
+    calls = [m for m in session(4) if isinstance(m[-1]["content"], str)]  # its prompts alone
+    for messages in calls:
+        fake.script(Text("ok"))
+        send(proxy, "prefix-chat", "chat", messages, tools=[])
+    sent = fake.wait_requests(len(calls))
+    names = [[t["name"] for t in r.json.get("tools", [])] for r in sent]
+    assert names[0] == []  # a new user's first call: nothing to recall
+    first = next(i for i, n in enumerate(names) if n)
+    assert all(n == names[first] for n in names[first:]) and "memory_search" in names[first]

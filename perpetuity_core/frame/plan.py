@@ -114,6 +114,7 @@ class Plan:
     rule: CacheRule = ANTHROPIC  # the provider's cache prices (`rule_for`)
     pace: Pace = Pace()
     agent: bool = False  # the harness sends tools of its own (a chat client sends none)
+    tools: bool = False  # the recall tools rode along: they do on every later call
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,10 +154,11 @@ def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> 
     return plan.excess + task >= plan.rule.write * frame_size
 
 
-def carried(plan: Plan, kept_tokens: int, at: float, prompt: Mark) -> Plan:
+def carried(plan: Plan, dropped_tokens: int, at: float, prompt: Mark) -> Plan:
     """The plan after one more call that keeps it: what a rebuild would have dropped was
     re-read once more."""
-    return replace(plan, at=at, prompt=prompt, excess=plan.excess + plan.rule.read * kept_tokens,
+    return replace(plan, at=at, prompt=prompt,
+                   excess=plan.excess + plan.rule.read * dropped_tokens,
                    pace=plan.pace.then(prompt != plan.prompt))
 
 
@@ -202,9 +204,11 @@ def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
     if placed is None:
         return Rebuild(pace=pace)  # the history changed under it
     kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
+    short = messages_tokens(messages[:prompt]) <= limits.ceiling
+    drops = 0 if short else kept  # a short conversation's rebuild keeps all of it
     if here == old.prompt:  # a tool round of the task in progress
-        return Carry(plan=carried(old, kept, at, here))
-    if messages_tokens(messages[:prompt]) <= limits.ceiling and not old.agent:
+        return Carry(plan=carried(old, drops, at, here))
+    if short and not old.agent:
         # A short chat: a new frame rewrites only the short history after it, about what an
         # addendum would cost, and leaves out what earlier prompts needed (LoCoMo's questions
         # asked in sequence: 0.854 of them with their evidence when only a new subject got a
@@ -212,4 +216,4 @@ def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
         return Rebuild(pace=pace)
     if should_rebuild(old, kept, at, max(old.frame_tokens, limits.floor)):
         return Rebuild(pace=pace)
-    return Addendum(plan=carried(old, kept, at, here), keep=placed.keep)
+    return Addendum(plan=carried(old, drops, at, here), keep=placed.keep)

@@ -278,13 +278,15 @@ class Pipeline:
         user_id = self.store.find_user(ident.user)
         if user_id is None or prompt is None:
             out = self._lesson_only(body, parsed, protocol, library)
-            out.memory = self._memory(user_id or NO_ONE, None, asked_at, None, tools_on)
+            out.memory = self._memory(user_id or NO_ONE, None, asked_at, None,
+                                      tools_on and bool(parsed.tool_names))
             return out
         conv = self.store.find_conversation(user_id, ident.conversation)
         # By the conversation's key, not its row: a first request has no row yet.
         key = (user_id, ident.conversation)
         query = prompt_text(messages[prompt])
-        match plan.decide(self._plans.get(key), messages, prompt, asked_at, self.limits):
+        old = self._plans.get(key)
+        match plan.decide(old, messages, prompt, asked_at, self.limits):
             case plan.Carry(plan=carried):
                 made = _Built(plan=carried)
             case plan.Addendum(plan=carried, keep=keep):
@@ -293,9 +295,17 @@ class Pipeline:
             case plan.Rebuild(pace=pace):
                 made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library,
                                      pace)
-        laid_plan = made.plan
+        # Once the recall tools rode along in a conversation they always do. An agent's ride
+        # from its first call: tools come first in the provider's cached prefix, and ours
+        # coming later would rewrite the harness's system prompt and tools after them (17k
+        # tokens of Claude Code's). A chat's ride from its first frame: a chat with nothing
+        # to recall yet pays for none (LoCoMo's chat replay: 0.766 of direct with them on
+        # every call, against 0.737).
+        rides = tools_on and (bool(parsed.tool_names) or bool(made.plan.frame)
+                              or (old is not None and old.tools))
+        laid_plan = replace(made.plan, tools=rides)
         out = Recall(key=key, plan=laid_plan, built=made.frame, made=made.made, notes=made.notes,
-                     memory=self._memory(user_id, conv, asked_at, laid_plan, tools_on))
+                     memory=self._memory(user_id, conv, asked_at, laid_plan, rides))
         laid = plan.place(laid_plan, messages)
         if laid is None:
             return out
@@ -323,12 +333,11 @@ class Pipeline:
         return out
 
     def _memory(self, user_id: int, conv: int | None, asked_at: float, laid: Plan | None,
-                tools_on: bool) -> TurnMemory | None:
-        """What the recall tools read this call, or None when they do not ride along. They
-        ride along on every call they may, frame or not: tools come first in the provider's
-        cached prefix, so tools that came and went between the calls of one conversation
-        would rewrite its whole prefix each time."""
-        if not tools_on:
+                rides: bool) -> TurnMemory | None:
+        """What the recall tools read this call, or None when they do not ride along
+        (`rides`): tools come first in the provider's cached prefix, so tools that came and
+        went between the calls of one conversation would rewrite its whole prefix each time."""
+        if not rides:
             return None
         return TurnMemory(user_id, conv, asked_at, set(laid.shown) if laid else set(),
                           list(laid.below_cap) if laid else [], everyone=self.settings.personal)
