@@ -253,7 +253,8 @@ def test_after_the_cache_expired_a_new_prompt_gets_a_new_frame(tmp_path: Path) -
     first, _ = s.prompt("Which module parses yaml?")
     later, d = s.prompt("Which module parses ini files?", gap=plan.TTL + 1)
     assert d.frame is not None and later[0] != first[0]
-    assert later[-1] == s.asked[-1] and len(later) < len(s.asked)
+    # The history before the prompt is replaced: the frame's end, then the prompt as sent.
+    assert later[-1] == s.asked[-1] and "[End of quoted memory." in json.dumps(later[-2])
 
 
 def test_a_short_conversation_is_sent_as_it_is_under_a_frame_for_each_prompt(
