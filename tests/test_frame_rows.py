@@ -135,7 +135,8 @@ def test_reference_selection() -> None:
         row(5, 5, 1, "user", ASKED - DAY + 240, words(40)),
         row(6, 6, 1, "assistant", ASKED - DAY + 300, "ok"),
         row(7, 7, CURRENT, "user", ASKED - 120, words(50)),  # the latest stretch
-        row(8, 8, CURRENT, "assistant", ASKED - 60, words(400)),  # bulk: not in the stretch
+        # bulk: not in the stretch (a word is 1.25 tokens)
+        row(8, 8, CURRENT, "assistant", ASKED - 60, words(frame_select.RECENT_ROW)),
     ]}
     hot = warm({1: 2.0, 3: 1.9, 4: 1.0, 5: 0.9, 6: 0.9, 2: 0.05})
     hits = [hit(rows[1], 9.0), hit(rows[3], 8.0), hit(rows[4], 1.0)]

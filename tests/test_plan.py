@@ -61,9 +61,10 @@ LIMITS = Cap(floor=100, ceiling=1_000)
 
 
 def _plan(anchor: int = 2, prompt: int = 2, frame_tokens: int = 500, excess: float = 0.0,
-          talk: list[Message] = TALK) -> plan.Plan:
+          talk: list[Message] = TALK, pace: plan.Pace | None = None) -> plan.Plan:
     return plan.Plan(frame=(), frame_tokens=frame_tokens, anchor=plan.mark(talk, anchor),
-                     prompt=plan.mark(talk, prompt), at=T0, excess=excess)
+                     prompt=plan.mark(talk, prompt), at=T0, excess=excess,
+                     pace=pace or plan.Pace())
 
 
 EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
@@ -88,6 +89,11 @@ EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
      plan.Rebuild),
     ("a frame under the floor is priced at the floor", _plan(frame_tokens=10),
      TALK[:5], 4, T0 + 10, plan.Addendum),
+    # Tasks of 20 calls: 0.1 x 800 re-read on each of the next task's 21 / 2 calls >= 625.
+    ("a long task ahead re-reads what is kept on every call", _plan(pace=plan.Pace(20, 1)),
+     TALK[:5], 4, T0 + 10, plan.Rebuild),
+    ("a new prompt in an agent's short conversation", replace(_plan(anchor=0, prompt=0),
+     agent=True), TALK[:3], 2, T0 + 10, plan.Addendum),
 ])
 def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: int, at: float,
                 expected: type) -> None:
@@ -97,10 +103,13 @@ def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: i
     if isinstance(got, plan.Carry | plan.Addendum):
         assert old is not None
         kept = messages_tokens(talk[old.anchor[0]:prompt])
+        if messages_tokens(talk[:prompt]) <= LIMITS.ceiling:
+            kept = 0  # a short conversation's rebuild would drop nothing
         # Carried: the call is priced (what a rebuild would drop, re-read once more) and the
         # plan moves to this prompt and time; nothing else of it changes.
-        assert got.plan == replace(old, at=at, prompt=plan.mark(talk, prompt),
-                                   excess=old.excess + plan.READ * kept), case
+        here = plan.mark(talk, prompt)
+        assert got.plan == replace(old, at=at, prompt=here, excess=old.excess + plan.READ * kept,
+                                   pace=old.pace.then(here != old.prompt)), case
     if isinstance(got, plan.Addendum):
         assert got.keep == old.anchor[0], case  # the addendum goes after what is kept
 
@@ -116,7 +125,9 @@ def test_decide_prices_a_plan_by_what_it_carries() -> None:
 class Session:
     """A coding session through a real pipeline: prompts, tool rounds, replies stored."""
 
-    def __init__(self, tmp_path: Path, limits: Cap = Cap()) -> None:
+    def __init__(self, tmp_path: Path, limits: Cap = Cap(),
+                 tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []  # the harness's own: an agent sends some, a chat none
         self.store = open_memory(tmp_path / "m.db")
         # Memory of an earlier session, long enough that this one's frame has rows to show.
         say(self.store, "earlier", *[f"The {w} module parses {w} files and its tests live in"
@@ -133,7 +144,8 @@ class Session:
         """(the messages that went upstream, the decision); `asked` keeps what the harness sent."""
         self.at += gap
         self.asked = list(self.history)
-        body = {"model": "m", "max_tokens": 100, "messages": self.asked}
+        body = {"model": "m", "max_tokens": 100, "messages": self.asked,
+                **({"tools": self.tools} if self.tools else {})}
         d = self.pipeline.prepare(to_request({
             "method": "POST", "path": "/v1/messages",
             "headers": [["x-api-key", "k"], ["x-perpetuity-user", "dev"],
@@ -196,7 +208,7 @@ def test_within_a_task_the_request_only_grows_and_no_frame_is_built(tmp_path: Pa
 def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path) -> None:
     s = Session(tmp_path, Cap(floor=100, ceiling=300))
     s.prompt("Which module parses toml files?")
-    s.tool_round("toml " * 300)
+    s.tool_round("toml " * 100)
     before, _ = s.prompt("Add a test for the toml module")
     s.tool_round("ok " * 50)
     after, d = s.prompt("And where do the csv tests live?")
@@ -205,6 +217,19 @@ def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path
     grown = json.dumps(after[len(before):-1])
     assert frame.MORE_HEADER in grown and "tests/test_csv.py" in grown
     assert d.frame is not None and after[-2]["role"] == "assistant"
+
+
+def test_an_agents_new_prompt_gets_no_addendum(tmp_path: Path) -> None:
+    s = Session(tmp_path, Cap(floor=100, ceiling=300), tools=[
+        {"name": "Read", "description": "Read a file.", "input_schema": {"type": "object"}}])
+    s.prompt("Which module parses toml files?")
+    s.tool_round("toml " * 100)
+    before, _ = s.prompt("Add a test for the toml module")
+    s.tool_round("ok " * 50)
+    after, d = s.prompt("And where do the csv tests live?")
+    assert _unmarked(after).startswith(_unmarked(before)[:-1])  # still append-only
+    assert frame.MORE_HEADER not in json.dumps(after) and d.frame is None
+    assert after[len(before) - 1:] == s.asked[len(s.asked) - len(after) + len(before) - 1:]
 
 
 def test_history_is_replaced_once_re_reading_it_costs_more_than_a_new_frame(
@@ -228,7 +253,8 @@ def test_after_the_cache_expired_a_new_prompt_gets_a_new_frame(tmp_path: Path) -
     first, _ = s.prompt("Which module parses yaml?")
     later, d = s.prompt("Which module parses ini files?", gap=plan.TTL + 1)
     assert d.frame is not None and later[0] != first[0]
-    assert later[-1] == s.asked[-1] and len(later) < len(s.asked)
+    # The history before the prompt is replaced: the frame's end, then the prompt as sent.
+    assert later[-1] == s.asked[-1] and "[End of quoted memory." in json.dumps(later[-2])
 
 
 def test_a_short_conversation_is_sent_as_it_is_under_a_frame_for_each_prompt(

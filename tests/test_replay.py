@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from perpetuity_core.cli import replay
@@ -19,12 +21,21 @@ from perpetuity_core.cli.replay.billing import (
     anthropic_min_tokens,
     gemini_blocks,
 )
-from perpetuity_core.cli.replay.measure import identifiers
-from perpetuity_core.cli.replay.request import DEFAULT_TEMPLATE, build, load_template
+from perpetuity_core.cli.replay.drive import proxy_shape
+from perpetuity_core.cli.replay.measure import identifiers, parts_text, with_context
+from perpetuity_core.cli.replay.request import (
+    DEFAULT_TEMPLATE,
+    STAND_IN_SOURCE,
+    STAND_IN_SYSTEM,
+    STAND_IN_TOOLS,
+    build,
+    load_template,
+)
 from perpetuity_core.cli.replay.sessions import read_session
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.wire.protocols import anthropic
-from tests.conftest import FIXTURES, SHARED, needs_fixtures, opened
+from tests.conftest import FIXTURES, SHARED, Proxy, needs_fixtures, opened, owned, query
+from tests.fake_provider import FakeProvider, Text
 from tests.test_evaluate import tiny_locomo
 
 SESSIONS = SHARED / "data" / "claude-code"
@@ -183,13 +194,53 @@ def test_request_as_claude_code_sends_it(tmp_path: Path) -> None:
     assert anthropic.check(built.body) == []
 
 
-def test_without_a_capture_a_built_in_prompt_stands_in(tmp_path: Path) -> None:
+def test_without_a_capture_stand_ins_of_its_size_take_its_place(tmp_path: Path) -> None:
     session = read_session(coding_session().write(tmp_path / "s.jsonl"))
     shape = load_template(None, default=tmp_path / "absent.json")
-    assert shape.source.startswith("built-in") and not shape.tools
-    assert anthropic.check(build(session.calls[3], shape, session).body) == []
+    assert shape.source == STAND_IN_SOURCE
+    assert [len(b["text"]) for b in shape.system] == list(STAND_IN_SYSTEM)
+    assert [len(json.dumps(t)) for t in shape.tools] == list(STAND_IN_TOOLS)
+    body = build(session.calls[3], shape, session).body
+    assert anthropic.check(body) == []
+    assert body["messages"][0]["content"][0]["text"].startswith("<system-reminder>")
+    assert json.dumps(body).count("cache_control") == 3  # two system blocks + the last block
     with pytest.raises(ConfigError):
         load_template(tmp_path / "s.jsonl")  # not a captured request
+
+
+def test_the_replay_takes_the_request_claude_code_last_sent_through_the_proxy(
+        proxy: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
+    capture = json.loads(template_file(tmp_path / "t.json").read_text())
+    body = {**capture["body"], "metadata": {"user_id": json.dumps({"device_id": "d" * 64})}}
+    headers = {"x-api-key": "sk-ant-kept-secret", "anthropic-version": "2023-06-01",
+               "anthropic-beta": "claude-code-20250219", "user-agent": "claude-cli/2.1.90",
+               "content-type": "application/json"}
+    assert proxy_shape(proxy.db) is None  # nothing kept yet
+    for tools in (body["tools"][:0], body["tools"]):  # the later request's shape is kept
+        fake.script(Text("Hi."))
+        r = owned(httpx.Client(timeout=30)).post(f"{proxy.url}/v1/messages?beta=true",
+                                                 json={**body, "tools": tools}, headers=headers)
+        assert r.status_code == 200, r.text
+        fake.wait_requests(1)
+        fake.clear()
+    deadline = time.monotonic() + 10
+    while (kept := proxy_shape(proxy.db)) is None or not kept[0]["body"]["tools"]:
+        assert time.monotonic() < deadline, "the proxy kept no request shape"
+        time.sleep(0.05)
+    stored = json.dumps(query(proxy.db, "select key, value from setting"))
+    assert "sk-ant-kept-secret" not in stored and "d" * 64 not in stored  # no credential, no ids
+    assert "hello" not in stored  # the person's words are memory's, not the shape's
+    shape = load_template(None, default=tmp_path / "absent.json", kept=kept)
+    assert str(proxy.db) in shape.source
+    assert shape.system == body["system"] and shape.tools == body["tools"]
+    assert shape.preamble == [body["messages"][0]["content"][0]]
+    assert shape.extra == [body["messages"][1]]
+    assert ("anthropic-beta", "claude-code-20250219") in shape.headers
+    session = read_session(coding_session().write(tmp_path / "s.jsonl"))
+    built = build(session.calls[2], shape, session)
+    assert built.body["tools"] == body["tools"] and anthropic.check(built.body) == []
+    # The repository's capture, where there is one, still comes first; a file given, first of all.
+    assert load_template(None, default=tmp_path / "t.json", kept=kept).source.endswith("t.json")
 
 
 def test_identifiers_are_code_names_not_words() -> None:
@@ -198,6 +249,21 @@ def test_identifiers_are_code_names_not_words() -> None:
                         "The quick brown fox.")
     assert found == {"src/app/main.py", "parse_when", "HttpRequest", "store.find_user",
                      "~/notes/todo", "lib/a/b"}
+
+
+def test_a_name_counts_in_context_only_with_the_text_around_its_latest_mention() -> None:
+    older = parts_text([
+        {"role": "user", "content": "Look at src/app/main.py first."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Edit",
+                                           "input": {"path": "src/app/main.py", "old": "x = 1"}}]},
+    ])
+    latest = older[-1]  # the tool call as stored: its arguments' keys sorted
+    assert latest == '{"old": "x = 1", "path": "src/app/main.py"}'
+    names = {"src/app/main.py"}
+    assert with_context(names, older, "Memory: Edit " + latest) == 1
+    assert with_context(names, older, "src/app/main.py, parse_when") == 0  # a bare list of names
+    assert with_context(names, older, "Look at src/app/main.py first.") == 0  # an older mention
+    assert with_context({"absent_name"}, older, latest) == 0
 
 
 # --------------------------------------------------------------------------- billing

@@ -31,6 +31,11 @@ and it changes in only three ways:
   reaches 1.25 F, F the largest frame (`Cap.ceiling`); and it always rebuilds when the cache
   has expired (no call within `TTL`), when keeping would be written again in full anyway, if
   what it drops is larger than a frame.
+  A frame can only change at a prompt, though, and what is kept there is re-read on every call
+  of the task it starts: a coding task is tens of calls (tool rounds), not one. So the re-read
+  cost a prompt counts is the one its task is expected to pay, 0.1 K times the calls a task of
+  this conversation has taken so far (`Pace`): on the six shared Claude Code sessions one kept
+  a 20k-token task under a 37-call task, 0.1 K a call, since one call's 0.1 K was below 1.25 F.
 
 A request never passes `Cap.bound` (150k tokens, everything in it): a harness whose context is
 framed never compacts, and a long task has no prompt to rebuild at, so a request about to pass
@@ -43,9 +48,12 @@ more than it must, so that the calls after it grow at their end again before the
 
 A conversation whose history is shorter than a frame is never replaced at all (a chat of a few
 thousand tokens is cheapest sent as it is): it gets a frame of other conversations' memory in
-front, its own turns kept as sent, until its history outgrows the frame. Each of its prompts
-gets a new frame: what that rewrites after the frame is the short history, about what an
-addendum would cost, and the frame then holds what this prompt needs, not what earlier ones did.
+front, its own turns kept as sent, until its history outgrows the frame. In a chat (a client
+that sends no tools of its own) each prompt gets a new frame: what that rewrites after the
+frame is the short history, about what an addendum would cost, and the frame then holds what
+this prompt needs, not what earlier ones did. An agent's prompts get addenda instead: a new
+frame rewrote the frame and the history after it at every prompt, 1.1 to 1.4 times the direct
+cost of a new Claude Code session's first calls.
 
 Plans live in memory, on the thread that prepares requests; after a restart the next call
 rebuilds once. A plan whose anchor or addenda no longer appear in what the harness sends
@@ -83,6 +91,23 @@ HEADROOM = 8  # a trim frees a further 1/HEADROOM of the bound
 MEDIA_TOKENS = 1_600
 
 
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """How a conversation's tasks have run so far: its calls and its prompts, this one
+    counted."""
+
+    calls: int = 1
+    prompts: int = 1
+
+    def then(self, prompt: bool) -> Pace:
+        """The pace after one more call, a new prompt's or a tool round's."""
+        return Pace(self.calls + 1, self.prompts + prompt)
+
+    @property
+    def per_task(self) -> float:
+        return self.calls / self.prompts
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Plan:
     """One conversation's request plan, kept between calls."""
@@ -104,6 +129,9 @@ class Plan:
     rule: CacheRule = ANTHROPIC  # the provider's cache prices (`rule_for`)
     stubs: tuple[Stub, ...] = ()  # the live task's tool results sent as stubs, oldest first
     stubbed: int = 0  # tokens the stubs save
+    pace: Pace = Pace()
+    agent: bool = False  # the harness sends tools of its own (a chat client sends none)
+    tools: bool = False  # the recall tools rode along: they do on every later call
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,13 +167,16 @@ def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> 
         return False  # a rebuild would not shrink the request
     if at - plan.at > plan.rule.ttl:
         return True  # the cache has expired: keeping is written again in full anyway
-    return plan.excess + plan.rule.read * kept_tokens >= plan.rule.write * frame_size
+    task = plan.rule.read * kept_tokens * plan.pace.then(True).per_task
+    return plan.excess + task >= plan.rule.write * frame_size
 
 
-def carried(plan: Plan, kept_tokens: int, at: float, prompt: Mark) -> Plan:
+def carried(plan: Plan, dropped_tokens: int, at: float, prompt: Mark) -> Plan:
     """The plan after one more call that keeps it: what a rebuild would have dropped was
     re-read once more."""
-    return replace(plan, at=at, prompt=prompt, excess=plan.excess + plan.rule.read * kept_tokens)
+    return replace(plan, at=at, prompt=prompt,
+                   excess=plan.excess + plan.rule.read * dropped_tokens,
+                   pace=plan.pace.then(prompt != plan.prompt))
 
 
 def with_addendum(plan: Plan, prompt: Mark, messages: list[Message], tokens: int,
@@ -181,6 +212,8 @@ class Trim:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rebuild:
     """A new frame for the prompt."""
+
+    pace: Pace = Pace()  # the conversation's, this call counted (the new plan carries it)
 
 
 def size(plan: Plan, messages: list[Message], keep: int, fixed: int) -> int:
@@ -223,26 +256,31 @@ def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
     forgotten), `prompt` the index of the person's latest prompt in `messages`, `at` the time it
     was asked, `fixed` the tokens of what it carries besides its messages. Pure: the caller
     builds what it says and acts on it."""
-    placed = place(old, messages) if old else None
-    if old is None or placed is None:
-        return Rebuild()  # none, or the history changed under it
-    kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
+    if old is None:
+        return Rebuild()  # none yet, or forgotten
     here = mark(messages, prompt)
+    pace = old.pace.then(here != old.prompt)
+    placed = place(old, messages)
+    if placed is None:
+        return Rebuild(pace=pace)  # the history changed under it
+    kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
+    short = messages_tokens(messages[:prompt]) <= limits.ceiling
+    drops = 0 if short else kept  # a short conversation's rebuild keeps all of it
     grows = 0 if here == old.prompt else limits.ceiling  # a new prompt may get an addendum
     if size(old, messages, placed.keep, fixed) + grows > limits.bound:
         # About to pass the bound, mid-task too: the turns before the live task go (memory
         # holds them) when there are any worth a frame; else the live task is trimmed.
         if kept - old.insert_tokens > limits.ceiling:
-            return Rebuild()
-        return Trim(plan=carried(old, kept, at, here))
+            return Rebuild(pace=pace)
+        return Trim(plan=carried(old, drops, at, here))
     if here == old.prompt:  # a tool round of the task in progress
-        return Carry(plan=carried(old, kept, at, here))
-    if messages_tokens(messages[:prompt]) <= limits.ceiling:
-        # A short conversation: a new frame rewrites only the short history after it, about
-        # what an addendum would cost, and leaves out what earlier prompts needed (LoCoMo's
-        # questions asked in sequence: 0.854 of them with their evidence when only a new
-        # subject got a new frame, 0.864 so).
-        return Rebuild()
+        return Carry(plan=carried(old, drops, at, here))
+    if short and not old.agent:
+        # A short chat: a new frame rewrites only the short history after it, about what an
+        # addendum would cost, and leaves out what earlier prompts needed (LoCoMo's questions
+        # asked in sequence: 0.854 of them with their evidence when only a new subject got a
+        # new frame, 0.864 so).
+        return Rebuild(pace=pace)
     if should_rebuild(old, kept, at, max(old.frame_tokens, limits.floor)):
-        return Rebuild()
-    return Addendum(plan=carried(old, kept, at, here), keep=placed.keep)
+        return Rebuild(pace=pace)
+    return Addendum(plan=carried(old, drops, at, here), keep=placed.keep)

@@ -29,9 +29,14 @@ from perpetuity_core.wire.conversation import Message
 # the assistant's own words (250 in a row under 200 tokens, 383 under 1,000). Measured with
 # `perpetuity replay` on them (cost of direct, identifiers kept): no stretch 0.71 / 0.71;
 # 4,000 tokens of rows up to 200: 0.76 / 0.84; 6,000 of up to 300: 0.78 / 0.86; 8,000 of up to
-# 250: 0.78 / 0.87; 8,000 of up to 300: 0.80 / 0.88 (d053c9c).
-RECENT_TOKENS = 8_000
-RECENT_ROW = 250
+# 250: 0.78 / 0.87; 8,000 of up to 300: 0.80 / 0.88 (d053c9c). With identifiers counted only
+# when the 60 characters around their latest mention come too (replay's context_recall), and
+# agents' prompts getting no addenda: 8,000 of rows up to 250, 0.69 / 0.56 in context; up to
+# 500, 0.73 / 0.76; up to 1,000, 0.73 / 0.81 (the assistant's explanations and mid-sized tool
+# results, 1,000-4,000 characters, held most of the latest mentions left out); 6,000 of rows
+# up to 1,000, 0.70 / 0.78.
+RECENT_TOKENS = 6_000
+RECENT_ROW = 1_000
 # What every row costs on top of its words when the fill weighs warmth per token, so that an
 # "ok" or a "thanks" does not outrank a turn with substance. Measured with HITS 200 (LoCoMo /
 # BEAM recall_all, `perpetuity eval`): warmth order 0.834 / 0.530; warmth per token 0.798 /

@@ -62,6 +62,8 @@ class PendingTurn:
     title: bool = False
     structured: bool = False  # the title is asked for as JSON (Claude Code), else as text
     library: Path | None = None  # the tenant's notes library the recalled notes came from
+    # (harness, its request shape) when it changed: kept for `perpetuity replay` (templates)
+    shape: tuple[str, dict[str, Any]] | None = None
 
 
 @dataclass(slots=True, kw_only=True)

@@ -35,7 +35,7 @@ from perpetuity_core.frame.plan import Plan
 from perpetuity_core.memory.derived import bindings, heat
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Scanner
-from perpetuity_core.memory.storage import capture, names, users
+from perpetuity_core.memory.storage import capture, names, templates, users
 from perpetuity_core.memory.storage.capture import TurnContext
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.recall import tools
@@ -78,6 +78,7 @@ CURATE_COMMAND = "/perpetuity-curate"
 RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame's tail comes from
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
+NO_ONE = 0  # the recall tools' user before the store holds the asker: no row is anyone's 0
 
 # A surrogate's JSON escape: its high half (d800-dbff) or its low half (dc00-dfff).
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -152,6 +153,7 @@ class Pipeline:
         # Each conversation's plan: when its frame changes (`perpetuity_core.frame.plan`). Only
         # the preparing thread touches it; a restart costs one rebuilt frame.
         self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
+        self._shapes: dict[str, str] = {}  # harness -> digest of its request shape last kept
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -251,7 +253,8 @@ class Pipeline:
             notes=recall.notes, hits=set(built.hits[:BOUND_HITS]) if built else set(),
             shown=recall.memory.shown if recall.memory else set(),
             frame_rows=set(recall.plan.shown) if recall.plan else set(),
-            folder=names.folder(parsed), library=library)
+            folder=names.folder(parsed), library=library,
+            shape=self._new_shape(r.protocol, ident.harness, body, req.headers, parsed))
         specs = self._tool_specs(recall.memory, parsed.tool_names) if recall.memory else []
         decision.job = Job(
             method=req.method, url=r.upstream_url, headers=_forwarded(req),
@@ -264,6 +267,21 @@ class Pipeline:
         decision.note = _noted("captured", recall.note)
         return decision
 
+    def _new_shape(self, protocol: Protocol, harness: str, body: dict[str, Any],
+                   headers: tuple[tuple[str, str], ...], parsed: ParsedRequest) -> tuple[str, dict[str, Any]] | None:
+        """Claude Code's request shape (its system prompt and tools) for `perpetuity replay`
+        to bill this person's sessions with (memory.storage.templates), when it differs from
+        the one last kept; None otherwise. Not looked at in a tool round (most calls): a task's
+        rounds are sent with the shape its prompt had."""
+        if (protocol != Protocol.ANTHROPIC or harness != "claude-code" or not parsed.messages
+                or any(p.kind == Kind.TOOL_RESULT for p in parsed.messages[-1].parts)):
+            return None
+        shape = templates.shape(body, list(headers))
+        if shape is None or self._shapes.get(harness) == (digest := templates.digest(shape)):
+            return None
+        self._shapes[harness] = digest
+        return harness, shape
+
     def _recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
                 protocol: Protocol, asked_at: float, tools_on: bool,
                 library: Path | None) -> Recall:
@@ -275,7 +293,10 @@ class Pipeline:
         prompt = _prompt_index(messages)
         user_id = self.store.find_user(ident.user)
         if user_id is None or prompt is None:
-            return self._lesson_only(body, parsed, protocol, library)
+            out = self._lesson_only(body, parsed, protocol, library)
+            out.memory = self._memory(user_id or NO_ONE, None, asked_at, None,
+                                      tools_on and bool(parsed.tool_names))
+            return out
         conv = self.store.find_conversation(user_id, ident.conversation)
         # By the conversation's key, not its row: a first request has no row yet.
         key = (user_id, ident.conversation)
@@ -284,7 +305,8 @@ class Pipeline:
         # system prompt and tools, and our tools with their note on the frame (its longest).
         ours = _OUR_TOOLS_CHARS + len(_tools_note(10**9)) if tools_on else 0
         fixed = (parsed.fixed_chars + ours + 3) // 4  # token_estimate's rule
-        match plan.decide(self._plans.get(key), messages, prompt, asked_at, self.limits, fixed):
+        old = self._plans.get(key)
+        match plan.decide(old, messages, prompt, asked_at, self.limits, fixed):
             case plan.Carry(plan=carried):
                 made = _Built(plan=carried)
             case plan.Addendum(plan=carried, keep=keep):
@@ -292,20 +314,29 @@ class Pipeline:
                                  library)
             case plan.Trim(plan=carried):
                 made = _Built(plan=self._trim(carried, parsed, prompt, conv, fixed))
-            case plan.Rebuild():
-                made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library)
+            case plan.Rebuild(pace=pace):
+                made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library,
+                                     pace)
                 made = replace(made, plan=self._trim(made.plan, parsed, prompt, conv, fixed))
-        laid_plan = made.plan
-        out = Recall(key=key, plan=laid_plan, built=made.frame, made=made.made, notes=made.notes)
+        # Once the recall tools rode along in a conversation they always do. An agent's ride
+        # from its first call: tools come first in the provider's cached prefix, and ours
+        # coming later would rewrite the harness's system prompt and tools after them (17k
+        # tokens of Claude Code's). A chat's ride from its first frame: a chat with nothing
+        # to recall yet pays for none (LoCoMo's chat replay: 0.766 of direct with them on
+        # every call, against 0.737).
+        rides = tools_on and (bool(parsed.tool_names) or bool(made.plan.frame)
+                              or (old is not None and old.tools))
+        laid_plan = replace(made.plan, tools=rides)
+        out = Recall(key=key, plan=laid_plan, built=made.frame, made=made.made, notes=made.notes,
+                     memory=self._memory(user_id, conv, asked_at, laid_plan, rides))
         laid = plan.place(laid_plan, messages)
         if laid is None:
             return out
         front = list(laid_plan.frame)
         if front and tools_on:
             front = frame.with_note(front, _tools_note(laid_plan.left_out))
-            out.memory = TurnMemory(user_id, conv, asked_at, set(laid_plan.shown),
-                                    list(laid_plan.below_cap), everyone=self.settings.personal,
-                                    sent=_sent_whole(messages[laid.keep:], laid_plan.stubs))
+        if out.memory is not None:
+            out.memory.sent = _sent_whole(messages[laid.keep:], laid_plan.stubs)
         if not front and not laid.inserts and not laid_plan.stubs:
             return out
         if laid_plan.stubs:
@@ -315,7 +346,7 @@ class Pipeline:
             {parsed.raw_index[i]: list(m) for i, m in laid.inserts.items()})
         if replaced.body is None:
             log.warning("perpetuity: %s", replaced.why)
-            return Recall(note=replaced.why)
+            return Recall(note=replaced.why, memory=out.memory)
         if replaced.why:
             log.info("perpetuity: %s", replaced.why)
         if replaced.keep != laid.keep:
@@ -328,8 +359,19 @@ class Pipeline:
         out.sent = replaced.body
         return out
 
+    def _memory(self, user_id: int, conv: int | None, asked_at: float, laid: Plan | None,
+                rides: bool) -> TurnMemory | None:
+        """What the recall tools read this call, or None when they do not ride along
+        (`rides`): tools come first in the provider's cached prefix, so tools that came and
+        went between the calls of one conversation would rewrite its whole prefix each time."""
+        if not rides:
+            return None
+        return TurnMemory(user_id, conv, asked_at, set(laid.shown) if laid else set(),
+                          list(laid.below_cap) if laid else [], everyone=self.settings.personal)
+
     def _rebuild(self, parsed: ParsedRequest, prompt: int, user_id: int, conv: int | None,
-                 query: str, asked_at: float, library: Path | None) -> _Built:
+                 query: str, asked_at: float, library: Path | None,
+                 pace: plan.Pace) -> _Built:
         """A new frame for the prompt, the harness's messages before it dropped (memory holds
         them); a conversation shorter than a frame keeps them all, with other conversations'
         memory in front."""
@@ -360,7 +402,8 @@ class Pipeline:
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0,
-            rule=plan.rule_for(parsed.protocol, parsed.model))
+            rule=plan.rule_for(parsed.protocol, parsed.model), pace=pace,
+            agent=bool(parsed.tool_names))
         return _Built(plan=rebuilt, frame=built, made="frame", notes=notes_shown)
 
     def _trim(self, laid: Plan, parsed: ParsedRequest, prompt: int, conv: int | None,
@@ -383,7 +426,7 @@ class Pipeline:
     def _add(self, carried: Plan, parsed: ParsedRequest, prompt: int, keep: int, user_id: int,
              conv: int | None, query: str, asked_at: float, library: Path | None) -> _Built:
         """An addendum for a new prompt under a frame that stays: its hits in other
-        conversations not yet in front. Nothing before a prompt that answers a call (an
+        conversations not yet in front (a chat's; an agent's prompt gets its notes alone). Nothing before a prompt that answers a call (an
         interrupted tool call's result rides with the next prompt): it would part the call from
         its result."""
         messages = parsed.messages
@@ -391,9 +434,12 @@ class Pipeline:
             return _Built(plan=carried)
         kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
             if conv else []
-        more = frame.addendum(self.scanner, user_id=user_id, conversation_id=conv,
-                              query=query, exclude_messages=kept, shown=carried.shown,
-                              asked_at=asked_at, limits=self.limits)
+        # An agent's prompt gets none: the tool rounds after it re-read an addendum on every
+        # call (the six shared Claude Code sessions: 0.735 of direct with them, 0.688 without,
+        # the identifiers a next reply used from older history kept 0.830 and 0.813).
+        more = None if carried.agent else frame.addendum(
+            self.scanner, user_id=user_id, conversation_id=conv, query=query,
+            exclude_messages=kept, shown=carried.shown, asked_at=asked_at, limits=self.limits)
         added = more.messages if more else []
         notes_shown: list[str] = []
         if starts_task(messages) and (lesson := self._notes_for(parsed, library)):
@@ -428,6 +474,9 @@ class Pipeline:
         reheats (retrieval is the only writer of activation after birth), and move the clock
         by what the model was sent. The store's writer calls this."""
         heat.reheat(self.store.db, p.clock, p.reheats)
+        if p.shape is not None:
+            with self.store.db.writing("keep the harness's request shape") as raw:
+                templates.keep(self.store.db.translated(raw), *p.shape)
         _, turn = capture.record(
             self.store, user_key=p.user, conversation_key=p.conversation, provider=p.provider,
             model=p.model, messages=p.messages, times=[p.at] * len(p.messages), source="request",

@@ -9,9 +9,10 @@ prompt-cache rules: as the harness sent it (direct) and as it reached the provid
 
 PATH may be session files or folders (such as ~/.claude/projects, searched for *.jsonl).
 Costs are in units of one uncached input token (billing.py has the rules). The system prompt
-and tools are a real Claude Code request's: ../shared's capture by default, or
---request-template FILE; without either, a short built-in system prompt stands in and the
-report says so.
+and tools are a real Claude Code request's: --request-template FILE, else ../shared's capture
+(in a checkout beside it), else the one your own Claude Code last sent through the proxy (kept
+in its memory: --proxy-db, default $PERPETUITY_DB or ~/.perpetuity/memory.db); without any,
+stand-ins of their size take their place and the report says so.
 
 From Python: `replay.claude_code(paths, ...)` and `replay.chat_locomo(path, ...)` return a
 `Report` (`.sessions`, `.total`, `.as_dict()`).
@@ -50,6 +51,9 @@ def register(sub: Any) -> None:
                     "they hold")
     cc.add_argument("--request-template", type=Path, metavar="FILE",
                     help="a captured Claude Code request giving the system prompt and tools")
+    cc.add_argument("--proxy-db", metavar="DB",
+                    help="the proxy's memory, whose latest Claude Code request gives them "
+                         "otherwise (default: $PERPETUITY_DB or ~/.perpetuity/memory.db)")
     chat = kinds.add_parser("chat", help="a chat dataset re-sent turn by turn (LoCoMo)")
     chat.add_argument("dataset", choices=["locomo"])
     chat.add_argument("path", type=Path, help="locomo10.json")
@@ -74,8 +78,9 @@ def _run(args: argparse.Namespace) -> int:
         if missing := [str(p) for p in args.paths if not p.exists()]:
             raise ConfigError(f"no such path: {', '.join(missing)}")
         report = claude_code(args.paths, db=_new_file(args.db), calls=args.calls,
-                             template=args.request_template, limits=limits,
-                             tools=not args.no_tools, progress=True, chain=args.passes if args.chain else 0)
+                             template=args.request_template, proxy_db=args.proxy_db,
+                             limits=limits, tools=not args.no_tools, progress=True,
+                             chain=args.passes if args.chain else 0)
     else:
         report = chat_locomo(args.path, db=_new_file(args.db), limit=args.limit, turns=args.turns,
                              limits=limits, tools=not args.no_tools, progress=True)

@@ -13,6 +13,7 @@ import contextlib
 import heapq
 import json
 import resource
+import sqlite3
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -28,18 +29,25 @@ from perpetuity_core.cli.replay.measure import (
     Tally,
     identifiers,
     live_kept,
+    parts_text,
     reply_text,
     request_text,
+    with_context,
 )
 from perpetuity_core.cli.replay.request import Template, build, load_template
 from perpetuity_core.cli.replay.sessions import Call, Session, chained, sessions_in_order
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage import templates
+from perpetuity_core.memory.storage.location import where
+from perpetuity_core.memory.storage.store import default_db_path
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Provider
 from perpetuity_core.wire.protocols import ADAPTERS, anthropic
+
+HARNESS = "claude-code"  # whose request shape the proxy keeps for this replay
 
 
 @dataclass(slots=True)
@@ -108,17 +116,42 @@ class _Side:
         return sent, d.body is not None
 
 
+def proxy_shape(memory: str | Path | None = None) -> tuple[dict[str, Any], str] | None:
+    """The Claude Code request shape the proxy kept in its memory (`memory`, else
+    $PERPETUITY_DB or ~/.perpetuity/memory.db), and where; None when it kept none. A SQLite
+    memory is read only, and one that is not there is not created."""
+    at = where(memory or default_db_path())
+    source = f"the latest Claude Code request through the proxy ({at})"
+    if isinstance(at, Path):
+        if not at.is_file():
+            return None
+        try:
+            with contextlib.closing(sqlite3.connect(f"{at.resolve().as_uri()}?mode=ro",
+                                                    uri=True)) as conn:
+                kept = templates.kept(conn, HARNESS)
+        except sqlite3.Error:  # not a memory, or one from before settings
+            return None
+    else:
+        store = open_memory(at)
+        try:
+            kept = templates.kept(store.db.translated(), HARNESS)
+        finally:
+            store.close()
+    return (kept, source) if kept else None
+
+
 def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None = None,
                 template: Path | None = None, progress: bool = False, chain: int = 0,
-                **pipeline_options: Any) -> Report:
+                proxy_db: str | Path | None = None, **pipeline_options: Any) -> Report:
     """Replay Claude Code sessions (files, or folders searched for *.jsonl) into one memory,
-    in time order; `calls` keeps each session's first N calls. `chain` replays them `chain`
-    times over as one conversation that never ends (`sessions.chained`), with each call's
-    figures in the report (not what its reply used of older history: that scan of the whole
-    history on every call would be most of the replay's time).
-    `pipeline_options` go to `Pipeline` as the proxy's options would (limits=Cap(...),
-    tools=False, tool_rounds=...)."""
-    shape = load_template(template)
+    in time order; `calls` keeps each session's first N calls. The system prompt and tools are
+    `template`'s, else ../shared's capture, else those the proxy kept in `proxy_db`
+    (`proxy_shape`), else stand-ins. `chain` replays the sessions `chain` times over as one
+    conversation that never ends (`sessions.chained`), with each call's figures in the report
+    (not what its reply used of older history: that scan of the whole history on every call
+    would be most of the replay's time). `pipeline_options` go to `Pipeline` as the proxy's
+    options would (limits=Cap(...), tools=False, tool_rounds=...)."""
+    shape = load_template(template, kept=proxy_shape(proxy_db) if template is None else None)
     sessions = list(sessions_in_order(paths))
     if not sessions:
         raise ConfigError("no Claude Code session files (*.jsonl) under the given paths")
@@ -158,13 +191,17 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
     upstream = upstream_cache.bill(sent, call.at)
     messages = built.body["messages"]
     older: set[str] = set()
+    in_context = 0
     if tally.per_call is None:
         live_text = request_text({"messages": messages[built.live_from:]})
         older = identifiers(reply_text(call.reply)) & identifiers(
             request_text({"messages": messages[:built.live_from]}))
         older -= identifiers(live_text) | harness_ids
+        in_context = with_context(older, parts_text(messages[:built.live_from]),
+                                  "\n".join(parts_text(sent.get("messages") or []))) if older else 0
     kept = live_kept(messages, sent.get("messages") or [], built.live_from)
-    tally.add(direct, upstream, anthropic.check(sent), kept, older, request_text(sent), framed)
+    tally.add(direct, upstream, anthropic.check(sent), kept, older, request_text(sent), framed,
+              in_context)
     if tally.per_call is not None:
         tally.per_call.append({"direct_tokens": direct.tokens, "upstream_tokens": upstream.tokens,
                                "prepare_ms": round(side.prepared * 1000, 2),

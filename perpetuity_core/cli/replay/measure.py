@@ -7,8 +7,10 @@ Per call, `Tally.add` records:
 - "uses older history": the identifiers (file paths, snake_case, CamelCase and dotted names of
   four characters or more) the recorded reply uses in its text and tool-call arguments that
   the older history held (before the person's latest prompt) but neither the live task nor the
-  harness's own text (system prompt, tools, reminders) did; and how many of them the upstream
-  request still held (the direct request holds them all by construction);
+  harness's own text (system prompt, tools, reminders) did; how many of them the upstream
+  request still held (the direct request holds them all by construction), and how many it
+  held with their context: the CONTEXT characters either side of the name's latest mention in
+  the older history (within that block's text, as stored and quoted), verbatim;
 - whether the live task (the messages from the person's latest prompt on) reached the provider
   byte-identical, compared as JSON without cache marks (marks are where the proxy places them).
 """
@@ -21,11 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from perpetuity_core.cli.replay.billing import Bill, block_text
+from perpetuity_core.wire.protocols import anthropic
 
 _CANDIDATE = re.compile(r"~?(?:[\w.\-]*/)+[\w.\-]+|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][\w]*)+"
                         r"|[A-Za-z_][A-Za-z0-9_]*")
 _CAMEL = re.compile(r"[a-z][A-Z]|[A-Z].*[A-Z].*[a-z]|[A-Z][a-z]+[A-Z]")
 _EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,8}$")
+CONTEXT = 60  # characters either side of a name's latest mention that must come with it
 
 
 def identifiers(text: str) -> set[str]:
@@ -65,6 +69,26 @@ def request_text(body: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def parts_text(messages: list[dict[str, Any]]) -> list[str]:
+    """Each block's text as the proxy reads and stores it (a tool call's arguments as stored,
+    its keys sorted): the form a frame quotes verbatim."""
+    return [p.text for m in messages if isinstance(m, dict)
+            for p in anthropic.message_from(m).parts]
+
+
+def with_context(names: set[str], older: list[str], sent: str) -> int:
+    """How many of `names` the text `sent` holds with the CONTEXT characters either side of
+    their latest mention in `older` (block texts, oldest first), clipped to that block."""
+    held = 0
+    for name in names:
+        for text in reversed(older):
+            at = text.rfind(name)
+            if at >= 0:
+                held += text[max(0, at - CONTEXT):at + len(name) + CONTEXT] in sent
+                break
+    return held
+
+
 def _unmarked(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _unmarked(v) for k, v in value.items() if k != "cache_control"}
@@ -97,6 +121,7 @@ class Tally:
     upstream: Bill = field(default_factory=Bill)
     older_used: int = 0  # identifiers a reply used that only older history held
     older_kept: int = 0  # ... and the upstream request still held
+    older_in_context: int = 0  # ... with the text around their latest mention (`with_context`)
     calls_using_older: int = 0
     live_identical: int = 0
     framed: int = 0  # calls whose history the proxy replaced
@@ -106,7 +131,7 @@ class Tally:
     per_call: list[dict[str, Any]] | None = None
 
     def add(self, direct: Bill, upstream: Bill, problems: list[str], live_same: bool,
-            older: set[str], upstream_text: str, framed: bool) -> None:
+            older: set[str], upstream_text: str, framed: bool, in_context: int = 0) -> None:
         self.calls += 1
         self.direct.add(direct)
         self.upstream.add(upstream)
@@ -122,10 +147,11 @@ class Tally:
             self.calls_using_older += 1
             self.older_used += len(older)
             self.older_kept += sum(1 for name in older if name in upstream_text)
+            self.older_in_context += in_context
 
     def merge(self, other: Tally) -> None:
         for name in ("calls", "prompts", "skipped_calls", "skipped_lines", "invalid",
-                     "older_used", "older_kept", "calls_using_older", "live_identical", "framed"):
+                     "older_used", "older_kept", "older_in_context", "calls_using_older", "live_identical", "framed"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reasons += [r for r in other.reasons if r not in self.reasons][:5 - len(self.reasons)]
         self.direct.add(other.direct)
@@ -147,7 +173,9 @@ class Tally:
             "skipped_invalid_calls": self.skipped_calls, "skipped_lines": self.skipped_lines,
             "older_history": {"calls": self.calls_using_older, "identifiers": self.older_used,
                               "kept": self.older_kept,
-                              "recall": ratio(self.older_kept, self.older_used)},
+                              "recall": ratio(self.older_kept, self.older_used),
+                              "in_context": self.older_in_context,
+                              "context_recall": ratio(self.older_in_context, self.older_used)},
             "live_task_identical": ratio(self.live_identical, self.calls),
         } | ({} if self.per_call is None else _long_session(self.per_call))
 

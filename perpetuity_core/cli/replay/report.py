@@ -12,16 +12,18 @@ def table(report: dict[str, Any]) -> str:
     """One row per session and the total: the figures a person checks first."""
     head = (f"{'session':<16}{'calls':>6}{'prompts':>8}{'tokens direct':>15}{'upstream':>13}"
             f"{'ratio':>7}{'cost direct':>13}{'upstream':>12}{'ratio':>7}{'invalid':>8}"
-            f"{'skipped':>8}{'older kept':>11}{'live same':>10}")
+            f"{'skipped':>8}{'older kept':>11}{'in context':>11}{'live same':>10}")
     rows = [head, "-" * len(head)]
     for s in [*report["sessions"], report["total"]]:
         older = s["older_history"]["recall"]
+        context = s["older_history"]["context_recall"]
         rows.append(
             f"{s['name'][:15]:<16}{s['calls']:>6}{s['prompts']:>8}"
             f"{s['tokens']['direct']:>15,}{s['tokens']['upstream']:>13,}{_r(s['tokens']['ratio'])}"
             f"{s['cost']['direct']:>13,.0f}{s['cost']['upstream']:>12,.0f}{_r(s['cost']['ratio'])}"
             f"{s['invalid_requests']:>8}{s['skipped_invalid_calls']:>8}"
             f"{'-' if older is None else f'{older:.0%}':>11}"
+            f"{'-' if context is None else f'{context:.0%}':>11}"
             f"{'-' if s['live_task_identical'] is None else f'{s['live_task_identical']:.0%}':>10}")
     t = report["total"]
     rows.append("")

@@ -1,13 +1,16 @@
 """Each rebuilt call as the HTTP request Claude Code would have sent.
 
-The system prompt, tools and request fields come from a real Claude Code request (a capture such
-as `../shared/fixtures/harness/claude-code/02-basic-messages-stream.json`, or any file of that
-shape given with `--request-template`). Its cache marks are kept as Claude Code places them: on
-the system blocks and on the last block of the last message. The harness's own context that
-travels with every request (the reminder blocks before the first prompt, the mid-conversation
-`system` message listing agent types) is taken from the capture too and put where Claude Code
-puts it. Where no capture is at hand, a short built-in system prompt and no tools stand in: the
-costs then leave out the ~15k tokens of tools every real request carries.
+The system prompt, tools and request fields come from a real Claude Code request: a file of a
+capture's shape given with `--request-template`, else the repository's capture
+(`../shared/fixtures/harness/claude-code/02-basic-messages-stream.json`) in a checkout beside
+`../shared`, else the one this person's own Claude Code last sent through the proxy (kept in
+the proxy's memory: memory.storage.templates). Its cache marks are kept as Claude Code places
+them: on the system blocks and on the last block of the last message. The harness's own context
+that travels with every request (the reminder blocks before the first prompt, the
+mid-conversation `system` message listing agent types) is taken from it too and put where
+Claude Code puts it. Where there is none of them, stand-ins of a real request's size take their
+place (STAND_IN): the ~17k tokens of system prompt and tools every call carries are most of a
+call's cost, so a short prompt instead would misstate it.
 """
 
 from __future__ import annotations
@@ -26,8 +29,14 @@ from perpetuity_core.wire.conversation import Kind, text_part
 DEFAULT_TEMPLATE = (Path(__file__).resolve().parents[3].parent / "shared" / "fixtures" / "harness"
                     / "claude-code" / "02-basic-messages-stream.json")
 MARK = {"type": "ephemeral"}
-BUILT_IN_SYSTEM = ("You are Claude Code, Anthropic's official CLI for Claude. You are an "
-                   "interactive agent that helps users with software engineering tasks.")
+# The sizes, in characters, of Claude Code 2.1's request (../shared's capture): its three system
+# blocks (the last two marked), its preamble's reminder, and its 24 tools as JSON.
+STAND_IN_SYSTEM = (74, 62, 5_965)
+STAND_IN_PREAMBLE = 306
+STAND_IN_TOOLS = (2_571, 2_757, 4_123, 445, 289, 1_006, 3_797, 2_546, 1_679, 1_687, 1_923, 3_797,
+                  1_206, 2_135, 2_855, 1_036, 1_201, 1_599, 558, 3_598, 776, 879, 21_341, 663)
+STAND_IN_SOURCE = ("stand-ins of Claude Code's size (no captured request, and none kept by the"
+                   " proxy: give --request-template, or run Claude Code through the proxy once)")
 # Request headers Claude Code sends that say nothing about this call (the rest are rebuilt).
 _OWN_HEADERS = {"host", "content-length", "connection", "accept-encoding", "x-api-key",
                 "x-claude-code-session-id", "user-agent"}
@@ -41,7 +50,7 @@ class Template:
     extra: list[dict[str, Any]] = field(default_factory=list)  # system-role messages
     fields: dict[str, Any] = field(default_factory=dict)  # max_tokens, thinking, stream...
     headers: list[tuple[str, str]] = field(default_factory=list)
-    source: str = "built-in (no Claude Code capture: a short system prompt and no tools)"
+    source: str = STAND_IN_SOURCE
 
     def harness_text(self) -> list[str]:
         """What every request carries whatever the person did: the system prompt, tools and
@@ -52,19 +61,27 @@ class Template:
                 + [str(m.get("content", "")) for m in self.extra])
 
 
-def load_template(path: Path | None, default: Path = DEFAULT_TEMPLATE) -> Template:
+def load_template(path: Path | None, default: Path = DEFAULT_TEMPLATE,
+                  kept: tuple[dict[str, Any], str] | None = None) -> Template:
     """The capture at `path`, else the default capture when ../shared is there, else the
-    built-in stand-in."""
+    request shape the proxy `kept` (with where it was kept), else stand-ins of its size."""
     if path is None and not default.exists():
-        return Template([{"type": "text", "text": BUILT_IN_SYSTEM, "cache_control": MARK}],
-                        fields={"max_tokens": 32000, "stream": True})
+        return from_capture(*kept) if kept else stand_in()
     path = path or default
     try:
         capture = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read a Claude Code request from {path}: {e}") from e
+    return from_capture(capture, str(path))
+
+
+def from_capture(capture: Any, source: str) -> Template:
+    """The template of a captured request (`{"headers": [...], "body": {...}}`, or the body)."""
+    try:
         body = capture.get("body", capture)
         system, messages = body["system"], body["messages"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"cannot read a Claude Code request from {path}: {e}") from e
+    except (AttributeError, KeyError, TypeError) as e:
+        raise ConfigError(f"cannot read a Claude Code request from {source}: {e!r}") from e
     first: dict[str, Any] = next((m for m in messages if m.get("role") == "user"),
                                  {"content": []})
     content = first["content"] if isinstance(first["content"], list) else []
@@ -80,7 +97,26 @@ def load_template(path: Path | None, default: Path = DEFAULT_TEMPLATE) -> Templa
         fields={k: v for k, v in body.items()
                 if k not in ("model", "messages", "system", "tools", "metadata")},
         headers=[(k, v) for k, v in capture.get("headers", []) if k.lower() not in _OWN_HEADERS],
-        source=str(path))
+        source=source)
+
+
+def stand_in() -> Template:
+    """A system prompt, a preamble and tools of a real Claude Code request's sizes, their text
+    a filler that names nothing (the measures of what a reply used leave no name out by it)."""
+    def filler(n: int) -> str:
+        return ("Stand-in text of a Claude Code request. " * (n // 40 + 1))[:n]
+
+    system = [{"type": "text", "text": filler(n), **({"cache_control": MARK} if i else {})}
+              for i, n in enumerate(STAND_IN_SYSTEM)]
+    tools = []
+    for i, n in enumerate(STAND_IN_TOOLS):
+        tool: dict[str, Any] = {"name": f"Tool{i}", "description": "",
+                                "input_schema": {"type": "object", "properties": {}}}
+        tool["description"] = filler(max(0, n - len(json.dumps(tool))))
+        tools.append(tool)
+    reminder = "<system-reminder>\n"
+    return Template(system, tools, preamble=[{"type": "text", "text": reminder + filler(
+        STAND_IN_PREAMBLE - len(reminder))}], fields={"max_tokens": 32000, "stream": True})
 
 
 @dataclass(slots=True)
