@@ -37,6 +37,9 @@ from perpetuity_core.wire.conversation import Message
 # up to 1,000, 0.70 / 0.78.
 RECENT_TOKENS = 6_000
 RECENT_ROW = 1_000
+# The stretch takes at most this share of the request's bound (cap.Cap.bound): a request rebuilt
+# or trimmed to stay within it must not take back as quoted memory the tool results it dropped.
+STRETCH_SHARE = 10
 # What every row costs on top of its words when the fill weighs warmth per token, so that an
 # "ok" or a "thanks" does not outrank a turn with substance. Measured with HITS 200 (LoCoMo /
 # BEAM recall_all, `perpetuity eval`): warmth order 0.834 / 0.530; warmth per token 0.798 /
@@ -75,7 +78,7 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     """A frame's rows: the mandatory ones, then the most warmth per token within `tokens` as
     rendered. `half` is the rows of the top hit's other half, `recent_items` the rows of the
     conversation's latest stretch (store order)."""
-    recent = latest(rows, recent_items)
+    recent = latest(rows, recent_items, min(RECENT_TOKENS, limits.bound // STRETCH_SHARE))
     other = companion(half, rows, limits)
     must = ({hits[0].item_id} if hits else set()) | set(other) | recent
     new = fill(rows, warm, must, tokens, lambda ids: render(ids, recent))
@@ -110,8 +113,8 @@ def addendum(rows: dict[int, Row], hits: list[Hit], half: list[int], shown: Coll
                                               **dict.fromkeys(other, MUST_HALF)})
 
 
-def latest(rows: dict[int, Row], items: list[int]) -> set[int]:
-    """The conversation's latest rows, newest first, while they fit RECENT_TOKENS, skipping
+def latest(rows: dict[int, Row], items: list[int], most: int = RECENT_TOKENS) -> set[int]:
+    """The conversation's latest rows, newest first, while they fit `most` tokens, skipping
     bulk over RECENT_ROW."""
     out: set[int] = set()
     used = 0
@@ -119,7 +122,7 @@ def latest(rows: dict[int, Row], items: list[int]) -> set[int]:
         c = cost(rows[i])
         if c > RECENT_ROW:
             continue
-        if used + c > RECENT_TOKENS:
+        if used + c > most:
             break
         out.add(i)
         used += c
