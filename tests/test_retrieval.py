@@ -507,6 +507,37 @@ def test_pooled_visibility(store: Store) -> None:
             assert own == sorted(own, reverse=True)  # own rows first, then the pool's
 
 
+@pytest.mark.parametrize("layout", [arena.TERMS, arena.ROWS])
+def test_a_scan_for_one_user_of_many_scores_only_their_postings(
+        sqlite_store: Store, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten users: one user's search computes a contribution for their own postings only (not
+    every user's), and still ranks exactly as the reference."""
+    monkeypatch.setattr(arena, "SEGMENT_ROWS", 53)
+    rng = random.Random(11)
+    for i in range(300):
+        user = f"u{rng.randrange(10)}"
+        add(sqlite_store, user, f"{user}-c{rng.randrange(2)}", [random_text(rng)], at=float(i))
+    sc = scan.Scanner(sqlite_store, layout=layout, store_rows=0, threads=1)
+    uid = sqlite_store.user_id("u3")
+    computed: list[int] = []
+    real = view.contributions
+
+    def counted(q: bm25.Query, slot: np.ndarray, tf: np.ndarray,
+                length: np.ndarray) -> np.ndarray:
+        computed.append(slot.size)
+        return real(q, slot, tf, length)
+
+    monkeypatch.setattr(view, "contributions", counted)
+    conn = sqlite_store.db.connection()
+    for q in ["support group guitar", "dog cat painting", "memory arena"]:
+        computed.clear()
+        same(ranked(sc.search(q, uid, 10)), reference(sqlite_store, q, uid, 10))
+        terms = set(sqlite_store.db.dictionary.ids(q).tolist())
+        own = sum(len(terms.intersection(np.frombuffer(t, "<i4").tolist())) for (t,) in
+                  conn.execute("SELECT terms FROM retrieval WHERE user_id = ?", (uid,)))
+        assert sum(computed) == own
+
+
 def test_empty_memory_and_empty_queries(store: Store) -> None:
     for sr in (0, 10**9):
         sc = scan.Scanner(store, store_rows=sr)

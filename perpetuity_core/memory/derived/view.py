@@ -111,6 +111,11 @@ class Segment:
                                       self.row_terms, self.tf) if a is not None)
 
 
+# Below this fraction of rows visible, a scan scores only the visible rows' postings (picking
+# them costs about what scoring them does, so past half it would cost more than it saves).
+SCORE_VISIBLE_BELOW = 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class View:
     """The arena as one catch-up left it: its first `n` rows, their segments and counts.
@@ -149,22 +154,27 @@ class View:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
         if q.empty or k <= 0 or not self.segments:
             return []
+        # Context never crosses a conversation, and a conversation is one user's, so rows the
+        # asker cannot see are dropped before it is computed; a time span only picks among
+        # the scored rows, which score as they would without it.
+        seen = visible.masks(self.user, self.conv)
+        near = seen[0] if seen[1] is None else seen[0] | seen[1]
+        # Where few rows are visible (one user of many), only their postings are scored: the
+        # same sums, in the same order, for every row that can be a hit or a hit's context.
+        keep = near if np.count_nonzero(near) < SCORE_VISIBLE_BELOW * self.n else None
         # BM25 of every row; the extra last slot, which none (-1) reads, is a zero.
         bm25 = np.zeros(self.n + 1)
 
         def fill(seg: Segment) -> None:
-            bm25[seg.start:seg.start + seg.n] = self._scores(seg, q)
+            kept = None if keep is None else keep[seg.start:seg.start + seg.n]
+            bm25[seg.start:seg.start + seg.n] = self._scores(seg, q, kept)
 
         if self.pool is not None and len(self.segments) > 1:
             list(self.pool.map(fill, self.segments))
         else:
             for seg in self.segments:
                 fill(seg)
-        # Context never crosses a conversation, so rows the asker cannot see are dropped
-        # before it is computed; a time span only picks among the scored rows, which score
-        # as they would without it.
-        seen = visible.masks(self.user, self.conv)
-        cand, score = self.context(bm25, q, seen[0] if seen[1] is None else seen[0] | seen[1])
+        cand, score = self.context(bm25, q, near)
         own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
         parts = []
         for mask, flag in ((own, True), (other, False)):
@@ -209,8 +219,9 @@ class View:
         keep = score > 0
         return cand[keep], score[keep]
 
-    def _scores(self, seg: Segment, q: Query) -> np.ndarray:
-        """Exact scores of every row of a segment (float64; zero for rows without a term)."""
+    def _scores(self, seg: Segment, q: Query, keep: np.ndarray | None = None) -> np.ndarray:
+        """Exact scores of every row of a segment (float64; zero for rows without a term, and
+        for rows outside `keep`, a mask over the segment's rows, when given)."""
         length = self.length[seg.start:seg.start + seg.n]
         if seg.terms is not None:
             assert seg.ptr is not None and seg.rows is not None
@@ -223,7 +234,11 @@ class View:
             spans = list(zip(lo.tolist(), hi.tolist()))  # one per query term held here
             rows = np.concatenate([seg.rows[a:b] for a, b in spans])
             tf = np.concatenate([seg.tf[a:b] for a, b in spans])
-            contrib = contributions(q, np.repeat(hit, hi - lo), tf, length[rows])
+            slot = np.repeat(hit, hi - lo)
+            if keep is not None:  # a subsequence: each row's terms keep their order
+                wanted = keep[rows]
+                rows, tf, slot = rows[wanted], tf[wanted], slot[wanted]
+            contrib = contributions(q, slot, tf, length[rows])
             # bincount adds in input order: for every row, ascending query term id.
             return np.bincount(rows, weights=contrib, minlength=seg.n)
         assert seg.row_terms is not None and seg.row_ptr is not None
@@ -231,6 +246,9 @@ class View:
         pos = np.minimum(pos, q.terms.size - 1)
         hit = np.flatnonzero(q.terms[pos] == seg.row_terms)
         rows = np.searchsorted(seg.row_ptr, hit, side="right") - 1
+        if keep is not None:
+            wanted = keep[rows]
+            hit, rows = hit[wanted], rows[wanted]
         contrib = contributions(q, pos[hit], seg.tf[hit], length[rows])
         return np.bincount(rows, weights=contrib, minlength=seg.n)
 
