@@ -507,6 +507,68 @@ def test_pooled_visibility(store: Store) -> None:
             assert own == sorted(own, reverse=True)  # own rows first, then the pool's
 
 
+@pytest.mark.parametrize("turns", ["interleaved", "in-runs"])
+@pytest.mark.parametrize("layout", [arena.TERMS, arena.ROWS])
+def test_a_scan_for_one_user_of_many_scores_only_their_postings(
+        sqlite_store: Store, layout: str, turns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten users: one user's search computes a contribution for their own postings only (not
+    every user's), and still ranks exactly as the reference, whether their rows are scattered
+    (a mask over the postings) or runs of consecutive rows (slices of each term's postings)."""
+    monkeypatch.setattr(arena, "SEGMENT_ROWS", 53)
+    rng = random.Random(11)
+    for i in range(300):
+        user = f"u{rng.randrange(10) if turns == 'interleaved' else i // 30}"
+        add(sqlite_store, user, f"{user}-c{rng.randrange(2)}", [random_text(rng)], at=float(i))
+    sc = scan.Scanner(sqlite_store, layout=layout, store_rows=0, threads=1)
+    uid = sqlite_store.user_id("u3")
+    computed: list[int] = []
+    real = view.contributions
+
+    def counted(q: bm25.Query, slot: np.ndarray, tf: np.ndarray,
+                length: np.ndarray) -> np.ndarray:
+        computed.append(slot.size)
+        return real(q, slot, tf, length)
+
+    monkeypatch.setattr(view, "contributions", counted)
+    conn = sqlite_store.db.connection()
+    for q in ["support group guitar", "dog cat painting", "memory arena"]:
+        computed.clear()
+        same(ranked(sc.search(q, uid, 10)), reference(sqlite_store, q, uid, 10))
+        terms = set(sqlite_store.db.dictionary.ids(q).tolist())
+        own = sum(len(terms.intersection(np.frombuffer(t, "<i4").tolist())) for (t,) in
+                  conn.execute("SELECT terms FROM retrieval WHERE user_id = ?", (uid,)))
+        assert sum(computed) == own
+
+
+@pytest.mark.parametrize("run_cost", [0, 10**9], ids=["slices", "mask"])
+def test_visible_postings_against_a_plain_filter(run_cost: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """view.postings with a mask: the postings of the kept rows, term by term in row order,
+    as a plain filter over every posting gives them, by slices of runs or by the mask."""
+    monkeypatch.setattr(view, "RUN_COST", run_cost)
+    rng = np.random.default_rng(4)
+    for _ in range(30):
+        n = int(rng.integers(1, 400))
+        row_len = rng.integers(0, 6, n)
+        terms = np.concatenate([np.sort(rng.choice(40, int(k), replace=False))
+                                for k in row_len]).astype(np.int32)
+        tf = rng.integers(1, 9, terms.size).astype(np.uint8)
+        seg = arena.build_segment(0, row_len, terms, tf, arena.TERMS)
+        assert seg.terms is not None and seg.ptr is not None and seg.rows is not None
+        hit = np.flatnonzero(rng.random(seg.terms.size) < 0.5)
+        lo, hi = seg.ptr[hit], seg.ptr[hit + 1]
+        keep = np.repeat(rng.random(n // 7 + 1) < 0.4, 7)[:n]  # runs of kept rows
+        keep[rng.integers(0, n, 3)] ^= True  # and a few lone ones
+        got = view.postings(seg.rows, seg.tf, lo, hi, hit, (keep, np.flatnonzero(keep)))
+        want: list[list[int]] = [[], [], []]
+        for j, a, b in zip(hit.tolist(), lo.tolist(), hi.tolist(), strict=True):
+            for x in range(a, b):
+                if keep[seg.rows[x]]:
+                    for column, value in zip(want, (seg.rows[x], seg.tf[x], j), strict=True):
+                        column.append(int(value))
+        assert [g.tolist() for g in got] == want
+
+
 def test_empty_memory_and_empty_queries(store: Store) -> None:
     for sr in (0, 10**9):
         sc = scan.Scanner(store, store_rows=sr)

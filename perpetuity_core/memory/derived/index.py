@@ -62,7 +62,13 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
     if not items:
         return
     conn = db.connection()
-    d = db.live.follow(conn)  # inside the write lock: a flip elsewhere is seen here
+    # Inside the write lock: a flip elsewhere is seen here. On SQLite the live version and
+    # the fold's cursor come in one statement, the message's one read.
+    if db.postgres:
+        d, folded = db.live.follow(conn), 0
+    else:
+        version, folded = conn.execute(_WRITE_STATE).fetchone()
+        d = db.live.named(conn, version)
     rows = []
     for it in items:
         if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
@@ -77,12 +83,17 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
     if db.postgres:
         _PENDING.run(conn, True, rows)
         return
-    seq = 0
-    for row in rows:
-        seq = conn.execute(_INSERT_ROW, row).lastrowid
-    _fold_due(db, conn, seq)
+    if len(rows) == 1:
+        seq = conn.execute(_INSERT_ROW, rows[0]).lastrowid
+    else:  # one statement for a message's rows (sqlite3 leaves lastrowid alone in executemany)
+        conn.executemany(_INSERT_ROW, rows)
+        (seq,) = conn.execute("SELECT last_insert_rowid()").fetchone()
+    if seq - folded >= FOLD_EVERY:
+        fold(db, conn)
 
 
+_WRITE_STATE = ("SELECT (SELECT value FROM setting WHERE key = 'dictionary'),"
+                " (SELECT folded_seq FROM retrieval_total WHERE id = 1)")
 _COLUMNS = "item_id, message_id, user_id, conversation_id, at, length, tokens, version, terms, counts"
 _INSERT_ROW = f"INSERT INTO retrieval ({_COLUMNS}) VALUES ({marks(False, 10)})"
 # PostgreSQL: the rows wait for their seq (`sequence`); SQLite never writes this table.

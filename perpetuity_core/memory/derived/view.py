@@ -111,6 +111,11 @@ class Segment:
                                       self.row_terms, self.tf) if a is not None)
 
 
+# Below this fraction of rows visible, a scan scores only the visible rows' postings (picking
+# them costs about what scoring them does, so past half it would cost more than it saves).
+SCORE_VISIBLE_BELOW = 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class View:
     """The arena as one catch-up left it: its first `n` rows, their segments and counts.
@@ -149,22 +154,31 @@ class View:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
         if q.empty or k <= 0 or not self.segments:
             return []
+        # Context never crosses a conversation, and a conversation is one user's, so rows the
+        # asker cannot see are dropped before it is computed; a time span only picks among
+        # the scored rows, which score as they would without it.
+        seen = visible.masks(self.user, self.conv)
+        near = seen[0] if seen[1] is None else seen[0] | seen[1]
+        # Where few rows are visible (one user of many), only their postings are scored: the
+        # same sums, in the same order, for every row that can be a hit or a hit's context.
+        shown = np.flatnonzero(near)
+        keep = near if shown.size < SCORE_VISIBLE_BELOW * self.n else None
         # BM25 of every row; the extra last slot, which none (-1) reads, is a zero.
         bm25 = np.zeros(self.n + 1)
 
         def fill(seg: Segment) -> None:
-            bm25[seg.start:seg.start + seg.n] = self._scores(seg, q)
+            kept = None
+            if keep is not None:  # the segment's part of the mask, and its kept local rows
+                a, b = np.searchsorted(shown, (seg.start, seg.start + seg.n))
+                kept = (keep[seg.start:seg.start + seg.n], shown[a:b] - seg.start)
+            bm25[seg.start:seg.start + seg.n] = self._scores(seg, q, kept)
 
         if self.pool is not None and len(self.segments) > 1:
             list(self.pool.map(fill, self.segments))
         else:
             for seg in self.segments:
                 fill(seg)
-        # Context never crosses a conversation, so rows the asker cannot see are dropped
-        # before it is computed; a time span only picks among the scored rows, which score
-        # as they would without it.
-        seen = visible.masks(self.user, self.conv)
-        cand, score = self.context(bm25, q, seen[0] if seen[1] is None else seen[0] | seen[1])
+        cand, score = self.context(bm25, q, near)
         own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
         parts = []
         for mask, flag in ((own, True), (other, False)):
@@ -209,8 +223,11 @@ class View:
         keep = score > 0
         return cand[keep], score[keep]
 
-    def _scores(self, seg: Segment, q: Query) -> np.ndarray:
-        """Exact scores of every row of a segment (float64; zero for rows without a term)."""
+    def _scores(self, seg: Segment, q: Query,
+                keep: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Exact scores of every row of a segment (float64; zero for rows without a term, and
+        for rows outside `keep`, a mask over the segment's rows and their local indices,
+        when given)."""
         length = self.length[seg.start:seg.start + seg.n]
         if seg.terms is not None:
             assert seg.ptr is not None and seg.rows is not None
@@ -220,10 +237,8 @@ class View:
             if len(hit) == 0:
                 return np.zeros(seg.n)
             lo, hi = seg.ptr[i[hit]], seg.ptr[i[hit] + 1]
-            spans = list(zip(lo.tolist(), hi.tolist()))  # one per query term held here
-            rows = np.concatenate([seg.rows[a:b] for a, b in spans])
-            tf = np.concatenate([seg.tf[a:b] for a, b in spans])
-            contrib = contributions(q, np.repeat(hit, hi - lo), tf, length[rows])
+            rows, tf, slot = postings(seg.rows, seg.tf, lo, hi, hit, keep)
+            contrib = contributions(q, slot, tf, length[rows])
             # bincount adds in input order: for every row, ascending query term id.
             return np.bincount(rows, weights=contrib, minlength=seg.n)
         assert seg.row_terms is not None and seg.row_ptr is not None
@@ -231,8 +246,54 @@ class View:
         pos = np.minimum(pos, q.terms.size - 1)
         hit = np.flatnonzero(q.terms[pos] == seg.row_terms)
         rows = np.searchsorted(seg.row_ptr, hit, side="right") - 1
+        if keep is not None:
+            wanted = keep[0][rows]
+            hit, rows = hit[wanted], rows[wanted]
         contrib = contributions(q, pos[hit], seg.tf[hit], length[rows])
         return np.bincount(rows, weights=contrib, minlength=seg.n)
+
+
+def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, hit: np.ndarray,
+             keep: tuple[np.ndarray, np.ndarray] | None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A term-major segment's postings of the query terms `hit` (their extents [lo, hi) in
+    `rows`, local rows ascending, and `tf`) as (local row, tf, query term): term by term, each
+    in row order, so a row's terms come in ascending id; with `keep` (a mask over the
+    segment's rows, and the kept rows' indices ascending), only the kept rows' postings, in
+    the same order.
+
+    The kept rows of one user are a few runs of consecutive rows (a conversation is written
+    in turns): each term's postings in a run are then one slice, found by two binary
+    searches, and the other rows' postings are never read. Where the runs are many, a mask
+    over every posting costs less."""
+    spans = list(zip(lo.tolist(), hi.tolist()))  # one per query term held here
+    if keep is not None:
+        kept = keep[1]
+        if kept.size == 0:
+            return rows[:0], tf[:0], hit[:0]
+        # Runs of consecutive kept rows, first and last, as the postings' own type: a
+        # search for another type would convert the whole slice first.
+        cut = np.flatnonzero(np.diff(kept) > 1)
+        first = kept[np.concatenate(([0], cut + 1))].astype(rows.dtype)
+        last = kept[np.concatenate((cut, [kept.size - 1]))].astype(rows.dtype)
+        if first.size * len(spans) * RUN_COST < int((hi - lo).sum()):
+            ends = [(a + np.searchsorted(rows[a:b], first),
+                     a + np.searchsorted(rows[a:b], last, side="right")) for a, b in spans]
+            start = np.concatenate([f for f, _ in ends])
+            count = np.concatenate([e for _, e in ends]) - start
+            at = np.repeat(start - (np.cumsum(count) - count), count) + np.arange(count.sum())
+            return rows[at], tf[at], np.repeat(np.repeat(hit, first.size), count)
+    picked = np.concatenate([rows[a:b] for a, b in spans])
+    freq = np.concatenate([tf[a:b] for a, b in spans])
+    slot = np.repeat(hit, hi - lo)
+    if keep is not None:  # a subsequence: each row's terms keep their order
+        wanted = keep[0][picked]
+        picked, freq, slot = picked[wanted], freq[wanted], slot[wanted]
+    return picked, freq, slot
+
+
+# Postings a mask reads for the price of one run's two binary searches (measured ~8 to 30).
+RUN_COST = 16
 
 
 @dataclass(frozen=True, slots=True)

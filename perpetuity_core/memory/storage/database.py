@@ -200,10 +200,25 @@ class Database:
         first); with BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each.
         On PostgreSQL an unordered write takes the lock shared, an ordered one exclusive
         (module docstring); SQLite has one writer at a time either way. Nested, it is a
-        savepoint of the enclosing write."""
+        savepoint of the enclosing write.
+
+        SQLite's statements are sqlite3's own, not peewee's atomic(): its bookkeeping cost
+        about as much as the BEGIN and COMMIT themselves (8 against 16 to 23 us a write), and
+        every message is one write."""
         if not self.postgres:
-            with failing_as(what), self.peewee.atomic("IMMEDIATE"):
-                yield self.peewee.connection()
+            with failing_as(what):
+                conn = self.peewee.connection()
+                nested = conn.in_transaction
+                conn.execute("SAVEPOINT perpetuity_write" if nested else "BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("RELEASE perpetuity_write" if nested else "COMMIT")
+                except BaseException:
+                    if conn.in_transaction:  # SQLite rolls some failures back itself
+                        conn.execute("ROLLBACK TO perpetuity_write" if nested else "ROLLBACK")
+                        if nested:
+                            conn.execute("RELEASE perpetuity_write")
+                    raise
             return
         with failing_as(what), self.peewee.atomic():
             conn = self.connection()
@@ -215,8 +230,14 @@ class Database:
         """A read transaction: everything read inside it is of one commit (WAL: never blocked;
         on PostgreSQL, REPEATABLE READ: one snapshot for the whole transaction)."""
         if not self.postgres:
+            with failing_as(what):
+                conn = self.peewee.connection()
+            if conn.in_transaction:  # inside a write (begun by sqlite3, not peewee): its reads
+                with failing_as(what):
+                    yield conn
+                return
             with failing_as(what), self.peewee.atomic():
-                yield self.peewee.connection()
+                yield conn
             return
         with failing_as(what), self.peewee.atomic(isolation_level="REPEATABLE READ"):
             yield self.connection()

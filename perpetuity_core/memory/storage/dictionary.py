@@ -296,16 +296,21 @@ class Live:
     def follow(self, conn: Sql) -> Dictionary:
         """The dictionary the database names live, made this memory's (loaded once per
         version): a flip by another process is followed by the next write or catch-up."""
-        current = self.dictionary
         row = conn.execute("SELECT value FROM setting WHERE key = 'dictionary'").fetchone()
-        if row is None or row[0] == current.version or row[0] in self.missing:
+        return self.named(conn, row[0] if row else None)
+
+    def named(self, conn: Sql, version: str | None) -> Dictionary:
+        """`follow` for a caller that read the live version (the setting) itself, in a
+        statement of its own (index.derive_retrieval's one read a message)."""
+        current = self.dictionary
+        if version is None or version == current.version or version in self.missing:
             return current
-        if row[0] == shipped().version:
+        if version == shipped().version:
             d = shipped()
-        elif body := conn.execute(self._body, (row[0],)).fetchone():
+        elif body := conn.execute(self._body, (version,)).fetchone():
             d = Dictionary.from_bytes(body[0])
         else:
-            self.missing.add(row[0])
+            self.missing.add(version)
             return current
         self.current = d
         return d
