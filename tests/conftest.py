@@ -188,6 +188,16 @@ def proxy(fake: FakeProvider, tmp_path_factory: pytest.TempPathFactory) -> Itera
     assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
 
 
+@pytest.fixture
+def personal(fake: FakeProvider, tmp_path: Path) -> Iterator[Proxy]:
+    """One proxy on loopback with default settings (personal tenancy)."""
+    (tmp_path / "proxy").mkdir()
+    p = start_proxy(tmp_path / "proxy", fake.url, tenants=None)
+    yield p
+    stop_proxy(p)
+    assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
+
+
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[str]:
     """One real PostgreSQL server for the whole run (tests/postgres.py); skips with the reason

@@ -10,12 +10,11 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, Proxy, start_proxy, stop_proxy
+from tests.conftest import ROOT, Proxy
 from tests.fake_provider import FakeProvider, Text
 from tests.test_claude_code import claude_bin, run_claude
 from tests.test_personal import FACT, QUESTION, tell_claude_code
@@ -27,16 +26,6 @@ pytestmark = pytest.mark.skipif(
     codex_bin is None,
     reason="Codex is not installed (scripts/run test installs @openai/codex with npm where npm exists)",
 )
-
-
-@pytest.fixture
-def personal(fake: FakeProvider, tmp_path: Path) -> Iterator[Proxy]:
-    """One proxy on loopback with default settings (personal tenancy)."""
-    (tmp_path / "proxy").mkdir()
-    p = start_proxy(tmp_path / "proxy", fake.url, tenants=None)
-    yield p
-    stop_proxy(p)
-    assert b"perpetuity_core" not in p.log.read_bytes(), p.log.read_text()
 
 
 def run_codex(proxy: Proxy, home: Path, *args: str, base_url: bool = True

@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import ROOT, Proxy
 from tests.fake_provider import FakeProvider, Text
+from tests.test_claude_code import claude_bin, run_claude
+from tests.test_personal import FACT, QUESTION
 
 GEMINI = ROOT / ".cache" / "npm" / "node_modules" / ".bin" / "gemini"
 gemini_bin = str(GEMINI) if GEMINI.exists() else shutil.which("gemini")
@@ -61,3 +63,28 @@ def test_gemini_cli_turns_are_stored_once_and_recalled_in_a_new_session(
     assert rows.count(("assistant", "Noted: pineapple.")) == 1
     assert rows.count(("assistant", "You said pineapple.")) == 1
     assert not [t for _, t in rows if "complexity_score" in t]  # the checks are not stored
+
+
+@pytest.mark.skipif(claude_bin is None, reason="Claude Code is not installed (scripts/run test "
+                    "installs it with npm where npm exists)")
+def test_a_fact_told_in_claude_code_reaches_a_new_gemini_cli_session(
+        personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
+    """The two real programs through one proxy on loopback with default settings: their keys
+    differ, their protocols differ, the person is one."""
+    fake.script(Text("Noted."))
+    (tmp_path / "cc").mkdir()
+    told = run_claude(personal, tmp_path / "cc", "-p", FACT)
+    assert told.returncode == 0, told.stderr
+    personal.wait_messages("", 2)
+    fake.clear()
+    fake.script(ROUTE, Text("On quokka-17."))
+    (tmp_path / "gemini").mkdir()
+    asked = run_gemini(personal, tmp_path / "gemini", QUESTION)
+    assert asked.returncode == 0, asked.stderr
+    assert "On quokka-17." in asked.stdout
+    turns = [r for r in fake.requests if r.path.endswith(":streamGenerateContent")]
+    assert len(turns) == 1
+    assert turns[0].headers.get("x-goog-api-key") == "AIza-e2e-test-key"
+    earlier, last = turns[0].json["contents"][:-1], turns[0].json["contents"][-1]
+    assert FACT in json.dumps(earlier)  # the frame, before the question
+    assert QUESTION in json.dumps(last) and FACT not in json.dumps(last)
