@@ -116,16 +116,14 @@ TOOLS: tuple[ToolSpec, ...] = (
 TOOL_NAMES = frozenset(t.name for t in TOOLS)
 _SPECS = {t.name: t for t in TOOLS}
 
+# The note on the frame's end: that it is not all, and that the tools reach the rest. What each
+# tool does is in its own definition, which rides along; said again here, as it was, it cost
+# 215 tokens of every framed request (the frame's header says what the quoted turns are).
 INSTRUCTIONS = (
-    "The quoted turns are what you remember of earlier conversations with this user, not all"
-    " of it; the memory tools reach the rest. memory_search finds stored turns by their words"
-    " (filter by conversation, role or dates); memory_more continues what this frame left out,"
-    " or a row that was cut short; memory_count counts every mention exactly; memory_dates tells"
-    " when things happened and how long apart; memory_chains follows a subject through time to"
-    " its latest state; memory_cooccur shows what came up together with a topic before. Use"
-    " them when the answer needs something the quoted turns do not show, before saying you do"
-    " not know; never for what is already in front of you. Each call returns only what you have"
-    " not seen this turn."
+    "This is not all you remember: the memory tools (memory_search, memory_more, memory_count,"
+    " memory_dates, memory_chains, memory_cooccur) reach the rest. Use them when the answer"
+    " needs something not in front of you, before saying you do not know; each call returns"
+    " only what you have not seen this turn."
 )
 
 

@@ -284,8 +284,7 @@ def _sent_whole(messages: list[Message], stubs: tuple[plan.Stub, ...]) -> list[M
 
 
 def _tools_note(left_out: int) -> str:
-    left = (f" {left_out} more remembered items were left out of this frame;"
-            " memory_more and memory_search reach them." if left_out else "")
+    left = f" {left_out} more were left out of this frame." if left_out else ""
     return f"[{tools.INSTRUCTIONS}{left}]"
 
 
