@@ -83,23 +83,21 @@ def timed(client: httpx.Client, url: str, side: str, n: int) -> tuple[float, flo
         return timed_gemini(client, url, side, n)
     body = {"model": "claude-opus-4-8", "max_tokens": 100, "stream": True,
             "metadata": {"user_id": "bench"}, "messages": messages(side, n)}
-    extra = SIDES[side]
-    start = time.perf_counter()
-    with client.stream("POST", url + "/v1/messages", json=body,
-                       headers={"x-api-key": "sk-ant-bench", **extra}) as r:
-        chunks = r.iter_raw()
-        next(chunks)
-        first = time.perf_counter() - start
-        for _ in chunks:
-            pass
-    return first * 1000, (time.perf_counter() - start) * 1000
+    return streamed(client, url + "/v1/messages", body,
+                    {"x-api-key": "sk-ant-bench", **SIDES[side]})
 
 
 def timed_gemini(client: httpx.Client, url: str, side: str, n: int) -> tuple[float, float]:
     body = {"contents": [{"role": "user", "parts": [{"text": f"benchmark turn {n} on {side}"}]}]}
+    return streamed(client, url + GEMINI, body,
+                    {"x-goog-api-key": "AIza-bench", "x-perpetuity-user": "bench"})
+
+
+def streamed(client: httpx.Client, url: str, body: dict, headers: dict[str, str]
+             ) -> tuple[float, float]:
+    """One streamed POST: its time to first byte and to the end, in ms."""
     start = time.perf_counter()
-    with client.stream("POST", url + GEMINI, json=body,
-                       headers={"x-goog-api-key": "AIza-bench", "x-perpetuity-user": "bench"}) as r:
+    with client.stream("POST", url, json=body, headers=headers) as r:
         chunks = r.iter_raw()
         next(chunks)
         first = time.perf_counter() - start

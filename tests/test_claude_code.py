@@ -33,6 +33,16 @@ def run_claude(proxy: Proxy, home: Path, *args: str) -> subprocess.CompletedProc
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 
+def tell_in_real_claude_code(proxy: Proxy, fake: FakeProvider, home: Path, fact: str) -> None:
+    """The real Claude Code (-p) tells `fact` through `proxy`; both its turns are stored."""
+    fake.script(Text("Noted."))
+    home.mkdir()
+    told = run_claude(proxy, home, "-p", fact)
+    assert told.returncode == 0, told.stderr
+    proxy.wait_messages("", 2)
+    fake.clear()
+
+
 def test_claude_code_turns_are_stored_once(proxy: Proxy, fake: FakeProvider,
                                            tmp_path: Path) -> None:
     fake.script(Text("Noted: pineapple."), Text("You said pineapple."))

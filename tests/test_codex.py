@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import ROOT, Proxy
 from tests.fake_provider import FakeProvider, Text
-from tests.test_claude_code import claude_bin, run_claude
+from tests.test_claude_code import claude_bin, tell_in_real_claude_code
 from tests.test_personal import FACT, QUESTION, tell_claude_code
 
 CODEX = ROOT / ".cache" / "npm" / "node_modules" / ".bin" / "codex"
@@ -138,12 +138,7 @@ def test_codex_through_the_proxy_as_https_proxy(personal: Proxy, fake: FakeProvi
 def test_a_fact_told_in_claude_code_reaches_a_new_codex_session(
         personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
     """The two real programs through one proxy on loopback with default settings."""
-    fake.script(Text("Noted."))
-    (tmp_path / "cc").mkdir()
-    told = run_claude(personal, tmp_path / "cc", "-p", FACT)
-    assert told.returncode == 0, told.stderr
-    personal.wait_messages("", 2)
-    fake.clear()
+    tell_in_real_claude_code(personal, fake, tmp_path / "cc", FACT)
     fake.script(Text("On quokka-17."))
     asked = run_codex(personal, tmp_path / "codex", QUESTION)
     assert asked.returncode == 0, asked.stderr

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import ROOT, Proxy
 from tests.fake_provider import FakeProvider, Text
-from tests.test_claude_code import claude_bin, run_claude
+from tests.test_claude_code import claude_bin, tell_in_real_claude_code
 from tests.test_personal import FACT, QUESTION
 
 GEMINI = ROOT / ".cache" / "npm" / "node_modules" / ".bin" / "gemini"
@@ -71,12 +71,7 @@ def test_a_fact_told_in_claude_code_reaches_a_new_gemini_cli_session(
         personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
     """The two real programs through one proxy on loopback with default settings: their keys
     differ, their protocols differ, the person is one."""
-    fake.script(Text("Noted."))
-    (tmp_path / "cc").mkdir()
-    told = run_claude(personal, tmp_path / "cc", "-p", FACT)
-    assert told.returncode == 0, told.stderr
-    personal.wait_messages("", 2)
-    fake.clear()
+    tell_in_real_claude_code(personal, fake, tmp_path / "cc", FACT)
     fake.script(ROUTE, Text("On quokka-17."))
     (tmp_path / "gemini").mkdir()
     asked = run_gemini(personal, tmp_path / "gemini", QUESTION)

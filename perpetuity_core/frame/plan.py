@@ -263,8 +263,13 @@ def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
     placed = place(old, messages)
     if placed is None:
         return Rebuild(pace=pace)  # the history changed under it
-    kept = messages_tokens(messages[placed.keep:prompt]) + old.insert_tokens
-    short = messages_tokens(messages[:prompt]) <= limits.ceiling
+    before = messages_tokens(messages[placed.keep:prompt])
+    kept = before + old.insert_tokens
+    # Short: the history before the prompt fits a frame. A plan anchored past the first message
+    # was built when its history did not, and histories only grow; so only an anchor at 0
+    # (what is before the prompt is all kept) needs counting, and `before` is that count. Not
+    # a second walk over the whole history on every call.
+    short = placed.keep == 0 and before <= limits.ceiling
     drops = 0 if short else kept  # a short conversation's rebuild keeps all of it
     grows = 0 if here == old.prompt else limits.ceiling  # a new prompt may get an addendum
     if size(old, messages, placed.keep, fixed) + grows > limits.bound:

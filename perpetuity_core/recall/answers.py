@@ -75,14 +75,12 @@ def fetch_rows(db: Database, user_id: int | None, item_ids: Iterable[int]) -> di
     return shown_rows(db, item_ids, user_id)
 
 
-def row_label(r: Row, *extra: str, named: set[int] | None = None) -> str:
-    """A row's label: its id, its conversation, role and time. With `named`, the conversations
-    already named in this answer: a conversation's name comes at its first row only (LoCoMo's
-    turns are some 30 tokens, a label with the name 25 of its own)."""
-    conversation = (f"c{r.conversation_id}" if named is not None and r.conversation_id in named
+def row_label(r: Row, *extra: str, named: bool = False) -> str:
+    """A row's label: its id, its conversation, role and time; `named`, its conversation was
+    named at an earlier row of this answer, so its number stands alone (LoCoMo's turns are some
+    30 tokens, a label with the conversation's name 25 of its own)."""
+    conversation = (f"c{r.conversation_id}" if named
                     else conversation_name(r.conversation_id, r.conversation))
-    if named is not None:
-        named.add(r.conversation_id)
     return "[" + " · ".join((f"#{r.item_id}", conversation, r.role, time_label(r.at),
                              *extra)) + "]"
 
@@ -120,7 +118,7 @@ def row_chars(limit: int) -> int:
     return max(MIN_ROW_CHARS, RESULT_CHARS // max(limit, 1) - LABEL_CHARS)
 
 
-def row_line(r: Row, chars: int, *extra: str, named: set[int] | None = None) -> str:
+def row_line(r: Row, chars: int, *extra: str, named: bool = False) -> str:
     body = row_body(r)
     return f"{row_label(r, *extra, named=named)} {clip(body, r.item_id, 0, chars)}"
 
@@ -157,25 +155,24 @@ def fill(memory: TurnMemory, header: str, rows: Sequence[Row], budget: int) -> s
     used = token_estimate(header)
     given: list[int] = []
     passed = 0
-    named: set[int] = set()
+    named: set[int] = set()  # the conversations named at a row given
     for r in rows:
         if r.item_id in memory.shown or r.item_id in given:
             continue
-        first = r.conversation_id not in named
-        line = f"{row_label(r, named=named)} {row_body(r)}"
+        short = r.conversation_id in named
+        line = f"{row_label(r, named=short)} {row_body(r)}"
         cost = token_estimate(line) + 1
         if used + cost > budget:
-            if first:
-                named.discard(r.conversation_id)  # not given: the next row names it
             if given or passed:
                 passed += 1
                 continue
             line = row_line(r, max(MIN_ROW_CHARS, (budget - used) * 4 - LABEL_CHARS),
-                            named=named)
+                            named=short)
             cost = token_estimate(line) + 1
         out.append(line)
         used += cost
         given.append(r.item_id)
+        named.add(r.conversation_id)
     if passed:
         out.append(f"[{passed} more rows left out for size: call again for them]")
     memory.shown.update(given)
