@@ -42,9 +42,25 @@ def test_rounds_in_process(tmp_path: Path) -> None:
     assert report["questions"] == 2 and report["first_question"]["questions"] == 1
     for stage in ("frame", "one_round", "two_rounds"):
         assert report[stage]["recall_all"] == 1.0 and report[stage]["tokens_mean"] > 0
+        # The ranking's own bar in the same room: this tiny memory fits whole in a request.
+        assert report[stage]["ranking_recall_all_within_tokens"] == 1.0
     # Each round's request carries the one before it and the tool's answer.
     assert (report["frame"]["tokens_mean"] < report["one_round"]["tokens_mean"]
             <= report["two_rounds"]["tokens_mean"])
+
+
+def test_ranking_holds_only_what_fits_its_tokens(tmp_path: Path) -> None:
+    case = next(base.locomo(tiny_locomo(tmp_path / "l.json")))
+    store = open_memory(tmp_path / "memory.db")
+    pipeline = Pipeline(store, Settings(upstreams={p: "http://127.0.0.1:9" for p in Provider},
+                                        trust_identity=True))
+    base.feed(pipeline, case.thread)
+    q = case.questions[0]
+    evidence = [case.thread.messages[i].text for i in q.evidence]
+    held = base.ranking_holds(pipeline, case.thread.user_key, q.text, q.at, (0, 1, 100_000),
+                              evidence)
+    store.close()
+    assert held == (False, False, True)
 
 
 def test_reader_rounds_through_a_real_mitmdump(tmp_path: Path) -> None:

@@ -326,20 +326,34 @@ def ranked_holds(pipeline: Pipeline, user: str, query: str, at: float, tokens: i
                   evidence: list[str]) -> bool:
     """Do the ranking's top rows, taken best first while they fit `tokens`, hold every piece
     of evidence?"""
+    return ranking_holds(pipeline, user, query, at, (tokens,), evidence)[0]
+
+
+RANKING_DEPTH = 2_000  # rows the ranking is read to: past any request's tokens on every dataset
+
+
+def ranking_holds(pipeline: Pipeline, user: str, query: str, at: float,
+                  budgets: tuple[int, ...], evidence: list[str]) -> tuple[bool, ...]:
+    """For each of `budgets` (tokens), do the ranking's top rows, taken best first while they
+    fit, hold every piece of evidence? What lexical retrieval itself holds in that room, the
+    bar for a frame or a tool answer in the same tokens."""
     user_id = pipeline.store.find_user(user)
-    if user_id is None or tokens <= 0:
-        return False
-    hits = frame.search(pipeline.scanner, query, user_id, at)
+    if user_id is None:
+        return tuple(False for _ in budgets)
+    hits = frame.search(pipeline.scanner, query, user_id, at, limit=RANKING_DEPTH)
     rows = shown_rows(pipeline.store.db, [h.item_id for h in hits])
-    taken: list[str] = []
-    used = 0
-    for h in hits:
-        r = rows.get(h.item_id)
-        if r is not None and used + (cost := token_estimate(r.text)) <= tokens:
-            taken.append(r.text)
-            used += cost
-    text = "\n".join(taken)
-    return all(e in text for e in evidence)
+    out = []
+    for tokens in budgets:
+        taken: list[str] = []
+        used = 0
+        for h in hits:
+            r = rows.get(h.item_id)
+            if r is not None and used + (cost := token_estimate(r.text)) <= tokens:
+                taken.append(r.text)
+                used += cost
+        text = "\n".join(taken)
+        out.append(tokens > 0 and all(e in text for e in evidence))
+    return tuple(out)
 
 
 def _sequence_report(results: list[Result]) -> dict[str, Any]:

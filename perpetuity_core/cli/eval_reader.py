@@ -12,7 +12,9 @@ answers. Only the model is replaced, by `Reader`, a Chat Completions endpoint on
 
 Each request the reader received is checked for every evidence turn, verbatim, in its message
 text, and its size counted (message text, four characters a token): recall_all after the frame
-alone, after one round, after two.
+alone, after one round, after two. Beside each, the ranking's own recall within as many tokens
+(`ranking_recall_all_within_tokens`: the question's top rows best first while they fit), the bar
+that lexical retrieval itself sets for whatever fills that room.
 
 The second move (`--second`), the reader's next simplest step:
 
@@ -246,6 +248,9 @@ class Outcome(NamedTuple):
     tokens: tuple[int, ...]  # message text of each request, four characters a token
     category: str
     first: bool  # the conversation's first question
+    # Whether the ranking's top rows, best first, held every evidence turn within as many
+    # tokens as each request carried: what lexical retrieval itself reaches in that room.
+    ranking: tuple[bool, ...] = ()
 
 
 def check(requests: list[dict[str, Any]], evidence: list[str], category: str = "",
@@ -275,7 +280,9 @@ def ask_in_sequence(proxy: Proxy, reader: Reader, case: base.Case) -> list[Outco
         else:  # not captured: what would have gone upstream, as the frame alone
             requests = [json.loads(d.body) if d.body is not None else {"messages": history}]
         evidence = [case.thread.messages[i].text for i in q.evidence]
-        out.append(check(requests, evidence, q.category, k == 0))
+        seen = check(requests, evidence, q.category, k == 0)
+        out.append(seen._replace(ranking=base.ranking_holds(
+            proxy.pipeline, user, q.text, at, seen.tokens, evidence)))
         history.append({"role": "assistant", "content": ANSWER})
     return out
 
@@ -317,6 +324,7 @@ class _Tally:
     all: list[int] = field(default_factory=lambda: [0] * ROUNDS)
     any: list[int] = field(default_factory=lambda: [0] * ROUNDS)
     tokens: list[int] = field(default_factory=lambda: [0] * ROUNDS)
+    ranking: list[int] = field(default_factory=lambda: [0] * ROUNDS)
 
     def add(self, r: Outcome) -> None:
         self.n += 1
@@ -324,12 +332,14 @@ class _Tally:
             self.all[k] += r.all[k]
             self.any[k] += r.any[k]
             self.tokens[k] += r.tokens[k]
+            self.ranking[k] += bool(r.ranking) and r.ranking[k]
 
     def figures(self) -> dict[str, Any]:
         n = max(self.n, 1)
         return {"questions": self.n} | {
             stage: {"recall_all": round(self.all[k] / n, 4), "recall_any": round(self.any[k] / n, 4),
-                    "tokens_mean": round(self.tokens[k] / n)}
+                    "tokens_mean": round(self.tokens[k] / n),
+                    "ranking_recall_all_within_tokens": round(self.ranking[k] / n, 4)}
             for k, stage in enumerate(("frame", "one_round", "two_rounds"))}
 
 
