@@ -8,13 +8,10 @@ import argparse
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from perpetuity_core.cli import search
+from perpetuity_core.cli.search import opened
 from perpetuity_core.errors import ConfigError
-
-if TYPE_CHECKING:  # imported by the commands that use it: the CLI starts light
-    from perpetuity_core.memory.storage.store import Store
 
 DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity)"
 
@@ -80,22 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=func)
 
 
-def _open(db: str | None) -> Store:
-    from perpetuity_core.memory.schema import open_memory
-    from perpetuity_core.memory.storage.store import default_db_path
-
-    return open_memory(db or default_db_path())
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     """Recompute every invariant; one line per violation, exit status 1 when any."""
     from perpetuity_core.memory.jobs.integrity import check
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         problems = check(store)
-    finally:
-        store.close()
     for p in problems:
         print(p)
     if not problems:
@@ -110,11 +97,8 @@ def cmd_users(args: argparse.Namespace) -> int:
 
     from perpetuity_core.memory.storage import users
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         listed = users.users(store.db.translated())  # a command's statements: written once
-    finally:
-        store.close()
     if args.json:
         for u in listed:
             print(json.dumps({"id": u.id, "key": u.key, "tenant": u.tenant,
@@ -139,11 +123,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     unless joined."""
     from perpetuity_core.memory.storage import users
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         listed = users.tenant_list(store.db.translated())
-    finally:
-        store.close()
     for t in listed:
         joined = f"  joined as {t.person}" if t.person and t.person != t.tenant else (
             "  joined (its person)" if t.person else "")
@@ -161,12 +142,8 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     if len(set(args.tenant)) < 2:
         raise ConfigError("name at least two tenants to join")
-    store = _open(args.db)
-    try:
-        with store.db.writing("join tenants") as raw:
-            person = users.join(store.db.translated(raw), args.tenant)
-    finally:
-        store.close()
+    with opened(args.db) as store, store.db.writing("join tenants") as raw:
+        person = users.join(store.db.translated(raw), args.tenant)
     print(f"joined {', '.join(args.tenant)} as {person}", file=sys.stderr)
     return 0
 
@@ -175,12 +152,8 @@ def cmd_part(args: argparse.Namespace) -> int:
     """Take a tenant out of the person it was joined to: its memory is its own again."""
     from perpetuity_core.memory.storage import users
 
-    store = _open(args.db)
-    try:
-        with store.db.writing("part a tenant") as raw:
-            parted = users.part(store.db.translated(raw), args.tenant)
-    finally:
-        store.close()
+    with opened(args.db) as store, store.db.writing("part a tenant") as raw:
+        parted = users.part(store.db.translated(raw), args.tenant)
     if not parted:
         raise ConfigError(f"{args.tenant!r} is not joined to anyone")
     print(f"parted {args.tenant}", file=sys.stderr)
@@ -196,21 +169,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     source = sqlite_path(args.source)
     if not source.is_file():
         raise ConfigError(f"no memory at {source}")
-    origin = _open(str(source))  # brought to the current schema before it is copied
-    try:
+    with opened(str(source)) as origin:  # brought to the current schema before it is copied
         before = check(origin)
-        store = _open(args.target)
-        try:
+        with opened(args.target) as store:
             copied = copy_memory(origin, store, progress=not args.quiet)
-        finally:
-            store.close()
-    finally:
-        origin.close()
-    store = _open(args.target)  # reopened: the copied settings (identity salt) are read afresh
-    try:
+    # Reopened: the copied settings (identity salt) are read afresh.
+    with opened(args.target) as store:
         after = check(store)
-    finally:
-        store.close()
     print(f"copied {copied.get('message', 0)} messages, {copied.get('item', 0)} rows from"
           f" {source} to {shown(args.target)}", file=sys.stderr)
     for side, problems in (("source", before), ("target", after)):
@@ -223,11 +188,8 @@ def cmd_purge(args: argparse.Namespace) -> int:
     """Remove a user's memory as a unit (notes are untouched)."""
     from perpetuity_core.memory.jobs.maintenance import purge_user
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         out = purge_user(store, args.user)
-    finally:
-        store.close()
     print(f"purged {out.key}: {out.messages} messages, {out.items} rows", file=sys.stderr)
     return 0
 
@@ -236,14 +198,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     """The dictionary versions this memory holds: which is live, how far each is re-derived."""
     from perpetuity_core.memory.jobs.maintenance import versions
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         for v in versions(store):
             when = datetime.fromtimestamp(v.uploaded_at, UTC).strftime("%Y-%m-%d %H:%M")
             state = "live" if v.live else f"dark, {v.rederived} rows re-derived"
             print(f"{v.version}  uploaded {when}  {state}")
-    finally:
-        store.close()
     return 0
 
 
@@ -251,11 +210,8 @@ def cmd_upload(args: argparse.Namespace) -> int:
     """Store a dictionary file dark (nothing changes until it is re-derived and flipped)."""
     from perpetuity_core.memory.jobs.maintenance import upload
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         print(upload(store, args.file))
-    finally:
-        store.close()
     return 0
 
 
@@ -263,12 +219,9 @@ def cmd_rederive(args: argparse.Namespace) -> int:
     """Re-derive every row under a dark version (resumable; the proxy keeps serving)."""
     from perpetuity_core.memory.jobs.maintenance import rederive, target
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         version = target(store, args.version)
         n = rederive(store, version, progress=not args.quiet)
-    finally:
-        store.close()
     print(f"re-derived {n} rows under {version}; `perpetuity memory dictionary flip` makes it"
           " live", file=sys.stderr)
     return 0
@@ -278,11 +231,8 @@ def cmd_flip(args: argparse.Namespace) -> int:
     """Make the re-derived version live, in one transaction (heat and novelty untouched)."""
     from perpetuity_core.memory.jobs.maintenance import flip, target
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         version = target(store, args.version)
         rows = flip(store, version)
-    finally:
-        store.close()
     print(f"dictionary {version} is live: {rows} rows", file=sys.stderr)
     return 0

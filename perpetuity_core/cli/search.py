@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,11 +57,17 @@ def add_verbs(sub: argparse._SubParsersAction, alias: bool = False) -> None:
     p.set_defaults(func=cmd_stats)
 
 
-def _open(db: str | None) -> Store:
+@contextmanager
+def opened(db: str | None) -> Iterator[Store]:
+    """The memory at `db` (the default one when None), closed when the command is done."""
     from perpetuity_core.memory.schema import open_memory
     from perpetuity_core.memory.storage.store import default_db_path
 
-    return open_memory(db or default_db_path())
+    store = open_memory(db or default_db_path())
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -70,12 +78,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     if path is None:
         raise ConfigError(f"import {args.source} needs a PATH")
     options = {"user_key": args.user} if args.source == "claude-code" and args.user else {}
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         out = importers.run(store, args.source, Path(path).expanduser(),
                             progress=not args.quiet, **options)
-    finally:
-        store.close()
     print(f"imported {out.messages} new messages ({out.seen} read) in {out.threads} "
           f"conversations, {out.seconds:.1f}s", file=sys.stderr)
     return 0
@@ -85,8 +90,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     """Rank the stored rows against a query: id, user, conversation, role, time, score, text."""
     from perpetuity_core.memory.derived import scan
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         user_id = _user(store, args.user)
         scanner = scan.Scanner(store, share_pool=args.share_pool)
         if args.query is not None:
@@ -102,8 +106,6 @@ def cmd_search(args: argparse.Namespace) -> int:
             hits = scanner.search(q, user_id, args.limit)
             print(json.dumps({"query": q, "ms": round((time.perf_counter() - t0) * 1e3, 3),
                               "hits": [_hit(h) for h in hits]}), flush=True)
-    finally:
-        store.close()
     return 0
 
 
@@ -133,8 +135,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """Users, conversations, messages, rows, tokens, dictionary version, arena size."""
     from perpetuity_core.memory.derived.arena import Arena
 
-    store = _open(args.db)
-    try:
+    with opened(args.db) as store:
         conn = store.db.translated()  # a command's statements: written once
 
         def one(sql: str) -> int:
@@ -157,8 +158,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "arena_postings_bytes": sum(s.nbytes() for s in arena.segments),
             "db_bytes": store.size_bytes(),
         }
-    finally:
-        store.close()
     if args.json:
         print(json.dumps(stats))
     else:
