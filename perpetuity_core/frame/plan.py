@@ -286,6 +286,10 @@ def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
         # asked in sequence: 0.854 of them with their evidence when only a new subject got a
         # new frame, 0.864 so).
         return Rebuild(pace=pace)
-    if should_rebuild(old, kept, at, max(old.frame_tokens, limits.floor)):
+    # An agent's short conversation: a rebuild would keep all of it, written again after a new
+    # frame, and save no re-read (a chat's, above, gets a new frame for what its prompt needs).
+    fresh = at - old.at <= old.rule.ttl
+    if not (short and fresh) and should_rebuild(old, kept, at,
+                                                max(old.frame_tokens, limits.floor)):
         return Rebuild(pace=pace)
     return Addendum(plan=carried(old, drops, at, here), keep=placed.keep)
