@@ -14,6 +14,7 @@ import pytest
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import plan
 from perpetuity_core.frame.cap import Cap
+from perpetuity_core.frame.select import RECENT_TOKENS
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import Decision
@@ -35,6 +36,10 @@ def test_rebuild_arithmetic() -> None:
     worn = plan.carried(plan.carried(p, 5_000, T0 + 20, (3, "c")), 5_000, T0 + 30, (3, "c"))
     assert worn.excess == pytest.approx(1_000)
     assert plan.should_rebuild(worn, 5_000, T0 + 40, 1_000)  # 1,000 + 500 >= 1,250
+    # A frame as long as a full latest stretch is rebuilt about as long: what it drops, even
+    # less than the frame, is saved (here the cache expired, so keeping is written again).
+    full = replace(p, frame_tokens=RECENT_TOKENS)
+    assert plan.should_rebuild(full, 900, T0 + 301, RECENT_TOKENS)
 
 
 def test_a_plan_holds_only_while_its_messages_are_where_they_were() -> None:

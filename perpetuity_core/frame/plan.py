@@ -65,6 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from perpetuity_core.frame.cap import Cap
+from perpetuity_core.frame.select import RECENT_TOKENS
 from perpetuity_core.memory.derived.index import messages_tokens, token_estimate
 from perpetuity_core.wire.conversation import Kind, Message, Protocol
 from perpetuity_core.wire.protocols import gemini
@@ -163,8 +164,11 @@ def place(plan: Plan, messages: list[Message]) -> Placement | None:
 def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> bool:
     """At a new prompt: is a new frame cheaper than keeping what accumulated since the last
     one (`kept_tokens`: the harness's turns before the prompt and the addenda)?"""
-    if kept_tokens <= frame_size:
-        return False  # a rebuild would not shrink the request
+    if kept_tokens <= frame_size < RECENT_TOKENS:
+        # A frame shorter than a full latest stretch grows, when rebuilt, by up to what the
+        # rebuild drops: it would not shrink the request. One as long as a full stretch is
+        # replaced by one about as long (the conversation only grew), so all it drops is saved.
+        return False
     if at - plan.at > plan.rule.ttl:
         return True  # the cache has expired: keeping is written again in full anyway
     task = plan.rule.read * kept_tokens * plan.pace.then(True).per_task
