@@ -178,10 +178,28 @@ def test_the_latest_stretch_is_the_newest_small_rows_within_its_tokens() -> None
     small, bulky = words(frame_select.RECENT_ROW * 4 // 5 - 1), words(frame_select.RECENT_ROW)
     rows = {i: row(i, i, CURRENT, "user", float(i), bulky if i == 99 else small)
             for i in range(1, 100)}
-    fits = frame_select.RECENT_TOKENS // frame_render.cost(rows[1])
+    # Nothing touched twice (no names): the newest rows alone, within their share.
+    fits = (frame_select.RECENT_TOKENS * frame_select.NEWEST_SHARE // 100
+            // frame_render.cost(rows[1]))
     got = frame_select.latest(rows, list(rows))
     assert 99 not in got  # over RECENT_ROW: skipped, not an end to the stretch
     assert got == set(range(98 - fits + 1, 99))
+
+
+def test_the_stretch_takes_the_latest_mention_of_what_the_conversation_touched() -> None:
+    """Past the newest rows, the row holding a touched name's latest mention comes before
+    newer rows that hold none; a name mentioned once is not touched, a name's older mention
+    is not its latest."""
+    filler = words(frame_select.RECENT_ROW * 4 // 5 - 1)
+    texts = {1: "Read src/app/config.py", 2: "config.py: load_settings() -> dict",
+             3: "Edit src/app/config.py: load_settings reads the env", 4: "parse_once here",
+             **{i: filler for i in range(5, 40)}}
+    rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
+    got = frame_select.latest(rows, list(rows))
+    assert 3 in got  # the latest mention of src/app/config.py and load_settings
+    assert not {1, 2, 4} & got  # older mentions, and a name touched once
+    newest = {i for i in range(5, 40) if i in got}
+    assert 5 not in newest and len(newest) < 35  # the old row came before newer filler
 
 
 def test_a_bulky_other_half_does_not_come() -> None:

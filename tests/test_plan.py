@@ -14,6 +14,7 @@ import pytest
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import plan
 from perpetuity_core.frame.cap import Cap
+from perpetuity_core.frame.select import RECENT_TOKENS
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import Decision
@@ -35,6 +36,10 @@ def test_rebuild_arithmetic() -> None:
     worn = plan.carried(plan.carried(p, 5_000, T0 + 20, (3, "c")), 5_000, T0 + 30, (3, "c"))
     assert worn.excess == pytest.approx(1_000)
     assert plan.should_rebuild(worn, 5_000, T0 + 40, 1_000)  # 1,000 + 500 >= 1,250
+    # A frame as long as a full latest stretch is rebuilt about as long: what it drops, even
+    # less than the frame, is saved (here the cache expired, so keeping is written again).
+    full = replace(p, frame_tokens=RECENT_TOKENS)
+    assert plan.should_rebuild(full, 900, T0 + 301, RECENT_TOKENS)
 
 
 def test_a_plan_holds_only_while_its_messages_are_where_they_were() -> None:
@@ -112,6 +117,16 @@ def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: i
                                    pace=old.pace.then(here != old.prompt)), case
     if isinstance(got, plan.Addendum):
         assert got.keep == old.anchor[0], case  # the addendum goes after what is kept
+
+
+def test_an_agents_short_conversation_is_not_rebuilt_to_keep_it_all() -> None:
+    """A rebuild of a conversation shorter than a frame keeps all of it, written again after a
+    new frame: however long its tasks, no re-read is saved while the cache holds."""
+    limits = Cap(floor=100, ceiling=2_000)  # TALK's 1,600 tokens before its prompt are short
+    agent = replace(_plan(anchor=0, prompt=0, pace=plan.Pace(20, 1)), agent=True)
+    assert isinstance(plan.decide(agent, TALK[:5], 4, T0 + 10, limits), plan.Addendum)
+    expired = plan.decide(agent, TALK[:5], 4, T0 + plan.TTL + 1, limits)
+    assert isinstance(expired, plan.Rebuild)  # everything is written again anyway
 
 
 def test_decide_prices_a_plan_by_what_it_carries() -> None:
@@ -277,3 +292,21 @@ def test_a_gemini_plan_rebuilds_sooner_its_cache_writing_at_no_surcharge() -> No
     assert plan.should_rebuild(gemini, 2_000, 10.0, 300)
     assert not plan.should_rebuild(anthropic, 2_000, 10.0, 300)
     assert plan.rule_for(Protocol.CHAT, "gpt-5") == plan.ANTHROPIC
+
+
+def test_an_agents_frame_is_filled_within_a_narrow_questions_budget(tmp_path: Path) -> None:
+    """A chat's frame takes the breadth-sized budget; an agent's only the floor's, beyond what
+    must come (the top hit and its exchange): every tool round re-reads it, and its recall
+    tools reach the rest."""
+    limits = Cap(floor=100, ceiling=2_000)
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "agent").mkdir()
+    chat = Session(tmp_path / "chat", limits)
+    agent = Session(tmp_path / "agent", limits, tools=[
+        {"name": "Read", "description": "Read a file.", "input_schema": {"type": "object"}}])
+    broad = "Which module parses which files, and where do their tests live?"
+    _, by_chat = chat.prompt(broad)
+    _, by_agent = agent.prompt(broad)
+    assert by_chat.frame is not None and by_agent.frame is not None
+    assert len(by_chat.frame.item_ids) > 2
+    assert len(by_agent.frame.item_ids) <= 2  # the top hit and the other half of its exchange

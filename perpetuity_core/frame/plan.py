@@ -65,6 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from perpetuity_core.frame.cap import Cap
+from perpetuity_core.frame.select import RECENT_TOKENS
 from perpetuity_core.memory.derived.index import messages_tokens, token_estimate
 from perpetuity_core.wire.conversation import Kind, Message, Protocol
 from perpetuity_core.wire.protocols import gemini
@@ -163,8 +164,11 @@ def place(plan: Plan, messages: list[Message]) -> Placement | None:
 def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> bool:
     """At a new prompt: is a new frame cheaper than keeping what accumulated since the last
     one (`kept_tokens`: the harness's turns before the prompt and the addenda)?"""
-    if kept_tokens <= frame_size:
-        return False  # a rebuild would not shrink the request
+    if kept_tokens <= frame_size < RECENT_TOKENS:
+        # A frame shorter than a full latest stretch grows, when rebuilt, by up to what the
+        # rebuild drops: it would not shrink the request. One as long as a full stretch is
+        # replaced by one about as long (the conversation only grew), so all it drops is saved.
+        return False
     if at - plan.at > plan.rule.ttl:
         return True  # the cache has expired: keeping is written again in full anyway
     task = plan.rule.read * kept_tokens * plan.pace.then(True).per_task
@@ -286,6 +290,10 @@ def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
         # asked in sequence: 0.854 of them with their evidence when only a new subject got a
         # new frame, 0.864 so).
         return Rebuild(pace=pace)
-    if should_rebuild(old, kept, at, max(old.frame_tokens, limits.floor)):
+    # An agent's short conversation: a rebuild would keep all of it, written again after a new
+    # frame, and save no re-read (a chat's, above, gets a new frame for what its prompt needs).
+    fresh = at - old.at <= old.rule.ttl
+    if not (short and fresh) and should_rebuild(old, kept, at,
+                                                max(old.frame_tokens, limits.floor)):
         return Rebuild(pace=pace)
     return Addendum(plan=carried(old, drops, at, here), keep=placed.keep)

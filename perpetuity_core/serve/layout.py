@@ -42,7 +42,11 @@ from perpetuity_core.wire.protocols import ADAPTERS, anthropic
 
 log = logging.getLogger("perpetuity")
 
-RECENT_STRETCH = 100  # the latest stored messages of the conversation the frame's tail comes from
+# The latest stored messages of the conversation the frame's tail (frame_select.latest) is chosen
+# from: a coding task is tens of calls of two messages each, and what the next task used of the
+# one before lay 6k to 40k tokens back (the six shared Claude Code sessions, identifiers in the
+# request 0.869 from 100, 0.882 from 200).
+RECENT_STRETCH = 200
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
 NO_ONE = 0  # the recall tools' user before the store holds the asker: no row is anyone's 0
 
@@ -182,7 +186,8 @@ class Layout:
         built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
                             recent_messages=recent,
-                            kept_tokens=messages_tokens(messages[keep:prompt]))
+                            kept_tokens=messages_tokens(messages[keep:prompt]),
+                            narrow=bool(parsed.tool_names) and keep == 0)
         front, notes_shown = self._with_notes(built.messages if built else [], parsed, library)
         if not built:
             keep = 0  # nothing to stand in for the history
