@@ -25,6 +25,7 @@ from perpetuity_core.memory.derived.index import (
     m002_retrieval,
     m008_retrieval_time,
     m012_retrieval_pending,
+    m015_retrieval_numbered,
     sequence_in,
     settle_in,
 )
@@ -214,7 +215,8 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m007_conversation_order, m008_retrieval_time,
                                                    m009_harness_text, m010_store_guarantees,
                                                    m011_secret, m012_retrieval_pending,
-                                                   m013_id_sequences, m014_message_lookup]
+                                                   m013_id_sequences, m014_message_lookup,
+                                                   m015_retrieval_numbered]
 
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:
