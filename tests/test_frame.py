@@ -23,6 +23,7 @@ from perpetuity_core.frame import select as frame_select
 from perpetuity_core.frame.rows import Row, adjacent_pairs, around, shown_rows
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit, Scanner
+from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
 from perpetuity_core.memory.storage.store import Store
@@ -37,7 +38,7 @@ from perpetuity_core.wire.conversation import (
     text_part,
 )
 from perpetuity_core.wire.protocols import ADAPTERS
-from tests.conftest import Proxy, needs_fixtures, opened, owned, query
+from tests.conftest import SHARED, Proxy, needs_fixtures, opened, owned, query
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import http_fixtures, replay, to_request
 from tests.validity import CHECKS
@@ -124,6 +125,21 @@ def test_a_standing_instruction_is_born_to_stay_warm(store: Store, text: str, st
     (_, _, _, said), (_, _, _, replied) = activation(store)
     assert (said == heat.STANDING_HALF_LIFE) == standing
     assert replied == heat.HALF_LIFE[Kind.TEXT]  # the model's words are no one's instruction
+
+
+def test_the_standing_words_looked_for_first_change_no_half_life() -> None:
+    """heat's prefilter (_STANDING_WORD) is exact: the same half-life as the pattern alone,
+    whatever the case, on every LoCoMo turn and on the instructions above."""
+    texts = ["ALWAYS use tabs.", "dON'T EVER push on Fridays", "I Would Prefer YAML",
+             "Make sure you always run the linter", "Please remember to rebase.",
+             "from NOW on, reply in haiku", "Remember That the door sticks", "Nevermore."]
+    if (locomo := SHARED / "data" / "locomo" / "locomo10.json").is_file():
+        texts += [p.text for t in importers.locomo(locomo)
+                  for m in t.messages for p in m.parts]
+    for text in texts:
+        alone = heat.STANDING_HALF_LIFE if (len(text) <= heat.STANDING_MAX_CHARS
+                                            and heat._STANDING.search(text)) else 4_000.0
+        assert heat.half_life(Kind.TEXT, "user", text) == alone, text
 
 
 def test_standing_instructions_outlast_the_warm_window_and_reach_the_frame(store: Store) -> None:

@@ -25,6 +25,7 @@ from perpetuity_core.memory.derived.index import (
     m002_retrieval,
     m008_retrieval_time,
     m012_retrieval_pending,
+    m015_retrieval_numbered,
     sequence_in,
     settle_in,
 )
@@ -147,6 +148,23 @@ def ids_past_high_water(conn: Sql) -> None:
 
 
 
+def m014_message_lookup(db: Database) -> None:
+    """One index finds a conversation's stored messages by content, where two did: fewer pages
+    in each message's commit, which writes one per B-tree page it touches (m006).
+
+    The (conversation_id, pair_key) and (conversation_id, fingerprint) indexes were written with
+    every message, each at a place of its own in the B-tree. A pair key digests its message's
+    fingerprint (capture.pair_key), so the message a known pair key names is found by its
+    fingerprint: (conversation_id, fingerprint, pair_key) answers both lookups from the index
+    (Store.known), and the integrity check's pass over copies."""
+    for sql in (
+        "DROP INDEX IF EXISTS storedmessage_conversation_id_pair_key",
+        "DROP INDEX IF EXISTS storedmessage_conversation_id_fingerprint",
+        "CREATE INDEX message_lookup ON message (conversation_id, fingerprint, pair_key)",
+    ):
+        db.connection().execute(db.legacy(sql))
+
+
 def m009_harness_text(db: Database) -> None:
     """Harness text is not memory; conversations have names (names.py).
 
@@ -197,7 +215,8 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m007_conversation_order, m008_retrieval_time,
                                                    m009_harness_text, m010_store_guarantees,
                                                    m011_secret, m012_retrieval_pending,
-                                                   m013_id_sequences]
+                                                   m013_id_sequences, m014_message_lookup,
+                                                   m015_retrieval_numbered]
 
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:

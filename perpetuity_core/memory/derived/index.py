@@ -95,7 +95,12 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
 _WRITE_STATE = ("SELECT (SELECT value FROM setting WHERE key = 'dictionary'),"
                 " (SELECT folded_seq FROM retrieval_total WHERE id = 1)")
 _COLUMNS = "item_id, message_id, user_id, conversation_id, at, length, tokens, version, terms, counts"
-_INSERT_ROW = f"INSERT INTO retrieval ({_COLUMNS}) VALUES ({marks(False, 10)})"
+# SQLite numbers a row past the newest and past every seq a deletion freed (m015: no
+# AUTOINCREMENT, whose counter was one more page in every message's commit). Before m015 there
+# is no mark, the max is NULL, and the table's AUTOINCREMENT numbers the row, as it did.
+_INSERT_ROW = (f"INSERT INTO retrieval (seq, {_COLUMNS}) VALUES (max((SELECT coalesce(max(seq), 0)"
+               " FROM retrieval), (SELECT id FROM high_water WHERE name = 'retrieval')) + 1,"
+               f" {marks(False, 10)})")
 # PostgreSQL: the rows wait for their seq (`sequence`); SQLite never writes this table.
 _PENDING = Rows(f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ({marks(False, 10)})",
                 f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ",
@@ -323,3 +328,40 @@ def m012_retrieval_pending(db: Database) -> None:
         " message_id INTEGER NOT NULL, user_id INTEGER NOT NULL, conversation_id INTEGER NOT NULL,"
         " at INTEGER NOT NULL, length INTEGER NOT NULL, tokens INTEGER NOT NULL,"
         " version TEXT NOT NULL, terms BLOB NOT NULL, counts BLOB NOT NULL)"))
+
+
+def m015_retrieval_numbered(db: Database) -> None:
+    """SQLite: retrieval rows numbered past the highest seq ever handed out (`high_water`, as
+    m010 does for messages and items) instead of by AUTOINCREMENT, which wrote its counter's
+    page (sqlite_sequence) in every message's commit: one of its 11 pages. The table is rebuilt
+    without it, the deletion trigger keeps the mark, and a re-derivation staged for a flip
+    starts again (its staged rows were numbered by the counter; maintenance.py). PostgreSQL
+    numbers by its sequence, which is no page of the table: nothing changes there."""
+    if db.postgres:
+        return
+    conn = db.connection()
+    for table in ("retrieval_staged", "retrieval_term_staged", "retrieval_total_staged",
+                  "chain_staged", "retrieval_staged_gone"):
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+    for sql in (
+        "CREATE TABLE retrieval_numbered (seq INTEGER PRIMARY KEY,"
+        " item_id INTEGER NOT NULL UNIQUE REFERENCES item(id) ON DELETE CASCADE,"
+        " message_id INTEGER NOT NULL, user_id INTEGER NOT NULL, conversation_id INTEGER NOT NULL,"
+        " length INTEGER NOT NULL, tokens INTEGER NOT NULL, version TEXT NOT NULL,"
+        " terms BLOB NOT NULL, counts BLOB NOT NULL, at INTEGER NOT NULL DEFAULT 0)",
+        "INSERT INTO retrieval_numbered (seq, item_id, message_id, user_id, conversation_id,"
+        " length, tokens, version, terms, counts, at) SELECT seq, item_id, message_id, user_id,"
+        " conversation_id, length, tokens, version, terms, counts, at FROM retrieval ORDER BY seq",
+        "INSERT INTO high_water SELECT 'retrieval', max(coalesce((SELECT seq FROM sqlite_sequence"
+        " WHERE name = 'retrieval'), 0), (SELECT coalesce(max(seq), 0) FROM retrieval))",
+        "DELETE FROM sqlite_sequence WHERE name IN ('retrieval', 'retrieval_staged')",
+        "DROP TRIGGER retrieval_deleted",
+        "DROP TABLE retrieval",
+        "ALTER TABLE retrieval_numbered RENAME TO retrieval",
+        # One trigger, which a flip carries over to the table it swaps in (maintenance.py).
+        "CREATE TRIGGER retrieval_deleted AFTER DELETE ON retrieval BEGIN"
+        " INSERT INTO retrieval_gone (row_seq, item_id, length, tokens, terms)"
+        " VALUES (old.seq, old.item_id, old.length, old.tokens, old.terms);"
+        " UPDATE high_water SET id = old.seq WHERE name = 'retrieval' AND id < old.seq; END",
+    ):
+        conn.execute(sql)

@@ -242,6 +242,7 @@ def _swap_staged(db: Database, conn: Sql) -> None:
         conn.execute(f"ALTER TABLE {table} RENAME TO {table}_old")
         conn.execute(f"ALTER TABLE {table}_staged RENAME TO {table}")
     conn.execute(trigger)
+    conn.execute("DELETE FROM high_water WHERE name = 'retrieval_staged'")
     conn.execute("ALTER TABLE retrieval_next RENAME TO retrieval_next_old")
     _twin(conn, "retrieval_next_old", "retrieval_next")
 
@@ -299,9 +300,10 @@ def _stage(conn: Sql) -> None:
     for table in _SWAPPED:
         _twin(conn, table, f"{table}_staged", int(gen))
     conn.execute("INSERT INTO retrieval_total_staged VALUES (1, 0, 0, 0, 0)")
-    conn.execute("INSERT INTO sqlite_sequence (name, seq) SELECT 'retrieval_staged', ? +"
-                 " coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'retrieval'), 0)",
-                 (SEQ_GAP,))
+    # Staged rows are numbered past this mark, as live ones past theirs (index.m015).
+    conn.execute("INSERT OR REPLACE INTO high_water SELECT 'retrieval_staged', ? + max((SELECT"
+                 " coalesce(max(seq), 0) FROM retrieval), (SELECT id FROM high_water"
+                 " WHERE name = 'retrieval'))", (SEQ_GAP,))
     conn.execute("CREATE TABLE retrieval_staged_gone (length INTEGER NOT NULL,"
                  " tokens INTEGER NOT NULL, terms BLOB NOT NULL)")
     conn.execute("CREATE TRIGGER retrieval_staged_deleted AFTER DELETE ON retrieval_staged"
@@ -313,6 +315,7 @@ def _stage(conn: Sql) -> None:
 def _unstage(conn: Sql) -> None:
     for table in (*(f"{t}_staged" for t in _SWAPPED), "retrieval_staged_gone"):
         conn.execute(f"DROP TABLE IF EXISTS {table}")
+    conn.execute("DELETE FROM high_water WHERE name = 'retrieval_staged'")
 
 
 def _twin(conn: Sql, table: str, twin: str, gen: int = 0) -> None:
@@ -420,8 +423,10 @@ def _rederive_batch(db: Database, d: dictionary.Dictionary, limit: int,
         if not staging:
             return len(items)
         conn.executemany(
-            "INSERT INTO retrieval_staged (item_id, message_id, user_id, conversation_id, at,"
-            " length, tokens, version, terms, counts) VALUES (?,?,?,?,?,?,?,?,?,?)", staged)
+            "INSERT INTO retrieval_staged (seq, item_id, message_id, user_id, conversation_id,"
+            " at, length, tokens, version, terms, counts) VALUES (max((SELECT coalesce(max(seq),"
+            " 0) FROM retrieval_staged), (SELECT id FROM high_water WHERE name ="
+            " 'retrieval_staged')) + 1, ?,?,?,?,?,?,?,?,?,?)", staged)
         chains.insert_chain("chain_staged").run(raw, db.postgres, chained)
         count_terms(db, raw, np.concatenate(bags), +1, "retrieval_term_staged")
         conn.execute("UPDATE retrieval_total_staged SET rows = rows + ?, length = length + ?,"

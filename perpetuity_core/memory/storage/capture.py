@@ -82,7 +82,7 @@ def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]
     def last_known(start: int) -> int:
         tail = range(start, len(messages))
         known, replies = store.known(
-            conversation_id, [keys[i] for i in tail],
+            conversation_id, [(messages[i].fingerprint(), keys[i]) for i in tail],
             [messages[i].fingerprint() for i in tail if messages[i].role == "assistant"])
         return max((i for i in tail if keys[i] in known or (
             messages[i].role == "assistant" and messages[i].fingerprint() in replies)), default=-1)

@@ -102,6 +102,7 @@ class StoredMessage(BaseModel):
 
     class Meta:
         table_name = "message"
+        # m001's; m014 replaced them with one, (conversation_id, fingerprint, pair_key).
         indexes = ((("conversation", "pair_key"), False), (("conversation", "fingerprint"), False))
 
 
@@ -343,18 +344,23 @@ class Store:
                 " WHERE m.conversation_id = {} AND i.kind = 'tool_result' AND i.call_id IN",
                 conversation_id, call_ids)}
 
-    def known(self, conversation_id: int, pair_keys: list[str],
+    def known(self, conversation_id: int, messages: list[tuple[str, str]],
               reply_fingerprints: list[str]) -> tuple[set[str], set[str]]:
-        """Which pair keys, and which assistant fingerprints, this conversation already holds."""
-        with self.db.snapshot("read what a conversation holds") as conn:
-            keys = {k for (k,) in _in_query(
-                self.db, conn,
-                "SELECT pair_key FROM message WHERE conversation_id = {} AND pair_key IN",
-                conversation_id, pair_keys)}
-            replies = {f for (f,) in _in_query(
-                self.db, conn, "SELECT fingerprint FROM message WHERE conversation_id = {}"
-                " AND role = 'assistant' AND fingerprint IN", conversation_id, reply_fingerprints)}
-        return keys, replies
+        """Which of these (fingerprint, pair key) messages' pair keys, and which assistant
+        fingerprints, this conversation already holds.
+
+        One lookup by fingerprint (m014_message_lookup): a stored pair key digests its own
+        message's fingerprint (capture.pair_key), so a message holding one of these keys has
+        one of these fingerprints, and the index holds its pair key."""
+        keys = {k for _, k in messages}
+        replies = set(reply_fingerprints)
+        with failing_as("read what a conversation holds"):
+            rows = _in_query(
+                self.db, self.db.connection(),
+                "SELECT fingerprint, pair_key, role FROM message WHERE conversation_id = {}"
+                " AND fingerprint IN", conversation_id, sorted({f for f, _ in messages} | replies))
+        return ({k for _, k, _ in rows if k in keys},
+                {f for f, _, role in rows if role == "assistant" and f in replies})
 
     def add_message(
         self,
