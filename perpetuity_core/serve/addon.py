@@ -233,7 +233,10 @@ class Perpetuity:
         loop = asyncio.get_running_loop()
         fell_open = ""
         try:
-            decision = await loop.run_in_executor(self.parser, self.pipeline.prepare, req)
+            # What the body cannot change is decided here, on the loop: no thread hop.
+            decision = self.pipeline.passed(req)
+            if decision is None:
+                decision = await loop.run_in_executor(self.parser, self.pipeline.prepare, req)
         except Exception as e:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
             decision = self.pipeline.route_only(req)

@@ -153,6 +153,12 @@ class Relay:
         self._client: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
+        # mitmproxy sets the root logger to DEBUG and quiets its own libraries' loggers: left
+        # so, httpcore makes a debug record at every step of every upstream call and httpx one
+        # a request, each through mitmproxy's handlers, 4% of the proxy's CPU on a relayed
+        # request (perf; scripts/profile_latency.py). Their warnings still show.
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         # trust_env=False: the proxy's own HTTPS_PROXY must never route upstream calls back to us.
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=30.0, read=None, write=60.0, pool=30.0), trust_env=False
