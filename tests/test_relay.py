@@ -247,3 +247,62 @@ def test_the_relays_upstream_calls_make_no_log_records(caplog: pytest.LogCapture
         asyncio.run(_after_a_chunked_request(fake, Written()))
     assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
     assert logging.getLogger("httpcore").isEnabledFor(logging.WARNING)
+
+
+async def _begun(fake: FakeProvider, written: Written, memory: TurnMemory | None,
+                 deliver: bool) -> bytes:
+    """A job submitted and begun as the addon does; then claimed by mitmproxy's request, or
+    dropped as the addon does when its flow ends first."""
+    relay = Relay(None)  # type: ignore[arg-type]
+    await relay.start()
+    body = {"model": "claude-opus-4-8", "max_tokens": 20, "stream": True,
+            "messages": [{"role": "user", "content": "hello"}]}
+    job = _job(fake, body, stream=True, memory=memory, first_round=json.dumps(body).encode()
+               if memory else None)
+    token = relay.submit(Capture(job, written, Inline()))
+    relay.begin(token)
+    for _ in range(400):  # the provider hears of it before anyone reaches the relay
+        if fake.requests:
+            break
+        await asyncio.sleep(0.01)
+    assert len(fake.requests) == 1
+    raw = b""
+    if deliver:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                     "content-length: 0\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+        writer.close()
+        await writer.wait_closed()
+    else:
+        relay.drop(token)
+        # Hung up while the relay still serves (its stop would close every connection).
+        await asyncio.to_thread(fake.wait_hung_up, fake.requests[0])
+    await relay.stop()
+    return raw
+
+
+@pytest.mark.parametrize("memory", [None, TurnMemory(1, None, 0.0)], ids=["plain", "tool loop"])
+def test_the_upstream_call_begins_before_mitmproxy_reaches_the_relay(
+        memory: TurnMemory | None) -> None:
+    """Issue 24: the addon begins the job's first upstream call as it points the flow at the
+    relay, so mitmproxy's hop to the relay no longer comes before the provider's work; the
+    relay then reads that call's reply, and makes no second one."""
+    with FakeProvider() as fake:
+        fake.script(Text("Hi there.", chunks=3))
+        written = Written()
+        raw = asyncio.run(_begun(fake, written, memory, deliver=True))
+        assert len(fake.requests) == 1
+    assert raw.startswith(b"HTTP/1.1 200 ") and b"event: message_stop" in raw
+    assert written.log == [("turn", "c"), ("reply", "Hi there.")]
+
+
+def test_a_job_its_flow_never_delivers_has_its_upstream_call_stopped() -> None:
+    """A flow that ended before mitmproxy reached the relay (the client gone, another addon's
+    answer): the call begun for it is closed, not left streaming a billed reply to no one."""
+    with FakeProvider() as fake:
+        fake.script(Text("Hi there. " * 200, chunks=200))
+        written = Written()
+        asyncio.run(_begun(fake, written, None, deliver=False))
+    assert written.log == []
