@@ -10,6 +10,7 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from perpetuity_core.memory.schema import open_memory
@@ -306,3 +307,75 @@ def test_a_job_its_flow_never_delivers_has_its_upstream_call_stopped() -> None:
         written = Written()
         asyncio.run(_begun(fake, written, None, deliver=False))
     assert written.log == []
+
+
+class Sent:
+    """The relay's side toward mitmproxy, as written (no socket)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def start(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
+        pass
+
+    def send(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    async def drain(self) -> None:
+        pass
+
+    async def end(self) -> None:
+        pass
+
+    def hung_up(self) -> bool:
+        return False
+
+
+class OneRead:
+    """An upstream whose whole streamed reply arrives in one read."""
+
+    tool_timeout = 1.0
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def request(self, job: Job, body: bytes) -> httpx.Request:
+        return httpx.Request(job.method, job.url, content=body)
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=httpx.ByteStream(self.raw))
+
+    async def forward(self, capture: Capture, http: Any, begun: Any = None) -> bool:
+        raise AssertionError("no fallback expected")
+
+    async def run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
+        raise AssertionError("no tool expected")
+
+
+def test_what_one_upstream_read_brings_goes_on_as_one_chunk() -> None:
+    """Issue 24: the tool loop wrote each event on its own, so mitmproxy and the client
+    handled a chunk per event where mitmproxy's own path hands on what each read brought."""
+    def event(name: str, data: dict[str, Any]) -> bytes:
+        return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+    raw = b"".join([
+        event("message_start", {"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+            "stop_reason": None, "usage": {"input_tokens": 1, "output_tokens": 0}}}),
+        event("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}}),
+        event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                      "delta": {"type": "text_delta", "text": "Hi."}}),
+        event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                "usage": {"output_tokens": 2}}),
+        event("message_stop", {"type": "message_stop"})])
+    job = _job(None, {"model": "m", "stream": True, "messages": []}, stream=True,
+               memory=TurnMemory(1, None, 0.0))
+    written, sent = Written(), Sent()
+    loop = relay_module.ToolLoop(OneRead(raw), Capture(job, written, Inline()), sent)  # type: ignore[arg-type]
+    assert asyncio.run(loop.run())
+    assert b"event: message_start" in sent.chunks[0] and b"event: content_block_stop" in sent.chunks[0]
+    assert b"".join(sent.chunks).count(b"event: ") == 6
+    assert written.log == [("turn", "c"), ("reply", "Hi.")]
