@@ -92,9 +92,9 @@ class Trace:
                                               addon.Perpetuity.responseheaders,
                                               addon.Perpetuity.response)
 
-        async def exchange_(r: Any, capture: Any, http: Any) -> bool:
+        async def exchange_(r: Any, *a: Any) -> bool:
             self.stamp("relay_in")
-            return await exchange(r, capture, http)
+            return await exchange(r, *a)
 
         async def send_(r: Any, req: Any) -> Any:
             self.stamp("httpx_start")
