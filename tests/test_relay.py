@@ -379,3 +379,38 @@ def test_what_one_upstream_read_brings_goes_on_as_one_chunk() -> None:
     assert b"event: message_start" in sent.chunks[0] and b"event: content_block_stop" in sent.chunks[0]
     assert b"".join(sent.chunks).count(b"event: ") == 6
     assert written.log == [("turn", "c"), ("reply", "Hi.")]
+
+
+async def _two_calls_apart(fake: FakeProvider, pause: float) -> None:
+    relay = Relay(None)  # type: ignore[arg-type]
+    await relay.start()
+    for n in range(2):
+        body = {"model": "claude-opus-4-8", "max_tokens": 20,
+                "messages": [{"role": "user", "content": f"call {n}"}]}
+        token = relay.submit(Capture(_job(fake, body, stream=False), Written(), Inline()))
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                     "content-length: 0\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+        writer.close()
+        await writer.wait_closed()
+        if not n:
+            await asyncio.sleep(pause)
+    # Still open after the second call: the first call's connection carried it.
+    await asyncio.to_thread(_still_open, fake)
+    await relay.stop()
+
+
+def _still_open(fake: FakeProvider) -> None:
+    with pytest.raises(TimeoutError):
+        fake.wait_hung_up(fake.requests[0], timeout=0.5)
+
+
+def test_the_connection_to_the_provider_outlives_a_pause_between_calls() -> None:
+    """A harness pauses longer than httpx's 5 s between calls (a tool running, its user
+    reading): the relay's next call must not pay a new connection's handshakes (issue 24)."""
+    with FakeProvider() as fake:
+        fake.script(Text("One."), Text("Two."))
+        asyncio.run(_two_calls_apart(fake, 6.0))
+        assert len(fake.requests) == 2

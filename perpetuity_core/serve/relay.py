@@ -103,6 +103,11 @@ class ReplyTee:
 # Runs one of our tools off the event loop: (name, arguments, the turn's memory) -> result text.
 RunTool = Callable[[str, Any, TurnMemory], Awaitable[str]]
 PING_EVERY = 1.0  # seconds between keep-alive pings while our tools run
+# How long the relay keeps an idle connection to a provider (httpx's default is 5 s): a
+# harness pauses longer between calls (a tool running, its user reading), and each new
+# connection costs a TCP and TLS handshake before the request (issue 24). One the provider
+# closed first is seen closed when it is next taken, and replaced.
+KEEP_ALIVE = 120.0
 # The longest the relay waits, after its first bytes, for mitmproxy to pass them on.
 FORWARD_WAIT = 0.05
 
@@ -188,8 +193,9 @@ class Relay:
             logging.getLogger(name).setLevel(logging.WARNING)
         # trust_env=False: the proxy's own HTTPS_PROXY must never route upstream calls back to us.
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=30.0, read=None, write=60.0, pool=30.0), trust_env=False
-        )
+            timeout=httpx.Timeout(connect=30.0, read=None, write=60.0, pool=30.0), trust_env=False,
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                keepalive_expiry=KEEP_ALIVE))
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
