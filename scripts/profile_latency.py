@@ -1,20 +1,39 @@
 """Where one request's time goes, arrival to first byte, per path (issue 24). Prints JSON.
 
-Runs the fake provider and a real mitmdump with the addon and, loaded around it, this file as a
-second script: a tracing addon that stamps each request at mitmproxy's hooks (`requestheaders`
-and `request` before the addon's, `request` and `responseheaders` after it, the first chunk
-through the stream callable) and times the pipeline's steps where they run (`prepare` on its
-thread, the relay's exchange and its httpx leg, the store's writes), in wall time and in the
-running thread's CPU time. The client stamps its send and its first byte on the same clock
-(perf_counter is CLOCK_MONOTONIC, shared by processes), so each segment sums to the client's
-time to first byte. Beside the segments, the proxy process's CPU per request (every thread's
-on-CPU time from /proc/<pid>/task/*/schedstat, read after the request's writes settled): the
-figure the machine's load does not change.
+Runs the fake provider and a real mitmdump with the addon and, loaded after it, this file as a
+second script: a tracing addon that wraps the addon's hooks (`request`, `responseheaders`,
+`response`), the first chunk through the stream callable, and the pipeline's steps where they
+run (`passed` on the event loop, `prepare` on its thread, the relay's exchange and its httpx
+leg, the store's writes), stamping wall time and the running thread's CPU time. The client
+stamps its send and its first byte on the same clock (perf_counter is CLOCK_MONOTONIC, shared
+by processes), so the segments sum to the client's time to first byte (on the relay, its
+upstream call now overlaps the hop to it). Beside them, the event loop's CPU per request and
+the proxy process's (every thread's on-CPU time from /proc/<pid>/task/*/schedstat, read after
+the request's writes settled): figures the machine's load changes far less than wall time.
+`--perf FILE` samples the proxy with `perf record` and CPython's jitdump (Python frames
+unwound; `perf inject --jit` then `perf report --children`).
 
 Sides as in bench_latency.py, interleaved, each request alone: the default relay's first
 prompt, its tool rounds (`task_relay`), the stream path's, capture alone and pass-through.
 
-    .venv/bin/python scripts/profile_latency.py [--requests 60]
+What it found (a 2-core machine at load 10-13; three runs of --requests 60 a side, main and
+the change alternating; medians): a relayed tool round's added 51 ms to first byte went to
+mitmproxy reading the request before any hook (4.6), the hop to the preparing thread (2.2),
+prepare (1.4; 1.4 CPU), the hop back and the flow's changes (3.1), mitmproxy's hop to the
+relay (0.7), the relay's httpx call to the provider's head (16.0, where mitmproxy's own took
+8.7 on the stream path), the relay's head to mitmproxy (1.0), to the first chunk (1.1) and on
+to the client (3.0): wall time 2-4x the CPU behind it. The proxy's CPU per request: 13.1 ms
+relayed, 8.0 on the stream path, 4.5 passed through; the relay's CPU over the stream path's
+in the same run 5.1 ms (4.9-5.5). perf on the relay: httpx and httpcore about 18% of the
+process's CPU (2.5 ms; httpcore's debug records through mitmproxy's root DEBUG 4% more before
+they were silenced), the relay's own h11 side and writes 4%, its tee 3%, the addon's hooks
+6%, the store's writes 14% (after the first byte), mitmproxy's layers and hook dispatch
+about half. After the change (Pipeline.passed on the loop, httpx's loggers quiet, the
+upstream call begun as the flow is pointed at the relay, a chunk a read, select.fill's drops
+in one pass): relayed 12.4 ms CPU, the relay over the stream path 3.5 (3.5-3.6), a first
+prompt's 6.3 -> 3.7; pass-through 4.2 with no thread hop (its 2.2 ms of hops at this load).
+
+    .venv/bin/python scripts/profile_latency.py [--requests 60] [--sides task_relay] [--perf F]
 """
 
 from __future__ import annotations
@@ -58,9 +77,6 @@ class Trace:
         with self.lock:
             self.cur = {"arrived": time.perf_counter(), "loop_cpu": -time.thread_time()}
 
-    def server_connected(self, data: Any) -> None:
-        self.add("server_connects", 1)
-
     def done(self) -> None:
         self.out.close()
 
@@ -84,8 +100,6 @@ class Trace:
         timed(pipeline.Pipeline, "prepare", "prepare", "prepare_cpu")
         if hasattr(pipeline.Pipeline, "passed"):  # decided on the event loop (since issue 24)
             timed(pipeline.Pipeline, "passed", "passed", "passed_cpu")
-        timed(pipeline.Pipeline, "store_turn", "store_turn", "store_turn_cpu")
-        timed(pipeline.Pipeline, "store_reply", "store_reply", "store_reply_cpu")
 
         exchange, send = relay.Relay._exchange, relay.Relay.send
         request, responseheaders, response = (addon.Perpetuity.request,
@@ -171,8 +185,6 @@ def segments(rec: dict[str, float]) -> dict[str, float]:
     out["prepare_cpu"] = rec.get("prepare_cpu", 0.0) * 1000
     out["passed_cpu"] = rec.get("passed_cpu", 0.0) * 1000
     out["loop_cpu"] = rec.get("loop_cpu", 0.0) * 1000
-    out["server_connects"] = rec.get("server_connects", 0.0)
-    out["writes_cpu"] = (rec.get("store_turn_cpu", 0.0) + rec.get("store_reply_cpu", 0.0)) * 1000
     return out
 
 
@@ -181,7 +193,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--sides", default="", help="comma-separated: only these (and direct)")
     ap.add_argument("--perf", default="",
-                    help="sample the proxy with `perf record` (Python frames named) into this file")
+                    help="sample the proxy with `perf record` into this file (Python frames unwound)")
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent
     sys.path[:0] = [str(root), str(root / "scripts")]
@@ -206,9 +218,9 @@ def main() -> None:
         os.environ["PERPETUITY_TRACE"] = str(trace)
         here = str(Path(__file__).resolve())
         proxy = start_proxy(Path(tmp), fake.url, "-s", here)
-        perf = (subprocess.Popen(["perf", "record", "-F", "1999", "-k", "1", "--call-graph", "dwarf,32768", "-o", args.perf, "-p",
-                                  str(proxy.process.pid)], stderr=subprocess.DEVNULL)
-                if args.perf else None)
+        perf = (subprocess.Popen(["perf", "record", "-F", "1999", "-k", "1", "--call-graph",
+                                  "dwarf,32768", "-o", args.perf, "-p", str(proxy.process.pid)],
+                                 stderr=subprocess.DEVNULL) if args.perf else None)
         try:
             with httpx.Client(trust_env=False, timeout=30) as client:
                 for i in range(args.requests + 5):
@@ -245,11 +257,10 @@ def main() -> None:
         out[side] = {
             "added_ttfb_ms_p50": round(statistics.median(ttfb[side]) - direct, 3),
             "proxy_cpu_ms_p50": round(statistics.median(cpu[side]), 3),
-            "segments_ms_p50": {k: round(statistics.median([r.get(k, 0.0) for r in traced[side]]), 3)
-                                for k in [s[0] for s in SEGMENTS] + ["loop_cpu", "prepare_cpu", "passed_cpu",
-                                                                      "writes_cpu",
-                                                                      "server_connects"]
-                                if k in names},
+            "segments_ms_p50": {
+                k: round(statistics.median([r.get(k, 0.0) for r in traced[side]]), 3)
+                for k in [s[0] for s in SEGMENTS] + ["loop_cpu", "prepare_cpu", "passed_cpu"]
+                if k in names},
         }
     print(json.dumps(out, indent=2))
 
