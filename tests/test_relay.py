@@ -23,7 +23,7 @@ from perpetuity_core.serve.relay import JOB_HEADER, Relay
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire.conversation import Message, Protocol, Provider, Reply, Usage, text_part
 from perpetuity_core.wire.protocols import ADAPTERS
-from tests.fake_provider import FakeProvider, Text, ToolCall
+from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 
 
 class Written:
@@ -414,3 +414,34 @@ def test_the_connection_to_the_provider_outlives_a_pause_between_calls() -> None
         fake.script(Text("One."), Text("Two."))
         asyncio.run(_two_calls_apart(fake, 6.0))
         assert len(fake.requests) == 2
+
+
+async def _two_clients(fake: FakeProvider) -> None:
+    relay = Relay(None)  # type: ignore[arg-type]
+    await relay.start()
+    for key in ("sk-ant-first", "sk-ant-second"):
+        body = {"model": "claude-opus-4-8", "max_tokens": 20,
+                "messages": [{"role": "user", "content": "hello"}]}
+        job = _job(fake, body, stream=False)
+        job.headers = [("x-api-key", key)]
+        token = relay.submit(Capture(job, Written(), Inline()))
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                     "content-length: 0\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+        writer.close()
+        await writer.wait_closed()
+    await relay.stop()
+
+
+def test_a_providers_cookie_never_rides_on_another_clients_request() -> None:
+    """The relay's one client serves every tenant: a cookie the provider set on one client's
+    reply (an edge's bot-management cookie) was kept and sent on the next client's request,
+    which mitmproxy's own path never does."""
+    with FakeProvider() as fake:
+        fake.script(Error(429, headers={"Set-Cookie": "edge=first-client; Path=/"}), Text("Hi."))
+        asyncio.run(_two_clients(fake))
+        first, second = fake.requests
+    assert first.headers["x-api-key"] == "sk-ant-first"
+    assert "cookie" not in second.headers

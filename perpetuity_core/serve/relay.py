@@ -22,6 +22,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from http.cookiejar import CookieJar
 from typing import Any, Protocol, cast
 
 import h11
@@ -175,6 +176,14 @@ class Upstream(Protocol):
         ...
 
 
+class _NoCookies(CookieJar):
+    """The relay's one client serves every tenant: a cookie a provider sets on one client's
+    reply must never ride on another's request (mitmproxy's path sends each client's own)."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+
 class Relay:
     def __init__(self, run_tool: RunTool) -> None:
         self._run_tool = run_tool
@@ -194,6 +203,7 @@ class Relay:
         # trust_env=False: the proxy's own HTTPS_PROXY must never route upstream calls back to us.
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=30.0, read=None, write=60.0, pool=30.0), trust_env=False,
+            cookies=_NoCookies(),
             limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
                                 keepalive_expiry=KEEP_ALIVE))
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
