@@ -30,10 +30,11 @@ they were silenced), the relay's own h11 side and writes 4%, its tee 3%, the add
 6%, the store's writes 14% (after the first byte), mitmproxy's layers and hook dispatch
 about half. After the change (Pipeline.passed on the loop, httpx's loggers quiet, the
 upstream call begun as the flow is pointed at the relay, a chunk a read, select.fill's drops
-in one pass, no cookies; five runs of each, loads 10-15): relayed 11.8-12.5 ms CPU (base
-13.1-13.5), the relay over the stream path 2.7-4.1 for a tool round (base 4.8-5.7) and 3.0-4.2
-for a first prompt (base 4.7-6.3); pass-through 4.1-4.2 (base 4.5-4.6) with no thread hop
-(1.3-2.3 ms of hops at these loads).
+in one pass; six runs of each, loads 10-15, medians and ranges): a relayed tool round 12.4
+ms CPU (10.9-13.7; base 13.4, 13.0-14.1), the relay over the stream path in the same run 3.5
+(2.7-4.1; base 5.3, 4.8-5.7) for a tool round and 3.1 (3.0-4.5; base 5.7, 4.7-6.3) for a first
+prompt; pass-through 4.2 (4.1-4.8; base 4.5, 4.3-4.7), with no thread hop (1.3-2.3 ms of hops
+at these loads).
 
     .venv/bin/python scripts/profile_latency.py [--requests 60] [--sides task_relay] [--perf F]
 """
