@@ -4,13 +4,16 @@ shows."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
 from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
 from perpetuity_core.serve.addon import Perpetuity
+from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER
@@ -139,3 +142,79 @@ def test_a_relayed_request_goes_to_the_relay_without_its_body(tmp_path: Path) ->
         assert second.request.content == b"" and second.request.headers["content-length"] == "0"
         job = state.capture.job
         assert job.original == body and b"Ingrid" in job.body and job.first_round
+
+
+class Counted(ThreadPoolExecutor):
+    """The preparing thread, counting what is sent to it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.submitted = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_pass_through_never_waits_for_the_preparing_thread(tmp_path: Path) -> None:
+    """`x-perpetuity: off` and another host's traffic through us are decided on the event loop
+    (issue 24: each request paid two thread hops, and the body was parsed to be passed on); a
+    request that may be framed still goes to the preparing thread."""
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+                       perpetuity_anthropic_upstream="http://upstream.test:9")
+        counted = addon.parser = Counted()
+        body = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'
+        off = direct_flow(body)
+        off.request.headers["x-perpetuity"] = "off"
+        other = tflow.tflow()  # through us to a host that is no provider
+        other.request.host, other.request.path = "example.com", "/v1/messages"
+        asyncio.run(addon.request(off))
+        asyncio.run(addon.request(other))
+        assert counted.submitted == 0
+        assert off.request.url == "http://upstream.test:9/v1/messages"
+        assert off.request.content == body
+        assert "x-perpetuity" not in off.request.headers
+        assert "x-perpetuity-user" not in off.request.headers
+        assert other.request.host == "example.com" and STATE not in other.metadata
+        asyncio.run(addon.request(direct_flow(body)))
+        assert counted.submitted == 1
+        counted.shutdown()
+
+
+_CLAUDE = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'
+_GPT = b'{"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}'
+_GEMINI = "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse"
+
+
+@pytest.mark.parametrize(("host", "path", "direct", "headers", "body", "decided"), [
+    ("127.0.0.1", "/v1/messages", True, {"x-api-key": "k", "x-perpetuity": "off"}, _CLAUDE, True),
+    ("127.0.0.1", "/v1/messages", True, {"x-api-key": "k", "x-perpetuity": " OFF"}, b"{", True),
+    ("127.0.0.1", "/v1/messages", True, {"x-api-key": "k"}, _CLAUDE, False),
+    ("127.0.0.1", _GEMINI, True, {"x-goog-api-key": "g", "x-perpetuity": "no"}, b"{}", True),
+    # Only the model tells Anthropic from OpenAI here: the preparing thread reads it.
+    ("127.0.0.1", "/v1/chat/completions", True,
+     {"authorization": "Bearer sk-o", "x-perpetuity": "off"}, _CLAUDE, False),
+    ("127.0.0.1", "/v1/chat/completions", True,
+     {"authorization": "Bearer sk-o", "x-perpetuity": "off"}, _GPT, False),
+    ("127.0.0.1", "/v1/chat/completions", True, {"x-goog-api-key": "g"}, _GPT, True),  # 421
+    ("127.0.0.1", "/backend-api/codex/responses", True,
+     {"authorization": "Bearer t", "x-perpetuity": "off"}, _GPT, True),
+    ("example.com", "/v1/messages", False, {"x-api-key": "k"}, _CLAUDE, True),
+    ("api.openai.com", "/v1/responses", False,
+     {"authorization": "Bearer sk-o", "x-perpetuity": "0"}, _GPT, True),
+    ("api.openai.com", "/v1/responses", False, {"authorization": "Bearer sk-o"}, _GPT, False),
+    ("chatgpt.com", "/backend-api/codex/responses", False, {"x-perpetuity": "off"}, _GPT, True),
+    ("chatgpt.com", "/backend-api/conversation", False, {}, _GPT, True),
+])
+def test_what_is_decided_on_the_loop_is_what_prepare_decides(
+        pipeline: Pipeline, host: str, path: str, direct: bool, headers: dict[str, str],
+        body: bytes, decided: bool) -> None:
+    req = HttpRequest(method="POST", host=host, path=path, headers=tuple(headers.items()),
+                      body=body, direct=direct)
+    passed = pipeline.passed(req)
+    assert (passed is not None) == decided
+    if passed is not None:
+        prepared = pipeline.prepare(req)
+        assert passed == prepared and passed.job is None and passed.body is None

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from perpetuity_core.memory.schema import open_memory
@@ -21,7 +23,7 @@ from perpetuity_core.serve.relay import JOB_HEADER, Relay
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire.conversation import Message, Protocol, Provider, Reply, Usage, text_part
 from perpetuity_core.wire.protocols import ADAPTERS
-from tests.fake_provider import FakeProvider, Text, ToolCall
+from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 
 
 class Written:
@@ -234,3 +236,212 @@ def test_the_relay_goes_on_once_its_first_bytes_are_passed_on(
     assert held == []
     assert b"event: message_stop" in rest
     assert written.log == [("turn", "c"), ("reply", "Hi there.")]
+
+
+def test_the_relays_upstream_calls_make_no_log_records(caplog: pytest.LogCaptureFixture) -> None:
+    """mitmdump sets the root logger to DEBUG: httpcore then made a record at every step of
+    every upstream call, and httpx one a request, each through mitmproxy's handlers (4% of a
+    relayed request's CPU, issue 24). Their warnings still reach the log."""
+    caplog.set_level(logging.DEBUG)
+    with FakeProvider() as fake:
+        fake.script(Text("Hi there."))
+        asyncio.run(_after_a_chunked_request(fake, Written()))
+    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
+    assert logging.getLogger("httpcore").isEnabledFor(logging.WARNING)
+
+
+async def _begun(fake: FakeProvider, written: Written, memory: TurnMemory | None,
+                 deliver: bool) -> bytes:
+    """A job submitted and begun as the addon does; then claimed by mitmproxy's request, or
+    dropped as the addon does when its flow ends first."""
+    relay = Relay(None)  # type: ignore[arg-type]
+    await relay.start()
+    body = {"model": "claude-opus-4-8", "max_tokens": 20, "stream": True,
+            "messages": [{"role": "user", "content": "hello"}]}
+    job = _job(fake, body, stream=True, memory=memory, first_round=json.dumps(body).encode()
+               if memory else None)
+    token = relay.submit(Capture(job, written, Inline()))
+    relay.begin(token)
+    for _ in range(400):  # the provider hears of it before anyone reaches the relay
+        if fake.requests:
+            break
+        await asyncio.sleep(0.01)
+    assert len(fake.requests) == 1
+    raw = b""
+    if deliver:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                     "content-length: 0\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+        writer.close()
+        await writer.wait_closed()
+    else:
+        relay.drop(token)
+        # Hung up while the relay still serves (its stop would close every connection).
+        await asyncio.to_thread(fake.wait_hung_up, fake.requests[0])
+    await relay.stop()
+    return raw
+
+
+@pytest.mark.parametrize("memory", [None, TurnMemory(1, None, 0.0)], ids=["plain", "tool loop"])
+def test_the_upstream_call_begins_before_mitmproxy_reaches_the_relay(
+        memory: TurnMemory | None) -> None:
+    """Issue 24: the addon begins the job's first upstream call as it points the flow at the
+    relay, so mitmproxy's hop to the relay no longer comes before the provider's work; the
+    relay then reads that call's reply, and makes no second one."""
+    with FakeProvider() as fake:
+        fake.script(Text("Hi there.", chunks=3))
+        written = Written()
+        raw = asyncio.run(_begun(fake, written, memory, deliver=True))
+        assert len(fake.requests) == 1
+    assert raw.startswith(b"HTTP/1.1 200 ") and b"event: message_stop" in raw
+    assert written.log == [("turn", "c"), ("reply", "Hi there.")]
+
+
+def test_a_job_its_flow_never_delivers_has_its_upstream_call_stopped() -> None:
+    """A flow that ended before mitmproxy reached the relay (the client gone, another addon's
+    answer): the call begun for it is closed, not left streaming a billed reply to no one."""
+    with FakeProvider() as fake:
+        fake.script(Text("Hi there. " * 200, chunks=200))
+        written = Written()
+        asyncio.run(_begun(fake, written, None, deliver=False))
+    assert written.log == []
+
+
+class Sent:
+    """The relay's side toward mitmproxy, as written (no socket)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def start(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
+        pass
+
+    def send(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    async def drain(self) -> None:
+        pass
+
+    async def end(self) -> None:
+        pass
+
+    def hung_up(self) -> bool:
+        return False
+
+
+class OneRead:
+    """An upstream whose whole streamed reply arrives in one read."""
+
+    tool_timeout = 1.0
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def request(self, job: Job, body: bytes) -> httpx.Request:
+        return httpx.Request(job.method, job.url, content=body)
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              stream=httpx.ByteStream(self.raw))
+
+    async def forward(self, capture: Capture, http: Any, begun: Any = None) -> bool:
+        raise AssertionError("no fallback expected")
+
+    async def run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
+        raise AssertionError("no tool expected")
+
+
+def test_what_one_upstream_read_brings_goes_on_as_one_chunk() -> None:
+    """Issue 24: the tool loop wrote each event on its own, so mitmproxy and the client
+    handled a chunk per event where mitmproxy's own path hands on what each read brought."""
+    def event(name: str, data: dict[str, Any]) -> bytes:
+        return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+    raw = b"".join([
+        event("message_start", {"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+            "stop_reason": None, "usage": {"input_tokens": 1, "output_tokens": 0}}}),
+        event("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}}),
+        event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                      "delta": {"type": "text_delta", "text": "Hi."}}),
+        event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        event("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                "usage": {"output_tokens": 2}}),
+        event("message_stop", {"type": "message_stop"})])
+    job = _job(None, {"model": "m", "stream": True, "messages": []}, stream=True,
+               memory=TurnMemory(1, None, 0.0))
+    written, sent = Written(), Sent()
+    loop = relay_module.ToolLoop(OneRead(raw), Capture(job, written, Inline()), sent)  # type: ignore[arg-type]
+    assert asyncio.run(loop.run())
+    assert b"event: message_start" in sent.chunks[0] and b"event: content_block_stop" in sent.chunks[0]
+    assert b"".join(sent.chunks).count(b"event: ") == 6
+    assert written.log == [("turn", "c"), ("reply", "Hi.")]
+
+
+async def _two_calls_apart(fake: FakeProvider, pause: float) -> None:
+    relay = Relay(None)  # type: ignore[arg-type]
+    await relay.start()
+    for n in range(2):
+        body = {"model": "claude-opus-4-8", "max_tokens": 20,
+                "messages": [{"role": "user", "content": f"call {n}"}]}
+        token = relay.submit(Capture(_job(fake, body, stream=False), Written(), Inline()))
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                     "content-length: 0\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+        writer.close()
+        await writer.wait_closed()
+        if not n:
+            await asyncio.sleep(pause)
+    # Still open after the second call: the first call's connection carried it.
+    await asyncio.to_thread(_still_open, fake)
+    await relay.stop()
+
+
+def _still_open(fake: FakeProvider) -> None:
+    with pytest.raises(TimeoutError):
+        fake.wait_hung_up(fake.requests[0], timeout=0.5)
+
+
+def test_the_connection_to_the_provider_outlives_a_pause_between_calls() -> None:
+    """A harness pauses longer than httpx's 5 s between calls (a tool running, its user
+    reading): the relay's next call must not pay a new connection's handshakes (issue 24)."""
+    with FakeProvider() as fake:
+        fake.script(Text("One."), Text("Two."))
+        asyncio.run(_two_calls_apart(fake, 6.0))
+        assert len(fake.requests) == 2
+
+
+async def _two_clients(fake: FakeProvider) -> None:
+    relay = Relay(None)  # type: ignore[arg-type]
+    await relay.start()
+    for key in ("sk-ant-first", "sk-ant-second"):
+        body = {"model": "claude-opus-4-8", "max_tokens": 20,
+                "messages": [{"role": "user", "content": "hello"}]}
+        job = _job(fake, body, stream=False)
+        job.headers = [("x-api-key", key)]
+        token = relay.submit(Capture(job, Written(), Inline()))
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                     "content-length: 0\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+        writer.close()
+        await writer.wait_closed()
+    await relay.stop()
+
+
+def test_a_providers_cookie_never_rides_on_another_clients_request() -> None:
+    """The relay's one client serves every tenant: a cookie the provider set on one client's
+    reply (an edge's bot-management cookie) was kept and sent on the next client's request,
+    which mitmproxy's own path never does."""
+    with FakeProvider() as fake:
+        fake.script(Error(429, headers={"Set-Cookie": "edge=first-client; Path=/"}), Text("Hi."))
+        asyncio.run(_two_clients(fake))
+        first, second = fake.requests
+    assert first.headers["x-api-key"] == "sk-ant-first"
+    assert "cookie" not in second.headers

@@ -217,8 +217,12 @@ def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
             break
         # Drop the last added rows worth the overshoot, then measure again: labels make
         # the estimate low, so this converges in a few renders, not one per row.
+        dropped = set()
         while over > 0 and droppable:
             i = droppable.pop()
-            new.remove(i)
+            dropped.add(i)
             over -= costs[i]
+        # One pass, not a search of the list per row dropped (hundreds a first prompt on a
+        # memory whose rows are all warm: 5% of its prepare, issue 24).
+        new = [i for i in new if i not in dropped]
     return new

@@ -233,7 +233,10 @@ class Perpetuity:
         loop = asyncio.get_running_loop()
         fell_open = ""
         try:
-            decision = await loop.run_in_executor(self.parser, self.pipeline.prepare, req)
+            # What the body cannot change is decided here, on the loop: no thread hop.
+            decision = self.pipeline.passed(req)
+            if decision is None:
+                decision = await loop.run_in_executor(self.parser, self.pipeline.prepare, req)
         except Exception as e:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
             decision = self.pipeline.route_only(req)
@@ -341,6 +344,8 @@ class Perpetuity:
         # The facts are made from the state's references once the reply is done (_settle).
         state.upstream = route.upstream_url
         flow.metadata[FACTS] = {"upstream": route.upstream_url, "note": d.note}
+        if token:  # last: the flow is the relay's now, and the provider hears of it at once
+            self.relay.begin(token)
         return state
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -411,6 +416,9 @@ class Perpetuity:
             return
         state.finish()
         if JOB_HEADER in flow.request.headers:
+            # A job the flow ended without delivering (an error, another addon's answer) is
+            # dropped with its upstream call; one the relay ran is gone already.
+            self.relay.drop(flow.request.headers[JOB_HEADER])
             # Show the real destination in mitmweb, not the relay.
             del flow.request.headers[JOB_HEADER]
             flow.request.url = state.upstream

@@ -60,6 +60,7 @@ from perpetuity_core.wire.route import (
     credential,
     gemini_call,
     parse_controls,
+    reads_model,
     route,
 )
 
@@ -116,16 +117,30 @@ class Pipeline:
         strip = sorted({k for k, _ in req.headers if k.lower().startswith(CONTROL_PREFIX)})
         return Decision(route=r, strip=strip)
 
+    def passed(self, req: HttpRequest) -> Decision | None:
+        """`prepare`'s decision where the body cannot change it, made without reading the body:
+        another host's traffic through us, and `x-perpetuity: off`. The addon asks this on the
+        event loop first, so these never wait for the preparing thread (two thread hops) nor
+        parse a body they pass on as it came. None: `prepare` decides (also where only the
+        body's model tells the provider)."""
+        if reads_model(path=req.path, direct=req.direct,
+                       headers={k.lower(): v for k, v in req.headers}):
+            return None
+        decision = self.route_only(req)
+        if decision.route is None:
+            return decision
+        if parse_controls(_text_headers(req)).enabled:
+            return None
+        decision.note = "x-perpetuity: off"
+        return decision
+
     def prepare(self, req: HttpRequest) -> Decision:
         body = _json_body(req.body) if req.method == "POST" else None
         decision = self.route_only(req, str(body.get("model", "")) if body else "")
         r = decision.route
         if r is None:
             return decision
-        # Read as text: a value that was not UTF-8 (mitmproxy's surrogate escapes) must never
-        # reach the store or a digest as it is.
-        headers = {k.lower(): v.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-                   for k, v in req.headers}
+        headers = _text_headers(req)
         controls = parse_controls(headers)
         if not controls.enabled:
             decision.note = "x-perpetuity: off"
@@ -302,6 +317,13 @@ class Pipeline:
             specs.append({"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
                           "input_schema": notes.CAPTURE_TOOL_SCHEMA})
         return [s for s in specs if s["name"] not in taken]
+
+
+def _text_headers(req: HttpRequest) -> dict[str, str]:
+    """The headers lower-cased, read as text: a value that was not UTF-8 (mitmproxy's
+    surrogate escapes) must never reach the store or a digest as it is."""
+    return {k.lower(): v.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+            for k, v in req.headers}
 
 
 def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:

@@ -22,6 +22,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from http.cookiejar import CookieJar
 from typing import Any, Protocol, cast
 
 import h11
@@ -103,6 +104,11 @@ class ReplyTee:
 # Runs one of our tools off the event loop: (name, arguments, the turn's memory) -> result text.
 RunTool = Callable[[str, Any, TurnMemory], Awaitable[str]]
 PING_EVERY = 1.0  # seconds between keep-alive pings while our tools run
+# How long the relay keeps an idle connection to a provider (httpx's default is 5 s): a
+# harness pauses longer between calls (a tool running, its user reading), and each new
+# connection costs a TCP and TLS handshake before the request (issue 24). One the provider
+# closed first is seen closed when it is next taken, and replaced.
+KEEP_ALIVE = 120.0
 # The longest the relay waits, after its first bytes, for mitmproxy to pass them on.
 FORWARD_WAIT = 0.05
 
@@ -122,6 +128,33 @@ async def forwarded(job: Job) -> None:
         await asyncio.wait_for(event.wait(), FORWARD_WAIT)
 
 
+@dataclass(slots=True)
+class Begun:
+    """A job's first upstream call, begun when the flow was pointed at the relay."""
+
+    started: float  # time.time(), for the round's inspection
+    request: httpx.Request
+    response: asyncio.Future[httpx.Response]
+
+
+@dataclass(slots=True)
+class Pending:
+    """A job submitted, until mitmproxy's request to the relay claims it."""
+
+    at: float  # time.monotonic() at submission
+    capture: Capture
+    begun: Begun | None = None
+
+
+def _discard(begun: Begun) -> None:
+    """An upstream call no one will read: stopped, or its response closed (the provider bills
+    what it generates)."""
+    if begun.response.cancel() or begun.response.cancelled():
+        return
+    if begun.response.exception() is None:
+        asyncio.ensure_future(begun.response.result().aclose())
+
+
 class Upstream(Protocol):
     """What the tool loop asks of the relay."""
 
@@ -135,12 +168,20 @@ class Upstream(Protocol):
         """The request sent; the response's head read, its body streaming."""
         ...
 
-    async def forward(self, capture: Capture, http: Http11) -> bool:
-        """The plain exchange of the job as it stands."""
+    async def forward(self, capture: Capture, http: Http11, begun: Begun | None = None) -> bool:
+        """The plain exchange of the job as it stands (its upstream call begun, or not)."""
         ...
 
     async def run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
         ...
+
+
+class _NoCookies(CookieJar):
+    """The relay's one client serves every tenant: a cookie a provider sets on one client's
+    reply must never ride on another's request (mitmproxy's path sends each client's own)."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
 
 
 class Relay:
@@ -148,15 +189,23 @@ class Relay:
         self._run_tool = run_tool
         self.port = 0
         self.tool_timeout = 30.0  # seconds one tool call may take (perpetuity_tool_timeout)
-        self._jobs: dict[str, tuple[float, Capture]] = {}
+        self._jobs: dict[str, Pending] = {}
         self._server: asyncio.Server | None = None
         self._client: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
+        # mitmproxy sets the root logger to DEBUG and quiets its own libraries' loggers: left
+        # so, httpcore makes a debug record at every step of every upstream call and httpx one
+        # a request, each through mitmproxy's handlers, 4% of the proxy's CPU on a relayed
+        # request (perf; scripts/profile_latency.py). Their warnings still show.
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         # trust_env=False: the proxy's own HTTPS_PROXY must never route upstream calls back to us.
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=30.0, read=None, write=60.0, pool=30.0), trust_env=False
-        )
+            timeout=httpx.Timeout(connect=30.0, read=None, write=60.0, pool=30.0), trust_env=False,
+            cookies=_NoCookies(),
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                keepalive_expiry=KEEP_ALIVE))
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -167,17 +216,41 @@ class Relay:
     async def stop(self) -> None:
         if self._server:
             self._server.close()
+        for token in list(self._jobs):
+            self.drop(token)
         if self._client:
             await self._client.aclose()
 
     def submit(self, capture: Capture) -> str:
         """The token by which mitmproxy's request to the relay names this job."""
         now = time.monotonic()
-        for token in [t for t, (at, _) in self._jobs.items() if now - at > _JOB_TTL]:
-            del self._jobs[token]
+        for token in [t for t, pending in self._jobs.items() if now - pending.at > _JOB_TTL]:
+            self.drop(token)
         token = secrets.token_hex(16)
-        self._jobs[token] = (now, capture)
+        self._jobs[token] = Pending(now, capture)
         return token
+
+    def begin(self, token: str) -> None:
+        """Start the job's first upstream call now, on the event loop, while mitmproxy makes its
+        way to the relay with the flow (issue 24: its hop to the relay, ~1 ms on a busy
+        machine, was paid before the provider heard of the request). The tool loop's first
+        round is sent as prepared; one that must still be built waits for the relay."""
+        pending = self._jobs.get(token)
+        if pending is None or pending.begun is not None or self._client is None:
+            return  # (no client: the relay is not serving, and the flow will find no one)
+        job = pending.capture.job
+        body = job.body if job.memory is None else job.first_round
+        if body is None:
+            return
+        request = self.request(job, body)
+        pending.begun = Begun(time.time(), request, asyncio.ensure_future(self.send(request)))
+
+    def drop(self, token: str) -> None:
+        """A job mitmproxy will not deliver (its flow ended first): forgotten, and its upstream
+        call, if begun, stopped. A job already claimed is the relay's: nothing happens."""
+        pending = self._jobs.pop(token, None)
+        if pending is not None and pending.begun is not None:
+            _discard(pending.begun)
 
     def request(self, job: Job, body: bytes) -> httpx.Request:
         assert self._client is not None
@@ -195,10 +268,10 @@ class Relay:
         http = Http11(reader, writer)
         try:
             while (headers := await http.request()) is not None:
-                entry = self._jobs.pop(headers.get(JOB_HEADER, ""), None)
-                if entry is None:
+                pending = self._jobs.pop(headers.get(JOB_HEADER, ""), None)
+                if pending is None:
                     await http.respond(502, b"perpetuity: unknown relay job")
-                elif not await self._exchange(entry[1], http):
+                elif not await self._exchange(pending.capture, http, pending.begun):
                     return
         except (h11.ProtocolError, ConnectionError):
             pass
@@ -212,17 +285,17 @@ class Relay:
             if not writer.is_closing():
                 writer.close()
 
-    async def _exchange(self, capture: Capture, http: Http11) -> bool:
+    async def _exchange(self, capture: Capture, http: Http11, begun: Begun | None) -> bool:
         """Relay one exchange; False when the connection to mitmproxy can no longer be used."""
         if capture.job.memory is not None:
-            return await ToolLoop(self, capture, http).run()
-        return await self.forward(capture, http)
+            return await ToolLoop(self, capture, http, begun).run()
+        return await self.forward(capture, http, begun)
 
-    async def forward(self, capture: Capture, http: Http11) -> bool:
+    async def forward(self, capture: Capture, http: Http11, begun: Begun | None = None) -> bool:
         """The plain exchange: upstream's bytes to the client as they come."""
         job = capture.job
         try:
-            resp = await self.send(self.request(job, job.body))
+            resp = await (begun.response if begun else self.send(self.request(job, job.body)))
         except httpx.HTTPError as e:
             capture.sent()
             await http.respond(502, f"perpetuity: upstream {job.url} failed: {e}".encode())
@@ -295,8 +368,10 @@ class ToolLoop:
     to the plain exchange; after, it ends the stream with the protocol's error event.
     """
 
-    def __init__(self, upstream: Upstream, capture: Capture, http: Http11) -> None:
+    def __init__(self, upstream: Upstream, capture: Capture, http: Http11,
+                 begun: Begun | None = None) -> None:
         self.upstream, self.capture, self.http = upstream, capture, http
+        self.begun = begun  # the first round's upstream call, already on its way
         self.job = job = capture.job
         self.adapter = ADAPTERS[job.protocol]
         self.merger = (self.adapter.StreamMerger if job.stream else self.adapter.BodyMerger)(
@@ -314,15 +389,21 @@ class ToolLoop:
         try:
             for round_ in range(job.max_rounds):
                 last = round_ == job.max_rounds - 1
-                if round_ == 0 and job.first_round is not None:
-                    content = job.first_round  # built when preparing, off the event loop
+                begun, self.begun = self.begun, None
+                if begun is None:
+                    if round_ == 0 and job.first_round is not None:
+                        content = job.first_round  # built when preparing, off the event loop
+                    else:
+                        body = json.loads(job.body) if body is None else body
+                        content = json.dumps(self.adapter.add_tools(body, specs, last)).encode()
+                    request = upstream.request(job, content)
+                    self.round = Round(time.time(), request.content)
+                    job.rounds.append(self.round)
+                    resp = await upstream.send(request)
                 else:
-                    body = json.loads(job.body) if body is None else body
-                    content = json.dumps(self.adapter.add_tools(body, specs, last)).encode()
-                request = upstream.request(job, content)
-                self.round = Round(time.time(), request.content)
-                job.rounds.append(self.round)
-                resp = await upstream.send(request)
+                    self.round = Round(begun.started, begun.request.content)
+                    job.rounds.append(self.round)
+                    resp = await begun.response
                 self.round.status, self.round.headers = resp.status_code, resp.headers.multi_items()
                 try:
                     # Our tools changed even a body we left alone: the client's own goes.
@@ -377,14 +458,15 @@ class ToolLoop:
             return
         await self._start(resp)
         sse = SSEDecoder()
+        merger = cast(StreamMerging, self.merger)
         async for chunk in resp.aiter_raw():
             self.round.raw.append(chunk)
-            for ev in sse.feed(chunk):
-                data = ev.json()
-                if data is None:
-                    continue
-                if out := cast(StreamMerging, self.merger).feed(ev.event, data):
-                    await self._write(out)
+            # What one read brought goes on as one chunk, as on mitmproxy's own path: a write
+            # per event cost the relay, mitmproxy and the client a chunk's work each.
+            out = b"".join(merger.feed(ev.event, data) for ev in sse.feed(chunk)
+                           if (data := ev.json()) is not None)
+            if out:
+                await self._write(out)
         self.capture.sent()
 
     async def _start(self, resp: httpx.Response) -> None:

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 
 from perpetuity_core.errors import ConfigError
@@ -115,20 +116,38 @@ def provider_of(path: str, headers: Mapping[str, str], model: str) -> Provider |
     """`headers` lower-cased. Anthropic credentials and versions are unmistakable; then the
     path and the model. None when nothing names a provider: a credential must never be sent to
     a provider it was not meant for (a Gemini key, a CI token), so such a request is not ours."""
-    auth = headers.get("authorization", "")
+    named = _named(path, headers)
+    if named != "model":
+        return named
+    if model.startswith("claude"):
+        return Provider.ANTHROPIC
+    if protocol_of(path) is not None or model.startswith(OPENAI_MODELS):
+        return Provider.OPENAI
+    if path.startswith("/v1/") and headers.get("authorization", "").lower().startswith("bearer "):
+        return Provider.OPENAI  # the OpenAI API's other endpoints (models, embeddings, files)
+    return None
+
+
+def _named(path: str, headers: Mapping[str, str]) -> Provider | None | Literal["model"]:
+    """The provider the path and credential name, or "model" when only the body's model can
+    tell (an OpenAI path or credential may carry a Claude model)."""
     if is_gemini(path):
         return Provider.GOOGLE
     if "x-goog-api-key" in headers:
         return None  # a Gemini key on another provider's path: meant for neither
-    if "x-api-key" in headers or "anthropic-version" in headers or auth.startswith("Bearer sk-ant-"):
+    if ("x-api-key" in headers or "anthropic-version" in headers
+            or headers.get("authorization", "").startswith("Bearer sk-ant-")
+            or protocol_of(path) == Protocol.ANTHROPIC):
         return Provider.ANTHROPIC
-    if model.startswith("claude") or protocol_of(path) == Protocol.ANTHROPIC:
-        return Provider.ANTHROPIC
-    if protocol_of(path) is not None or model.startswith(OPENAI_MODELS):
-        return Provider.OPENAI
-    if path.startswith("/v1/") and auth.lower().startswith("bearer "):
-        return Provider.OPENAI  # the OpenAI API's other endpoints (models, embeddings, files)
-    return None
+    return "model"
+
+
+def reads_model(*, path: str, direct: bool, headers: Mapping[str, str]) -> bool:
+    """Does `route` need the body's model for this request (`headers` lower-cased)? Only for a
+    request to us whose path and credential leave Anthropic and OpenAI apart: through us, the
+    host names the provider."""
+    return (direct and not urlsplit(path).path.startswith(CHATGPT_CODEX)
+            and _named(path, headers) == "model")
 
 
 def route(
