@@ -435,6 +435,18 @@ async def _two_clients(fake: FakeProvider) -> None:
     await relay.stop()
 
 
+def test_the_provider_is_offered_only_encodings_the_reply_reader_reads() -> None:
+    """The client's accept-encoding is dropped (the reply is read to store it); httpx's own
+    offer then named br and zstd, which ReplyTee cannot read: such a reply went unstored."""
+    with FakeProvider() as fake:
+        fake.script(Text("Hi."), Text("Hi."))
+        asyncio.run(_two_clients(fake))
+        offered = [r.headers.get("accept-encoding", "") for r in fake.requests]
+    assert len(offered) == 2
+    for header in offered:
+        assert {e.strip() for e in header.split(",") if e.strip()} <= {"gzip", "deflate"}
+
+
 def test_a_providers_cookie_never_rides_on_another_clients_request() -> None:
     """The relay's one client serves every tenant: a cookie the provider set on one client's
     reply (an edge's bot-management cookie) was kept and sent on the next client's request,

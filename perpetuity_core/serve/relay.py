@@ -59,6 +59,9 @@ def as_sent(status: int, original: bytes | None) -> bytes | None:
     return original
 
 
+READABLE_ENCODINGS = "gzip, deflate"  # what ReplyTee can read of a reply
+
+
 class ReplyTee:
     """Reads a copy of the reply bytes into a neutral Reply. Never raises."""
 
@@ -201,9 +204,11 @@ class Relay:
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.WARNING)
         # trust_env=False: the proxy's own HTTPS_PROXY must never route upstream calls back to us.
+        # The encodings offered are those ReplyTee reads: httpx's own offer adds br and zstd
+        # (mitmproxy installs both), and a reply so encoded would reach the client unstored.
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=30.0, read=None, write=60.0, pool=30.0), trust_env=False,
-            cookies=_NoCookies(),
+            cookies=_NoCookies(), headers={"accept-encoding": READABLE_ENCODINGS},
             limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
                                 keepalive_expiry=KEEP_ALIVE))
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
