@@ -12,7 +12,7 @@ import pytest
 
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline
-from perpetuity_core.serve.relay import ReplyTee
+from perpetuity_core.serve.tee import ReplyTee
 from perpetuity_core.wire.conversation import Protocol
 from tests.conftest import FIXTURES, needs_fixtures, opened
 

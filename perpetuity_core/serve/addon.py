@@ -40,7 +40,8 @@ from perpetuity_core.serve.flowstate import (
 )
 from perpetuity_core.serve.flowview import FACTS, PerpetuityView, round_flows
 from perpetuity_core.serve.pipeline import Pipeline, Settings
-from perpetuity_core.serve.relay import JOB_HEADER, REFUSED, Relay, ReplyTee, as_sent
+from perpetuity_core.serve.relay import JOB_HEADER, REFUSED, Relay, as_sent
+from perpetuity_core.serve.tee import ReplyTee
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire import identity
 from perpetuity_core.wire.conversation import Provider

@@ -16,7 +16,7 @@ from typing import Any
 
 from perpetuity_core.serve.chain import Chain
 from perpetuity_core.serve.exchange import Decision, HttpRequest
-from perpetuity_core.serve.relay import ReplyTee
+from perpetuity_core.serve.tee import ReplyTee
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire.protocols.responses import ReplyAssembler
 

@@ -19,7 +19,6 @@ import json
 import logging
 import secrets
 import time
-import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http.cookiejar import CookieJar
@@ -31,8 +30,8 @@ import httpx
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Job
 from perpetuity_core.serve.http11 import Http11
+from perpetuity_core.serve.tee import READABLE_ENCODINGS, ReplyTee
 from perpetuity_core.serve.writer import Capture
-from perpetuity_core.wire.conversation import Reply
 from perpetuity_core.wire.protocols import ADAPTERS
 from perpetuity_core.wire.protocols.base import BodyMerging, StreamMerging
 from perpetuity_core.wire.sse import SSEDecoder
@@ -59,53 +58,9 @@ def as_sent(status: int, original: bytes | None) -> bytes | None:
     return original
 
 
-READABLE_ENCODINGS = "gzip, deflate"  # what ReplyTee can read of a reply
-
-
-class ReplyTee:
-    """Reads a copy of the reply bytes into a neutral Reply. Never raises."""
-
-    def __init__(self, job: Job, content_encoding: str) -> None:
-        self.adapter = ADAPTERS[job.protocol]
-        self.stream = job.stream
-        self.failed = False
-        self._sse = SSEDecoder()
-        self._assembler = self.adapter.ReplyAssembler()
-        self._body = bytearray()
-        enc = content_encoding.strip().lower()
-        self._inflate = zlib.decompressobj(zlib.MAX_WBITS | 32) if enc in ("gzip", "deflate") else None
-        if enc not in ("", "identity", "gzip", "deflate"):
-            self.failed = True  # an encoding we cannot read: forward it, store no reply
-
-    def feed(self, chunk: bytes) -> None:
-        if self.failed:
-            return
-        try:
-            if self._inflate is not None:
-                chunk = self._inflate.decompress(chunk)
-            if self.stream:
-                for ev in self._sse.feed(chunk):
-                    self._assembler.feed(ev)
-            else:
-                self._body += chunk
-        except Exception:
-            log.exception("perpetuity: could not read the reply; it is forwarded but not stored")
-            self.failed = True
-
-    def reply(self) -> Reply | None:
-        if self.failed:
-            return None
-        try:
-            if self.stream:
-                return self._assembler.reply()
-            return self.adapter.reply_from_body(json.loads(bytes(self._body)))
-        except Exception:
-            log.exception("perpetuity: could not assemble the reply")
-            return None
-
-
 # Runs one of our tools off the event loop: (name, arguments, the turn's memory) -> result text.
 RunTool = Callable[[str, Any, TurnMemory], Awaitable[str]]
+
 PING_EVERY = 1.0  # seconds between keep-alive pings while our tools run
 # How long the relay keeps an idle connection to a provider (httpx's default is 5 s): a
 # harness pauses longer between calls (a tool running, its user reading), and each new
