@@ -54,7 +54,7 @@ from perpetuity_core.wire.conversation import (
     Reply,
 )
 from perpetuity_core.wire.identity import PERSONAL, identify
-from perpetuity_core.wire.protocols import ADAPTERS, anthropic
+from perpetuity_core.wire.protocols import ADAPTERS, anthropic, gemini
 from perpetuity_core.wire.route import (
     CONTROL_PREFIX,
     anthropic_count,
@@ -171,13 +171,14 @@ class Pipeline:
             decision.note = f"unparsed: {e}"
             return decision
         # Anthropic's count_tokens and Gemini's countTokens are answered for the request as it
-        # would go upstream (framed; Anthropic's with our tools beside the harness's), and
-        # store nothing: a harness sizing its context sees what the model reads.
+        # would go upstream (framed, our tools beside the harness's), and store nothing: a
+        # harness sizing its context sees what the model reads.
         count = anthropic_count(req.path)
         if (call := gemini_call(req.path)) is not None:
             # Gemini: the path names the model and the streaming.
             parsed.model, parsed.stream = call.model or parsed.model, call.stream
-        if count or (call is not None and call.count):
+            count = call.count
+        if count:
             controls = replace(controls, probe=True)
         settings = self.settings
         ident = identify(headers, parsed, credential(headers, req.path), self.store.salt,
@@ -218,7 +219,10 @@ class Pipeline:
         decision.body, decision.frame, decision.recall = recall.body, recall.built, recall
         if count and recall.memory is not None:
             specs = self._tool_specs(recall.memory, parsed.tool_names)
-            decision.body = _first_round(r.protocol, recall.sent, specs, settings.tool_rounds)
+            counted = recall.sent if recall.sent is not None else body
+            if r.protocol == Protocol.GEMINI:
+                counted = gemini.count_request(counted, parsed.model)
+            decision.body = _first_round(r.protocol, counted, specs, settings.tool_rounds)
         if controls.probe or not controls.capture:
             decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
             return decision
