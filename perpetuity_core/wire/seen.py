@@ -17,6 +17,10 @@ differs anywhere before is parsed whole, so a lookup saves work and never change
 The harness moves its cache marker to its last message on every call, so the last elements
 change; the earlier ones do not.
 
+What it holds is bounded by `BUDGET`, not by any history: the bodies themselves and what they
+parse to (about 1.5 times their size: the 21 MB body of a 1.4M-token history is 28 MB of
+objects, its messages 3 MB more). A body past the budget is read whole every time, as before.
+
 The objects handed out are shared with later calls: the request path must not change them in
 place (it builds what it sends anew). One thread reads (the one that prepares requests).
 """
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENTRIES = 16  # bodies kept (least recently read go first)
-BUDGET = 64 * 1024 * 1024  # bytes of them kept in all
+BUDGET = 32 * 1024 * 1024  # bytes of them kept in all (a body parses to about 1.5 times its size)
 ENDS = 8  # the last elements of a history whose ends are kept
 HISTORY_KEYS = ("messages", "contents", "input")
 
