@@ -59,7 +59,8 @@ def test_a_growing_history_reads_as_json_loads_reads_it(turns: list[tuple[str, b
     b'{"a": 1, "messages": [1], "messages": [2]}', b'{"messages": [1], "a": {"messages": 2}}',
     b'{"x": {"messages": [1]}}', b'\xef\xbb\xbf{"messages": []}', b'{"messages": "no"}',
     b'{"contents": [{"role": "user"}], "model": "g"}', b'{"messages": [NaN, 1e999]}',
-    b'{"messages": ["\\ud800"]}', '{"messages": ["é"]}'.encode("utf-16"),
+    b'{"messages": ["\\ud800"]}', '{"messages": ["é"]}'.encode("utf-16"), b"{}", b'{"a": 1,}',
+    b"{,}", b'{"a": 1, 2}', b'{"a": 1} {}', b'{"request": {"contents": [1]}, "model": "g"}',
 ])
 def test_odd_bodies_read_as_json_loads_reads_them(raw: bytes) -> None:
     """Read cold and again after a body it starts like: the same value, or the same error."""

@@ -133,6 +133,7 @@ def _walk(text: str, raw: bytes) -> Read | None:
         return None
     head: list[tuple[str, Any]] = []
     i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
+    comma = False  # the last member was followed by one
     while i < len(text) and text[i] == '"':
         key, i = _DECODER.raw_decode(text, i)
         i = _SPACE.match(text, i).end()  # type: ignore[union-attr]
@@ -145,10 +146,13 @@ def _walk(text: str, raw: bytes) -> Read | None:
         value, i = _DECODER.raw_decode(text, i)
         head.append((key, value))
         i = _SPACE.match(text, i).end()  # type: ignore[union-attr]
-        if text[i:i + 1] != ",":
+        comma = text[i:i + 1] == ","
+        if not comma:
             break
         i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
-    return None  # no history array: json.loads reads it
+    if not comma and text[i:i + 1] == "}" and _SPACE.match(text, i + 1).end() == len(text):  # type: ignore[union-attr]
+        return Read(dict(head))  # no history array (an envelope, a count): read once all the same
+    return None  # not an object: json.loads reads it, or says why
 
 
 def _continued(raw: bytes, entry: _Entry, end: int, last: int) -> Read | None:
