@@ -127,7 +127,11 @@ def test_key_in_the_query_is_the_tenant_and_count_tokens_is_framed(
     url = f"{proxy.url}/v1beta/models/{MODEL}:countTokens?key={KEY}"
     r = httpx.post(url, json=body, headers={"x-perpetuity-user": "g5"}, trust_env=False)
     assert r.status_code == 200 and r.json()["totalTokens"] > 0
-    assert "4471" in json.dumps(fake.requests[-1].json)  # counted as it would go upstream
+    counted = fake.requests[-1].json["generateContentRequest"]
+    assert "4471" in json.dumps(counted["contents"])  # counted as it would go upstream
+    assert counted["model"] == f"models/{MODEL}"  # a generateContentRequest names its model
+    declared = [d["name"] for t in counted["tools"] for d in t["functionDeclarations"]]
+    assert "memory_search" in declared  # our tools, as they ride along upstream
     assert fake.requests[-1].query == f"key={KEY}"
     assert len(proxy.messages("g5")) == len(MEMORY)  # a count is not a turn
 

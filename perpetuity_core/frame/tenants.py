@@ -4,6 +4,7 @@ credential reads in another conversation's frame."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from pathlib import Path
@@ -29,9 +30,17 @@ def library(root: Path | None, tenant: str) -> Path | None:
 
 def quotes_untrusted(messages: list[Message]) -> bool:
     """Did the conversation quote a result of a tool that reads the web?"""
+    # Each tool's name matched once, and the results looked at only when a call read the web:
+    # this runs on every call of a conversation, over all of its history.
     names = {p.call_id: p.name for m in messages for p in m.parts if p.kind == Kind.TOOL_CALL}
-    return any(p.kind == Kind.TOOL_RESULT and _UNTRUSTED_TOOL.search(names.get(p.call_id, ""))
-               for m in messages for p in m.parts)
+    web = {call_id for call_id, name in names.items() if _reads_web(name)}
+    return bool(web) and any(p.kind == Kind.TOOL_RESULT and p.call_id in web
+                             for m in messages for p in m.parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _reads_web(tool: str) -> bool:
+    return bool(_UNTRUSTED_TOOL.search(tool))
 
 
 def withheld(row: Row) -> str:

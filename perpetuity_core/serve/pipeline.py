@@ -48,12 +48,13 @@ from perpetuity_core.serve.layout import Layout, last_user_text
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.wire.conversation import (
     Kind,
+    Message,
     ParsedRequest,
     Protocol,
     Reply,
 )
 from perpetuity_core.wire.identity import PERSONAL, identify
-from perpetuity_core.wire.protocols import ADAPTERS
+from perpetuity_core.wire.protocols import ADAPTERS, anthropic, gemini
 from perpetuity_core.wire.route import (
     CONTROL_PREFIX,
     anthropic_count,
@@ -63,6 +64,7 @@ from perpetuity_core.wire.route import (
     reads_model,
     route,
 )
+from perpetuity_core.wire.seen import Read, Seen
 
 log = logging.getLogger("perpetuity")
 
@@ -104,6 +106,35 @@ class Pipeline:
             store.user_id(PERSONAL)
         self.layout = Layout(store, self.scanner, settings)
         self._shapes: dict[str, str] = {}  # harness -> digest of its request shape last kept
+        self._seen = Seen()  # the bodies last read, so that a longer one reads only its tail
+
+    def _json_body(self, raw: bytes) -> Read | None:
+        """The body read, or None when it is not a JSON object this path may store (too
+        large, unreadable, a lone surrogate); only bytes not read before are scanned."""
+        if not raw or len(raw) > MAX_BODY:
+            return None
+        try:
+            read = self._seen.read(raw)
+            if _lone_surrogate(raw, read.fresh_from):  # a lone one (\ud800) cannot be stored
+                json.dumps(read.data, ensure_ascii=False).encode()
+        except (ValueError, RecursionError):  # RecursionError: deeper than Python's stack
+            return None
+        return read if isinstance(read.data, dict) else None
+
+    def _parse(self, protocol: Protocol, read: Read) -> ParsedRequest:
+        """The request in neutral terms, its messages kept for the next body that starts as
+        this one does. Anthropic's messages read one by one, so those an earlier body read are
+        taken as they were (the other adapters read a message beside its neighbours)."""
+        if protocol != Protocol.ANTHROPIC:
+            parsed = ADAPTERS[protocol].parse_request(read.data)
+            self._seen.keep(read, [])
+            return parsed
+        parsed = anthropic.parse_request(read.data, read.known)
+        known: list[Message | None] = [None] * len(read.data["messages"])
+        for i, m in zip(parsed.raw_index, parsed.messages, strict=True):
+            known[i] = m
+        self._seen.keep(read, known)
+        return parsed
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -135,7 +166,8 @@ class Pipeline:
         return decision
 
     def prepare(self, req: HttpRequest) -> Decision:
-        body = _json_body(req.body) if req.method == "POST" else None
+        read = self._json_body(req.body) if req.method == "POST" else None
+        body: dict[str, Any] | None = read.data if read is not None else None
         decision = self.route_only(req, str(body.get("model", "")) if body else "")
         r = decision.route
         if r is None:
@@ -145,22 +177,23 @@ class Pipeline:
         if not controls.enabled:
             decision.note = "x-perpetuity: off"
             return decision
-        if r.protocol is None or body is None:
+        if r.protocol is None or read is None or body is None:
             decision.note = "no turn in this request"
             return decision
         try:
-            parsed = ADAPTERS[r.protocol].parse_request(body)
+            parsed = self._parse(r.protocol, read)
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
         # Anthropic's count_tokens and Gemini's countTokens are answered for the request as it
-        # would go upstream (framed; Anthropic's with our tools beside the harness's), and
-        # store nothing: a harness sizing its context sees what the model reads.
+        # would go upstream (framed, our tools beside the harness's), and store nothing: a
+        # harness sizing its context sees what the model reads.
         count = anthropic_count(req.path)
         if (call := gemini_call(req.path)) is not None:
             # Gemini: the path names the model and the streaming.
             parsed.model, parsed.stream = call.model or parsed.model, call.stream
-        if count or (call is not None and call.count):
+            count = call.count
+        if count:
             controls = replace(controls, probe=True)
         settings = self.settings
         ident = identify(headers, parsed, credential(headers, req.path), self.store.salt,
@@ -201,7 +234,10 @@ class Pipeline:
         decision.body, decision.frame, decision.recall = recall.body, recall.built, recall
         if count and recall.memory is not None:
             specs = self._tool_specs(recall.memory, parsed.tool_names)
-            decision.body = _first_round(r.protocol, recall.sent, specs, settings.tool_rounds)
+            counted = recall.sent if recall.sent is not None else body
+            if r.protocol == Protocol.GEMINI:
+                counted = gemini.count_request(counted, parsed.model)
+            decision.body = _first_round(r.protocol, counted, specs, settings.tool_rounds)
         if controls.probe or not controls.capture:
             decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
             return decision
@@ -355,12 +391,13 @@ def _curate(root: Path) -> str:
         return f"perpetuity: curate failed: {e}"
 
 
-def _lone_surrogate(raw: bytes) -> bool:
-    """Does the body escape a surrogate that is not half of a pair? Scanned, not re-encoded: a
-    long history's emoji (paired) made every call dump and encode the whole body (0.3 s at
-    6.5 MB). An escape is one only after an even run of backslashes (else it is text)."""
+def _lone_surrogate(raw: bytes, start: int = 0) -> bool:
+    """Does the body escape a surrogate that is not half of a pair, from byte `start` on (the
+    bytes before were read before, and passed)? Scanned, not re-encoded: a long history's emoji
+    (paired) made every call dump and encode the whole body (0.3 s at 6.5 MB). An escape is one
+    only after an even run of backslashes (else it is text)."""
     paired = -1  # where the low half of the last pair starts
-    for m in _SURROGATE.finditer(raw):
+    for m in _SURROGATE.finditer(raw, start):
         start = k = m.start()
         while k and raw[k - 1] == 0x5C:
             k -= 1
@@ -370,16 +407,3 @@ def _lone_surrogate(raw: bytes) -> bool:
             return True
         paired = m.end()
     return False
-
-
-def _json_body(raw: bytes) -> dict | None:
-    if not raw or len(raw) > MAX_BODY:
-        return None
-    try:
-        data = json.loads(raw)
-        if _lone_surrogate(raw):  # a lone one (\ud800) cannot be stored: found by fuzzing
-            json.dumps(data, ensure_ascii=False).encode()
-    except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
-        return None
-    return data if isinstance(data, dict) else None
-

@@ -49,6 +49,9 @@ class Part:
 class Message:
     role: str  # "system" | "user" | "assistant" | "tool"
     parts: tuple[Part, ...]
+    # The fingerprint, once taken: a message read once (wire.seen) is the same object on every
+    # later call of its conversation, so it is digested once, however long the history.
+    _digest: str = field(default="", init=False, compare=False, repr=False)
 
     def fingerprint(self) -> str:
         """A digest that survives the ways harnesses re-send a message.
@@ -57,7 +60,9 @@ class Message:
         blocks, thinking stripped and whitespace changed, so only what identifies the turn counts:
         its role, its words with whitespace collapsed, and its tool call ids.
         """
-        return _fingerprint(self)
+        if not self._digest:
+            object.__setattr__(self, "_digest", _fingerprint(self))
+        return self._digest
 
     @property
     def text(self) -> str:

@@ -20,31 +20,19 @@ from perpetuity_core.wire.protocols.base import Adapter
 def kept_start(messages: list[Message], start: int) -> int:
     """The latest index at or before `start` where the kept part may begin: a user message none
     of whose tool results answer a call made before it (0 when none does)."""
-    called_at = _calls(messages[:start])
     for k in range(min(start, len(messages) - 1), 0, -1):
-        if messages[k].role == "user" and not _answers(messages[k], called_at, k):
+        if messages[k].role == "user" and not answers_earlier(messages, k):
             return k
     return 0
 
 
 def answers_earlier(messages: list[Message], i: int) -> bool:
-    """Message `i` holds results of calls made before it: nothing may go between them."""
-    return _answers(messages[i], _calls(messages[:i]), i)
-
-
-def _calls(messages: list[Message]) -> dict[str, int]:
-    """Each tool call's id, with the index of the message that made it."""
-    called_at: dict[str, int] = {}
-    for i, m in enumerate(messages):
-        for p in m.parts:
-            if p.kind == Kind.TOOL_CALL:
-                called_at.setdefault(p.call_id, i)
-    return called_at
-
-
-def _answers(message: Message, called_at: dict[str, int], i: int) -> bool:
-    return any(p.kind == Kind.TOOL_RESULT and called_at.get(p.call_id, i) < i
-               for p in message.parts)
+    """Message `i` holds results of calls made before it: nothing may go between them. Looked
+    for from just before it back: a result answers the message before it, so this stops there
+    rather than walking a long session's whole history on every call."""
+    results = {p.call_id for p in messages[i].parts if p.kind == Kind.TOOL_RESULT}
+    return bool(results) and any(p.kind == Kind.TOOL_CALL and p.call_id in results
+                                 for m in reversed(messages[:i]) for p in m.parts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from perpetuity_core.errors import ProtocolError
@@ -22,12 +22,15 @@ from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase
 from perpetuity_core.wire.sse import Event
 
 
-def parse_request(body: dict[str, Any]) -> ParsedRequest:
+def parse_request(body: dict[str, Any], known: Sequence[Message | None] = ()) -> ParsedRequest:
+    """`known`: what an earlier request made of the first of these raw messages, the same
+    objects (wire.seen); each message reads alone, so they are taken as they were."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ProtocolError("Anthropic request without a messages list")
     raw_index = [i for i, m in enumerate(messages) if isinstance(m, dict)]
-    parsed = [message_from(messages[i]) for i in raw_index]
+    parsed = [m if i < len(known) and (m := known[i]) is not None else message_from(messages[i])
+              for i in raw_index]
     hints: dict[str, str] = {}
     meta = body.get("metadata")
     if isinstance(meta, dict) and isinstance(meta.get("user_id"), str):

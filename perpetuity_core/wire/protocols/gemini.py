@@ -315,6 +315,15 @@ def _chunk(data: dict[str, Any]) -> bytes:
 # --------------------------------------------------------------------------- the tool loop
 
 
+def count_request(body: dict[str, Any], model: str) -> dict[str, Any]:
+    """A countTokens body as the generateContentRequest it stands for (one already is): the API
+    counts tools and a system instruction only inside one, and takes bare `contents` beside
+    nothing else."""
+    if isinstance(body.get("generateContentRequest"), dict):
+        return body
+    return {"generateContentRequest": {"model": f"models/{model}", **body}}
+
+
 def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: bool) -> dict[str, Any]:
     """Our tools as function declarations beside the harness's own (in its first tool that
     declares functions: one tool of declarations is what every model accepts); on the last round

@@ -1,0 +1,220 @@
+"""Request bodies read as far as they were read before: a harness re-sends its whole history on
+every call and only appends to it, so only what follows the part already read is parsed.
+
+A Claude Code session that never compacts sends 22 MB of JSON a call by 1.4M tokens of history
+(the six shared sessions chained three times over): `json.loads`, the lone-surrogate scan and
+the adapter's reading of every message took most of a late call's time, all of it proportional
+to the history.
+
+`Seen.read(raw)` returns the body as `json.loads(raw)` reads it. For the last bodies it read
+(`ENTRIES` of them, at most `BUDGET` bytes in all) it keeps the bytes themselves, where each of
+the last `ENDS` elements of the body's history array ends (`messages`; Gemini's `contents`,
+Responses' `input`), and the objects parsed from the body. A body whose bytes up to one of
+those ends are the same bytes (compared, not hashed: a `memcmp`) reads as that body did up to
+there: its members before the history, the history's elements up to there, and what the
+adapter made of them (`Read.known`, kept by `Seen.keep`). Only the rest is parsed. A body that
+differs anywhere before is parsed whole, so a lookup saves work and never changes what is read.
+The harness moves its cache marker to its last message on every call, so the last elements
+change; the earlier ones do not.
+
+What it holds is bounded by `BUDGET`, not by any history: the bodies themselves and what they
+parse to (about 1.5 times their size: the 21 MB body of a 1.4M-token history is 28 MB of
+objects, its messages 3 MB more). A body past the budget is read whole every time, as before.
+
+The objects handed out are shared with later calls: the request path must not change them in
+place (it builds what it sends anew). One thread reads (the one that prepares requests).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+ENTRIES = 16  # bodies kept (least recently read go first)
+BUDGET = 32 * 1024 * 1024  # bytes of them kept in all (a body parses to about 1.5 times its size)
+ENDS = 8  # the last elements of a history whose ends are kept
+HISTORY_KEYS = ("messages", "contents", "input")
+
+_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, as the json module skips it
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(slots=True)
+class Read:
+    """A body as `json.loads` reads it, and what of it an earlier body had read already."""
+
+    data: Any
+    known: list[Any] = field(default_factory=list)  # per history element, from an earlier keep
+    fresh_from: int = 0  # the first byte not read before (0: the whole body is new)
+    _entry: _Entry | None = None  # what `Seen.keep` remembers (None: nothing to remember)
+
+
+@dataclass(slots=True)
+class _Entry:
+    raw: bytes  # the body, as sent
+    head: list[tuple[str, Any]]  # the top-level members before the history array
+    key: str  # the history array's member name
+    elements: list[Any]  # the history's elements
+    ends: list[tuple[int, int]]  # (byte offset just past element i, i) for the last ENDS
+    known: list[Any] = field(default_factory=list)  # per element, what the adapter made of it
+
+
+class Seen:
+    """The last bodies read, by what they start with."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._bytes = 0
+
+    def read(self, raw: bytes) -> Read:
+        """`raw` as `json.loads` reads it (its errors raised as it raises them)."""
+        found = self._longest(raw)
+        if found is not None:
+            try:
+                read = _continued(raw, *found)
+            except (ValueError, RecursionError):
+                read = None  # json.loads says why, reading it whole
+            if read is not None:
+                return read
+        return _whole(raw)
+
+    def keep(self, read: Read, known: list[Any]) -> None:
+        """Remember `read`'s body for the bodies that start with it, `known` what the adapter
+        made of each of its history's elements (None where it made nothing to reuse)."""
+        entry = read._entry
+        if entry is None or len(entry.raw) > BUDGET:
+            return
+        entry.known = known
+        self._entries[id(entry)] = entry
+        self._bytes += len(entry.raw)
+        while self._bytes > BUDGET or len(self._entries) > ENTRIES:
+            _, old = self._entries.popitem(last=False)
+            self._bytes -= len(old.raw)
+        read._entry = None
+
+    def _longest(self, raw: bytes) -> tuple[_Entry, int, int] | None:
+        """The kept body that `raw` starts like over the most bytes, up to one of its ends
+        (that end, and the element it ends): taken out, since the newer body replaces it."""
+        best: tuple[_Entry, int, int] | None = None
+        for entry in reversed(self._entries.values()):
+            old = memoryview(entry.raw)
+            for end, last in reversed(entry.ends):
+                if best is not None and end <= best[1]:
+                    break
+                if end < len(raw) and raw.startswith(old[:end]):
+                    best = (entry, end, last)
+                    break
+        if best is not None:
+            del self._entries[id(best[0])]
+            self._bytes -= len(best[0].raw)
+        return best
+
+
+def _whole(raw: bytes) -> Read:
+    """Every byte of the body read, with where its history's last elements end."""
+    if json.detect_encoding(raw) != "utf-8":
+        return Read(json.loads(raw))
+    text = raw.decode("utf-8", "surrogatepass")  # as json.loads reads bytes
+    try:
+        walked = _walk(text, raw)
+    except (ValueError, RecursionError):
+        walked = None
+    return Read(json.loads(text)) if walked is None else walked
+
+
+def _walk(text: str, raw: bytes) -> Read | None:
+    """The body read member by member, its history element by element (None: not an object
+    whose history this can read; json.loads then says why, or reads it)."""
+    i = _SPACE.match(text, 0).end()  # type: ignore[union-attr]
+    if text[i:i + 1] != "{":
+        return None
+    head: list[tuple[str, Any]] = []
+    i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
+    comma = False  # the last member was followed by one
+    while i < len(text) and text[i] == '"':
+        key, i = _DECODER.raw_decode(text, i)
+        i = _SPACE.match(text, i).end()  # type: ignore[union-attr]
+        if text[i:i + 1] != ":":
+            return None
+        i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
+        if key in HISTORY_KEYS and text[i:i + 1] == "[" and all(k != key for k, _ in head):
+            entry = _Entry(raw, head, key, [], [])
+            return _rest(text, i + 1, entry, 0, [])
+        value, i = _DECODER.raw_decode(text, i)
+        head.append((key, value))
+        i = _SPACE.match(text, i).end()  # type: ignore[union-attr]
+        comma = text[i:i + 1] == ","
+        if not comma:
+            break
+        i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
+    if not comma and text[i:i + 1] == "}" and _SPACE.match(text, i + 1).end() == len(text):  # type: ignore[union-attr]
+        return Read(dict(head))  # no history array (an envelope, a count): read once all the same
+    return None  # not an object: json.loads reads it, or says why
+
+
+def _continued(raw: bytes, entry: _Entry, end: int, last: int) -> Read | None:
+    """A body that starts as `entry`'s did up to byte `end`, just past history element
+    `last`: read from there."""
+    text = raw[end:].decode("utf-8", "surrogatepass")
+    new = _Entry(raw, entry.head, entry.key, entry.elements[:last + 1],
+                 [e for e in entry.ends if e[0] <= end])
+    known = entry.known[:last + 1]
+    read = _rest(text, 0, new, end, known, after_element=True)
+    if read is not None:
+        read.fresh_from = end
+    return read
+
+
+def _rest(text: str, i: int, entry: _Entry, base: int, known: list[Any],
+          after_element: bool = False) -> Read | None:
+    """The body from inside its history array at `text[i]` on (`after_element`: just past an
+    element, else just past the `[`), `base` the byte offset of `text[0]` in the body."""
+    elements = entry.elements
+    ends: list[int] = []  # character offsets in `text` just past each new element
+    i = _SPACE.match(text, i).end()  # type: ignore[union-attr]
+    if after_element or text[i:i + 1] != "]":
+        while True:
+            if after_element:
+                if text[i:i + 1] != ",":
+                    break
+                i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
+            value, i = _DECODER.raw_decode(text, i)
+            elements.append(value)
+            ends.append(i)
+            after_element = True
+            i = _SPACE.match(text, i).end()  # type: ignore[union-attr]
+    if text[i:i + 1] != "]":
+        return None
+    i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
+    tail: list[tuple[str, Any]] = []
+    if text[i:i + 1] == ",":
+        if text[_SPACE.match(text, i + 1).end():][:1] != '"':  # type: ignore[union-attr]
+            return None  # a trailing comma: json.loads refuses it
+        rest, at = _DECODER.raw_decode("{" + text[i + 1:], 0)
+        if _SPACE.match(text, i + at).end() != len(text):  # type: ignore[union-attr]
+            return None
+        tail = list(rest.items())
+    elif text[i:i + 1] != "}" or _SPACE.match(text, i + 1).end() != len(text):  # type: ignore[union-attr]
+        return None
+    if any(k == entry.key for k, _ in tail):
+        return None  # the history named twice: json.loads keeps the last
+    entry.ends = (entry.ends + _byte_ends(text, base, ends, len(elements) - len(ends)))[-ENDS:]
+    members = [*entry.head, (entry.key, list(elements)), *tail]
+    return Read(dict(members), known, 0, entry)
+
+
+def _byte_ends(text: str, base: int, ends: list[int], first: int) -> list[tuple[int, int]]:
+    """The byte offsets (from `base`, that of `text[0]`) of the last ENDS of `ends`
+    (character offsets in `text` just past elements `first`, `first` + 1, ...), each with its
+    element's index."""
+    out: list[tuple[int, int]] = []
+    start = max(0, len(ends) - ENDS)
+    at, upto = base, 0
+    for k in range(start, len(ends)):
+        at += len(text[upto:ends[k]].encode("utf-8", "surrogatepass"))
+        upto = ends[k]
+        out.append((at, first + k))
+    return out

@@ -1,0 +1,180 @@
+"""A long session's request read as far as it was read before (wire.seen, issue 22): each body
+reads as json.loads reads it, a late call reads and digests only what is new, and what is
+stored stays exactly once across a restart (the store is the truth; the cache only saves
+work)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage.store import Store
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire import conversation
+from perpetuity_core.wire.protocols import anthropic
+from perpetuity_core.wire.seen import Seen
+from tests.conftest import query
+from tests.test_fixtures import to_request
+from tests.test_plan import Session
+
+MARK = {"type": "ephemeral"}
+
+
+def _body(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """Claude Code's shape: the model first, the history with its cache mark on the last
+    message, then the rest."""
+    marked = [*history[:-1], {**history[-1], "cache_control": MARK}] if history else []
+    return {"model": "m", "messages": marked, "system": [{"type": "text", "text": "s"}],
+            "tools": [{"name": "Read"}], "max_tokens": 100, "stream": True}
+
+
+_TEXT = st.text(st.sampled_from(["a", " ", "\n", '"', "\\", "é", "😀", "\u2028", "}", ",", "]"]),
+                max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_TEXT, st.booleans(), st.sampled_from([None, 1, 2])), min_size=1,
+                max_size=12))
+def test_a_growing_history_reads_as_json_loads_reads_it(turns: list[tuple[str, bool, Any]]) -> None:
+    """Call after call, each body read from where the last one was read up to equals
+    json.loads of it, key order included (what goes upstream is dumped from it)."""
+    seen, history = Seen(), []
+    for text, ascii_only, indent in turns:
+        history.append({"role": "user", "content": [{"type": "text", "text": text}]})
+        raw = json.dumps(_body(history), ensure_ascii=ascii_only, indent=indent).encode()
+        read = seen.read(raw)
+        assert json.dumps(read.data) == json.dumps(json.loads(raw))
+        seen.keep(read, [None] * len(history))
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b"[1]", b"null", b' {"messages" : [ {"a":1} , {"b":2} ] } ', b'{"messages": []}',
+    b'{"messages": [1,]}', b'{"messages": [1], }', b'{"messages": [1]} x', b'{"messages": [1]',
+    b'{"a": 1, "messages": [1], "messages": [2]}', b'{"messages": [1], "a": {"messages": 2}}',
+    b'{"x": {"messages": [1]}}', b'\xef\xbb\xbf{"messages": []}', b'{"messages": "no"}',
+    b'{"contents": [{"role": "user"}], "model": "g"}', b'{"messages": [NaN, 1e999]}',
+    b'{"messages": ["\\ud800"]}', '{"messages": ["é"]}'.encode("utf-16"), b"{}", b'{"a": 1,}',
+    b"{,}", b'{"a": 1, 2}', b'{"a": 1} {}', b'{"request": {"contents": [1]}, "model": "g"}',
+])
+def test_odd_bodies_read_as_json_loads_reads_them(raw: bytes) -> None:
+    """Read cold and again after a body it starts like: the same value, or the same error."""
+    def outcome(read: Any) -> Any:
+        try:
+            return json.dumps(read(raw))
+        except ValueError as e:
+            return type(e)
+
+    warm = Seen()
+    if raw[:14] == b'{"messages": [':
+        warm.keep(warm.read(b'{"messages": [1, 2], "z": 0}'), [None, None])
+    want = outcome(json.loads)
+    assert outcome(lambda r: Seen().read(r).data) == want
+    assert outcome(lambda r: warm.read(r).data) == want
+
+
+class _Counted:
+    """Counts the calls of a module's function it stands in for."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> None:
+        self.calls = 0
+        real = getattr(module, name)
+
+        def counted(*args: Any) -> Any:
+            self.calls += 1
+            return real(*args)
+
+        monkeypatch.setattr(module, name, counted)
+
+
+def _long_session(tmp_path: Path, rounds: int) -> Session:
+    s = Session(tmp_path, tools=[{"name": "Read", "input_schema": {"type": "object"}}])
+    s.prompt("Port the yaml module, file by file")
+    for k in range(rounds):
+        s.tool_round(f"file {k} body " * 20)
+    return s
+
+
+def test_a_late_call_reads_and_digests_only_what_is_new(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work proportional to what is new, not to the history: after 120 tool rounds (241
+    messages), the next call reads (message_from) and fingerprints only the messages it added
+    and the one whose cache mark moved, on the request path and in storing it; the store is
+    asked about the tail only."""
+    s = _long_session(tmp_path, 120)
+    read = _Counted(monkeypatch, anthropic, "message_from")
+    digested = _Counted(monkeypatch, conversation, "_fingerprint")
+    asked: list[int] = []
+    known = Store.known
+
+    def counted_known(store: Store, conv: int, keys: list[str], replies: list[str]) -> Any:
+        asked.append(len(keys))
+        return known(store, conv, keys, replies)
+
+    monkeypatch.setattr(Store, "known", counted_known)
+    s.tool_round("file 120 body")
+    assert len(s.asked) == 243
+    assert read.calls <= 3, read.calls
+    assert digested.calls <= 4, digested.calls  # the two new, the reply stored, the moved mark
+    assert max(asked) <= 16
+
+
+def _stored(at: Path) -> list[tuple[str, str]]:
+    return query(at / "m.db", "SELECT role, fingerprint FROM message ORDER BY id")
+
+
+def _restarted(s: Session, tmp_path: Path) -> None:
+    """A new proxy on the same file: its caches empty, the store as it was."""
+    s.store.close()
+    s.store = open_memory(tmp_path / "m.db")
+    s.pipeline = Pipeline(s.store, s.pipeline.settings)
+
+
+def test_a_restart_mid_session_stores_every_message_once(tmp_path: Path) -> None:
+    """The cache is an optimisation only: a proxy restarted mid-task (its cache empty) stores
+    what the same session stores without the restart, each message once."""
+    runs = []
+    for restart in (False, True):
+        at = tmp_path / str(restart)
+        at.mkdir()
+        s = _long_session(at, 30)
+        if restart:
+            _restarted(s, at)
+        for k in range(5):
+            s.tool_round(f"after the restart {k} " * 20)
+        runs.append(_stored(at))
+    assert runs[0] == runs[1]
+    assert len(runs[1]) == len(set(runs[1]))
+
+
+def test_a_call_whose_writes_were_lost_is_stored_by_the_next(tmp_path: Path) -> None:
+    """A call read (and its body kept) whose writes never happened, the proxy killed after
+    sending it: the next call stores its messages from the store's own record, once."""
+    s = _long_session(tmp_path, 30)
+    s.history[-1] = {"role": "assistant", "content": [
+        *s.history[-1]["content"],
+        {"type": "tool_use", "id": "lost", "name": "Read", "input": {"path": "lost.py"}}]}
+    s.history.append({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "lost", "content": "never stored"}]})
+    s.asked = list(s.history)
+    assert s.pipeline.prepare(_request(s)).job is not None  # read, never stored
+    _restarted(s, tmp_path)
+    s.history.append({"role": "assistant", "content": [{"type": "text", "text": "lost reply"}]})
+    s.tool_round("the call after")
+    lost = anthropic.parse_request({"messages": s.history[-5:-3]}).messages
+    stored = [f for _, f in _stored(tmp_path)]
+    assert [stored.count(m.fingerprint()) for m in lost] == [1, 1]
+    assert len(stored) == len(set(stored))
+
+
+def _request(s: Session) -> Any:
+    return to_request({
+        "method": "POST", "path": "/v1/messages",
+        "headers": [["x-api-key", "k"], ["x-perpetuity-user", "dev"],
+                    ["x-perpetuity-conversation", "now"]],
+        "body": {"model": "m", "max_tokens": 100, "messages": s.asked, "tools": s.tools}})
