@@ -381,6 +381,17 @@ def test_what_one_upstream_read_brings_goes_on_as_one_chunk() -> None:
     assert written.log == [("turn", "c"), ("reply", "Hi.")]
 
 
+async def _delivered(relay: Relay, token: str) -> None:
+    """The job `token` fetched from the relay as mitmproxy does, its whole reply read."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
+                 "content-length: 0\r\n\r\n".encode())
+    await writer.drain()
+    await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
+    writer.close()
+    await writer.wait_closed()
+
+
 async def _two_calls_apart(fake: FakeProvider, pause: float) -> None:
     relay = Relay(None)  # type: ignore[arg-type]
     await relay.start()
@@ -388,13 +399,7 @@ async def _two_calls_apart(fake: FakeProvider, pause: float) -> None:
         body = {"model": "claude-opus-4-8", "max_tokens": 20,
                 "messages": [{"role": "user", "content": f"call {n}"}]}
         token = relay.submit(Capture(_job(fake, body, stream=False), Written(), Inline()))
-        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
-        writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
-                     "content-length: 0\r\n\r\n".encode())
-        await writer.drain()
-        await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
-        writer.close()
-        await writer.wait_closed()
+        await _delivered(relay, token)
         if not n:
             await asyncio.sleep(pause)
     # Still open after the second call: the first call's connection carried it.
@@ -425,13 +430,7 @@ async def _two_clients(fake: FakeProvider) -> None:
         job = _job(fake, body, stream=False)
         job.headers = [("x-api-key", key)]
         token = relay.submit(Capture(job, Written(), Inline()))
-        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
-        writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
-                     "content-length: 0\r\n\r\n".encode())
-        await writer.drain()
-        await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 20)
-        writer.close()
-        await writer.wait_closed()
+        await _delivered(relay, token)
     await relay.stop()
 
 
