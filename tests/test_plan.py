@@ -220,13 +220,20 @@ def test_within_a_task_the_request_only_grows_and_no_frame_is_built(tmp_path: Pa
         previous = sent
 
 
-def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path) -> None:
-    s = Session(tmp_path, Cap(floor=100, ceiling=300))
+def _then_other_work(s: Session) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Decision]:
+    """Two prompts about toml, each with a tool round, then one about other work: the request
+    of the second prompt, that of the third, and the third's decision."""
     s.prompt("Which module parses toml files?")
     s.tool_round("toml " * 100)
     before, _ = s.prompt("Add a test for the toml module")
     s.tool_round("ok " * 50)
     after, d = s.prompt("And where do the csv tests live?")
+    return before, after, d
+
+
+def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path) -> None:
+    s = Session(tmp_path, Cap(floor=100, ceiling=300))
+    before, after, d = _then_other_work(s)
     assert _unmarked(after).startswith(_unmarked(before)[:-1])  # still append-only
     assert after[-1] == s.asked[-1]  # the prompt itself, as sent
     grown = json.dumps(after[len(before):-1])
@@ -237,11 +244,7 @@ def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path
 def test_an_agents_new_prompt_gets_no_addendum(tmp_path: Path) -> None:
     s = Session(tmp_path, Cap(floor=100, ceiling=300), tools=[
         {"name": "Read", "description": "Read a file.", "input_schema": {"type": "object"}}])
-    s.prompt("Which module parses toml files?")
-    s.tool_round("toml " * 100)
-    before, _ = s.prompt("Add a test for the toml module")
-    s.tool_round("ok " * 50)
-    after, d = s.prompt("And where do the csv tests live?")
+    before, after, d = _then_other_work(s)
     assert _unmarked(after).startswith(_unmarked(before)[:-1])  # still append-only
     assert frame.MORE_HEADER not in json.dumps(after) and d.frame is None
     assert after[len(before) - 1:] == s.asked[len(s.asked) - len(after) + len(before) - 1:]

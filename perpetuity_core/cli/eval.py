@@ -306,9 +306,9 @@ def _ask_in_sequence(pipeline: Pipeline, case: Case, limits: Cap) -> list[Result
         history_tokens = sum(token_estimate(m.text) for m, t in zip(
             case.thread.messages, case.thread.times) if t <= q.at)
         made = d.recall.made if d.recall is not None and d.frame else "none"
+        in_memory, in_new = ranking_holds(pipeline, user, q.text, at, (memory, new), evidence)
         out.append(Result(all(found), any(found), new, history_tokens, q.category, memory, new,
-                          ranked_holds(pipeline, user, q.text, at, memory, evidence),
-                          ranked_holds(pipeline, user, q.text, at, new, evidence),
+                          in_memory, in_new,
                           sum(token_estimate(str(m.get("content", ""))) for m in sent),
                           k == 0, made))
         if d.job is not None:
@@ -320,13 +320,6 @@ def _ask_in_sequence(pipeline: Pipeline, case: Case, limits: Cap) -> list[Result
 
 def noted() -> Message:
     return Message("assistant", (Part(Kind.TEXT, "Noted."),))
-
-
-def ranked_holds(pipeline: Pipeline, user: str, query: str, at: float, tokens: int,
-                  evidence: list[str]) -> bool:
-    """Do the ranking's top rows, taken best first while they fit `tokens`, hold every piece
-    of evidence?"""
-    return ranking_holds(pipeline, user, query, at, (tokens,), evidence)[0]
 
 
 RANKING_DEPTH = 2_000  # rows the ranking is read to: past any request's tokens on every dataset
