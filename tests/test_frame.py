@@ -355,10 +355,10 @@ def test_a_names_latest_mention_in_a_long_row_comes_as_an_excerpt_memory_more_re
     """The latest mention of a name the conversation touched, in a row too long for the
     stretch, comes as the lines around it, verbatim and bounded, with the row's id; memory_more
     gives the row back whole."""
-    listing = "\n".join(f"{n:4d}  value_{n} = compute({n})  # an unrelated line of the file"
+    listing = "\n".join(f"{n:4d}  value {n} = compute({n})  # an unrelated line of the file"
                          for n in range(120))
     mention = "  from app.config_loader import load_settings  # the settings loader, read once"
-    long_row = listing + "\n" + mention + "\n" + listing.replace("value_", "other_")
+    long_row = listing + "\n" + mention + "\n" + listing.replace("value ", "other ")
     ids = say(store, "code", "Where is app.config_loader used?", long_row, "ok, next",
               *[f"short turn {i}" for i in range(6)])
     uid = store.find_user("u")
@@ -373,13 +373,13 @@ def test_a_names_latest_mention_in_a_long_row_comes_as_an_excerpt_memory_more_re
     assert long_row[at - 60:at + len("app.config_loader") + 60] in text  # verbatim around it
     assert mention in text  # the whole line
     assert f"memory_more(item={item})" in text
-    assert "value_0 =" not in text and "other_119 =" not in text  # not the whole row
+    assert "value 0 =" not in text and "other 119 =" not in text  # not the whole row
     quoted = text[text.index(frame_render.EXCERPT.format(item)):]
     assert len(quoted.split("[End of quoted memory")[0]) < 2 * (
         frame_select.EXCERPT_CHARS + frame_select.LINE_SLACK) + 200
     memory = TurnMemory(uid, conv, time.time())
     back = tools.run("memory_more", {"item": item}, memory, Scanner(store))
-    assert "value_0 = compute(0)" in back and mention in back  # the row, from its start
+    assert "value 0 = compute(0)" in back and mention in back  # the row, from its start
 
 
 def capture_items(store: Store, message_id: int) -> int:

@@ -191,16 +191,17 @@ def test_the_latest_stretch_is_the_newest_small_rows_within_its_tokens() -> None
 
 def test_the_stretch_takes_the_latest_mention_of_what_the_conversation_touched() -> None:
     """Past the newest rows, the row holding a touched name's latest mention comes before
-    newer rows that hold none; a name mentioned once is not touched, a name's older mention
-    is not its latest."""
+    newer rows that hold none; a name's older mention is not its latest; a name mentioned once
+    comes with the room left."""
     filler = words(frame_select.RECENT_ROW * 4 // 5 - 1)
-    texts = {1: "Read src/app/config.py", 2: "config.py: load_settings() -> dict",
+    texts = {1: "Read src/app/config.py", 2: "src/app/config.py: load_settings() -> dict",
              3: "Edit src/app/config.py: load_settings reads the env", 4: "parse_once here",
              **{i: filler for i in range(5, 40)}}
     rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
     got, _ = frame_select.latest(rows, list(rows))
     assert 3 in got  # the latest mention of src/app/config.py and load_settings
-    assert not {1, 2, 4} & got  # older mentions, and a name touched once
+    assert not {1, 2} & got  # older mentions
+    assert 4 in got  # named once: room was left
     newest = {i for i in range(5, 40) if i in got}
     assert 5 not in newest and len(newest) < 35  # the old row came before newer filler
 
@@ -235,11 +236,25 @@ def test_reference_addendum_selection() -> None:
     assert 2 not in frame_select.addendum(rows, hits, [2], (), 5_000, Cap(240, 2_000)).considered
 
 
+def test_names_touched_more_than_once_come_before_those_named_once() -> None:
+    long = words(frame_select.RECENT_ROW)  # bulk: never among the newest rows
+    texts = {1: f"{long}\nlib/once_only.py\n{long}\nsrc/twice.py\n{long}",
+             2: f"{long}\nsrc/twice.py is read\n{long}", 3: "short"}
+    rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
+    one = frame_render.cost(frame_select.excerpt(rows[2], [frame_select.span(
+        texts[2], texts[2].index("src/twice.py"), len("src/twice.py"))]))
+    _, tight = frame_select.latest(rows, list(rows), most=one + 10)
+    assert set(tight) == {2} and "src/twice.py is read" in tight[2].text
+    _, roomy = frame_select.latest(rows, list(rows), most=4 * one)
+    assert set(roomy) == {1, 2} and "lib/once_only.py" in roomy[1].text
+    assert "src/twice.py" not in roomy[1].text  # its latest mention is row 2's
+
+
 def test_an_excerpt_is_whole_lines_around_each_latest_mention_verbatim() -> None:
     """A bulk row holding the latest mentions of two touched names comes as the lines around
     them (one excerpt where they are close), verbatim, what it leaves out marked; a line too
     long to take whole is cut at EXCERPT_CHARS around the name."""
-    lines = [f"{n:3d}  filler_{n} = {n}  # nothing to see on this line at all" for n in range(200)]
+    lines = [f"{n:3d}  filler {n} = {n}  # nothing to see on this line at all" for n in range(200)]
     lines[50] = " 50  from app.loader import load_settings"
     lines[52] = " 52  settings = load_settings(app.loader.PATH)"
     lines[150] = "x" * 400 + " cfg/deploy.yaml " + "y" * 400

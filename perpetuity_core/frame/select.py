@@ -166,8 +166,22 @@ def latest(rows: dict[int, Row], items: list[int],
             break
         out.add(i)
         used += c
+    chosen: dict[int, list[tuple[int, int]]] = {}
+    # The names touched more than once first; the rest of the stretch goes to those named once
+    # (a new conversation's first frames, where nothing was named twice yet).
+    for mentions in latest_mentions([rows[i] for i in newest_first]):
+        used = _mentions(rows, mentions, most, used, out, chosen)
+    excerpts = {i: excerpt(rows[i], where) for i, where in chosen.items() if i not in out}
+    return out | set(excerpts), excerpts
+
+
+def _mentions(rows: dict[int, Row], mentions: dict[str, int], most: int, used: int,
+              out: set[int], chosen: dict[int, list[tuple[int, int]]]) -> int:
+    """Add to the stretch (`out`, rows whole; `chosen`, excerpts' spans by row) the latest
+    mention of each of `mentions` (name -> its row) that `out` does not hold, most names per
+    token first, within `most` tokens; the tokens used after."""
     spans: dict[int, list[tuple[int, int]]] = {}
-    for name, i in latest_mentions([rows[i] for i in newest_first]).items():
+    for name, i in mentions.items():
         if i not in out:
             text = rows[i].text
             spans.setdefault(i, []).append(span(text, text.rfind(name), len(name)))
@@ -180,17 +194,15 @@ def latest(rows: dict[int, Row], items: list[int],
         else:
             candidates += [(n, token_estimate(r.text[s:e]) + EXCERPT_TOKENS, i, (s, e))
                            for s, e, n in merged]
-    chosen: dict[int, list[tuple[int, int]]] = {}
     for _, c, i, where in sorted(candidates, key=lambda k: (-k[0] / (k[1] + ROW_FLOOR), -k[2])):
-        if used + c > most:
+        if used + c > most or i in out:
             continue
         if where is None:
             out.add(i)
         else:
             chosen.setdefault(i, []).append(where)
         used += c
-    excerpts = {i: excerpt(rows[i], sorted(where)) for i, where in chosen.items()}
-    return out | set(excerpts), excerpts
+    return used
 
 
 def span(text: str, at: int, length: int) -> tuple[int, int]:
@@ -222,6 +234,7 @@ def merge(spans: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 def excerpt(r: Row, spans: list[tuple[int, int]]) -> Row:
     """`r` quoting only `spans` of its text, verbatim, LEFT_OUT where text is left out between
     and around them; rendered with its id, which memory_more reads whole."""
+    spans = [(s, e) for s, e, _ in merge(spans)]
     parts = [LEFT_OUT] if spans[0][0] > 0 else []
     for k, (s, e) in enumerate(spans):
         if k:
@@ -232,16 +245,17 @@ def excerpt(r: Row, spans: list[tuple[int, int]]) -> Row:
     return replace(r, text="\n".join(parts), excerpt=True)
 
 
-def latest_mentions(newest_first: list[Row]) -> dict[str, int]:
-    """Each name touched in more than one of these rows (`names`), and the row of its latest
-    mention."""
+def latest_mentions(newest_first: list[Row]) -> tuple[dict[str, int], dict[str, int]]:
+    """The names (`names`) touched in more than one of these rows, and those in one only, each
+    with the row of its latest mention."""
     last: dict[str, int] = {}
     seen: Counter[str] = Counter()
     for r in newest_first:
         for name in names(r.text):
             seen[name] += 1
             last.setdefault(name, r.item_id)
-    return {name: row for name, row in last.items() if seen[name] > 1}
+    touched = {name: row for name, row in last.items() if seen[name] > 1}
+    return touched, {name: row for name, row in last.items() if seen[name] == 1}
 
 
 @functools.lru_cache(maxsize=NAMED_ROWS)
