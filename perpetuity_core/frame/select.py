@@ -60,9 +60,10 @@ _CAMEL = re.compile(r"[a-z][A-Z]")
 # within LINE_SLACK more (Python source, a listing, a diff), and the row's id, which memory_more
 # reads whole. What a next reply uses of a file it read before lies around the name it uses.
 # Six shared Claude Code sessions (cost of direct / identifiers in the request / in context):
-# whole rows only 0.678 / 0.890 / 0.815; excerpts of touched names 0.682 / 0.903 / 0.845 (80
-# characters either side: 0.680 / 0.897 / 0.839); then names named once 0.687 / 0.925 / 0.860.
-# A stretch of 5,000 tokens so: 0.672 / 0.860 / 0.774.
+# whole rows only 0.678 / 0.890 / 0.815; excerpts of touched names 0.682 / 0.903 / 0.845 (120
+# against 80 characters either side, the top hit not yet kept whole: 0.680 / 0.903 / 0.839
+# and 0.680 / 0.897 / 0.839); then names named once 0.687 / 0.925 / 0.860. A stretch of 5,000
+# tokens so: 0.672 / 0.860 / 0.774.
 EXCERPT_CHARS = 120
 LINE_SLACK = 80
 EXCERPT_TOKENS = 8  # what an excerpt costs beside its text: the marks of what it left out
