@@ -27,6 +27,8 @@ from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
 from perpetuity_core.memory.storage.store import Store
+from perpetuity_core.recall import tools
+from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import (
     Kind,
@@ -346,6 +348,44 @@ def test_cap_never_trims_the_recent_stretch(store: Store) -> None:
     text = "\n".join(p.text for m in built.messages for p in m.parts)
     assert all(f"turn {i} about" in text for i in (5, 6, 7))
     assert "turn 4 about" not in text and "this conversation" in text
+
+
+def test_a_names_latest_mention_in_a_long_row_comes_as_an_excerpt_memory_more_reads_whole(
+        store: Store) -> None:
+    """The latest mention of a name the conversation touched, in a row too long for the
+    stretch, comes as the lines around it, verbatim and bounded, with the row's id; memory_more
+    gives the row back whole."""
+    listing = "\n".join(f"{n:4d}  value {n} = compute({n})  # an unrelated line of the file"
+                         for n in range(120))
+    mention = "  from app.config_loader import load_settings  # the settings loader, read once"
+    long_row = listing + "\n" + mention + "\n" + listing.replace("value ", "other ")
+    ids = say(store, "code", "Where is app.config_loader used?", long_row, "ok, next",
+              *[f"short turn {i}" for i in range(6)])
+    uid = store.find_user("u")
+    conv = store.find_conversation(uid, "code")
+    built = frame.build(Scanner(store), user_id=uid, conversation_id=conv, query="deploy",
+                        exclude_messages=[], asked_at=time.time(), limits=cap.Cap(100, 100),
+                        recent_messages=store.latest_messages(conv, 50))
+    assert built is not None
+    text = "\n".join(p.text for m in built.messages for p in m.parts)
+    item = capture_items(store, ids[1])
+    at = long_row.rfind("app.config_loader")
+    assert long_row[at - 60:at + len("app.config_loader") + 60] in text  # verbatim around it
+    assert mention in text  # the whole line
+    assert f"memory_more(item={item})" in text
+    assert "value 0 =" not in text and "other 119 =" not in text  # not the whole row
+    quoted = text[text.index(frame_render.EXCERPT.format(item)):]
+    assert len(quoted.split("[End of quoted memory")[0]) < 2 * (
+        frame_select.EXCERPT_CHARS + frame_select.LINE_SLACK) + 200
+    memory = TurnMemory(uid, conv, time.time())
+    back = tools.run("memory_more", {"item": item}, memory, Scanner(store))
+    assert "value 0 = compute(0)" in back and mention in back  # the row, from its start
+
+
+def capture_items(store: Store, message_id: int) -> int:
+    """The one row of a stored message."""
+    ((item,),) = query(store.path, f"select id from item where message_id = {message_id}")
+    return int(item)
 
 
 def test_frame_alternates_and_labels(store: Store) -> None:

@@ -4,7 +4,7 @@ selections and whole rendered frames: they fail if either changes."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import pytest
@@ -143,8 +143,10 @@ def test_reference_selection() -> None:
     tokens = frame_select.budget(hits, Cap(floor=400, ceiling=2_000))
     assert tokens == 544  # two good matches of three: a little over the floor
 
-    def measure(ids: list[int], recent: Collection[int]) -> list[Message]:
-        return frame_render.messages(rows, ids, recent, frozenset(), ASKED, CURRENT)
+    def measure(ids: list[int], recent: Collection[int],
+                excerpts: Mapping[int, Row] | None = None) -> list[Message]:
+        return frame_render.messages({**rows, **(excerpts or {})}, ids, recent, frozenset(),
+                                     ASKED, CURRENT)
 
     chosen = frame_select.frame(rows, hot, hits, [2], [7, 8], tokens, Cap(400, 2_000), measure)
     assert chosen.item_ids == [1, 2, 7, 6, 4, 5]
@@ -181,23 +183,25 @@ def test_the_latest_stretch_is_the_newest_small_rows_within_its_tokens() -> None
     # Nothing touched twice (no names): the newest rows alone, within their share.
     fits = (frame_select.RECENT_TOKENS * frame_select.NEWEST_SHARE // 100
             // frame_render.cost(rows[1]))
-    got = frame_select.latest(rows, list(rows))
+    got, excerpts = frame_select.latest(rows, list(rows))
+    assert not excerpts
     assert 99 not in got  # over RECENT_ROW: skipped, not an end to the stretch
     assert got == set(range(98 - fits + 1, 99))
 
 
 def test_the_stretch_takes_the_latest_mention_of_what_the_conversation_touched() -> None:
     """Past the newest rows, the row holding a touched name's latest mention comes before
-    newer rows that hold none; a name mentioned once is not touched, a name's older mention
-    is not its latest."""
+    newer rows that hold none; a name's older mention is not its latest; a name mentioned once
+    comes with the room left."""
     filler = words(frame_select.RECENT_ROW * 4 // 5 - 1)
-    texts = {1: "Read src/app/config.py", 2: "config.py: load_settings() -> dict",
+    texts = {1: "Read src/app/config.py", 2: "src/app/config.py: load_settings() -> dict",
              3: "Edit src/app/config.py: load_settings reads the env", 4: "parse_once here",
              **{i: filler for i in range(5, 40)}}
     rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
-    got = frame_select.latest(rows, list(rows))
+    got, _ = frame_select.latest(rows, list(rows))
     assert 3 in got  # the latest mention of src/app/config.py and load_settings
-    assert not {1, 2, 4} & got  # older mentions, and a name touched once
+    assert not {1, 2} & got  # older mentions
+    assert 4 in got  # named once: room was left
     newest = {i for i in range(5, 40) if i in got}
     assert 5 not in newest and len(newest) < 35  # the old row came before newer filler
 
@@ -230,3 +234,43 @@ def test_reference_addendum_selection() -> None:
     # The other half is considered only when it comes.
     rows[2] = row(2, 2, 1, "assistant", 60.0, words(1_200))
     assert 2 not in frame_select.addendum(rows, hits, [2], (), 5_000, Cap(240, 2_000)).considered
+
+
+def test_names_touched_more_than_once_come_before_those_named_once() -> None:
+    long = words(frame_select.RECENT_ROW)  # bulk: never among the newest rows
+    texts = {1: f"{long}\nlib/once_only.py\n{long}\nsrc/twice.py\n{long}",
+             2: f"{long}\nsrc/twice.py is read\n{long}", 3: "short"}
+    rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
+    one = frame_render.cost(frame_select.excerpt(rows[2], [frame_select.span(
+        texts[2], texts[2].index("src/twice.py"), len("src/twice.py"))]))
+    _, tight = frame_select.latest(rows, list(rows), most=one + 10)
+    assert set(tight) == {2} and "src/twice.py is read" in tight[2].text
+    _, roomy = frame_select.latest(rows, list(rows), most=4 * one)
+    assert set(roomy) == {1, 2} and "lib/once_only.py" in roomy[1].text
+    assert "src/twice.py" not in roomy[1].text  # its latest mention is row 2's
+
+
+def test_an_excerpt_is_whole_lines_around_each_latest_mention_verbatim() -> None:
+    """A bulk row holding the latest mentions of two touched names comes as the lines around
+    them (one excerpt where they are close), verbatim, what it leaves out marked; a line too
+    long to take whole is cut at EXCERPT_CHARS around the name."""
+    lines = [f"{n:3d}  filler {n} = {n}  # nothing to see on this line at all" for n in range(200)]
+    lines[50] = " 50  from app.loader import load_settings"
+    lines[52] = " 52  settings = load_settings(app.loader.PATH)"
+    lines[150] = "x" * 400 + " cfg/deploy.yaml " + "y" * 400
+    bulk = "\n".join(lines)
+    texts = {1: "Read app.loader and cfg/deploy.yaml", 2: bulk, 3: "short"}
+    rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
+    got, excerpts = frame_select.latest(rows, list(rows))
+    assert got == {1, 2, 3} and set(excerpts) == {2}  # the small rows whole, the bulk one not
+    quoted = excerpts[2].text
+    assert quoted.startswith(frame_select.LEFT_OUT) and quoted.endswith(frame_select.LEFT_OUT)
+    parts = [p.strip("\n") for p in quoted.split(frame_select.LEFT_OUT) if p]
+    assert all(p in bulk for p in parts)  # verbatim
+    near = [p for p in parts if "load_settings" in p]
+    assert len(near) == 1
+    assert lines[50] in near[0] and lines[52] in near[0]  # whole lines, one excerpt
+    cut = next(p for p in parts if "cfg/deploy.yaml" in p)
+    assert len(cut) <= 2 * frame_select.EXCERPT_CHARS + len("cfg/deploy.yaml")
+    assert frame_render.quote(excerpts[2]).startswith(frame_render.EXCERPT.format(2))
+    assert frame_render.cost(excerpts[2]) < frame_render.cost(rows[2]) // 10

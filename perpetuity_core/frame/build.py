@@ -11,7 +11,7 @@ An addendum is built the same way for a new prompt under a frame that stays.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from perpetuity_core.frame import cap
@@ -76,12 +76,15 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
 
     last: list[tuple[list[int], Collection[int], list[Message]]] = []
 
-    def rendered(ids: list[int], recent: Collection[int]) -> list[Message]:
+    def rendered(ids: list[int], recent: Collection[int],
+                 excerpts: Mapping[int, Row]) -> list[Message]:
         # The fill's last measure rendered the rows it chose: that render is the frame, not
-        # a second one of the same rows (a render is most of the selection's time).
+        # a second one of the same rows (a render is most of the selection's time). The
+        # excerpts come with the stretch (`recent`), so its identity stands for both.
         if last and last[0][0] == ids and last[0][1] is recent:
             return last[0][2]
-        out = render(shelf.rows, ids, recent, shelf.adjacent, asked_at, conversation_id)
+        rows = {**shelf.rows, **excerpts} if excerpts else shelf.rows
+        out = render(rows, ids, recent, shelf.adjacent, asked_at, conversation_id)
         last[:] = [(list(ids), recent, out)]
         return out
 
@@ -89,8 +92,8 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
                                 tokens, limits, rendered)
     if not chosen.item_ids:
         return None
-    built = _frame(rendered(chosen.item_ids, chosen.recent), chosen, found, tokens,
-                   warm.foreign)
+    built = _frame(rendered(chosen.item_ids, chosen.recent, chosen.excerpts), chosen, found,
+                   tokens, warm.foreign)
     built.warm = warm
     return built
 

@@ -30,6 +30,8 @@ MORE_HEADER = ("[Memory for the next message: more turns quoted verbatim from ea
                " conversations, labelled with when they were said.]")
 CLOSING = "[End of quoted memory.]"
 NOW = "[End of quoted memory. Now: {:%Y-%m-%d %H:%M} UTC.]"
+# What opens a row quoted in part (frame_select.excerpt): which row, and how to read it whole.
+EXCERPT = "[Excerpt of row #{0}; memory_more(item={0}) reads it whole.]\n"
 # Turns further apart than this in time are labelled afresh: half an hour's silence is another
 # sitting to a reader (chosen with the labels, not measured).
 RUN_GAP = 30 * 60
@@ -55,7 +57,8 @@ def cost(r: Row) -> int:
 
 
 def quote(r: Row) -> str:
-    return f"[{quoted(r)}]" if r.kind in _TOOLS else r.text
+    text = f"[{quoted(r)}]" if r.kind in _TOOLS else r.text
+    return EXCERPT.format(r.item_id) + text if r.excerpt else text
 
 
 def turns(rows: dict[int, Row], ids: list[int], recent: Collection[int],

@@ -36,6 +36,7 @@ class Row:
     name: str
     text: str
     secret: str = ""  # the kind of credential the row holds (m011), shown only as withheld
+    excerpt: bool = False  # `text` is part of the row's (frame_select.excerpt)
 
 
 def shown_rows(db: Database, item_ids: Iterable[int],
