@@ -37,10 +37,13 @@ class Http11:
                 return None
 
     def start(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
-        """The reply's head; its body follows chunked."""
+        """The reply's head, its headers text as mitmproxy reads them (UTF-8, surrogate
+        escapes); its body follows chunked."""
         self.writer.write(self._conn.send(h11.Response(
             status_code=status, reason=reason.encode("latin-1"),
-            headers=[*headers, ("transfer-encoding", "chunked")])))
+            headers=[*[(k.encode("ascii"), v.encode("utf-8", "surrogateescape"))
+                       for k, v in headers],
+                     (b"transfer-encoding", b"chunked")])))
 
     def send(self, data: bytes) -> None:
         if data:  # an empty chunk would end the body
