@@ -181,15 +181,16 @@ class _Connection:
                     conn.receive_data(data)  # b"": the provider closed
                 elif isinstance(event, h11.Response):
                     return event
-                elif isinstance(event, h11.ConnectionClosed):
-                    raise ConnectionResetError("the provider closed the connection")
-                # (an InformationalResponse, a 100 Continue: the reply's head follows)
+                # (an InformationalResponse, a 100 Continue: the reply's head follows; the
+                # provider's close before it is h11's RemoteProtocolError)
         except TimeoutError as e:
             raise UpstreamError(f"could not send the request within {WRITE_TIMEOUT:g} s") from e
         except (OSError, h11.ProtocolError) as e:
-            if self.reused and not received and not isinstance(e, h11.ProtocolError):
+            if received:
+                raise UpstreamError(f"could not read the reply's head: {e}") from e
+            if self.reused:
                 raise _Stale(str(e)) from e
-            raise UpstreamError(str(e) or type(e).__name__) from e
+            raise UpstreamError(f"the provider closed the connection without a reply ({e})") from e
 
     async def body(self) -> tuple[bytes, bool]:
         """What the next read brings of the body, and whether the body ended with it."""
