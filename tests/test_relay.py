@@ -17,6 +17,7 @@ from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import relay as relay_module
 from perpetuity_core.serve.exchange import HttpRequest, Job, PendingTurn
+from perpetuity_core.serve.http11 import Http11
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.relay import JOB_HEADER, Relay
 from perpetuity_core.serve.upstream import Request
@@ -471,3 +472,47 @@ def test_a_providers_cookie_never_rides_on_another_clients_request() -> None:
         first, second = fake.requests
     assert first.headers["x-api-key"] == "sk-ant-first"
     assert "cookie" not in second.headers
+
+
+class Writes:
+    """What a StreamWriter was asked to write, one entry a call (no socket)."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[bytes]] = []
+
+    def write(self, data: bytes) -> None:
+        self.calls.append([bytes(data)])
+
+    def writelines(self, data: list[bytes]) -> None:
+        self.calls.append([bytes(d) for d in data])
+
+    def is_closing(self) -> bool:
+        return False
+
+    async def drain(self) -> None:
+        pass
+
+
+async def _replied(first_chunk_at_hand: bool) -> list[list[bytes]]:
+    reader = asyncio.StreamReader()
+    reader.feed_data(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+    writes = Writes()
+    http = Http11(reader, writes)  # type: ignore[arg-type]
+    assert await http.request() is not None
+    http.start(200, "OK", [("content-type", "text/event-stream")])
+    if not first_chunk_at_hand:
+        await asyncio.sleep(0)  # the relay waits on upstream
+    http.send(b"event: ping\ndata: {}\n\n")
+    await http.end()
+    return writes.calls
+
+
+def test_a_replys_head_goes_out_with_its_first_chunk_when_that_is_at_hand() -> None:
+    """A provider's head and first events come in one read: written apart, they cost
+    mitmproxy a turn of its event loop between them before the client's first byte. The
+    head never waits on upstream: alone, it goes on the loop's next turn."""
+    together, apart = asyncio.run(_replied(True)), asyncio.run(_replied(False))
+    assert len(together[0]) == 2 and together[0][0].startswith(b"HTTP/1.1 200 ")
+    assert b"event: ping" in together[0][1]
+    assert len(apart[0]) == 1 and apart[0][0].startswith(b"HTTP/1.1 200 ")
+    assert b"event: ping" in apart[1][0]

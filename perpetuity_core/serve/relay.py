@@ -239,8 +239,7 @@ class Relay:
         try:
             # Always chunked, so the reply can be handed to the store before the client sees
             # its end: the harness's next request must find it stored (one writer, in order).
-            _start(http, resp)
-            await http.drain()
+            _start(http, resp)  # (its head goes out with the first chunk, if that is here)
             first = True
             async for chunk in resp.aiter_raw():
                 if not chunk:

@@ -166,9 +166,9 @@ class _Connection:
         conn, writer = self.h11, self.writer
         received = False
         try:
-            writer.write(conn.send(request))
-            if content:
-                writer.write(conn.send(h11.Data(data=content)))
+            head = conn.send(request)
+            # One write of both (sendmsg): one segment where a body is small, as most are.
+            writer.writelines([head, conn.send(h11.Data(data=content))] if content else [head])
             conn.send(h11.EndOfMessage())  # (Content-Length framing: nothing to write)
             if writer.transport.get_write_buffer_size():
                 async with asyncio.timeout(WRITE_TIMEOUT):
