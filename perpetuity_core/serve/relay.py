@@ -413,11 +413,14 @@ class ToolLoop:
             self.started = True
             self.http.start(200, "OK", [("content-type", "application/json")])
         self.http.send(data)
-        self.tee.feed(data)
         await self.http.drain()
         if not self.forwarded:
             self.forwarded = True
             await forwarded(self.job)  # the first bytes to the client before the rest
+        # After them: the loop passes nothing on until we wait, and reading the first chunk
+        # (a provider's first read often holds several events) would delay the client's
+        # first byte. A failed write leaves no reply to store (run's ConnectionError).
+        self.tee.feed(data)
 
     async def _run_tools(self, calls: list[tuple[str, str, Any]]) -> list[tuple[str, str]] | None:
         """Our calls' results, pinging the client while they run; None if it went away."""
