@@ -58,11 +58,9 @@ class Http11:
     def send(self, data: bytes) -> None:
         if data:  # an empty chunk would end the body
             chunk = self._conn.send(h11.Data(data=data))
-            if self._head:
-                self.writer.writelines([self._head, chunk])  # one write: sendmsg
-                self._head = b""
-            else:
-                self.writer.write(chunk)
+            if self._head:  # (joined: 3.13.0's writelines writes on a transport that was lost)
+                chunk, self._head = self._head + chunk, b""
+            self.writer.write(chunk)
 
     async def end(self) -> None:
         self._flush()

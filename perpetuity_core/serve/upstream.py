@@ -167,7 +167,8 @@ class _Connection:
         received = False
         try:
             head = conn.send(request)
-            # One write of both (sendmsg): one segment where a body is small, as most are.
+            # One write of both (sendmsg): one segment where a body is small, as most are. (The
+            # connection was just found open, or just opened: no write to a lost transport.)
             writer.writelines([head, conn.send(h11.Data(data=content))] if content else [head])
             conn.send(h11.EndOfMessage())  # (Content-Length framing: nothing to write)
             if writer.transport.get_write_buffer_size():
@@ -181,8 +182,9 @@ class _Connection:
                     conn.receive_data(data)  # b"": the provider closed
                 elif isinstance(event, h11.Response):
                     return event
-                # (an InformationalResponse, a 100 Continue: the reply's head follows; the
-                # provider's close before it is h11's RemoteProtocolError)
+                elif not isinstance(event, h11.InformationalResponse):  # (a 100 Continue)
+                    # (the provider's close before a head is h11's RemoteProtocolError)
+                    raise ConnectionResetError(f"the provider ended the exchange ({event})")
         except TimeoutError as e:
             raise UpstreamError(f"could not send the request within {WRITE_TIMEOUT:g} s") from e
         except (OSError, h11.ProtocolError) as e:
