@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
 from mitmproxy import certs
 
 from perpetuity_core.serve.relay import JOB_HEADER, Relay
@@ -186,18 +187,13 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ssl.S
     store = certs.CertStore.from_store(where, "test", 2048)
     entry = store.get_cert("localhost", [])
     pem = Path(where / "localhost.pem")
-    pem.write_bytes(entry.cert.to_pem() + entry.privatekey.private_bytes(  # type: ignore[call-arg]
-        *_pem_private()))
+    pem.write_bytes(entry.cert.to_pem() + entry.privatekey.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption()))
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(pem)
     trusting = ssl.create_default_context(cafile=str(where / "test-ca-cert.pem"))
     return server, trusting
-
-
-def _pem_private() -> tuple:
-    from cryptography.hazmat.primitives import serialization
-    return (serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.NoEncryption())
 
 
 @pytest.mark.parametrize(("host", "trusted", "readable"), [
