@@ -15,10 +15,11 @@ Prints JSON.
 Where a relayed request's time went (issue 24; one request traced from arrival to first byte,
 a busy 2-core machine): the frame, built on the preparing thread, is the same on both paths
 (8-16 ms for a first prompt here; a task's tool rounds carry it). Past it, the relay's own
-upstream call (httpx) costs about what mitmproxy's does; what the relay added was ordering: with
-the provider's reply already read, the relay decoded, merged and queued the writes of all of
-it before mitmproxy passed on the first chunk (6 ms from the relay's head to mitmproxy's
-responseheaders, 4 more to the first chunk, the store's writer thread competing). It now waits
+upstream call (httpx then; its own h11 client since, serve/upstream.py) costs about what
+mitmproxy's does; what the relay added was ordering: with the provider's reply already read,
+the relay decoded, merged and queued the writes of all of it before mitmproxy passed on the
+first chunk (6 ms from the relay's head to mitmproxy's responseheaders, 4 more to the first
+chunk, the store's writer thread competing). It now waits
 for mitmproxy to pass on its first bytes (relay.forwarded): 0.6 and 2 ms. Added ttfb p50,
 medians of four runs of --requests 100 each, the old code and this alternating (load 2-4 on 2
 cores): relay over stream for the same first prompt 9.4 ms before, 3.8 after; a task's tool

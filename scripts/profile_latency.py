@@ -36,6 +36,14 @@ ms CPU (10.9-13.7; base 13.4, 13.0-14.1), the relay over the stream path in the 
 prompt; pass-through 4.2 (4.1-4.8; base 4.5, 4.3-4.7), with no thread hop (1.3-2.3 ms of hops
 at these loads).
 
+The relay's upstream leg on its own client since (serve/upstream.py, h11 over asyncio streams,
+in place of httpx; the `httpx_*` stamps name that call) and its head written with its first
+chunk. Runs of --requests 80 ordered base, change, change, base, base, change (load 9 on 2
+cores), medians of the three: a relayed tool round's proxy CPU 12.1 ms (base 14.8), its event
+loop's 6.1 (8.8), the stream path's for the same request 10.0 (10.0): the relay over the
+stream path 2.1 ms CPU where it was 4.8; a first prompt's 25.8 (29.4), loop 6.4 (9.3). The
+relay's call to the provider's head 5.8 ms (8.7), mitmproxy's hop to the relay 0.8 (1.3).
+
     .venv/bin/python scripts/profile_latency.py [--requests 60] [--sides task_relay] [--perf F]
 """
 

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 from mitmproxy import contentviews, ctx, exceptions, http
 from mitmproxy.proxy.mode_specs import ProxyMode
 
@@ -42,6 +41,7 @@ from perpetuity_core.serve.flowview import FACTS, PerpetuityView, round_flows
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.relay import JOB_HEADER, REFUSED, Relay, as_sent
 from perpetuity_core.serve.tee import ReplyTee
+from perpetuity_core.serve.upstream import Request, UpstreamError, decoded
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire import identity
 from perpetuity_core.wire.conversation import Provider
@@ -50,7 +50,8 @@ from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, credential, parse_upst
 from perpetuity_core.wire.sse import Event
 
 log = logging.getLogger("perpetuity")
-# Not carried onto a retry beside the hop-by-hop headers: encodings (httpx decodes what it reads).
+# Not carried onto a retry beside the hop-by-hop headers: encodings (the retry decodes what it
+# reads).
 _NOT_RESENT = HOP_BY_HOP | {"content-encoding"}
 _TENANCY = {identity.PERSONAL: "one person's memory, whatever the key: whoever can reach the "
                               "port reads it",
@@ -390,20 +391,24 @@ class Perpetuity:
         headers = [(k, v) for k, v in flow.request.headers.items(multi=True)
                    if k.lower() not in _NOT_RESENT]
         try:
-            resp = await client.request(flow.request.method, flow.request.url, headers=headers,
-                                        content=original)
-        except httpx.HTTPError as e:
-            log.warning("perpetuity: the retry failed (%s); the 400 stands", type(e).__name__)
+            resp = await client.send(Request(flow.request.method, flow.request.url, headers,
+                                             original))
+            try:
+                content = decoded(await resp.aread(), resp.header("content-encoding"))
+            finally:
+                await resp.aclose()
+        except UpstreamError as e:
+            log.warning("perpetuity: the retry failed (%s); the 400 stands", e)
             return
         flow.request.content = original
         state.fell_open = REFUSED
         flow.response = http.Response.make(
-            resp.status_code, resp.content,
-            [(k.encode(), v.encode()) for k, v in resp.headers.multi_items()
-             if k.lower() not in _NOT_RESENT])
+            resp.status_code, content,
+            [(k.encode(), v.encode("utf-8", "surrogateescape")) for k, v in resp.headers
+             if k not in _NOT_RESENT])
         if state.capture is not None and resp.status_code < 400:
             tee = ReplyTee(state.capture.job, "")
-            tee.feed(resp.content)
+            tee.feed(content)
             state.tee = tee  # stored by FlowState.finish
 
     def websocket_end(self, flow: http.HTTPFlow) -> None:

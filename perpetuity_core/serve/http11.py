@@ -1,6 +1,8 @@
 """The relay's side of one HTTP/1.1 connection from mitmproxy, framed by h11: requests read
 whole (Content-Length or chunked), replies sent chunked so the store can take a reply before
-the client sees its end."""
+the client sees its end. A reply's head goes out with its first chunk when that is at hand (a
+provider's head and first events come in one read): mitmproxy then reads both at once, where
+two writes cost it a turn of the event loop between them, before the client's first byte."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ class Http11:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self._conn = h11.Connection(h11.SERVER)
+        self._head = b""  # a reply's head not yet written
 
     async def request(self) -> dict[str, str] | None:
         """The next request's headers (names lower-case), its body read and dropped (the relay's
@@ -37,16 +40,30 @@ class Http11:
                 return None
 
     def start(self, status: int, reason: str, headers: list[tuple[str, str]]) -> None:
-        """The reply's head; its body follows chunked."""
-        self.writer.write(self._conn.send(h11.Response(
+        """The reply's head, its headers text as mitmproxy reads them (UTF-8, surrogate
+        escapes); its body follows chunked."""
+        self._head = self._conn.send(h11.Response(
             status_code=status, reason=reason.encode("latin-1"),
-            headers=[*headers, ("transfer-encoding", "chunked")])))
+            headers=[*[(k.encode("ascii"), v.encode("utf-8", "surrogateescape"))
+                       for k, v in headers],
+                     (b"transfer-encoding", b"chunked")]))
+        # Alone on the loop's next turn if no chunk comes with it (the relay awaits upstream).
+        asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        if self._head and not self.writer.is_closing():
+            self.writer.write(self._head)
+        self._head = b""
 
     def send(self, data: bytes) -> None:
         if data:  # an empty chunk would end the body
-            self.writer.write(self._conn.send(h11.Data(data=data)))
+            chunk = self._conn.send(h11.Data(data=data))
+            if self._head:  # (joined: 3.13.0's writelines writes on a transport that was lost)
+                chunk, self._head = self._head + chunk, b""
+            self.writer.write(chunk)
 
     async def end(self) -> None:
+        self._flush()
         self.writer.write(self._conn.send(h11.EndOfMessage()))
         await self.writer.drain()
 
@@ -65,4 +82,5 @@ class Http11:
         return self.writer.is_closing() or self.reader.at_eof()
 
     def abort(self) -> None:
+        self._head = b""
         self.writer.transport.abort()

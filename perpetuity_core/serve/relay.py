@@ -21,16 +21,15 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from http.cookiejar import CookieJar
 from typing import Any, Protocol, cast
 
 import h11
-import httpx
 
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Job
 from perpetuity_core.serve.http11 import Http11
-from perpetuity_core.serve.tee import READABLE_ENCODINGS, ReplyTee
+from perpetuity_core.serve.tee import ReplyTee
+from perpetuity_core.serve.upstream import Client, Request, Response, UpstreamError
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire.protocols import ADAPTERS
 from perpetuity_core.wire.protocols.base import BodyMerging, StreamMerging
@@ -62,11 +61,6 @@ def as_sent(status: int, original: bytes | None) -> bytes | None:
 RunTool = Callable[[str, Any, TurnMemory], Awaitable[str]]
 
 PING_EVERY = 1.0  # seconds between keep-alive pings while our tools run
-# How long the relay keeps an idle connection to a provider (httpx's default is 5 s): a
-# harness pauses longer between calls (a tool running, its user reading), and each new
-# connection costs a TCP and TLS handshake before the request (issue 24). One the provider
-# closed first is seen closed when it is next taken, and replaced.
-KEEP_ALIVE = 120.0
 # The longest the relay waits, after its first bytes, for mitmproxy to pass them on.
 FORWARD_WAIT = 0.05
 
@@ -91,8 +85,8 @@ class Begun:
     """A job's first upstream call, begun when the flow was pointed at the relay."""
 
     started: float  # time.time(), for the round's inspection
-    request: httpx.Request
-    response: asyncio.Future[httpx.Response]
+    request: Request
+    response: asyncio.Future[Response]
 
 
 @dataclass(slots=True)
@@ -118,11 +112,11 @@ class Upstream(Protocol):
 
     tool_timeout: float  # seconds one tool call may take
 
-    def request(self, job: Job, body: bytes) -> httpx.Request:
+    def request(self, job: Job, body: bytes) -> Request:
         """The job's upstream request, with this body."""
         ...
 
-    async def send(self, request: httpx.Request) -> httpx.Response:
+    async def send(self, request: Request) -> Response:
         """The request sent; the response's head read, its body streaming."""
         ...
 
@@ -134,14 +128,6 @@ class Upstream(Protocol):
         ...
 
 
-class _NoCookies(CookieJar):
-    """The relay's one client serves every tenant: a cookie a provider sets on one client's
-    reply must never ride on another's request (mitmproxy's path sends each client's own)."""
-
-    def extract_cookies(self, response: Any, request: Any) -> None:
-        return None
-
-
 class Relay:
     def __init__(self, run_tool: RunTool) -> None:
         self._run_tool = run_tool
@@ -149,28 +135,18 @@ class Relay:
         self.tool_timeout = 30.0  # seconds one tool call may take (perpetuity_tool_timeout)
         self._jobs: dict[str, Pending] = {}
         self._server: asyncio.Server | None = None
-        self._client: httpx.AsyncClient | None = None
+        # The one client to every provider, for every tenant: it carries nothing from one
+        # request to the next (no cookie), and reads no proxy from the environment (the
+        # proxy's own HTTPS_PROXY would route its calls back to us).
+        self._client: Client | None = None
 
     async def start(self) -> None:
-        # mitmproxy sets the root logger to DEBUG and quiets its own libraries' loggers: left
-        # so, httpcore makes a debug record at every step of every upstream call and httpx one
-        # a request, each through mitmproxy's handlers, 4% of the proxy's CPU on a relayed
-        # request (perf; scripts/profile_latency.py). Their warnings still show.
-        for name in ("httpx", "httpcore"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        # trust_env=False: the proxy's own HTTPS_PROXY must never route upstream calls back to us.
-        # The encodings offered are those ReplyTee reads: httpx's own offer adds br and zstd
-        # (mitmproxy installs both), and a reply so encoded would reach the client unstored.
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=30.0, read=None, write=60.0, pool=30.0), trust_env=False,
-            cookies=_NoCookies(), headers={"accept-encoding": READABLE_ENCODINGS},
-            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
-                                keepalive_expiry=KEEP_ALIVE))
+        self._client = Client()
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
     @property
-    def client(self) -> httpx.AsyncClient | None:
+    def client(self) -> Client | None:
         return self._client
 
     async def stop(self) -> None:
@@ -212,13 +188,12 @@ class Relay:
         if pending is not None and pending.begun is not None:
             _discard(pending.begun)
 
-    def request(self, job: Job, body: bytes) -> httpx.Request:
-        assert self._client is not None
-        return self._client.build_request(job.method, job.url, headers=job.headers, content=body)
+    def request(self, job: Job, body: bytes) -> Request:
+        return Request(job.method, job.url, job.headers, body)
 
-    async def send(self, request: httpx.Request) -> httpx.Response:
+    async def send(self, request: Request) -> Response:
         assert self._client is not None
-        return await self._client.send(request, stream=True)
+        return await self._client.send(request)
 
     async def run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
         return await self._run_tool(name, arguments, memory)
@@ -256,16 +231,15 @@ class Relay:
         job = capture.job
         try:
             resp = await (begun.response if begun else self.send(self.request(job, job.body)))
-        except httpx.HTTPError as e:
+        except UpstreamError as e:
             capture.sent()
             await http.respond(502, f"perpetuity: upstream {job.url} failed: {e}".encode())
             return True
-        tee = ReplyTee(job, resp.headers.get("content-encoding", "")) if resp.status_code < 400 else None
+        tee = ReplyTee(job, resp.header("content-encoding")) if resp.status_code < 400 else None
         try:
             # Always chunked, so the reply can be handed to the store before the client sees
             # its end: the harness's next request must find it stored (one writer, in order).
-            _start(http, resp)
-            await http.drain()
+            _start(http, resp)  # (its head goes out with the first chunk, if that is here)
             first = True
             async for chunk in resp.aiter_raw():
                 if not chunk:
@@ -282,7 +256,7 @@ class Relay:
             _reply(capture, tee)  # the request, then its reply, before the client sees the end
             tee = None
             await http.end()
-        except httpx.HTTPError:
+        except UpstreamError:
             # The provider cut the stream: cut the client the same way, keep what came.
             http.abort()
             return False
@@ -364,7 +338,7 @@ class ToolLoop:
                     self.round = Round(begun.started, begun.request.content)
                     job.rounds.append(self.round)
                     resp = await begun.response
-                self.round.status, self.round.headers = resp.status_code, resp.headers.multi_items()
+                self.round.status, self.round.headers = resp.status_code, resp.headers
                 try:
                     # Our tools changed even a body we left alone: the client's own goes.
                     if round_ == 0 and (original := as_sent(resp.status_code,
@@ -395,12 +369,12 @@ class ToolLoop:
             capture.sent()
             return False
         except Exception as e:  # upstream, a tool (an OSError from a notes root), our own bug
-            if not isinstance(e, httpx.HTTPError | ValueError):
+            if not isinstance(e, UpstreamError | ValueError):
                 log.exception("perpetuity: the recall tools failed")
             capture.sent()
             if not self.started:  # fall back to the client's own request, untouched
                 return await self._as_sent(job.original or job.body)
-            what = "upstream" if isinstance(e, httpx.HTTPError | ValueError) else "a recall tool"
+            what = "upstream" if isinstance(e, UpstreamError | ValueError) else "a recall tool"
             await self._write(self.adapter.error_event(f"perpetuity: {what} failed: {e}"))
             await self.http.end()
             return True
@@ -410,7 +384,7 @@ class ToolLoop:
         self.job.body, self.job.original = original, None
         return await self.upstream.forward(self.capture, self.http)
 
-    async def _round(self, resp: httpx.Response) -> None:
+    async def _round(self, resp: Response) -> None:
         if not self.job.stream:
             raw = await resp.aread()
             self.round.raw.append(raw)
@@ -429,7 +403,7 @@ class ToolLoop:
                 await self._write(out)
         self.capture.sent()
 
-    async def _start(self, resp: httpx.Response) -> None:
+    async def _start(self, resp: Response) -> None:
         if not self.started:
             self.started = True
             _start(self.http, resp)
@@ -439,11 +413,14 @@ class ToolLoop:
             self.started = True
             self.http.start(200, "OK", [("content-type", "application/json")])
         self.http.send(data)
-        self.tee.feed(data)
         await self.http.drain()
         if not self.forwarded:
             self.forwarded = True
             await forwarded(self.job)  # the first bytes to the client before the rest
+        # After them: the loop passes nothing on until we wait, and reading the first chunk
+        # (a provider's first read often holds several events) would delay the client's
+        # first byte. A failed write leaves no reply to store (run's ConnectionError).
+        self.tee.feed(data)
 
     async def _run_tools(self, calls: list[tuple[str, str, Any]]) -> list[tuple[str, str]] | None:
         """Our calls' results, pinging the client while they run; None if it went away."""
@@ -477,7 +454,7 @@ class ToolLoop:
             return None  # mitmproxy closed our connection: its client is gone
         return results
 
-    async def _upstream_error(self, resp: httpx.Response) -> bool:
+    async def _upstream_error(self, resp: Response) -> bool:
         """An error from the provider: as it was sent, if the client has seen nothing yet."""
         raw = await resp.aread()
         self.capture.sent()
@@ -492,7 +469,7 @@ class ToolLoop:
         return True
 
 
-def _start(http: Http11, resp: httpx.Response) -> None:
+def _start(http: Http11, resp: Response) -> None:
     """Upstream's head, hop-by-hop headers left out; the body follows chunked."""
     http.start(resp.status_code, resp.reason_phrase,
-               [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in HOP_BY_HOP])
+               [(k, v) for k, v in resp.headers if k not in HOP_BY_HOP])
