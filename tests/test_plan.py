@@ -141,9 +141,10 @@ class Session:
     """A coding session through a real pipeline: prompts, tool rounds, replies stored."""
 
     def __init__(self, tmp_path: Path, limits: Cap = Cap(),
-                 tools: list[dict[str, Any]] | None = None) -> None:
+                 tools: list[dict[str, Any]] | None = None, memory: Path | str | None = None) -> None:
         self.tools = tools or []  # the harness's own: an agent sends some, a chat none
-        self.store = open_memory(tmp_path / "m.db")
+        self.memory = memory or tmp_path / "m.db"  # a SQLite file, or a PostgreSQL URL
+        self.store = open_memory(self.memory)
         # Memory of an earlier session, long enough that this one's frame has rows to show.
         say(self.store, "earlier", *[f"The {w} module parses {w} files and its tests live in"
                                      f" tests/test_{w}.py. " + "detail " * 60
@@ -183,13 +184,16 @@ class Session:
         self.history.append({"role": "user", "content": [{"type": "text", "text": text}]})
         return self.send(gap)
 
-    def tool_round(self, output: str) -> tuple[list[dict[str, Any]], Decision]:
+    def tool_round(self, output: str, reminder: str = "") -> tuple[list[dict[str, Any]], Decision]:
+        """One more round of the task: a Read call and its `output`, with Claude Code's
+        `reminder` after it when given."""
         n = self.calls
         self.history[-1] = {"role": "assistant", "content": [
             *self.history[-1]["content"],
             {"type": "tool_use", "id": f"t{n}", "name": "Read", "input": {"path": f"f{n}.py"}}]}
         self.history.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": f"t{n}", "content": output}]})
+            {"type": "tool_result", "tool_use_id": f"t{n}", "content": output},
+            *([{"type": "text", "text": reminder}] if reminder else [])]})
         return self.send()
 
 

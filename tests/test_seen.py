@@ -6,6 +6,7 @@ work)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from perpetuity_core.frame import tenants
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage import capture, names
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.wire import conversation
@@ -92,11 +95,28 @@ class _Counted:
         monkeypatch.setattr(module, name, counted)
 
 
-def _long_session(tmp_path: Path, rounds: int) -> Session:
-    s = Session(tmp_path, tools=[{"name": "Read", "input_schema": {"type": "object"}}])
+class _CountedSearch:
+    """A compiled pattern whose searches are counted."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        self.pattern = pattern
+        self.calls = 0
+
+    def search(self, text: str) -> re.Match[str] | None:
+        self.calls += 1
+        return self.pattern.search(text)
+
+
+REMINDER = "<system-reminder>The file was read; it may be stale.</system-reminder>"
+
+
+def _long_session(tmp_path: Path, rounds: int, memory: Path | str | None = None) -> Session:
+    """A task of `rounds` tool rounds, each result with Claude Code's reminder after it."""
+    s = Session(tmp_path, tools=[{"name": "Read", "input_schema": {"type": "object"}}],
+                memory=memory)
     s.prompt("Port the yaml module, file by file")
     for k in range(rounds):
-        s.tool_round(f"file {k} body " * 20)
+        s.tool_round(f"file {k} body " * 20, REMINDER)
     return s
 
 
@@ -104,11 +124,16 @@ def test_a_late_call_reads_and_digests_only_what_is_new(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Work proportional to what is new, not to the history: after 120 tool rounds (241
     messages), the next call reads (message_from) and fingerprints only the messages it added
-    and the one whose cache mark moved, on the request path and in storing it; the store is
-    asked about the tail only."""
+    and the one whose cache mark moved, on the request path and in storing it; it keys (pair
+    keys) only the tail it asks the store about, looks for the harness's folder in its new
+    messages alone and for web reading in none; the store is asked about the tail only."""
     s = _long_session(tmp_path, 120)
     read = _Counted(monkeypatch, anthropic, "message_from")
     digested = _Counted(monkeypatch, conversation, "_fingerprint")
+    paired = _Counted(monkeypatch, capture, "_pair")
+    web = _Counted(monkeypatch, tenants, "_reads_web")
+    folder = _CountedSearch(names._FOLDER)
+    monkeypatch.setattr(names, "_FOLDER", folder)
     asked: list[int] = []
     known = Store.known
 
@@ -117,45 +142,30 @@ def test_a_late_call_reads_and_digests_only_what_is_new(tmp_path: Path,
         return known(store, conv, keys, replies)
 
     monkeypatch.setattr(Store, "known", counted_known)
-    s.tool_round("file 120 body")
+    s.tool_round("file 120 body", REMINDER)
     assert len(s.asked) == 243
     assert read.calls <= 3, read.calls
     assert digested.calls <= 4, digested.calls  # the two new, the reply stored, the moved mark
-    assert max(asked) <= 16
+    assert max(asked) <= capture.TAIL
+    assert paired.calls <= capture.TAIL + 1, paired.calls  # the tail asked about, the reply
+    assert folder.calls <= 3, folder.calls  # the system prompt, the new and the re-read message
+    assert web.calls == 0, web.calls
 
 
-def _stored(at: Path) -> list[tuple[str, str]]:
-    return query(at / "m.db", "SELECT role, fingerprint FROM message ORDER BY id")
+def _stored(memory: Path | str) -> list[tuple[str, str]]:
+    return query(memory, "SELECT role, fingerprint FROM message ORDER BY id")
 
 
-def _restarted(s: Session, tmp_path: Path) -> None:
-    """A new proxy on the same file: its caches empty, the store as it was."""
+def _restarted(s: Session) -> None:
+    """A new proxy on the same memory: its caches empty, the store as it was."""
     s.store.close()
-    s.store = open_memory(tmp_path / "m.db")
+    s.store = open_memory(s.memory)
     s.pipeline = Pipeline(s.store, s.pipeline.settings)
 
 
-def test_a_restart_mid_session_stores_every_message_once(tmp_path: Path) -> None:
-    """The cache is an optimisation only: a proxy restarted mid-task (its cache empty) stores
-    what the same session stores without the restart, each message once."""
-    runs = []
-    for restart in (False, True):
-        at = tmp_path / str(restart)
-        at.mkdir()
-        s = _long_session(at, 30)
-        if restart:
-            _restarted(s, at)
-        for k in range(5):
-            s.tool_round(f"after the restart {k} " * 20)
-        runs.append(_stored(at))
-    assert runs[0] == runs[1]
-    assert len(runs[1]) == len(set(runs[1]))
-
-
-def test_a_call_whose_writes_were_lost_is_stored_by_the_next(tmp_path: Path) -> None:
-    """A call read (and its body kept) whose writes never happened, the proxy killed after
-    sending it: the next call stores its messages from the store's own record, once."""
-    s = _long_session(tmp_path, 30)
+def _lose_a_call(s: Session) -> None:
+    """One more round read (its body kept) whose writes never happen: the proxy dies after
+    sending it."""
     s.history[-1] = {"role": "assistant", "content": [
         *s.history[-1]["content"],
         {"type": "tool_use", "id": "lost", "name": "Read", "input": {"path": "lost.py"}}]}
@@ -163,11 +173,40 @@ def test_a_call_whose_writes_were_lost_is_stored_by_the_next(tmp_path: Path) -> 
         {"type": "tool_result", "tool_use_id": "lost", "content": "never stored"}]})
     s.asked = list(s.history)
     assert s.pipeline.prepare(_request(s)).job is not None  # read, never stored
-    _restarted(s, tmp_path)
     s.history.append({"role": "assistant", "content": [{"type": "text", "text": "lost reply"}]})
+
+
+def test_a_restart_mid_session_stores_every_message_once(tmp_path: Path,
+                                                         memory_at: Path | str) -> None:
+    """The caches are optimisations only, on either backend: a proxy restarted mid-task (the
+    bodies it read, their messages and the plans forgotten), after a call it read and never
+    stored, stores what the same session stores on SQLite without the restart, each message
+    once, and loses none: every message of the conversation as the harness last sent it."""
+    runs = []
+    for memory in (tmp_path / "reference.db", memory_at):
+        s = _long_session(tmp_path, 30, memory)
+        _lose_a_call(s)
+        if memory == memory_at:
+            _restarted(s)
+        for k in range(5):
+            s.tool_round(f"after the restart {k} " * 20, REMINDER)
+        runs.append(_stored(memory))
+        s.store.close()
+    assert runs[0] == runs[1]
+    assert len(runs[1]) == len(set(runs[1]))
+    sent = anthropic.parse_request({"messages": s.history}).messages
+    assert {m.fingerprint() for m in sent} <= {f for _, f in runs[1]}
+
+
+def test_a_call_whose_writes_were_lost_is_stored_by_the_next(tmp_path: Path) -> None:
+    """A call read (and its body kept) whose writes never happened, the proxy killed after
+    sending it: the next call stores its messages from the store's own record, once."""
+    s = _long_session(tmp_path, 30)
+    _lose_a_call(s)
+    _restarted(s)
     s.tool_round("the call after")
     lost = anthropic.parse_request({"messages": s.history[-5:-3]}).messages
-    stored = [f for _, f in _stored(tmp_path)]
+    stored = [f for _, f in _stored(s.memory)]
     assert [stored.count(m.fingerprint()) for m in lost] == [1, 1]
     assert len(stored) == len(set(stored))
 

@@ -43,7 +43,9 @@ class TurnMemory:
     shown: set[int] = field(default_factory=set)  # item ids the model has seen this turn
     below_cap: list[int] = field(default_factory=list)  # ranked retrieval the cap left out
     library: Path | None = None  # the asking tenant's notes library, when note_capture rides
-    untrusted: bool = False  # the conversation quoted untrusted content (a fetched page)
+    # The request's messages, for whether the conversation quoted untrusted content (a fetched
+    # page): looked at only when a note is captured, not on every call of a long session.
+    history: Sequence[Message] = ()
     # A personal proxy: every stored row is the asker's, as in its frames (older tenants',
     # imports'), so the tools read the whole file; otherwise only the asking user's rows.
     everyone: bool = False

@@ -13,12 +13,13 @@ cannot read passes through as the client sent it. A deployment's options reach i
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import re
 import secrets
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,6 @@ from perpetuity_core.serve.layout import Layout, last_user_text
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.wire.conversation import (
     Kind,
-    Message,
     ParsedRequest,
     Protocol,
     Reply,
@@ -81,6 +81,16 @@ MAX_BODY = 32 * 1024 * 1024
 # Dropped from what goes upstream beside the hop-by-hop headers: encodings, since the reply is
 # read to store it (providers stream SSE uncompressed anyway).
 _DROP_UPSTREAM = HOP_BY_HOP | {"accept-encoding"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    """What the request path made of a body, kept for the next body that starts as it does
+    (wire.seen): the request in neutral terms, and the folder its messages state with the index
+    of the message stating it (names.messages_folder; none: their count)."""
+
+    parsed: ParsedRequest
+    folder: tuple[str, int]
 
 
 class Pipeline:
@@ -121,20 +131,26 @@ class Pipeline:
             return None
         return read if isinstance(read.data, dict) else None
 
-    def _parse(self, protocol: Protocol, read: Read) -> ParsedRequest:
-        """The request in neutral terms, its messages kept for the next body that starts as
-        this one does. Anthropic's messages read one by one, so those an earlier body read are
-        taken as they were (the other adapters read a message beside its neighbours)."""
+    def _parse(self, protocol: Protocol, read: Read) -> tuple[ParsedRequest, str]:
+        """The request in neutral terms and the folder its harness states (names.folder), kept
+        for the next body that starts as this one does. Anthropic's messages read one by one,
+        so those an earlier body read are taken as they were (the other adapters read a message
+        beside its neighbours), and the folder is looked for among the new ones alone."""
         if protocol != Protocol.ANTHROPIC:
             parsed = ADAPTERS[protocol].parse_request(read.data)
-            self._seen.keep(read, [])
-            return parsed
-        parsed = anthropic.parse_request(read.data, read.known)
-        known: list[Message | None] = [None] * len(read.data["messages"])
-        for i, m in zip(parsed.raw_index, parsed.messages, strict=True):
-            known[i] = m
-        self._seen.keep(read, known)
-        return parsed
+            self._seen.keep(read, None)
+            return parsed, names.folder(parsed)
+        known = read.known if isinstance(read.known, _Known) else None
+        parsed = anthropic.parse_request(read.data, known.parsed if known else None, read.reused)
+        found, reused = ("", 0), 0
+        if known is not None:
+            found = known.folder
+            reused = bisect.bisect_left(known.parsed.raw_index, read.reused)
+        if found[1] >= reused:  # none stated in the messages read before: look in the rest
+            found = names.messages_folder(parsed.messages, reused)
+        self._seen.keep(read, _Known(parsed, found))
+        stated = names.stated_folder(parsed.system)
+        return parsed, stated if stated is not None else found[0]
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -181,7 +197,7 @@ class Pipeline:
             decision.note = "no turn in this request"
             return decision
         try:
-            parsed = self._parse(r.protocol, read)
+            parsed, folder = self._parse(r.protocol, read)
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
@@ -230,7 +246,7 @@ class Pipeline:
             recall = self.layout.recall(body, parsed, ident, r.protocol, at, tools_on, library)
         if recall.memory is not None:
             recall.memory.library = library if settings.notes_capture else None
-            recall.memory.untrusted = tenants.quotes_untrusted(parsed.messages)
+            recall.memory.history = parsed.messages
         decision.body, decision.frame, decision.recall = recall.body, recall.built, recall
         if count and recall.memory is not None:
             specs = self._tool_specs(recall.memory, parsed.tool_names)
@@ -253,7 +269,7 @@ class Pipeline:
             notes=recall.notes, hits=set(built.hits[:BOUND_HITS]) if built else set(),
             shown=recall.memory.shown if recall.memory else set(),
             frame_rows=set(recall.plan.shown) if recall.plan else set(),
-            folder=names.folder(parsed), library=library,
+            folder=folder, library=library,
             shape=self._new_shape(r.protocol, ident.harness, body, req.headers, parsed))
         specs = self._tool_specs(recall.memory, parsed.tool_names) if recall.memory else []
         decision.job = Job(
@@ -337,7 +353,7 @@ class Pipeline:
             return "note_capture: no notes library is configured"
         try:
             fields = json.loads(arguments) if isinstance(arguments, str) else arguments
-            if memory.untrusted and isinstance(fields, dict):
+            if isinstance(fields, dict) and tenants.quotes_untrusted(list(memory.history)):
                 fields = {**fields, "confidence": "tentative"}
             return notes.capture(memory.library, fields, date.today()).text
         except (PerpetuityError, ValueError, TypeError) as e:

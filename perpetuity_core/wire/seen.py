@@ -12,10 +12,13 @@ the last `ENDS` elements of the body's history array ends (`messages`; Gemini's 
 Responses' `input`), and the objects parsed from the body. A body whose bytes up to one of
 those ends are the same bytes (compared, not hashed: a `memcmp`) reads as that body did up to
 there: its members before the history, the history's elements up to there, and what the
-adapter made of them (`Read.known`, kept by `Seen.keep`). Only the rest is parsed. A body that
+adapter made of that body (`Read.known`, kept by `Seen.keep`; `Read.reused` says how many of
+the history's first elements it holds for this one). Only the rest is parsed. A body that
 differs anywhere before is parsed whole, so a lookup saves work and never changes what is read.
 The harness moves its cache marker to its last message on every call, so the last elements
-change; the earlier ones do not.
+change; the earlier ones do not. The bytes before an end are compared once: each end's last
+`WINDOW` bytes first, so an end past the change (the moved marker) costs a short comparison,
+not one over the whole history.
 
 What it holds is bounded by `BUDGET`, not by any history: the bodies themselves and what they
 parse to (about 1.5 times their size: the 21 MB body of a 1.4M-token history is 28 MB of
@@ -30,13 +33,14 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 ENTRIES = 16  # bodies kept (least recently read go first)
 BUDGET = 32 * 1024 * 1024  # bytes of them kept in all (a body parses to about 1.5 times its size)
 ENDS = 8  # the last elements of a history whose ends are kept
 HISTORY_KEYS = ("messages", "contents", "input")
+WINDOW = 4096  # bytes before an end compared first
 
 _SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, as the json module skips it
 _DECODER = json.JSONDecoder()
@@ -47,7 +51,8 @@ class Read:
     """A body as `json.loads` reads it, and what of it an earlier body had read already."""
 
     data: Any
-    known: list[Any] = field(default_factory=list)  # per history element, from an earlier keep
+    known: Any = None  # what the adapter made of the earlier body (`Seen.keep`), or None
+    reused: int = 0  # the history's first elements that are the earlier body's, the same objects
     fresh_from: int = 0  # the first byte not read before (0: the whole body is new)
     _entry: _Entry | None = None  # what `Seen.keep` remembers (None: nothing to remember)
 
@@ -59,7 +64,7 @@ class _Entry:
     key: str  # the history array's member name
     elements: list[Any]  # the history's elements
     ends: list[tuple[int, int]]  # (byte offset just past element i, i) for the last ENDS
-    known: list[Any] = field(default_factory=list)  # per element, what the adapter made of it
+    known: Any = None  # what the adapter made of the body
 
 
 class Seen:
@@ -81,9 +86,9 @@ class Seen:
                 return read
         return _whole(raw)
 
-    def keep(self, read: Read, known: list[Any]) -> None:
+    def keep(self, read: Read, known: Any) -> None:
         """Remember `read`'s body for the bodies that start with it, `known` what the adapter
-        made of each of its history's elements (None where it made nothing to reuse)."""
+        made of it (handed back as `Read.known` with a body that starts the same)."""
         entry = read._entry
         if entry is None or len(entry.raw) > BUDGET:
             return
@@ -104,13 +109,20 @@ class Seen:
             for end, last in reversed(entry.ends):
                 if best is not None and end <= best[1]:
                     break
-                if end < len(raw) and raw.startswith(old[:end]):
+                if end < len(raw) and _same_up_to(raw, old, end):
                     best = (entry, end, last)
                     break
         if best is not None:
             del self._entries[id(best[0])]
             self._bytes -= len(best[0].raw)
         return best
+
+
+def _same_up_to(raw: bytes, old: memoryview, end: int) -> bool:
+    """Are `raw`'s first `end` bytes `old`'s? Their last WINDOW compared first: a change near
+    the end (the marker the harness moved) is found without comparing the whole history."""
+    near = max(0, end - WINDOW)
+    return raw.startswith(old[near:end], near) and raw.startswith(old[:near])
 
 
 def _whole(raw: bytes) -> Read:
@@ -142,7 +154,7 @@ def _walk(text: str, raw: bytes) -> Read | None:
         i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
         if key in HISTORY_KEYS and text[i:i + 1] == "[" and all(k != key for k, _ in head):
             entry = _Entry(raw, head, key, [], [])
-            return _rest(text, i + 1, entry, 0, [])
+            return _rest(text, i + 1, entry, 0)
         value, i = _DECODER.raw_decode(text, i)
         head.append((key, value))
         i = _SPACE.match(text, i).end()  # type: ignore[union-attr]
@@ -161,14 +173,13 @@ def _continued(raw: bytes, entry: _Entry, end: int, last: int) -> Read | None:
     text = raw[end:].decode("utf-8", "surrogatepass")
     new = _Entry(raw, entry.head, entry.key, entry.elements[:last + 1],
                  [e for e in entry.ends if e[0] <= end])
-    known = entry.known[:last + 1]
-    read = _rest(text, 0, new, end, known, after_element=True)
+    read = _rest(text, 0, new, end, after_element=True)
     if read is not None:
-        read.fresh_from = end
+        read.known, read.reused, read.fresh_from = entry.known, last + 1, end
     return read
 
 
-def _rest(text: str, i: int, entry: _Entry, base: int, known: list[Any],
+def _rest(text: str, i: int, entry: _Entry, base: int,
           after_element: bool = False) -> Read | None:
     """The body from inside its history array at `text[i]` on (`after_element`: just past an
     element, else just past the `[`), `base` the byte offset of `text[0]` in the body."""
@@ -203,7 +214,7 @@ def _rest(text: str, i: int, entry: _Entry, base: int, known: list[Any],
         return None  # the history named twice: json.loads keeps the last
     entry.ends = (entry.ends + _byte_ends(text, base, ends, len(elements) - len(ends)))[-ENDS:]
     members = [*entry.head, (entry.key, list(elements)), *tail]
-    return Read(dict(members), known, 0, entry)
+    return Read(dict(members), _entry=entry)
 
 
 def _byte_ends(text: str, base: int, ends: list[int], first: int) -> list[tuple[int, int]]:

@@ -49,15 +49,20 @@ def _pair(previous: str, this: str) -> str:
 TAIL = 16
 
 
-def _keys(messages: Sequence[Message]) -> list[str]:
-    """Each message's pair key; a message sent again right after itself repeats its copy's."""
-    prev = ""
+def _keys(messages: Sequence[Message], start: int = 0) -> list[str]:
+    """The pair keys of `messages[start:]`; a message sent again right after itself repeats its
+    copy's. Digested from the first of the copies that end at `start`, not from the first
+    message: a late call of a long session keys its tail, not its history."""
+    first = start
+    while first and messages[first].fingerprint() == messages[first - 1].fingerprint():
+        first -= 1
+    prev = messages[first - 1].fingerprint() if first else ""
     keys: list[str] = []
-    for m in messages:
+    for m in messages[first:]:
         this = m.fingerprint()
         keys.append(keys[-1] if keys and this == prev else _pair(prev, this))
         prev = this
-    return keys
+    return keys[start - first:]
 
 
 def after_itself(pair_key: str, fingerprint: str) -> bool:
@@ -66,33 +71,39 @@ def after_itself(pair_key: str, fingerprint: str) -> bool:
     return pair_key == _pair.__wrapped__(fingerprint, fingerprint)
 
 
-def _again(keys: Sequence[str], i: int) -> bool:
-    """Is message i its predecessor sent again (see _keys)?"""
-    return i > 0 and keys[i] == keys[i - 1]
-
-
 def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]) -> list[int]:
     """Indexes of the messages the store has not seen in this conversation.
 
     An assistant message in a request is history the harness re-sends, so it is recognised by
     its own fingerprint too: after a compaction its predecessor changes, the reply does not.
     """
-    keys = _keys(messages)
+    return list(_new(store, conversation_id, messages))
 
-    def last_known(start: int) -> int:
+
+def _new(store: Store, conversation_id: int, messages: Sequence[Message]) -> dict[int, str]:
+    """The messages the store has not seen in this conversation (new_messages), by index, each
+    with its pair key."""
+
+    def last_known(start: int, keys: list[str]) -> int:
         tail = range(start, len(messages))
         known, replies = store.known(
-            conversation_id, [(messages[i].fingerprint(), keys[i]) for i in tail],
+            conversation_id, [(messages[i].fingerprint(), keys[i - start]) for i in tail],
             [messages[i].fingerprint() for i in tail if messages[i].role == "assistant"])
-        return max((i for i in tail if keys[i] in known or (
+        return max((i for i in tail if keys[i - start] in known or (
             messages[i].role == "assistant" and messages[i].fingerprint() in replies)), default=-1)
 
-    # Usually only the newest turn is new: look at the tail first, the whole history only when
-    # nothing there is known (a first contact, a rewritten history).
-    last = last_known(max(0, len(messages) - TAIL))
-    if last < 0 and len(messages) > TAIL:
-        last = last_known(0)
-    return [i for i in range(last + 1, len(messages)) if not _again(keys, i)]
+    # Usually only the newest turn is new: look at the tail first (and key it alone), the whole
+    # history only when nothing there is known (a first contact, a rewritten history).
+    start = max(0, len(messages) - TAIL)
+    keys = _keys(messages, start)
+    last = last_known(start, keys)
+    if last < 0 and start:
+        start, keys = 0, _keys(messages)
+        last = last_known(0, keys)
+    # A message whose key repeats the one before it is its copy sent again (see _keys); the
+    # one before is keyed too, since `last` is at or after `start`.
+    return {i: keys[i - start] for i in range(last + 1, len(messages))
+            if not (i > start and keys[i - start] == keys[i - start - 1])}
 
 
 def record(
@@ -112,7 +123,6 @@ def record(
     user_id = store.user_id(user_key)
     conversation_id = store.conversation_id(user_id, conversation_key, provider)
     store.name_conversation(conversation_id, opening=names.opening(messages), folder=folder)
-    keys = _keys(messages)
     ids = [
         store.add_message(
             conversation_id=conversation_id,
@@ -121,10 +131,10 @@ def record(
             provider=provider,
             model=model,
             at=times[i],
-            pair_key=keys[i],
+            pair_key=key,
             source=source,
         ).message_id
-        for i in new_messages(store, conversation_id, messages)
+        for i, key in _new(store, conversation_id, messages).items()
     ]
     after = messages[-1].fingerprint() if messages else ""
     return ids, TurnContext(user_id, conversation_id, provider, model, times[-1] if times else 0.0, after)

@@ -47,12 +47,25 @@ def opening_words(text: str) -> str:
 
 def folder(req: ParsedRequest) -> str:
     """The working directory the request's harness states, or ""."""
-    texts = [req.system] + [p.text for m in req.messages if m.role in ("user", "system")
-                            for p in m.parts if p.kind == Kind.CONTEXT]
-    for text in texts:
-        if match := _FOLDER.search(text):
-            return (match.group(1) or match.group(2)).strip()
-    return ""
+    stated = stated_folder(req.system)
+    return stated if stated is not None else messages_folder(req.messages)[0]
+
+
+def stated_folder(text: str) -> str | None:
+    """The working directory this text states (None: it states none)."""
+    match = _FOLDER.search(text)
+    return (match.group(1) or match.group(2)).strip() if match else None
+
+
+def messages_folder(messages: Sequence[Message], start: int = 0) -> tuple[str, int]:
+    """The working directory the harness's text among `messages[start:]` first states, and the
+    index of the message stating it; ("", len(messages)) when none does."""
+    for i in range(start, len(messages)):
+        if messages[i].role in ("user", "system"):
+            for p in messages[i].parts:
+                if p.kind == Kind.CONTEXT and (stated := stated_folder(p.text)) is not None:
+                    return stated, i
+    return "", len(messages)
 
 
 def title(reply: Reply, structured: bool) -> str:

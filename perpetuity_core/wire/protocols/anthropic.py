@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from perpetuity_core.errors import ProtocolError
@@ -22,15 +23,21 @@ from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase
 from perpetuity_core.wire.sse import Event
 
 
-def parse_request(body: dict[str, Any], known: Sequence[Message | None] = ()) -> ParsedRequest:
-    """`known`: what an earlier request made of the first of these raw messages, the same
-    objects (wire.seen); each message reads alone, so they are taken as they were."""
+def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
+                  reused: int = 0) -> ParsedRequest:
+    """`known`: an earlier request whose first `reused` raw messages are this body's, the same
+    objects (wire.seen). Each message reads alone, so those are taken as it read them and only
+    the rest is read: a late call of a long session reads what is new, not its history."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ProtocolError("Anthropic request without a messages list")
-    raw_index = [i for i, m in enumerate(messages) if isinstance(m, dict)]
-    parsed = [m if i < len(known) and (m := known[i]) is not None else message_from(messages[i])
-              for i in raw_index]
+    raw_index, parsed, start = [], [], 0
+    if known is not None and 0 < reused <= len(messages):
+        upto = bisect.bisect_left(known.raw_index, reused)
+        raw_index, parsed, start = known.raw_index[:upto], known.messages[:upto], reused
+    fresh = [i for i in range(start, len(messages)) if isinstance(messages[i], dict)]
+    raw_index += fresh
+    parsed += [message_from(messages[i]) for i in fresh]
     hints: dict[str, str] = {}
     meta = body.get("metadata")
     if isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
