@@ -18,13 +18,14 @@ current trajectory (both decay at the row's own half-life, so the better one now
 a row's activation, once written, overrides its birth. Heat never enters the relevance score.
 
 Several proxies over one database (PostgreSQL): the process that stores a message writes its
-rows' births, in that message's transaction (with the rows waiting in retrieval_pending, which
-the warm set reads too); the process that serves a turn moves
-that user's clock (`advance`: an increment in the database, never a value computed in the
-process; concurrent moves add up) and writes that turn's reheats (`reheat`: reads the rows'
+rows' births, in that message's transaction (with its rows waiting in retrieval_pending,
+which the warm set reads too); the process that serves a turn moves that user's clock
+(`advance`: an increment in the database, never a value computed in the process; concurrent
+moves add up) and writes that turn's reheats (`reheat`: reads the rows'
 activations locked FOR UPDATE and writes the better ones in that transaction, so a reheat is
 always judged against the last one committed by any process, and no update is lost when two
-proxies reheat the same row; a first reheat is inserted unless another process's came first). Both take the write lock shared: they run beside other
+proxies reheat the same row; a row's first reheat is inserted, or judged against another
+process's first when that came first). Both take the write lock shared: they run beside other
 processes' writes (database.py). Readers (`warm_set`, `clock`) read committed values only.
 scripts/bench_writers.py checks both with 2 and 4 processes.
 """
@@ -97,25 +98,26 @@ def half_life(kind: Kind, role: str, text: str) -> float:
 _ADVANCE = SQL.both("INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
                     " DO UPDATE SET position = clock.position + excluded.position")
 _CLOCK = SQL.both("SELECT position FROM clock WHERE user_id = ?")
-_WARM = "SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?"
 _STANDING_ONLY = f" AND half_life >= {STANDING_HALF_LIFE}"
-# Births the activations have not overridden (a reheat is always later than the birth); on
-# PostgreSQL the rows not ordered yet too, in the same statement (one snapshot: a row moving
-# from one table to the other is seen once).
-_BORN = ("SELECT item_id, born, {peak}, half_life FROM {table} r WHERE user_id = ? AND born >= ?"
-         "{standing} AND NOT EXISTS (SELECT 1 FROM activation a WHERE a.item_id = r.item_id)")
 
 
-def _births(standing: str) -> SQL:
-    one = _BORN.format(peak=BIRTH_PEAK, table="retrieval", standing=standing)
-    pending = _BORN.format(peak=BIRTH_PEAK, table="retrieval_pending", standing=standing)
-    return SQL(one, f"{one} UNION ALL {pending}".replace("?", "%s"))
+def _warm(standing: str) -> SQL:
+    """The rows of a user activated since a clock position: the activations, and the births
+    none overrides (a reheat is always later than its birth), on PostgreSQL the births of rows
+    not ordered yet too. One statement, so one snapshot: a first reheat or a row moving out of
+    retrieval_pending committing meanwhile is seen once, never missed."""
+    activations = ("SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ?"
+                   f" AND at >= ?{standing}")
+    born = ("SELECT item_id, born, {0}, half_life FROM {1} r WHERE user_id = ? AND born >= ?"
+            f"{standing} AND NOT EXISTS (SELECT 1 FROM activation a WHERE a.item_id = r.item_id)")
+    sqlite = f"{activations} UNION ALL {born.format(BIRTH_PEAK, 'retrieval')}"
+    return SQL(sqlite, f"{sqlite} UNION ALL {born.format(BIRTH_PEAK, 'retrieval_pending')}"
+                       .replace("?", "%s"))
 
 
-_WARM_WINDOW = SQL.both(_WARM)
-_STANDING_WARM = SQL.both(_WARM + _STANDING_ONLY)
-_BORN_WINDOW = _births("")
-_STANDING_BORN = _births(_STANDING_ONLY)
+_WARM_WINDOW = _warm("")
+_STANDING_WARM = _warm(_STANDING_ONLY)
+_PARTS = {False: 2, True: 3}  # the statements' parts, each taking (user, since)
 _REHEATED = SQL.both("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?")
 # A row's trajectory where no activation overrides its birth: born hot with its retrieval row,
 # or cold (harness context, which has none) at its kind's half-life.
@@ -127,6 +129,8 @@ _BIRTH = SQL(
     " coalesce(r.half_life, p.half_life) FROM item i JOIN message m ON m.id = i.message_id"
     " LEFT JOIN retrieval r ON r.item_id = i.id LEFT JOIN retrieval_pending p"
     " ON p.item_id = i.id WHERE i.id IN ({})")
+
+
 @dataclass(frozen=True, slots=True)
 class Born:
     """A row's birth, as its retrieval row holds it (or its cold birth, without one)."""
@@ -179,14 +183,11 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) 
     reached now) applied where they beat the current trajectory, and other users' rows among
     `reheats` at their reheat peak. Reads only."""
     conn = db.connection()
-    rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - _WINDOW)).fetchall()
-    rows += conn.execute(db.pick(_BORN_WINDOW), (user_id, now - _WINDOW) * _TABLES[db.postgres]
-                         ).fetchall()
+    parts = _PARTS[db.postgres]
+    rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - _WINDOW) * parts).fetchall()
     # Standing rows stay warm far longer than the window: read through their own small indexes.
     seen = {r[0] for r in rows}
-    standing = (user_id, now - _STANDING_WINDOW)
-    for r in [*conn.execute(db.pick(_STANDING_WARM), standing),
-              *conn.execute(db.pick(_STANDING_BORN), standing * _TABLES[db.postgres])]:
+    for r in conn.execute(db.pick(_STANDING_WARM), (user_id, now - _STANDING_WINDOW) * parts):
         if r[0] not in seen:
             rows.append(r)
             seen.add(r[0])
@@ -210,9 +211,6 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) 
     ids, w = ids[keep].astype(np.int64), w[keep]
     order = np.lexsort((ids, -w))  # warmest first; ties by store order, deterministic
     return Warm(ids[order], w[order], foreign)
-
-
-_TABLES = {False: 1, True: 2}  # the births' statement reads retrieval (and retrieval_pending)
 
 
 def trajectories(db: Database, conn: Sql, item_ids: Sequence[int],
