@@ -416,7 +416,8 @@ def m016_born_with_retrieval(db: Database) -> None:
         " AND NOT EXISTS (SELECT 1 FROM retrieval r WHERE r.item_id = activation.item_id)"
         " AND NOT EXISTS (SELECT 1 FROM retrieval_pending p WHERE p.item_id = activation.item_id))",
         (heat.BIRTH_PEAK, heat.HALF_LIFE[Kind.CONTEXT]))
-    for sql in ("CREATE INDEX retrieval_warm ON retrieval (user_id, born)",
-                "CREATE INDEX retrieval_standing ON retrieval (user_id, born)"
+    # Covering: the warm set reads its births from the index alone (heat.warm_set).
+    for sql in ("CREATE INDEX retrieval_warm ON retrieval (user_id, born, half_life, item_id)",
+                "CREATE INDEX retrieval_standing ON retrieval (user_id, born, half_life, item_id)"
                 f" WHERE half_life >= {heat.STANDING_HALF_LIFE}"):
         conn.execute(sql)
