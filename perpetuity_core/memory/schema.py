@@ -6,8 +6,8 @@ here, beside the list: the store's module keeps the models and the write path.
 
 The store knows nothing of what is derived from its rows: it calls the derivers it is given,
 inside each message's transaction (retrieval rows, each with its birth, heat.py: no item may
-exist without them, and harness context is stored, born cold, and never retrieved) or a batch at a time (the
-chains, `Store.flush`). Each derived structure owns its migrations; `MIGRATIONS` lists them in
+exist without them, and harness context is stored, born cold, and never retrieved) or a batch
+at a time (the chains, `Store.flush`). Each derived structure owns its migrations; `MIGRATIONS` lists them in
 their historical order, by the names already recorded in users' databases.
 """
 
@@ -172,8 +172,9 @@ def m009_harness_text(db: Database) -> None:
     messages, its IDE notes, task notices, skill text and interrupt markers: see
     conversation.text_part), become context: their retrieval rows, chains and bindings go, and
     they are cold, as context is born (heat.py). Rows that quote a reminder the harness appended
-    (tool results) are indexed again without it (by m016). Conversations get the title, opening words and
-    folder their label is made of; those stored before get their first prompt's opening words.
+    (tool results) are indexed again without it (by m016). Conversations get the title,
+    opening words and folder their label is made of; those stored before get their first
+    prompt's opening words.
     """
     raw = db.connection()
     conn = db.translated(raw)  # a migration's statements: written once (dialect.translate_legacy)
