@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Ingest through the write path against SQLite FTS5, side by side, as JSON.
 
-    scripts/bench_ingest.py [--rounds 3] [--without chains,activation,retrieval] [--out FILE]
+    scripts/bench_ingest.py [--rounds 3] [--without chains,retrieval] [--out FILE]
 
 Every LoCoMo message (5,882) goes through the real write path (importers.write ->
 capture.record -> Store.add_message and its derivers, one transaction per message, then the
@@ -16,7 +16,8 @@ checkpointed away after every thread (every 500 texts for FTS5), the pages named
 
 `--without` drops derivers from the store (the ablation): the result is no longer a memory
 the product could serve, only a measure of what each deriver costs. The chains are derived
-from the retrieval rows, so without retrieval there are no chains either.
+from the retrieval rows, and the rows' births are written in them (heat.py), so without
+retrieval there are no chains and no heat either.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perpetuity_core.memory.derived import heat, index  # noqa: E402
+from perpetuity_core.memory.derived import index  # noqa: E402
 from perpetuity_core.memory.jobs import importers  # noqa: E402
 from perpetuity_core.memory.schema import open_memory
 from scripts.bench_retrieval import fts5_insert  # noqa: E402
 
-DERIVERS = {"retrieval": index.derive_retrieval, "activation": heat.derive_activation}
+DERIVERS = {"retrieval": index.derive_retrieval}
 BATCHED = {"chains": "chain"}
 
 

@@ -40,7 +40,7 @@ from perpetuity_core.wire.conversation import (
     text_part,
 )
 from perpetuity_core.wire.protocols import ADAPTERS
-from tests.conftest import SHARED, Proxy, needs_fixtures, opened, owned, query
+from tests.conftest import SHARED, Proxy, needs_fixtures, opened, opened_other, owned, query
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import http_fixtures, replay, to_request
 from tests.validity import CHECKS
@@ -58,7 +58,11 @@ def say(store: Store, conversation: str, *texts: str, user: str = "u") -> list[i
 
 
 def activation(store: Store) -> list[tuple]:
-    return query(store.path, "select item_id, at, peak, half_life from activation order by item_id")
+    """Every row's (item id, at, peak, half-life): its activation, or the birth it overrides."""
+    conn = store.db.connection()
+    ids = [i for (i,) in conn.execute("SELECT id FROM item ORDER BY id")]
+    trajectory = heat.trajectories(store.db, conn, ids)
+    return [(i, *trajectory[i]) for i in ids]
 
 
 def test_rows_are_born_hot_at_the_clock_and_only_exchanges_move_it(store: Store) -> None:
@@ -97,6 +101,35 @@ def test_reheat_adopts_only_a_better_trajectory_and_nothing_cools_by_writing(sto
     assert heat.reheat(store.db, now, {a: 2.0, b: current_b * 0.5}) == 1  # only a's reheat beats its path
     after = dict((i, (at, peak)) for i, at, peak, _ in activation(store))
     assert after[a] == (now, 2.0) and after[b] == (before[1][1], before[1][2])
+
+
+@pytest.mark.parametrize("ours, other", [(2.0, 1.5), (1.2, 1.5)])
+def test_a_first_reheat_another_proxy_wrote_first_is_judged_as_any_other(
+        postgres_url: str, monkeypatch: pytest.MonkeyPatch, ours: float, other: float) -> None:
+    """PostgreSQL, proxies in parallel: a row never reheated has no activation to lock. When
+    another proxy's first reheat of it commits between this one's read and its insert, this
+    one's is judged against that one, not written over it nor lost."""
+    store = open_memory(postgres_url)
+    try:
+        say(store, "c", "the lighthouse keeper's logbook", "noted")
+        row = int(store.db.connection().execute("SELECT min(id) FROM item").fetchone()[0])
+        births, other_proxy = heat.births, opened_other(postgres_url)
+
+        def raced(db: Any, conn: Any, item_ids: Any) -> Any:
+            found = births(db, conn, item_ids)
+            if row in found:  # the other proxy's first reheat lands now
+                b = found[row]
+                other_proxy.execute("INSERT INTO activation (item_id, user_id, conversation_id,"
+                                    " at, peak, half_life) VALUES (?, ?, ?, ?, ?, ?)",
+                                    (row, b.user_id, b.conversation_id, 0.0, other, b.half_life))
+            return found
+
+        monkeypatch.setattr(heat, "births", raced)
+        assert heat.reheat(store.db, 0.0, {row: ours}) == int(ours > other)
+        monkeypatch.undo()
+        assert dict((i, peak) for i, _, peak, _ in activation(store))[row] == max(ours, other)
+    finally:
+        store.close()
 
 
 def test_an_idle_agent_forgets_nothing(store: Store) -> None:
@@ -158,10 +191,10 @@ def test_standing_instructions_outlast_the_warm_window_and_reach_the_frame(store
     text = "\n".join(p.text for m in built.messages for p in m.parts)
     assert "Always show timings in milliseconds." in text and "kestrel" not in text
     if isinstance(store.path, Path):  # SQLite's plan; PostgreSQL's planner goes by table size
-        plan = query(store.path, "EXPLAIN QUERY PLAN SELECT item_id FROM activation WHERE"
-                     f" user_id = ? AND at >= ? AND half_life >= {heat.STANDING_HALF_LIFE}",
-                     uid, 0.0)
-        assert "activation_standing" in str(plan)  # read through its own index, not a scan
+        plan = str(query(store.path, f"EXPLAIN QUERY PLAN {heat._STANDING_WARM.sqlite}",
+                         uid, 0.0, uid, 0.0))
+        # Reheats and births each read through their own index, not a scan.
+        assert "activation_standing" in plan and "retrieval_standing" in plan
 
 
 def test_a_pooled_hit_warms_on_the_askers_clock_only(store: Store) -> None:

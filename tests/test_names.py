@@ -24,6 +24,7 @@ from perpetuity_core.wire.conversation import Kind, Message, Part, Reply, Usage,
 from tests.conftest import Proxy, opened, query
 from tests.fake_provider import FakeProvider, Text
 from tests.test_fixtures import to_request
+from tests.test_migrations import before_m016
 
 DEVICE = "d" * 64
 REMINDER = ("<system-reminder>\nAs you answer the user's questions, you can use the following"
@@ -231,6 +232,7 @@ def test_migration_names_older_conversations_and_unindexes_their_harness_text(
         old.add_message(conversation_id=cid, user_id=uid, message=m, provider="anthropic",
                         model="m", at=1.0 + i, pair_key=capture.pair_key(str(i), m),
                         source="request")
+    before_m016(old)  # m009 leaves the rows it re-derives to m016, which must come after it
     old.close()
     monkeypatch.undo()
 

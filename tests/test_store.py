@@ -225,17 +225,19 @@ def test_memory_check_cli_reports_each_violation(memory_at: Path | str,
     with s.db.peewee.atomic():
         index.sequence_in(s.db, s.db.connection())
         index.fold(s.db, s.db.connection())
+    (first,) = s.db.connection().execute("SELECT min(id) FROM item").fetchone()
+    assert heat.reheat(s.db, 0.0, {first: 2.0}) == 1  # its first reheat: an activation row
     s.close()
     assert cli.main(["memory", "check", "--db", str(path)]) == 0
     with opened_other(path) as conn:  # break two invariants behind the store's back
-        conn.execute("DELETE FROM activation WHERE item_id = (SELECT min(id) FROM item)")
+        conn.execute("UPDATE activation SET user_id = user_id + 1000")  # a reheat's row
         conn.execute("UPDATE retrieval_term SET df = df + 1 WHERE term ="
                      " (SELECT min(term) FROM retrieval_term)")
     capsys.readouterr()
     assert cli.main(["memory", "check", "--db", str(path)]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2
-    assert lines[0].startswith("items without an activation: 1")
+    assert lines[0].startswith("activations disagreeing with their message: 1")
     assert lines[1].startswith("document frequencies != recount: 1 terms")
     assert cli.main(["memory", "purge", "--user", "u1", "--db", str(path)]) == 0
     assert cli.main(["memory", "purge", "--user", "nobody", "--db", str(path)]) == 1

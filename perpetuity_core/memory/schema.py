@@ -5,9 +5,9 @@ The migrations of the store's own tables past the first (m006, m007, m010, m011,
 here, beside the list: the store's module keeps the models and the write path.
 
 The store knows nothing of what is derived from its rows: it calls the derivers it is given,
-inside each message's transaction (retrieval rows and activations: no item may exist without
-them, and harness context is stored, born cold, and never retrieved) or a batch at a time (the
-chains, `Store.flush`). Each derived structure owns its migrations; `MIGRATIONS` lists them in
+inside each message's transaction (retrieval rows, each with its birth, heat.py: no item may
+exist without them, and harness context is stored, born cold, and never retrieved) or a batch
+at a time (the chains, `Store.flush`). Each derived structure owns its migrations; `MIGRATIONS` lists them in
 their historical order, by the names already recorded in users' databases.
 """
 
@@ -18,14 +18,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from perpetuity_core.memory.derived.chains import derive_chains, m004_recall
-from perpetuity_core.memory.derived.heat import derive_activation, m003_heat, m005_standing
+from perpetuity_core.memory.derived.heat import m003_heat, m005_standing
 from perpetuity_core.memory.derived.index import (
     derive_retrieval,
-    items_by_message,
     m002_retrieval,
     m008_retrieval_time,
     m012_retrieval_pending,
     m015_retrieval_numbered,
+    m016_born_with_retrieval,
     sequence_in,
     settle_in,
 )
@@ -172,8 +172,9 @@ def m009_harness_text(db: Database) -> None:
     messages, its IDE notes, task notices, skill text and interrupt markers: see
     conversation.text_part), become context: their retrieval rows, chains and bindings go, and
     they are cold, as context is born (heat.py). Rows that quote a reminder the harness appended
-    (tool results) are indexed again without it. Conversations get the title, opening words and
-    folder their label is made of; those stored before get their first prompt's opening words.
+    (tool results) are indexed again without it (by m016). Conversations get the title,
+    opening words and folder their label is made of; those stored before get their first
+    prompt's opening words.
     """
     raw = db.connection()
     conn = db.translated(raw)  # a migration's statements: written once (dialect.translate_legacy)
@@ -198,8 +199,7 @@ def m009_harness_text(db: Database) -> None:
         (Kind.TOOL_RESULT.value,))]
     conn.executemany("DELETE FROM retrieval WHERE item_id = ?", [(i,) for i in reminded])
     settle_in(db, raw)
-    for items in items_by_message(db, reminded):
-        derive_retrieval(db, items)
+    # Their rows are derived again by m016 (the insert writes columns that come with it).
     for (cid,) in conn.execute("SELECT id FROM conversation").fetchall():
         first = conn.execute(
             "SELECT i.text FROM message m JOIN item i ON i.message_id = m.id WHERE"
@@ -216,12 +216,13 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m009_harness_text, m010_store_guarantees,
                                                    m011_secret, m012_retrieval_pending,
                                                    m013_id_sequences, m014_message_lookup,
-                                                   m015_retrieval_numbered]
+                                                   m015_retrieval_numbered,
+                                                   m016_born_with_retrieval]
 
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:
     """The store at `path`, migrated, with every deriver wired (and `derivers` after them)."""
     return Store(path, migrations=MIGRATIONS,
-                 derivers=[derive_retrieval, derive_activation, *derivers],
+                 derivers=[derive_retrieval, *derivers],
                  batched={"chain": derive_chains}, settle=settle_in,
                  sequence=sequence_in)

@@ -10,18 +10,22 @@ then, and a half-life fixed when it was born. Its warmth at clock position `now`
 
     peak * 2 ** (-(now - at) / half_life)
 
-Nothing is ever written to cool a row. A row is born hot, in the transaction that stores it;
-after birth only retrieval writes activations, adopting a reheat only where its peak beats the
-row's current trajectory (both decay at the row's own half-life, so the better one now stays
-better). Heat never enters the relevance score.
+Nothing is ever written to cool a row. A row is born hot, in the transaction that stores it:
+its birth (the clock position then, peak BIRTH_PEAK, its half-life) is written in its retrieval
+row (index.derive_retrieval, m016), and harness context, which has none, is born cold. After
+birth only retrieval writes activations, adopting a reheat only where its peak beats the row's
+current trajectory (both decay at the row's own half-life, so the better one now stays better);
+a row's activation, once written, overrides its birth. Heat never enters the relevance score.
 
 Several proxies over one database (PostgreSQL): the process that stores a message writes its
-rows' birth activations, in that message's transaction; the process that serves a turn moves
-that user's clock (`advance`: an increment in the database, never a value computed in the
-process; concurrent moves add up) and writes that turn's reheats (`reheat`: reads the rows'
+rows' births, in that message's transaction (with its rows waiting in retrieval_pending,
+which the warm set reads too); the process that serves a turn moves that user's clock
+(`advance`: an increment in the database, never a value computed in the process; concurrent
+moves add up) and writes that turn's reheats (`reheat`: reads the rows'
 activations locked FOR UPDATE and writes the better ones in that transaction, so a reheat is
 always judged against the last one committed by any process, and no update is lost when two
-proxies reheat the same row). Both take the write lock shared: they run beside other
+proxies reheat the same row; a row's first reheat is inserted, or judged against another
+process's first when that came first). Both take the write lock shared: they run beside other
 processes' writes (database.py). Readers (`warm_set`, `clock`) read committed values only.
 scripts/bench_writers.py checks both with 2 and 4 processes.
 """
@@ -34,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perpetuity_core.memory.storage.dialect import SQL, marks
-from perpetuity_core.memory.storage.store import Database, StoredItem
+from perpetuity_core.memory.storage.dialect import SQL, Sql, marks
+from perpetuity_core.memory.storage.store import IN_CHUNK, Database, in_chunks
 from perpetuity_core.wire.conversation import Kind
 
 BIRTH_PEAK = 1.0
@@ -90,37 +94,64 @@ def half_life(kind: Kind, role: str, text: str) -> float:
     return HALF_LIFE[kind]
 
 
-# OR REPLACE: a purged item leaves its activation, and SQLite gives its id to the next item.
-# The clock is read by the insert itself: one statement, one round trip on PostgreSQL.
-_BIRTH = SQL(
-    "INSERT OR REPLACE INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
-    " VALUES (?,?,?,coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0),?,?)",
-    "INSERT INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
-    " VALUES (%s,%s,%s,coalesce((SELECT position FROM clock WHERE user_id = %s), 0.0),%s,%s)"
-    " ON CONFLICT (item_id) DO UPDATE SET user_id = excluded.user_id,"
-    " conversation_id = excluded.conversation_id, at = excluded.at, peak = excluded.peak,"
-    " half_life = excluded.half_life")
 # The clock moves by an increment in the database (module docstring).
 _ADVANCE = SQL.both("INSERT INTO clock (user_id, position) VALUES (?, ?) ON CONFLICT(user_id)"
                     " DO UPDATE SET position = clock.position + excluded.position")
 _CLOCK = SQL.both("SELECT position FROM clock WHERE user_id = ?")
-_WARM = ("SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ? AND at >= ?")
-_WARM_WINDOW = SQL.both(_WARM)
-_STANDING_WARM = SQL.both(_WARM + f" AND half_life >= {STANDING_HALF_LIFE}")
+_STANDING_ONLY = f" AND half_life >= {STANDING_HALF_LIFE}"
+
+
+def _warm(standing: str) -> SQL:
+    """The rows of a user activated since a clock position: the activations, and the births
+    none overrides (a reheat is always later than its birth), on PostgreSQL the births of rows
+    not ordered yet too. One statement, so one snapshot: a first reheat or a row moving out of
+    retrieval_pending committing meanwhile is seen once, never missed."""
+    activations = ("SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ?"
+                   f" AND at >= ?{standing}")
+    born = ("SELECT item_id, born, {0}, half_life FROM {1} r WHERE user_id = ? AND born >= ?"
+            f"{standing} AND NOT EXISTS (SELECT 1 FROM activation a WHERE a.item_id = r.item_id)")
+    sqlite = f"{activations} UNION ALL {born.format(BIRTH_PEAK, 'retrieval')}"
+    return SQL(sqlite, f"{sqlite} UNION ALL {born.format(BIRTH_PEAK, 'retrieval_pending')}"
+                       .replace("?", "%s"))
+
+
+_WARM_WINDOW = _warm("")
+_STANDING_WARM = _warm(_STANDING_ONLY)
+_PARTS = {False: 2, True: 3}  # the statements' parts, each taking (user, since)
 _REHEATED = SQL.both("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?")
+# A row's trajectory where no activation overrides its birth: born hot with its retrieval row,
+# or cold (harness context, which has none) at its kind's half-life.
+_BIRTH = SQL(
+    "SELECT i.id, m.user_id, m.conversation_id, r.born, r.half_life FROM item i"
+    " JOIN message m ON m.id = i.message_id LEFT JOIN retrieval r ON r.item_id = i.id"
+    " WHERE i.id IN ({})",
+    "SELECT i.id, m.user_id, m.conversation_id, coalesce(r.born, p.born),"
+    " coalesce(r.half_life, p.half_life) FROM item i JOIN message m ON m.id = i.message_id"
+    " LEFT JOIN retrieval r ON r.item_id = i.id LEFT JOIN retrieval_pending p"
+    " ON p.item_id = i.id WHERE i.id IN ({})")
 
 
-def derive_activation(db: Database, items: list[StoredItem]) -> None:
-    """Rows are born hot at their user's clock position, in the transaction that stores them."""
-    if not items:
-        return
-    m = items[0]
-    db.connection().executemany(
-        db.pick(_BIRTH),
-        [(it.id, m.user_id, m.conversation_id, m.user_id,
-          0.0 if it.kind == Kind.CONTEXT else BIRTH_PEAK,
-          half_life(Kind(it.kind), m.role, it.text))
-         for it in items])
+@dataclass(frozen=True, slots=True)
+class Born:
+    """A row's birth, as its retrieval row holds it (or its cold birth, without one)."""
+
+    user_id: int
+    conversation_id: int
+    at: float
+    peak: float
+    half_life: float
+
+
+def births(db: Database, conn: Sql, item_ids: Sequence[int]) -> dict[int, Born]:
+    """The births of these items (those that exist), whether an activation overrides them or
+    not."""
+    out: dict[int, Born] = {}
+    for chunk in in_chunks(item_ids):
+        for i, user, conversation, born, half in conn.execute(
+                db.pick(_BIRTH).format(marks(db.postgres, len(chunk))), chunk):
+            out[i] = (Born(user, conversation, born, BIRTH_PEAK, half) if born is not None
+                      else Born(user, conversation, 0.0, 0.0, HALF_LIFE[Kind.CONTEXT]))
+    return out
 
 
 def advance(db: Database, user_id: int, tokens: float) -> None:
@@ -152,10 +183,11 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) 
     reached now) applied where they beat the current trajectory, and other users' rows among
     `reheats` at their reheat peak. Reads only."""
     conn = db.connection()
-    rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - _WINDOW)).fetchall()
-    # Standing rows stay warm far longer than the window: read through their own small index.
+    parts = _PARTS[db.postgres]
+    rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - _WINDOW) * parts).fetchall()
+    # Standing rows stay warm far longer than the window: read through their own small indexes.
     seen = {r[0] for r in rows}
-    for r in conn.execute(db.pick(_STANDING_WARM), (user_id, now - _STANDING_WINDOW)):
+    for r in conn.execute(db.pick(_STANDING_WARM), (user_id, now - _STANDING_WINDOW) * parts):
         if r[0] not in seen:
             rows.append(r)
             seen.add(r[0])
@@ -163,10 +195,8 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) 
     if reheats:
         missing = [i for i in reheats if i not in seen]
         if missing:
-            mark = "%s" if db.postgres else "?"
-            own = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
-                               f" item_id IN ({marks(db.postgres, len(missing))})"
-                               f" AND user_id = {mark}", (*missing, user_id)).fetchall()
+            own = [(i, *trajectory) for i, trajectory in
+                   trajectories(db, conn, missing, user_id).items()]
             foreign = frozenset(missing) - {r[0] for r in own}
             # A foreign row's own trajectory is on another clock: only the reheat counts.
             rows += own + [(i, now, 0.0, 1.0) for i in sorted(foreign)]
@@ -183,6 +213,20 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) 
     return Warm(ids[order], w[order], foreign)
 
 
+def trajectories(db: Database, conn: Sql, item_ids: Sequence[int],
+                 user_id: int | None = None) -> dict[int, tuple[float, float, float]]:
+    """(at, peak, half_life) of each of these rows (of `user_id`'s only, when given): its
+    activation, or its birth where none overrides it."""
+    found: dict[int, tuple[float, float, float]] = {}
+    for chunk in in_chunks(item_ids):
+        found.update((r[0], r[1:]) for r in conn.execute(
+            "SELECT item_id, at, peak, half_life FROM activation WHERE"
+            f" item_id IN ({marks(db.postgres, len(chunk))})", chunk))
+    born = births(db, conn, item_ids)
+    return {i: found.get(i, (b.at, b.peak, b.half_life))
+            for i, b in born.items() if user_id is None or b.user_id == user_id}
+
+
 def reheat(db: Database, now: float, reheats: dict[int, float]) -> int:
     """Write reheats that beat each row's current trajectory; the store's writer calls this."""
     if not reheats:
@@ -191,14 +235,50 @@ def reheat(db: Database, now: float, reheats: dict[int, float]) -> int:
     with db.writing("reheat rows", ordered=False) as conn:
         # Read and written in one transaction, under SQLite's one writer or, on PostgreSQL
         # (writers in parallel), under the rows' own locks, taken in id order so that two
-        # reheats of the same rows cannot deadlock.
-        lock = " ORDER BY item_id FOR UPDATE" if db.postgres else ""
-        rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
-                            f" item_id IN ({marks(db.postgres, len(ids))}){lock}", ids).fetchall()
-        better = [(now, reheats[i], i) for i, at, peak, half in rows
-                  if reheats[i] > peak * 2.0 ** (-(now - at) / half)]
-        conn.executemany(db.pick(_REHEATED), better)
-    return len(better)
+        # reheats of the same rows cannot deadlock. A row never reheated has no activation to
+        # lock: its first is inserted unless another process's came first, and that one is
+        # then judged as any other (the second pass).
+        better = 0
+        for _ in range(2):
+            lock = " ORDER BY item_id FOR UPDATE" if db.postgres else ""
+            rows = conn.execute("SELECT item_id, at, peak, half_life FROM activation WHERE"
+                                f" item_id IN ({marks(db.postgres, len(ids))}){lock}",
+                                ids).fetchall()
+            updated = [(now, reheats[i], i) for i, at, peak, half in rows
+                       if reheats[i] > peak * 2.0 ** (-(now - at) / half)]
+            conn.executemany(db.pick(_REHEATED), updated)
+            better += len(updated)
+            first = [(i, b.user_id, b.conversation_id, now, reheats[i], b.half_life)
+                     for i, b in births(db, conn, sorted(set(ids) - {r[0] for r in rows})).items()
+                     if reheats[i] > b.peak * 2.0 ** (-(now - b.at) / b.half_life)]
+            ids = sorted(set(r[0] for r in first) - _first_reheats(db, conn, first))
+            better += len(first) - len(ids)
+            if not ids:
+                break
+    return better
+
+
+def _first_reheats(db: Database, conn: Sql, rows: list[tuple]) -> set[int]:
+    """Insert the activations of rows reheated for the first time; returns the ones inserted
+    (on PostgreSQL another process may have inserted some first)."""
+    if not rows:
+        return set()
+    if not db.postgres:
+        conn.executemany(_FIRST_SQLITE, rows)
+        return {r[0] for r in rows}
+    done: set[int] = set()
+    for start in range(0, len(rows), IN_CHUNK):
+        chunk = rows[start:start + IN_CHUNK]
+        done.update(i for (i,) in conn.execute(
+            _FIRST_POSTGRES.format(", ".join([f"({marks(True, 6)})"] * len(chunk))),
+            [v for r in chunk for v in r]).fetchall())
+    return done
+
+
+_FIRST_SQLITE = ("INSERT INTO activation (item_id, user_id, conversation_id, at, peak, half_life)"
+                 f" VALUES ({marks(False, 6)})")
+_FIRST_POSTGRES = ("INSERT INTO activation (item_id, user_id, conversation_id, at, peak,"
+                   " half_life) VALUES {} ON CONFLICT (item_id) DO NOTHING RETURNING item_id")
 
 
 def rank_reheats(ranked_items: Sequence[int], neighbours: Iterable[tuple[int, int]]) -> dict[int, float]:

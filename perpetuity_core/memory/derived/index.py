@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.storage.dialect import SQL, Rows, Sql, marks, trigger
 from perpetuity_core.memory.storage.store import Database, Store, StoredItem, in_chunks
 from perpetuity_core.wire.conversation import Kind, Message, without_scaffold
@@ -57,17 +58,20 @@ _CONTEXT = Kind.CONTEXT.value
 
 
 def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
-    """Write the retrieval rows and counts of a message's items (inside its transaction). On
+    """Write the retrieval rows and counts of a message's items (inside its transaction), each
+    with its birth (heat.py: the clock position it was stored at and its half-life). On
     PostgreSQL they wait in retrieval_pending until `sequence` orders them (database.py)."""
     if not items:
         return
     conn = db.connection()
-    # Inside the write lock: a flip elsewhere is seen here. On SQLite the live version and
-    # the fold's cursor come in one statement, the message's one read.
+    user = items[0].user_id
+    # Inside the write lock: a flip elsewhere is seen here. On SQLite the live version, the
+    # fold's cursor and the user's clock come in one statement, the message's one read; on
+    # PostgreSQL the insert reads the clock itself (one round trip).
     if db.postgres:
-        d, folded = db.live.follow(conn), 0
+        d, folded, born = db.live.follow(conn), 0, user
     else:
-        version, folded = conn.execute(_WRITE_STATE).fetchone()
+        version, folded, born = conn.execute(_WRITE_STATE, (user,)).fetchone()
         d = db.live.named(conn, version)
     rows = []
     for it in items:
@@ -77,7 +81,8 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
         bag = d.bag(text)
         rows.append((it.id, it.message_id, it.user_id, it.conversation_id, int(it.at), bag.length,
                      token_estimate(text), d.version,
-                     bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes()))
+                     bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes(), born,
+                     heat.half_life(Kind(it.kind), it.role, it.text)))
     if not rows:
         return
     if db.postgres:
@@ -93,18 +98,21 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
 
 
 _WRITE_STATE = ("SELECT (SELECT value FROM setting WHERE key = 'dictionary'),"
-                " (SELECT folded_seq FROM retrieval_total WHERE id = 1)")
-_COLUMNS = "item_id, message_id, user_id, conversation_id, at, length, tokens, version, terms, counts"
+                " (SELECT folded_seq FROM retrieval_total WHERE id = 1),"
+                " coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0)")
+_COLUMNS = ("item_id, message_id, user_id, conversation_id, at, length, tokens, version, terms,"
+            " counts, born, half_life")
 # SQLite numbers a row past the newest and past every seq a deletion freed (m015: no
-# AUTOINCREMENT, whose counter was one more page in every message's commit). Before m015 there
-# is no mark, the max is NULL, and the table's AUTOINCREMENT numbers the row, as it did.
+# AUTOINCREMENT, whose counter was one more page in every message's commit).
 _INSERT_ROW = (f"INSERT INTO retrieval (seq, {_COLUMNS}) VALUES (max((SELECT coalesce(max(seq), 0)"
                " FROM retrieval), (SELECT id FROM high_water WHERE name = 'retrieval')) + 1,"
-               f" {marks(False, 10)})")
-# PostgreSQL: the rows wait for their seq (`sequence`); SQLite never writes this table.
-_PENDING = Rows(f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ({marks(False, 10)})",
+               f" {marks(False, 12)})")
+# PostgreSQL: the rows wait for their seq (`sequence`), each born at its user's clock as the
+# insert reads it; SQLite never writes this table.
+_PENDING = Rows(f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ({marks(False, 12)})",
                 f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ",
-                f"({marks(True, 10)})")
+                f"({marks(True, 10)}, coalesce((SELECT position FROM clock WHERE user_id = %s),"
+                " 0.0), %s)")
 
 
 def _fold_due(db: Database, conn: Sql, seq: int) -> None:
@@ -250,7 +258,8 @@ _SETTLED = SQL.both("UPDATE retrieval_gone SET settled = 1 WHERE seq = ?")
 
 
 def purge(store: Store, item_ids: Iterable[int]) -> int:
-    """Delete items (and their retrieval rows, counts and activations) in one transaction."""
+    """Delete items (and their retrieval rows, with their births, counts and activations) in
+    one transaction."""
     ids = [(int(i),) for i in item_ids]
     db = store.db
     with db.writing("purge rows") as conn:
@@ -364,4 +373,51 @@ def m015_retrieval_numbered(db: Database) -> None:
         " VALUES (old.seq, old.item_id, old.length, old.tokens, old.terms);"
         " UPDATE high_water SET id = old.seq WHERE name = 'retrieval' AND id < old.seq; END",
     ):
+        conn.execute(sql)
+
+
+def m016_born_with_retrieval(db: Database) -> None:
+    """A row's birth (heat.py: the clock position it was stored at, its half-life) is written
+    in its retrieval row, no longer as an activation row of its own, whose two B-trees
+    (activation, activation_warm) were two of the ~10 pages of every message's commit; one
+    index on the retrieval rows (user_id, born) finds the warm births. `activation` keeps
+    what retrieval writes after birth, the reheats, which override the birth.
+
+    Every row's birth is its activation as it stood (the same trajectory), and the activations
+    a birth now implies go: a row's at peak BIRTH_PEAK, and harness context's, born cold (it
+    has no retrieval row). Rows m009 left without their retrieval row (it re-derives those
+    that quote a reminder, and the insert now writes a birth) are derived here first. SQLite:
+    a re-derivation staged for a flip starts again (its staged rows have no birth)."""
+    conn = db.translated(db.connection())
+    for table in ("retrieval", "retrieval_pending", "retrieval_next"):
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN born REAL NOT NULL DEFAULT 0")
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN half_life REAL NOT NULL DEFAULT 1")
+    if not db.postgres:
+        for table in ("retrieval_staged", "retrieval_term_staged", "retrieval_total_staged",
+                      "chain_staged", "retrieval_staged_gone"):
+            conn.execute(f"DROP TABLE IF EXISTS {table}")
+        conn.execute("DELETE FROM high_water WHERE name = 'retrieval_staged'")
+    rowless = [i for (i,) in conn.execute(
+        "SELECT id FROM item i WHERE kind != ? AND NOT EXISTS (SELECT 1 FROM retrieval r"
+        " WHERE r.item_id = i.id) AND NOT EXISTS (SELECT 1 FROM retrieval_pending p"
+        " WHERE p.item_id = i.id) ORDER BY id", (_CONTEXT,))]
+    for items in items_by_message(db, rowless):
+        derive_retrieval(db, items)
+    for table in ("retrieval", "retrieval_pending", "retrieval_next"):
+        conn.execute(
+            f"UPDATE {table} SET born = coalesce((SELECT a.at FROM activation a WHERE"
+            f" a.item_id = {table}.item_id), born), half_life = coalesce((SELECT a.half_life"
+            f" FROM activation a WHERE a.item_id = {table}.item_id), half_life)")
+    rowed = ("EXISTS (SELECT 1 FROM {0} r WHERE r.item_id = activation.item_id"
+             " AND r.born = activation.at AND r.half_life = activation.half_life)")
+    conn.execute(
+        f"DELETE FROM activation WHERE (peak = ? AND ({rowed.format('retrieval')}"
+        f" OR {rowed.format('retrieval_pending')})) OR (peak = 0 AND half_life = ?"
+        " AND NOT EXISTS (SELECT 1 FROM retrieval r WHERE r.item_id = activation.item_id)"
+        " AND NOT EXISTS (SELECT 1 FROM retrieval_pending p WHERE p.item_id = activation.item_id))",
+        (heat.BIRTH_PEAK, heat.HALF_LIFE[Kind.CONTEXT]))
+    # Covering: the warm set reads its births from the index alone (heat.warm_set).
+    for sql in ("CREATE INDEX retrieval_warm ON retrieval (user_id, born, half_life, item_id)",
+                "CREATE INDEX retrieval_standing ON retrieval (user_id, born, half_life, item_id)"
+                f" WHERE half_life >= {heat.STANDING_HALF_LIFE}"):
         conn.execute(sql)

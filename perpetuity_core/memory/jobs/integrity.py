@@ -4,8 +4,8 @@ stored rows in one read snapshot (it runs beside a serving proxy and never write
 One line per violation; none means the memory is whole:
 - every item but harness context has exactly one retrieval row (context none; on PostgreSQL it
   may still be waiting for its seq in retrieval_pending), of the live
-  dictionary version, agreeing with its message (user, conversation, time), and its own
-  activation (born once: keyed by item);
+  dictionary version, agreeing with its message (user, conversation, time), and holding its
+  birth (heat.py); an activation agrees with its message;
 - the pooled counts (rows, length, tokens, document frequency per term) equal a recount of
   the folded rows, less the deletions the writer has not settled yet;
 - nothing points at what is gone: items without a message, messages without a conversation
@@ -74,8 +74,6 @@ def _rows(conn: Sql, live: str) -> list[str]:
                  " JOIN message m ON m.id = i.message_id WHERE r.message_id != m.id"
                  " OR r.user_id != m.user_id OR r.conversation_id != m.conversation_id"
                  " OR r.at != CAST(m.at AS INTEGER)"),
-        *_ids_of(conn, "items without an activation", "SELECT i.id FROM item i"
-                 " LEFT JOIN activation a ON a.item_id = i.id WHERE a.item_id IS NULL"),
         *_ids_of(conn, "activations disagreeing with their message",
                  "SELECT a.item_id FROM activation a JOIN item i ON i.id = a.item_id"
                  " JOIN message m ON m.id = i.message_id WHERE a.user_id != m.user_id"

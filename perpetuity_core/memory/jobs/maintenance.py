@@ -255,9 +255,9 @@ def _flip_in_place(db: Database, raw: Sql) -> None:
     before = _delete_unlogged(conn)
     conn.execute(
         "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
-        " tokens, version, terms, counts) SELECT n.item_id, m.id, m.user_id,"
+        " tokens, version, terms, counts, born, half_life) SELECT n.item_id, m.id, m.user_id,"
         " m.conversation_id, CAST(m.at AS INTEGER), n.length, n.tokens, n.version, n.terms,"
-        " n.counts FROM retrieval_next n JOIN item i ON i.id = n.item_id"
+        " n.counts, n.born, n.half_life FROM retrieval_next n JOIN item i ON i.id = n.item_id"
         " JOIN message m ON m.id = i.message_id ORDER BY n.item_id")
     conn.execute("DELETE FROM retrieval_term")
     conn.execute("UPDATE retrieval_total SET rows = 0, length = 0, tokens = 0, folded_seq = ?",
@@ -398,15 +398,19 @@ def _rederive_batch(db: Database, d: dictionary.Dictionary, limit: int,
             _unstage(conn)
             _stage(conn)
         (after,) = conn.execute("SELECT coalesce(max(item_id), 0) FROM retrieval_next").fetchone()
+        # A row keeps its birth (heat.py) under every dictionary.
         items = conn.execute(
-            "SELECT i.id, i.kind, i.name, i.text, m.id, m.user_id, m.conversation_id, m.at"
-            " FROM item i JOIN message m ON m.id = i.message_id WHERE i.id > ? AND i.id <= ?"
+            "SELECT i.id, i.kind, i.name, i.text, m.id, m.user_id, m.conversation_id, m.at,"
+            " coalesce(r.born, p.born), coalesce(r.half_life, p.half_life)"
+            " FROM item i JOIN message m ON m.id = i.message_id"
+            " LEFT JOIN retrieval r ON r.item_id = i.id"
+            " LEFT JOIN retrieval_pending p ON p.item_id = i.id WHERE i.id > ? AND i.id <= ?"
             " AND i.kind != ? ORDER BY i.id LIMIT ?",
             (after, upto if upto is not None else 1 << 62, _CONTEXT, limit)).fetchall()
         if not items:
             return 0
         nxt, staged, chained, bags = [], [], [], []
-        for i, kind, name, text, message, user, conversation, at in items:
+        for i, kind, name, text, message, user, conversation, at, born, half in items:
             t = item_text(kind, name, text)
             bag = d.bag(t)
             bags.append(bag.terms)
@@ -414,19 +418,20 @@ def _rederive_batch(db: Database, d: dictionary.Dictionary, limit: int,
             subjects = chains.subjects(d, text) if kind == Kind.TEXT.value and text.strip() else []
             n_tokens = token_estimate(t)
             nxt.append((i, d.version, bag.length, n_tokens, terms, bag.counts.tobytes(),
-                        " ".join(subjects)))
+                        " ".join(subjects), born, half))
             staged.append((i, message, user, conversation, int(at), bag.length, n_tokens,
-                           d.version, terms, bag.counts.tobytes()))
+                           d.version, terms, bag.counts.tobytes(), born, half))
             chained += [(user, s, at, i) for s in subjects]
         conn.executemany("INSERT OR REPLACE INTO retrieval_next (item_id, version, length, tokens,"
-                         " terms, counts, subjects) VALUES (?,?,?,?,?,?,?)", nxt)
+                         " terms, counts, subjects, born, half_life) VALUES (?,?,?,?,?,?,?,?,?)",
+                         nxt)
         if not staging:
             return len(items)
         conn.executemany(
             "INSERT INTO retrieval_staged (seq, item_id, message_id, user_id, conversation_id,"
-            " at, length, tokens, version, terms, counts) VALUES (max((SELECT coalesce(max(seq),"
-            " 0) FROM retrieval_staged), (SELECT id FROM high_water WHERE name ="
-            " 'retrieval_staged')) + 1, ?,?,?,?,?,?,?,?,?,?)", staged)
+            " at, length, tokens, version, terms, counts, born, half_life) VALUES (max((SELECT"
+            " coalesce(max(seq), 0) FROM retrieval_staged), (SELECT id FROM high_water WHERE"
+            " name = 'retrieval_staged')) + 1, ?,?,?,?,?,?,?,?,?,?,?,?)", staged)
         chains.insert_chain("chain_staged").run(raw, db.postgres, chained)
         count_terms(db, raw, np.concatenate(bags), +1, "retrieval_term_staged")
         conn.execute("UPDATE retrieval_total_staged SET rows = rows + ?, length = length + ?,"
