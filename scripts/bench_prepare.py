@@ -2,8 +2,8 @@
 selection and rendering of its frame, the recall tools riding along. Prints JSON.
 
 No proxy and no network: the pipeline is driven directly, on one thread, so the figure is the
-preparing thread's own CPU (time.thread_time), which the machine's load changes far less than
-wall time. Memories:
+process's CPU over the call (time.process_time: the scan's worker threads with it), which the
+machine's load changes far less than wall time. Memories:
 - `bench`: what bench_latency.py's run leaves behind: its Anthropic sides' first prompts and
   coding tasks (a prompt, four tool rounds), each stored with its reply, in rotation; the
   first prompt measured is its relay side's, a new conversation each, stored after it as
@@ -71,11 +71,11 @@ def anthropic_request(side: str, n: int) -> HttpRequest:
 
 
 def stored(pipeline: Pipeline, req: HttpRequest) -> float:
-    """Prepare a request (its thread CPU, seconds) and store it with its reply, as the proxy
+    """Prepare a request (its CPU, seconds) and store it with its reply, as the proxy
     would."""
-    start = time.thread_time()
+    start = time.process_time()
     d = pipeline.prepare(req)
-    cpu = time.thread_time() - start
+    cpu = time.process_time() - start
     if d.job is not None:
         turn = pipeline.store_turn(d.job.pending)
         pipeline.store_reply(turn, Reply(Message("assistant", (Part(Kind.TEXT, REPLY),)),
@@ -111,9 +111,9 @@ def run_locomo(pipeline: Pipeline, pooled: bool, requests: int,
                                       [{"role": "user", "content": q.text}])
         if prof and k >= 5:
             prof.enable()
-        start = time.thread_time()
+        start = time.process_time()
         pipeline.prepare(req)
-        took = time.thread_time() - start
+        took = time.process_time() - start
         if prof and k >= 5:
             prof.disable()
         if k >= 5:
