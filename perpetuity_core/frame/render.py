@@ -18,7 +18,6 @@ from datetime import UTC, date, datetime
 
 from perpetuity_core.frame.rows import Row, quoted, time_label
 from perpetuity_core.frame.tenants import withheld
-from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.wire.conversation import Kind, Message, Part
 
 # The lines the model reads around the quoted turns. They say what the turns are (quoted, not
@@ -52,8 +51,8 @@ def messages(rows: dict[int, Row], ids: Iterable[int], recent: Collection[int],
 
 
 def cost(r: Row) -> int:
-    """A row's estimated tokens as quoted, without its label."""
-    return token_estimate(quote(r))
+    """A row's estimated tokens as quoted, without its label (token_estimate's rule)."""
+    return (len(quote(r)) + 3) // 4
 
 
 def quote(r: Row) -> str:
@@ -106,17 +105,20 @@ def section(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: fl
     asked = datetime.fromtimestamp(asked_at, UTC).date()
     out: list[Turn] = []
     for c in order:
-        by_message: dict[int, list[Row]] = {}
-        for r in groups[c]:
-            by_message.setdefault(r.message_id, []).append(r)
+        group = groups[c]
         current = c == conversation_id
         previous: Row | None = None
-        for parts in by_message.values():
-            first = parts[0]
+        start = 0
+        while start < len(group):
+            # One message's rows: the group is in store order, so they follow one another.
+            first = group[start]
+            end = start + 1
+            while end < len(group) and group[end].message_id == first.message_id:
+                end += 1
             # A row flagged at capture as holding a credential (store.m011) is withheld
             # from every other conversation's frame.
             text = "\n".join(withheld(p) if p.secret and not current else quote(p)
-                             for p in parts)
+                             for p in group[start:end])
             # A label opens each run of turns said together; within a run the alternation
             # itself tells the speakers apart, and a label per turn would cost a row's worth.
             # Labels are a tenth of a frame: the conversation is named once per group, and a
@@ -130,6 +132,7 @@ def section(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: fl
             out.append(("assistant" if first.role == "assistant" else "user",
                         f"{label}\n{text}" if label else text))
             previous = first
+            start = end
     return out
 
 

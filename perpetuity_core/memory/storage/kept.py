@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from perpetuity_core.memory.storage.store import Database
 
 
 class Kept[V]:
-    """Rows by id, the least recently used going first once their text passes `chars`
-    characters. Frames and the recall tools read on several threads: one lock."""
+    """Rows by id, the first read going first once their text passes `chars` characters (one
+    read again is kept again: no reordering on every read, which cost as much as the read it
+    saved). Frames and the recall tools read on several threads: one lock."""
 
     def __init__(self, chars: int, size: Callable[[V], int]) -> None:
-        self._rows: OrderedDict[int, V] = OrderedDict()
+        self._rows: dict[int, V] = {}
         self._chars = 0
         self._most = chars
         self._size = size
@@ -33,10 +33,7 @@ class Kept[V]:
         """The rows kept among `ids`."""
         with self._lock:
             rows = self._rows
-            found = {i: rows[i] for i in ids if i in rows}
-            for i in found:
-                rows.move_to_end(i)
-        return found
+            return {i: rows[i] for i in ids if i in rows}
 
     def put(self, read: dict[int, V]) -> None:
         with self._lock:
@@ -45,7 +42,7 @@ class Kept[V]:
                     self._rows[i] = row
                     self._chars += self._size(row)
             while self._chars > self._most and self._rows:
-                _, old = self._rows.popitem(last=False)
+                old = self._rows.pop(next(iter(self._rows)))
                 self._chars -= self._size(old)
 
 
