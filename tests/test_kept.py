@@ -18,6 +18,7 @@ from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame.rows import Row, quoted, shown_rows, time_label
 from perpetuity_core.frame.tenants import withheld
 from perpetuity_core.memory.derived import heat, index, scan
+from perpetuity_core.memory.derived.view import Visibility
 from perpetuity_core.memory.jobs import maintenance
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage.store import Store
@@ -57,7 +58,12 @@ def test_a_purged_hit_is_never_found_from_what_was_kept(store: Store) -> None:
     add(store, "bob", "b1", ["garden tomatoes"])
     scanner = scan.Scanner(store, store_rows=0)
     assert {h.item_id for h in scanner.search("garden violin", None, 10)} >= set(alice)
+    view = scanner.arena.view
+    ranked = view.top(view.query(store.db.dictionary, "garden violin", scanner.params), 10,
+                      Visibility(None))
     maintenance.purge_user(store, "alice")
+    # A ranking made before the purge (a search the purge overtook) reads none of its rows.
+    assert not {h.item_id for h in scan.fetch_hits(store.db, ranked)} & set(alice)
     assert not {h.item_id for h in scanner.search("garden violin", None, 10)} & set(alice)
     assert [h.text for h in scanner.search("garden", None, 10)] == ["garden tomatoes"]
 
