@@ -211,7 +211,7 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
     where, args = one_of(db.postgres, "r.seq", [s for _, s, _ in ranked])
     there = [s for (s,) in db.connection().execute(
         f"SELECT r.seq FROM retrieval r {_HIT_JOINS} WHERE {where}", args)]
-    cache = kept(db, "hits", lambda: Kept(HITS_KEPT, lambda h: len(h.text)))
+    cache: Kept[Hit] = kept(db, "hits", lambda: Kept(HITS_KEPT, _hit_chars))
     known = cache.get(there)
     if missing := [s for s in there if s not in known]:
         where, args = one_of(db.postgres, "r.seq", missing)
@@ -234,3 +234,7 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
 
 _HIT_JOINS = "JOIN item i ON i.id = r.item_id JOIN message m ON m.id = r.message_id"
 HITS_KEPT = 16 * 1024 * 1024  # characters of hits' text kept per database
+
+
+def _hit_chars(h: Hit) -> int:
+    return len(h.text)
