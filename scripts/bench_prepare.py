@@ -24,7 +24,8 @@ and thread hand-offs of a three-segment scan. After the rows and hits kept once 
 view.POOL_ROWS, labels' times made once: instructions a prepare 64.2M -> 39.2M (0.61) on one
 LoCoMo conversation (30 questions), 58.0M -> 43.6M (0.75) on all ten pooled (20 questions),
 70.9M -> 49.8M (0.70) on the bench memory (60 rounds); CPU p50 10.2 -> 6.5 ms (LoCoMo, three
-runs each, alternating), 13.0 -> 8.8 ms on the bench memory (two). Still above 5 ms: what is
+runs each, alternating), 13.3 -> 10.3 ms on the bench memory (medians of four pairs, 8.8
+to 12.1 as the load went). Still above 5 ms: what is
 left is Python work per warm row (~350 a frame: the warm set's read, which rows are there,
 their costs and order) and the fill's two renders of the rows it chose.
 
