@@ -18,16 +18,17 @@ What it found (issue 24; a 2-core machine at load 6-15, so instruction counts be
 times: callgrind collecting inside the measured prepares only, through a client-request
 toggle). Before: a first prompt's prepare on LoCoMo went to the frame's reads (rows' text read
 again every call: 2.8 ms; the warm set 1.2; a small memory's scan from the store, every row
-re-read: 1.4; the hits' text 1.1), the fill's renders (2-3 ms, half of it labels made afresh)
+re-read: 1.4; the hits' text 1.1), the fill's renders (2-3 ms, a quarter of it labels made
+afresh)
 and thread hand-offs of a three-segment scan. After the rows and hits kept once read
 (memory.storage.kept), the arena from the first row, the scan on the calling thread below
 view.POOL_ROWS, labels' times made once: instructions a prepare 64.2M -> 39.2M (0.61) on one
 LoCoMo conversation (30 questions), 58.0M -> 43.6M (0.75) on all ten pooled (20 questions),
 70.9M -> 49.8M (0.70) on the bench memory (60 rounds); CPU p50 10.2 -> 6.5 ms (LoCoMo, three
 runs each, alternating), 13.3 -> 10.3 ms on the bench memory (medians of four pairs, 8.8
-to 12.1 as the load went). Still above 5 ms: what is
-left is Python work per warm row (~350 a frame: the warm set's read, which rows are there,
-their costs and order) and the fill's two renders of the rows it chose.
+to 12.1 as the load went). Still above 5 ms: what is left is Python work per warm row (~350
+a frame: the warm set's read, which rows are there, their costs and order) and the fill's two
+renders of the rows it chose.
 
     .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
 """
