@@ -19,8 +19,7 @@ times: callgrind collecting inside the measured prepares only, through a client-
 toggle). Before: a first prompt's prepare on LoCoMo went to the frame's reads (rows' text read
 again every call: 2.8 ms; the warm set 1.2; a small memory's scan from the store, every row
 re-read: 1.4; the hits' text 1.1), the fill's renders (2-3 ms, a quarter of it labels made
-afresh)
-and thread hand-offs of a three-segment scan. After the rows and hits kept once read
+afresh) and thread hand-offs of a three-segment scan. After the rows and hits kept once read
 (memory.storage.kept), the arena from the first row, the scan on the calling thread below
 view.POOL_ROWS, labels' times made once: instructions a prepare 64.2M -> 39.2M (0.61) on one
 LoCoMo conversation (30 questions), 58.0M -> 43.6M (0.75) on all ten pooled (20 questions),
