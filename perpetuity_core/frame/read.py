@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from perpetuity_core.frame import dates
 from perpetuity_core.frame.rows import (
     Row,
-    adjacent_pairs,
+    adjacent_runs,
     around,
     items_of,
     next_spoken,
@@ -136,7 +136,4 @@ def _adjacent(db: Database, rows: dict[int, Row]) -> frozenset[tuple[int, int]]:
     by_conversation: dict[int, set[int]] = {}
     for r in rows.values():
         by_conversation.setdefault(r.conversation_id, set()).add(r.message_id)
-    out: set[tuple[int, int]] = set()
-    for messages in by_conversation.values():
-        out |= adjacent_pairs(db, tuple(sorted(messages)))
-    return frozenset(out)
+    return adjacent_runs(db, [tuple(sorted(messages)) for messages in by_conversation.values()])

@@ -12,12 +12,12 @@ Which rendered messages follow one another in the store (`adjacent`) is read bef
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 
 from perpetuity_core.frame.rows import Row, quoted, time_label
 from perpetuity_core.frame.tenants import withheld
-from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.wire.conversation import Kind, Message, Part
 
 # The lines the model reads around the quoted turns. They say what the turns are (quoted, not
@@ -36,6 +36,7 @@ EXCERPT = "[Excerpt of row #{0}; memory_more(item={0}) reads it whole.]\n"
 # sitting to a reader (chosen with the labels, not measured).
 RUN_GAP = 30 * 60
 SKIPPED = "[...]"  # the same sitting resumes after turns the frame leaves out
+STAMPS = 65_536  # rows whose time label is kept (_stamped)
 
 _TOOLS = (Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value)  # hot: once, not per row
 
@@ -52,8 +53,8 @@ def messages(rows: dict[int, Row], ids: Iterable[int], recent: Collection[int],
 
 
 def cost(r: Row) -> int:
-    """A row's estimated tokens as quoted, without its label."""
-    return token_estimate(quote(r))
+    """A row's estimated tokens as quoted, without its label (token_estimate's rule)."""
+    return (len(quote(r)) + 3) // 4
 
 
 def quote(r: Row) -> str:
@@ -100,61 +101,77 @@ def section(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: fl
     """Rows as turns, grouped by conversation, oldest first. `adjacent` holds the pairs of
     these rows' messages with nothing stored between them (a run said together)."""
     groups: dict[int, list[Row]] = {}
-    for r in sorted(rows, key=lambda r: (r.message_id, r.item_id)):
+    for r in sorted(rows, key=_store_order):
         groups.setdefault(r.conversation_id, []).append(r)
     # Other conversations by when they were last said, then the current one.
     order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
+    asked = datetime.fromtimestamp(asked_at, UTC).date()
     out: list[Turn] = []
     for c in order:
-        by_message: dict[int, list[Row]] = {}
-        for r in groups[c]:
-            by_message.setdefault(r.message_id, []).append(r)
+        group = groups[c]
+        current = c == conversation_id
         previous: Row | None = None
-        for parts in by_message.values():
-            first = parts[0]
+        start = 0
+        while start < len(group):
+            # One message's rows: the group is in store order, so they follow one another.
+            first = group[start]
+            end = start + 1
+            while end < len(group) and group[end].message_id == first.message_id:
+                end += 1
             # A row flagged at capture as holding a credential (store.m011) is withheld
             # from every other conversation's frame.
-            text = "\n".join(withheld(p) if p.secret and c != conversation_id else quote(p)
-                             for p in parts)
+            text = "\n".join(withheld(p) if p.secret and not current else quote(p)
+                             for p in group[start:end])
             # A label opens each run of turns said together; within a run the alternation
             # itself tells the speakers apart, and a label per turn would cost a row's worth.
             # Labels are a tenth of a frame: the conversation is named once per group, and a
             # run resuming the same sitting after skipped turns is marked by SKIPPED alone.
             if previous is None:
-                label = _label(first, asked_at, c == conversation_id)
+                label = _label(first, asked, current)
             elif not _same_run(previous, first, adjacent):
-                label = SKIPPED if first.at - previous.at <= RUN_GAP else _when(first, asked_at)
+                label = SKIPPED if first.at - previous.at <= RUN_GAP else _when(first.at, asked)
             else:
                 label = ""
             out.append(("assistant" if first.role == "assistant" else "user",
                         f"{label}\n{text}" if label else text))
             previous = first
+            start = end
     return out
+
+
+def _store_order(r: Row) -> tuple[int, int]:
+    return r.message_id, r.item_id
 
 
 def _same_run(previous: Row, row: Row, adjacent: Collection[tuple[int, int]]) -> bool:
     return (previous.message_id, row.message_id) in adjacent and row.at - previous.at <= RUN_GAP
 
 
-def _label(r: Row, asked_at: float, current: bool) -> str:
+def _label(r: Row, asked: date, current: bool) -> str:
     # Another conversation by the name a person knows it by (names.py), never its session id.
     where = ("this conversation" if current else
              f"conversation {r.conversation}" if r.conversation else "another conversation")
-    return f"[{where}, {_when(r, asked_at)[1:]}"
+    return f"[{where}, {_when(r.at, asked)[1:]}"
 
 
-def _when(r: Row, asked_at: float) -> str:
-    when = datetime.fromtimestamp(r.at, UTC)
-    return f"[{time_label(r.at)}, {ago(when, datetime.fromtimestamp(asked_at, UTC))}]"
+def _when(at: float, asked: date) -> str:
+    stamp, day = _stamped(at)
+    return f"[{stamp}, {ago((asked - day).days)}]"
 
 
-def ago(when: datetime, asked: datetime) -> str:
-    """How long before the question, counted in calendar days (UTC): a label then changes
+@functools.lru_cache(maxsize=STAMPS)
+def _stamped(at: float) -> tuple[str, date]:
+    """A row's time label and its day (UTC): the same for every frame that shows the row,
+    made once (a first prompt's frame labels ~100 runs, twice while the fill measures)."""
+    return time_label(at), datetime.fromtimestamp(at, UTC).date()
+
+
+def ago(days: int) -> str:
+    """How long before the question, `days` counted in calendar days (UTC): a label then changes
     only at midnight, all labels at once, and the frame in front stays the prefix a provider
     has cached. "3 minutes before" would change with every turn (measured with bench_prefix,
     turns a minute apart: Anthropic's cost per request 3,044 units against 2,278 for the same
     turns a second apart)."""
-    days = (asked.date() - when.date()).days
     if days <= 0:
         return "earlier today"
     if days == 1:

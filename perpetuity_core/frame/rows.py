@@ -9,10 +9,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from perpetuity_core.memory.storage.dialect import SQL, Sql, marks, one_of
+from perpetuity_core.memory.storage.kept import Kept, kept
 from perpetuity_core.memory.storage.names import label
 from perpetuity_core.memory.storage.store import IN_CHUNK, Database, failing_as, in_chunks
 from perpetuity_core.wire.conversation import Kind, without_scaffold
@@ -42,7 +43,7 @@ class Row:
 def shown_rows(db: Database, item_ids: Iterable[int],
                user_id: int | None = None) -> dict[int, Row]:
     """The rows among `item_ids` (of `user_id` only, when given) that a model may be shown:
-    SHOWN_KINDS, and not blank."""
+    SHOWN_KINDS, and not blank. Ascending ids within each IN_CHUNK of them (SQLite's order)."""
     ids = list(dict.fromkeys(item_ids))
     out: dict[int, Row] = {}
     if len(ids) <= IN_CHUNK:
@@ -54,26 +55,65 @@ def shown_rows(db: Database, item_ids: Iterable[int],
         return _shown_rows(db, conn, ids, user_id, out)
 
 
+_SHOWN_COLUMNS = ("SELECT {} FROM item i JOIN message m ON m.id = i.message_id"
+                  " JOIN conversation c ON c.id = m.conversation_id"
+                  " WHERE {} AND i.kind IN ({}){}")
+
+
 def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
                 out: dict[int, Row]) -> dict[int, Row]:
+    """Which rows are there (and their conversations' names, which change) is read every
+    time, ids only; a row itself is read whole once and kept (memory.storage.kept): the
+    frame reads the same warm rows call after call (LoCoMo: 2.8 ms of a first prompt's
+    13 went to reading ~350 rows' text again)."""
     kinds = marks(db.postgres, len(SHOWN_KINDS))
     owner = f" AND m.user_id = {marks(db.postgres, 1)}" if user_id is not None else ""
+    cache = _kept(db)
     names: dict[int, str] = {}  # each conversation's, made once: a frame's ~100 rows have a few
     for chunk in in_chunks(ids):
         these, args = one_of(db.postgres, "i.id", chunk)
         args += (*SHOWN_KINDS, *(() if user_id is None else (user_id,)))
-        for (item, message, conv, title, opening, folder, role, at, kind, name,
-             text, secret) in conn.execute(
-            "SELECT i.id, m.id, m.conversation_id, c.title, c.opening, c.folder, m.role, m.at,"
-            " i.kind, i.name, i.text, i.secret FROM item i JOIN message m"
-            " ON m.id = i.message_id"
-            " JOIN conversation c ON c.id = m.conversation_id"
-            f" WHERE {these} AND i.kind IN ({kinds}){owner}", args):
-            if (shown := without_scaffold(text)).strip():
-                if (named := names.get(conv)) is None:
-                    named = names[conv] = label(title, opening, folder)
-                out[item] = Row(item, message, conv, named, role, at, kind, name, shown, secret)
+        there = conn.execute(_SHOWN_COLUMNS.format("i.id, m.conversation_id", these, kinds, owner),
+                             args).fetchall()
+        known = cache.get([item for item, _ in there])
+        if missing := [item for item, _ in there if item not in known]:
+            known |= _read_rows(db, conn, missing, kinds, cache)
+        if unnamed := sorted({conv for _, conv in there} - names.keys()):
+            where, args = one_of(db.postgres, "id", unnamed)
+            names |= {conv: label(title, opening, folder) for conv, title, opening, folder in
+                      conn.execute(f"SELECT id, title, opening, folder FROM conversation"
+                                   f" WHERE {where}", args)}
+        for item, conv in sorted(there):
+            if (row := known.get(item)) is None:  # blank, or gone since `there` was read
+                continue
+            named = names.get(conv, row.conversation)
+            out[item] = row if row.conversation == named else replace(row, conversation=named)
     return out
+
+
+def _read_rows(db: Database, conn: Sql, ids: list[int], kinds: str,
+               cache: Kept[Row | None]) -> dict[int, Row | None]:
+    """The rows `ids` read whole (None for a blank one), and kept in `cache`."""
+    these, args = one_of(db.postgres, "i.id", ids)
+    read: dict[int, Row | None] = {}
+    for (item, message, conv, title, opening, folder, role, at, kind, name,
+         text, secret) in conn.execute(_SHOWN_COLUMNS.format(
+            "i.id, m.id, m.conversation_id, c.title, c.opening, c.folder, m.role, m.at,"
+            " i.kind, i.name, i.text, i.secret", these, kinds, ""), [*args, *SHOWN_KINDS]):
+        shown = without_scaffold(text)
+        read[item] = (Row(item, message, conv, label(title, opening, folder), role, at, kind,
+                          name, shown, secret) if shown.strip() else None)
+    cache.put(read)
+    return read
+
+
+# Text kept of the rows read, in characters: the warm sets of a few busy users (a frame on
+# LoCoMo reads ~350 rows of ~170 characters, and every one of them again for the next).
+ROWS_KEPT = 16 * 1024 * 1024
+
+
+def _kept(db: Database) -> Kept[Row | None]:
+    return kept(db, "shown rows", lambda: Kept(ROWS_KEPT, lambda r: len(r.text) if r else 0))
 
 
 def quoted(r: Row) -> str:
@@ -163,19 +203,28 @@ def adjacent_pairs(db: Database, ids: tuple[int, ...]) -> frozenset[tuple[int, i
     between them. Cached per database: ids only grow, so nothing can come between two later
     and the answer keeps (a purge could only add pairs, and then a run is labelled once more
     than it needs)."""
-    if len(ids) < 2:
+    return adjacent_runs(db, [ids])
+
+
+def adjacent_runs(db: Database, runs: list[tuple[int, ...]]) -> frozenset[tuple[int, int]]:
+    """`adjacent_pairs` of several conversations' messages at once: the cache asked once for
+    them all (a first prompt's frame over many short conversations asked it ~170 times)."""
+    runs = [ids for ids in runs if len(ids) >= 2]
+    if not runs:
         return frozenset()
-    key = (str(db.peewee.database), ids)
+    where = str(db.peewee.database)
     with _ADJACENT_GUARD:  # frames are built on several threads
-        if (known := _ADJACENT.get(key)) is not None:
-            _ADJACENT.move_to_end(key)
-            return known
-    pairs = _adjacent_pairs(db, ids)
-    with _ADJACENT_GUARD:
-        _ADJACENT[key] = pairs
-        if len(_ADJACENT) > ADJACENT_CACHED:
-            _ADJACENT.popitem(last=False)
-    return pairs
+        known = {ids: pairs for ids in runs if (pairs := _ADJACENT.get((where, ids))) is not None}
+        for ids in known:
+            _ADJACENT.move_to_end((where, ids))
+    read = {ids: _adjacent_pairs(db, ids) for ids in runs if ids not in known}
+    if read:
+        with _ADJACENT_GUARD:
+            for ids, pairs in read.items():
+                _ADJACENT[(where, ids)] = pairs
+            while len(_ADJACENT) > ADJACENT_CACHED:
+                _ADJACENT.popitem(last=False)
+    return frozenset().union(*known.values(), *read.values())
 
 
 # Keyed by the database's file or URL, not its handle: a closed store's handle is not kept.

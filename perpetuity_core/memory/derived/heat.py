@@ -205,8 +205,7 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) 
     ids, at, peak, half = (np.asarray(c) for c in zip(*rows))
     w = warmth(at.astype(float), peak.astype(float), half.astype(float), now)
     if reheats:
-        boost = np.fromiter((reheats.get(int(i), 0.0) for i in ids), float, len(ids))
-        w = np.maximum(w, boost)
+        w = np.maximum(w, reheat_peaks(reheats, ids))
     keep = w >= WARM_FLOOR
     ids, w = ids[keep].astype(np.int64), w[keep]
     order = np.lexsort((ids, -w))  # warmest first; ties by store order, deterministic
@@ -225,6 +224,17 @@ def trajectories(db: Database, conn: Sql, item_ids: Sequence[int],
     born = births(db, conn, item_ids)
     return {i: found.get(i, (b.at, b.peak, b.half_life))
             for i, b in born.items() if user_id is None or b.user_id == user_id}
+
+
+def reheat_peaks(reheats: dict[int, float], ids: np.ndarray) -> np.ndarray:
+    """Each row's peak among `reheats`, 0.0 where it has none: the reheats sorted once and
+    looked up together, not a dict lookup per warm row (hundreds a first prompt)."""
+    keys = np.fromiter(reheats, np.int64, len(reheats))
+    peaks = np.fromiter(reheats.values(), np.float64, len(reheats))
+    order = np.argsort(keys)
+    keys, peaks = keys[order], peaks[order]
+    at = np.minimum(np.searchsorted(keys, ids), len(keys) - 1)
+    return np.where(keys[at] == ids, peaks[at], 0.0)
 
 
 def reheat(db: Database, now: float, reheats: dict[int, float]) -> int:

@@ -33,8 +33,9 @@ def token_estimate(text: str) -> int:
 
 
 def messages_tokens(messages: Iterable[Message]) -> int:
-    """The estimated tokens of messages' text (token_estimate's rule)."""
-    return sum(token_estimate(p.text) for m in messages for p in m.parts)
+    """The estimated tokens of messages' text (token_estimate's rule, written out: a frame's
+    hundreds of parts are measured several times a request)."""
+    return sum((len(p.text) + 3) // 4 for m in messages for p in m.parts)
 
 
 def item_text(kind: str, name: str, text: str) -> str:

@@ -1,0 +1,168 @@
+"""The CPU of `Pipeline.prepare` on a first prompt (issue 24): identity, store reads, retrieval,
+selection and rendering of its frame, the recall tools riding along. Prints JSON.
+
+No proxy and no network: the pipeline is driven directly, on one thread, so the figure is the
+process's CPU over the call (time.process_time: the scan's worker threads with it), which the
+machine's load changes far less than wall time. Memories:
+- `bench`: what bench_latency.py's run leaves behind: its Anthropic sides' first prompts and
+  coding tasks (a prompt, four tool rounds), each stored with its reply, in rotation; the
+  first prompt measured is its relay side's, a new conversation each, stored after it as
+  there.
+- `locomo`: one LoCoMo conversation fed as a chat (`perpetuity eval`'s feed, ~600 turns); each
+  question asked as a first prompt with the tools riding along, nothing stored after it.
+- `pooled`: every LoCoMo conversation pooled in one memory (5,882 turns), asked the same way.
+
+`--profile FILE` writes a cProfile of the measured prepares (pstats).
+
+What it found (issue 24; a 2-core machine at load 6-15, so instruction counts beside the CPU
+times: callgrind collecting inside the measured prepares only, through a client-request
+toggle). Before: a first prompt's prepare on LoCoMo went to the frame's reads (rows' text read
+again every call: 2.8 ms; the warm set 1.2; a small memory's scan from the store, every row
+re-read: 1.4; the hits' text 1.1), the fill's renders (2-3 ms, a quarter of it labels made
+afresh) and thread hand-offs of a three-segment scan. After the rows and hits kept once read
+(memory.storage.kept), the arena from the first row, the scan on the calling thread below
+view.POOL_ROWS, labels' times made once: instructions a prepare 64.2M -> 39.2M (0.61) on one
+LoCoMo conversation (30 questions), 58.0M -> 43.6M (0.75) on all ten pooled (20 questions),
+70.9M -> 49.8M (0.70) on the bench memory (60 rounds); CPU p50 10.2 -> 6.5 ms (LoCoMo, three
+runs each, alternating), 13.3 -> 10.3 ms on the bench memory (medians of four pairs, 8.8
+to 12.1 as the load went). Still above 5 ms: what is left is Python work per warm row (~350
+a frame: the warm set's read, which rows are there, their costs and order) and the fill's two
+renders of the rows it chose.
+
+    .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from perpetuity_core.cli import eval as evaluation
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.serve.exchange import HttpRequest
+from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.settings import Settings
+from perpetuity_core.wire.conversation import Kind, Message, Part, Provider, Reply, Usage
+
+LOCOMO = Path(__file__).resolve().parent.parent.parent / "shared/data/locomo/locomo10.json"
+REPLY = "A reply of a few words, streamed in pieces."
+# bench_latency.py's Anthropic sides that store a turn, in its rotation.
+SIDES = {"frame_and_tools_relay": {}, "frame_stream": {"x-perpetuity-tools": "off"},
+         "capture_stream": {"x-perpetuity-recall": "off"}, "task_relay": {},
+         "task_stream": {"x-perpetuity-tools": "off"}}
+ROUNDS = 5
+
+
+def bench_messages(side: str, n: int) -> list[dict]:
+    """bench_latency.messages: a first prompt, or call n % ROUNDS of a task."""
+    if not side.startswith("task"):
+        return [{"role": "user", "content": f"benchmark turn {n} on {side}"}]
+    task, rounds = divmod(n, ROUNDS)
+    out: list[dict] = [{"role": "user", "content": f"benchmark task {task} on {side}"}]
+    for k in range(rounds):
+        out += [{"role": "assistant", "content": [
+                    {"type": "text", "text": "Reading."},
+                    {"type": "tool_use", "id": f"t{k}", "name": "Read", "input": {"n": k}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": f"t{k}", "content": f"line {k} " * 50}]}]
+    return out
+
+
+def anthropic_request(side: str, n: int) -> HttpRequest:
+    body = {"model": "claude-opus-4-8", "max_tokens": 100, "stream": True,
+            "metadata": {"user_id": "bench"}, "messages": bench_messages(side, n)}
+    headers = (("x-api-key", "sk-ant-bench"), ("content-type", "application/json"),
+               *SIDES[side].items())
+    return HttpRequest("POST", "127.0.0.1", "/v1/messages", headers, json.dumps(body).encode(),
+                       direct=True)
+
+
+def stored(pipeline: Pipeline, req: HttpRequest) -> float:
+    """Prepare a request (its CPU, seconds) and store it with its reply, as the proxy
+    would."""
+    start = time.process_time()
+    d = pipeline.prepare(req)
+    cpu = time.process_time() - start
+    if d.job is not None:
+        turn = pipeline.store_turn(d.job.pending)
+        pipeline.store_reply(turn, Reply(Message("assistant", (Part(Kind.TEXT, REPLY),)),
+                                         Usage()), time.time(), d.job.pending)
+    return cpu
+
+
+def run_bench(pipeline: Pipeline, requests: int, prof: cProfile.Profile | None) -> list[float]:
+    cpu = []
+    for i in range(requests + 5):
+        for side in SIDES:
+            req = anthropic_request(side, i)
+            measured = side == "frame_and_tools_relay" and i >= 5
+            if measured and prof:
+                prof.enable()
+            took = stored(pipeline, req)
+            if measured and prof:
+                prof.disable()
+            if measured:
+                cpu.append(took)
+    return cpu
+
+
+def run_locomo(pipeline: Pipeline, pooled: bool, requests: int,
+               prof: cProfile.Profile | None) -> list[float]:
+    cases = list(evaluation.locomo(LOCOMO))
+    for case in cases if pooled else cases[:1]:
+        evaluation.feed(pipeline, case.thread)
+    case = cases[0]
+    cpu = []
+    for k, q in enumerate((case.questions * (requests // len(case.questions) + 1))[:requests + 5]):
+        req = evaluation.chat_request(case.thread.user_key, f"bench-{k}", q.at,
+                                      [{"role": "user", "content": q.text}])
+        if prof and k >= 5:
+            prof.enable()
+        start = time.process_time()
+        pipeline.prepare(req)
+        took = time.process_time() - start
+        if prof and k >= 5:
+            prof.disable()
+        if k >= 5:
+            cpu.append(took)
+    return cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--memory", choices=["bench", "locomo", "pooled"], default="bench")
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--profile", type=Path)
+    args = ap.parse_args()
+    prof = cProfile.Profile(time.process_time) if args.profile else None
+    with tempfile.TemporaryDirectory() as tmp:
+        store = open_memory(Path(tmp) / "memory.db")
+        upstreams = {p: "http://127.0.0.1:9" for p in Provider}
+        if args.memory == "bench":
+            pipeline = Pipeline(store, Settings(upstreams=upstreams, share_pool=frozenset()))
+            cpu = run_bench(pipeline, args.requests, prof)
+        else:
+            pipeline = Pipeline(store, Settings(upstreams=upstreams,
+                                                share_pool=args.memory == "pooled",
+                                                trust_identity=True))
+            cpu = run_locomo(pipeline, args.memory == "pooled", args.requests, prof)
+        store.close()
+    if prof and args.profile:
+        prof.dump_stats(str(args.profile))
+    ms = sorted(c * 1000 for c in cpu)
+    print(json.dumps({"memory": args.memory, "requests": len(ms),
+                      "prepare_cpu_ms_p50": round(statistics.median(ms), 3),
+                      "prepare_cpu_ms_p90": round(ms[int(0.9 * len(ms))], 3),
+                      "prepare_cpu_ms_mean": round(statistics.fmean(ms), 3)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
