@@ -45,6 +45,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_latency import messages  # the same requests, that script's rotation
+
 from perpetuity_core.cli import eval as evaluation
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import HttpRequest
@@ -58,27 +60,11 @@ REPLY = "A reply of a few words, streamed in pieces."
 SIDES = {"frame_and_tools_relay": {}, "frame_stream": {"x-perpetuity-tools": "off"},
          "capture_stream": {"x-perpetuity-recall": "off"}, "task_relay": {},
          "task_stream": {"x-perpetuity-tools": "off"}}
-ROUNDS = 5
-
-
-def bench_messages(side: str, n: int) -> list[dict]:
-    """bench_latency.messages: a first prompt, or call n % ROUNDS of a task."""
-    if not side.startswith("task"):
-        return [{"role": "user", "content": f"benchmark turn {n} on {side}"}]
-    task, rounds = divmod(n, ROUNDS)
-    out: list[dict] = [{"role": "user", "content": f"benchmark task {task} on {side}"}]
-    for k in range(rounds):
-        out += [{"role": "assistant", "content": [
-                    {"type": "text", "text": "Reading."},
-                    {"type": "tool_use", "id": f"t{k}", "name": "Read", "input": {"n": k}}]},
-                {"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": f"t{k}", "content": f"line {k} " * 50}]}]
-    return out
 
 
 def anthropic_request(side: str, n: int) -> HttpRequest:
     body = {"model": "claude-opus-4-8", "max_tokens": 100, "stream": True,
-            "metadata": {"user_id": "bench"}, "messages": bench_messages(side, n)}
+            "metadata": {"user_id": "bench"}, "messages": messages(side, n)}
     headers = (("x-api-key", "sk-ant-bench"), ("content-type", "application/json"),
                *SIDES[side].items())
     return HttpRequest("POST", "127.0.0.1", "/v1/messages", headers, json.dumps(body).encode(),
