@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from perpetuity_core.frame.rows import Row
@@ -28,10 +29,10 @@ def library(root: Path | None, tenant: str) -> Path | None:
     return root / TENANTS_DIR / name
 
 
-def quotes_untrusted(messages: list[Message]) -> bool:
+def quotes_untrusted(messages: Sequence[Message]) -> bool:
     """Did the conversation quote a result of a tool that reads the web?"""
     # Each tool's name matched once, and the results looked at only when a call read the web:
-    # this runs on every call of a conversation, over all of its history.
+    # this walks all of the history, so it runs only when a note is captured.
     names = {p.call_id: p.name for m in messages for p in m.parts if p.kind == Kind.TOOL_CALL}
     web = {call_id for call_id, name in names.items() if _reads_web(name)}
     return bool(web) and any(p.kind == Kind.TOOL_RESULT and p.call_id in web

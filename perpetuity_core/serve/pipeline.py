@@ -356,7 +356,7 @@ class Pipeline:
             return "note_capture: no notes library is configured"
         try:
             fields = json.loads(arguments) if isinstance(arguments, str) else arguments
-            if isinstance(fields, dict) and tenants.quotes_untrusted(list(memory.history)):
+            if isinstance(fields, dict) and tenants.quotes_untrusted(memory.history):
                 fields = {**fields, "confidence": "tentative"}
             return notes.capture(memory.library, fields, date.today()).text
         except (PerpetuityError, ValueError, TypeError) as e:
