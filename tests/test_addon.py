@@ -53,13 +53,15 @@ def test_mitmweb_shows_the_real_destination_not_the_relay(tmp_path: Path) -> Non
     with taddons.context(addon) as tctx:
         tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
         flow = direct_flow(b"{}")
+        sent = flow.request.headers.fields
         flow.request.url = "http://127.0.0.1:5555/v1/messages"
-        flow.request.headers[JOB_HEADER] = "token"
+        flow.request.headers = http.Headers(host="127.0.0.1:5555", **{JOB_HEADER: "token"})
         flow.metadata[STATE] = FlowState(upstream="https://api.anthropic.com/v1/messages",
-                                         relayed=True)
+                                         relayed=True, headers=sent)
         asyncio.run(addon.response(flow))
         assert flow.request.url == "https://api.anthropic.com/v1/messages"
         assert JOB_HEADER not in flow.request.headers
+        assert flow.request.headers["x-api-key"] == "sk-ant-k"  # as the client sent them
 
 
 def test_every_path_that_reaches_a_write_makes_it_once(tmp_path: Path, monkeypatch) -> None:
@@ -140,8 +142,11 @@ def test_a_relayed_request_goes_to_the_relay_without_its_body(tmp_path: Path) ->
         assert state.relayed and second.request.headers[JOB_HEADER]
         assert second.request.port == addon.relay.port
         assert second.request.content == b"" and second.request.headers["content-length"] == "0"
+        # Nor the client's headers: the job carries them upstream.
+        assert sorted(second.request.headers) == ["content-length", "host", JOB_HEADER]
         job = state.capture.job
         assert job.original == body and b"Ingrid" in job.body and job.first_round
+        assert ("x-api-key", "sk-ant-k") in job.headers
 
 
 class Counted(ThreadPoolExecutor):

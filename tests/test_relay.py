@@ -498,7 +498,7 @@ async def _replied(first_chunk_at_hand: bool) -> list[list[bytes]]:
     reader.feed_data(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
     writes = Writes()
     http = Http11(reader, writes)  # type: ignore[arg-type]
-    assert await http.request() is not None
+    assert await http.request(b"x-perpetuity-job") == ""
     http.start(200, "OK", [("content-type", "text/event-stream")])
     if not first_chunk_at_hand:
         await asyncio.sleep(0)  # the relay waits on upstream

@@ -53,6 +53,7 @@ log = logging.getLogger("perpetuity")
 # Not carried onto a retry beside the hop-by-hop headers: encodings (the retry decodes what it
 # reads).
 _NOT_RESENT = HOP_BY_HOP | {"content-encoding"}
+_JOB = JOB_HEADER.encode()
 _TENANCY = {identity.PERSONAL: "one person's memory, whatever the key: whoever can reach the "
                               "port reads it",
             identity.CREDENTIAL: "a memory per credential; `perpetuity memory tenants join` "
@@ -330,11 +331,13 @@ class Perpetuity:
         for name in d.strip:
             del flow.request.headers[name]
         if token:
+            # The job carries the headers and the body: the relay would read mitmproxy's copies
+            # only to drop them (a coding session's requests grow to hundreds of KB, sent
+            # again every round, under a harness's 20-odd headers). _end puts the headers
+            # back, and _settle what went upstream, for inspection.
+            state.headers = flow.request.headers.fields
+            flow.request.headers = http.Headers(((b"host", b""), (_JOB, token.encode())))
             flow.request.scheme, flow.request.host, flow.request.port = "http", "127.0.0.1", self.relay.port
-            flow.request.headers[JOB_HEADER] = token
-            # The job carries the body: the relay would read mitmproxy's copy only to drop it,
-            # and a coding session's requests grow to hundreds of KB, sent again every round.
-            # (_settle puts what went upstream back for inspection.)
             flow.request.content = b""
         else:
             flow.request.url = route.upstream_url
@@ -421,12 +424,12 @@ class Perpetuity:
         if state is None:
             return
         state.finish()
-        if JOB_HEADER in flow.request.headers:
+        if state.headers is not None:
             # A job the flow ended without delivering (an error, another addon's answer) is
             # dropped with its upstream call; one the relay ran is gone already.
-            self.relay.drop(flow.request.headers[JOB_HEADER])
-            # Show the real destination in mitmweb, not the relay.
-            del flow.request.headers[JOB_HEADER]
+            self.relay.drop(flow.request.headers.get(JOB_HEADER, ""))
+            # Show the real destination in mitmweb, not the relay, and what the client sent.
+            flow.request.headers = http.Headers(state.headers)
             flow.request.url = state.upstream
         await self._settle(flow, state)
 

@@ -31,6 +31,9 @@ class FlowState:
     capture: Capture | None = None  # the turn's writes (None: nothing of this flow is stored)
     relayed: bool = False  # the relay runs the exchange and reads the reply itself
     upstream: str = ""  # the real destination, shown in place of the relay's address
+    # A relayed flow's headers as the client sent them (their fields), while mitmproxy's
+    # request to the relay carries only the job's token.
+    headers: tuple[tuple[bytes, bytes], ...] | None = None
     original: bytes | None = None  # the body as the client sent it, when we changed it
     tee: ReplyTee | None = None  # reads the reply on mitmproxy's stream until it ends
     kept: Kept | None = None  # a copy of a streamed body, for inspection

@@ -19,23 +19,24 @@ class Http11:
         self._conn = h11.Connection(h11.SERVER)
         self._head = b""  # a reply's head not yet written
 
-    async def request(self) -> dict[str, str] | None:
-        """The next request's headers (names lower-case), its body read and dropped (the relay's
-        job carries it); None when mitmproxy closed the connection or it cannot be reused."""
+    async def request(self, name: bytes) -> str | None:
+        """The next request's header `name` (lower-case; "" when it has none), its body read
+        and dropped (the relay's job carries it, and the rest of the headers); None when
+        mitmproxy closed the connection or it cannot be reused."""
         conn = self._conn
         if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
             conn.start_next_cycle()
         elif conn.our_state is not h11.IDLE:
             return None
-        headers: dict[str, str] = {}
+        value = ""
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 conn.receive_data(await self.reader.read(READ))  # b"" is the peer's close
             elif isinstance(event, h11.Request):
-                headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+                value = next((v.decode("latin-1") for k, v in event.headers if k == name), "")
             elif isinstance(event, h11.EndOfMessage):
-                return headers
+                return value
             elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                 return None
 

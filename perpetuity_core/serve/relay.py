@@ -38,6 +38,7 @@ from perpetuity_core.wire.sse import SSEDecoder
 log = logging.getLogger("perpetuity")
 
 JOB_HEADER = "x-perpetuity-job"
+_JOB = JOB_HEADER.encode()
 _JOB_TTL = 120.0  # a job mitmproxy never delivered (client gone) is dropped after this long
 
 # Why a flow went upstream as the client sent it after a 400 (its facts' `fell_open`).
@@ -202,8 +203,8 @@ class Relay:
         """One mitmproxy server connection; kept alive across requests, as mitmproxy reuses it."""
         http = Http11(reader, writer)
         try:
-            while (headers := await http.request()) is not None:
-                pending = self._jobs.pop(headers.get(JOB_HEADER, ""), None)
+            while (token := await http.request(_JOB)) is not None:
+                pending = self._jobs.pop(token, None)
                 if pending is None:
                     await http.respond(502, b"perpetuity: unknown relay job")
                 elif not await self._exchange(pending.capture, http, pending.begun):
