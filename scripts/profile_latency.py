@@ -109,6 +109,7 @@ class Trace:
             setattr(cls, name, wrapper)
 
         timed(pipeline.Pipeline, "prepare", "prepare", "prepare_cpu")
+        timed(addon.Perpetuity, "_apply", "apply", "apply_cpu")  # the decision on the flow
         if hasattr(pipeline.Pipeline, "passed"):  # decided on the event loop (since issue 24)
             timed(pipeline.Pipeline, "passed", "passed", "passed_cpu")
 
@@ -176,6 +177,8 @@ SEGMENTS = [  # (name, from, to): consecutive, so they sum to the client's time 
     ("hop_to_worker", "body_read", "prepare_start"),
     ("prepare", "prepare_start", "prepare_end"),
     ("hop_back_and_apply", "prepare_end", "decided"),
+    ("hop_back", "prepare_end", "apply_start"),  # (the two inside hop_back_and_apply)
+    ("apply", "apply_start", "apply_end"),
     ("to_relay", "decided", "relay_in"),
     ("relay_to_httpx", "relay_in", "httpx_start"),
     ("httpx_upstream_head", "httpx_start", "httpx_head"),
@@ -195,6 +198,7 @@ def segments(rec: dict[str, float]) -> dict[str, float]:
             out[name] = (rec[b] - rec[a]) * 1000
     out["prepare_cpu"] = rec.get("prepare_cpu", 0.0) * 1000
     out["passed_cpu"] = rec.get("passed_cpu", 0.0) * 1000
+    out["apply_cpu"] = rec.get("apply_cpu", 0.0) * 1000
     out["loop_cpu"] = rec.get("loop_cpu", 0.0) * 1000
     return out
 
@@ -270,7 +274,7 @@ def main() -> None:
             "proxy_cpu_ms_p50": round(statistics.median(cpu[side]), 3),
             "segments_ms_p50": {
                 k: round(statistics.median([r.get(k, 0.0) for r in traced[side]]), 3)
-                for k in [s[0] for s in SEGMENTS] + ["loop_cpu", "prepare_cpu", "passed_cpu"]
+                for k in [s[0] for s in SEGMENTS] + ["loop_cpu", "prepare_cpu", "passed_cpu", "apply_cpu"]
                 if k in names},
         }
     print(json.dumps(out, indent=2))
