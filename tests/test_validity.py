@@ -123,19 +123,23 @@ def test_anthropic_refuses_an_hours_mark_after_five_minutes() -> None:
     assert any("1h cache_control" in e for e in anthropic.check(body))
 
 
-def test_our_tools_keep_the_harness_prefix_an_hour_and_stay_valid() -> None:
+def test_an_hours_marks_are_the_harness_own_on_its_tools_and_system() -> None:
     minutes = {"type": "ephemeral"}
-    body = {"model": "claude", "tools": [{"name": "Bash", "cache_control": minutes}],
+    body = {"model": "claude", "tools": [{"name": "Bash", "cache_control": minutes},
+                                         {"name": "Read"}],
             "system": [{"type": "text", "text": "s"}, {"type": "text", "text": "t",
                                                         "cache_control": minutes}],
             "messages": [user({**text("go"), "cache_control": minutes})]}
-    sent = anthropic.add_tools(body, [{"name": "memory_search", "description": "d",
-                                       "input_schema": {"type": "object"}}], False)
+    sent = anthropic.lasting(body)
     assert [t.get("cache_control") for t in sent["tools"]] == [anthropic.HOUR_MARK, None]
     assert [b.get("cache_control") for b in sent["system"]] == [None, anthropic.HOUR_MARK]
     assert sent["messages"] == body["messages"]  # the harness's own marks there stay
     assert anthropic.check(sent) == []
     assert body["system"][1]["cache_control"] == minutes  # the harness's body is not changed
+    assert anthropic.lasting({"system": "one string"}) == {"system": "one string"}
+    ours = anthropic.add_tools(body, [{"name": "memory_search", "description": "d",
+                                       "input_schema": {"type": "object"}}], False)
+    assert ours["system"] == sent["system"] and ours["tools"][:2] == sent["tools"]
 
 
 def test_anthropic_tool_results_come_before_text() -> None:

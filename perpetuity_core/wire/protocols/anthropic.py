@@ -341,24 +341,30 @@ def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: boo
     kept an hour (`lasting`); on the last round the model must answer."""
     defs = [{"name": t["name"], "description": t["description"], "input_schema": t["input_schema"]}
             for t in tools]
-    out = {**body, "tools": lasting(list(body.get("tools") or [])) + defs}
-    if isinstance(body.get("system"), list):
-        out["system"] = lasting(body["system"])
+    out = lasting(body)
+    out["tools"] = list(out.get("tools") or []) + defs
     if last_round:
         out["tool_choice"] = {"type": "none"}
     return out
 
 
-def lasting(blocks: list[Any]) -> list[Any]:
-    """The blocks with their cache marks kept an hour (Anthropic's 1-hour TTL: written at 2.0
-    the input price, read at 0.1). With the history framed, what every call of a conversation
-    shares is its prefix up to the system prompt and tools (a Claude Code one's 18k tokens, ours
-    with them), and a person's pause of over five minutes wrote it all again at 1.25: kept an
-    hour, it is read (the six shared Claude Code sessions: 0.687 of direct -> 0.647). Only the
-    harness's own marks, so the request's marks are as many; they come before every message's,
-    so no hour's mark follows a five minutes' (which the API refuses: `check`)."""
-    return [{**b, "cache_control": HOUR_MARK} if isinstance(b, dict) and isinstance(
-        b.get("cache_control"), dict) else b for b in blocks]
+def lasting(body: dict[str, Any]) -> dict[str, Any]:
+    """The body with the harness's cache marks on its tools and system prompt kept an hour
+    (Anthropic's 1-hour TTL: written at 2.0 the input price, read at 0.1). With the history
+    framed, what every call of a conversation shares is its prefix up to the system prompt
+    (Claude Code's 18k tokens, our tools with them), and a pause of five minutes to an hour
+    wrote it all again at 1.25: kept an hour, it is read. A pause of over an hour, or a new
+    conversation with no other in that hour, pays 0.75 of it more (the six shared Claude Code
+    sessions replayed together, one cache: 0.687 of direct -> 0.650; each alone, 0.693 ->
+    0.679, the 34-call 83a70023 1.08 -> 1.18). Only marks already there, so the request's
+    marks are as many; they come before every message's, so no hour's mark follows a five
+    minutes' (which the API refuses: `check`)."""
+    def marked(blocks: Any) -> Any:
+        if not isinstance(blocks, list):
+            return blocks
+        return [{**b, "cache_control": HOUR_MARK} if isinstance(b, dict) and isinstance(
+            b.get("cache_control"), dict) else b for b in blocks]
+    return {**body, **{k: marked(body[k]) for k in ("tools", "system") if k in body}}
 
 
 def continue_body(body: dict[str, Any], assistant: list[dict[str, Any]],
