@@ -395,7 +395,8 @@ def test_replay_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["replay", "claude-code", str(tmp_path / "nowhere")]) == 1
     assert main(["replay", "claude-code", str(tmp_path / "projects"), "--calls", "2",
                  "--request-template", str(tmp_path / "t.json")]) == 0
-    assert "total" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "total" in printed and "floor" in printed and "of direct" in printed
 
 
 def test_the_cost_above_the_floor_is_split_by_what_each_call_did(tmp_path: Path) -> None:
