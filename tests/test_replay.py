@@ -395,7 +395,25 @@ def test_replay_command_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["replay", "claude-code", str(tmp_path / "nowhere")]) == 1
     assert main(["replay", "claude-code", str(tmp_path / "projects"), "--calls", "2",
                  "--request-template", str(tmp_path / "t.json")]) == 0
-    assert "total" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "total" in printed and "floor" in printed and "of direct" in printed
+
+
+def test_the_cost_above_the_floor_is_split_by_what_each_call_did(tmp_path: Path) -> None:
+    coding_session().write(tmp_path / f"{SID}.jsonl")
+    report = replay.claude_code([tmp_path / f"{SID}.jsonl"],
+                                template=template_file(tmp_path / "t.json"))
+    t = report.total
+    # The floor is each call's system prompt, tools and live task billed alone: never above
+    # what went upstream, and the causes add up to the rest.
+    assert 0 < t.floor.cost <= t.upstream.cost
+    assert sum(t.above.values()) == pytest.approx(t.upstream.cost - t.floor.cost)
+    assert set(t.above) <= {"first_frame", "rebuild", "rebuild_expired", "addendum",
+                            "prompt_kept", "tool_round"} and "rebuild" in t.above
+    out = t.as_dict()
+    assert out["floor"]["ratio"] == round(t.floor.cost / t.direct.cost, 4)
+    assert set(out["above_floor"]) == set(t.above)
+    assert "floor" not in replay.chat_locomo(tiny_locomo(tmp_path / "l.json")).total.as_dict()
 
 
 def test_chat_replay(tmp_path: Path) -> None:

@@ -113,6 +113,35 @@ def test_anthropic_counts_cache_markers_across_tools_system_and_messages() -> No
     assert any("5 cache_control markers" in e for e in anthropic.check(body))
 
 
+def test_anthropic_refuses_an_hours_mark_after_five_minutes() -> None:
+    minutes, hour = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
+    body = {"system": [{"type": "text", "text": "s", "cache_control": hour}],
+            "messages": [user({**text("a"), "cache_control": minutes})]}
+    assert anthropic.check(body) == []
+    body["system"][0]["cache_control"] = minutes
+    body["messages"][0]["content"][0]["cache_control"] = hour
+    assert any("1h cache_control" in e for e in anthropic.check(body))
+
+
+def test_an_hours_marks_are_the_harness_own_on_its_tools_and_system() -> None:
+    minutes = {"type": "ephemeral"}
+    body = {"model": "claude", "tools": [{"name": "Bash", "cache_control": minutes},
+                                         {"name": "Read"}],
+            "system": [{"type": "text", "text": "s"}, {"type": "text", "text": "t",
+                                                        "cache_control": minutes}],
+            "messages": [user({**text("go"), "cache_control": minutes})]}
+    sent = anthropic.lasting(body)
+    assert [t.get("cache_control") for t in sent["tools"]] == [anthropic.HOUR_MARK, None]
+    assert [b.get("cache_control") for b in sent["system"]] == [None, anthropic.HOUR_MARK]
+    assert sent["messages"] == body["messages"]  # the harness's own marks there stay
+    assert anthropic.check(sent) == []
+    assert body["system"][1]["cache_control"] == minutes  # the harness's body is not changed
+    assert anthropic.lasting({"system": "one string"}) == {"system": "one string"}
+    ours = anthropic.add_tools(body, [{"name": "memory_search", "description": "d",
+                                       "input_schema": {"type": "object"}}], False)
+    assert ours["system"] == sent["system"] and ours["tools"][:2] == sent["tools"]
+
+
 def test_anthropic_tool_results_come_before_text() -> None:
     body = {"messages": [user(text("go")), assistant(call("a")), user(text("and"), result("a"))]}
     assert anthropic.check(body)

@@ -37,6 +37,7 @@ from perpetuity_core.cli.replay.measure import (
 from perpetuity_core.cli.replay.request import Template, build, load_template
 from perpetuity_core.cli.replay.sessions import Call, Session, chained, sessions_in_order
 from perpetuity_core.errors import ConfigError
+from perpetuity_core.frame.plan import TTL
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import templates
@@ -94,6 +95,7 @@ class _Side:
         self.pipeline = pipeline
         self.prepared = 0.0
         self.stubs = 0  # the last call's tool results sent as stubs
+        self.made = ""  # what the last call built: "frame", "addendum" or "" (kept its plan)
 
     def send(self, path: str, headers: tuple[tuple[str, str], ...], body: dict[str, Any],
              reply: dict[str, Any], replied_at: float) -> tuple[dict[str, Any], bool]:
@@ -104,6 +106,7 @@ class _Side:
         self.prepared = time.perf_counter() - started
         laid = d.recall.plan if d.recall is not None else None
         self.stubs = len(laid.stubs) if laid is not None else 0
+        self.made = d.recall.made if d.recall is not None else ""
         sent = json.loads(d.body) if d.body is not None else body
         job = d.job
         if job is None:
@@ -164,7 +167,7 @@ def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None
     queue = [(c.at, n, i, c) for n, s in enumerate(sessions) for i, c in
              enumerate(s.calls[:calls] if calls else s.calls)]
     heapq.heapify(queue)
-    direct_cache, upstream_cache = AnthropicCache(), AnthropicCache()
+    direct_cache, upstream_cache, floor_cache = AnthropicCache(), AnthropicCache(), AnthropicCache()
     with _pipeline(db, pipeline_options) as pipeline, tqdm(
             total=len(queue), disable=not progress, unit="call", desc="replay") as bar:
         side = _Side(pipeline)
@@ -172,14 +175,14 @@ def claude_code(paths: Sequence[Path], db: Path | None = None, calls: int | None
         while queue:
             _, n, _, call = heapq.heappop(queue)
             _replay_call(side, sessions[n], call, shape, report.sessions[n], harness_ids,
-                         direct_cache, upstream_cache)
+                         direct_cache, upstream_cache, floor_cache)
             bar.update()
     return report
 
 
 def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tally: Tally,
                  harness_ids: set[str], direct_cache: AnthropicCache,
-                 upstream_cache: AnthropicCache) -> None:
+                 upstream_cache: AnthropicCache, floor_cache: AnthropicCache) -> None:
     built = build(call, shape, session)
     tally.prompts += call.starts_task
     if anthropic.check(built.body):  # Claude Code's own record is not a valid request
@@ -190,6 +193,8 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
     direct = direct_cache.bill(built.body, call.at)
     upstream = upstream_cache.bill(sent, call.at)
     messages = built.body["messages"]
+    tally.price(floor_cache.bill(floor_body(sent, messages, built.live_from), call.at), upstream,
+                cause(call, side.made, tally), call.at)
     older: set[str] = set()
     in_context = 0
     if tally.per_call is None:
@@ -207,6 +212,28 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
                                "prepare_ms": round(side.prepared * 1000, 2),
                                "rss_mb": round(_rss() / 2**20, 1), "live_identical": kept,
                                "stubs": side.stubs})
+
+
+def floor_body(sent: dict[str, Any], messages: list[dict[str, Any]],
+               live_from: int) -> dict[str, Any]:
+    """The least a request of this call could be: what went upstream besides its messages
+    (the system prompt, the harness's tools and ours), and of its messages only the harness's
+    system-role ones and the live task, as the harness sent them."""
+    extra = [m for m in messages[:live_from] if m.get("role") == "system"]
+    return {**sent, "messages": extra + messages[live_from:]}
+
+
+def cause(call: Call, made: str, tally: Tally) -> str:
+    """What a call did, for the cost above its floor: a tool round of the task in progress, a
+    new prompt under the frame it kept, one that got an addendum, a rebuilt frame (after the
+    cache expired, or not); a conversation's first call builds its first frame."""
+    if made == "frame":
+        if not tally.calls:
+            return "first_frame"
+        return "rebuild_expired" if call.at - tally.last_at > TTL else "rebuild"
+    if made == "addendum":
+        return "addendum"
+    return "prompt_kept" if call.starts_task else "tool_round"
 
 
 def _rss() -> int:

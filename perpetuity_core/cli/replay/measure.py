@@ -129,6 +129,15 @@ class Tally:
     upstream_curve: list[float] = field(default_factory=list)
     # Each call's sizes, request-path time and memory (a chained replay's; None: not kept).
     per_call: list[dict[str, Any]] | None = None
+    floor: Bill = field(default_factory=Bill)  # each call's floor (drive.floor_body), billed
+    above: dict[str, float] = field(default_factory=dict)  # upstream less floor, by cause
+    last_at: float = 0.0  # the latest call's time
+
+    def price(self, floor: Bill, upstream: Bill, cause: str, at: float) -> None:
+        """One call's floor, and what its upstream request cost above it, under `cause`."""
+        self.floor.add(floor)
+        self.above[cause] = self.above.get(cause, 0.0) + upstream.cost - floor.cost
+        self.last_at = at
 
     def add(self, direct: Bill, upstream: Bill, problems: list[str], live_same: bool,
             older: set[str], upstream_text: str, framed: bool, in_context: int = 0) -> None:
@@ -156,6 +165,9 @@ class Tally:
         self.reasons += [r for r in other.reasons if r not in self.reasons][:5 - len(self.reasons)]
         self.direct.add(other.direct)
         self.upstream.add(other.upstream)
+        self.floor.add(other.floor)
+        for cause, cost in other.above.items():
+            self.above[cause] = self.above.get(cause, 0.0) + cost
 
     def as_dict(self) -> dict[str, Any]:
         def ratio(a: float, b: float) -> float | None:
@@ -177,7 +189,18 @@ class Tally:
                               "in_context": self.older_in_context,
                               "context_recall": ratio(self.older_in_context, self.older_used)},
             "live_task_identical": ratio(self.live_identical, self.calls),
-        } | ({} if self.per_call is None else _long_session(self.per_call))
+        } | self._floor() | ({} if self.per_call is None else _long_session(self.per_call))
+
+    def _floor(self) -> dict[str, Any]:
+        """What the calls could not cost less than (their system prompt, tools and live task),
+        and what they cost above it by what they did, as shares of the direct cost (a chat
+        replay prices no floor)."""
+        if not self.above or not self.direct.cost:
+            return {}
+        return {"floor": {"cost": round(self.floor.cost, 1),
+                          "ratio": round(self.floor.cost / self.direct.cost, 4)},
+                "above_floor": {cause: round(cost / self.direct.cost, 4)
+                                for cause, cost in sorted(self.above.items())}}
 
 
 def _long_session(per_call: list[dict[str, Any]]) -> dict[str, Any]:

@@ -32,6 +32,10 @@ def table(report: dict[str, Any]) -> str:
         rows.append(f"{side:<9} cost {b['cost']:>12,.0f} = cache read {b['read_cost']:,.0f}"
                     f" + cache write {b['write_cost']:,.0f} + uncached {b['uncached_cost']:,.0f}"
                     " (units of one uncached input token)")
+    if "floor" in t:
+        causes = ", ".join(f"{cause} {share:.3f}" for cause, share in t["above_floor"].items())
+        rows.append(f"floor     cost {t['floor']['cost']:>12,.0f} = {t['floor']['ratio']:.3f} of"
+                    f" direct (system prompt, tools, live task); above it: {causes}")
     if t["invalid_reasons"]:
         rows.append("invalid: " + "; ".join(t["invalid_reasons"]))
     rows.append(f"request template: {report['template']}")
