@@ -95,10 +95,12 @@ def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
     user's (`assemble`), and the closing line."""
     if not laid:
         return 0
-    sizes = [(len(label) + 1 if label else 0) + len(parts) - 1
-             + sum(len(withheld(p)) if p.secret and not current else _quoted_length(p)
-                   for p in parts)
-             for _, label, parts, current in laid]
+    sizes = []
+    for _, label, parts, current in laid:
+        n = len(label) + len(parts) if label else len(parts) - 1  # the label's line, the joins
+        for p in parts:
+            n += len(withheld(p)) if p.secret and not current else _quoted_length(p)
+        sizes.append(n)
     heading = 0
     if laid[0][0] == "user":
         sizes[0] += len(header) + 2
