@@ -37,7 +37,7 @@ EXCERPT = "[Excerpt of row #{0}; memory_more(item={0}) reads it whole.]\n"
 # sitting to a reader (chosen with the labels, not measured).
 RUN_GAP = 30 * 60
 SKIPPED = "[...]"  # the same sitting resumes after turns the frame leaves out
-STAMPS = 65_536  # rows whose time label is kept (_stamped)
+STAMPS = 65_536  # rows whose time label is kept (_when)
 
 _TOOLS = (Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value)  # hot: once, not per row
 
@@ -204,16 +204,12 @@ def _label(r: Row, asked: date, current: bool) -> str:
     return f"[{where}, {_when(r.at, asked)[1:]}"
 
 
-def _when(at: float, asked: date) -> str:
-    stamp, day = _stamped(at)
-    return f"[{stamp}, {ago((asked - day).days)}]"
-
-
 @functools.lru_cache(maxsize=STAMPS)
-def _stamped(at: float) -> tuple[str, date]:
-    """A row's time label and its day (UTC): the same for every frame that shows the row,
-    made once (a first prompt's frame labels ~100 runs, twice while the fill measures)."""
-    return time_label(at), datetime.fromtimestamp(at, UTC).date()
+def _when(at: float, asked: date) -> str:
+    """A row's time label and how long before the question's day it was: the same for every
+    frame that shows the row that day, made once (a first prompt's frame labels ~100 runs, a
+    frame of many short conversations ~200)."""
+    return f"[{time_label(at)}, {ago((asked - datetime.fromtimestamp(at, UTC).date()).days)}]"
 
 
 def ago(days: int) -> str:
