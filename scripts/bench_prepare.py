@@ -28,6 +28,13 @@ runs each, alternating), 13.3 -> 10.3 ms on the bench memory (medians of four pa
 to 12.1 as the load went). Still above 5 ms: what is left is Python work per warm row (~350
 a frame: the warm set's read, which rows are there, their costs and order) and the fill's two
 renders of the rows it chose.
+Since (h-first3): the fill measures a frame laid out but not written (frame.render.lay and
+tokens), and the frame is written once from its last layout; labels made once a day.
+Instructions a prepare, callgrind, fresh first prompts on a saved memory (nothing stored
+between): bench 41.5M -> 35.2M (0.85), LoCoMo 39.2M -> 37.1M (0.95), pooled 44.2M -> 41.9M
+(0.95); this script's bench run (60 rounds, stored between): 41.9M -> 39.3M (0.94). Still
+about 9 ms of CPU at load: what is left is per row and per hit (SQLite steps and their GIL
+hand-offs, 200 Hit objects a search, the warm set's and the rows' reads).
 
     .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
 """

@@ -22,6 +22,7 @@ from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
 from perpetuity_core.frame.rows import Row, adjacent_pairs, around, shown_rows
 from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
@@ -305,14 +306,14 @@ def test_the_budget_goes_to_the_most_warmth_per_token() -> None:
     rows = {1: row(1, 800), 2: row(2, 40), 3: row(3, 40), 4: row(4, 40), 5: row(5, 2)}
     warm = heat.Warm(np.array([1, 2, 3, 4, 5]), np.array([1.0, 0.9, 0.9, 0.9, 0.9]))
 
-    def render(new: list[int]) -> list[Message]:
-        return [Message("user", (text_part(rows[i].text),)) for i in new]
+    def measure(new: list[int]) -> int:
+        return messages_tokens([Message("user", (text_part(rows[i].text),)) for i in new])
 
-    new = frame_select.fill(rows, warm, set(), 400, render)
+    new = frame_select.fill(rows, warm, set(), 400, measure)
     # The warmest row alone would spend the whole budget; three substantive turns and a
     # two-word one give more warmth for it.
     assert sorted(new) == [2, 3, 4, 5]
-    new = frame_select.fill(rows, warm, {1}, 400, render)
+    new = frame_select.fill(rows, warm, {1}, 400, measure)
     assert new[0] == 1  # a mandatory row is never traded away
 
 
@@ -623,27 +624,31 @@ def test_markers_yield_to_the_harness_own() -> None:
 
 def test_the_frame_is_the_render_the_fill_measured_last(store: Store,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A render is most of a frame's selection time (issue 24): the rows the fill measured
-    last are the frame as rendered then, not rendered a second time."""
+    """A layout is most of a frame's selection time (issue 24): the rows the fill measured
+    last are the frame as laid out then, written from that layout, not laid out again; the
+    measure is the written frame's tokens."""
     say(store, "trip", *[f"turn {i} about the Lisbon trip " * (5 + 20 * (i % 3)) for i in range(12)])
     uid = store.find_user("u")
     calls: list[tuple[list[int], tuple[object, ...]]] = []
-    real = frame.render
+    real = frame_render.lay
 
-    def counted(rows: dict[int, Row], ids: list[int], *args: Any) -> list[Message]:
+    def counted(rows: dict[int, Row], ids: list[int], *args: Any) -> list[frame_render.Run]:
         calls.append((list(ids), (rows, list(ids), *args)))
         return real(rows, ids, *args)
 
-    monkeypatch.setattr(frame, "render", counted)
+    monkeypatch.setattr(frame_render, "lay", counted)
     for limits in (cap.Cap(), cap.Cap(floor=60, ceiling=60)):
         calls.clear()
+        asked = time.time()
         built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
-                            query="the Lisbon trip", exclude_messages=[], asked_at=time.time(),
+                            query="the Lisbon trip", exclude_messages=[], asked_at=asked,
                             limits=limits)
         assert built is not None
         shown = [args for ids, args in calls if ids == built.item_ids]
-        assert len(shown) == 1  # one render of the rows shown (two before)
-        assert built.messages == real(*shown[0])  # type: ignore[arg-type]
+        assert len(shown) == 1  # one layout of the rows shown (two renders before)
+        laid = real(*shown[0])  # type: ignore[arg-type]
+        assert built.messages == frame_render.written(laid, asked)
+        assert frame_render.tokens(laid, asked) == messages_tokens(built.messages)
 
 
 def _count_markers_reference(value: object) -> int:

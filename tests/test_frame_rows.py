@@ -143,17 +143,21 @@ def test_reference_selection() -> None:
     tokens = frame_select.budget(hits, Cap(floor=400, ceiling=2_000))
     assert tokens == 544  # two good matches of three: a little over the floor
 
-    def measure(ids: list[int], recent: Collection[int],
-                excerpts: Mapping[int, Row] | None = None) -> list[Message]:
+    def render(ids: list[int], recent: Collection[int],
+               excerpts: Mapping[int, Row] | None = None) -> list[Message]:
         return frame_render.messages({**rows, **(excerpts or {})}, ids, recent, frozenset(),
                                      ASKED, CURRENT)
+
+    def measure(ids: list[int], recent: Collection[int],
+                excerpts: Mapping[int, Row] | None = None) -> int:
+        return messages_tokens(render(ids, recent, excerpts))
 
     chosen = frame_select.frame(rows, hot, hits, [2], [7, 8], tokens, Cap(400, 2_000), measure)
     assert chosen.item_ids == [1, 2, 7, 6, 4, 5]
     assert chosen.recent == {7}
     assert chosen.must == {7: frame_select.MUST_RECENT, 2: frame_select.MUST_HALF,
                            1: frame_select.MUST_TOP}
-    assert messages_tokens(measure(chosen.item_ids, chosen.recent)) <= tokens
+    assert measure(chosen.item_ids, chosen.recent) <= tokens
     # All six fit 300 tokens by their estimate (238), not as rendered (327): the last added
     # goes. The long warm row never fits.
     smaller = frame_select.frame(rows, hot, hits, [2], [7, 8], 300, Cap(400, 2_000), measure)
@@ -166,14 +170,14 @@ def test_the_fill_drops_what_labels_push_over_the_budget() -> None:
     rows = {i: row(i, i, i, "user", ASKED - i * DAY, words(40)) for i in range(1, 6)}
     hot = warm(dict.fromkeys(rows, 1.0))
 
-    def measure(ids: list[int]) -> list[Message]:
-        return frame_render.messages(rows, ids, (), frozenset(), ASKED, None)
+    def measure(ids: list[int]) -> int:
+        return messages_tokens(frame_render.messages(rows, ids, (), frozenset(), ASKED, None))
 
     new = frame_select.fill(rows, hot, {1}, 250, measure)
     # Five fit by the estimate (5 x 50 tokens), rendered they take 379: the last added go by
     # their estimated size against the 129 over, 5, 4 and 3 ([1, 2, 3] renders to 249).
     assert new == [1, 2]
-    assert messages_tokens(measure(new)) <= 250
+    assert measure(new) <= 250
 
 
 def test_the_latest_stretch_is_the_newest_small_rows_within_its_tokens() -> None:

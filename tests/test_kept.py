@@ -134,8 +134,9 @@ def reference_section(rows: list[Row], adjacent: Collection[tuple[int, int]], as
         return f"[{time_label(r.at)}, {frame_render.ago(days)}]"
 
     def quote(r: Row) -> str:
-        return f"[{quoted(r)}]" if r.kind in (Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value) \
+        text = f"[{quoted(r)}]" if r.kind in (Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value) \
             else r.text
+        return frame_render.EXCERPT.format(r.item_id) + text if r.excerpt else text
 
     groups: dict[int, list[Row]] = {}
     for r in sorted(rows, key=lambda r: (r.message_id, r.item_id)):
@@ -168,10 +169,9 @@ def reference_section(rows: list[Row], adjacent: Collection[tuple[int, int]], as
     return out
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_a_section_renders_as_the_obvious_code_did(seed: int) -> None:
-    rng = random.Random(seed)
-    asked = 1_700_000_000.0 + rng.random() * 86_400 * 400
+def random_rows(rng: random.Random, asked: float) -> list[Row]:
+    """Rows of a few conversations, shuffled: runs of messages near and far in time, text and
+    tool rows, some flagged as holding a credential, text of any length."""
     rows, item, message = [], 0, 0
     for _ in range(rng.randint(1, 60)):
         message += rng.randint(1, 3)
@@ -183,11 +183,46 @@ def test_a_section_renders_as_the_obvious_code_did(seed: int) -> None:
             kind = rng.choice([Kind.TEXT, Kind.TEXT, Kind.TOOL_CALL, Kind.TOOL_RESULT])
             rows.append(Row(item, message, conv, rng.choice(["", '"Trip"', '"Shed" in home']),
                             rng.choice(["user", "assistant"]), at, kind.value,
-                            "Read" if kind == Kind.TOOL_CALL else "", f"said {item}",
-                            rng.choice(["", "", "", "api key"])))
+                            "Read" if kind == Kind.TOOL_CALL else "",
+                            f"said {item}" + "x" * rng.choice([0, 1, 2, 3, 7, 40]),
+                            rng.choice(["", "", "", "api key"]), excerpt=rng.random() < 0.1))
     rng.shuffle(rows)
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_section_renders_as_the_obvious_code_did(seed: int) -> None:
+    rng = random.Random(seed)
+    asked = 1_700_000_000.0 + rng.random() * 86_400 * 400
+    rows = random_rows(rng, asked)
     ids = sorted({r.message_id for r in rows})
     adjacent = {(a, b) for a, b in zip(ids, ids[1:], strict=False) if rng.random() < 0.6}
     current = rng.choice([None, 1, 2, 6])
     assert frame_render.section(rows, adjacent, asked, current) == \
         reference_section(rows, adjacent, asked, current)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_frame_measured_unwritten_is_what_writing_it_measured(seed: int) -> None:
+    """The fill measures frames by `render.tokens`, without writing their text: the tokens of
+    the frame as written, which is the frame the obvious code wrote (its sections, then the
+    messages under the header)."""
+    rng = random.Random(seed)
+    asked = 1_700_000_000.0 + rng.random() * 86_400 * 400
+    rows = {r.item_id: r for r in random_rows(rng, asked)}
+    ids = rng.sample(sorted(rows), rng.randint(1, len(rows)))
+    recent = set(rng.sample(ids, rng.randint(0, len(ids))))
+    messages = sorted({r.message_id for r in rows.values()})
+    adjacent = {(a, b) for a, b in zip(messages, messages[1:], strict=False)
+                if rng.random() < 0.6}
+    current = rng.choice([None, 1, 2, 6])
+    header = rng.choice([frame_render.HEADER, frame_render.MORE_HEADER])
+    laid = frame_render.lay(rows, ids, recent, adjacent, asked, current)
+    written = frame_render.written(laid, asked, header)
+    assert written == frame_render.assemble(
+        reference_section([rows[i] for i in ids if i not in recent], adjacent, asked, current)
+        + reference_section([rows[i] for i in ids if i in recent], adjacent, asked, current),
+        asked, header)
+    assert frame_render.tokens(laid, asked, header) == index.messages_tokens(written)
+    assert frame_render.tokens([], asked) == index.messages_tokens(
+        frame_render.written([], asked)) == 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from perpetuity_core.frame import cap
 from perpetuity_core.frame import read as frame_read
+from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
 from perpetuity_core.frame.read import NEIGHBOUR_HITS, NEIGHBOURS, search
 from perpetuity_core.frame.render import CLOSING, HEADER, MORE_HEADER, NOW, with_note
@@ -74,26 +75,30 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     warm, shelf = frame_read.for_frame(scanner.db, found, user_id, excluded, recent_messages)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens)
 
-    last: list[tuple[list[int], Collection[int], list[Message]]] = []
+    last: list[tuple[list[int], Collection[int], list[frame_render.Run]]] = []
 
-    def rendered(ids: list[int], recent: Collection[int],
-                 excerpts: Mapping[int, Row]) -> list[Message]:
-        # The fill's last measure rendered the rows it chose: that render is the frame, not
-        # a second one of the same rows (a render is most of the selection's time). The
-        # excerpts come with the stretch (`recent`), so its identity stands for both.
+    def laid(ids: list[int], recent: Collection[int],
+             excerpts: Mapping[int, Row]) -> list[frame_render.Run]:
+        # The fill's last measure laid out the rows it chose: the frame is written from that,
+        # not laid out again (a layout is most of the selection's time). The excerpts come
+        # with the stretch (`recent`), so its identity stands for both.
         if last and last[0][0] == ids and last[0][1] is recent:
             return last[0][2]
         rows = {**shelf.rows, **excerpts} if excerpts else shelf.rows
-        out = render(rows, ids, recent, shelf.adjacent, asked_at, conversation_id)
+        out = frame_render.lay(rows, ids, recent, shelf.adjacent, asked_at, conversation_id)
         last[:] = [(list(ids), recent, out)]
         return out
 
+    def measured(ids: list[int], recent: Collection[int], excerpts: Mapping[int, Row]) -> int:
+        # Measured as rendered, never written: most measures are of frames the fill drops.
+        return frame_render.tokens(laid(ids, recent, excerpts), asked_at)
+
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
-                                tokens, limits, rendered)
+                                tokens, limits, measured)
     if not chosen.item_ids:
         return None
-    built = _frame(rendered(chosen.item_ids, chosen.recent, chosen.excerpts), chosen, found,
-                   tokens, warm.foreign)
+    built = _frame(frame_render.written(laid(chosen.item_ids, chosen.recent, chosen.excerpts),
+                                        asked_at), chosen, found, tokens, warm.foreign)
     built.warm = warm
     return built
 

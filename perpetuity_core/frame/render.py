@@ -13,6 +13,7 @@ Which rendered messages follow one another in the store (`adjacent`) is read bef
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Collection, Iterable
 from datetime import UTC, date, datetime
 
@@ -36,7 +37,7 @@ EXCERPT = "[Excerpt of row #{0}; memory_more(item={0}) reads it whole.]\n"
 # sitting to a reader (chosen with the labels, not measured).
 RUN_GAP = 30 * 60
 SKIPPED = "[...]"  # the same sitting resumes after turns the frame leaves out
-STAMPS = 65_536  # rows whose time label is kept (_stamped)
+STAMPS = 65_536  # rows whose time label is kept (_when)
 
 _TOOLS = (Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value)  # hot: once, not per row
 
@@ -48,13 +49,13 @@ def messages(rows: dict[int, Row], ids: Iterable[int], recent: Collection[int],
              conversation_id: int | None, header: str = HEADER) -> list[Message]:
     """The rows `ids` as the model reads them: the rows found, then the conversation's latest
     stretch (`recent`), under `header`."""
-    return assemble(turns(rows, list(ids), recent, adjacent, asked_at, conversation_id),
-                    asked_at, header)
+    return written(lay(rows, list(ids), recent, adjacent, asked_at, conversation_id), asked_at,
+                   header)
 
 
 def cost(r: Row) -> int:
     """A row's estimated tokens as quoted, without its label (token_estimate's rule)."""
-    return (len(quote(r)) + 3) // 4
+    return (_quoted_length(r) + 3) // 4
 
 
 def quote(r: Row) -> str:
@@ -62,12 +63,56 @@ def quote(r: Row) -> str:
     return EXCERPT.format(r.item_id) + text if r.excerpt else text
 
 
-def turns(rows: dict[int, Row], ids: list[int], recent: Collection[int],
-          adjacent: Collection[tuple[int, int]], asked_at: float,
-          conversation_id: int | None) -> list[Turn]:
-    """The chosen rows as turns: the rows found, then the conversation's latest stretch."""
-    return (section([rows[i] for i in ids if i not in recent], adjacent, asked_at, conversation_id)
-            + section([rows[i] for i in ids if i in recent], adjacent, asked_at, conversation_id))
+def _quoted_length(r: Row) -> int:
+    # Most rows are quoted as their text: its length without writing a copy.
+    return len(quote(r)) if r.excerpt or r.kind in _TOOLS else len(r.text)
+
+
+# One message's rows as a turn: its role, its label ("" for none), its rows, and whether they
+# are shown to their own conversation (a credential is withheld from every other).
+Run = tuple[str, str, list[Row], bool]
+
+
+def lay(rows: dict[int, Row], ids: list[int], recent: Collection[int],
+        adjacent: Collection[tuple[int, int]], asked_at: float,
+        conversation_id: int | None) -> list[Run]:
+    """The chosen rows as runs, turn by turn: the rows found, then the conversation's latest
+    stretch. Their text is not written yet: `tokens` measures them as `written` would write
+    them, so the fill measures a frame it may drop without writing it."""
+    return (runs([rows[i] for i in ids if i not in recent], adjacent, asked_at, conversation_id)
+            + runs([rows[i] for i in ids if i in recent], adjacent, asked_at, conversation_id))
+
+
+def written(laid: list[Run], asked_at: float, header: str = HEADER) -> list[Message]:
+    """Runs (`lay`) as the messages the model reads."""
+    return assemble([(role, _text(label, parts, current)) for role, label, parts, current
+                     in laid], asked_at, header)
+
+
+def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
+    """messages_tokens of what `written` makes of these runs, without writing it: each part's
+    tokens by token_estimate's rule, the header joined to the first turn when that is the
+    user's (`assemble`), and the closing line."""
+    if not laid:
+        return 0
+    sizes = []
+    for _, label, parts, current in laid:
+        n = len(label) + len(parts) if label else len(parts) - 1  # the label's line, the joins
+        for p in parts:
+            n += len(withheld(p)) if p.secret and not current else _quoted_length(p)
+        sizes.append(n)
+    heading = 0
+    if laid[0][0] == "user":
+        sizes[0] += len(header) + 2
+    else:
+        heading = (len(header) + 3) // 4
+    closing = len(NOW.format(datetime.fromtimestamp(asked_at, UTC)))
+    return heading + sum((n + 3) // 4 for n in sizes) + (closing + 3) // 4
+
+
+def _text(label: str, parts: list[Row], current: bool) -> str:
+    text = "\n".join(withheld(p) if p.secret and not current else quote(p) for p in parts)
+    return f"{label}\n{text}" if label else text
 
 
 def assemble(turns: list[Turn], asked_at: float, header: str = HEADER) -> list[Message]:
@@ -100,13 +145,20 @@ def section(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: fl
             conversation_id: int | None) -> list[Turn]:
     """Rows as turns, grouped by conversation, oldest first. `adjacent` holds the pairs of
     these rows' messages with nothing stored between them (a run said together)."""
+    return [(role, _text(label, parts, current)) for role, label, parts, current
+            in runs(rows, adjacent, asked_at, conversation_id)]
+
+
+def runs(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float,
+         conversation_id: int | None) -> list[Run]:
+    """`section`'s turns as runs, their text not written yet."""
     groups: dict[int, list[Row]] = {}
-    for r in sorted(rows, key=_store_order):
+    for r in sorted(rows, key=_STORE_ORDER):
         groups.setdefault(r.conversation_id, []).append(r)
     # Other conversations by when they were last said, then the current one.
     order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
     asked = datetime.fromtimestamp(asked_at, UTC).date()
-    out: list[Turn] = []
+    out: list[Run] = []
     for c in order:
         group = groups[c]
         current = c == conversation_id
@@ -118,10 +170,6 @@ def section(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: fl
             end = start + 1
             while end < len(group) and group[end].message_id == first.message_id:
                 end += 1
-            # A row flagged at capture as holding a credential (store.m011) is withheld
-            # from every other conversation's frame.
-            text = "\n".join(withheld(p) if p.secret and not current else quote(p)
-                             for p in group[start:end])
             # A label opens each run of turns said together; within a run the alternation
             # itself tells the speakers apart, and a label per turn would cost a row's worth.
             # Labels are a tenth of a frame: the conversation is named once per group, and a
@@ -132,15 +180,17 @@ def section(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: fl
                 label = SKIPPED if first.at - previous.at <= RUN_GAP else _when(first.at, asked)
             else:
                 label = ""
-            out.append(("assistant" if first.role == "assistant" else "user",
-                        f"{label}\n{text}" if label else text))
+            # A row flagged at capture as holding a credential (store.m011) is withheld
+            # from every other conversation's frame (`_text`).
+            out.append(("assistant" if first.role == "assistant" else "user", label,
+                        group[start:end], current))
             previous = first
             start = end
     return out
 
 
-def _store_order(r: Row) -> tuple[int, int]:
-    return r.message_id, r.item_id
+# A row's place in the store, (message_id, item_id): read in C, not a call per row.
+_STORE_ORDER = operator.attrgetter("message_id", "item_id")
 
 
 def _same_run(previous: Row, row: Row, adjacent: Collection[tuple[int, int]]) -> bool:
@@ -154,16 +204,12 @@ def _label(r: Row, asked: date, current: bool) -> str:
     return f"[{where}, {_when(r.at, asked)[1:]}"
 
 
-def _when(at: float, asked: date) -> str:
-    stamp, day = _stamped(at)
-    return f"[{stamp}, {ago((asked - day).days)}]"
-
-
 @functools.lru_cache(maxsize=STAMPS)
-def _stamped(at: float) -> tuple[str, date]:
-    """A row's time label and its day (UTC): the same for every frame that shows the row,
-    made once (a first prompt's frame labels ~100 runs, twice while the fill measures)."""
-    return time_label(at), datetime.fromtimestamp(at, UTC).date()
+def _when(at: float, asked: date) -> str:
+    """A row's time label and how long before the question's day it was: the same for every
+    frame that shows the row that day, made once (a first prompt's frame labels ~100 runs, a
+    frame of many short conversations ~200)."""
+    return f"[{time_label(at)}, {ago((asked - datetime.fromtimestamp(at, UTC).date()).days)}]"
 
 
 def ago(days: int) -> str:

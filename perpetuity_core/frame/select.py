@@ -22,9 +22,8 @@ from perpetuity_core.frame import cap
 from perpetuity_core.frame.render import cost
 from perpetuity_core.frame.rows import Row
 from perpetuity_core.memory.derived import heat
-from perpetuity_core.memory.derived.index import messages_tokens, token_estimate
+from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.memory.derived.scan import Hit
-from perpetuity_core.wire.conversation import Message
 
 # The latest stretch of the conversation, in tokens, and the largest row it takes. What a coding
 # task's next reply uses from before its prompt lies mostly in the task just before it (262 of
@@ -83,8 +82,8 @@ ROW_FLOOR = 100
 MUST_TOP, MUST_HALF, MUST_RECENT = ("the top hit", "the other half of the top hit's exchange",
                                     "the conversation's latest stretch")
 
-# (ids, recent, excerpts) -> messages
-Render = Callable[[list[int], Collection[int], Mapping[int, Row]], list[Message]]
+# (ids, recent, excerpts) -> the tokens of their frame as rendered (frame_render.tokens)
+Measure = Callable[[list[int], Collection[int], Mapping[int, Row]], int]
 
 
 @dataclass(slots=True)
@@ -108,7 +107,7 @@ def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0) -> int:
 
 
 def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int],
-          recent_items: list[int], tokens: int, limits: cap.Cap, render: Render) -> Selection:
+          recent_items: list[int], tokens: int, limits: cap.Cap, measure: Measure) -> Selection:
     """A frame's rows: the mandatory ones, then the most warmth per token within `tokens` as
     rendered. `half` is the rows of the top hit's other half, `recent_items` the rows of the
     conversation's latest stretch (store order)."""
@@ -119,7 +118,7 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     excerpts = {i: r for i, r in excerpts.items() if i not in whole}  # those come whole
     shown = {**rows, **excerpts} if excerpts else rows
     must = whole | recent
-    new = fill(shown, warm, must, tokens, lambda ids: render(ids, recent, excerpts))
+    new = fill(shown, warm, must, tokens, lambda ids: measure(ids, recent, excerpts))
     why = {**dict.fromkeys(recent, MUST_RECENT), **dict.fromkeys(other, MUST_HALF),
            **({hits[0].item_id: MUST_TOP} if hits else {})}
     return Selection(new, rows, recent, why, excerpts)
@@ -286,10 +285,10 @@ def companion(half: list[int], rows: dict[int, Row], limits: cap.Cap) -> list[in
 
 
 def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
-         render: Callable[[list[int]], list[Message]]) -> list[int]:
+         measure: Callable[[list[int]], int]) -> list[int]:
     """The rows to render: the rows with the most warmth per token while their estimated size
-    fits, then render and measure, dropping the last added rows until the rendered frame
-    fits. `must` is never dropped."""
+    fits, then measure them as rendered (`measure`: their frame's tokens), dropping the last
+    added rows until the rendered frame fits. `must` is never dropped."""
     costs = {i: cost(r) for i, r in rows.items()}
     # A budget is filled best by the most warmth per token (the greedy knapsack): one long
     # reply must earn its place against the several short turns it would push out.
@@ -305,7 +304,7 @@ def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
             used += costs[i]
     droppable = [i for i in new if i not in must]
     while droppable:
-        over = messages_tokens(render(new)) - tokens
+        over = measure(new) - tokens
         if over <= 0:
             break
         # Drop the last added rows worth the overshoot, then measure again: labels make
