@@ -16,13 +16,15 @@ from hypothesis import strategies as st
 
 from perpetuity_core.frame import tenants
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.storage import capture, names
+from perpetuity_core.memory.storage import capture, names, templates
 from perpetuity_core.memory.storage.store import Store
+from perpetuity_core.serve import pipeline
 from perpetuity_core.serve.pipeline import Pipeline
 from perpetuity_core.wire import conversation
-from perpetuity_core.wire.protocols import anthropic
+from perpetuity_core.wire.conversation import Protocol
+from perpetuity_core.wire.protocols import ADAPTERS, anthropic
 from perpetuity_core.wire.seen import Seen
-from tests.conftest import query
+from tests.conftest import SHARED, query
 from tests.test_fixtures import to_request
 from tests.test_plan import Session
 
@@ -217,3 +219,69 @@ def _request(s: Session) -> Any:
         "headers": [["x-api-key", "k"], ["x-perpetuity-user", "dev"],
                     ["x-perpetuity-conversation", "now"]],
         "body": {"model": "m", "max_tokens": 100, "messages": s.asked, "tools": s.tools}})
+
+
+_ITEMS = {
+    "chat": st.sampled_from([
+        {"role": "system", "content": "cwd: /w"}, {"role": "developer", "content": "d"},
+        {"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "tool_calls": [
+            {"id": "c", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "r"}, "not a message"]),
+    "responses": st.sampled_from([
+        {"type": "message", "role": "developer", "content": "d"},
+        {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "s"}]},
+        {"type": "message", "role": "user", "content": "u"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
+        {"type": "reasoning", "summary": [{"text": "r"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "o"},
+        {"type": "compaction_trigger"}, {"type": "additional_tools"}, 7]),
+    "gemini": st.sampled_from([
+        {"role": "user", "parts": [{"text": "u"}]},
+        {"role": "model", "parts": [{"functionCall": {"name": "f", "args": {}}}]},
+        {"role": "user", "parts": [{"functionResponse": {"name": "f", "response": {"o": 1}}}]},
+        {"role": "model", "parts": [{"text": "t", "thought": True}, {"text": "a"}]}, [1]]),
+}
+_ITEMS["anthropic"] = st.sampled_from([
+    {"role": "system", "content": "agents"}, {"role": "user", "content": "u"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "c", "name": "f", "input": {}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c", "content": "r"}]},
+    "not a message"])
+_HISTORY = {"chat": "messages", "responses": "input", "gemini": "contents",
+            "anthropic": "messages"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(_ITEMS)), st.data())
+def test_every_wire_reads_on_from_what_it_read_as_it_reads_the_whole(wire: str,
+                                                                    data: st.DataObject) -> None:
+    """Every wire reads a body from the messages an earlier body
+    read (the same objects, wire.seen's `reused`) as they read it whole: the same messages,
+    raw indexes, system prompt, standing entries and compaction."""
+    adapter = ADAPTERS[{"chat": Protocol.CHAT, "responses": Protocol.RESPONSES,
+                        "gemini": Protocol.GEMINI, "anthropic": Protocol.ANTHROPIC}[wire]]
+    items = st.lists(_ITEMS[wire].map(lambda i: json.loads(json.dumps(i))), max_size=8)
+    before, after = data.draw(items), data.draw(items)
+    reused = data.draw(st.integers(0, len(before)))
+    key = _HISTORY[wire]
+    known = adapter.parse_request({key: before, "instructions": "i"})
+    body = {key: before[:reused] + after, "instructions": "i"}
+    assert adapter.parse_request(body, known, reused) == adapter.parse_request(body)
+
+
+def test_the_kept_shape_is_read_from_the_standing_messages_alone() -> None:
+    """Claude Code's request shape (memory.storage.templates) taken from its first user message
+    and its system-role messages, found as the body was read, is the shape of the whole body."""
+    captures = sorted((SHARED / "fixtures" / "harness" / "claude-code").glob("*-messages-*.json"))
+    if not captures:
+        pytest.skip(f"no Claude Code captures under {SHARED}")
+    for path in [p for p in captures if not p.name.endswith(".response.json")]:
+        body = json.loads(path.read_text())["body"]
+        later = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}] * 3
+        for history in (body["messages"] + later, [{"role": "system", "content": "agents"},
+                                                   *body["messages"], *later,
+                                                   {"role": "system", "content": "x"}]):
+            whole = {**body, "messages": history}
+            parsed = anthropic.parse_request(whole)
+            assert (templates.shape(pipeline._shaped(whole, parsed), [])
+                    == templates.shape(whole, [])), path.name

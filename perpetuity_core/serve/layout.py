@@ -39,6 +39,7 @@ from perpetuity_core.wire.conversation import (
 )
 from perpetuity_core.wire.identity import Identity
 from perpetuity_core.wire.protocols import ADAPTERS, anthropic
+from perpetuity_core.wire.written import Written
 
 log = logging.getLogger("perpetuity")
 
@@ -79,6 +80,8 @@ class Layout:
         # Each conversation's plan: when its frame changes (`perpetuity_core.frame.plan`). Only
         # the preparing thread touches it; a restart costs one rebuilt frame.
         self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
+        # The bodies laid out, as JSON: a call writes only what the last ones did not.
+        self.written = Written()
 
     def recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
                 protocol: Protocol, asked_at: float, tools_on: bool,
@@ -153,7 +156,7 @@ class Layout:
         out.keep, out.note, out.front = replaced.keep, replaced.why, front
         out.sent_tokens = (messages_tokens(front) + laid_plan.insert_tokens
                            + messages_tokens(messages[replaced.keep:]) - laid_plan.stubbed)
-        out.body = json.dumps(replaced.body, ensure_ascii=False).encode()
+        out.body = self.written.dumps(replaced.body)
         out.sent = replaced.body
         return out
 

@@ -54,7 +54,7 @@ from perpetuity_core.wire.conversation import (
     Reply,
 )
 from perpetuity_core.wire.identity import PERSONAL, identify
-from perpetuity_core.wire.protocols import ADAPTERS, anthropic, gemini
+from perpetuity_core.wire.protocols import ADAPTERS, gemini
 from perpetuity_core.wire.route import (
     CONTROL_PREFIX,
     anthropic_count,
@@ -136,15 +136,14 @@ class Pipeline:
 
     def _parse(self, protocol: Protocol, read: Read) -> tuple[ParsedRequest, str]:
         """The request in neutral terms and the folder its harness states (names.folder), kept
-        for the next body that starts as this one does. Anthropic's messages read one by one,
-        so those an earlier body read are taken as they were (the other adapters read a message
-        beside its neighbours), and the folder is looked for among the new ones alone."""
-        if protocol != Protocol.ANTHROPIC:
-            parsed = ADAPTERS[protocol].parse_request(read.data)
-            self._seen.keep(read, None)
-            return parsed, names.folder(parsed)
+        for the next body that starts as this one does: the messages an earlier body of the
+        same wire read are taken as they were, and the folder is looked for among the new ones
+        alone."""
         known = read.known if isinstance(read.known, _Known) else None
-        parsed = anthropic.parse_request(read.data, known.parsed if known else None, read.reused)
+        if known is not None and known.parsed.protocol != protocol:
+            known = None  # another wire's body that starts with the same bytes
+        parsed = ADAPTERS[protocol].parse_request(read.data, known.parsed if known else None,
+                                                  read.reused)
         found, reused = ("", 0), 0
         if known is not None:
             found = known.folder
@@ -256,7 +255,7 @@ class Pipeline:
             counted = recall.sent if recall.sent is not None else body
             if r.protocol == Protocol.GEMINI:
                 counted = gemini.count_request(counted, parsed.model)
-            decision.body = _first_round(r.protocol, counted, specs, settings.tool_rounds)
+            decision.body = self._first_round(r.protocol, counted, specs)
         if controls.probe or not controls.capture:
             decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
             return decision
@@ -281,7 +280,7 @@ class Pipeline:
             stream=parsed.stream, pending=pending, at=controls.at, memory=recall.memory,
             max_rounds=settings.tool_rounds, tool_specs=specs,
             original=req.body if recall.body is not None else None,
-            first_round=_first_round(r.protocol, recall.sent, specs, settings.tool_rounds)
+            first_round=self._first_round(r.protocol, recall.sent, specs)
             if recall.memory is not None else None)
         decision.note = _noted("captured", recall.note)
         return decision
@@ -295,7 +294,7 @@ class Pipeline:
         if (protocol != Protocol.ANTHROPIC or harness != "claude-code" or not parsed.messages
                 or any(p.kind == Kind.TOOL_RESULT for p in parsed.messages[-1].parts)):
             return None
-        shape = templates.shape(body, list(headers))
+        shape = templates.shape(_shaped(body, parsed), list(headers))
         if shape is None or self._shapes.get(harness) == (digest := templates.digest(shape)):
             return None
         self._shapes[harness] = digest
@@ -362,6 +361,19 @@ class Pipeline:
         except (PerpetuityError, ValueError, TypeError) as e:
             return f"note_capture refused: {e}"
 
+    def _first_round(self, protocol: Protocol, sent: dict[str, Any] | None,
+                     specs: list[dict[str, Any]]) -> bytes | None:
+        """The tool loop's first upstream body, our tools added, as the relay would make it
+        (json.dumps, ASCII): made here, on the preparing thread, the event loop neither reads
+        nor writes the request's JSON when the model calls none of our tools (most replies). A
+        117 KB Claude Code request costs the loop 1.3 ms of loads and dumps otherwise
+        (bench_relay_body.py, p50, a busy machine). Only what the last bodies did not hold is
+        written (wire.written)."""
+        if sent is None:
+            return None
+        return self.layout.written.dumps(
+            ADAPTERS[protocol].add_tools(sent, specs, self.settings.tool_rounds == 1), ascii=True)
+
     def _tool_specs(self, memory: TurnMemory, taken: list[str]) -> list[dict[str, Any]]:
         """Our tools, never under a name the harness already uses (the model could not tell
         them apart, and the provider may refuse the duplicate)."""
@@ -372,6 +384,16 @@ class Pipeline:
             specs.append({"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
                           "input_schema": notes.CAPTURE_TOOL_SCHEMA})
         return [s for s in specs if s["name"] not in taken]
+
+
+def _shaped(body: dict[str, Any], parsed: ParsedRequest) -> dict[str, Any]:
+    """`body` with only the messages templates.shape reads (the first user message, the
+    system-role ones), in their order: the same shape without a walk of the whole history."""
+    raw = body["messages"]
+    first = next((i for i, m in enumerate(raw) if isinstance(m, dict) and m.get("role") == "user"),
+                 None)
+    keep = sorted({*parsed.raw_standing, *([] if first is None else [first])})
+    return {**body, "messages": [raw[i] for i in keep]}
 
 
 def _text_headers(req: HttpRequest) -> dict[str, str]:
@@ -385,17 +407,6 @@ def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
     """The request's headers as they go upstream."""
     return [(k, v) for k, v in req.headers
             if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
-
-
-def _first_round(protocol: Protocol, sent: dict[str, Any] | None, specs: list[dict[str, Any]],
-                 rounds: int) -> bytes | None:
-    """The tool loop's first upstream body, our tools added, as the relay would make it: made
-    here, on the preparing thread, the event loop neither reads nor writes the request's JSON
-    when the model calls none of our tools (most replies). A 117 KB Claude Code request costs
-    the loop 1.3 ms of loads and dumps otherwise (bench_relay_body.py, p50, a busy machine)."""
-    if sent is None:
-        return None
-    return json.dumps(ADAPTERS[protocol].add_tools(sent, specs, rounds == 1)).encode()
 
 
 def _noted(what: str, why: str) -> str:

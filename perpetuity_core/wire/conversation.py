@@ -163,6 +163,10 @@ class ParsedRequest:
     compaction: bool = False  # the harness asks for its history to be summarised
     # For each message, the index in the body's own list where it starts (adapters map back).
     raw_index: list[int] = field(default_factory=list)
+    # The indexes in the body's own list of what is no turn and stays in front when the
+    # history is replaced (system and developer messages; Responses' items the neutral model
+    # cannot read), found as the body is read: a late call need not walk its history for them.
+    raw_standing: list[int] = field(default_factory=list)
     # Characters of what the request carries besides its messages (system prompt, tool
     # definitions): what a bound on the whole request counts beside them.
     fixed_chars: int = 0

@@ -60,7 +60,8 @@ def replace_history(adapter: Adapter, body: dict[str, Any], parsed: ParsedReques
     k = kept_start(messages, keep) if keep else 0
     errors: list[str] = []
     while not keep or k:
-        out = adapter.replace_history(body, rendered, parsed.raw_index[k], inserts)
+        out = adapter.replace_history(body, rendered, parsed.raw_index[k], inserts,
+                                      parsed.raw_standing)
         if not (found := adapter.check(out)):
             return Replaced(out, k, f"kept from message {k}, not {keep}: {errors[0]}" if errors else "")
         errors = errors or found

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from perpetuity_core.errors import ProtocolError
@@ -31,13 +31,15 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ProtocolError("Anthropic request without a messages list")
-    raw_index, parsed, start = [], [], 0
+    raw_index, parsed, standing, start = [], [], [], 0
     if known is not None and 0 < reused <= len(messages):
         upto = bisect.bisect_left(known.raw_index, reused)
         raw_index, parsed, start = known.raw_index[:upto], known.messages[:upto], reused
+        standing = known.raw_standing[:bisect.bisect_left(known.raw_standing, reused)]
     fresh = [i for i in range(start, len(messages)) if isinstance(messages[i], dict)]
     raw_index += fresh
     parsed += [message_from(messages[i]) for i in fresh]
+    standing += [i for i in fresh if messages[i].get("role") == "system"]
     hints: dict[str, str] = {}
     meta = body.get("metadata")
     if isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
@@ -54,6 +56,7 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
         hints=hints,
         structured_output=isinstance(output_config, dict) and "format" in output_config,
         raw_index=raw_index,
+        raw_standing=standing,
         fixed_chars=len(system) + len(json.dumps(body.get("tools") or [], ensure_ascii=False)),
     )
 
@@ -63,17 +66,20 @@ HOUR_MARK = {"type": "ephemeral", "ttl": "1h"}
 
 
 def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
-                    inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
+                    inserts: Mapping[int, list[Message]] | None = None,
+                    standing: Sequence[int] | None = None) -> dict[str, Any]:
     """The body with messages before raw index `keep_from` replaced by the frame, and each of
     `inserts` (raw index -> messages) put just before the message at that index.
 
-    System-role messages among the replaced ones stay, after the frame; the rest of the body is
+    System-role messages among the replaced ones stay, after the frame (`standing`: their raw
+    indexes, as parse_request found them; None: looked for); the rest of the body is
     untouched. The frame's end gets a cache marker while the request has one to spare (those in
     the stripped history go with it): the frame is the part of the request that stays the same
     from call to call after the harness's own system prompt.
     """
     raw = body["messages"]
-    kept_system = [m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
+    kept_system = [raw[i] for i in standing if i < keep_from] if standing is not None else [
+        m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
     kept = kept_system + spliced(raw, keep_from, inserts, _render)
     rendered = _render(frame)
     spare = MAX_CACHE_MARKERS - _count_markers({**body, "messages": kept})

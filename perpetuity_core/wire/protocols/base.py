@@ -4,7 +4,7 @@ call, whatever the wire format. An adapter is a module; mypy checks each against
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -123,9 +123,14 @@ class Adapter(Protocol):
     @property
     def BodyMerger(self) -> Callable[[frozenset[str]], BodyMerging]: ...  # noqa: N802
 
-    def parse_request(self, body: dict[str, Any]) -> ParsedRequest: ...
+    # `known`: an earlier request of this wire whose history's first `reused` raw entries are
+    # this body's, the same objects (wire.seen): what it read of them is taken as it read it,
+    # and only the rest is read. `standing`: the request's `raw_standing` (None: looked for).
+    def parse_request(self, body: dict[str, Any], known: ParsedRequest | None = None,
+                      reused: int = 0) -> ParsedRequest: ...
     def replace_history(self, body: dict[str, Any], frame: list[Message], keep_from: int,
-                        inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]: ...
+                        inserts: Mapping[int, list[Message]] | None = None,
+                        standing: Sequence[int] | None = None) -> dict[str, Any]: ...
     def check(self, body: dict[str, Any]) -> list[str]: ...
     def reply_from_body(self, body: dict[str, Any]) -> Reply: ...
     def render_text(self, text: str, model: str, stream: bool, reply_id: str) -> bytes: ...

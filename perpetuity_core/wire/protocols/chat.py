@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from perpetuity_core.errors import ProtocolError
@@ -24,35 +25,53 @@ from perpetuity_core.wire.sse import Event
 HINT_FIELDS = ("user", "safety_identifier", "prompt_cache_key")
 
 
-def parse_request(body: dict[str, Any]) -> ParsedRequest:
+def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
+                  reused: int = 0) -> ParsedRequest:
+    """`known`: an earlier request whose first `reused` raw messages are this body's, the same
+    objects (wire.seen). Each message reads alone, so those are taken as it read them and only
+    the rest is read; the system prompt is read again from the system messages alone."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ProtocolError("Chat Completions request without a messages list")
-    indexed = [(i, _message(m)) for i, m in enumerate(messages) if isinstance(m, dict)]
-    system = "\n".join(m.text for _, m in indexed if m.role == "system")
+    raw_index, parsed, standing, start = [], [], [], 0
+    if known is not None and 0 < reused <= len(messages):
+        upto = bisect.bisect_left(known.raw_index, reused)
+        raw_index, parsed, start = known.raw_index[:upto], known.messages[:upto], reused
+        standing = known.raw_standing[:bisect.bisect_left(known.raw_standing, reused)]
+    for i in range(start, len(messages)):
+        if isinstance(messages[i], dict):
+            m = _message(messages[i])
+            if m.role == "system":
+                standing.append(i)
+            else:
+                raw_index.append(i)
+                parsed.append(m)
     return ParsedRequest(
         protocol=Protocol.CHAT,
         model=str(body.get("model", "")),
         stream=bool(body.get("stream", False)),
-        messages=[m for _, m in indexed if m.role != "system"],
-        system=system,
+        messages=parsed,
+        system="\n".join(_message(messages[i]).text for i in standing),
         tool_names=[
             str((t.get("function") or {}).get("name", "")) for t in body.get("tools") or []
             if isinstance(t, dict)
         ],
         hints={f: body[f] for f in HINT_FIELDS if isinstance(body.get(f), str)},
-        raw_index=[i for i, m in indexed if m.role != "system"],
+        raw_index=raw_index,
+        raw_standing=standing,
     )
 
 
 def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
-                    inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
+                    inserts: Mapping[int, list[Message]] | None = None,
+                    standing: Sequence[int] | None = None) -> dict[str, Any]:
     """The body with messages before raw index `keep_from` replaced by the frame, and each of
     `inserts` (raw index -> messages) put just before the message at that index; system and
-    developer messages stay first, untouched."""
+    developer messages (`standing`: their raw indexes; None: looked for) stay first, untouched."""
     raw = body["messages"]
-    kept_system = [m for m in raw[:keep_from]
-                   if isinstance(m, dict) and m.get("role") in ("system", "developer")]
+    kept_system = [raw[i] for i in standing if i < keep_from] if standing is not None else [
+        m for m in raw[:keep_from]
+        if isinstance(m, dict) and m.get("role") in ("system", "developer")]
     kept = spliced(raw, keep_from, inserts, _render)
     return {**body, "messages": kept_system + _render(frame) + kept}
 

@@ -16,9 +16,10 @@ result by the call before it with the same name.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from perpetuity_core.errors import ProtocolError
@@ -95,15 +96,25 @@ def _args(args: Any) -> str:
     return json.dumps(args if args is not None else {}, ensure_ascii=False, sort_keys=True)
 
 
-def parse_request(body: dict[str, Any]) -> ParsedRequest:
+def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
+                  reused: int = 0) -> ParsedRequest:
+    """`known`: an earlier request whose first `reused` contents are this body's, the same
+    objects (wire.seen). A content reads beside the message before it (its calls pair the
+    results), so those are taken as it read them and the rest read after them."""
     _, req = _inner(body)
     contents = req.get("contents")
     if not isinstance(contents, list):
         raise ProtocolError("Gemini request without a contents list")
-    raw_index = [i for i, c in enumerate(contents) if isinstance(c, dict)]
+    raw_index: list[int] = []
     messages: list[Message] = []
-    for i in raw_index:
-        messages.append(_message(contents[i], messages[-1] if messages else None))
+    start = 0
+    if known is not None and 0 < reused <= len(contents):
+        upto = bisect.bisect_left(known.raw_index, reused)
+        raw_index, messages, start = known.raw_index[:upto], known.messages[:upto], reused
+    for i in range(start, len(contents)):
+        if isinstance(contents[i], dict):
+            raw_index.append(i)
+            messages.append(_message(contents[i], messages[-1] if messages else None))
     config = req.get("generationConfig")
     config = config if isinstance(config, dict) else {}
     hints = {"session_id": req["session_id"]} if isinstance(req.get("session_id"), str) else {}
@@ -183,11 +194,13 @@ def _text_of(instruction: Any) -> str:
 
 
 def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
-                    inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
+                    inserts: Mapping[int, list[Message]] | None = None,
+                    standing: Sequence[int] | None = None) -> dict[str, Any]:
     """The body with contents before raw index `keep_from` replaced by the frame, and each of
     `inserts` (raw index -> messages) put just before the content at that index; the system
-    instruction, tools and config untouched. Kept contents are the harness's own, verbatim,
-    so thought signatures stay on the parts they came with."""
+    instruction, tools and config untouched (no content stands: `standing` is always empty).
+    Kept contents are the harness's own, verbatim, so thought signatures stay on the parts they
+    came with."""
     key, req = _inner(body)
     kept = spliced(req["contents"], keep_from, inserts, _render)
     return _wrapped(body, key, {**req, "contents": _render(frame) + kept})

@@ -7,9 +7,10 @@ from the stream and the same reply re-sent as input items yield the same message
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from perpetuity_core.errors import ProtocolError
@@ -30,7 +31,12 @@ from perpetuity_core.wire.sse import Event
 CODEX_TURN = "x-codex-turn-metadata"
 
 
-def parse_request(body: dict[str, Any]) -> ParsedRequest:
+def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
+                  reused: int = 0) -> ParsedRequest:
+    """`known`: an earlier request whose first `reused` input items are this body's, the same
+    objects (wire.seen). Items fold into the message before them, so the messages that start
+    before the last one starting there are taken as it read them, and the items from that one
+    on are read; the system prompt is read again from the system items alone."""
     raw = body.get("input")
     if isinstance(raw, str):
         items: list[Any] = [{"type": "message", "role": "user", "content": raw}]
@@ -38,9 +44,19 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
         items = raw
     else:
         raise ProtocolError("Responses request without input")
-    starts = _fold_starts(items)
-    messages = [m for _, m in starts]
-    system = "\n".join(m.text for m in messages if m.role == "system")
+    raw_index, messages, standing, start = [], [], [], 0
+    if known is not None and isinstance(raw, list) and 0 < reused <= len(items) and (
+            upto := bisect.bisect_left(known.raw_index, reused) - 1) >= 0:
+        # The message starting last before `reused` may go on past it: read again from it.
+        start = known.raw_index[upto]
+        raw_index, messages = known.raw_index[:upto], known.messages[:upto]
+        standing = known.raw_standing[:bisect.bisect_left(known.raw_standing, start)]
+    for index, m in _fold_starts(items, start, standing):
+        if m.role != "system":
+            raw_index.append(index)
+            messages.append(m)
+    said = [got for i in standing if (got := _item(items[i])) and got[0] == "system"]
+    system = "\n".join(Message("system", tuple(parts)).text for _, parts in said)
     instructions = body.get("instructions")
     if isinstance(instructions, str):
         system = instructions + ("\n" + system if system else "")
@@ -56,27 +72,31 @@ def parse_request(body: dict[str, Any]) -> ParsedRequest:
         protocol=Protocol.RESPONSES,
         model=str(body.get("model", "")),
         stream=bool(body.get("stream", False)),
-        messages=[m for m in messages if m.role != "system"],
+        messages=messages,
         system=system,
         tool_names=[str(t.get("name", t.get("type", ""))) for t in body.get("tools") or [] if isinstance(t, dict)],
         hints=hints,
         generate=body.get("generate") is not False,
-        compaction=any(isinstance(i, dict) and i.get("type") == "compaction_trigger" for i in items),
-        raw_index=[i for i, m in starts if m.role != "system"],
+        # A compaction trigger is an item the neutral model cannot read: a standing one.
+        compaction=any(items[i].get("type") == "compaction_trigger" for i in standing),
+        raw_index=raw_index,
+        raw_standing=standing,
     )
 
 
 def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
-                    inserts: Mapping[int, list[Message]] | None = None) -> dict[str, Any]:
+                    inserts: Mapping[int, list[Message]] | None = None,
+                    standing: Sequence[int] | None = None) -> dict[str, Any]:
     """The body with input items before `keep_from` replaced by the frame, and each of
     `inserts` (raw index -> messages) put just before the item at that index; system and
     developer items stay first, untouched, and so does every item the neutral model cannot
-    read (Codex's `additional_tools`, a `compaction` summary): memory cannot stand in for it."""
+    read (Codex's `additional_tools`, a `compaction` summary): memory cannot stand in for it.
+    `standing`: those items' indexes, as parse_request found them (None: looked for)."""
     raw = body["input"]
     if isinstance(raw, str):
         raw, keep_from = [{"type": "message", "role": "user", "content": raw}], 0
-    kept_system = [m for m in raw[:keep_from] if isinstance(m, dict)
-                   and (m.get("role") in ("system", "developer") or _item(m) is None)]
+    kept_system = [raw[i] for i in standing if i < keep_from] if standing is not None else [
+        m for m in raw[:keep_from] if _standing(m)]
     kept = spliced(raw, keep_from, inserts, _render)
     return {**body, "input": kept_system + _render(frame) + kept}
 
@@ -151,10 +171,22 @@ def _item(item: dict[str, Any]) -> tuple[str, list[Part]] | None:
     return None
 
 
-def _fold_starts(items: list[Any]) -> list[tuple[int, Message]]:
-    """Messages folded from items, each with the index of the item it starts at."""
+def _standing(item: Any) -> bool:
+    """The item stays in front when the history is replaced: a system or developer one, or
+    one the neutral model cannot read."""
+    return isinstance(item, dict) and (item.get("role") in ("system", "developer")
+                                       or _item(item) is None)
+
+
+def _fold_starts(items: list[Any], start: int = 0,
+                 standing: list[int] | None = None) -> list[tuple[int, Message]]:
+    """Messages folded from items (from `start`, where one begins), each with the index of the
+    item it starts at; the standing items' indexes appended to `standing`."""
     out: list[tuple[int, Message]] = []
-    for index, item in enumerate(items):
+    for index in range(start, len(items)):
+        item = items[index]
+        if standing is not None and _standing(item):
+            standing.append(index)
         if not isinstance(item, dict) or not (got := _item(item)):
             continue
         role, parts = got
