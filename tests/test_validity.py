@@ -142,6 +142,20 @@ def test_an_hours_marks_are_the_harness_own_on_its_tools_and_system() -> None:
     assert ours["system"] == sent["system"] and ours["tools"][:2] == sent["tools"]
 
 
+def test_the_frames_mark_lasts_an_hour_where_a_mark_after_it_does() -> None:
+    frame = [Message("user", (text_part("what memory holds"),)),
+             Message("assistant", (text_part("noted"),))]
+    for later, expected in (({"type": "ephemeral"}, {"type": "ephemeral"}),
+                            (anthropic.HOUR_MARK, anthropic.HOUR_MARK)):
+        body = {"model": "claude", "system": [{"type": "text", "text": "s",
+                                               "cache_control": anthropic.HOUR_MARK}],
+                "messages": [user(text("old")), assistant(text("old reply")),
+                             user({**text("go"), "cache_control": later})]}
+        sent = anthropic.replace_history(body, frame, 2)
+        assert sent["messages"][1]["content"][-1]["cache_control"] == expected
+        assert anthropic.check(sent) == []
+
+
 def test_anthropic_tool_results_come_before_text() -> None:
     body = {"messages": [user(text("go")), assistant(call("a")), user(text("and"), result("a"))]}
     assert anthropic.check(body)

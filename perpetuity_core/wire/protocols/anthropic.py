@@ -82,9 +82,13 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
         m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
     kept = kept_system + spliced(raw, keep_from, inserts, _render)
     rendered = _render(frame)
-    spare = MAX_CACHE_MARKERS - _count_markers({**body, "messages": kept})
+    after = _markers(kept)
+    spare = MAX_CACHE_MARKERS - len(after) - len(_markers({**body, "messages": []}))
     if rendered and spare > 0:
-        rendered[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+        # The API refuses an hour's mark after a five minutes' one: where the harness keeps
+        # what follows the frame an hour (Claude Code for some accounts), the frame's lasts too.
+        hour = any(isinstance(m, dict) and m.get("ttl") == "1h" for m in after)
+        rendered[-1]["content"][-1]["cache_control"] = dict(HOUR_MARK) if hour else {"type": "ephemeral"}
     return {**body, "messages": rendered + kept}
 
 
@@ -144,7 +148,7 @@ def check(body: dict[str, Any]) -> list[str]:
                 errors.append(f"message {i}: thinking block without its signature")
             elif b.get("type") == "redacted_thinking" and not b.get("data"):
                 errors.append(f"message {i}: redacted_thinking block without its data")
-    if (markers := _count_markers(body)) > MAX_CACHE_MARKERS:
+    if (markers := len(_markers(body))) > MAX_CACHE_MARKERS:
         errors.append(f"{markers} cache_control markers (at most {MAX_CACHE_MARKERS})")
     if _hour_after_minutes(body):
         errors.append("a 1h cache_control marker after a 5-minute one")
@@ -177,20 +181,21 @@ def _calls(m: dict[str, Any]) -> set[str]:
     return {str(b.get("id")) for b in _blocks(m) if b.get("type") == "tool_use"}
 
 
-def _count_markers(value: Any) -> int:
-    """cache_control markers anywhere in the body: tools, system, messages, nested blocks."""
+def _markers(value: Any) -> list[Any]:
+    """The cache_control markers anywhere in the value: tools, system, messages, nested blocks."""
     # A walk with a list of what is left, not a call per value: it runs over the whole request
     # (a Claude Code one has 600 containers, most in its tools' schemas) twice a request.
-    count = 0
+    found = []
     left = [value]
     while left:
         v = left.pop()
         if isinstance(v, dict):
-            count += v.get("cache_control") is not None
+            if (mark := v.get("cache_control")) is not None:
+                found.append(mark)
             left += [x for x in v.values() if isinstance(x, (dict, list))]
         elif isinstance(v, list):
             left += [x for x in v if isinstance(x, (dict, list))]
-    return count
+    return found
 
 
 def message_from(m: dict[str, Any]) -> Message:
