@@ -822,3 +822,23 @@ def test_cli_errors_are_one_line(
 def test_errors_share_the_project_base() -> None:
     assert issubclass(notes.CredentialError, notes.NoteError)
     assert issubclass(notes.NoteError, PerpetuityError)
+
+
+EXOTIC = [
+    "\u017fecret = 'hunter2hunter2'",  # long s: IGNORECASE matches it for s, lower() keeps it
+    "ap\u0130_key = 'abc123def456'",  # dotted capital I, which lowers to two characters
+    "ap\u0131key: 'abc123def456'",  # dotless i
+    "notes\nline two\nDB_PASSWORD=hunter2hunter2\nsk-proj-" + "Zt7Qm2Xv9Lr4Ns8Kp1Hd6Wb3Jc5Fg0Ya",
+    "api_key = os.environ['X']\ntoken ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8",
+    "a task-list that passed\nthrough the keyboard",
+]
+
+
+@pytest.mark.parametrize("text", [*SECRETS.values(), *CLEAN, *EXOTIC])
+def test_secret_kind_is_the_scans_first_finding(text: str) -> None:
+    # secret_kind runs a pattern only on the lines holding one of its literals; the kind must
+    # be the full per-line scan's first finding (on the old triggers the long s went unseen).
+    from perpetuity_core.memory.storage.secrets import secret_kind
+
+    findings = notes.scan_credentials(text)
+    assert secret_kind(text) == (findings[0].kind if findings else "")
