@@ -663,7 +663,7 @@ def _count_markers_reference(value: object) -> int:
 
 @needs_fixtures
 def test_cache_markers_are_counted_anywhere_as_the_reference_counts_them() -> None:
-    from perpetuity_core.wire.protocols.anthropic import _markers
+    from perpetuity_core.wire.protocols.cache_marks import markers
 
     nested = {"tools": [{"name": "t", "cache_control": {"type": "ephemeral"},
                          "input_schema": {"properties": {"cache_control": None}}}],
@@ -677,5 +677,5 @@ def test_cache_markers_are_counted_anywhere_as_the_reference_counts_them() -> No
                          for f in http_fixtures(harness)]
     assert len(bodies) > 5
     for body in bodies:
-        assert len(_markers(body)) == _count_markers_reference(body)
-    assert len(_markers(nested)) == 3
+        assert len(markers(body)) == _count_markers_reference(body)
+    assert len(markers(nested)) == 3

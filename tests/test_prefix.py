@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from perpetuity_core.wire.protocols import anthropic
+from perpetuity_core.wire.protocols import anthropic, cache_marks
 from tests.conftest import Proxy, owned
 from tests.fake_provider import FakeProvider, Text
 
@@ -82,7 +82,7 @@ def test_system_and_tools_are_byte_stable_within_a_conversation(proxy: Proxy,
         assert tools[:2] == ["Bash", "Read"] and "memory_search" in tools
         # The harness's own, as it sent it, its mark kept an hour: a pause of more than five
         # minutes reads the prefix every call shares instead of writing it again.
-        assert sent[0].json["system"] == anthropic.lasting({"system": SYSTEM})["system"]
+        assert sent[0].json["system"] == cache_marks.lasting({"system": SYSTEM})["system"]
         assert sent[0].json["system"][1]["cache_control"] == {"type": "ephemeral", "ttl": "1h"}
         assert all(not anthropic.check(r.json) for r in sent)
     # The second conversation was framed: the stable prefix is not an unframed one.

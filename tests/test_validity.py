@@ -30,7 +30,7 @@ from perpetuity_core.wire.conversation import (
     prompt_text,
     text_part,
 )
-from perpetuity_core.wire.protocols import ADAPTERS, anthropic, chat, responses
+from perpetuity_core.wire.protocols import ADAPTERS, anthropic, cache_marks, chat, responses
 from tests.conftest import needs_fixtures
 from tests.test_fixtures import http_fixtures, replay, to_request
 from tests.test_frame import say
@@ -130,13 +130,13 @@ def test_an_hours_marks_are_the_harness_own_on_its_tools_and_system() -> None:
             "system": [{"type": "text", "text": "s"}, {"type": "text", "text": "t",
                                                         "cache_control": minutes}],
             "messages": [user({**text("go"), "cache_control": minutes})]}
-    sent = anthropic.lasting(body)
-    assert [t.get("cache_control") for t in sent["tools"]] == [anthropic.HOUR_MARK, None]
-    assert [b.get("cache_control") for b in sent["system"]] == [None, anthropic.HOUR_MARK]
+    sent = cache_marks.lasting(body)
+    assert [t.get("cache_control") for t in sent["tools"]] == [cache_marks.HOUR_MARK, None]
+    assert [b.get("cache_control") for b in sent["system"]] == [None, cache_marks.HOUR_MARK]
     assert sent["messages"] == body["messages"]  # the harness's own marks there stay
     assert anthropic.check(sent) == []
     assert body["system"][1]["cache_control"] == minutes  # the harness's body is not changed
-    assert anthropic.lasting({"system": "one string"}) == {"system": "one string"}
+    assert cache_marks.lasting({"system": "one string"}) == {"system": "one string"}
     ours = anthropic.add_tools(body, [{"name": "memory_search", "description": "d",
                                        "input_schema": {"type": "object"}}], False)
     assert ours["system"] == sent["system"] and ours["tools"][:2] == sent["tools"]
@@ -146,9 +146,9 @@ def test_the_frames_mark_lasts_an_hour_where_a_mark_after_it_does() -> None:
     frame = [Message("user", (text_part("what memory holds"),)),
              Message("assistant", (text_part("noted"),))]
     for later, expected in (({"type": "ephemeral"}, {"type": "ephemeral"}),
-                            (anthropic.HOUR_MARK, anthropic.HOUR_MARK)):
+                            (cache_marks.HOUR_MARK, cache_marks.HOUR_MARK)):
         body = {"model": "claude", "system": [{"type": "text", "text": "s",
-                                               "cache_control": anthropic.HOUR_MARK}],
+                                               "cache_control": cache_marks.HOUR_MARK}],
                 "messages": [user(text("old")), assistant(text("old reply")),
                              user({**text("go"), "cache_control": later})]}
         sent = anthropic.replace_history(body, frame, 2)

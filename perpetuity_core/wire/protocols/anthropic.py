@@ -20,6 +20,13 @@ from perpetuity_core.wire.conversation import (
     text_part,
 )
 from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase, spliced
+from perpetuity_core.wire.protocols.cache_marks import (
+    HOUR_MARK,
+    MAX_CACHE_MARKERS,
+    hour_after_minutes,
+    lasting,
+    markers,
+)
 from perpetuity_core.wire.sse import Event
 
 
@@ -61,8 +68,6 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
     )
 
 
-MAX_CACHE_MARKERS = 4  # the API refuses a request with more cache_control breakpoints
-HOUR_MARK = {"type": "ephemeral", "ttl": "1h"}
 
 
 def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
@@ -82,13 +87,14 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
         m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
     kept = kept_system + spliced(raw, keep_from, inserts, _render)
     rendered = _render(frame)
-    after = _markers(kept)
-    spare = MAX_CACHE_MARKERS - len(after) - len(_markers({**body, "messages": []}))
+    after = markers(kept)
+    spare = MAX_CACHE_MARKERS - len(after) - len(markers({**body, "messages": []}))
     if rendered and spare > 0:
         # The API refuses an hour's mark after a five minutes' one: where the harness keeps
         # what follows the frame an hour (Claude Code for some accounts), the frame's lasts too.
         hour = any(isinstance(m, dict) and m.get("ttl") == "1h" for m in after)
-        rendered[-1]["content"][-1]["cache_control"] = dict(HOUR_MARK) if hour else {"type": "ephemeral"}
+        mark = dict(HOUR_MARK) if hour else {"type": "ephemeral"}
+        rendered[-1]["content"][-1]["cache_control"] = mark
     return {**body, "messages": rendered + kept}
 
 
@@ -148,28 +154,11 @@ def check(body: dict[str, Any]) -> list[str]:
                 errors.append(f"message {i}: thinking block without its signature")
             elif b.get("type") == "redacted_thinking" and not b.get("data"):
                 errors.append(f"message {i}: redacted_thinking block without its data")
-    if (markers := len(_markers(body))) > MAX_CACHE_MARKERS:
-        errors.append(f"{markers} cache_control markers (at most {MAX_CACHE_MARKERS})")
-    if _hour_after_minutes(body):
+    if (count := len(markers(body))) > MAX_CACHE_MARKERS:
+        errors.append(f"{count} cache_control markers (at most {MAX_CACHE_MARKERS})")
+    if hour_after_minutes(body):
         errors.append("a 1h cache_control marker after a 5-minute one")
     return errors
-
-
-def _hour_after_minutes(body: dict[str, Any]) -> bool:
-    """Does an hour's cache mark follow a five minutes' one in the prompt's order (tools,
-    system, messages)? The API requires the longer lifetimes first."""
-    system = body.get("system")
-    blocks = [*(body.get("tools") or []), *(system if isinstance(system, list) else [])]
-    for m in body.get("messages") or []:
-        blocks += _blocks(m) if isinstance(m, dict) else []
-    short = False
-    for b in blocks:
-        mark = b.get("cache_control") if isinstance(b, dict) else None
-        if isinstance(mark, dict):
-            if mark.get("ttl") == "1h" and short:
-                return True
-            short = short or mark.get("ttl") != "1h"
-    return False
 
 
 def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
@@ -179,23 +168,6 @@ def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _calls(m: dict[str, Any]) -> set[str]:
     return {str(b.get("id")) for b in _blocks(m) if b.get("type") == "tool_use"}
-
-
-def _markers(value: Any) -> list[Any]:
-    """The cache_control markers anywhere in the value: tools, system, messages, nested blocks."""
-    # A walk with a list of what is left, not a call per value: it runs over the whole request
-    # (a Claude Code one has 600 containers, most in its tools' schemas) twice a request.
-    found = []
-    left = [value]
-    while left:
-        v = left.pop()
-        if isinstance(v, dict):
-            if (mark := v.get("cache_control")) is not None:
-                found.append(mark)
-            left += [x for x in v.values() if isinstance(x, (dict, list))]
-        elif isinstance(v, list):
-            left += [x for x in v if isinstance(x, (dict, list))]
-    return found
 
 
 def message_from(m: dict[str, Any]) -> Message:
@@ -357,25 +329,6 @@ def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: boo
     if last_round:
         out["tool_choice"] = {"type": "none"}
     return out
-
-
-def lasting(body: dict[str, Any]) -> dict[str, Any]:
-    """The body with the harness's cache marks on its tools and system prompt kept an hour
-    (Anthropic's 1-hour TTL: written at 2.0 the input price, read at 0.1). With the history
-    framed, what every call of a conversation shares is its prefix up to the system prompt
-    (Claude Code's 18k tokens, our tools with them), and a pause of five minutes to an hour
-    wrote it all again at 1.25: kept an hour, it is read. A pause of over an hour, or a new
-    conversation with no other in that hour, pays 0.75 of it more (the six shared Claude Code
-    sessions replayed together, one cache: 0.687 of direct -> 0.650; each alone, 0.693 ->
-    0.679, the 34-call 83a70023 1.08 -> 1.18). Only marks already there, so the request's
-    marks are as many; they come before every message's, so no hour's mark follows a five
-    minutes' (which the API refuses: `check`)."""
-    def marked(blocks: Any) -> Any:
-        if not isinstance(blocks, list):
-            return blocks
-        return [{**b, "cache_control": HOUR_MARK} if isinstance(b, dict) and isinstance(
-            b.get("cache_control"), dict) else b for b in blocks]
-    return {**body, **{k: marked(body[k]) for k in ("tools", "system") if k in body}}
 
 
 def continue_body(body: dict[str, Any], assistant: list[dict[str, Any]],
