@@ -70,5 +70,10 @@ class Written:
             self._bytes -= len(piece)
 
 
+# json.dumps's own encoders, made once: json.dumps(..., ensure_ascii=False) makes a new one on
+# every call, which for a body's ~80 small pieces cost more than writing them (0.3 ms a call).
+_ENCODERS = {ascii: json.JSONEncoder(ensure_ascii=ascii) for ascii in (False, True)}
+
+
 def _dumped(value: Any, ascii: bool) -> bytes:
-    return json.dumps(value, ensure_ascii=ascii).encode()
+    return _ENCODERS[ascii].encode(value).encode()
