@@ -23,6 +23,7 @@ from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase
 from perpetuity_core.wire.protocols.cache_marks import (
     HOUR_MARK,
     MAX_CACHE_MARKERS,
+    content_blocks,
     hour_after_minutes,
     lasting,
     markers,
@@ -68,8 +69,6 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
     )
 
 
-
-
 def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
                     inserts: Mapping[int, list[Message]] | None = None,
                     standing: Sequence[int] | None = None) -> dict[str, Any]:
@@ -105,9 +104,9 @@ def stub_results(body: dict[str, Any], stubs: Mapping[str, str], keep_from: int)
     return {**body, "messages": raw[:keep_from] + [
         {**m, "content": [{**b, "content": stubs[str(b.get("tool_use_id"))]}
                           if b.get("type") == "tool_result" and b.get("tool_use_id") in stubs
-                          else b for b in _blocks(m)]}
+                          else b for b in content_blocks(m)]}
         if any(b.get("type") == "tool_result" and b.get("tool_use_id") in stubs
-               for b in _blocks(m)) else m for m in raw[keep_from:]]}
+               for b in content_blocks(m)) else m for m in raw[keep_from:]]}
 
 
 def _render(messages: list[Message]) -> list[dict[str, Any]]:
@@ -132,7 +131,7 @@ def check(body: dict[str, Any]) -> list[str]:
     if not msgs or msgs[0].get("role") != "user":
         errors.append("the first message is not the user's")
     for i, m in enumerate(msgs):
-        blocks = _blocks(m)
+        blocks = content_blocks(m)
         if i and m.get("role") == msgs[i - 1].get("role"):
             errors.append(f"message {i}: two {m.get('role')} messages in a row")
         results = [str(b.get("tool_use_id")) for b in blocks if b.get("type") == "tool_result"]
@@ -145,7 +144,7 @@ def check(body: dict[str, Any]) -> list[str]:
             if any(b.get("type") == "tool_result" for b in blocks[first_other:]):
                 errors.append(f"message {i}: tool_result after other content")
         if (calls := _calls(m)) and i + 1 < len(msgs):
-            answered = {str(b.get("tool_use_id")) for b in _blocks(msgs[i + 1])
+            answered = {str(b.get("tool_use_id")) for b in content_blocks(msgs[i + 1])
                         if b.get("type") == "tool_result"}
             if unanswered := sorted(calls - answered):
                 errors.append(f"message {i}: tool_use not answered in the next message: {unanswered}")
@@ -163,13 +162,8 @@ def check(body: dict[str, Any]) -> list[str]:
     return errors
 
 
-def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
-    content = m.get("content")
-    return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
-
-
 def _calls(m: dict[str, Any]) -> set[str]:
-    return {str(b.get("id")) for b in _blocks(m) if b.get("type") == "tool_use"}
+    return {str(b.get("id")) for b in content_blocks(m) if b.get("type") == "tool_use"}
 
 
 def message_from(m: dict[str, Any]) -> Message:

@@ -33,7 +33,7 @@ def hour_after_minutes(body: dict[str, Any]) -> bool:
     system = body.get("system")
     blocks = [*(body.get("tools") or []), *(system if isinstance(system, list) else [])]
     for m in body.get("messages") or []:
-        blocks += _blocks(m) if isinstance(m, dict) else []
+        blocks += content_blocks(m) if isinstance(m, dict) else []
     short = False
     for b in blocks:
         mark = b.get("cache_control") if isinstance(b, dict) else None
@@ -44,7 +44,8 @@ def hour_after_minutes(body: dict[str, Any]) -> bool:
     return False
 
 
-def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
+def content_blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """A message's content blocks (none where its content is a string)."""
     content = m.get("content")
     return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
 
