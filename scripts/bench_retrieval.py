@@ -10,11 +10,14 @@ users, and the pooled size (from 80M tokens) at least 500 users: 25 units, 87M t
 below one unit takes its first users whole.
 
 Per size:
-  ingest        the first unit (or the whole size below one unit) goes through the real write
-                path (importers.write -> capture.record -> Store.add_message + the retrieval
-                deriver; one transaction per message); the other units are copied in SQL with
-                new ids, counts scaled, which gives the rows the write path would have written.
-                FTS5 gets the same messages, one transaction per message, then its copies.
+  ingest        the first unit (or the whole size below one unit: data set beam+locomo-SIZE,
+                else beam+locomo) goes through the real write path (importers.write ->
+                capture.record -> Store.add_message and its derivers; one transaction per
+                message), and FTS5 gets the same messages, one transaction each, --ingest-rounds
+                times interleaved by scripts/ingest_timer.py, as bench_ingest.py times them (the
+                same figures on the same set: rates by wall and CPU, per round and median); the
+                last round's databases are kept. The other units are copied in SQL with new ids,
+                counts scaled, which gives the rows the write path would have written.
   query         p50/p99 of Scanner.search(question, asking user, limit 10) over real LoCoMo
                 and BEAM questions, each asked by a user who holds that conversation; for both
                 arena layouts (term-major shipped, row-major measured), 1 and 2 threads; FTS5
@@ -55,8 +58,18 @@ from perpetuity_core.memory.derived import index, scan  # noqa: E402
 from perpetuity_core.memory.jobs import importers  # noqa: E402
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage.store import Store  # noqa: E402
-
-UNIT_USERS = 20
+from scripts.ingest_timer import (  # noqa: E402
+    UNIT_USERS,
+    DataSet,
+    cut,
+    data_set,
+    interleaved,
+    ours,
+    parse_size,
+    tokens_of,
+    unit_threads,
+    write,
+)
 
 
 def rss() -> int:
@@ -81,29 +94,7 @@ def a_bytes() -> int:
     return 8 << 27
 
 
-def parse_size(s: str) -> int:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmM]?)", s.strip())
-    if not m:
-        raise SystemExit(f"bad size {s!r}")
-    return int(float(m[1]) * {"": 1, "k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6}[m[2]])
-
-
 # ------------------------------------------------------------------------------ data
-
-
-def unit_threads(data: Path) -> list[list[importers.Thread]]:
-    """The unit's users, each as its threads (BEAM chat i, LoCoMo conversation i mod 10)."""
-    beam = list(importers.beam(data / "beam-100k"))
-    locomo = list(importers.locomo(data / "locomo" / "locomo10.json"))
-    users = []
-    for i in range(UNIT_USERS):
-        b, lo = beam[i % len(beam)], locomo[i % len(locomo)]
-        key = f"bench:{i}"
-        users.append([importers.Thread(key, b.conversation_key, b.messages, b.times, b.labels,
-                                       b.provider),
-                      importers.Thread(key, lo.conversation_key, lo.messages, lo.times,
-                                       lo.labels, lo.provider)])
-    return users
 
 
 def questions(data: Path) -> list[tuple[str, list[int]]]:
@@ -126,40 +117,13 @@ def questions(data: Path) -> list[tuple[str, list[int]]]:
     return [x for pair in zip(lo, be, strict=False) for x in pair]
 
 
-def tokens_of(thread: importers.Thread) -> int:
-    return sum(index.token_estimate(p.text) for m in thread.messages for p in m.parts)
-
-
 # ------------------------------------------------------------------------------ building
 
 
-def ingest(store: Store, users: list[list[importers.Thread]], budget: int) -> dict:
-    """Write users' threads through the real write path until `budget` tokens are in."""
-    t0 = time.perf_counter()
-    msgs = toks = 0
-    texts = []  # (user index, text) for the FTS5 peer, in write order
-    for u, threads in enumerate(users):
-        for t in threads:
-            if toks >= budget:
-                break
-            if toks + tokens_of(t) > budget:  # the last thread is cut to fit the size
-                keep, acc = 0, toks
-                for m in t.messages:
-                    acc += index.token_estimate(m.parts[0].text)
-                    keep += 1
-                    if acc >= budget:
-                        break
-                t = importers.Thread(t.user_key, t.conversation_key, t.messages[:keep],
-                                     t.times[:keep], t.labels[:keep], t.provider)
-            importers.write(store, t)
-            msgs += len(t.messages)
-            toks += tokens_of(t)
-            texts += [(u, m.parts[0].text) for m in t.messages]
-    store.flush()  # the batched structures too: nothing is left owed
-    dt = time.perf_counter() - t0
-    return {"messages": msgs, "tokens": toks, "seconds": round(dt, 2),
-            "messages_per_s": round(msgs / dt), "tokens_per_s": round(toks / dt),
-            "_texts": texts}
+def ingest(store: Store, users: list[list[importers.Thread]], budget: int) -> None:
+    """Write users' threads through the real write path until `budget` tokens are in, then
+    the batched structures: nothing is left owed."""
+    write(store, DataSet("", cut(users, budget)))
 
 
 def replicate(store: Store, copies: int) -> float:
@@ -209,27 +173,9 @@ def replicate(store: Store, copies: int) -> float:
     return round(time.perf_counter() - t0, 2)
 
 
-def fts5_insert(path: Path, texts: list[tuple[int, str]]) -> tuple[sqlite3.Connection, float]:
-    """The FTS5 peer: (user, text) rows inserted one transaction each, as the write path
-    stores messages; returns the open database and the seconds the inserts took."""
+def fts5_copy(path: Path, copies: int, n_users: int) -> float:
+    """The FTS5 peer's other units: its rows copied `copies` times under new users."""
     conn = sqlite3.connect(path, isolation_level=None)
-    for k, v in {"journal_mode": "wal", "synchronous": "normal"}.items():
-        conn.execute(f"PRAGMA {k} = {v}")
-    conn.execute("CREATE VIRTUAL TABLE t USING fts5(text, user UNINDEXED,"
-                 " tokenize = 'porter unicode61')")
-    t0 = time.perf_counter()
-    for u, text in texts:
-        conn.execute("BEGIN")
-        conn.execute("INSERT INTO t (text, user) VALUES (?, ?)", (text, u))
-        conn.execute("COMMIT")
-    return conn, time.perf_counter() - t0
-
-
-def fts5_build(path: Path, texts: list[tuple[int, str]], copies: int, n_users: int) -> dict:
-    conn, dt = fts5_insert(path, texts)
-    toks = sum(index.token_estimate(t) for _, t in texts)
-    out = {"messages_per_s": round(len(texts) / dt), "tokens_per_s": round(toks / dt),
-           "seconds": round(dt, 2)}
     t0 = time.perf_counter()
     if copies:
         conn.execute("CREATE TEMP TABLE base AS SELECT text, user FROM t")
@@ -238,9 +184,8 @@ def fts5_build(path: Path, texts: list[tuple[int, str]], copies: int, n_users: i
             conn.execute("INSERT INTO t (text, user) SELECT text, user + ? FROM base",
                          (r * n_users,))
         conn.execute("COMMIT")
-    out["copy_seconds"] = round(time.perf_counter() - t0, 2)
     conn.close()
-    return out
+    return round(time.perf_counter() - t0, 2)
 
 
 def fts5_query(conn: sqlite3.Connection, q: str, user: int) -> list[int]:
@@ -275,41 +220,41 @@ def timed(fn: Callable[[Any], Any], items: Iterable[Any]) -> tuple[list, list[fl
 def run_size(size: int, data: Path, qs: list[tuple[str, int]], args: argparse.Namespace,
              tmp: Path) -> dict:
     res: dict = {"target_tokens": size}
-    store = open_memory(tmp / f"mem-{size}.db")
     users = unit_threads(data)
     unit_tokens = sum(tokens_of(t) for u in users for t in u)
     copies = max(0, round(size / unit_tokens) - 1)
     if size >= args.pool_from:  # the pooled memory: at least --pool-users users
         copies = max(copies, -(-args.pool_users // UNIT_USERS) - 1)
-    ing = ingest(store, users, size if copies == 0 else 10**12)
-    texts = ing.pop("_texts")
-    res["ingest_write_path"] = ing
+    ds = data_set("beam+locomo" if copies else f"beam+locomo-{args.size_names[size]}", data)
+    built = tmp / f"built-{size}"
+    built.mkdir(exist_ok=True)
+    res["ingest"] = interleaved(ds, args.ingest_rounds, built)
+    (built / "ours.db").rename(tmp / f"mem-{size}.db")
+    for f in built.glob("ours.db-*"):
+        f.rename(tmp / f"mem-{size}.db{f.name.removeprefix('ours.db')}")
+    (built / "fts5.db").rename(tmp / f"fts-{size}.db")
+    for f in built.glob("fts5.db-*"):
+        f.rename(tmp / f"fts-{size}.db{f.name.removeprefix('fts5.db')}")
+    built.rmdir()
+    store = open_memory(tmp / f"mem-{size}.db")
     if args.ingest_breakdown:
         # The same messages through the same path without the retrieval deriver: what the
         # store and capture cost by themselves.
-        store.close()
-        bare = open_memory(tmp / f"bare-{size}.db")
-        bare.derivers = [d for d in bare.derivers if d is not index.derive_retrieval]
-        base = ingest(bare, users, size if copies == 0 else 10**12)
-        base.pop("_texts")
-        res["ingest_write_path_without_retrieval"] = base
-        bare.close()
-        store = open_memory(tmp / f"mem-{size}.db")
-    n_users_unit = len({u for u, _ in texts})
+        wall, cpu = ours(tmp / f"bare-{size}.db", ds, {"retrieval"})
+        res["ingest_without_retrieval"] = {"messages_per_s": {"wall": round(ds.messages / wall),
+                                                              "cpu": round(ds.messages / cpu)}}
+    n_users_unit = len({u for u, _ in ds.threads})
     res["replicate_seconds"] = replicate(store, copies) if copies else 0.0
     conn = store.db.connection()
     n_rows, _, n_tokens = index.totals(conn)
     res.update(users=n_users_unit * (copies + 1), rows=n_rows, tokens=n_tokens,
                messages=conn.execute("SELECT count(*) FROM message").fetchone()[0])
-    print(f"[{size:,}] {n_rows:,} rows, {n_tokens:,} tokens; ingest {ing}", file=sys.stderr)
+    print(f"[{size:,}] {n_rows:,} rows, {n_tokens:,} tokens; ingest {res['ingest']}",
+          file=sys.stderr)
 
     # FTS5 peer
     if "fts5" in args.peers:
-        fts_path = tmp / f"fts-{size}.db"
-        res["fts5"] = fts5_build(fts_path, texts, copies, UNIT_USERS)
-        res["ingest_ratio_vs_fts5"] = round(
-            ing["messages_per_s"] / res["fts5"]["messages_per_s"], 3)
-        print(f"[{size:,}] fts5 built {res['fts5']}", file=sys.stderr)
+        res["fts5"] = {"copy_seconds": fts5_copy(tmp / f"fts-{size}.db", copies, UNIT_USERS)}
 
     # the asking users: unit user i (copy 0) and the same in the last copy
     uid = {}
@@ -468,6 +413,8 @@ def main() -> int:
     ap.add_argument("--catch-up-rows", type=int, default=10_000)
     ap.add_argument("--store-check-rows", type=int, default=100_000,
                     help="compare with a store scan up to this many rows")
+    ap.add_argument("--ingest-rounds", type=int, default=3,
+                    help="interleaved ingest rounds, ours and FTS5's (the last one's are kept)")
     ap.add_argument("--ingest-breakdown", action="store_true",
                     help="also time the write path without the retrieval deriver")
     ap.add_argument("--tmp", help="where the databases go (default: a temporary folder)")
@@ -485,6 +432,7 @@ def main() -> int:
     report = {"machine": {"cpus": os.cpu_count(), "numpy_sum_1GB_GBps": bandwidth_gbs()},
               "sizes": {}}
     qs = questions(data)
+    args.size_names = {parse_size(s): s for s in args.sizes.split(",")}
     for s in args.sizes.split(","):
         report["sizes"][s] = run_size(parse_size(s), data, qs, args, tmp)
         if args.out:

@@ -51,9 +51,9 @@ def build(store: Store, data: Path, size: int) -> int:
     copies = max(0, round(size / unit_tokens) - 1)
     if size >= 80e6:
         copies = max(copies, -(-500 // UNIT_USERS) - 1)
-    ingest(store, users, size if copies == 0 else 10**12).pop("_texts")
+    ingest(store, users, size if copies == 0 else 10**12)
     if copies:
-        replicate(copies)
+        replicate(store, copies)
     return copies
 
 

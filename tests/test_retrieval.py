@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perpetuity_core.memory.derived import arena, bm25, index, scan, view
-from perpetuity_core.memory.jobs import maintenance
+from perpetuity_core.memory.derived import arena, bm25, chains, index, scan, view
+from perpetuity_core.memory.jobs import importers, maintenance
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import dictionary
 from perpetuity_core.memory.storage.dialect import Sql
@@ -173,6 +173,34 @@ def test_unknown_words_hash_deterministically_into_the_reserved_range() -> None:
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            cwd=ROOT, check=True)
     assert int(other.stdout) == t  # stable across processes (no PYTHONHASHSEED)
+
+
+def reference_subjects(d: dictionary.Dictionary, text: str) -> list[str]:
+    """chains.subjects, slow and obvious: every distinct word stemmed, counted by stem, the
+    most repeated first, then the rarest, ties by stem."""
+    counts: Counter[str] = Counter()
+    for w in (text[:chains.SUBJECT_CHARS].encode("ascii").translate(dictionary.ASCII_FOLD)
+              .decode().split() if text.isascii() else d.words(text[:chains.SUBJECT_CHARS])):
+        if len(w) >= 3 and not w.isdigit() and w not in dictionary.STOP_WORDS:
+            s = dictionary.stem(w)
+            if chains.stem_rank(d, s) >= dictionary.FIRST_STEM_ID + chains.COMMON_STEMS:
+                counts[s] += 1
+    return sorted(counts, key=lambda s: (-counts[s], -chains.stem_rank(d, s), s))[:chains.SUBJECTS]
+
+
+def test_subjects_match_the_reference() -> None:
+    d = dictionary.shipped()
+    rng = random.Random(3)
+    vocab = sorted(d.word_ids)
+    texts = ["", "   ", "Caroline: running runs RUN ran, painted paintings", "x" * 5000,
+             "Über naïve café résumé Straße Straße", "東京 東京 東京 の テキスト",
+             " ".join(["guitar"] * 3 + ["violin"] * 3 + ["zorblax"] * 3 + ["1234"] * 5)] + [
+        " ".join(rng.choice(vocab) for _ in range(rng.randint(1, 80))) for _ in range(300)]
+    if SHARED.is_dir():
+        texts += [p.text for t in importers.locomo(SHARED / "locomo" / "locomo10.json")
+                  for m in t.messages[:60] for p in m.parts]
+    for text in texts:
+        assert chains.subjects(d, text) == reference_subjects(d, text), text[:80]
 
 
 def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store) -> None:

@@ -9,9 +9,8 @@ moment it is stored, and a fact and its later updates are one chain with the lat
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from perpetuity_core.memory.storage import dictionary
 from perpetuity_core.memory.storage.dialect import SQL, Rows, Sql, marks
@@ -90,6 +89,8 @@ def subject_words(d: Dictionary, text: str) -> tuple[dict[str, int], dict[str, s
 # be a subject, None when it cannot: stemming every word of every stored row was most of the
 # chains' write cost.
 _SUBJECT_STEM: dict[str, dict[bytes | str, tuple[str, str] | None]] = {}
+# The same, word -> its stem or None, as `subjects` counts them.
+_SUBJECT_OF: dict[str, dict[bytes | str, str | None]] = {}
 
 
 def _subject_stem(d: Dictionary, word: str) -> tuple[str, str] | None:
@@ -99,12 +100,39 @@ def _subject_stem(d: Dictionary, word: str) -> tuple[str, str] | None:
     return None if stem_rank(d, s) < dictionary.FIRST_STEM_ID + COMMON_STEMS else (s, word)
 
 
+def _subject_of(d: Dictionary, word: str) -> str | None:
+    """_subject_stem's stem: for a word the dictionary knows, its term id is its stem's
+    (dictionary.build folds every form onto it), so the stemmer runs only on unknown words
+    (a fresh writer meets a new word about every message)."""
+    if len(word) < 3 or word.isdigit() or word in dictionary.STOP_WORDS:
+        return None
+    tid = d.word_ids.get(word, dictionary.STOP_ID)
+    s = d.stems[tid - dictionary.FIRST_STEM_ID] if tid >= dictionary.FIRST_STEM_ID else (
+        dictionary.stem(word))
+    return None if stem_rank(d, s) < dictionary.FIRST_STEM_ID + COMMON_STEMS else s
+
+
 def subjects(d: Dictionary, text: str) -> list[str]:
     """The stems of the chains a text row joins: its most repeated subject words, then the
     rarest (a stem the corpus never saw counts rarest), at most SUBJECTS; ties by stem."""
-    counts, _ = subject_words(d, text)
+    # subject_words' counts, taken in C: every stored text row is chained (the chains' write
+    # cost was mostly this Python loop per distinct word), so the words the cache has not seen
+    # are found as a set difference, then Counter maps and counts them all by stem.
+    text = text[:SUBJECT_CHARS]
+    words: Sequence[bytes | str] = (
+        text.encode("ascii").translate(dictionary.ASCII_FOLD).split() if text.isascii()
+        else d.words(text))
+    cache = _SUBJECT_OF.setdefault(d.version, {})
+    for w in set(words).difference(cache):
+        cache[w] = _subject_of(d, w.decode() if isinstance(w, bytes) else w)
+    counts = Counter(map(cache.__getitem__, words))
+    if len(cache) > 1_000_000:  # bound the cache in a long-lived process
+        cache.clear()
     rank, unseen = d.stem_ids, d.hash_base
-    return heapq.nsmallest(SUBJECTS, counts, key=lambda s: (-counts[s], -rank.get(s, unseen), s))
+    # sorted, not heapq.nsmallest: a row has a few dozen candidates, and sorting them in C
+    # costs less than the heap's Python; the keys are distinct (stems), so the order is one.
+    return [s for _, _, s in sorted([(-n, -rank.get(s, unseen), s)
+                                     for s, n in counts.items() if s])[:SUBJECTS]]
 
 
 def stem_rank(d: Dictionary, stem: str) -> int:

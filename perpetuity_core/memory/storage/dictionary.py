@@ -114,6 +114,7 @@ class Dictionary:
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.version = version
         self.stem_ids = {s: FIRST_STEM_ID + i for i, s in enumerate(stems)}
+        self.stems = stems  # by id - FIRST_STEM_ID: a known word's stem without the stemmer
         self.hash_base = FIRST_STEM_ID + len(stems)
         # Ids run from 0 to n_terms - 1; frequency tables are dense arrays of this length.
         self.n_terms = self.hash_base + (1 << HASH_BITS)
