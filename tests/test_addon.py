@@ -15,7 +15,7 @@ from mitmproxy.test import taddons, tflow
 from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import INLINE_BODY, Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER
 
 
@@ -169,7 +169,7 @@ def test_pass_through_never_waits_for_the_preparing_thread(tmp_path: Path) -> No
     with taddons.context(addon) as tctx:
         tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
-        counted = addon.parser = Counted()
+        counted = addon.parser.thread = Counted()
         body = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'
         off = direct_flow(body)
         off.request.headers["x-perpetuity"] = "off"
@@ -186,6 +186,55 @@ def test_pass_through_never_waits_for_the_preparing_thread(tmp_path: Path) -> No
         asyncio.run(addon.request(direct_flow(body)))
         assert counted.submitted == 1
         counted.shutdown()
+
+
+class Busy(Counted):
+    """The preparing thread while another request is being prepared on it (the lock held),
+    until it takes this one."""
+
+    def __init__(self, addon: Perpetuity) -> None:
+        super().__init__()
+        self.addon = addon
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        self.addon.parser._lock.release()
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_capture_alone_is_prepared_on_the_loop_when_the_thread_is_idle(tmp_path: Path) -> None:
+    """Recall off, a small body is read where it arrived: no thread hop (issue 24). A large
+    body, a curate command, recall on, or another request being prepared (the pipeline's caches
+    are one thread's) still go to the preparing thread."""
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+                       perpetuity_anthropic_upstream="http://upstream.test:9")
+        counted = addon.parser.thread = Counted()
+
+        def captured(body: bytes, recall: str = "off") -> http.HTTPFlow:
+            flow = direct_flow(body)
+            flow.request.headers["x-perpetuity-recall"] = recall
+            asyncio.run(addon.request(flow))
+            return flow
+
+        flow = captured(_CLAUDE)
+        assert counted.submitted == 0
+        state = flow.metadata[STATE]
+        assert state.capture is not None and not state.relayed
+        assert flow.request.url == "http://upstream.test:9/v1/messages"
+        assert flow.request.content == _CLAUDE and "x-perpetuity-recall" not in flow.request.headers
+        big = (b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "'
+               + b"x" * INLINE_BODY + b'"}]}')
+        curate = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "/perpetuity-curate"}]}'
+        for body, recall in ((big, "off"), (curate, "off"), (_CLAUDE, "on")):
+            captured(body, recall)
+        assert counted.submitted == 3
+        counted.shutdown()
+        busy = addon.parser.thread = Busy(addon)
+        addon.parser._lock.acquire()
+        flow = captured(_CLAUDE.replace(b"hi", b"while busy"))
+        assert busy.submitted == 1 and flow.metadata[STATE].capture is not None
+        busy.shutdown()
 
 
 _CLAUDE = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'
