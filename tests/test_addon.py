@@ -4,6 +4,7 @@ shows."""
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from mitmproxy.test import taddons, tflow
 from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
-from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.pipeline import INLINE_BODY, Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER
 
 
@@ -149,6 +150,67 @@ def test_a_relayed_request_goes_to_the_relay_without_its_body(tmp_path: Path) ->
         assert ("x-api-key", "sk-ant-k") in job.headers
 
 
+_SSE = b"".join(b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(data).encode()) for kind, data in [
+    ("message_start", {"type": "message_start", "message": {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": [],
+        "stop_reason": None, "usage": {"input_tokens": 1, "output_tokens": 0}}}),
+    ("content_block_start", {"type": "content_block_start", "index": 0,
+                             "content_block": {"type": "text", "text": ""}}),
+    ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": "Deferred, "}}),
+    ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": "never lost."}}),
+    ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                       "usage": {"output_tokens": 4}}),
+    ("message_stop", {"type": "message_stop"})])
+
+
+@pytest.mark.parametrize("turn_between", [True, False])
+def test_the_first_chunk_is_read_after_it_is_passed_on(tmp_path: Path, monkeypatch,
+                                                       turn_between: bool) -> None:
+    """On mitmproxy's stream the first chunk goes to the client before the tee reads it (its
+    events decoded on the loop's next turn, not before the first byte: issue 24); a chunk or
+    the body's end coming first reads it first, so the reply stored is whole."""
+    replies: list[Any] = []
+    store_reply = Pipeline.store_reply
+
+    def kept(self: Pipeline, turn: Any, reply: Any, *args: Any) -> None:
+        replies.append(reply)
+        store_reply(self, turn, reply, *args)
+
+    monkeypatch.setattr(Pipeline, "store_reply", kept)
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
+                       perpetuity_anthropic_upstream="http://upstream.test:9")
+        flow = direct_flow(b'{"model": "claude-opus-4-8", "max_tokens": 20, "stream": true, '
+                           b'"messages": [{"role": "user", "content": "hi"}]}')
+        cut = _SSE.index(b"never")
+
+        async def hooks() -> None:
+            await addon.request(flow)
+            flow.response = http.Response.make(200, b"", {"content-type": "text/event-stream"})
+            addon.responseheaders(flow)
+            stream, tee = flow.response.stream, flow.metadata[STATE].tee
+            assert callable(stream)
+            fed: list[object] = []
+            real = tee._assembler.feed
+            tee._assembler.feed = lambda ev: (fed.append(ev), real(ev))[1]
+            assert stream(_SSE[:cut]) == _SSE[:cut]
+            assert fed == []  # passed on unread
+            if turn_between:
+                await asyncio.sleep(0)
+                assert len(fed) == 3  # read on the loop's next turn
+            assert stream(_SSE[cut:]) == _SSE[cut:]
+            stream(b"")
+            await addon.response(flow)
+
+        asyncio.run(hooks())
+        addon.executor.submit(lambda: None).result()  # the store's thread is done
+        assert [p.text for p in replies[0].message.parts] == ["Deferred, never lost."]
+
+
 class Counted(ThreadPoolExecutor):
     """The preparing thread, counting what is sent to it."""
 
@@ -169,7 +231,7 @@ def test_pass_through_never_waits_for_the_preparing_thread(tmp_path: Path) -> No
     with taddons.context(addon) as tctx:
         tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
-        counted = addon.parser = Counted()
+        counted = addon.parser.thread = Counted()
         body = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'
         off = direct_flow(body)
         off.request.headers["x-perpetuity"] = "off"
@@ -186,6 +248,55 @@ def test_pass_through_never_waits_for_the_preparing_thread(tmp_path: Path) -> No
         asyncio.run(addon.request(direct_flow(body)))
         assert counted.submitted == 1
         counted.shutdown()
+
+
+class Busy(Counted):
+    """The preparing thread while another request is being prepared on it (the lock held),
+    until it takes this one."""
+
+    def __init__(self, addon: Perpetuity) -> None:
+        super().__init__()
+        self.addon = addon
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        self.addon.parser._lock.release()
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_capture_alone_is_prepared_on_the_loop_when_the_thread_is_idle(tmp_path: Path) -> None:
+    """Recall off, a small body is read where it arrived: no thread hop (issue 24). A large
+    body, a curate command, recall on, or another request being prepared (the pipeline's caches
+    are one thread's) still go to the preparing thread."""
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+                       perpetuity_anthropic_upstream="http://upstream.test:9")
+        counted = addon.parser.thread = Counted()
+
+        def captured(body: bytes, recall: str = "off") -> http.HTTPFlow:
+            flow = direct_flow(body)
+            flow.request.headers["x-perpetuity-recall"] = recall
+            asyncio.run(addon.request(flow))
+            return flow
+
+        flow = captured(_CLAUDE)
+        assert counted.submitted == 0
+        state = flow.metadata[STATE]
+        assert state.capture is not None and not state.relayed
+        assert flow.request.url == "http://upstream.test:9/v1/messages"
+        assert flow.request.content == _CLAUDE and "x-perpetuity-recall" not in flow.request.headers
+        big = (b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "'
+               + b"x" * INLINE_BODY + b'"}]}')
+        curate = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "/perpetuity-curate"}]}'
+        for body, recall in ((big, "off"), (curate, "off"), (_CLAUDE, "on")):
+            captured(body, recall)
+        assert counted.submitted == 3
+        counted.shutdown()
+        busy = addon.parser.thread = Busy(addon)
+        addon.parser._lock.acquire()
+        flow = captured(_CLAUDE.replace(b"hi", b"while busy"))
+        assert busy.submitted == 1 and flow.metadata[STATE].capture is not None
+        busy.shutdown()
 
 
 _CLAUDE = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'

@@ -39,6 +39,7 @@ from perpetuity_core.serve.flowstate import (
 )
 from perpetuity_core.serve.flowview import FACTS, PerpetuityView, round_flows
 from perpetuity_core.serve.pipeline import Pipeline, Settings
+from perpetuity_core.serve.preparing import Preparing
 from perpetuity_core.serve.relay import JOB_HEADER, REFUSED, Relay, as_sent
 from perpetuity_core.serve.tee import ReplyTee
 from perpetuity_core.serve.upstream import Request, UpstreamError, decoded
@@ -67,8 +68,7 @@ class Perpetuity:
         self.relay = Relay(self._run_tool)
         # One thread owns the store: SQLite has one writer, and the event loop never waits on disk.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-store")
-        # Requests are parsed on their own thread, so a request never queues behind a write.
-        self.parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-parse")
+        self.parser = Preparing()  # the parser's thread, or the loop where that costs less
         # The recall tools run on their own threads: a slow tool (a long scan, a cold catch-up)
         # never queues another client's request behind it (the scanner's catch-ups take turns;
         # its scans read the arena's published view without a lock).
@@ -216,7 +216,7 @@ class Perpetuity:
         if self.store is not None:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.store.close)
         self.executor.shutdown(wait=False)
-        self.parser.shutdown(wait=False)
+        self.parser.shutdown()
         self.tools.shutdown(wait=False)
         self.notes.shutdown(wait=False)
 
@@ -233,13 +233,12 @@ class Perpetuity:
                 flow.client_conn.id, flow.client_conn.sockname, flow.request.host,
                 flow.request.pretty_host, flow.request.port),
         )
-        loop = asyncio.get_running_loop()
         fell_open = ""
         try:
             # What the body cannot change is decided here, on the loop: no thread hop.
             decision = self.pipeline.passed(req)
             if decision is None:
-                decision = await loop.run_in_executor(self.parser, self.pipeline.prepare, req)
+                decision = await self.parser.decide(self.pipeline, req)
         except Exception as e:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
             decision = self.pipeline.route_only(req)
@@ -275,8 +274,8 @@ class Perpetuity:
                               message: Any) -> None:
         state.message = None
         assert self.pipeline is not None
-        decision, content = await asyncio.get_running_loop().run_in_executor(
-            self.parser, framed, self.pipeline, handshake, link, message.content)
+        decision, content = await self.parser.run(framed, self.pipeline, handshake, link,
+                                                  message.content)
         if content is not None:  # every change at once, after everything it needs succeeded
             message.content = content
         if decision.job is not None:

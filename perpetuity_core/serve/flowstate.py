@@ -89,12 +89,15 @@ class StreamTee:
             tee = self.state.tee
             if tee is None:
                 return chunk
-            if chunk:
+            if self.started and chunk:
                 tee.feed(chunk)
-                if not self.started:
-                    self.started = True
-                    # After this chunk is on its way, so the write never delays it.
-                    asyncio.get_running_loop().call_soon(self.capture.sent)
+            elif chunk:
+                # The first chunk is read, and the request's write queued, once it is on its
+                # way (the next turn of the loop), so neither delays the first byte; a chunk
+                # or the end coming before that reads it first.
+                self.started = True
+                tee.defer(chunk)
+                asyncio.get_running_loop().call_soon(self._first, tee)
             else:
                 # The end of the body, before the client sees it: the reply is queued first, so
                 # the harness's next request finds it stored.
@@ -103,6 +106,10 @@ class StreamTee:
         except Exception:
             log.exception("perpetuity: capture failed; the reply is forwarded unchanged")
         return chunk
+
+    def _first(self, tee: ReplyTee) -> None:
+        tee.catch_up()  # (a no-op when a chunk after it came first)
+        self.capture.sent()
 
 
 class Forwarded:

@@ -29,12 +29,29 @@ class ReplyTee:
         self._sse = SSEDecoder()
         self._assembler = self.adapter.ReplyAssembler()
         self._body = bytearray()
+        self._unread: list[bytes] = []  # chunks passed on to be read later (`defer`)
         enc = content_encoding.strip().lower()
         self._inflate = zlib.decompressobj(zlib.MAX_WBITS | 32) if enc in ("gzip", "deflate") else None
         if enc not in ("", "identity", "gzip", "deflate"):
             self.failed = True  # an encoding we cannot read: forward it, store no reply
 
+    def defer(self, chunk: bytes) -> None:
+        """Keep `chunk` to read later (`catch_up`), so that reading it never delays it; the
+        next feed, or the reply, reads it first."""
+        self._unread.append(chunk)
+
+    def catch_up(self) -> None:
+        """Read the chunks deferred, in their order."""
+        unread, self._unread = self._unread, []
+        for chunk in unread:
+            self._read(chunk)
+
     def feed(self, chunk: bytes) -> None:
+        if self._unread:
+            self.catch_up()
+        self._read(chunk)
+
+    def _read(self, chunk: bytes) -> None:
         if self.failed:
             return
         try:
@@ -50,6 +67,7 @@ class ReplyTee:
             self.failed = True
 
     def reply(self) -> Reply | None:
+        self.catch_up()
         if self.failed:
             return None
         try:
