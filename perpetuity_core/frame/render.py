@@ -13,7 +13,6 @@ Which rendered messages follow one another in the store (`adjacent`) is read bef
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from collections.abc import Collection, Iterable
 from datetime import UTC, date, datetime
@@ -155,21 +154,22 @@ def runs(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float
     """`section`'s turns as runs, their text not written yet."""
     groups: dict[int, list[Row]] = {}
     for r in sorted(rows, key=_STORE_ORDER):
-        if (group := groups.get(r.conversation_id)) is None:
-            groups[r.conversation_id] = [r]
-        else:
-            group.append(r)
+        groups.setdefault(r.conversation_id, []).append(r)
     # Other conversations by when they were last said, then the current one.
     order = sorted(groups, key=lambda c: (c == conversation_id, groups[c][-1].at, c))
     asked = datetime.fromtimestamp(asked_at, UTC).date()
     out: list[Run] = []
     for c in order:
+        group = groups[c]
         current = c == conversation_id
         previous: Row | None = None
-        # One message's rows: the group is in store order, so they follow one another.
-        for _, message in itertools.groupby(groups[c], _MESSAGE):
-            parts = list(message)
-            first = parts[0]
+        start = 0
+        while start < len(group):
+            # One message's rows: the group is in store order, so they follow one another.
+            first = group[start]
+            end = start + 1
+            while end < len(group) and group[end].message_id == first.message_id:
+                end += 1
             # A label opens each run of turns said together; within a run the alternation
             # itself tells the speakers apart, and a label per turn would cost a row's worth.
             # Labels are a tenth of a frame: the conversation is named once per group, and a
@@ -182,15 +182,15 @@ def runs(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float
                 label = ""
             # A row flagged at capture as holding a credential (store.m011) is withheld
             # from every other conversation's frame (`_text`).
-            out.append(("assistant" if first.role == "assistant" else "user", label, parts,
-                        current))
+            out.append(("assistant" if first.role == "assistant" else "user", label,
+                        group[start:end], current))
             previous = first
+            start = end
     return out
 
 
 # A row's place in the store, (message_id, item_id): read in C, not a call per row.
 _STORE_ORDER = operator.attrgetter("message_id", "item_id")
-_MESSAGE = operator.attrgetter("message_id")
 
 
 def _same_run(previous: Row, row: Row, adjacent: Collection[tuple[int, int]]) -> bool:
