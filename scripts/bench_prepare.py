@@ -35,6 +35,16 @@ between): bench 41.5M -> 35.2M (0.85), LoCoMo 39.2M -> 37.1M (0.95), pooled 44.2
 (0.95); this script's bench run (60 rounds, stored between): 41.9M -> 39.3M (0.94). Still
 about 9 ms of CPU at load: what is left is per row and per hit (SQLite steps and their GIL
 hand-offs, 200 Hit objects a search, the warm set's and the rows' reads).
+Since (h-first4): a Hit is no longer a frozen dataclass (whose __init__ set each field through
+object.__setattr__: 3.8 us against 0.6 a hit, 200 a search; callgrind's slot_tp_init 76.6M ->
+16.2M over 20 prepares) and the fill orders its rows by one stable numpy sort. Instructions a
+prepare, 20 fresh first prompts on a saved memory after 5 unmeasured, PYTHONHASHSEED=0: bench
+38.5M -> 35.0M (0.91), LoCoMo 39.4M -> 35.9M (0.91), pooled 45.0M -> 41.5M (0.92). Where the
+rest goes (bench memory, inclusive): SQLite's fetchall 20% (the rows there, the warm window,
+the hits' neighbours: 400-id IN-lists cost ~6k instructions a row, binding and the IN table
+with the step), sorted() 6%, the GIL's release and retake around every step 6%. Tried and
+dropped: render.runs grouping by itertools.groupby (+1.6%: a frame's messages are mostly one
+row) and SQLite's json_group_array for id-only reads (+16% on a 400-row read).
 
     .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
 """

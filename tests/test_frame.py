@@ -317,6 +317,23 @@ def test_the_budget_goes_to_the_most_warmth_per_token() -> None:
     assert new[0] == 1  # a mandatory row is never traded away
 
 
+def test_the_order_by_warmth_per_token_is_the_plain_sorts() -> None:
+    def reference(warm: heat.Warm, costs: dict[int, int]) -> list[int]:
+        warmth = dict(zip(warm.item_ids.tolist(), warm.warmth.tolist(), strict=True))
+        return sorted((i for i in warmth if i in costs),
+                      key=lambda i: -warmth[i] / (costs[i] + frame_select.ROW_FLOOR))
+
+    rng = np.random.default_rng(24)
+    for n in (0, 1, 5, 400, 2000):
+        ids = rng.permutation(3 * n + 1)[:n].astype(np.int64)
+        # Ties on purpose: repeated warmths and costs, where only a stable order agrees.
+        warmth = rng.choice([0.5, 0.25, 1.0, 0.125], n) if n % 2 else rng.random(n)
+        warm = heat.Warm(ids, warmth.astype(np.float64))
+        costs = {int(i): int(rng.choice([0, 1, 7, 100, 1500])) for i in ids if rng.random() < 0.8}
+        costs |= {10_000_000 + k: 5 for k in range(3)}  # rows gone cold: not in the order
+        assert frame_select.by_warmth_per_token(warm, costs) == reference(warm, costs)
+
+
 def test_cap_never_trims_the_top_hit(store: Store) -> None:
     say(store, "old", "the lighthouse keeper's name was Ingrid " + "filler " * 600, "ok")
     say(store, "new", *[f"unrelated chatter number {i} " * 20 for i in range(20)])
