@@ -24,6 +24,7 @@ from perpetuity_core.frame.rows import Row
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.memory.derived.scan import Hit
+from perpetuity_core.wire.conversation import Kind
 
 # The latest stretch of the conversation, in tokens, and the largest row it takes. What a coding
 # task's next reply uses from before its prompt lies mostly in the task just before it (262 of
@@ -77,6 +78,7 @@ STRETCH_SHARE = 10
 # 0.758; per (tokens + 50) 0.827 / 0.766; per (tokens + 100) 0.831 / 0.749; per sqrt(tokens)
 # 0.824 / 0.704.
 ROW_FLOOR = 100
+_TOOL_RESULT = Kind.TOOL_RESULT.value  # hot: once, not per row
 
 # Why a row that could not be left out is in (inspection shows it).
 MUST_TOP, MUST_HALF, MUST_RECENT = ("the top hit", "the other half of the top hit's exchange",
@@ -171,8 +173,9 @@ def latest(rows: dict[int, Row], items: list[int],
         out.add(i)
         used += c
     chosen: dict[int, list[tuple[int, int]]] = {}
-    # The names touched more than once first; the rest of the stretch goes to those named once
-    # (a new conversation's first frames, where nothing was named twice yet).
+    # The names touched more than once first; the rest of the stretch goes to those touched once
+    # (a new conversation's first frames, where nothing was named twice yet), then to those only
+    # tool output named.
     for mentions in latest_mentions([rows[i] for i in newest_first]):
         used = _mentions(rows, mentions, most, used, out, chosen)
     excerpts = {i: excerpt(rows[i], where) for i, where in chosen.items() if i not in out}
@@ -249,17 +252,24 @@ def excerpt(r: Row, spans: list[tuple[int, int]]) -> Row:
     return replace(r, text="\n".join(parts), excerpt=True)
 
 
-def latest_mentions(newest_first: list[Row]) -> tuple[dict[str, int], dict[str, int]]:
-    """The names (`names`) touched in more than one of these rows, and those in one only, each
-    with the row of its latest mention."""
+def latest_mentions(newest_first: list[Row]) -> tuple[dict[str, int], ...]:
+    """The names (`names`) the conversation touched (said in words or a tool call's arguments,
+    not only seen in a tool's output) in more than one of these rows, those it touched in one,
+    and those only tool output held, each with the row of its latest mention: what a listing or
+    a log names and the task never took up is what its next reply uses least."""
     last: dict[str, int] = {}
     seen: Counter[str] = Counter()
+    touched: set[str] = set()
     for r in newest_first:
-        for name in names(r.text):
+        found = names(r.text)
+        for name in found:
             seen[name] += 1
             last.setdefault(name, r.item_id)
-    touched = {name: row for name, row in last.items() if seen[name] > 1}
-    return touched, {name: row for name, row in last.items() if seen[name] == 1}
+        if r.kind != _TOOL_RESULT:
+            touched |= found
+    return ({name: row for name, row in last.items() if name in touched and seen[name] > 1},
+            {name: row for name, row in last.items() if name in touched and seen[name] == 1},
+            {name: row for name, row in last.items() if name not in touched})
 
 
 @functools.lru_cache(maxsize=NAMED_ROWS)
