@@ -37,8 +37,11 @@ from perpetuity_core.wire.conversation import Kind
 # agents' prompts getting no addenda: 8,000 of rows up to 250, 0.69 / 0.56 in context; up to
 # 500, 0.73 / 0.76; up to 1,000, 0.73 / 0.81 (the assistant's explanations and mid-sized tool
 # results, 1,000-4,000 characters, held most of the latest mentions left out); 6,000 of rows
-# up to 1,000, 0.70 / 0.78.
-RECENT_TOKENS = 6_000
+# up to 1,000, 0.70 / 0.78. With names only tool output held coming last (`latest_mentions`)
+# and excerpts of 90 characters either side (cost of direct / identifiers in the request / in
+# context, of 465): 6,000 tokens, half of them the newest rows, 0.648 / 441 / 415; 5,000, 60%
+# newest (the same 3,000) 0.633 / 435 / 405; 4,500, 67% 0.632 / 430 / 396 (excerpts of 120).
+RECENT_TOKENS = 5_000
 RECENT_ROW = 1_000
 # Of the stretch, the share (percent) that is simply the newest rows; the rest goes to the rows
 # holding the latest mention of what the conversation touched (files read and edited, commands'
@@ -48,7 +51,10 @@ RECENT_ROW = 1_000
 # context), from the latest 200 messages, agents' frames filled within the floor: newest only
 # (a share of 100, from 100 messages, before both) 0.6955 / 0.847 / 0.785; 30: 0.682 / 0.841 /
 # 0.761 (from 100); 50: 0.673 / 0.880 / 0.800; 70: 0.693 / 0.886 / 0.813 (the whole budget).
-NEWEST_SHARE = 50
+# The newest rows are where a reply finds most per token (the shared sessions' in-context
+# identifiers by what held them: 2.4 a 1,000 tokens in tool calls and words, 1.4 in tool
+# results, 0.6 in the mentions' excerpts and rows), so a smaller stretch keeps their 3,000.
+NEWEST_SHARE = 60
 # A name a coding task touches: a word of four characters or more with a letter that holds a
 # slash, a dot or an underscore (a path, a file, module.attr, snake_case) or is camelCase. One
 # pass of a plain character class, then a look at each word: a pattern of alternatives tried at
@@ -63,8 +69,9 @@ _CAMEL = re.compile(r"[a-z][A-Z]")
 # whole rows only 0.678 / 0.890 / 0.815; excerpts of touched names 0.682 / 0.903 / 0.845 (120
 # against 80 characters either side, the top hit not yet kept whole: 0.680 / 0.903 / 0.839
 # and 0.680 / 0.897 / 0.839); then names named once 0.687 / 0.925 / 0.860. A stretch of 5,000
-# tokens so: 0.672 / 0.860 / 0.774.
-EXCERPT_CHARS = 120
+# tokens so: 0.672 / 0.860 / 0.774. 90 characters, with a stretch of 5,000 tokens: 0.6325 /
+# 435 / 405 of 465 identifiers, against 120's 0.6328 / 432 / 402 (whole lines still widen it).
+EXCERPT_CHARS = 90
 LINE_SLACK = 80
 EXCERPT_TOKENS = 8  # what an excerpt costs beside its text: the marks of what it left out
 LEFT_OUT = "[…]"
