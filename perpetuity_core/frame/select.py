@@ -37,10 +37,11 @@ from perpetuity_core.wire.conversation import Kind
 # agents' prompts getting no addenda: 8,000 of rows up to 250, 0.69 / 0.56 in context; up to
 # 500, 0.73 / 0.76; up to 1,000, 0.73 / 0.81 (the assistant's explanations and mid-sized tool
 # results, 1,000-4,000 characters, held most of the latest mentions left out); 6,000 of rows
-# up to 1,000, 0.70 / 0.78. With names only tool output held coming last (`latest_mentions`)
-# and excerpts of 90 characters either side (cost of direct / identifiers in the request / in
-# context, of 465): 6,000 tokens, half of them the newest rows, 0.648 / 441 / 415; 5,000, 60%
-# newest (the same 3,000) 0.633 / 435 / 405; 4,500, 67% 0.632 / 430 / 396 (excerpts of 120).
+# up to 1,000, 0.70 / 0.78. With names only tool output held coming last (`latest_mentions`),
+# cost of direct / identifiers in the request / in context, of 465: 6,000 tokens, half of them
+# the newest rows, 0.648 / 441 / 415; 5,000, 60% the newest (the same 3,000), 0.634 / 432 / 402;
+# 4,500, 67%, 0.632 / 430 / 396. With the recall tools' shorter definitions and excerpts of 90
+# characters either side: 5,000 0.633 / 435 / 405; 4,500 0.628 / 431 / 398.
 RECENT_TOKENS = 5_000
 RECENT_ROW = 1_000
 # Of the stretch, the share (percent) that is simply the newest rows; the rest goes to the rows
