@@ -254,6 +254,31 @@ def test_names_touched_more_than_once_come_before_those_named_once() -> None:
     assert "src/twice.py" not in roomy[1].text  # its latest mention is row 2's
 
 
+def test_names_only_tool_output_held_come_after_those_the_task_touched() -> None:
+    """A name the conversation said itself or called a tool with comes before one that only a
+    tool's output held, however many rows listed that one and however densely."""
+    long = words(frame_select.RECENT_ROW)  # bulk: never among the newest rows
+    listing = "\n".join(f"lib/listed_{n}.py" for n in range(8))
+    texts = {1: "Edit src/app/edited.py: the fix", 2: f"{long}\n{listing}\n{long}",
+             3: f"{long}\nsrc/app/edited.py and lib/listed_0.py\n{long}",
+             4: f"{long}\n{listing}\n{long}", 5: "short"}
+    kinds = {1: Kind.TOOL_CALL, 2: Kind.TOOL_RESULT, 3: Kind.TOOL_RESULT, 4: Kind.TOOL_RESULT}
+    rows = {i: row(i, i, CURRENT, "user", float(i), t, kind=kinds.get(i, Kind.TEXT))
+            for i, t in texts.items()}
+    twice, once, seen_only = frame_select.latest_mentions([rows[i] for i in (5, 4, 3, 2, 1)])
+    assert twice == {"src/app/edited.py": 3} and not once
+    assert seen_only == {f"lib/listed_{n}.py": 4 for n in range(8)}
+    # Room for one excerpt: the touched name's latest mention, not the denser listing.
+    def cost(i: int, name: str) -> int:
+        return frame_render.cost(frame_select.excerpt(rows[i], [frame_select.span(
+            texts[i], texts[i].rindex(name), len(name))]))
+    edited, listed = cost(3, "src/app/edited.py"), cost(4, listing)
+    most = max(edited, listed) + frame_render.cost(rows[1]) + frame_render.cost(rows[5]) + 10
+    assert edited + listed > most
+    _, excerpts = frame_select.latest(rows, list(rows), most=most)
+    assert set(excerpts) == {3} and "src/app/edited.py" in excerpts[3].text
+
+
 def test_an_excerpt_is_whole_lines_around_each_latest_mention_verbatim() -> None:
     """A bulk row holding the latest mentions of two touched names comes as the lines around
     them (one excerpt where they are close), verbatim, what it leaves out marked; a line too

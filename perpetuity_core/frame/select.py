@@ -24,6 +24,7 @@ from perpetuity_core.frame.rows import Row
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.memory.derived.scan import Hit
+from perpetuity_core.wire.conversation import Kind
 
 # The latest stretch of the conversation, in tokens, and the largest row it takes. What a coding
 # task's next reply uses from before its prompt lies mostly in the task just before it (262 of
@@ -36,8 +37,12 @@ from perpetuity_core.memory.derived.scan import Hit
 # agents' prompts getting no addenda: 8,000 of rows up to 250, 0.69 / 0.56 in context; up to
 # 500, 0.73 / 0.76; up to 1,000, 0.73 / 0.81 (the assistant's explanations and mid-sized tool
 # results, 1,000-4,000 characters, held most of the latest mentions left out); 6,000 of rows
-# up to 1,000, 0.70 / 0.78.
-RECENT_TOKENS = 6_000
+# up to 1,000, 0.70 / 0.78. With names only tool output held coming last (`latest_mentions`),
+# cost of direct / identifiers in the request / in context, of 465: 6,000 tokens, half of them
+# the newest rows, 0.648 / 441 / 415; 5,000, 60% the newest (the same 3,000), 0.634 / 432 / 402;
+# 4,500, 67%, 0.632 / 430 / 396. With the recall tools' shorter definitions and excerpts of 90
+# characters either side: 5,000 0.633 / 435 / 405; 4,500 0.628 / 431 / 398.
+RECENT_TOKENS = 5_000
 RECENT_ROW = 1_000
 # Of the stretch, the share (percent) that is simply the newest rows; the rest goes to the rows
 # holding the latest mention of what the conversation touched (files read and edited, commands'
@@ -47,7 +52,10 @@ RECENT_ROW = 1_000
 # context), from the latest 200 messages, agents' frames filled within the floor: newest only
 # (a share of 100, from 100 messages, before both) 0.6955 / 0.847 / 0.785; 30: 0.682 / 0.841 /
 # 0.761 (from 100); 50: 0.673 / 0.880 / 0.800; 70: 0.693 / 0.886 / 0.813 (the whole budget).
-NEWEST_SHARE = 50
+# The newest rows are where a reply finds most per token (the shared sessions' in-context
+# identifiers by what held them: 2.4 a 1,000 tokens in tool calls and words, 1.4 in tool
+# results, 0.6 in the mentions' excerpts and rows), so a smaller stretch keeps their 3,000.
+NEWEST_SHARE = 60
 # A name a coding task touches: a word of four characters or more with a letter that holds a
 # slash, a dot or an underscore (a path, a file, module.attr, snake_case) or is camelCase. One
 # pass of a plain character class, then a look at each word: a pattern of alternatives tried at
@@ -62,8 +70,9 @@ _CAMEL = re.compile(r"[a-z][A-Z]")
 # whole rows only 0.678 / 0.890 / 0.815; excerpts of touched names 0.682 / 0.903 / 0.845 (120
 # against 80 characters either side, the top hit not yet kept whole: 0.680 / 0.903 / 0.839
 # and 0.680 / 0.897 / 0.839); then names named once 0.687 / 0.925 / 0.860. A stretch of 5,000
-# tokens so: 0.672 / 0.860 / 0.774.
-EXCERPT_CHARS = 120
+# tokens so: 0.672 / 0.860 / 0.774. 90 characters, with a stretch of 5,000 tokens: 0.6325 /
+# 435 / 405 of 465 identifiers, against 120's 0.6328 / 432 / 402 (whole lines still widen it).
+EXCERPT_CHARS = 90
 LINE_SLACK = 80
 EXCERPT_TOKENS = 8  # what an excerpt costs beside its text: the marks of what it left out
 LEFT_OUT = "[…]"
@@ -77,6 +86,7 @@ STRETCH_SHARE = 10
 # 0.758; per (tokens + 50) 0.827 / 0.766; per (tokens + 100) 0.831 / 0.749; per sqrt(tokens)
 # 0.824 / 0.704.
 ROW_FLOOR = 100
+_TOOL_RESULT = Kind.TOOL_RESULT.value  # hot: once, not per row
 
 # Why a row that could not be left out is in (inspection shows it).
 MUST_TOP, MUST_HALF, MUST_RECENT = ("the top hit", "the other half of the top hit's exchange",
@@ -171,8 +181,9 @@ def latest(rows: dict[int, Row], items: list[int],
         out.add(i)
         used += c
     chosen: dict[int, list[tuple[int, int]]] = {}
-    # The names touched more than once first; the rest of the stretch goes to those named once
-    # (a new conversation's first frames, where nothing was named twice yet).
+    # The names touched more than once first; the rest of the stretch goes to those touched once
+    # (a new conversation's first frames, where nothing was named twice yet), then to those only
+    # tool output named.
     for mentions in latest_mentions([rows[i] for i in newest_first]):
         used = _mentions(rows, mentions, most, used, out, chosen)
     excerpts = {i: excerpt(rows[i], where) for i, where in chosen.items() if i not in out}
@@ -249,17 +260,24 @@ def excerpt(r: Row, spans: list[tuple[int, int]]) -> Row:
     return replace(r, text="\n".join(parts), excerpt=True)
 
 
-def latest_mentions(newest_first: list[Row]) -> tuple[dict[str, int], dict[str, int]]:
-    """The names (`names`) touched in more than one of these rows, and those in one only, each
-    with the row of its latest mention."""
+def latest_mentions(newest_first: list[Row]) -> tuple[dict[str, int], ...]:
+    """The names (`names`) the conversation touched (said in words or a tool call's arguments,
+    not only seen in a tool's output) in more than one of these rows, those it touched in one,
+    and those only tool output held, each with the row of its latest mention: what a listing or
+    a log names and the task never took up is what its next reply uses least."""
     last: dict[str, int] = {}
     seen: Counter[str] = Counter()
+    touched: set[str] = set()
     for r in newest_first:
-        for name in names(r.text):
+        found = names(r.text)
+        for name in found:
             seen[name] += 1
             last.setdefault(name, r.item_id)
-    touched = {name: row for name, row in last.items() if seen[name] > 1}
-    return touched, {name: row for name, row in last.items() if seen[name] == 1}
+        if r.kind != _TOOL_RESULT:
+            touched |= found
+    return ({name: row for name, row in last.items() if name in touched and seen[name] > 1},
+            {name: row for name, row in last.items() if name in touched and seen[name] == 1},
+            {name: row for name, row in last.items() if name not in touched})
 
 
 @functools.lru_cache(maxsize=NAMED_ROWS)

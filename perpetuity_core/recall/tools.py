@@ -42,13 +42,15 @@ class ToolSpec:
     input_schema: dict[str, Any]  # JSON schema of the arguments
 
 
-# The definitions ride along with every request that carries the tools: kept short.
+# The definitions ride along with every request that carries the tools, read on every call of
+# a conversation: kept short. No "additionalProperties": an unknown argument is refused by
+# `parse_arguments` in words the model reads, and the key cost 31 characters a tool a call.
 _FILTERS: dict[str, dict[str, Any]] = {
     "conversation": {"type": "string", "description":
-                     "A conversation's number from the results (c12), or 'current'."},
+                     "A conversation's number from results (c12), or 'current'."},
     "role": {"type": "string", "enum": ["user", "assistant", "tool"]},
-    "after": {"type": "string", "description": "From this ISO date or time on (UTC)."},
-    "before": {"type": "string", "description": "Before this ISO date or time (UTC)."},
+    "after": {"type": "string", "description": "From this ISO date/time on (UTC)."},
+    "before": {"type": "string", "description": "Before this ISO date/time (UTC)."},
 }
 
 
@@ -57,20 +59,19 @@ def _limit(default: int = LIMIT, most: int = MAX_LIMIT) -> dict[str, Any]:
 
 
 def _schema(required: Sequence[str], **properties: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": properties, "required": list(required),
-            "additionalProperties": False}
+    return {"type": "object", "properties": properties, "required": list(required)}
 
 
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "memory_search",
-        "Search everything stored from earlier conversations with this user, best match first."
-        " Returns only rows you have not seen this turn, each with the other half of its"
-        " exchange, as [#id · conversation number and name · role · time] text.",
+        "Search all earlier conversations with this user, best match first: rows not seen this"
+        " turn, each with the other half of its exchange, as [#id · conversation · role · time]"
+        " text.",
         _schema(["query"], query={"type": "string", "description": "Words said before."},
                 **_FILTERS, limit={"type": "integer", "minimum": 1, "maximum": MAX_LIMIT,
-                                   "description": "At most this many matches; without it, as"
-                                   " many as the closeness of their scores calls for."})),
+                                   "description": "At most this many; by default as many as"
+                                   " their scores' closeness calls for."})),
     ToolSpec(
         "memory_more",
         "More of what this turn's retrieval found but the frame left out, best first, one page"
@@ -87,19 +88,17 @@ TOOLS: tuple[ToolSpec, ...] = (
         _schema(["topic"], topic={"type": "string"}, limit=_limit())),
     ToolSpec(
         "memory_count",
-        "Count exactly every stored row that mentions something (every row is read), grouped"
-        " by conversation and date, instances listed compactly. A row counts when it holds every"
-        " word of `category` (word forms fold: hike, hiking), or any of them with match='any'."
-        " Use the words an instance would use.",
+        "Count exactly the stored rows that mention something (all are read), by conversation"
+        " and date, instances listed. A row counts when it holds every word of `category` (word"
+        " forms fold: hike, hiking), or any with match='any'. Use an instance's own words.",
         _schema(["category"], category={"type": "string"},
                 match={"type": "string", "enum": ["all", "any"], "default": "all"},
                 **_FILTERS, limit=_limit(COUNT_LIST, 200) | {
                     "description": "Instances to list; the count is always complete."})),
     ToolSpec(
         "memory_chains",
-        "Follow a subject through time: every row about it (a name, a place, a thing), oldest"
-        " first, so a fact that changed can be followed to its latest state, which comes last."
-        " Also names the subjects linked to it.",
+        "Follow a subject (a name, a place, a thing) through time: every row about it, oldest"
+        " first, so a fact that changed ends at its latest state; and the subjects linked to it.",
         _schema(["subject"], subject={"type": "string", "description":
                                       "One or two distinctive words (e.g. 'Oslo', 'vault code')."},
                 limit=_limit(),
@@ -107,9 +106,8 @@ TOOLS: tuple[ToolSpec, ...] = (
                       "description": "1 is the latest rows, 2 the ones before."})),
     ToolSpec(
         "memory_dates",
-        "When something happened: the stored rows that mention it, oldest first, with their"
-        " dates, the time elapsed between consecutive ones, from the first to the last, and"
-        " before now.",
+        "When something happened: the rows that mention it, oldest first, dated, with the time"
+        " between consecutive ones, from the first to the last, and before now.",
         _schema(["query"], query={"type": "string", "description": "What happened."},
                 **_FILTERS, limit=_limit())),
 )
