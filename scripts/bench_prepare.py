@@ -37,6 +37,7 @@ about 9 ms of CPU at load: what is left is per row and per hit (SQLite steps and
 hand-offs, 200 Hit objects a search, the warm set's and the rows' reads).
 
     .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
+        [--side task_relay]
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_latency import messages  # the same requests, that script's rotation
+from bench_latency import ROUNDS, messages  # the same requests, that script's rotation
 
 from perpetuity_core.cli import eval as evaluation
 from perpetuity_core.memory.schema import open_memory
@@ -91,12 +92,15 @@ def stored(pipeline: Pipeline, req: HttpRequest) -> float:
     return cpu
 
 
-def run_bench(pipeline: Pipeline, requests: int, prof: cProfile.Profile | None) -> list[float]:
+def run_bench(pipeline: Pipeline, requests: int, prof: cProfile.Profile | None,
+              measure: str) -> list[float]:
     cpu = []
     for i in range(requests + 5):
         for side in SIDES:
             req = anthropic_request(side, i)
-            measured = side == "frame_and_tools_relay" and i >= 5
+            # A task side's prompts are first prompts: its tool rounds are measured.
+            measured = side == measure and i >= 5 and not (side.startswith("task")
+                                                            and i % ROUNDS == 0)
             if measured and prof:
                 prof.enable()
             took = stored(pipeline, req)
@@ -134,6 +138,8 @@ def main() -> None:
     ap.add_argument("--memory", choices=["bench", "locomo", "pooled"], default="bench")
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--profile", type=Path)
+    ap.add_argument("--side", choices=list(SIDES), default="frame_and_tools_relay",
+                    help="the side measured on the bench memory (a task side: its tool rounds)")
     args = ap.parse_args()
     prof = cProfile.Profile(time.process_time) if args.profile else None
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,7 +147,7 @@ def main() -> None:
         upstreams = {p: "http://127.0.0.1:9" for p in Provider}
         if args.memory == "bench":
             pipeline = Pipeline(store, Settings(upstreams=upstreams, share_pool=frozenset()))
-            cpu = run_bench(pipeline, args.requests, prof)
+            cpu = run_bench(pipeline, args.requests, prof, args.side)
         else:
             pipeline = Pipeline(store, Settings(upstreams=upstreams,
                                                 share_pool=args.memory == "pooled",
