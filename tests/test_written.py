@@ -56,6 +56,9 @@ def test_every_body_is_what_json_dumps_writes(steps: list[tuple[str, Any]],
             except UnicodeEncodeError as e:
                 got = type(e)
             assert got == want
+        # What is kept is counted once, however often an object appears (its budget holds).
+        assert written._bytes == sum(len(p) for _, *pieces in written._pieces.values()
+                                     for p in pieces if p is not None)
 
 
 def _outcome(dump: Any) -> Any:

@@ -31,8 +31,8 @@ class Written:
     """The pieces of the last bodies written, by object and encoding."""
 
     def __init__(self) -> None:
-        # (id of the object, ascii) -> (the object, its JSON as bytes)
-        self._pieces: OrderedDict[tuple[int, bool], tuple[Any, bytes]] = OrderedDict()
+        # id of the object -> [the object, its JSON as bytes without ASCII escapes, with them]
+        self._pieces: OrderedDict[int, list[Any]] = OrderedDict()
         self._bytes = 0
 
     def dumps(self, body: dict[str, Any], ascii: bool = False) -> bytes:
@@ -53,35 +53,39 @@ class Written:
     def _elements(self, values: list[Any], ascii: bool) -> bytes:
         """A top-level array's elements as JSON joined by ", ": those written before from the
         pieces kept, the others written together."""
+        kept, at = self._pieces, 1 + ascii
         pieces: list[bytes | None] = []
         new: list[Any] = []  # the containers not kept, in their order
         for value in values:
-            if not isinstance(value, (dict, list)):
-                pieces.append(_dumped(value, ascii))
-                continue
-            kept = self._pieces.get((id(value), ascii))  # held while kept: no other has its id
-            if kept is None:
+            # Only containers are kept, each held: an object of a kept id is the one kept.
+            entry = kept.get(id(value))
+            if entry is not None and entry[at] is not None:
+                kept.move_to_end(id(value))
+                pieces.append(entry[at])
+            elif isinstance(value, (dict, list)):
                 new.append(value)
                 pieces.append(None)
             else:
-                self._pieces.move_to_end((id(value), ascii))
-                pieces.append(kept[1])
+                pieces.append(_dumped(value, ascii))
         if new:
-            fresh = iter(self._keep(new, _apart(new, ascii), ascii))
+            fresh = iter(self._keep(new, _apart(new, ascii), at))
             pieces = [p if p is not None else next(fresh) for p in pieces]
         return _COMMA.join(pieces)  # type: ignore[arg-type]  # every None was replaced
 
-    def _keep(self, values: list[Any], pieces: list[bytes], ascii: bool) -> list[bytes]:
+    def _keep(self, values: list[Any], pieces: list[bytes], at: int) -> list[bytes]:
         for value, piece in zip(values, pieces, strict=True):
-            if (id(value), ascii) not in self._pieces:  # an object twice in a body counts once
+            entry = self._pieces.get(id(value))
+            if entry is None:
+                entry = self._pieces[id(value)] = [value, None, None]
+            if entry[at] is None:  # an object twice in a body counts once
                 self._bytes += len(piece)
-            self._pieces[(id(value), ascii)] = (value, piece)
+            entry[at] = piece
         return pieces
 
     def _trim(self) -> None:
         while self._bytes > BUDGET:
-            _, (_, piece) = self._pieces.popitem(last=False)
-            self._bytes -= len(piece)
+            _, (_, *pieces) = self._pieces.popitem(last=False)
+            self._bytes -= sum(len(p) for p in pieces if p is not None)
 
 
 # json.dumps's own encoders, made once: json.dumps(..., ensure_ascii=False) makes a new one on

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import bisect
-import functools
 import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +30,9 @@ from perpetuity_core.wire.protocols.cache_marks import (
     markers,
 )
 from perpetuity_core.wire.sse import Event
+
+RENDERED = 4096  # messages whose rendering is kept (a frame is up to a few hundred)
+_RENDERED: OrderedDict[int, tuple[Message, dict[str, Any]]] = OrderedDict()
 
 
 def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
@@ -118,13 +121,20 @@ def _render(messages: list[Message]) -> list[dict[str, Any]]:
     return [_rendered(m) for m in messages]
 
 
-@functools.lru_cache(maxsize=4096)
 def _rendered(m: Message) -> dict[str, Any]:
     """One message rendered, the same object while a plan keeps its frame: each tool round of
     a task sends the frame again, and what is the same object is written once (wire.written).
-    Never changed after (a mark goes on a copy)."""
-    return {"role": m.role, "content": [{"type": "text", "text": "\n\n".join(
+    Kept by the message's identity (it is held, so no other has its id), not by its value: a
+    dataclass's hash walks its parts every call. Never changed after (a mark goes on a copy)."""
+    kept = _RENDERED.get(id(m))
+    if kept is not None and kept[0] is m:
+        return kept[1]
+    out = {"role": m.role, "content": [{"type": "text", "text": "\n\n".join(
         p.text for p in m.parts)}]}
+    _RENDERED[id(m)] = (m, out)
+    if len(_RENDERED) > RENDERED:
+        _RENDERED.popitem(last=False)  # the oldest rendered: one call's get, set and pop are atomic
+    return out
 
 
 def check(body: dict[str, Any]) -> list[str]:
@@ -137,14 +147,23 @@ def check(body: dict[str, Any]) -> list[str]:
     raw = body.get("messages")
     if not isinstance(raw, list):
         return ["no messages list"]
-    msgs = [m for m in raw if isinstance(m, dict) and m.get("role") != "system"]
+    msgs: list[dict[str, Any]] = []
+    plain: list[bool] = []
+    walked = []  # what may hold a mark: all but plain text
+    for m in raw:
+        read_past = _plain(m)
+        if not read_past:
+            walked.append(m)
+        if isinstance(m, dict) and m.get("role") != "system":
+            msgs.append(m)
+            plain.append(read_past)
     errors: list[str] = []
     if not msgs or msgs[0].get("role") != "user":
         errors.append("the first message is not the user's")
     for i, m in enumerate(msgs):
         if i and m.get("role") == msgs[i - 1].get("role"):
             errors.append(f"message {i}: two {m.get('role')} messages in a row")
-        if _plain(m):
+        if plain[i]:
             continue  # no call, no result, no thinking: nothing else to check
         blocks = content_blocks(m)
         results = [str(b.get("tool_use_id")) for b in blocks if b.get("type") == "tool_result"]
@@ -166,7 +185,7 @@ def check(body: dict[str, Any]) -> list[str]:
                 errors.append(f"message {i}: thinking block without its signature")
             elif b.get("type") == "redacted_thinking" and not b.get("data"):
                 errors.append(f"message {i}: redacted_thinking block without its data")
-    marks = markers({**body, "messages": [m for m in raw if not _plain(m)]})
+    marks = markers({**body, "messages": walked})
     if len(marks) > MAX_CACHE_MARKERS:
         errors.append(f"{len(marks)} cache_control markers (at most {MAX_CACHE_MARKERS})")
     # The order of lifetimes walks every block: only where an hour's mark is there to misplace.
