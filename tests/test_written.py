@@ -56,9 +56,16 @@ def test_every_body_is_what_json_dumps_writes(steps: list[tuple[str, Any]],
             except UnicodeEncodeError as e:
                 got = type(e)
             assert got == want
-        # What is kept is counted once, however often an object appears (its budget holds).
-        assert written._bytes == sum(len(p) for _, *pieces in written._pieces.values()
-                                     for p in pieces if p is not None)
+        _counted_once(written)
+
+
+def _counted_once(written: Written) -> None:
+    """What is kept is counted once, however often an object appears (its budget holds)."""
+    assert written._bytes == sum(len(p) for _, *pieces in written._pieces.values()
+                                 for p in pieces if p is not None)
+
+
+_TWICE = {"k": ["v"]}  # one object, three times in one array
 
 
 def _outcome(dump: Any) -> Any:
@@ -74,6 +81,7 @@ def _outcome(dump: Any) -> Any:
     {"m": [float("nan"), float("inf"), 1e300, -0.0]}, {"m": ["\ud800"]}, {"m": [{"k": "\ud83d"}]},
     {"m": [{"a": [1, _SPLIT, 2]}, {"b": 1}]}, {"m": [{"a": 1}, _SPLIT, {"b": 2}, [_SPLIT, _SPLIT]]},
     {"m": [{"a": 1}, [_SPLIT], {"b": [_SPLIT, 3]}, {"c": {"d": [0, _SPLIT]}}]},
+    {"m": [_TWICE, {"b": 2}, _TWICE, _TWICE]},
 ])
 def test_odd_bodies_are_what_json_dumps_writes(body: dict[Any, Any], ascii: bool) -> None:
     """Cold, then from the pieces kept: the same bytes, or the same error."""
@@ -81,6 +89,7 @@ def test_odd_bodies_are_what_json_dumps_writes(body: dict[Any, Any], ascii: bool
     want = _outcome(lambda: json.dumps(body, ensure_ascii=ascii).encode())
     assert _outcome(lambda: written.dumps(body, ascii)) == want
     assert _outcome(lambda: written.dumps(body, ascii)) == want
+    _counted_once(written)
 
 
 def _prepare_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
