@@ -12,6 +12,11 @@ least recently written going first. At 1.4M tokens of history a late call's upst
 about 90k tokens, written twice (the body and the relay's first round with the recall tools):
 json.dumps of it, twice over, was 2 ms of a late call.
 
+The elements not written before are written together, by one encoding of them with a string no
+body holds between them (`_apart`), and split there: one encoding a piece made a fresh body of
+a hundred and more small messages (a tool round's frame, bench_latency's) cost more than
+json.dumps of the whole (issue 24).
+
 The objects written must not change after (wire.seen's rule already: the request path builds
 what it sends anew): a changed object would be written as it was. One thread writes (the one
 that prepares requests).
