@@ -35,6 +35,12 @@ between): bench 41.5M -> 35.2M (0.85), LoCoMo 39.2M -> 37.1M (0.95), pooled 44.2
 (0.95); this script's bench run (60 rounds, stored between): 41.9M -> 39.3M (0.94). Still
 about 9 ms of CPU at load: what is left is per row and per hit (SQLite steps and their GIL
 hand-offs, 200 Hit objects a search, the warm set's and the rows' reads).
+A task's tool rounds (`--side task_relay`: the frame its prompt chose, 160-190 small messages
+here, carried): most of their prepare was the frame rendered, checked block by block and
+written one piece at a time anew each round. After it was rendered once while its plan keeps
+it, read past by `anthropic.check` and what is new written in one encoding: instructions a tool
+round's prepare 14.6M -> 4.3M (0.29, 32 rounds; task_stream 8.0M -> 2.8M), a first prompt's
+35.1M -> 31.3M; CPU p50 2.19 -> 1.26 ms (medians of three alternating runs, load 10-14).
 
     .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
         [--side task_relay]
