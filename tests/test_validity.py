@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from perpetuity_core.frame.cap import Cap
 from perpetuity_core.memory.schema import open_memory
@@ -101,6 +103,108 @@ def test_anthropic_accepts_what_the_api_accepts(messages: list[dict[str, Any]]) 
 @pytest.mark.parametrize("why", sorted(INVALID_ANTHROPIC))
 def test_anthropic_refuses_what_the_api_refuses(why: str) -> None:
     assert anthropic.check({"model": "claude", "messages": INVALID_ANTHROPIC[why]}), why
+
+
+def _walked_check(body: dict[str, Any]) -> list[str]:
+    """anthropic.check as it was before it read past plain text messages: every message's
+    blocks walked, every container searched for marks."""
+    raw = body.get("messages")
+    if not isinstance(raw, list):
+        return ["no messages list"]
+    msgs = [m for m in raw if isinstance(m, dict) and m.get("role") != "system"]
+    errors: list[str] = []
+    if not msgs or msgs[0].get("role") != "user":
+        errors.append("the first message is not the user's")
+
+    def calls(m: dict[str, Any]) -> set[str]:
+        return {str(b.get("id")) for b in cache_marks.content_blocks(m)
+                if b.get("type") == "tool_use"}
+    for i, m in enumerate(msgs):
+        blocks = cache_marks.content_blocks(m)
+        if i and m.get("role") == msgs[i - 1].get("role"):
+            errors.append(f"message {i}: two {m.get('role')} messages in a row")
+        results = [str(b.get("tool_use_id")) for b in blocks if b.get("type") == "tool_result"]
+        if results:
+            called = calls(msgs[i - 1]) if i and msgs[i - 1].get("role") == "assistant" else set()
+            if missing := [r for r in results if r not in called]:
+                errors.append(f"message {i}: tool_result without its tool_use just before: {missing}")
+            first_other = next((k for k, b in enumerate(blocks) if b.get("type") != "tool_result"),
+                               len(blocks))
+            if any(b.get("type") == "tool_result" for b in blocks[first_other:]):
+                errors.append(f"message {i}: tool_result after other content")
+        if (made := calls(m)) and i + 1 < len(msgs):
+            answered = {str(b.get("tool_use_id")) for b in cache_marks.content_blocks(msgs[i + 1])
+                        if b.get("type") == "tool_result"}
+            if unanswered := sorted(made - answered):
+                errors.append(f"message {i}: tool_use not answered in the next message: {unanswered}")
+        for b in blocks:
+            if b.get("type") == "thinking" and not b.get("signature"):
+                errors.append(f"message {i}: thinking block without its signature")
+            elif b.get("type") == "redacted_thinking" and not b.get("data"):
+                errors.append(f"message {i}: redacted_thinking block without its data")
+    marks = cache_marks.markers(body)
+    if len(marks) > cache_marks.MAX_CACHE_MARKERS:
+        errors.append(f"{len(marks)} cache_control markers (at most {cache_marks.MAX_CACHE_MARKERS})")
+    if any(isinstance(m, dict) and m.get("ttl") == "1h" for m in marks) and \
+            cache_marks.hour_after_minutes(body):
+        errors.append("a 1h cache_control marker after a 5-minute one")
+    return errors
+
+
+_MARK = st.sampled_from([{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}, None])
+_ID = st.sampled_from(["a", "b"])
+_BLOCK = st.one_of(
+    st.builds(lambda t: {"type": "text", "text": t}, st.sampled_from(["x", "[memory]"])),
+    st.builds(lambda t, m: {"type": "text", "text": t, "cache_control": m}, st.just("y"), _MARK),
+    st.builds(lambda i, m: {"type": "tool_use", "id": i, "name": "Bash", "input": {"c": m}},
+              _ID, _MARK),
+    st.builds(lambda i, c: {"type": "tool_result", "tool_use_id": i, "content": c}, _ID,
+              st.one_of(st.just("ok"), st.lists(st.builds(
+                  lambda m: {"type": "text", "text": "r", "cache_control": m}, _MARK),
+                  max_size=2))),
+    st.builds(lambda s: {"type": "thinking", "thinking": "hm", "signature": s},
+              st.sampled_from(["", "sig"])),
+    st.just({"type": "redacted_thinking", "data": ""}), st.just({"type": "text", "text": 3}),
+    st.just("a string block"), st.just({"type": "text", "text": "z", "more": []}))
+_MESSAGE = st.one_of(
+    st.builds(lambda r, c: {"role": r, "content": c},
+              st.sampled_from(["user", "assistant", "system"]),
+              st.one_of(st.just("a prompt"), st.lists(_BLOCK, max_size=3), st.none())),
+    st.builds(lambda c: {"role": ["user"], "content": c}, st.just([{"type": "text", "text": "x"}])),
+    st.builds(lambda m: {"role": "user", "content": "p", "cache_control": m}, _MARK),
+    st.just(["not", "a", "message"]), st.just(7))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_MESSAGE, max_size=8), st.lists(_MARK, max_size=4), _MARK)
+def test_anthropic_check_reads_past_plain_text_as_the_walk_of_every_block(
+        messages: list[Any], system_marks: list[Any], top: Any) -> None:
+    """Read past (a frame's message, a prompt as a string) or walked block by block, the same
+    errors in the same order, the same marks counted."""
+    body: dict[str, Any] = {"model": "claude", "messages": messages,
+                            "system": [{"type": "text", "text": "s", "cache_control": m}
+                                       for m in system_marks]}
+    if top is not None:
+        body["cache_control"] = top
+    assert anthropic.check(body) == _walked_check(body)
+
+
+def test_the_frames_mark_goes_on_a_copy_of_the_message_rendered() -> None:
+    """A frame is rendered once while its plan keeps it (the same objects, written once): the
+    mark at its end goes on a copy, so a later call with no mark to spare sends none there."""
+    frame = [Message("user", (text_part("[memory] earlier"),)),
+             Message("assistant", (text_part("[end of memory]"),))]
+    mark = {"cache_control": {"type": "ephemeral"}}
+    first = anthropic.replace_history({"messages": [user(text("go"))]}, frame, 0)
+    full = anthropic.replace_history({"messages": [user({**text("go"), **mark}),
+                                                   assistant({**text("a"), **mark}),
+                                                   user({**text("b"), **mark}),
+                                                   assistant({**text("c"), **mark}),
+                                                   user(text("d"))]}, frame, 0)
+    assert first["messages"][1]["content"][-1]["cache_control"] == {"type": "ephemeral"}
+    assert "cache_control" not in full["messages"][1]["content"][-1]
+    assert full["messages"][0] is first["messages"][0]  # rendered once
+    assert anthropic.check(full) == []
 
 
 def test_anthropic_counts_cache_markers_across_tools_system_and_messages() -> None:

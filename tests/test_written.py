@@ -12,12 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from perpetuity_core.serve.pipeline import Pipeline
-from perpetuity_core.wire.written import Written
+from perpetuity_core.wire.written import _SPLIT, Written
 from tests.test_seen import REMINDER, _long_session
 
 _TEXT = st.text(st.sampled_from(["a", " ", "\n", '"', "\\", "é", "😀", "\u2028", "\x7f", "\x00",
                                  "}", ",", "]"]), max_size=6)
-_SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**70), _TEXT,
+# _SPLIT among them: the string new elements are written apart at, inside a body all the same.
+_SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**70), _TEXT, st.just(_SPLIT),
                     st.floats(allow_nan=True, allow_infinity=True))
 _VALUE = st.recursive(_SCALAR, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(_TEXT, inner, max_size=3)), max_leaves=8)
@@ -55,6 +56,16 @@ def test_every_body_is_what_json_dumps_writes(steps: list[tuple[str, Any]],
             except UnicodeEncodeError as e:
                 got = type(e)
             assert got == want
+        _counted_once(written)
+
+
+def _counted_once(written: Written) -> None:
+    """What is kept is counted once, however often an object appears (its budget holds)."""
+    assert written._bytes == sum(len(p) for _, *pieces in written._pieces.values()
+                                 for p in pieces if p is not None)
+
+
+_TWICE = {"k": ["v"]}  # one object, three times in one array
 
 
 def _outcome(dump: Any) -> Any:
@@ -68,6 +79,9 @@ def _outcome(dump: Any) -> Any:
 @pytest.mark.parametrize("body", [
     {}, {"messages": []}, {1: "a", "b": [1]}, {"messages": [{}, [], [[]]], "x": {}},
     {"m": [float("nan"), float("inf"), 1e300, -0.0]}, {"m": ["\ud800"]}, {"m": [{"k": "\ud83d"}]},
+    {"m": [{"a": [1, _SPLIT, 2]}, {"b": 1}]}, {"m": [{"a": 1}, _SPLIT, {"b": 2}, [_SPLIT, _SPLIT]]},
+    {"m": [{"a": 1}, [_SPLIT], {"b": [_SPLIT, 3]}, {"c": {"d": [0, _SPLIT]}}]},
+    {"m": [_TWICE, {"b": 2}, _TWICE, _TWICE]},
 ])
 def test_odd_bodies_are_what_json_dumps_writes(body: dict[Any, Any], ascii: bool) -> None:
     """Cold, then from the pieces kept: the same bytes, or the same error."""
@@ -75,6 +89,7 @@ def test_odd_bodies_are_what_json_dumps_writes(body: dict[Any, Any], ascii: bool
     want = _outcome(lambda: json.dumps(body, ensure_ascii=ascii).encode())
     assert _outcome(lambda: written.dumps(body, ascii)) == want
     assert _outcome(lambda: written.dumps(body, ascii)) == want
+    _counted_once(written)
 
 
 def _prepare_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,9 @@ from perpetuity_core.wire.protocols.cache_marks import (
     markers,
 )
 from perpetuity_core.wire.sse import Event
+
+RENDERED = 4096  # messages whose rendering is kept (a frame is up to a few hundred)
+_RENDERED: OrderedDict[int, tuple[Message, dict[str, Any]]] = OrderedDict()
 
 
 def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
@@ -93,7 +97,9 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
         # what follows the frame an hour (Claude Code for some accounts), the frame's lasts too.
         hour = any(isinstance(m, dict) and m.get("ttl") == "1h" for m in after)
         mark = dict(HOUR_MARK) if hour else {"type": "ephemeral"}
-        rendered[-1]["content"][-1]["cache_control"] = mark
+        last = rendered[-1]  # a copy marked: the one rendered is shared (`_rendered`)
+        rendered[-1] = {**last, "content": [*last["content"][:-1],
+                                            {**last["content"][-1], "cache_control": mark}]}
     return {**body, "messages": rendered + kept}
 
 
@@ -112,8 +118,23 @@ def stub_results(body: dict[str, Any], stubs: Mapping[str, str], keep_from: int)
 def _render(messages: list[Message]) -> list[dict[str, Any]]:
     """One text block a message: Anthropic finds a cached prefix only within 20 blocks before
     a marker, so what we insert must not push the harness's last read point out of reach."""
-    return [{"role": m.role, "content": [{"type": "text", "text": "\n\n".join(
-        p.text for p in m.parts)}]} for m in messages]
+    return [_rendered(m) for m in messages]
+
+
+def _rendered(m: Message) -> dict[str, Any]:
+    """One message rendered, the same object while a plan keeps its frame: each tool round of
+    a task sends the frame again, and what is the same object is written once (wire.written).
+    Kept by the message's identity (it is held, so no other has its id), not by its value: a
+    dataclass's hash walks its parts every call. Never changed after (a mark goes on a copy)."""
+    kept = _RENDERED.get(id(m))
+    if kept is not None and kept[0] is m:
+        return kept[1]
+    out = {"role": m.role, "content": [{"type": "text", "text": "\n\n".join(
+        p.text for p in m.parts)}]}
+    _RENDERED[id(m)] = (m, out)
+    if len(_RENDERED) > RENDERED:
+        _RENDERED.popitem(last=False)  # the oldest rendered: one call's get, set and pop are atomic
+    return out
 
 
 def check(body: dict[str, Any]) -> list[str]:
@@ -126,14 +147,25 @@ def check(body: dict[str, Any]) -> list[str]:
     raw = body.get("messages")
     if not isinstance(raw, list):
         return ["no messages list"]
-    msgs = [m for m in raw if isinstance(m, dict) and m.get("role") != "system"]
+    msgs: list[dict[str, Any]] = []
+    plain: list[bool] = []
+    walked = []  # what may hold a mark: all but plain text
+    for m in raw:
+        read_past = _plain(m)
+        if not read_past:
+            walked.append(m)
+        if isinstance(m, dict) and m.get("role") != "system":
+            msgs.append(m)
+            plain.append(read_past)
     errors: list[str] = []
     if not msgs or msgs[0].get("role") != "user":
         errors.append("the first message is not the user's")
     for i, m in enumerate(msgs):
-        blocks = content_blocks(m)
         if i and m.get("role") == msgs[i - 1].get("role"):
             errors.append(f"message {i}: two {m.get('role')} messages in a row")
+        if plain[i]:
+            continue  # no call, no result, no thinking: nothing else to check
+        blocks = content_blocks(m)
         results = [str(b.get("tool_use_id")) for b in blocks if b.get("type") == "tool_result"]
         if results:
             called = _calls(msgs[i - 1]) if i and msgs[i - 1].get("role") == "assistant" else set()
@@ -153,13 +185,29 @@ def check(body: dict[str, Any]) -> list[str]:
                 errors.append(f"message {i}: thinking block without its signature")
             elif b.get("type") == "redacted_thinking" and not b.get("data"):
                 errors.append(f"message {i}: redacted_thinking block without its data")
-    marks = markers(body)
+    marks = markers({**body, "messages": walked})
     if len(marks) > MAX_CACHE_MARKERS:
         errors.append(f"{len(marks)} cache_control markers (at most {MAX_CACHE_MARKERS})")
     # The order of lifetimes walks every block: only where an hour's mark is there to misplace.
     if any(isinstance(m, dict) and m.get("ttl") == "1h" for m in marks) and hour_after_minutes(body):
         errors.append("a 1h cache_control marker after a 5-minute one")
     return errors
+
+
+def _plain(m: Any) -> bool:
+    """A message of text and nothing else, no mark in it (the frame's, rendered by `_render`;
+    a prompt sent as a string): the walks of the rest read past it, a tool round's frame of
+    a hundred and more messages at a glance rather than block by block."""
+    if type(m) is not dict or len(m) != 2 or type(m.get("role")) is not str:
+        return False
+    content = m.get("content")
+    if type(content) is str:
+        return True
+    if type(content) is not list or len(content) != 1:
+        return False
+    block = content[0]
+    return (type(block) is dict and len(block) == 2 and block.get("type") == "text"
+            and type(block.get("text")) is str)
 
 
 def _calls(m: dict[str, Any]) -> set[str]:
