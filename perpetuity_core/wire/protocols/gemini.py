@@ -10,34 +10,34 @@ here takes either and answers in the shape it was given.
 Gemini's function calls carry no reliable id: the API sends none, and gemini-cli invents one per
 request (the same call is `read_file_1796010651676_0` in one request and
 `read_file__read_file_1796010651676_0` in the next, in the captures). So a call is named by its
-name and arguments (`call_id`), which the reply and every re-sent history agree on, and a
-result by the call before it with the same name.
+name and arguments (gemini_parts.call_id), which the reply and every re-sent history agree on,
+and a result by the call before it with the same name.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from perpetuity_core.errors import ProtocolError
-from perpetuity_core.wire.conversation import (
-    Kind,
-    Message,
-    ParsedRequest,
-    Part,
-    Protocol,
-    Reply,
-    Usage,
-    text_part,
-)
+from perpetuity_core.wire.conversation import Kind, Message, ParsedRequest, Protocol, Reply, Usage
 from perpetuity_core.wire.protocols.base import (
     BodyMergerBase,
     CacheRule,
     StreamMergerBase,
     spliced,
+)
+from perpetuity_core.wire.protocols.gemini_parts import (
+    calls_in,
+    content_parts,
+    first_candidate,
+    joined,
+    listed,
+    read_parts,
+    sse_chunk,
+    unwrapped,
 )
 from perpetuity_core.wire.sse import Event
 
@@ -85,17 +85,6 @@ def _wrapped(body: dict[str, Any], key: str, inner: dict[str, Any]) -> dict[str,
     return {**body, key: inner} if key else inner
 
 
-def call_id(name: str, args: Any, nth: int = 0) -> str:
-    """A call's identity: its name, its arguments and how many equal calls came before it in the
-    same turn (an id the model's reply and every later request agree on)."""
-    h = hashlib.blake2b(f"{name}\x00{_args(args)}\x00{nth}".encode(), digest_size=8)
-    return f"{name}-{h.hexdigest()}"
-
-
-def _args(args: Any) -> str:
-    return json.dumps(args if args is not None else {}, ensure_ascii=False, sort_keys=True)
-
-
 def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
                   reused: int = 0) -> ParsedRequest:
     """`known`: an earlier request whose first `reused` contents are this body's, the same
@@ -133,55 +122,14 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
     )
 
 
-def _list(value: Any) -> list[Any]:
-    """A field that should be a list, as one (anything else counts as empty)."""
-    return value if isinstance(value, list) else []
-
-
 def _declarations(req: dict[str, Any]) -> list[dict[str, Any]]:
-    return [d for t in _list(req.get("tools")) if isinstance(t, dict)
-            for d in _list(t.get("functionDeclarations")) if isinstance(d, dict)]
+    return [d for t in listed(req.get("tools")) if isinstance(t, dict)
+            for d in listed(t.get("functionDeclarations")) if isinstance(d, dict)]
 
 
 def _message(content: dict[str, Any], before: Message | None) -> Message:
     role = "assistant" if content.get("role") == "model" else "user"
-    return Message(role, _parts(_list(content.get("parts")), before))
-
-
-def _parts(raw: list[Any], before: Message | None) -> tuple[Part, ...]:
-    """`before`: the message a function response answers (its calls pair the results)."""
-    out: list[Part] = []
-    seen: dict[str, int] = {}  # equal calls so far in this turn
-    open_calls = [p for p in before.parts if p.kind == Kind.TOOL_CALL] if before else []
-    for p in raw:
-        if not isinstance(p, dict):
-            continue
-        if isinstance(p.get("text"), str):
-            out.append(Part(Kind.THINKING, p["text"]) if p.get("thought") else text_part(p["text"]))
-        elif isinstance(fc := p.get("functionCall"), dict):
-            name, args = str(fc.get("name", "")), fc.get("args")
-            key = f"{name}\x00{_args(args)}"
-            nth = seen[key] = seen.get(key, -1) + 1
-            out.append(Part(Kind.TOOL_CALL, _args(args), name=name, call_id=call_id(name, args, nth)))
-        elif isinstance(fr := p.get("functionResponse"), dict):
-            name = str(fr.get("name", ""))
-            match = next((c for c in open_calls if c.name == name), None)
-            if match is not None:
-                open_calls.remove(match)
-            out.append(Part(Kind.TOOL_RESULT, _result_text(fr.get("response")), name=name,
-                            call_id=match.call_id if match else call_id(name, None)))
-        elif isinstance(media := p.get("inlineData") or p.get("fileData"), dict):
-            out.append(Part(Kind.MEDIA, f"[{media.get('mimeType', 'media')}]"))
-    return tuple(out)
-
-
-def _result_text(response: Any) -> str:
-    """gemini-cli answers `{output: ...}` or `{error: ...}`; anything else is kept as JSON."""
-    if isinstance(response, dict) and len(response) == 1:
-        (value,) = response.values()
-        if isinstance(value, str):
-            return value
-    return json.dumps(response, ensure_ascii=False, sort_keys=True)
+    return Message(role, read_parts(listed(content.get("parts")), before))
 
 
 def _text_of(instruction: Any) -> str:
@@ -224,7 +172,7 @@ def check(body: dict[str, Any]) -> list[str]:
         errors.append("the first content is not the user's")
     called: set[str] = set()
     for i, c in enumerate(raw):
-        parts = [p for p in _list(c.get("parts")) if isinstance(p, dict)] \
+        parts = [p for p in listed(c.get("parts")) if isinstance(p, dict)] \
             if isinstance(c, dict) else []
         answers = {str(p["functionResponse"].get("name")) for p in parts
                    if isinstance(p.get("functionResponse"), dict)}
@@ -246,44 +194,11 @@ def _usage(u: Any) -> Usage:
     )
 
 
-def _response(data: dict[str, Any]) -> dict[str, Any]:
-    """A reply or chunk, out of Code Assist's `{response}` wrapper when it has one."""
-    inner = data.get("response")
-    return inner if isinstance(inner, dict) and "candidates" not in data else data
-
-
-def _candidate(data: dict[str, Any]) -> dict[str, Any]:
-    for c in _list(data.get("candidates")):
-        if isinstance(c, dict) and c.get("index") in (None, 0):
-            return c
-    return {}
-
-
-def _content_parts(candidate: dict[str, Any]) -> list[dict[str, Any]]:
-    content = candidate.get("content")
-    parts = content.get("parts") if isinstance(content, dict) else None
-    return [p for p in _list(parts) if isinstance(p, dict)]
-
-
 def reply_from_body(body: dict[str, Any]) -> Reply:
-    data = _response(body)
-    candidate = _candidate(data)
-    return Reply(Message("assistant", _parts(_content_parts(candidate), None)),
+    data = unwrapped(body)
+    candidate = first_candidate(data)
+    return Reply(Message("assistant", read_parts(content_parts(candidate), None)),
                  _usage(data.get("usageMetadata")), str(candidate.get("finishReason") or ""))
-
-
-def _joined(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A streamed turn's parts as one turn: consecutive text deltas of one kind (thought or
-    not) joined, calls whole (Gemini streams a call in one piece)."""
-    out: list[dict[str, Any]] = []
-    for p in parts:
-        last = out[-1] if out else None
-        if (last is not None and isinstance(p.get("text"), str) and isinstance(last.get("text"), str)
-                and bool(p.get("thought")) == bool(last.get("thought"))):
-            out[-1] = {**last, **p, "text": last["text"] + p["text"]}
-        else:
-            out.append(p)
-    return out
 
 
 class ReplyAssembler:
@@ -298,16 +213,16 @@ class ReplyAssembler:
         data = ev.json()
         if data is None:
             return
-        data = _response(data)
+        data = unwrapped(data)
         if isinstance(data.get("usageMetadata"), dict):
             self._usage = _usage(data["usageMetadata"])  # each chunk's counts are the totals so far
-        candidate = _candidate(data)
-        self._parts += _content_parts(candidate)
+        candidate = first_candidate(data)
+        self._parts += content_parts(candidate)
         if candidate.get("finishReason"):
             self._stop = str(candidate["finishReason"])
 
     def reply(self) -> Reply:
-        return Reply(Message("assistant", _parts(_joined(self._parts), None)), self._usage,
+        return Reply(Message("assistant", read_parts(joined(self._parts), None)), self._usage,
                      self._stop, bool(self._stop))
 
 
@@ -318,11 +233,7 @@ def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
             "usageMetadata": {"promptTokenCount": 0, "candidatesTokenCount": 0,
                               "totalTokenCount": 0},
             "modelVersion": model, "responseId": reply_id}
-    return _chunk(body) if stream else json.dumps(body).encode()
-
-
-def _chunk(data: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\r\n\r\n".encode()
+    return sse_chunk(body) if stream else json.dumps(body).encode()
 
 
 # --------------------------------------------------------------------------- the tool loop
@@ -344,7 +255,7 @@ def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: boo
     key, req = _inner(body)
     ours = [{"name": t["name"], "description": t["description"],
              "parametersJsonSchema": t["input_schema"]} for t in tools]
-    held = [t for t in _list(req.get("tools")) if isinstance(t, dict)]
+    held = [t for t in listed(req.get("tools")) if isinstance(t, dict)]
     at = next((i for i, t in enumerate(held) if isinstance(t.get("functionDeclarations"), list)),
               None)
     if at is None:
@@ -364,7 +275,7 @@ def continue_body(body: dict[str, Any], assistant: dict[str, Any],
     """The next round's request: this round's model turn, its parts as sent (thought signatures
     and all), and one user turn with our tools' results, named as the calls were."""
     key, req = _inner(body)
-    names = {p.call_id: p.name for p in _parts(assistant["parts"], None) if p.kind == Kind.TOOL_CALL}
+    names = {p.call_id: p.name for p in read_parts(assistant["parts"], None) if p.kind == Kind.TOOL_CALL}
     answers = [{"functionResponse": {"name": names.get(cid, ""), "response": {"output": text}}}
                for cid, text in results]
     contents = [*req["contents"], assistant, {"role": "user", "parts": answers}]
@@ -379,13 +290,7 @@ def ping() -> bytes:
 
 def error_event(message: str) -> bytes:
     """The error the API streams mid-reply; the SDKs raise it."""
-    return _chunk({"error": {"code": 500, "message": message, "status": "INTERNAL"}})
-
-
-def _calls(parts: list[dict[str, Any]]) -> list[tuple[str, str, dict[str, Any]]]:
-    """(id, name, arguments) of each call among `parts`, numbered as `_parts` numbers them."""
-    return [(p.call_id, p.name, json.loads(p.text)) for p in _parts(parts, None)
-            if p.kind == Kind.TOOL_CALL]
+    return sse_chunk({"error": {"code": 500, "message": message, "status": "INTERNAL"}})
 
 
 class StreamMerger(StreamMergerBase):
@@ -412,16 +317,16 @@ class StreamMerger(StreamMergerBase):
 
     def feed(self, name: str, data: dict[str, Any]) -> bytes:
         if "error" in data:  # the provider's own error, as it sent it
-            return _chunk(data)
+            return sse_chunk(data)
         self.wrapped = self.wrapped or ("response" in data and "candidates" not in data)
-        chunk = _response(data)
+        chunk = unwrapped(data)
         self.template = self.template or {k: v for k, v in chunk.items()
                                           if k not in ("candidates", "usageMetadata")}
         if isinstance(chunk.get("usageMetadata"), dict):
             self.round_usage = chunk["usageMetadata"]
-        candidate = _candidate(chunk)
+        candidate = first_candidate(chunk)
         visible = []
-        for p in _content_parts(candidate):
+        for p in content_parts(candidate):
             call = p.get("functionCall")
             if isinstance(call, dict) and call.get("name") in self.ours:
                 self.hidden.add(len(self.parts))
@@ -445,10 +350,10 @@ class StreamMerger(StreamMergerBase):
         return self._out({**held, "candidates": [candidate]})
 
     def _out(self, chunk: dict[str, Any]) -> bytes:
-        return _chunk({"response": chunk} if self.wrapped else chunk)
+        return sse_chunk({"response": chunk} if self.wrapped else chunk)
 
     def our_calls(self) -> list[tuple[str, str, Any]]:
-        return [c for i, c in zip(self._positions(), _calls(self.parts), strict=True)
+        return [c for i, c in zip(self._positions(), calls_in(self.parts), strict=True)
                 if i in self.hidden]
 
     def _positions(self) -> list[int]:
@@ -459,7 +364,7 @@ class StreamMerger(StreamMergerBase):
 
     def assistant_blocks(self) -> dict[str, Any]:
         """This round's model turn as the next round re-sends it: every part it sent."""
-        return {"role": "model", "parts": _joined(self.parts)}
+        return {"role": "model", "parts": joined(self.parts)}
 
     def next_round(self) -> None:
         for k in self.usage:
@@ -489,10 +394,10 @@ class BodyMerger(BodyMergerBase):
 
     def feed_body(self, body: dict[str, Any]) -> None:
         self.wrapped = self.wrapped or ("response" in body and "candidates" not in body)
-        super().feed_body(_response(body))
+        super().feed_body(unwrapped(body))
 
     def _take(self, body: dict[str, Any]) -> None:
-        self.round = _content_parts(_candidate(body))
+        self.round = content_parts(first_candidate(body))
         self.visible += [p for p in self.round if not self._ours(p)]
 
     def _ours(self, part: dict[str, Any]) -> bool:
@@ -500,7 +405,7 @@ class BodyMerger(BodyMergerBase):
         return isinstance(call, dict) and call.get("name") in self.ours
 
     def our_calls(self) -> list[tuple[str, str, Any]]:
-        return [c for c in _calls(self.round) if c[1] in self.ours]
+        return [c for c in calls_in(self.round) if c[1] in self.ours]
 
     def others_called(self) -> bool:
         return any(isinstance(p.get("functionCall"), dict) and not self._ours(p) for p in self.round)
@@ -512,7 +417,7 @@ class BodyMerger(BodyMergerBase):
         self.round = []
 
     def finish(self) -> bytes:
-        candidate = {**_candidate(self.last), "index": 0,
+        candidate = {**first_candidate(self.last), "index": 0,
                      "content": {"role": "model", "parts": self.visible}}
         out = {**(self.first or {}), "candidates": [candidate],
                "usageMetadata": {k: v for k, v in self.usage.items() if v}}
