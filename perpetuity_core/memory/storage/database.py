@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import peewee as pw
 
@@ -176,7 +176,7 @@ class _SqliteWrite:
         return conn  # type: ignore[no-any-return]
 
     def __exit__(self, kind: type[BaseException] | None, e: BaseException | None,
-                 tb: object) -> bool:
+                 tb: object) -> Literal[False]:
         conn, nested = self.conn, self.nested
         try:
             if e is None:
