@@ -92,7 +92,7 @@ def half_life(kind: str, role: str, text: str) -> float:
     for what a person said."""
     if kind == _TEXT and role == "user" and len(text) <= STANDING_MAX_CHARS:
         low = text.lower()
-        if any(w in low for w in _STANDING_WORDS) and _STANDING.search(text):
+        if any(map(low.__contains__, _STANDING_WORDS)) and _STANDING.search(text):
             return STANDING_HALF_LIFE
     return _HALF_LIFE_OF[kind]
 

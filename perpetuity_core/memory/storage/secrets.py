@@ -96,10 +96,11 @@ def secret_kind(text: str) -> str:
     patterns cost about 50 us a short row and a millisecond per 4 KB, and a long turn about
     code names an api_key or a password on a few of its lines)."""
     low = _lowered(text)
-    if not any(h in low for h in _HINTS):
+    # map over a bound method runs in C; a generator resumed a frame per hint (15 a row).
+    if not any(map(low.__contains__, _HINTS)):
         return ""
     active = [(kind, pattern, literals) for kind, pattern, literals in CREDENTIAL_PATTERNS
-              if any(w in low for w in literals)]
+              if any(map(low.__contains__, literals))]
     if not active:
         return ""
     lines = text.splitlines()
@@ -107,7 +108,7 @@ def secret_kind(text: str) -> str:
         line = lines[i]
         low = _lowered(line)
         for kind, pattern, literals in active:
-            if any(w in low for w in literals) and pattern.search(line):
+            if any(map(low.__contains__, literals)) and pattern.search(line):
                 return kind
     return ""
 
