@@ -116,3 +116,41 @@ def test_translation_is_named_where_it_is_used() -> None:
         body = text.split("\ndef m0", 1)[0]  # a module's migrations come last
         assert ".translated(" not in body and "translate_legacy" not in body, name
         assert ".legacy(" not in body, name
+
+
+def test_a_failed_write_rolls_back_and_fails_as_one_store_error(store: Store) -> None:
+    """writing's transaction on both backends (on SQLite a class of its own): a database error
+    inside it rolls the whole write back and leaves as StoreError naming the write; any other
+    error rolls it back and passes unchanged; a failed nested write undoes only itself."""
+    from perpetuity_core.errors import StoreError
+
+    db = store.db
+    key = "test:write"
+
+    def value(k: str = key) -> str | None:
+        row = db.connection().execute(db.legacy("SELECT value FROM setting WHERE key = ?"),
+                                      (k,)).fetchone()
+        return row[0] if row else None
+
+    insert = db.legacy("INSERT INTO setting (key, value) VALUES (?, ?)")
+    with pytest.raises(StoreError, match=r"^could not write twice: "):
+        with db.writing("write twice") as conn:
+            conn.execute(insert, (key, "a"))
+            conn.execute(insert, (key, "b"))  # the primary key refuses it
+    assert value() is None
+    with pytest.raises(KeyError):
+        with db.writing("write, then fail") as conn:
+            conn.execute(insert, (key, "a"))
+            raise KeyError(key)
+    assert value() is None
+    if not db.postgres:  # peewee's atomic() nests on PostgreSQL
+        with db.writing("write around a failed one") as conn:
+            conn.execute(insert, (key, "outer"))
+            with pytest.raises(StoreError, match="could not write inside"):
+                with db.writing("write inside") as inner:
+                    inner.execute(insert, (f"{key}:inner", "x"))
+                    inner.execute(insert, (key, "again"))
+        assert (value(), value(f"{key}:inner")) == ("outer", None)
+    with db.writing("write once") as conn:
+        conn.execute(insert, (f"{key}:once", "c"))
+    assert value(f"{key}:once") == "c"

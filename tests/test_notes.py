@@ -9,6 +9,8 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from perpetuity_core import notes
 from perpetuity_core.cli import main as cli
@@ -840,5 +842,22 @@ def test_secret_kind_is_the_scans_first_finding(text: str) -> None:
     # be the full per-line scan's first finding (on the old triggers the long s went unseen).
     from perpetuity_core.memory.storage.secrets import secret_kind
 
+    findings = notes.scan_credentials(text)
+    assert secret_kind(text) == (findings[0].kind if findings else "")
+
+
+_FRAGMENTS = [*SECRETS.values(), *EXOTIC, "\n", "\r\n", "\u2028", " ", "api_key", "token",
+              "secret: 'x1'", "passw", "ghp_", "Bearer ", "\u0130", "\u017f", "plain words"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_FRAGMENTS), max_size=12))
+def test_secret_kind_finds_the_lines_as_the_scan_does(parts: list[str]) -> None:
+    # secret_kind finds the lines holding a literal by searching the whole text lowered, not
+    # line by line: the kind must still be the per-line scan's first finding, whatever the
+    # line breaks and the characters that lower oddly around them.
+    from perpetuity_core.memory.storage.secrets import secret_kind
+
+    text = "".join(parts)
     findings = notes.scan_credentials(text)
     assert secret_kind(text) == (findings[0].kind if findings else "")

@@ -83,7 +83,7 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
         rows.append((it.id, it.message_id, it.user_id, it.conversation_id, int(it.at), bag.length,
                      token_estimate(text), d.version,
                      bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes(), born,
-                     heat.half_life(Kind(it.kind), it.role, it.text)))
+                     heat.half_life(it.kind, it.role, it.text)))
     if not rows:
         return
     if db.postgres:
