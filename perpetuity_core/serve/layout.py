@@ -177,14 +177,14 @@ class Layout:
         them); a conversation shorter than a frame keeps them all, with other conversations'
         memory in front."""
         messages = parsed.messages
-        keep = prompt if messages_tokens(messages[:prompt]) > self.limits.ceiling else 0
+        keep = prompt if _over(messages, prompt, self.limits.ceiling) else 0
         if conv is None:
             keep = 0
         elif new := capture.new_messages(self.store, conv, messages):
             keep = min(keep, new[0])  # what the store does not hold yet is never stripped
         keep = repair.kept_start(messages, keep)  # never a result whose call is dropped
-        fps = [m.fingerprint() for m in messages]
-        kept = self.store.message_ids(conv, fps[keep:]) if conv else []
+        kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
+            if conv else []
         recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
         built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
@@ -289,6 +289,18 @@ def _sent_whole(messages: list[Message], stubs: tuple[plan.Stub, ...]) -> list[M
     if not stubbed:
         return messages
     return [m for m in messages if not any(p.call_id in stubbed for p in m.parts)]
+
+
+def _over(messages: list[Message], end: int, bound: int) -> bool:
+    """messages_tokens(messages[:end]) > bound, summed from `end` back until it is: a late
+    prompt's history is far over a frame's ceiling, and summing all of it made every rebuild
+    grow with the session."""
+    total = 0
+    for i in range(end - 1, -1, -1):
+        total += messages_tokens((messages[i],))
+        if total > bound:
+            return True
+    return False
 
 
 def _tools_note(left_out: int) -> str:
