@@ -17,6 +17,7 @@ from perpetuity_core.frame.cap import Cap
 from perpetuity_core.frame.select import RECENT_TOKENS
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.serve import layout
 from perpetuity_core.serve.exchange import Decision
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Message, Protocol, Provider, Reply, Usage, text_part
@@ -317,3 +318,26 @@ def test_an_agents_frame_is_filled_within_a_narrow_questions_budget(tmp_path: Pa
     assert by_chat.frame is not None and by_agent.frame is not None
     assert len(by_chat.frame.item_ids) > 2
     assert len(by_agent.frame.item_ids) <= 2  # the top hit and the other half of its exchange
+
+
+def test_kept_plans_never_hold_more_tokens_than_their_bound(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plans kept between calls are bounded by their frames' and addenda's tokens as well
+    as their number: past layout.PLAN_TOKENS the least recently used go first, a plan kept
+    again counts once, and the one just kept stays whatever its size."""
+    monkeypatch.setattr(layout, "PLAN_TOKENS", 1_000)
+    kept = Session(tmp_path).pipeline.layout
+    at = (0, "")
+
+    def laid(tokens: int) -> plan.Plan:
+        return plan.Plan(frame=(), frame_tokens=tokens, anchor=at, prompt=at, at=0.0,
+                         insert_tokens=tokens // 2)
+
+    for k in range(6):
+        kept.remember((1, f"c{k}"), laid(200))  # 300 tokens each
+    assert list(kept._plans) == [(1, "c3"), (1, "c4"), (1, "c5")]
+    kept.remember((1, "c4"), laid(400))  # again, larger: 300 + 300 + 600 > 1,000
+    assert list(kept._plans) == [(1, "c5"), (1, "c4")]
+    assert kept._plan_tokens == 900
+    kept.remember((1, "big"), laid(2_000))
+    assert list(kept._plans) == [(1, "big")] and kept._plan_tokens == 3_000

@@ -20,7 +20,7 @@ from perpetuity_core.memory.storage import capture, names, templates
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.serve import pipeline
 from perpetuity_core.serve.pipeline import Pipeline
-from perpetuity_core.wire import conversation
+from perpetuity_core.wire import conversation, seen
 from perpetuity_core.wire.conversation import Protocol
 from perpetuity_core.wire.protocols import ADAPTERS, anthropic
 from perpetuity_core.wire.seen import Seen
@@ -152,6 +152,28 @@ def test_a_late_call_reads_and_digests_only_what_is_new(tmp_path: Path,
     assert paired.calls <= capture.TAIL + 1, paired.calls  # the tail asked about, the reply
     assert folder.calls <= 3, folder.calls  # the system prompt, the new and the re-read message
     assert web.calls == 0, web.calls
+
+
+def test_a_replaced_body_is_freed_by_the_store_s_writer_and_never_more_wait(
+        tmp_path: Path) -> None:
+    """The body a longer one replaced is not freed on the request path: it waits for the
+    store's writer (store_turn releases it), and never more than seen.RETIRED wait when no
+    write comes (probes, capture off)."""
+    s = _long_session(tmp_path, 3)
+    retired = s.pipeline._seen._retired
+    d = s.pipeline.prepare(_request(s))  # the last call's body read again, then replaced
+    assert [e.raw for e in retired] == [_request(s).body]
+    s.pipeline.store_turn(d.job.pending)
+    assert not retired
+    looked, bodies = Seen(), []
+    for k in range(seen.RETIRED + 3):
+        raw = json.dumps(_body([{"role": "user", "content": f"turn {i}"}
+                                for i in range(k + 1)])).encode()
+        looked.keep(looked.read(raw), None)
+        bodies.append(raw)
+    assert [e.raw for e in looked._retired] == bodies[-seen.RETIRED - 1:-1]
+    looked.release()
+    assert not looked._retired
 
 
 def _stored(memory: Path | str) -> list[tuple[str, str]]:

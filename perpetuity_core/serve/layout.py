@@ -49,6 +49,9 @@ log = logging.getLogger("perpetuity")
 # request 0.869 from 100, 0.882 from 200).
 RECENT_STRETCH = 200
 PLANS = 10_000  # conversations whose plan is kept (least recently used go first)
+# ... and the tokens of their frames and addenda kept in all (~40 MB of text): 10,000 plans at
+# the ceiling (5,000 tokens; more where a deployment raises it) held 200 MB and more.
+PLAN_TOKENS = 10_000_000
 NO_ONE = 0  # the recall tools' user before the store holds the asker: no row is anyone's 0
 
 # Our tools' definitions as they ride along (notes' note_capture with them), in characters.
@@ -80,6 +83,7 @@ class Layout:
         # Each conversation's plan: when its frame changes (`perpetuity_core.frame.plan`). Only
         # the preparing thread touches it; a restart costs one rebuilt frame.
         self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
+        self._plan_tokens = 0  # their frames' and addenda's, together (PLAN_TOKENS)
         # The bodies laid out, as JSON: a call writes only what the last ones did not.
         self.written = Written()
 
@@ -177,14 +181,14 @@ class Layout:
         them); a conversation shorter than a frame keeps them all, with other conversations'
         memory in front."""
         messages = parsed.messages
-        keep = prompt if messages_tokens(messages[:prompt]) > self.limits.ceiling else 0
+        keep = prompt if _over(messages, prompt, self.limits.ceiling) else 0
         if conv is None:
             keep = 0
         elif new := capture.new_messages(self.store, conv, messages):
             keep = min(keep, new[0])  # what the store does not hold yet is never stripped
         keep = repair.kept_start(messages, keep)  # never a result whose call is dropped
-        fps = [m.fingerprint() for m in messages]
-        kept = self.store.message_ids(conv, fps[keep:]) if conv else []
+        kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
+            if conv else []
         recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
         built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
@@ -258,10 +262,13 @@ class Layout:
         return out
 
     def remember(self, key: tuple[int, str], laid: Plan) -> None:
+        if (old := self._plans.pop(key, None)) is not None:
+            self._plan_tokens -= _held(old)
         self._plans[key] = laid
-        self._plans.move_to_end(key)
-        while len(self._plans) > PLANS:
-            self._plans.popitem(last=False)
+        self._plan_tokens += _held(laid)
+        while len(self._plans) > 1 and (len(self._plans) > PLANS
+                                        or self._plan_tokens > PLAN_TOKENS):
+            self._plan_tokens -= _held(self._plans.popitem(last=False)[1])
 
     def _with_notes(self, front: list[Message], parsed: ParsedRequest,
                     library: Path | None) -> tuple[list[Message], list[str]]:
@@ -289,6 +296,23 @@ def _sent_whole(messages: list[Message], stubs: tuple[plan.Stub, ...]) -> list[M
     if not stubbed:
         return messages
     return [m for m in messages if not any(p.call_id in stubbed for p in m.parts)]
+
+
+def _held(laid: Plan) -> int:
+    """The tokens a kept plan holds: its frame's and its addenda's."""
+    return laid.frame_tokens + laid.insert_tokens
+
+
+def _over(messages: list[Message], end: int, bound: int) -> bool:
+    """messages_tokens(messages[:end]) > bound, summed from `end` back until it is: a late
+    prompt's history is far over a frame's ceiling, and summing all of it made every rebuild
+    grow with the session."""
+    total = 0
+    for i in range(end - 1, -1, -1):
+        total += messages_tokens((messages[i],))
+        if total > bound:
+            return True
+    return False
 
 
 def _tools_note(left_out: int) -> str:

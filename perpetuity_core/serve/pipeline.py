@@ -318,6 +318,7 @@ class Pipeline:
         """Store what is new in the request, each message in its own transaction, this turn's
         reheats (retrieval is the only writer of activation after birth), and move the clock
         by what the model was sent. The store's writer calls this."""
+        self._seen.release()  # the body this one replaced, freed here: off the request path
         heat.reheat(self.store.db, p.clock, p.reheats)
         if p.shape is not None:
             with self.store.db.writing("keep the harness's request shape") as raw:

@@ -25,14 +25,16 @@ parse to (about 1.5 times their size: the 21 MB body of a 1.4M-token history is 
 objects, its messages 3 MB more). A body past the budget is read whole every time, as before.
 
 The objects handed out are shared with later calls: the request path must not change them in
-place (it builds what it sends anew). One thread reads (the one that prepares requests).
+place (it builds what it sends anew). One thread reads (the one that prepares requests); the
+body a longer one replaced waits for `release` (at most `RETIRED` of them) to be freed off the
+request path.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,7 @@ BUDGET = 32 * 1024 * 1024  # bytes of them kept in all (a body parses to about 1
 ENDS = 8  # the last elements of a history whose ends are kept
 HISTORY_KEYS = ("messages", "contents", "input")
 WINDOW = 4096  # bytes before an end compared first
+RETIRED = 2  # bodies a longer one replaced, waiting for `Seen.release` (past it: freed at once)
 
 _SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace, as the json module skips it
 _DECODER = json.JSONDecoder()
@@ -73,6 +76,19 @@ class Seen:
     def __init__(self) -> None:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._bytes = 0
+        # The body a longer one replaced is freed by `release`, after the request went on its
+        # way: dropping a 22 MB body and what only it held (its buffer's munmap) was 1.5 ms of
+        # a late call of a 1.37M-token session, on the request path.
+        self._retired: deque[_Entry] = deque(maxlen=RETIRED)
+
+    def release(self) -> None:
+        """Free the bodies replaced since the last call: from any thread (the store's writer,
+        once the request is on its way); a deque's append and popleft are atomic."""
+        while self._retired:
+            try:
+                self._retired.popleft()
+            except IndexError:  # another thread's release took the last
+                return
 
     def read(self, raw: bytes) -> Read:
         """`raw` as `json.loads` reads it (its errors raised as it raises them)."""
@@ -115,6 +131,7 @@ class Seen:
         if best is not None:
             del self._entries[id(best[0])]
             self._bytes -= len(best[0].raw)
+            self._retired.append(best[0])
         return best
 
 
