@@ -4,8 +4,10 @@ and all, and are as many as their order allows; mandatory rows are never dropped
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,19 +25,32 @@ from tests.test_frame import say
 ASKED = 1_700_100_000.0
 
 
-def test_a_memory_of_many_small_conversations_fills_its_frame(store: Store) -> None:
+def test_a_memory_of_many_small_conversations_fills_its_frame(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each short exchange is its own conversation, so each row comes with a label of its own
     and the frame as rendered is twice its rows' estimate: the fill once dropped every row but
-    the mandatory ones. Now it is filled to within frame_select.FULL of its budget, never over."""
+    the mandatory ones. Now it is filled to within frame_select.FULL of its budget, never over,
+    in a few layouts (each one is most of a first prompt's selection, issue 24)."""
     for n in range(300):
         say(store, f"chat-{n}", f"what about the parcel number {n}?", f"parcel {n} is on its way")
-    built = frame.build(Scanner(store), user_id=store.find_user("u"), conversation_id=None,
+    layouts = []
+    real = frame_render.lay
+
+    def counted(rows: dict[int, Row], ids: list[int], *args: Any) -> list[frame_render.Run]:
+        layouts.append(len(ids))
+        return real(rows, ids, *args)
+
+    monkeypatch.setattr(frame_render, "lay", counted)
+    uid = store.find_user("u")
+    assert uid is not None
+    built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
                         query="parcel 7", exclude_messages=[], asked_at=time.time(),
                         limits=cap.Cap())
     assert built is not None
     assert len(built.item_ids) > 10 * len(built.must)
     assert built.tokens <= built.budget
     assert built.tokens * 100 >= built.budget * frame_select.FULL
+    assert len(layouts) <= 1 + frame_select.SEARCHES
 
 
 def _row(i: int, conversation: int, message: int, words: int) -> Row:
