@@ -355,8 +355,9 @@ def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
 def fitting(base: list[int], added: list[int], costs: Mapping[int, int], tokens: int,
             measure: Callable[[list[int]], int]) -> int:
     """How many of `added` enter after `base` (`costs`: each row's estimate): all when their
-    frame measures within `tokens`, else the longest prefix the search measured to fit, in few
-    layouts (within FULL percent of `tokens`, or the one just past it measured over).
+    frame measures within `tokens`, else the longest prefix the search measured to fit, in at
+    most SEARCHES more layouts: one within FULL percent of `tokens`, or one row short of a
+    prefix measured over.
 
     A row's estimate leaves out its label (the conversation's name and time when it opens a
     group, a time or SKIPPED when it opens a run): a memory of many short conversations
