@@ -93,11 +93,12 @@ ROW_FLOOR = 100
 # SEARCHES more layouts at most (a layout is most of a first prompt's selection, issue 24).
 # Frames over their estimate, layouts a frame (the first one with them) and the median fill of
 # the budget, bench_prepare's bench memory (174 frames) / one LoCoMo conversation's questions
-# (307): aimed at the budget, then at 98.5% once over, 97: 3.37 and 0.979 / 2.15 and 0.994;
-# 98: 4.14, 0.984 / 2.39, 0.994; 99: 4.61, 0.989 / 2.48, 0.995; aimed at 98.5% from the first,
-# 97: 3.27, 0.979 / 2.06, 0.981 (LoCoMo's frames a mean 26 tokens smaller than the drop loop's,
-# recall_all 0.8436 against 0.845); the drop loop there, 2.01 and 0.992. A secant through the
-# last two measures, or interpolating on rows counted, did no better.
+# (307): the drop loop's guess first, 97: 3.60 and 0.982 / 2.04 and 0.993 (the drop loop alone
+# 1.61 and 0.42 / 2.01 and 0.993); interpolated from the first, aimed at the budget, then at
+# 98.5% once over: 97, 3.37 and 0.980 / 2.15 and 0.994 (LoCoMo recall_all 0.8436 against
+# 0.845); 98, 4.14, 0.984 / 2.39, 0.994; 99, 4.61, 0.989 / 2.48, 0.995; aimed at 98.5% from
+# the first, 97: 3.27, 0.979 / 2.06, 0.981. A secant through the last two measures, or
+# interpolating on rows counted, did no better.
 FULL = 97
 SEARCHES = 4
 _TOOL_RESULT = Kind.TOOL_RESULT.value  # hot: once, not per row
@@ -363,9 +364,10 @@ def fitting(base: list[int], added: list[int], costs: Mapping[int, int], tokens:
     group, a time or SKIPPED when it opens a run): a memory of many short conversations
     measured twice its estimate (bench_latency's, 520 rows: 10,800 tokens for 5,000), and
     dropping rows worth the overshoot as estimated dropped every one. The measure is close to
-    linear in the estimate over a prefix, so each guess is interpolated between the longest
-    prefix known to fit and the shortest known not to, aimed at the budget, and just inside it
-    once a guess went over: only a prefix measured to fit is returned, or none."""
+    linear in the estimate over a prefix, so the guesses after the first are interpolated
+    between the longest prefix known to fit and the shortest known not to, aimed at the
+    budget, and just inside it once a guess went over: only a prefix measured to fit is
+    returned, or none."""
     # before[k]: the estimate of `base` and the first k added rows.
     before = list(itertools.accumulate((costs[i] for i in added),
                                        initial=sum(costs[i] for i in base)))
@@ -375,10 +377,14 @@ def fitting(base: list[int], added: list[int], costs: Mapping[int, int], tokens:
     # Nothing measured fits yet: `base` alone is modelled at the same tokens per estimate.
     lo, under, measured = 0, before[0] * over / max(before[hi], 1), False
     aim: float = tokens
+    # The first guess drops the rows worth the overshoot as estimated, where some are left: a
+    # frame whose labels are few then fits at once, as full as the drop loop before left it.
+    at: float = before[hi] - (over - tokens)
+    if at < before[1]:
+        at = _between(before, lo, under, hi, over, aim)
     for _ in range(SEARCHES):
         if hi - lo <= 1 or (measured and under * 100 >= tokens * FULL):
             break
-        at = before[lo] + (aim - under) * (before[hi] - before[lo]) / max(over - under, 1e-9)
         k = min(max(bisect.bisect_right(before, at) - 1, lo + 1), hi - 1)
         size = measure(base + added[:k])
         if size <= tokens:
@@ -386,4 +392,12 @@ def fitting(base: list[int], added: list[int], costs: Mapping[int, int], tokens:
         else:
             # Past it, the next guesses aim inside: from above alone the search would creep.
             hi, over, aim = k, size, tokens * (100 + FULL) / 200
+        at = _between(before, lo, under, hi, over, aim)
     return lo
+
+
+def _between(before: list[int], lo: int, under: float, hi: int, over: float,
+             aim: float) -> float:
+    """The estimate at which a frame would measure `aim`, on the line between the prefixes
+    `lo` (measuring `under`) and `hi` (`over`); before[k] is the estimate of prefix k."""
+    return before[lo] + (aim - under) * (before[hi] - before[lo]) / max(over - under, 1e-9)
