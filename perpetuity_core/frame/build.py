@@ -75,18 +75,21 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     warm, shelf = frame_read.for_frame(scanner.db, found, user_id, excluded, recent_messages)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens)
 
-    last: list[tuple[list[int], Collection[int], list[frame_render.Run]]] = []
+    # The fill's layouts by the rows laid out, with the stretch they were laid out with.
+    layouts: dict[tuple[int, ...], tuple[Collection[int], list[frame_render.Run]]] = {}
 
     def laid(ids: list[int], recent: Collection[int],
              excerpts: Mapping[int, Row]) -> list[frame_render.Run]:
-        # The fill's last measure laid out the rows it chose: the frame is written from that,
-        # not laid out again (a layout is most of the selection's time). The excerpts come
-        # with the stretch (`recent`), so its identity stands for both.
-        if last and last[0][0] == ids and last[0][1] is recent:
-            return last[0][2]
+        # The fill measured the rows it chose as laid out: the frame is written from that
+        # layout, not laid out again (a layout is most of the selection's time), even when
+        # its search measured a longer prefix after it. The excerpts come with the stretch
+        # (`recent`), so its identity stands for both.
+        key = tuple(ids)
+        if key in layouts and layouts[key][0] is recent:
+            return layouts[key][1]
         rows = {**shelf.rows, **excerpts} if excerpts else shelf.rows
         out = frame_render.lay(rows, ids, recent, shelf.adjacent, asked_at, conversation_id)
-        last[:] = [(list(ids), recent, out)]
+        layouts[key] = (recent, out)
         return out
 
     def measured(ids: list[int], recent: Collection[int], excerpts: Mapping[int, Row]) -> int:

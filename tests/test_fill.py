@@ -1,0 +1,87 @@
+"""The frame's fill (frame_select.fill): the rows it chooses fit the budget as rendered, labels
+and all, and are as many as their order allows; mandatory rows are never dropped."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from perpetuity_core.frame import build as frame
+from perpetuity_core.frame import cap
+from perpetuity_core.frame import render as frame_render
+from perpetuity_core.frame import select as frame_select
+from perpetuity_core.frame.rows import Row
+from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived.scan import Scanner
+from perpetuity_core.memory.storage.store import Store
+from perpetuity_core.wire.conversation import Kind
+from tests.test_frame import say
+
+ASKED = 1_700_100_000.0
+
+
+def test_a_memory_of_many_small_conversations_fills_its_frame(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each short exchange is its own conversation, so each row comes with a label of its own
+    and the frame as rendered is twice its rows' estimate: the fill once dropped every row but
+    the mandatory ones. Now it is filled to within frame_select.FULL of its budget, never over,
+    in a few layouts (each one is most of a first prompt's selection, issue 24)."""
+    for n in range(300):
+        say(store, f"chat-{n}", f"what about the parcel number {n}?", f"parcel {n} is on its way")
+    layouts = []
+    real = frame_render.lay
+
+    def counted(rows: dict[int, Row], ids: list[int], *args: Any) -> list[frame_render.Run]:
+        layouts.append(len(ids))
+        return real(rows, ids, *args)
+
+    monkeypatch.setattr(frame_render, "lay", counted)
+    uid = store.find_user("u")
+    assert uid is not None
+    built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
+                        query="parcel 7", exclude_messages=[], asked_at=time.time(),
+                        limits=cap.Cap())
+    assert built is not None
+    assert len(built.item_ids) > 10 * len(built.must)
+    assert built.tokens <= built.budget
+    assert built.tokens * 100 >= built.budget * frame_select.FULL
+    assert len(layouts) <= 1 + frame_select.SEARCHES
+
+
+def _row(i: int, conversation: int, message: int, words: int) -> Row:
+    return Row(i, message, conversation, f"chat {conversation}", "user" if message % 2 else
+               "assistant", ASKED - 86_400 * conversation - 60 * message, Kind.TEXT.value, "",
+               "word " * words)
+
+
+# (conversation, message within it, words) of each row; each message one row.
+_ROWS = st.lists(st.tuples(st.integers(0, 30), st.integers(0, 20), st.integers(0, 400)),
+                 min_size=1, max_size=120, unique_by=lambda r: (r[0], r[1]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=_ROWS, warmth=st.lists(st.floats(0.01, 1.0), min_size=120, max_size=120),
+       must=st.sets(st.integers(0, 119), max_size=6), tokens=st.integers(0, 6000))
+def test_the_fill_fits_its_budget_as_rendered_and_keeps_every_mandatory_row(
+        rows: list[tuple[int, int, int]], warmth: list[float], must: set[int],
+        tokens: int) -> None:
+    shown = {i: _row(i, c, 1_000 * c + m, w) for i, (c, m, w) in enumerate(rows)}
+    must = {i for i in must if i in shown}
+    adjacent = {(r.message_id, r.message_id + 1) for r in shown.values()}
+    warm = heat.Warm(np.array(sorted(shown), dtype=np.int64),
+                     np.array(warmth[:len(shown)], dtype=np.float64))
+
+    def measure(ids: list[int]) -> int:
+        laid = frame_render.lay(shown, ids, (), adjacent, ASKED, None)
+        return frame_render.tokens(laid, ASKED)
+
+    new = frame_select.fill(shown, warm, must, tokens, measure)
+    assert len(new) == len(set(new)) and set(new) <= set(shown)
+    assert must <= set(new)
+    if set(new) - must:
+        assert measure(new) <= tokens
