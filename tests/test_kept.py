@@ -226,3 +226,26 @@ def test_a_frame_measured_unwritten_is_what_writing_it_measured(seed: int) -> No
     assert frame_render.tokens(laid, asked, header) == index.messages_tokens(written)
     assert frame_render.tokens([], asked) == index.messages_tokens(
         frame_render.written([], asked)) == 0
+
+
+def reference_rank_reheats(ranked: list[int], neighbours: list[tuple[int, int]]) -> dict[int, float]:
+    """heat.rank_reheats as it was: each rank's peak computed afresh, the larger kept."""
+    out: dict[int, float] = {}
+    for rank, item in enumerate(ranked):
+        out[item] = max(out.get(item, 0.0), heat.reheat_peak(rank))
+    for rank, item in neighbours:
+        out[item] = max(out.get(item, 0.0), heat.NEIGHBOUR_SHARE * heat.reheat_peak(rank))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rank_reheats_are_the_obvious_loop(seed: int) -> None:
+    """The same peaks in the same order (the warm set reads them in it), rows ranked twice and
+    neighbours that are hits too included, past the table of peaks made once as well."""
+    rng = random.Random(seed)
+    pool = range(1, rng.choice([50, 400, 3_000]))
+    ranked = [rng.choice(pool) for _ in range(rng.choice([0, 1, 20, 200, 1_500]))]
+    neighbours = [(rng.randrange(max(len(ranked), 1) + 3), rng.choice(pool))
+                  for _ in range(rng.randint(0, 80))]
+    got = heat.rank_reheats(ranked, neighbours)
+    assert list(got.items()) == list(reference_rank_reheats(ranked, neighbours).items())

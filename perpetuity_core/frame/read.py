@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
 
 from perpetuity_core.frame import dates
 from perpetuity_core.frame.rows import (
@@ -133,7 +135,8 @@ def _adjacent(db: Database, rows: dict[int, Row]) -> frozenset[tuple[int, int]]:
     any subset of the rows renders follows from these: two of its messages follow one another
     in the store exactly when nothing stored lies between them, so no row read here either,
     which makes them a pair here too."""
-    by_conversation: dict[int, set[int]] = {}
-    for r in rows.values():
-        by_conversation.setdefault(r.conversation_id, set()).add(r.message_id)
-    return adjacent_runs(db, [tuple(sorted(messages)) for messages in by_conversation.values()])
+    # One sort of (conversation, message) pairs, not a set and a sort per conversation (a
+    # first prompt's frame over many short conversations has ~200).
+    pairs = sorted({(r.conversation_id, r.message_id) for r in rows.values()})
+    return adjacent_runs(db, [tuple(m for _, m in run)
+                              for _, run in groupby(pairs, key=itemgetter(0))])
