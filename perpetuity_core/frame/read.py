@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from itertools import groupby
-from operator import itemgetter
 
 from perpetuity_core.frame import dates
 from perpetuity_core.frame.rows import (
     Row,
-    adjacent_runs,
     around,
+    following,
     items_of,
     next_spoken,
     shown_rows,
@@ -135,8 +133,14 @@ def _adjacent(db: Database, rows: dict[int, Row]) -> frozenset[tuple[int, int]]:
     any subset of the rows renders follows from these: two of its messages follow one another
     in the store exactly when nothing stored lies between them, so no row read here either,
     which makes them a pair here too."""
-    # One sort of (conversation, message) pairs, not a set and a sort per conversation (a
-    # first prompt's frame over many short conversations has ~200).
-    pairs = sorted({(r.conversation_id, r.message_id) for r in rows.values()})
-    return adjacent_runs(db, [tuple(m for _, m in run)
-                              for _, run in groupby(pairs, key=itemgetter(0))])
+    # Each shown message's predecessor among the shown ones of its conversation, in one walk
+    # of their ids ascending.
+    conversation_of = {r.message_id: r.conversation_id for r in rows.values()}
+    last: dict[int, int] = {}
+    pairs = []
+    for message in sorted(conversation_of):
+        conversation = conversation_of[message]
+        if (before := last.get(conversation)) is not None:
+            pairs.append((before, message))
+        last[conversation] = message
+    return following(db, pairs)
