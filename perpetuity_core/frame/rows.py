@@ -74,7 +74,8 @@ def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
         there = conn.execute(_SHOWN_COLUMNS.format("i.id, m.conversation_id", these, kinds, owner),
                              args).fetchall()
         known = cache.get([item for item, _ in there])
-        if missing := [item for item, _ in there if item not in known]:
+        if len(known) < len(there):  # most calls read no row whole: no test of each
+            missing = [item for item, _ in there if item not in known]
             known |= _read_rows(db, conn, missing, kinds, cache)
         if unnamed := sorted({conv for _, conv in there} - names.keys()):
             where, args = one_of(db.postgres, "id", unnamed)
