@@ -51,6 +51,16 @@ written one piece at a time anew each round. After it was rendered once while it
 it, read past by `anthropic.check` and what is new written in one encoding: instructions a tool
 round's prepare 14.6M -> 4.3M (0.29, 32 rounds; task_stream 8.0M -> 2.8M), a first prompt's
 35.1M -> 31.3M; CPU p50 2.19 -> 1.26 ms (medians of three alternating runs, load 10-14).
+Since (h-first5): where a first prompt's instructions went, by callgrind dumps at the frame's
+reads (bench memory, 20 prepares): the shown rows 7.5M of 35M (which rows are there 3.0M, their
+conversations' names 2.4M, ~400 rows' Python), the warm set 4.9M (its SQL 3.4M), the fill's
+layouts 4.6M and its work before them 3.1M, the adjacency of the shelf's messages 2.8M, the
+hits' fetch 2.4M, the scan 2.0M, the neighbours' read 1.9M. The adjacency is now which message
+follows each, read once and kept per database (one lookup a pair, not the shelf's ~200
+conversations' tuples hashed and their pair sets united every call), the reheat peaks made
+once, the written frame's messages made once each: instructions a prepare bench 34.93M ->
+33.17M (0.95), LoCoMo 34.92M -> 32.00M (0.92), pooled 39.96M -> 36.76M (0.92), this memory
+set built afresh by base code, PYTHONHASHSEED=0.
 
     .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
         [--side task_relay]

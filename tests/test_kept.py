@@ -15,7 +15,7 @@ import pytest
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import cap
 from perpetuity_core.frame import render as frame_render
-from perpetuity_core.frame.rows import Row, quoted, shown_rows, time_label
+from perpetuity_core.frame.rows import Row, following, quoted, shown_rows, time_label
 from perpetuity_core.frame.tenants import withheld
 from perpetuity_core.memory.derived import heat, index, scan
 from perpetuity_core.memory.derived.view import Visibility
@@ -89,6 +89,26 @@ def test_two_databases_never_share_what_was_kept(tmp_path) -> None:  # type: ign
     finally:
         a.close()
         b.close()
+
+
+def test_a_new_file_at_an_old_path_never_reads_what_was_kept_of_the_old(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Which message follows which is kept per database, never per path: a new file there
+    numbers its messages from 1 again, in other conversations."""
+    path = tmp_path / "m.db"
+    old = open_memory(path)
+    a = say(old, "a", "one", "two", "three")
+    assert following(old.db, [(a[0], a[1]), (a[0], a[2])]) == {(a[0], a[1])}
+    old.close()
+    path.unlink()
+    new = open_memory(path)
+    try:
+        first, = say(new, "a", "one")
+        say(new, "b", "elsewhere")
+        third, = say(new, "a", "three")
+        assert (first, third) == (a[0], a[2])  # the same ids, a message of b between them
+        assert following(new.db, [(first, third)]) == {(first, third)}
+    finally:
+        new.close()
 
 
 def test_a_kept_row_carries_its_conversation_name_as_it_is_now(store: Store) -> None:
@@ -226,3 +246,26 @@ def test_a_frame_measured_unwritten_is_what_writing_it_measured(seed: int) -> No
     assert frame_render.tokens(laid, asked, header) == index.messages_tokens(written)
     assert frame_render.tokens([], asked) == index.messages_tokens(
         frame_render.written([], asked)) == 0
+
+
+def reference_rank_reheats(ranked: list[int], neighbours: list[tuple[int, int]]) -> dict[int, float]:
+    """heat.rank_reheats as it was: each rank's peak computed afresh, the larger kept."""
+    out: dict[int, float] = {}
+    for rank, item in enumerate(ranked):
+        out[item] = max(out.get(item, 0.0), heat.reheat_peak(rank))
+    for rank, item in neighbours:
+        out[item] = max(out.get(item, 0.0), heat.NEIGHBOUR_SHARE * heat.reheat_peak(rank))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rank_reheats_are_the_obvious_loop(seed: int) -> None:
+    """The same peaks in the same order (the warm set reads them in it), rows ranked twice and
+    neighbours that are hits too included, past the table of peaks made once as well."""
+    rng = random.Random(seed)
+    pool = range(1, rng.choice([50, 400, 3_000]))
+    ranked = [rng.choice(pool) for _ in range(rng.choice([0, 1, 20, 200, 1_500]))]
+    neighbours = [(rng.randrange(max(len(ranked), 1) + 3), rng.choice(pool))
+                  for _ in range(rng.randint(0, 80))]
+    got = heat.rank_reheats(ranked, neighbours)
+    assert list(got.items()) == list(reference_rank_reheats(ranked, neighbours).items())

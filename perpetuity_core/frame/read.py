@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from perpetuity_core.frame import dates
 from perpetuity_core.frame.rows import (
     Row,
-    adjacent_runs,
     around,
+    following,
     items_of,
     next_spoken,
     shown_rows,
@@ -133,7 +133,14 @@ def _adjacent(db: Database, rows: dict[int, Row]) -> frozenset[tuple[int, int]]:
     any subset of the rows renders follows from these: two of its messages follow one another
     in the store exactly when nothing stored lies between them, so no row read here either,
     which makes them a pair here too."""
-    by_conversation: dict[int, set[int]] = {}
-    for r in rows.values():
-        by_conversation.setdefault(r.conversation_id, set()).add(r.message_id)
-    return adjacent_runs(db, [tuple(sorted(messages)) for messages in by_conversation.values()])
+    # Each shown message's predecessor among the shown ones of its conversation, in one walk
+    # of their ids ascending.
+    conversation_of = {r.message_id: r.conversation_id for r in rows.values()}
+    last: dict[int, int] = {}
+    pairs = []
+    for message in sorted(conversation_of):
+        conversation = conversation_of[message]
+        if (before := last.get(conversation)) is not None:
+            pairs.append((before, message))
+        last[conversation] = message
+    return following(db, pairs)

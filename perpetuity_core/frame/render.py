@@ -98,8 +98,9 @@ def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
     sizes = []
     for _, label, parts, current in laid:
         n = len(label) + len(parts) if label else len(parts) - 1  # the label's line, the joins
-        for p in parts:
-            n += len(withheld(p)) if p.secret and not current else _quoted_length(p)
+        for p in parts:  # _quoted_length inline: one call fewer a row laid out
+            n += (len(withheld(p)) if p.secret and not current
+                  else len(quote(p)) if p.excerpt or p.kind in _TOOLS else len(p.text))
         sizes.append(n)
     heading = 0
     if laid[0][0] == "user":
@@ -111,7 +112,11 @@ def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
 
 
 def _text(label: str, parts: list[Row], current: bool) -> str:
-    text = "\n".join(withheld(p) if p.secret and not current else quote(p) for p in parts)
+    if len(parts) == 1:  # most messages are one row: no join
+        p = parts[0]
+        text = withheld(p) if p.secret and not current else quote(p)
+    else:
+        text = "\n".join([withheld(p) if p.secret and not current else quote(p) for p in parts])
     return f"{label}\n{text}" if label else text
 
 
@@ -122,23 +127,24 @@ def assemble(turns: list[Turn], asked_at: float, header: str = HEADER) -> list[M
     give only the day's distance."""
     if not turns:
         return []
-    messages: list[Message] = []
+    # Each message's parts gathered first and the message made once: a run of one role's
+    # turns (conversations that end as they begin) was a new message and tuple per turn.
+    said: list[tuple[str, list[Part]]] = []
     if turns[0][0] != "user":
-        messages.append(Message("user", (Part(Kind.TEXT, header),)))
+        said.append(("user", [Part(Kind.TEXT, header)]))
     else:
         turns[0] = ("user", header + "\n\n" + turns[0][1])
     for role, text in turns:
-        part = Part(Kind.TEXT, text)
-        if messages and messages[-1].role == role:
-            messages[-1] = Message(role, messages[-1].parts + (part,))
+        if said and said[-1][0] == role:
+            said[-1][1].append(Part(Kind.TEXT, text))
         else:
-            messages.append(Message(role, (part,)))
+            said.append((role, [Part(Kind.TEXT, text)]))
     closing = Part(Kind.TEXT, NOW.format(datetime.fromtimestamp(asked_at, UTC)))
-    if messages[-1].role == "user":
-        messages.append(Message("assistant", (closing,)))
+    if said[-1][0] == "user":
+        said.append(("assistant", [closing]))
     else:
-        messages[-1] = Message("assistant", messages[-1].parts + (closing,))
-    return messages
+        said[-1][1].append(closing)
+    return [Message(role, tuple(parts)) for role, parts in said]
 
 
 def section(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float,
@@ -163,12 +169,13 @@ def runs(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float
         group = groups[c]
         current = c == conversation_id
         previous: Row | None = None
-        start = 0
-        while start < len(group):
+        start, n = 0, len(group)
+        while start < n:
             # One message's rows: the group is in store order, so they follow one another.
             first = group[start]
+            message = first.message_id
             end = start + 1
-            while end < len(group) and group[end].message_id == first.message_id:
+            while end < n and group[end].message_id == message:
                 end += 1
             # A label opens each run of turns said together; within a run the alternation
             # itself tells the speakers apart, and a label per turn would cost a row's worth.
@@ -176,8 +183,10 @@ def runs(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float
             # run resuming the same sitting after skipped turns is marked by SKIPPED alone.
             if previous is None:
                 label = _label(first, asked, current)
-            elif not _same_run(previous, first, adjacent):
-                label = SKIPPED if first.at - previous.at <= RUN_GAP else _when(first.at, asked)
+            elif first.at - previous.at > RUN_GAP:
+                label = _when(first.at, asked)
+            elif (previous.message_id, message) not in adjacent:  # not said together
+                label = SKIPPED
             else:
                 label = ""
             # A row flagged at capture as holding a credential (store.m011) is withheld
@@ -191,10 +200,6 @@ def runs(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float
 
 # A row's place in the store, (message_id, item_id): read in C, not a call per row.
 _STORE_ORDER = operator.attrgetter("message_id", "item_id")
-
-
-def _same_run(previous: Row, row: Row, adjacent: Collection[tuple[int, int]]) -> bool:
-    return (previous.message_id, row.message_id) in adjacent and row.at - previous.at <= RUN_GAP
 
 
 def _label(r: Row, asked: date, current: bool) -> str:

@@ -6,8 +6,6 @@ messages are adjacent).
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -76,7 +74,8 @@ def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
         there = conn.execute(_SHOWN_COLUMNS.format("i.id, m.conversation_id", these, kinds, owner),
                              args).fetchall()
         known = cache.get([item for item, _ in there])
-        if missing := [item for item, _ in there if item not in known]:
+        if len(known) < len(there):  # most calls read no row whole: no test of each
+            missing = [item for item, _ in there if item not in known]
             known |= _read_rows(db, conn, missing, kinds, cache)
         if unnamed := sorted({conv for _, conv in there} - names.keys()):
             where, args = one_of(db.postgres, "id", unnamed)
@@ -200,44 +199,45 @@ def items_of(db: Database, message_ids: set[int]) -> list[int]:
 
 def adjacent_pairs(db: Database, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
     """Pairs of rendered messages (of one conversation, ids ascending) with nothing stored
-    between them. Cached per database: ids only grow, so nothing can come between two later
-    and the answer keeps (a purge could only add pairs, and then a run is labelled once more
-    than it needs)."""
-    return adjacent_runs(db, [ids])
+    between them."""
+    return following(db, list(zip(ids, ids[1:], strict=False)))
 
 
-def adjacent_runs(db: Database, runs: list[tuple[int, ...]]) -> frozenset[tuple[int, int]]:
-    """`adjacent_pairs` of several conversations' messages at once: the cache asked once for
-    them all (a first prompt's frame over many short conversations asked it ~170 times)."""
-    runs = [ids for ids in runs if len(ids) >= 2]
-    if not runs:
+def following(db: Database, pairs: list[tuple[int, int]]) -> frozenset[tuple[int, int]]:
+    """Those of `pairs` (a, b: two messages of one conversation, a before b) with nothing
+    stored between them: b is the message stored next after a in its conversation.
+
+    Which message comes next after one is read once and kept (memory.storage.kept): ids only
+    grow, so nothing can come between a message and the next one stored after it later (a
+    purge could only add pairs, and then a run is labelled once more than it needs). One
+    lookup a pair, not a read of each conversation's messages between its first and last
+    shown (a first prompt's frame over many short conversations asked that ~170 times)."""
+    if not pairs:
         return frozenset()
-    where = str(db.peewee.database)
-    with _ADJACENT_GUARD:  # frames are built on several threads
-        known = {ids: pairs for ids in runs if (pairs := _ADJACENT.get((where, ids))) is not None}
-        for ids in known:
-            _ADJACENT.move_to_end((where, ids))
-    read = {ids: _adjacent_pairs(db, ids) for ids in runs if ids not in known}
-    if read:
-        with _ADJACENT_GUARD:
-            for ids, pairs in read.items():
-                _ADJACENT[(where, ids)] = pairs
-            while len(_ADJACENT) > ADJACENT_CACHED:
-                _ADJACENT.popitem(last=False)
-    return frozenset().union(*known.values(), *read.values())
+    cache = _next_kept(db)
+    known = cache.get(a for a, _ in pairs)
+    if missing := sorted({a for a, _ in pairs} - known.keys()):
+        read = _next_messages(db, missing)
+        cache.put(read)
+        known |= read
+    return frozenset(p for p in pairs if known.get(p[0]) == p[1])
 
 
-# Keyed by the database's file or URL, not its handle: a closed store's handle is not kept.
-ADJACENT_CACHED = 4096
-_ADJACENT_GUARD = threading.Lock()
-_ADJACENT: OrderedDict[tuple[str, tuple[int, ...]], frozenset[tuple[int, int]]] = OrderedDict()
-_BETWEEN = SQL.both(
-    "SELECT id FROM message WHERE conversation_id = (SELECT conversation_id FROM message"
-    " WHERE id = ?) AND id BETWEEN ? AND ? ORDER BY id")
+# The message stored next after each message in its conversation; a conversation's latest
+# has none yet and is read again until it does.
+_NEXT = ("SELECT m.id, (SELECT n.id FROM message n WHERE n.conversation_id = m.conversation_id"
+         " AND n.id > m.id ORDER BY n.id LIMIT 1) FROM message m WHERE {}")
+NEXT_KEPT = 1 << 17  # messages whose next is kept per database (a few users' warm sets)
 
 
-def _adjacent_pairs(db: Database, ids: tuple[int, ...]) -> frozenset[tuple[int, int]]:
-    stored = [i for (i,) in db.connection().execute(db.pick(_BETWEEN),
-                                                    (ids[0], ids[0], ids[-1]))]
-    follows = dict(zip(stored, stored[1:], strict=False))
-    return frozenset((a, b) for a, b in zip(ids, ids[1:], strict=False) if follows.get(a) == b)
+def _next_messages(db: Database, ids: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    conn = db.connection()
+    for chunk in in_chunks(ids):
+        where, args = one_of(db.postgres, "m.id", chunk)
+        out.update((m, n) for m, n in conn.execute(_NEXT.format(where), args) if n is not None)
+    return out
+
+
+def _next_kept(db: Database) -> Kept[int]:
+    return kept(db, "next message", lambda: Kept(NEXT_KEPT, lambda _: 1))

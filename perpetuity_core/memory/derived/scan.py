@@ -231,7 +231,7 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
         h = known.get(s)
         if h is not None:
             hits.append(Hit(h.item_id, h.message_id, h.user_id, h.conversation_id, h.role, h.at,
-                            score, h.text, seq=s, tokens=h.tokens))
+                            score, h.text, s, h.tokens))  # by position: keywords cost more
     return hits
 
 
