@@ -303,3 +303,10 @@ def test_an_excerpt_is_whole_lines_around_each_latest_mention_verbatim() -> None
     assert len(cut) <= 2 * frame_select.EXCERPT_CHARS + len("cfg/deploy.yaml")
     assert frame_render.quote(excerpts[2]).startswith(frame_render.EXCERPT.format(2))
     assert frame_render.cost(excerpts[2]) < frame_render.cost(rows[2]) // 10
+
+
+def test_how_to_read_an_excerpt_whole_is_said_once() -> None:
+    """The header says once how an excerpt is read whole; an excerpt's own mark names only its
+    row (said in each, it cost 15 tokens an excerpt, five excerpts a coding frame)."""
+    assert "memory_more(item=N)" in frame_render.HEADER
+    assert len(frame_render.EXCERPT.format(12345)) <= 16
