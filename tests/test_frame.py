@@ -423,7 +423,7 @@ def test_a_names_latest_mention_in_a_long_row_comes_as_an_excerpt_memory_more_re
     at = long_row.rfind("app.config_loader")
     assert long_row[at - 60:at + len("app.config_loader") + 60] in text  # verbatim around it
     assert mention in text  # the whole line
-    assert frame_render.EXCERPT.format(item) in text and "memory_more(item=N)" in text
+    assert f"memory_more(item={item})" in text
     assert "value 0 =" not in text and "other 119 =" not in text  # not the whole row
     quoted = text[text.index(frame_render.EXCERPT.format(item)):]
     assert len(quoted.split("[End of quoted memory")[0]) < 2 * (

@@ -305,8 +305,8 @@ def test_an_excerpt_is_whole_lines_around_each_latest_mention_verbatim() -> None
     assert frame_render.cost(excerpts[2]) < frame_render.cost(rows[2]) // 10
 
 
-def test_how_to_read_an_excerpt_whole_is_said_once() -> None:
+def test_an_excerpts_mark_is_short_and_the_header_names_no_tool() -> None:
     """The header says once how an excerpt is read whole; an excerpt's own mark names only its
     row (said in each, it cost 15 tokens an excerpt, five excerpts a coding frame)."""
-    assert "memory_more(item=N)" in frame_render.HEADER
-    assert len(frame_render.EXCERPT.format(12345)) <= 20  # 62 when it said it
+    assert "memory_more" not in frame_render.HEADER  # the tools may be off
+    assert len(frame_render.EXCERPT.format(12345)) <= 60  # 66 before

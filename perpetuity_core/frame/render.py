@@ -26,15 +26,14 @@ from perpetuity_core.wire.conversation import Kind, Message, Part
 # the question, since labels give only the day's distance. Changing any of them changes every
 # frame, and so every cached prefix.
 HEADER = ("[Memory: turns quoted verbatim from earlier conversations, grouped by conversation "
-          "with this one last, labelled with when they were said; [...] marks turns left"
-          " out; memory_more(item=N) reads excerpt #N whole.]")
+          "with this one last, labelled with when they were said; [...] marks turns left out.]")
 MORE_HEADER = ("[Memory for the next message: more turns quoted verbatim from earlier"
                " conversations, labelled with when they were said.]")
 CLOSING = "[End of quoted memory.]"
 NOW = "[End of quoted memory. Now: {:%Y-%m-%d %H:%M} UTC.]"
-# What opens a row quoted in part (frame_select.excerpt): which row; the header says once how to
-# read it whole (said in each, it cost 15 tokens an excerpt, 5 excerpts a coding frame).
-EXCERPT = "[excerpt #{0}]\n"
+# What opens a row quoted in part (frame_select.excerpt): which row, and how to read it whole
+# (in the excerpt, not the header: a frame with the tools off never names them).
+EXCERPT = "[excerpt #{0}: memory_more(item={0}) reads it whole]\n"
 # Turns further apart than this in time are labelled afresh: half an hour's silence is another
 # sitting to a reader (chosen with the labels, not measured).
 RUN_GAP = 30 * 60

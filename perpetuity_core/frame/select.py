@@ -78,7 +78,7 @@ EXCERPT_CHARS = 90
 LINE_SLACK = 80
 # What an excerpt costs beside its text: its mark (render.EXCERPT) and the marks of what it left
 # out (it was 8 against a mark of 15 tokens; the mark is 4 now).
-EXCERPT_TOKENS = 6
+EXCERPT_TOKENS = 8
 LEFT_OUT = "[…]"
 NAMED_ROWS = 4_096  # row texts whose names are kept: a few conversations' latest stretches
 # The stretch takes at most this share of the request's bound (cap.Cap.bound): a request rebuilt
