@@ -306,7 +306,7 @@ def test_an_excerpt_is_whole_lines_around_each_latest_mention_verbatim() -> None
 
 
 def test_an_excerpts_mark_is_short_and_the_header_names_no_tool() -> None:
-    """The header says once how an excerpt is read whole; an excerpt's own mark names only its
-    row (said in each, it cost 15 tokens an excerpt, five excerpts a coding frame)."""
+    """An excerpt's mark names its row and how to read it whole, shortly; the header names no
+    tool, since a frame with the tools off must never mention them."""
     assert "memory_more" not in frame_render.HEADER  # the tools may be off
     assert len(frame_render.EXCERPT.format(12345)) <= 60  # 66 before
