@@ -303,3 +303,10 @@ def test_an_excerpt_is_whole_lines_around_each_latest_mention_verbatim() -> None
     assert len(cut) <= 2 * frame_select.EXCERPT_CHARS + len("cfg/deploy.yaml")
     assert frame_render.quote(excerpts[2]).startswith(frame_render.EXCERPT.format(2))
     assert frame_render.cost(excerpts[2]) < frame_render.cost(rows[2]) // 10
+
+
+def test_an_excerpts_mark_is_short_and_the_header_names_no_tool() -> None:
+    """An excerpt's mark names its row and how to read it whole, shortly; the header names no
+    tool, since a frame with the tools off must never mention them."""
+    assert "memory_more" not in frame_render.HEADER  # the tools may be off
+    assert len(frame_render.EXCERPT.format(12345)) <= 60  # 66 before

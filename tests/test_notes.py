@@ -484,6 +484,17 @@ def test_capture_schema_and_rules() -> None:
         assert phrase in notes.CAPTURE_RULES
 
 
+def test_capture_definition_is_short() -> None:
+    """note_capture's definition rides along with every request that carries our tools, read
+    on every call: each rule said once (it was 529 tokens, a third of our definitions)."""
+    spec = {"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
+            "input_schema": notes.CAPTURE_TOOL_SCHEMA}
+    assert len(json.dumps(spec)) // 4 <= 350
+    assert "patches it" in notes.CAPTURE_RULES  # a shown note's name refines, not duplicates
+    confidence = notes.CAPTURE_TOOL_SCHEMA["properties"]["confidence"]  # type: ignore[index]
+    assert "tentative" in confidence["description"]
+
+
 # --- Reindex --------------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ and one user's rows never reaching another."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import sqlite3
@@ -131,6 +132,14 @@ def test_six_tools_with_schemas_and_instructions() -> None:
         assert t.input_schema["type"] == "object"
         assert set(t.input_schema["required"]) <= set(t.input_schema["properties"])
         assert t.name in tools.INSTRUCTIONS
+
+
+def test_the_definitions_are_read_on_every_call_so_kept_short() -> None:
+    """Our tools ride along with every call of a conversation: 1,029 tokens at h-cost4, the
+    search's row format (its answer shows it) and repeated words since cut."""
+    spec = [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
+            for t in tools.TOOLS]
+    assert token_estimate(json.dumps(spec)) <= 1_010
 
 
 @pytest.mark.parametrize("store_rows", [2000, 0])  # scored from the store, and from the arena

@@ -31,8 +31,9 @@ MORE_HEADER = ("[Memory for the next message: more turns quoted verbatim from ea
                " conversations, labelled with when they were said.]")
 CLOSING = "[End of quoted memory.]"
 NOW = "[End of quoted memory. Now: {:%Y-%m-%d %H:%M} UTC.]"
-# What opens a row quoted in part (frame_select.excerpt): which row, and how to read it whole.
-EXCERPT = "[Excerpt of row #{0}; memory_more(item={0}) reads it whole.]\n"
+# What opens a row quoted in part (frame_select.excerpt): which row, and how to read it whole
+# (in the excerpt, not the header: a frame with the tools off never names them).
+EXCERPT = "[excerpt #{0}: memory_more(item={0}) reads it whole]\n"
 # Turns further apart than this in time are labelled afresh: half an hour's silence is another
 # sitting to a reader (chosen with the labels, not measured).
 RUN_GAP = 30 * 60

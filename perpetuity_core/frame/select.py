@@ -43,8 +43,10 @@ from perpetuity_core.wire.conversation import Kind
 # cost of direct / identifiers in the request / in context, of 465: 6,000 tokens, half of them
 # the newest rows, 0.648 / 441 / 415; 5,000, 60% the newest (the same 3,000), 0.634 / 432 / 402;
 # 4,500, 67%, 0.632 / 430 / 396. With the recall tools' shorter definitions and excerpts of 90
-# characters either side: 5,000 0.633 / 435 / 405; 4,500 0.628 / 431 / 398.
-RECENT_TOKENS = 5_000
+# characters either side: 5,000 0.633 / 435 / 405; 4,500 0.628 / 431 / 398. With note_capture's
+# shorter definition and excerpts' shorter marks: 5,000 0.6287 / 435 / 405; 4,750 0.6253 / 436 /
+# 406; 4,500 0.6246 / 418 / 390 (below 0.92 of 465).
+RECENT_TOKENS = 4_750
 RECENT_ROW = 1_000
 # Of the stretch, the share (percent) that is simply the newest rows; the rest goes to the rows
 # holding the latest mention of what the conversation touched (files read and edited, commands'
@@ -76,7 +78,9 @@ _CAMEL = re.compile(r"[a-z][A-Z]")
 # 435 / 405 of 465 identifiers, against 120's 0.6328 / 432 / 402 (whole lines still widen it).
 EXCERPT_CHARS = 90
 LINE_SLACK = 80
-EXCERPT_TOKENS = 8  # what an excerpt costs beside its text: the marks of what it left out
+# What an excerpt costs beside its text: its mark (render.EXCERPT) and the marks of what it left
+# out (it was 8 against a mark of 15 tokens; the mark is 4 now).
+EXCERPT_TOKENS = 8
 LEFT_OUT = "[…]"
 NAMED_ROWS = 4_096  # row texts whose names are kept: a few conversations' latest stretches
 # The stretch takes at most this share of the request's bound (cap.Cap.bound): a request rebuilt

@@ -49,20 +49,15 @@ def _refuse_credentials(fields: Mapping[str, object]) -> None:
 
 CAPTURE_TOOL_NAME = "note_capture"
 
+# The definition rides along with every request that carries our tools and is read on every
+# call of a conversation (its rules and schema were 529 tokens, a third of our definitions):
+# each rule said once, in few words.
 CAPTURE_RULES = """\
-Capture a note (one call, one note) at the end of a task only when it taught something worth
-keeping:
-- a workflow of 5 or more steps that worked;
-- a recovery from a non-obvious error;
-- a correction from the user;
-- a quirk of the environment (a tool, version, path or setting that behaves unexpectedly).
-Skip trivial tasks, facts cheaper to re-derive than to read, session ephemera (this session's
-file names, branch names, temporary state), and anything containing secrets: never put API keys,
-tokens, private keys or passwords in a note; say where the secret comes from instead.
-If the lesson refines a note you were shown, reuse that note's name: it is patched, not
-duplicated. Write the name as a kebab-case slug; the description is one line saying what it
-fixes and when to reach for it (it drives recall); tags name the tools, errors, frameworks and
-domain nouns someone would mention. Use confidence: tentative for a lead you have not verified.
+At the end of a task, capture one note only when it taught something worth keeping: a \
+workflow of 5 or more steps that worked, a recovery from a non-obvious error, a correction \
+from the user, a quirk of the environment. Skip trivial tasks, facts cheaper to re-derive, \
+session ephemera and secrets (say where a secret comes from instead). Reusing the name of a \
+note you were shown patches it.\
 """
 
 _CAPTURE_REQUIRED = ("name", "description", "tags", "when", "procedure", "pitfalls", "verification")
@@ -70,27 +65,18 @@ _CAPTURE_REQUIRED = ("name", "description", "tags", "when", "procedure", "pitfal
 CAPTURE_TOOL_SCHEMA: dict[str, object] = {
     "type": "object",
     "properties": {
-        "name": {
-            "type": "string",
-            "description": "Kebab-case slug naming the lesson, e.g. 'pytest-import-mismatch'. "
-            "Reuse an existing note's name to refine it.",
-        },
-        "description": {
-            "type": "string",
-            "description": "One line: what it fixes and when to reach for it. Drives recall.",
-        },
-        "tags": {
-            "type": "array",
-            "items": {"type": "string"},
-            "minItems": 1,
-            "description": "Tools, error names, frameworks and domain nouns.",
-        },
-        "source_task": {"type": "string", "description": "The task this was learned on, briefly."},
-        "confidence": {"type": "string", "enum": list(CONFIDENCE), "default": "medium"},
-        "when": {"type": "string", "description": "The situation in which this applies."},
+        "name": {"type": "string", "description": "Kebab-case slug, e.g. 'pytest-import-mismatch'."},
+        "description": {"type": "string",
+                        "description": "One line: what it fixes, when to reach for it."},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                 "description": "Tools, errors, frameworks, domain nouns."},
+        "source_task": {"type": "string"},
+        "confidence": {"type": "string", "enum": list(CONFIDENCE), "default": "medium",
+                       "description": "tentative: a lead not verified."},
+        "when": {"type": "string", "description": "When it applies."},
         "procedure": {"type": "string", "description": "The steps that worked, in order."},
-        "pitfalls": {"type": "string", "description": "What went wrong or misleads."},
-        "verification": {"type": "string", "description": "How to tell that it worked."},
+        "pitfalls": {"type": "string"},
+        "verification": {"type": "string", "description": "How to tell it worked."},
     },
     "required": list(_CAPTURE_REQUIRED),
     "additionalProperties": False,

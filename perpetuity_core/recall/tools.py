@@ -66,12 +66,11 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "memory_search",
         "Search all earlier conversations with this user, best match first: rows not seen this"
-        " turn, each with the other half of its exchange, as [#id · conversation · role · time]"
-        " text.",
+        " turn, each with the other half of its exchange.",
         _schema(["query"], query={"type": "string", "description": "Words said before."},
                 **_FILTERS, limit={"type": "integer", "minimum": 1, "maximum": MAX_LIMIT,
-                                   "description": "At most this many; by default as many as"
-                                   " their scores' closeness calls for."})),
+                                   "description": "At most this many (default: as many as"
+                                   " score close to the best)."})),
     ToolSpec(
         "memory_more",
         "More of what this turn's retrieval found but the frame left out, best first, one page"
@@ -89,8 +88,8 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "memory_count",
         "Count exactly the stored rows that mention something (all are read), by conversation"
-        " and date, instances listed. A row counts when it holds every word of `category` (word"
-        " forms fold: hike, hiking), or any with match='any'. Use an instance's own words.",
+        " and date, instances listed. A row counts when it holds every word of `category` (hike"
+        " matches hiking), or any with match='any'. Use an instance's own words.",
         _schema(["category"], category={"type": "string"},
                 match={"type": "string", "enum": ["all", "any"], "default": "all"},
                 **_FILTERS, limit=_limit(COUNT_LIST, 200) | {
@@ -107,7 +106,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "memory_dates",
         "When something happened: the rows that mention it, oldest first, dated, with the time"
-        " between consecutive ones, from the first to the last, and before now.",
+        " between consecutive ones and before now.",
         _schema(["query"], query={"type": "string", "description": "What happened."},
                 **_FILTERS, limit=_limit())),
 )
