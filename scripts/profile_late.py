@@ -74,11 +74,11 @@ def _replay(session: Any, shape: Any, pipeline: Pipeline, upto: int,
     `before(i, side)` runs before call i."""
     side = drive._Side(pipeline)
     tally = Tally("chain", per_call=[])
-    direct, upstream = AnthropicCache(), AnthropicCache()
+    direct, upstream, floor = AnthropicCache(), AnthropicCache(), AnthropicCache()
     for i, call in enumerate(session.calls[:upto]):
         if before is not None:
             before(i, side)
-        drive._replay_call(side, session, call, shape, tally, set(), direct, upstream)
+        drive._replay_call(side, session, call, shape, tally, set(), direct, upstream, floor)
 
 
 def _settings(notes: Path) -> Settings:
@@ -153,7 +153,7 @@ def save(args: argparse.Namespace) -> dict[str, Any]:
                 pickle.dump((pipeline.layout._plans, pipeline._seen, pipeline._shapes), f)
             sent.clear()
 
-    drive._Side.send = kept  # type: ignore[method-assign]
+    drive._Side.send = kept  # type: ignore[method-assign,assignment]
     with tmp:
         store = open_memory(db)
         try:
