@@ -166,7 +166,7 @@ def test_reference_selection() -> None:
 
 def test_the_fill_drops_what_labels_push_over_the_budget() -> None:
     """The estimate leaves out labels; the rendered frame is measured and the last rows added
-    go until it fits."""
+    go until it fits, no more of them than that."""
     rows = {i: row(i, i, i, "user", ASKED - i * DAY, words(40)) for i in range(1, 6)}
     hot = warm(dict.fromkeys(rows, 1.0))
 
@@ -174,9 +174,10 @@ def test_the_fill_drops_what_labels_push_over_the_budget() -> None:
         return messages_tokens(frame_render.messages(rows, ids, (), frozenset(), ASKED, None))
 
     new = frame_select.fill(rows, hot, {1}, 250, measure)
-    # Five fit by the estimate (5 x 50 tokens), rendered they take 379: the last added go by
-    # their estimated size against the 129 over, 5, 4 and 3 ([1, 2, 3] renders to 249).
-    assert new == [1, 2]
+    # Five fit by the estimate (5 x 50 tokens), rendered they take 379: dropping the last
+    # added by their estimated size against the 129 over would take 5, 4 and 3, but [1, 2, 3]
+    # renders to 249, so only 5 and 4 go.
+    assert new == [1, 2, 3]
     assert measure(new) <= 250
 
 
