@@ -99,9 +99,8 @@ def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
     sizes = []
     for _, label, parts, current in laid:
         n = len(label) + len(parts) if label else len(parts) - 1  # the label's line, the joins
-        for p in parts:  # _quoted_length inline: one call fewer a row laid out
-            n += (len(withheld(p)) if p.secret and not current
-                  else len(quote(p)) if p.excerpt or p.kind in _TOOLS else len(p.text))
+        for p in parts:
+            n += len(withheld(p)) if p.secret and not current else _quoted_length(p)
         sizes.append(n)
     heading = 0
     if laid[0][0] == "user":
