@@ -5,9 +5,11 @@ capture), each request upstream accepted and its live task kept byte for byte.""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -207,6 +209,36 @@ def test_the_frames_mark_goes_on_a_copy_of_the_message_rendered() -> None:
     assert anthropic.check(full) == []
 
 
+def test_a_frames_messages_stay_rendered_while_they_live_and_no_longer() -> None:
+    """A frame kept by its plan is the same objects every tool round, however many other
+    messages were rendered between (a 512-entry FIFO dropped them: bench_latency's rotation
+    re-rendered four rounds in five); the rendering is the message's own, so it goes with the
+    message (bounded by what is alive), is never another message's with equal text (another
+    tenant's), and two threads rendering one frame get equal bodies."""
+    frame = [Message("user", (text_part(f"[memory] row {i}"),)) for i in range(200)]
+    first = anthropic.replace_history({"messages": [user(text("go"))]}, frame, 0)["messages"]
+    for k in range(4):  # other conversations' frames rendered between two rounds
+        anthropic.replace_history({"messages": [user(text("go"))]},
+                                  [Message("user", (text_part(f"{k}.{i}"),)) for i in range(300)], 0)
+    again = anthropic.replace_history({"messages": [user(text("go"))]}, frame, 0)["messages"]
+    assert all(a is b for a, b in zip(first[:-2], again[:-2], strict=True))
+    twin = Message("user", (text_part("[memory] row 0"),))  # equal, another tenant's object
+    mine = anthropic._render([twin])[0]
+    assert mine == first[0] and mine is not first[0]
+    rendered = again[0]
+    del first, again
+    assert [type(r).__name__ for r in gc.get_referrers(rendered)] == ["tuple"]  # the message's
+    del frame
+    gc.collect()
+    assert gc.get_referrers(rendered) == []  # gone with its message: nothing else holds it
+    shared = [Message("user", (text_part(f"shared {i}"),)) for i in range(300)]
+    with ThreadPoolExecutor(2) as pool:
+        bodies = list(pool.map(lambda _: anthropic.replace_history(
+            {"messages": [user(text("go"))]}, shared, 0)["messages"], range(40)))
+    assert all(b == bodies[0] for b in bodies)
+    assert anthropic._render(shared) == anthropic._render(shared)
+
+
 def test_anthropic_counts_cache_markers_across_tools_system_and_messages() -> None:
     mark = {"cache_control": {"type": "ephemeral"}}
     body = {"tools": [{"name": "t", **mark}], "system": [{"type": "text", "text": "s", **mark}],
@@ -244,6 +276,16 @@ def test_an_hours_marks_are_the_harness_own_on_its_tools_and_system() -> None:
     ours = anthropic.add_tools(body, [{"name": "memory_search", "description": "d",
                                        "input_schema": {"type": "object"}}], False)
     assert ours["system"] == sent["system"] and ours["tools"][:2] == sent["tools"]
+
+
+def test_our_tools_definitions_go_as_the_same_objects_every_call() -> None:
+    """Made once, so each call writes their JSON from what the last call wrote
+    (wire.written); a definition with more members than the API's three is copied down."""
+    spec = {"name": "memory_search", "description": "d", "input_schema": {"type": "object"}}
+    body = {"model": "claude", "messages": [user(text("go"))]}
+    assert anthropic.add_tools(body, [spec], False)["tools"][0] is spec
+    wider = {**spec, "note": "ours only"}
+    assert anthropic.add_tools(body, [wider], False)["tools"] == [spec]
 
 
 def test_the_frames_mark_lasts_an_hour_where_a_mark_after_it_does() -> None:

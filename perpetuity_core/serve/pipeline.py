@@ -392,13 +392,19 @@ class Pipeline:
     def _tool_specs(self, memory: TurnMemory, taken: list[str]) -> list[dict[str, Any]]:
         """Our tools, never under a name the harness already uses (the model could not tell
         them apart, and the provider may refuse the duplicate)."""
-        specs: list[dict[str, Any]] = [
-            {"name": t.name, "description": t.description, "input_schema": t.input_schema}
-            for t in tools.TOOLS]
-        if memory.library is not None:
-            specs.append({"name": notes.CAPTURE_TOOL_NAME, "description": notes.CAPTURE_RULES,
-                          "input_schema": notes.CAPTURE_TOOL_SCHEMA})
+        specs = _WITH_NOTES if memory.library is not None else _RECALL_SPECS
         return [s for s in specs if s["name"] not in taken]
+
+
+# Our tools' definitions, made once: the same objects in every request, so wire.written writes
+# them once (made afresh each call, their JSON, ~4 KB, was written again twice a call). Never
+# changed after.
+_RECALL_SPECS: tuple[dict[str, Any], ...] = tuple(
+    {"name": t.name, "description": t.description, "input_schema": t.input_schema}
+    for t in tools.TOOLS)
+_WITH_NOTES = (*_RECALL_SPECS, {"name": notes.CAPTURE_TOOL_NAME,
+                                "description": notes.CAPTURE_RULES,
+                                "input_schema": notes.CAPTURE_TOOL_SCHEMA})
 
 
 def _shaped(body: dict[str, Any], parsed: ParsedRequest) -> dict[str, Any]:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, cast
 
 
 class Protocol(StrEnum):
@@ -52,6 +54,12 @@ class Message:
     # The fingerprint, once taken: a message read once (wire.seen) is the same object on every
     # later call of its conversation, so it is digested once, however long the history.
     _digest: str = field(default="", init=False, compare=False, repr=False)
+    # What an adapter made of it for the wire, once (Anthropic's frame message: one text block),
+    # with the function that made it. It lives and dies with the message: a frame is the same
+    # objects every tool round while its plan keeps it, and no cache's bound can drop them
+    # between rounds (a 512-entry FIFO did, bench_latency's rotation re-rendering 4 of 5).
+    _wire: tuple[Callable[[Message], Any], Any] | None = field(
+        default=None, init=False, compare=False, repr=False)
 
     def fingerprint(self) -> str:
         """A digest that survives the ways harnesses re-send a message.
@@ -63,6 +71,16 @@ class Message:
         if not self._digest:
             object.__setattr__(self, "_digest", _fingerprint(self))
         return self._digest
+
+    def wire_form[T](self, make: Callable[[Message], T]) -> T:
+        """`make(self)`, made once for this message: the same object on every later call. Two
+        threads making it at once each get an equal one; the one kept is the last made."""
+        kept = self._wire
+        if kept is not None and kept[0] is make:
+            return cast(T, kept[1])
+        made = make(self)
+        object.__setattr__(self, "_wire", (make, made))
+        return made
 
     @property
     def text(self) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,11 +29,6 @@ from perpetuity_core.wire.protocols.cache_marks import (
     markers,
 )
 from perpetuity_core.wire.sse import Event
-
-# Messages whose rendering is kept: a frame is up to a few hundred, and an entry holds its
-# message (4,096 held 75 MB more at the peak of a 1.37M-token chained replay: 460 against 385).
-RENDERED = 512
-_RENDERED: OrderedDict[int, tuple[Message, dict[str, Any]]] = OrderedDict()
 
 
 def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
@@ -126,17 +120,14 @@ def _render(messages: list[Message]) -> list[dict[str, Any]]:
 def _rendered(m: Message) -> dict[str, Any]:
     """One message rendered, the same object while a plan keeps its frame: each tool round of
     a task sends the frame again, and what is the same object is written once (wire.written).
-    Kept by the message's identity (it is held, so no other has its id), not by its value: a
-    dataclass's hash walks its parts every call. Never changed after (a mark goes on a copy)."""
-    kept = _RENDERED.get(id(m))
-    if kept is not None and kept[0] is m:
-        return kept[1]
-    out = {"role": m.role, "content": [{"type": "text", "text": "\n\n".join(
+    Kept on the message itself (`Message.wire_form`), so it lasts exactly as long as the
+    message. Never changed after (a mark goes on a copy)."""
+    return m.wire_form(_one_block)
+
+
+def _one_block(m: Message) -> dict[str, Any]:
+    return {"role": m.role, "content": [{"type": "text", "text": "\n\n".join(
         p.text for p in m.parts)}]}
-    _RENDERED[id(m)] = (m, out)
-    if len(_RENDERED) > RENDERED:
-        _RENDERED.popitem(last=False)  # the oldest rendered: one call's get, set and pop are atomic
-    return out
 
 
 def message_from(m: dict[str, Any]) -> Message:
@@ -288,10 +279,16 @@ def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
 # --------------------------------------------------------------------------- the tool loop
 
 
+_DEFINITION = {"name", "description", "input_schema"}
+
+
 def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: bool) -> dict[str, Any]:
     """Our tools beside the harness's own, the harness's marks on its tools and system prompt
     kept an hour (`lasting`); on the last round the model must answer."""
-    defs = [{"name": t["name"], "description": t["description"], "input_schema": t["input_schema"]}
+    # A definition of just these members goes as it is, the same object every call (written
+    # once by wire.written); any other is copied down to them.
+    defs = [t if t.keys() == _DEFINITION else
+            {"name": t["name"], "description": t["description"], "input_schema": t["input_schema"]}
             for t in tools]
     out = lasting(body)
     out["tools"] = list(out.get("tools") or []) + defs
