@@ -307,3 +307,24 @@ def test_the_kept_shape_is_read_from_the_standing_messages_alone() -> None:
             parsed = anthropic.parse_request(whole)
             assert (templates.shape(pipeline._shaped(whole, parsed), [])
                     == templates.shape(whole, [])), path.name
+
+
+def test_what_follows_the_history_is_the_same_objects_while_its_text_is() -> None:
+    """A harness's system prompt and tools follow its messages, the same every call: read once
+    and handed back as the same objects (what is walked or written of them is then kept), and
+    read anew the moment their text changes; either way the body is what json.loads reads."""
+    reader = Seen()
+    turns = [{"role": "user" if i % 2 else "assistant", "content": f"turn {i}"}
+             for i in range(1, 8)]
+    calls = [_body(turns[:3]), _body(turns[:5]), {**_body(turns), "tools": [{"name": "Write"}]}]
+    reads = []
+    for body in calls:
+        raw = json.dumps(body).encode()
+        read = reader.read(raw)
+        assert read.data == json.loads(raw)
+        reader.keep(read, None)
+        reads.append(read)
+    first, second, third = (r.data for r in reads)
+    assert reads[1].reused and reads[2].reused  # each read on from the one before
+    assert second["tools"] is first["tools"] and second["system"] is first["system"]
+    assert third["tools"] is not second["tools"] and third["system"] is not second["system"]

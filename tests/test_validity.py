@@ -245,7 +245,9 @@ def test_anthropic_counts_cache_markers_across_tools_system_and_messages() -> No
             "messages": [user({**text("a"), **mark}, {**result("x"), "content": [
                 {**text("r"), **mark}]})]}
     assert [e for e in anthropic.check(body) if "cache_control" in e] == []
-    body["system"].append({"type": "text", "text": "t", **mark})
+    # A new body (the request path never changes one in place: what is walked of its
+    # members is kept while they are the same objects, cache_marks.markers_outside).
+    body = {**body, "system": [*body["system"], {"type": "text", "text": "t", **mark}]}
     assert any("5 cache_control markers" in e for e in anthropic.check(body))
 
 
@@ -286,6 +288,32 @@ def test_our_tools_definitions_go_as_the_same_objects_every_call() -> None:
     assert anthropic.add_tools(body, [spec], False)["tools"][0] is spec
     wider = {**spec, "note": "ours only"}
     assert anthropic.add_tools(body, [wider], False)["tools"] == [spec]
+
+
+def test_what_is_made_of_a_harness_s_tools_is_kept_for_those_objects_alone() -> None:
+    """cache_marks.LastMade: made once while the objects are the same ones; equal objects that
+    are not the same (another request's, another tenant's) are made afresh, never answered
+    from the other's; one entry; two threads alternating objects each get their own's."""
+    made: list[int] = []
+
+    def length(tools: list[Any]) -> int:
+        made.append(len(tools))
+        return len(json.dumps(tools))
+
+    last = cache_marks.LastMade(length)
+    tools, twin = [{"name": "Read"}], [{"name": "Read"}]
+    assert last(tools) == last(tools) == len(json.dumps(tools)) and len(made) == 1
+    assert last(twin) == len(json.dumps(twin)) and len(made) == 2  # equal, not the same
+    assert last(tools) and len(made) == 3  # one entry: the twin replaced it
+    bodies = [[{"name": "x" * n}] for n in range(1, 9)]
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda k: (k, last(bodies[k % 8])), range(4000)))
+    assert all(n == len(json.dumps(bodies[k % 8])) for k, n in got)
+    body = {"model": "m", "tools": tools, "system": [{"type": "text", "text": "s",
+                                                     "cache_control": {"type": "ephemeral"}}],
+            "messages": [user(text("go"))]}
+    assert cache_marks.markers_outside(body) == [{"type": "ephemeral"}]
+    assert cache_marks.markers_outside({**body, "system": "s"}) == []  # another member
 
 
 def test_the_frames_mark_lasts_an_hour_where_a_mark_after_it_does() -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ENTRIES = 16  # bodies kept (least recently read go first)
@@ -68,6 +68,12 @@ class _Entry:
     elements: list[Any]  # the history's elements
     ends: list[tuple[int, int]]  # (byte offset just past element i, i) for the last ENDS
     known: Any = None  # what the adapter made of the body
+    # The body's text after its history array, and the top-level members it holds: a body
+    # whose text there is the same holds these same objects (a harness's system prompt and
+    # tools follow its messages: Claude Code's 64 KB of tool schemas, parsed, then walked and
+    # written anew on every call, were ~1 ms of a tool round's prepare).
+    after: str = ""
+    tail: list[tuple[str, Any]] = field(default_factory=list)
 
 
 class Seen:
@@ -189,7 +195,7 @@ def _continued(raw: bytes, entry: _Entry, end: int, last: int) -> Read | None:
     `last`: read from there."""
     text = raw[end:].decode("utf-8", "surrogatepass")
     new = _Entry(raw, entry.head, entry.key, entry.elements[:last + 1],
-                 [e for e in entry.ends if e[0] <= end])
+                 [e for e in entry.ends if e[0] <= end], after=entry.after, tail=entry.tail)
     read = _rest(text, 0, new, end, after_element=True)
     if read is not None:
         read.known, read.reused, read.fresh_from = entry.known, last + 1, end
@@ -218,7 +224,10 @@ def _rest(text: str, i: int, entry: _Entry, base: int,
         return None
     i = _SPACE.match(text, i + 1).end()  # type: ignore[union-attr]
     tail: list[tuple[str, Any]] = []
-    if text[i:i + 1] == ",":
+    after = text[i:]
+    if after and after == entry.after:  # ("" is no body's: it ends at its "}")
+        tail = entry.tail  # read before, and taken as read: the same objects
+    elif text[i:i + 1] == ",":
         if text[_SPACE.match(text, i + 1).end():][:1] != '"':  # type: ignore[union-attr]
             return None  # a trailing comma: json.loads refuses it
         rest, at = _DECODER.raw_decode("{" + text[i + 1:], 0)
@@ -229,6 +238,7 @@ def _rest(text: str, i: int, entry: _Entry, base: int,
         return None
     if any(k == entry.key for k, _ in tail):
         return None  # the history named twice: json.loads keeps the last
+    entry.after, entry.tail = after, tail
     entry.ends = (entry.ends + _byte_ends(text, base, ends, len(elements) - len(ends)))[-ENDS:]
     members = [*entry.head, (entry.key, list(elements)), *tail]
     return Read(dict(members), _entry=entry)

@@ -24,9 +24,11 @@ from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase
 from perpetuity_core.wire.protocols.cache_marks import (
     HOUR_MARK,
     MAX_CACHE_MARKERS,
+    LastMade,
     content_blocks,
     lasting,
     markers,
+    markers_outside,
 )
 from perpetuity_core.wire.sse import Event
 
@@ -65,8 +67,13 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
         structured_output=isinstance(output_config, dict) and "format" in output_config,
         raw_index=raw_index,
         raw_standing=standing,
-        fixed_chars=len(system) + len(json.dumps(body.get("tools") or [], ensure_ascii=False)),
+        fixed_chars=len(system) + _tools_chars(body.get("tools")),
     )
+
+
+# The harness's tools' length as JSON, measured once while they are the same objects
+# (wire.seen): json.dumps of Claude Code's 64 KB of schemas on every call.
+_tools_chars = LastMade(lambda tools: len(json.dumps(tools or [], ensure_ascii=False)))
 
 
 def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
@@ -87,7 +94,7 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
     kept = kept_system + spliced(raw, keep_from, inserts, _render)
     rendered = _render(frame)
     after = markers(kept)
-    spare = MAX_CACHE_MARKERS - len(after) - len(markers({**body, "messages": []}))
+    spare = MAX_CACHE_MARKERS - len(after) - len(markers_outside(body))
     if rendered and spare > 0:
         # The API refuses an hour's mark after a five minutes' one: where the harness keeps
         # what follows the frame an hour (Claude Code for some accounts), the frame's lasts too.

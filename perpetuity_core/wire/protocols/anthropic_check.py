@@ -10,6 +10,7 @@ from perpetuity_core.wire.protocols.cache_marks import (
     content_blocks,
     hour_after_minutes,
     markers,
+    markers_outside,
 )
 
 
@@ -61,7 +62,7 @@ def check(body: dict[str, Any]) -> list[str]:
                 errors.append(f"message {i}: thinking block without its signature")
             elif b.get("type") == "redacted_thinking" and not b.get("data"):
                 errors.append(f"message {i}: redacted_thinking block without its data")
-    marks = markers({**body, "messages": walked})
+    marks = markers_outside(body) + markers(walked)
     if len(marks) > MAX_CACHE_MARKERS:
         errors.append(f"{len(marks)} cache_control markers (at most {MAX_CACHE_MARKERS})")
     # The order of lifetimes walks every block: only where an hour's mark is there to misplace.
