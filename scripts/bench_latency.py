@@ -27,15 +27,21 @@ rounds through the relay 12.5 before, 9.4 after (stream 6.3 / 6.5), 6.1 over str
 3.1 after. Before this script gave each side its own conversation, the relay built the frame
 6 times in 7 and the stream side carried it: 20 ms of "relay over stream" on a first prompt.
 
-    .venv/bin/python scripts/bench_latency.py [--requests 200]
+`--floor` adds mitmproxy's own: `mitmdump_bare` (a reverse proxy to the provider, every body
+streamed, no addon) and `mitmdump_noop` (the same with an addon whose one hook streams the
+response, as ours does): what pass-through and capture are measured against.
+
+    .venv/bin/python scripts/bench_latency.py [--requests 200] [--floor]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,13 +55,16 @@ from wsproto.events import CloseConnection, Request, TextMessage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import start_proxy, stop_proxy
+from tests.conftest import MITMDUMP, free_port, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text
 
 SIDES = {"direct": {}, "frame_and_tools_relay": {}, "frame_stream": {"x-perpetuity-tools": "off"},
          "capture_stream": {"x-perpetuity-recall": "off"}, "pass_through": {"x-perpetuity": "off"},
          "task_relay": {}, "task_stream": {"x-perpetuity-tools": "off"},
          "gemini_direct": {}, "gemini_frame_and_tools_relay": {}, "ws_direct": {}, "ws_frame": {}}
+FLOOR = ("mitmdump_bare", "mitmdump_noop")  # (--floor) mitmproxy alone, reverse to the provider
+NOOP = "class Noop:\n    def responseheaders(self, flow):\n        flow.response.stream = True\n" \
+       "\n\naddons = [Noop()]\n"
 GEMINI = "/v1beta/models/gemini-2.5-flash:streamGenerateContent?alt=sse"
 ROUNDS = 5  # calls of a task: its prompt and four tool rounds
 
@@ -82,6 +91,8 @@ def timed(client: httpx.Client, url: str, side: str, n: int) -> tuple[float, flo
         return timed_socket(url, side, n)
     if side.startswith("gemini_"):
         return timed_gemini(client, url, side, n)
+    if side in FLOOR:  # a first prompt, as the direct side sends it
+        side = "direct"
     body = {"model": "claude-opus-4-8", "max_tokens": 100, "stream": True,
             "metadata": {"user_id": "bench"}, "messages": messages(side, n)}
     return streamed(client, url + "/v1/messages", body,
@@ -144,6 +155,27 @@ def timed_socket(url: str, side: str, n: int) -> tuple[float, float]:
     return first * 1000, total * 1000
 
 
+def bare(tmp: Path, upstream: str, side: str) -> tuple[str, str, subprocess.Popen[bytes]]:
+    """A mitmdump of the floor's, reverse to the provider, ready: (side, its URL, it)."""
+    port = free_port()
+    script = tmp / "noop.py"
+    script.write_text(NOOP)
+    how = ["-s", str(script)] if side == "mitmdump_noop" else ["--set", "stream_large_bodies=1"]
+    process = subprocess.Popen(
+        [str(MITMDUMP), "-q", "--mode", f"reverse:{upstream}", "--listen-host", "127.0.0.1",
+         "--listen-port", str(port), "--set", f"confdir={tmp / 'mitm'}",
+         "--set", "connection_strategy=lazy", *how],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return side, url, process
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"{side}: mitmdump did not start")
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
@@ -152,23 +184,31 @@ def pct(xs: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--floor", action="store_true",
+                    help="also mitmdump alone (no addon, and a no-op addon): mitmproxy's own")
     args = ap.parse_args()
-    results = {side: {"ttfb": [], "total": []} for side in SIDES}
+    sides = [*SIDES, *(FLOOR if args.floor else ())]
+    results = {side: {"ttfb": [], "total": []} for side in sides}
     with FakeProvider() as fake, tempfile.TemporaryDirectory() as tmp:
         proxy = start_proxy(Path(tmp), fake.url)
+        urls = {side: fake.url if side.endswith("direct") else proxy.url for side in sides}
+        floors: list[tuple[str, str, subprocess.Popen[bytes]]] = []
         try:
+            floors += [bare(Path(tmp), fake.url, side) for side in FLOOR] if args.floor else []
+            urls.update((side, url) for side, url, _ in floors)
             with httpx.Client(trust_env=False, timeout=30) as client:
-                sides = list(SIDES)
                 for i in range(args.requests + 5):
                     for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # rotate
                         fake.script(Text("A reply of a few words, streamed in pieces.", chunks=8))
-                        url = fake.url if side.endswith("direct") else proxy.url
-                        ttfb, total = timed(client, url, side, i)
+                        ttfb, total = timed(client, urls[side], side, i)
                         if i >= 5:  # the first few warm connections and the database up
                             results[side]["ttfb"].append(ttfb)
                             results[side]["total"].append(total)
         finally:
             stop_proxy(proxy)
+            for _, _, process in floors:
+                process.terminate()
+                process.wait(10)
     out: dict[str, object] = {"requests": args.requests}
     for side, r in results.items():
         out[side] = {f"{m}_ms_{q}": pct(v, p) for m, v in r.items()
