@@ -27,6 +27,17 @@ rounds through the relay 12.5 before, 9.4 after (stream 6.3 / 6.5), 6.1 over str
 3.1 after. Before this script gave each side its own conversation, the relay built the frame
 6 times in 7 and the stream side carried it: 20 ms of "relay over stream" on a first prompt.
 
+Since (h-round7): a frame's messages rendered on the message itself (a 512-entry FIFO was
+emptied by this script's first prompts between two tool rounds: 4 renders in 5 missed, and
+every miss was written anew), our tools' definitions made once, and a harness's system prompt
+and tools handed back by wire.seen as the same objects while their text is, what is walked and
+measured of them made once. Prepare CPU a tool round (bench_prepare.py, three pairs, load 8-10):
+1.77 -> 1.00 ms; Claude Code-shaped (its 64 KB of tools and system) 3.59 -> 0.89. Added ttfb
+p50, one pair near idle (load 0.0-0.6): task_relay 6.91 -> 5.39, task_stream 5.47 -> 4.18,
+capture 3.46 -> 3.15, pass-through 2.76 -> 2.48; `--floor` the same minute: mitmdump alone
+3.18, with a no-op addon 2.54, pass-through 2.93, capture 3.45 (mitmproxy's own is most of
+pass-through's; our hooks' CPU ~0.25 ms of it: passed 0.08, apply 0.11).
+
 `--floor` adds mitmproxy's own: `mitmdump_bare` (a reverse proxy to the provider, every body
 streamed, no addon) and `mitmdump_noop` (the same with an addon whose one hook streams the
 response, as ours does): what pass-through and capture are measured against.
