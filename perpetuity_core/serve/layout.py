@@ -194,7 +194,8 @@ class Layout:
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
                             recent_messages=recent,
                             kept_tokens=messages_tokens(messages[keep:prompt]),
-                            narrow=bool(parsed.tool_names) and keep == 0)
+                            narrow=bool(parsed.tool_names) and keep == 0,
+                            agent=bool(parsed.tool_names))
         front, notes_shown = self._with_notes(built.messages if built else [], parsed, library)
         if not built:
             keep = 0  # nothing to stand in for the history
