@@ -202,6 +202,7 @@ class Layout:
         rebuilt = Plan(
             frame=tuple(front), frame_tokens=messages_tokens(front),
             anchor=plan.mark(messages, keep), prompt=plan.mark(messages, prompt), at=asked_at,
+            standing_tokens=messages_tokens(m for m in messages[:keep] if m.role == "system"),
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0,
