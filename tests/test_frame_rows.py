@@ -164,6 +164,36 @@ def test_reference_selection() -> None:
     assert smaller.item_ids == [1, 2, 7, 6, 4]
 
 
+def test_an_agents_frame_with_a_stretch_takes_its_top_hit_only_as_the_fill_does() -> None:
+    """An agent's frame standing in for its dropped history: its latest stretch whole, and the
+    prompt's top hit and the other half of its exchange only where the fill takes them (here
+    the top hit is too long for the budget). A chat's frame, or an agent's with no stretch,
+    takes them whole whatever the budget."""
+    rows = {r.item_id: r for r in [
+        row(1, 1, 1, "user", ASKED - DAY, "The deploy script " + words(300)),  # the top hit
+        row(2, 2, 1, "assistant", ASKED - DAY + 60, "Run make deploy."),  # its other half
+        row(7, 7, CURRENT, "user", ASKED - 120, "Edit src/app/deploy.py"),  # the stretch
+    ]}
+    hot = warm({1: 2.0, 2: 0.05})
+    hits = [hit(rows[1], 9.0)]
+
+    def measure(ids: list[int], recent: Collection[int],
+                excerpts: Mapping[int, Row] | None = None) -> int:
+        return messages_tokens(frame_render.messages({**rows, **(excerpts or {})}, ids, recent,
+                                                     frozenset(), ASKED, CURRENT))
+
+    def chosen(agent: bool, stretch: list[int]) -> frame_select.Selection:
+        return frame_select.frame(rows, hot, hits, [2], stretch, 120, Cap(40, 2_000), measure,
+                                  agent=agent)
+
+    agents = chosen(True, [7])
+    assert set(agents.item_ids) == {7, 2}  # the top hit over the budget; its short answer fits
+    assert agents.must == {7: frame_select.MUST_RECENT}
+    assert chosen(False, [7]).must == {7: frame_select.MUST_RECENT, 1: frame_select.MUST_TOP,
+                                       2: frame_select.MUST_HALF}
+    assert chosen(True, []).must == {1: frame_select.MUST_TOP, 2: frame_select.MUST_HALF}
+
+
 def test_the_fill_drops_what_labels_push_over_the_budget() -> None:
     """The estimate leaves out labels; the rendered frame is measured and the last rows added
     go until it fits, no more of them than that."""

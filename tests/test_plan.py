@@ -13,6 +13,7 @@ import pytest
 
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import plan
+from perpetuity_core.frame import select as frame_select
 from perpetuity_core.frame.cap import Cap
 from perpetuity_core.frame.select import RECENT_TOKENS
 from perpetuity_core.memory.derived.index import messages_tokens
@@ -341,3 +342,38 @@ def test_kept_plans_never_hold_more_tokens_than_their_bound(tmp_path: Path,
     assert kept._plan_tokens == 900
     kept.remember((1, "big"), laid(2_000))
     assert list(kept._plans) == [(1, "big")] and kept._plan_tokens == 3_000
+
+
+def test_an_agents_rebuilt_frame_takes_its_top_hit_only_as_the_fill_does(tmp_path: Path) -> None:
+    """A frame standing in for dropped history holds the conversation's latest stretch; an
+    agent's takes the prompt's top hit only where the fill does, a chat's takes it whole."""
+    read = [{"name": "Read", "description": "Read a file.", "input_schema": {"type": "object"}}]
+    for name, tools, whole in (("chat", None, True), ("agent", read, False)):
+        (tmp_path / name).mkdir()
+        s = Session(tmp_path / name, Cap(floor=100, ceiling=300), tools=tools)
+        s.prompt("Which module parses toml files?")
+        for k in range(3):
+            s.tool_round(f"round {k} " * 200)
+        _, d = s.prompt("Which module parses yaml?", gap=plan.TTL + 1)
+        assert d.frame is not None and frame_select.MUST_RECENT in d.frame.must.values()
+        assert (frame_select.MUST_TOP in d.frame.must.values()) is whole, name
+
+
+def test_the_bound_counts_the_system_messages_kept_in_front_of_the_anchor(
+        tmp_path: Path) -> None:
+    """A harness's system-role message stays when the history around it is replaced (Claude
+    Code's list of agent types): a request's size, held to the bound, counts it."""
+    read = [{"name": "Read", "description": "Read a file.", "input_schema": {"type": "object"}}]
+    bound = 12_000
+    s = Session(tmp_path, Cap(floor=100, ceiling=300, bound=bound), tools=read)
+    s.history.append({"role": "system", "content": "agent types: " + "general-purpose " * 800})
+    s.prompt("Which module parses toml files?")
+    largest = 0
+    for k in range(12):
+        sent, _ = s.tool_round(f"line {k} " * 400)
+        text = [b.get("text") or b.get("content") or "" for m in sent
+                for b in ([{"text": m["content"]}] if isinstance(m["content"], str)
+                          else m["content"])]
+        largest = max(largest, sum(len(str(t)) + 3 for t in text) // 4)
+    assert any(m["role"] == "system" for m in sent)  # it stayed, after the frame
+    assert largest <= bound

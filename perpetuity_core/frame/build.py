@@ -55,7 +55,7 @@ class Frame:
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
           exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap,
           recent_messages: Iterable[int] = (), kept_tokens: int = 0,
-          narrow: bool = False) -> Frame | None:
+          narrow: bool = False, agent: bool = False) -> Frame | None:
     """The frame for one question, or None when memory holds nothing to show. Reads only.
 
     Never trimmed: the question's top hit and the latest stretch of the conversation that the
@@ -68,7 +68,8 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     from the first call, reach anyway. A frame that stands in for dropped history keeps the
     breadth-sized budget: its warm rows hold what the latest stretch leaves out (the shared
     Claude Code sessions: narrow everywhere 0.669 of direct, identifiers 0.882 / 0.807 in
-    context; narrow only here 0.678, 0.890 / 0.815).
+    context; narrow only here 0.678, 0.890 / 0.815). An `agent`'s frame with a latest stretch
+    takes its top hit as the fill does (frame_select.frame).
     """
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded)
@@ -97,7 +98,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
         return frame_render.tokens(laid(ids, recent, excerpts), asked_at)
 
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
-                                tokens, limits, measured)
+                                tokens, limits, measured, agent)
     if not chosen.item_ids:
         return None
     built = _frame(frame_render.written(laid(chosen.item_ids, chosen.recent, chosen.excerpts),

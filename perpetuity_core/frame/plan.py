@@ -128,6 +128,8 @@ class Plan:
     left_out: int = 0  # warm rows the frame's cap left out
     excess: float = 0.0  # re-read cost paid since the frame was built for what a rebuild drops
     rule: CacheRule = ANTHROPIC  # the provider's cache prices (`rule_for`)
+    # The harness's system-role messages before the anchor: they stay, after the frame.
+    standing_tokens: int = 0
     stubs: tuple[Stub, ...] = ()  # the live task's tool results sent as stubs, oldest first
     stubbed: int = 0  # tokens the stubs save
     pace: Pace = Pace()
@@ -222,11 +224,13 @@ class Rebuild:
 
 def size(plan: Plan, messages: list[Message], keep: int, fixed: int) -> int:
     """The tokens of the request as `plan` lays it out from message `keep` on, `fixed` those of
-    what the harness sends besides its messages (its system prompt, its tools)."""
+    what the harness sends besides its messages (its system prompt, its tools). The system-role
+    messages before `keep` go too (`standing_tokens`): the shared sessions chained, a bound of
+    40k, sent 41.4k where they were left out (1.5k of Claude Code's agent lists)."""
     kept = messages[keep:]
     media = sum(1 for m in kept for p in m.parts if p.kind == Kind.MEDIA)
-    return (fixed + plan.frame_tokens + plan.insert_tokens + messages_tokens(kept)
-            + MEDIA_TOKENS * media - plan.stubbed)
+    return (fixed + plan.frame_tokens + plan.insert_tokens + plan.standing_tokens
+            + messages_tokens(kept) + MEDIA_TOKENS * media - plan.stubbed)
 
 
 def trimmed(plan: Plan, messages: list[Message], keep: int, prompt: int, fixed: int,

@@ -4,8 +4,9 @@ that enter. Pure: no reads.
 How much, by the breadth-sized cap (cap.py). What, for a frame, by heat: this turn's retrieval
 has reheated its hits, and the warm rows that give the most warmth per token enter until the
 budget is spent, measured as rendered (frame_render). Never left out: the question's top hit,
-the other half of its exchange (unless that is a bulk), and the conversation's latest stretch.
-An addendum takes its hits in rank order instead, within a narrow question's budget.
+the other half of its exchange (unless that is a bulk; neither in an agent's frame: `frame`), and
+the conversation's latest stretch. An addendum takes its hits in rank order instead, within a
+narrow question's budget.
 """
 
 from __future__ import annotations
@@ -136,12 +137,25 @@ def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0) -> int:
 
 
 def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int],
-          recent_items: list[int], tokens: int, limits: cap.Cap, measure: Measure) -> Selection:
+          recent_items: list[int], tokens: int, limits: cap.Cap, measure: Measure,
+          agent: bool = False) -> Selection:
     """A frame's rows: the mandatory ones, then the most warmth per token within `tokens` as
     rendered. `half` is the rows of the top hit's other half, `recent_items` the rows of the
-    conversation's latest stretch (store order)."""
+    conversation's latest stretch (store order). An `agent`'s frame (a harness that sends
+    tools of its own) with a latest stretch takes its top hit only as the fill does."""
     recent, excerpts = latest(rows, recent_items,
                               min(RECENT_TOKENS, limits.bound // STRETCH_SHARE))
+    # An agent's frame that stands in for its dropped history (it has a latest stretch) takes the
+    # prompt's top hit and the other half of its exchange as the fill takes any warm row (this
+    # prompt's retrieval reheated them), not whole whatever their size: a coding prompt's words
+    # ("commit it", "now the tests") seldom name what its task needs, which the stretch holds, and
+    # the recall tools reach the rest. On the six shared Claude Code sessions (cost of direct /
+    # identifiers in the request / in context, of 465): top hit and other half whole 0.6257 / 438
+    # / 407 (430 tokens a rebuilt frame); the other half by the fill 0.6246 / 438 / 407; both
+    # 0.6175 / 436 / 404; both unless they are 200 tokens or fewer 0.6164 / 436 / 404. A chat's
+    # question is what its frame is for: its top hit stays whole.
+    if agent and recent:
+        hits, half = [], []
     other = companion(half, rows, limits)
     whole = ({hits[0].item_id} if hits else set()) | set(other)
     excerpts = {i: r for i, r in excerpts.items() if i not in whole}  # those come whole

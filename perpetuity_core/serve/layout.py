@@ -194,13 +194,15 @@ class Layout:
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
                             recent_messages=recent,
                             kept_tokens=messages_tokens(messages[keep:prompt]),
-                            narrow=bool(parsed.tool_names) and keep == 0)
+                            narrow=bool(parsed.tool_names) and keep == 0,
+                            agent=bool(parsed.tool_names))
         front, notes_shown = self._with_notes(built.messages if built else [], parsed, library)
         if not built:
             keep = 0  # nothing to stand in for the history
         rebuilt = Plan(
             frame=tuple(front), frame_tokens=messages_tokens(front),
             anchor=plan.mark(messages, keep), prompt=plan.mark(messages, prompt), at=asked_at,
+            standing_tokens=messages_tokens(m for m in messages[:keep] if m.role == "system"),
             shown=frozenset(built.item_ids if built else ()),
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0,
