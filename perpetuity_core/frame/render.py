@@ -160,25 +160,39 @@ class _Prefixes:
     def __init__(self, rows: list[Row], entered: np.ndarray, asked_at: float,
                  conversation_id: int | None) -> None:
         asked = datetime.fromtimestamp(asked_at, UTC).date()
-        order = sorted(range(len(rows)), key=lambda j: (rows[j].conversation_id,
-                                                        rows[j].message_id, rows[j].item_id))
-        rows = [rows[j] for j in order]
+        n = len(rows)
+        conversation = np.fromiter(map(_CONVERSATION, rows), np.int64, n)
+        message = np.fromiter(map(_MESSAGE, rows), np.int64, n)
+        order = np.lexsort((np.fromiter(map(_ITEM, rows), np.int64, n), message, conversation))
+        rows = [rows[j] for j in order.tolist()]
         self.entered = entered[order]
-        self.conversation = np.array([r.conversation_id for r in rows], np.int64)
-        self.message = np.array([r.message_id for r in rows], np.int64)
-        self.at = np.array([r.at for r in rows], np.float64)
-        self.user = np.array([r.role != "assistant" for r in rows], bool)
-        current = [r.conversation_id == conversation_id for r in rows]
-        self.current = np.array(current, bool)
-        self.text = np.array([len(withheld(r)) if r.secret and not now else _quoted_length(r)
-                              for r, now in zip(rows, current)], np.int64)
-        self.opens = np.array([len(_label(r, asked, now)) for r, now in zip(rows, current)],
-                              np.int64)
-        self.when = np.array([len(_when(r.at, asked)) for r in rows], np.int64)
+        self.conversation, self.message = conversation[order], message[order]
+        at = [r.at for r in rows]
+        self.at = np.array(at, np.float64)
+        self.user = np.fromiter((r.role != "assistant" for r in rows), bool, n)
+        self.current = self.conversation == (-1 if conversation_id is None else conversation_id)
+        self.text = np.fromiter(map(_quoted_length, rows), np.int64, n)
+        for j in np.flatnonzero(np.fromiter(map(_SECRET, rows), bool, n) & ~self.current):
+            self.text[j] = len(withheld(rows[j]))
+        self.when = np.fromiter((len(_when(a, asked)) for a in at), np.int64, n)
+        # A run opening its group: `_label`'s length, each conversation's name measured once.
+        named = list(zip(map(_NAME, rows), self.current.tolist()))
+        where = {key: len(_where(*key)) for key in set(named)}
+        self.opens = self.when + 2 + np.fromiter(map(where.__getitem__, named), np.int64, n)
+        # Every prefix past the last row to enter measures the same (the latest stretch's rows
+        # are all mandatory): measured once.
+        self.whole = int(entered.max()) if n else 0
+        self.measured: dict[int, tuple[int, int, bool]] = {}
 
     def runs(self, k: int, adjacent: Collection[tuple[int, int]]) -> tuple[int, int, bool]:
         """The tokens of the runs of the rows entered by prefix k (`tokens`, each run's part),
         and the size and speaker of the run that opens the section; -1 for none."""
+        k = min(k, self.whole)
+        if (known := self.measured.get(k)) is None:
+            known = self.measured[k] = self._runs(k, adjacent)
+        return known
+
+    def _runs(self, k: int, adjacent: Collection[tuple[int, int]]) -> tuple[int, int, bool]:
         rows = np.flatnonzero(self.entered <= k)
         if not len(rows):
             return 0, -1, False
@@ -199,9 +213,11 @@ class _Prefixes:
         inner = ~group
         gap = inner & (self.at[first] - self.at[before] > RUN_GAP)
         label[gap] = self.when[first[gap]]
-        for r in np.flatnonzero(inner & ~gap).tolist():
-            if (int(self.message[before[r]]), int(self.message[first[r]])) not in adjacent:
-                label[r] = len(SKIPPED)
+        said = np.flatnonzero(inner & ~gap)
+        if len(said):
+            pairs = zip(self.message[before[said]].tolist(), self.message[first[said]].tolist())
+            label[said] = np.fromiter((p not in adjacent for p in pairs), bool,
+                                      len(said)) * len(SKIPPED)
         parts = np.diff(at, append=len(rows))
         size += np.where(label > 0, label + parts, parts - 1)
         # The section opens with the conversation said last longest ago, the current one last.
@@ -301,13 +317,19 @@ def runs(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float
 
 # A row's place in the store, (message_id, item_id): read in C, not a call per row.
 _STORE_ORDER = operator.attrgetter("message_id", "item_id")
+_CONVERSATION, _MESSAGE, _ITEM, _SECRET, _NAME = map(operator.attrgetter, (
+    "conversation_id", "message_id", "item_id", "secret", "conversation"))
 
 
 def _label(r: Row, asked: date, current: bool) -> str:
+    # Its length is len(_where) + len(_when) + 2, which `_Prefixes` measures by.
+    return f"[{_where(r.conversation, current)}, {_when(r.at, asked)[1:]}"
+
+
+def _where(name: str, current: bool) -> str:
     # Another conversation by the name a person knows it by (names.py), never its session id.
-    where = ("this conversation" if current else
-             f"conversation {r.conversation}" if r.conversation else "another conversation")
-    return f"[{where}, {_when(r.at, asked)[1:]}"
+    return ("this conversation" if current else
+            f"conversation {name}" if name else "another conversation")
 
 
 @functools.lru_cache(maxsize=STAMPS)
