@@ -193,39 +193,47 @@ class _Prefixes:
         return known
 
     def _runs(self, k: int, adjacent: Collection[tuple[int, int]]) -> tuple[int, int, bool]:
-        rows = np.flatnonzero(self.entered <= k)
-        if not len(rows):
+        # Array methods, not numpy's Python-level helpers (flatnonzero, diff, roll, append):
+        # those cost more than the arithmetic on a frame's few hundred rows.
+        rows = (self.entered <= k).nonzero()[0]
+        n = len(rows)
+        if not n:
             return 0, -1, False
         conversation, message = self.conversation[rows], self.message[rows]
-        opens = np.empty(len(rows), bool)
-        opens[0] = True
-        np.not_equal(conversation[1:], conversation[:-1], out=opens[1:])
-        starts = opens.copy()
-        starts[1:] |= message[1:] != message[:-1]
-        at = np.flatnonzero(starts)  # each run's first place among `rows`
-        first = rows[at]  # and its row
-        size = np.add.reduceat(self.text[rows], at)
-        group = opens[at]
+        opens = np.empty(n + 1, bool)  # where a group opens, and the end
+        opens[0] = opens[n] = True
+        np.not_equal(conversation[1:], conversation[:-1], out=opens[1:n])
+        starts = opens.copy()  # where a run opens, and the end
+        starts[1:n] |= message[1:] != message[:-1]
+        at = starts.nonzero()[0]
+        first = rows[at[:-1]]  # each run's first row
+        size = np.add.reduceat(self.text[rows], at[:-1])
+        group = opens[at[:-1]]
         label = np.where(group, self.opens[first], 0)
         # A run within its group: labelled by its time after a gap, SKIPPED after turns left
         # out, nothing when said together with the run before it (`runs`).
-        before = np.roll(first, 1)
+        before = np.empty_like(first)
+        before[0], before[1:] = first[0], first[:-1]
         inner = ~group
         gap = inner & (self.at[first] - self.at[before] > RUN_GAP)
         label[gap] = self.when[first[gap]]
-        said = np.flatnonzero(inner & ~gap)
+        said = (inner & ~gap).nonzero()[0]
         if len(said):
             pairs = zip(self.message[before[said]].tolist(), self.message[first[said]].tolist())
             label[said] = np.fromiter((p not in adjacent for p in pairs), bool,
                                       len(said)) * len(SKIPPED)
-        parts = np.diff(at, append=len(rows))
+        parts = at[1:] - at[:-1]
         size += np.where(label > 0, label + parts, parts - 1)
         # The section opens with the conversation said last longest ago, the current one last.
-        group_at = np.flatnonzero(group)
-        last = rows[np.append(at[group_at[1:]], len(rows)) - 1]
-        opening = group_at[np.lexsort((self.conversation[last], self.at[last],
-                                       self.current[last]))[0]]
-        return int(((size + 3) // 4).sum()), int(size[opening]), bool(self.user[first[opening]])
+        groups = opens.nonzero()[0]
+        lead = 0
+        if len(groups) > 2:
+            last = rows[groups[1:] - 1]
+            lead = int(np.lexsort((self.conversation[last], self.at[last],
+                                   self.current[last]))[0])
+        opening = int(at.searchsorted(groups[lead]))
+        return (int(((size + 3) // 4).sum()), int(size[opening]),
+                bool(self.user[rows[groups[lead]]]))
 
 
 def _text(label: str, parts: list[Row], current: bool) -> str:
