@@ -329,10 +329,9 @@ def by_warmth_per_token(warm: heat.Warm, costs: Mapping[int, int]) -> list[int]:
     in the warm set's order. A budget is filled best so (the greedy knapsack): one long reply
     must earn its place against the several short turns it would push out. One stable sort
     of an array, not a Python key per row (~400 a first prompt)."""
-    ids = warm.item_ids.tolist()
-    inside = np.fromiter((i in costs for i in ids), bool, len(ids))
+    inside = np.array([i in costs for i in warm.item_ids.tolist()], bool)
     chosen = warm.item_ids[inside]
-    tokens = np.fromiter((costs[i] for i in chosen.tolist()), np.float64, len(chosen))
+    tokens = np.array([costs[i] for i in chosen.tolist()], np.float64)
     # The same float64 division as -w / (c + ROW_FLOOR) in Python: the same order exactly.
     order = np.argsort(-warm.warmth[inside] / (tokens + ROW_FLOOR), kind="stable")
     return chosen[order].tolist()  # type: ignore[no-any-return]
