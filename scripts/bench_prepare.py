@@ -61,6 +61,20 @@ conversations' tuples hashed and their pair sets united every call), the reheat 
 once, the written frame's messages made once each: instructions a prepare bench 34.93M ->
 33.17M (0.95), LoCoMo 34.92M -> 32.00M (0.92), pooled 39.96M -> 36.76M (0.92), this memory
 set built afresh by base code, PYTHONHASHSEED=0.
+Since (h-first7): the fill's search measures its prefixes without laying any out
+(frame.render.prefix_tokens: the rows as arrays in store order, a prefix a mask; on this
+memory it laid out 226, 168, 207 and 191 rows for the 191 that entered), and the frame is laid
+out once, to be written; a piece of the body written without ASCII escapes that is ASCII
+through is kept as the relay's first round's too (wire.written: JSON encoding 4.4M -> 2.3M
+instructions a prepare). Instructions a prepare, callgrind, 20 fresh first prompts on a saved
+memory after 5 unmeasured (the memories built by base code, PYTHONHASHSEED=0): bench 45.21M ->
+38.06M (0.84), LoCoMo 32.17M -> 31.90M (0.99: two measures of ~110 rows there, which the arrays
+cost about as much as the layouts did), pooled 36.91M -> 36.17M (0.98). Where the bench
+memory's go now (cProfile, inclusive): the frame's reads 25% (the rows there and their
+conversations' names, the warm set, the hits' fetch and neighbours: SQLite's steps and
+fetches are 13% of all instructions), the body's check and Anthropic render 17%, its encoding
+15%, the fill 16% (the prefix arrays' columns are most of it), the frame laid out and written
+15% (its Parts and Messages are frozen dataclasses, each field set by object.__setattr__).
 
     .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
         [--side task_relay]

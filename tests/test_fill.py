@@ -20,7 +20,7 @@ from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Kind
-from tests.test_frame import say
+from tests.test_frame import prefixes_of, say
 
 ASKED = 1_700_100_000.0
 
@@ -30,7 +30,8 @@ def test_a_memory_of_many_small_conversations_fills_its_frame(
     """Each short exchange is its own conversation, so each row comes with a label of its own
     and the frame as rendered is twice its rows' estimate: the fill once dropped every row but
     the mandatory ones. Now it is filled to within frame_select.FULL of its budget, never over,
-    in a few layouts (each one is most of a first prompt's selection, issue 24)."""
+    in one layout, the frame's (a layout is most of a first prompt's selection, issue 24: the
+    search measured up to 1 + SEARCHES of them)."""
     for n in range(300):
         say(store, f"chat-{n}", f"what about the parcel number {n}?", f"parcel {n} is on its way")
     layouts = []
@@ -50,7 +51,7 @@ def test_a_memory_of_many_small_conversations_fills_its_frame(
     assert len(built.item_ids) > 10 * len(built.must)
     assert built.tokens <= built.budget
     assert built.tokens * 100 >= built.budget * frame_select.FULL
-    assert len(layouts) <= 1 + frame_select.SEARCHES
+    assert layouts == [len(built.item_ids)]
 
 
 def _row(i: int, conversation: int, message: int, words: int) -> Row:
@@ -80,7 +81,7 @@ def test_the_fill_fits_its_budget_as_rendered_and_keeps_every_mandatory_row(
         laid = frame_render.lay(shown, ids, (), adjacent, ASKED, None)
         return frame_render.tokens(laid, ASKED)
 
-    new = frame_select.fill(shown, warm, must, tokens, measure)
+    new = frame_select.fill(shown, warm, must, tokens, prefixes_of(measure))
     assert len(new) == len(set(new)) and set(new) <= set(shown)
     assert must <= set(new)
     if set(new) - must:

@@ -47,6 +47,12 @@ from tests.test_fixtures import http_fixtures, replay, to_request
 from tests.validity import CHECKS
 
 
+def prefixes_of(measure: Callable[[list[int]], int]
+                ) -> Callable[[list[int], list[int]], Callable[[int], int]]:
+    """A fill's measure of prefixes (base, added) -> k -> tokens, from a measure of rows."""
+    return lambda base, added: lambda k: measure(base + added[:k])
+
+
 def say(store: Store, conversation: str, *texts: str, user: str = "u") -> list[int]:
     """Store alternating user/assistant turns; returns their message ids."""
     msgs = [Message("user" if i % 2 == 0 else "assistant", (text_part(t),))
@@ -309,11 +315,11 @@ def test_the_budget_goes_to_the_most_warmth_per_token() -> None:
     def measure(new: list[int]) -> int:
         return messages_tokens([Message("user", (text_part(rows[i].text),)) for i in new])
 
-    new = frame_select.fill(rows, warm, set(), 400, measure)
+    new = frame_select.fill(rows, warm, set(), 400, prefixes_of(measure))
     # The warmest row alone would spend the whole budget; three substantive turns and a
     # two-word one give more warmth for it.
     assert sorted(new) == [2, 3, 4, 5]
-    new = frame_select.fill(rows, warm, {1}, 400, measure)
+    new = frame_select.fill(rows, warm, {1}, 400, prefixes_of(measure))
     assert new[0] == 1  # a mandatory row is never traded away
 
 
@@ -639,11 +645,11 @@ def test_markers_yield_to_the_harness_own() -> None:
     assert marked() == ["b\n\n" + closing, "live"]  # one to spare: the frame's end
 
 
-def test_the_frame_is_the_render_the_fill_measured_last(store: Store,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A layout is most of a frame's selection time (issue 24): the rows the fill measured
-    last are the frame as laid out then, written from that layout, not laid out again; the
-    measure is the written frame's tokens."""
+def test_the_frame_is_its_one_layout_written(store: Store,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout is most of a frame's selection time (issue 24): the fill measures its
+    prefixes without laying any out (render.prefix_tokens), and the frame is written from the
+    one layout of the rows it chose; the frame's tokens are the written frame's."""
     say(store, "trip", *[f"turn {i} about the Lisbon trip " * (5 + 20 * (i % 3)) for i in range(12)])
     uid = store.find_user("u")
     calls: list[tuple[list[int], tuple[object, ...]]] = []
@@ -661,9 +667,8 @@ def test_the_frame_is_the_render_the_fill_measured_last(store: Store,
                             query="the Lisbon trip", exclude_messages=[], asked_at=asked,
                             limits=limits)
         assert built is not None
-        shown = [args for ids, args in calls if ids == built.item_ids]
-        assert len(shown) == 1  # one layout of the rows shown (two renders before)
-        laid = real(*shown[0])  # type: ignore[arg-type]
+        assert [ids for ids, _ in calls] == [built.item_ids]  # one layout (2-4 before)
+        laid = real(*calls[0][1])  # type: ignore[arg-type]
         assert built.messages == frame_render.written(laid, asked)
         assert frame_render.tokens(laid, asked) == messages_tokens(built.messages)
 

@@ -4,7 +4,7 @@ selections and whole rendered frames: they fail if either changes."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 import pytest
@@ -17,6 +17,7 @@ from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Hit
 from perpetuity_core.wire.conversation import Kind, Message
+from tests.test_frame import prefixes_of
 
 ASKED = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 DAY = 86_400.0
@@ -152,7 +153,12 @@ def test_reference_selection() -> None:
                 excerpts: Mapping[int, Row] | None = None) -> int:
         return messages_tokens(render(ids, recent, excerpts))
 
-    chosen = frame_select.frame(rows, hot, hits, [2], [7, 8], tokens, Cap(400, 2_000), measure)
+    def prefixes(base: list[int], added: list[int], recent: Collection[int],
+                 excerpts: Mapping[int, Row]) -> Callable[[int], int]:
+        return lambda k: measure(base + added[:k], recent, excerpts)
+
+    chosen = frame_select.frame(rows, hot, hits, [2], [7, 8], tokens, Cap(400, 2_000),
+                                prefixes)
     assert chosen.item_ids == [1, 2, 7, 6, 4, 5]
     assert chosen.recent == {7}
     assert chosen.must == {7: frame_select.MUST_RECENT, 2: frame_select.MUST_HALF,
@@ -160,7 +166,7 @@ def test_reference_selection() -> None:
     assert measure(chosen.item_ids, chosen.recent) <= tokens
     # All six fit 300 tokens by their estimate (238), not as rendered (327): the last added
     # goes. The long warm row never fits.
-    smaller = frame_select.frame(rows, hot, hits, [2], [7, 8], 300, Cap(400, 2_000), measure)
+    smaller = frame_select.frame(rows, hot, hits, [2], [7, 8], 300, Cap(400, 2_000), prefixes)
     assert smaller.item_ids == [1, 2, 7, 6, 4]
 
 
@@ -203,7 +209,7 @@ def test_the_fill_drops_what_labels_push_over_the_budget() -> None:
     def measure(ids: list[int]) -> int:
         return messages_tokens(frame_render.messages(rows, ids, (), frozenset(), ASKED, None))
 
-    new = frame_select.fill(rows, hot, {1}, 250, measure)
+    new = frame_select.fill(rows, hot, {1}, 250, prefixes_of(measure))
     # Five fit by the estimate (5 x 50 tokens), rendered they take 379: dropping the last
     # added by their estimated size against the 129 over would take 5, 4 and 3, but [1, 2, 3]
     # renders to 249, so only 5 and 4 go.

@@ -248,6 +248,31 @@ def test_a_frame_measured_unwritten_is_what_writing_it_measured(seed: int) -> No
         frame_render.written([], asked)) == 0
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_a_prefix_measured_without_a_layout_is_its_layout_measured(seed: int) -> None:
+    """The fill's search measures prefixes of its rows by `render.prefix_tokens`, laying none
+    out: for every prefix, the tokens of its layout measured (`render.tokens` of `render.lay`),
+    whatever rows are mandatory, in the latest stretch, adjacent or withheld."""
+    rng = random.Random(seed)
+    asked = 1_700_000_000.0 + rng.random() * 86_400 * 400
+    rows = {r.item_id: r for r in random_rows(rng, asked)}
+    ids = rng.sample(sorted(rows), rng.randint(1, len(rows)))
+    cut = rng.randint(0, len(ids))
+    base, added = ids[:cut], ids[cut:]
+    recent = set(rng.sample(ids, rng.randint(0, len(ids)))) if rng.random() < 0.5 else \
+        set(rng.sample(base, rng.randint(0, len(base))))
+    messages = sorted({r.message_id for r in rows.values()})
+    adjacent = {(a, b) for a, b in zip(messages, messages[1:], strict=False)
+                if rng.random() < 0.6}
+    current = rng.choice([None, 1, 2, 6])
+    header = rng.choice([frame_render.HEADER, frame_render.MORE_HEADER])
+    measure = frame_render.prefix_tokens(rows, base, added, recent, adjacent, asked, current,
+                                         header)
+    for k in range(len(added) + 1):
+        laid = frame_render.lay(rows, base + added[:k], recent, adjacent, asked, current)
+        assert measure(k) == frame_render.tokens(laid, asked, header), k
+
+
 def reference_rank_reheats(ranked: list[int], neighbours: list[tuple[int, int]]) -> dict[int, float]:
     """heat.rank_reheats as it was: each rank's peak computed afresh, the larger kept."""
     out: dict[int, float] = {}

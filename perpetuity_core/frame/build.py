@@ -11,7 +11,7 @@ An addendum is built the same way for a new prompt under a frame that stays.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from perpetuity_core.frame import cap
@@ -76,33 +76,21 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     warm, shelf = frame_read.for_frame(scanner.db, found, user_id, excluded, recent_messages)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens)
 
-    # The fill's layouts by the rows laid out, with the stretch they were laid out with.
-    layouts: dict[tuple[int, ...], tuple[Collection[int], list[frame_render.Run]]] = {}
-
-    def laid(ids: list[int], recent: Collection[int],
-             excerpts: Mapping[int, Row]) -> list[frame_render.Run]:
-        # The fill measured the rows it chose as laid out: the frame is written from that
-        # layout, not laid out again (a layout is most of the selection's time), even when
-        # its search measured a longer prefix after it. The excerpts come with the stretch
-        # (`recent`), so its identity stands for both.
-        key = tuple(ids)
-        if key in layouts and layouts[key][0] is recent:
-            return layouts[key][1]
+    def measured(base: list[int], added: list[int], recent: Collection[int],
+                 excerpts: Mapping[int, Row]) -> Callable[[int], int]:
+        # Measured as rendered, never laid out: most measures are of frames the fill drops.
         rows = {**shelf.rows, **excerpts} if excerpts else shelf.rows
-        out = frame_render.lay(rows, ids, recent, shelf.adjacent, asked_at, conversation_id)
-        layouts[key] = (recent, out)
-        return out
-
-    def measured(ids: list[int], recent: Collection[int], excerpts: Mapping[int, Row]) -> int:
-        # Measured as rendered, never written: most measures are of frames the fill drops.
-        return frame_render.tokens(laid(ids, recent, excerpts), asked_at)
+        return frame_render.prefix_tokens(rows, base, added, recent, shelf.adjacent, asked_at,
+                                          conversation_id)
 
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
                                 tokens, limits, measured, agent)
     if not chosen.item_ids:
         return None
-    built = _frame(frame_render.written(laid(chosen.item_ids, chosen.recent, chosen.excerpts),
-                                        asked_at), chosen, found, tokens, warm.foreign)
+    rows = {**shelf.rows, **chosen.excerpts} if chosen.excerpts else shelf.rows
+    laid = frame_render.lay(rows, chosen.item_ids, chosen.recent, shelf.adjacent, asked_at,
+                            conversation_id)
+    built = _frame(frame_render.written(laid, asked_at), chosen, found, tokens, warm.foreign)
     built.warm = warm
     return built
 

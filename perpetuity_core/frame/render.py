@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from datetime import UTC, date, datetime
+
+import numpy as np
 
 from perpetuity_core.frame.rows import Row, quoted, time_label
 from perpetuity_core.frame.tenants import withheld
@@ -56,7 +58,7 @@ def messages(rows: dict[int, Row], ids: Iterable[int], recent: Collection[int],
 
 def cost(r: Row) -> int:
     """A row's estimated tokens as quoted, without its label (token_estimate's rule)."""
-    return (_quoted_length(r) + 3) // 4
+    return ((_quoted_length(r) if r.excerpt or r.kind in _TOOLS else len(r.text)) + 3) // 4
 
 
 def quote(r: Row) -> str:
@@ -109,6 +111,133 @@ def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
         heading = (len(header) + 3) // 4
     closing = len(NOW.format(datetime.fromtimestamp(asked_at, UTC)))
     return heading + sum((n + 3) // 4 for n in sizes) + (closing + 3) // 4
+
+
+def prefix_tokens(rows: dict[int, Row], base: list[int], added: list[int],
+                  recent: Collection[int], adjacent: Collection[tuple[int, int]],
+                  asked_at: float, conversation_id: int | None,
+                  header: str = HEADER) -> Callable[[int], int]:
+    """k -> `tokens` of `lay(rows, base + added[:k], recent, ...)`, without laying any out.
+
+    What the fill's search measures (frame_select.fitting): it measured 2 to 4 layouts a first
+    prompt, the first of every row it might add (bench_prepare's bench memory: 226 rows laid
+    out for the 191 that entered, then 168, 207 and 191; issue 24), and a layout is Python work
+    per row. Here the rows are read once into arrays in store order and a prefix is a mask on
+    them: its runs, their labels and sizes follow by array operations, a measure costs tens of
+    microseconds whatever its rows, and the frame is laid out once, to be written."""
+    order = base + added
+    entered = np.zeros(len(order), np.int64)  # the prefix each row enters at
+    entered[len(base):] = np.arange(1, len(added) + 1)
+    latest = np.fromiter((i in recent for i in order), bool, len(order))
+    found = _Prefixes([rows[i] for i, r in zip(order, latest) if not r], entered[~latest],
+                      asked_at, conversation_id)
+    stretch = _Prefixes([rows[i] for i, r in zip(order, latest) if r], entered[latest],
+                        asked_at, conversation_id)
+    closing = (len(NOW.format(datetime.fromtimestamp(asked_at, UTC))) + 3) // 4
+
+    def measure(k: int) -> int:
+        total, first, user = found.runs(k, adjacent)
+        more, first_latest, user_latest = stretch.runs(k, adjacent)
+        if first < 0:  # no row found: the stretch's first turn opens the frame
+            first, user = first_latest, user_latest
+        if first < 0:
+            return 0
+        total += more
+        if user:  # the header joins the first turn (`assemble`)
+            total += (first + len(header) + 2 + 3) // 4 - (first + 3) // 4
+        else:
+            total += (len(header) + 3) // 4
+        return total + closing
+
+    return measure
+
+
+class _Prefixes:
+    """One section's rows (the input of `runs`) as arrays in store order within their
+    conversations, each with the prefix it enters at: `runs` of any prefix measured without
+    laying it out."""
+
+    def __init__(self, rows: list[Row], entered: np.ndarray, asked_at: float,
+                 conversation_id: int | None) -> None:
+        asked = datetime.fromtimestamp(asked_at, UTC).date()
+        # Columns by list comprehensions: numpy.fromiter over a generator or a map cost more
+        # a row (callgrind: ~600 instructions against ~500).
+        conversation = np.array([r.conversation_id for r in rows], np.int64)
+        message = np.array([r.message_id for r in rows], np.int64)
+        order = np.lexsort((np.array([r.item_id for r in rows], np.int64), message, conversation))
+        rows = [rows[j] for j in order.tolist()]
+        self.entered = entered[order]
+        self.conversation, self.message = conversation[order], message[order]
+        at = [r.at for r in rows]
+        self.at = np.array(at, np.float64)
+        self.user = np.array([r.role != "assistant" for r in rows], bool)
+        current = self.conversation == (-1 if conversation_id is None else conversation_id)
+        self.current = current
+        self.text = np.array([_quoted_length(r) if r.excerpt or r.kind in _TOOLS else len(r.text)
+                              for r in rows], np.int64)
+        if any(map(_SECRET, rows)):
+            for j in (np.array([bool(r.secret) for r in rows], bool) & ~current).nonzero()[0]:
+                self.text[j] = len(withheld(rows[j]))
+        self.when = np.array([len(_when(a, asked)) for a in at], np.int64)
+        # A run opening its group: `_label`'s length, each conversation's name measured once.
+        named = list(zip(map(_NAME, rows), current.tolist()))
+        where = {key: len(_where(*key)) for key in set(named)}
+        self.opens = self.when + 2 + np.array([where[key] for key in named], np.int64)
+        # Every prefix past the last row to enter measures the same (the latest stretch's rows
+        # are all mandatory): measured once.
+        self.whole = int(entered.max()) if rows else 0
+        self.measured: dict[int, tuple[int, int, bool]] = {}
+
+    def runs(self, k: int, adjacent: Collection[tuple[int, int]]) -> tuple[int, int, bool]:
+        """The tokens of the runs of the rows entered by prefix k (`tokens`, each run's part),
+        and the size and speaker of the run that opens the section; -1 for none."""
+        k = min(k, self.whole)
+        if (known := self.measured.get(k)) is None:
+            known = self.measured[k] = self._runs(k, adjacent)
+        return known
+
+    def _runs(self, k: int, adjacent: Collection[tuple[int, int]]) -> tuple[int, int, bool]:
+        # Array methods, not numpy's Python-level helpers (flatnonzero, diff, roll, append):
+        # those cost more than the arithmetic on a frame's few hundred rows.
+        rows = (self.entered <= k).nonzero()[0]
+        n = len(rows)
+        if not n:
+            return 0, -1, False
+        conversation, message = self.conversation[rows], self.message[rows]
+        opens = np.empty(n + 1, bool)  # where a group opens, and the end
+        opens[0] = opens[n] = True
+        np.not_equal(conversation[1:], conversation[:-1], out=opens[1:n])
+        starts = opens.copy()  # where a run opens, and the end
+        starts[1:n] |= message[1:] != message[:-1]
+        at = starts.nonzero()[0]
+        first = rows[at[:-1]]  # each run's first row
+        size = np.add.reduceat(self.text[rows], at[:-1])
+        group = opens[at[:-1]]
+        label = np.where(group, self.opens[first], 0)
+        # A run within its group: labelled by its time after a gap, SKIPPED after turns left
+        # out, nothing when said together with the run before it (`runs`).
+        before = np.empty_like(first)
+        before[0], before[1:] = first[0], first[:-1]
+        inner = ~group
+        gap = inner & (self.at[first] - self.at[before] > RUN_GAP)
+        label[gap] = self.when[first[gap]]
+        said = (inner & ~gap).nonzero()[0]
+        if len(said):
+            pairs = zip(self.message[before[said]].tolist(), self.message[first[said]].tolist())
+            label[said] = np.fromiter((p not in adjacent for p in pairs), bool,
+                                      len(said)) * len(SKIPPED)
+        parts = at[1:] - at[:-1]
+        size += np.where(label > 0, label + parts, parts - 1)
+        # The section opens with the conversation said last longest ago, the current one last.
+        groups = opens.nonzero()[0]
+        lead = 0
+        if len(groups) > 2:
+            last = rows[groups[1:] - 1]
+            lead = int(np.lexsort((self.conversation[last], self.at[last],
+                                   self.current[last]))[0])
+        opening = int(at.searchsorted(groups[lead]))
+        return (int(((size + 3) // 4).sum()), int(size[opening]),
+                bool(self.user[rows[groups[lead]]]))
 
 
 def _text(label: str, parts: list[Row], current: bool) -> str:
@@ -200,13 +329,18 @@ def runs(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float
 
 # A row's place in the store, (message_id, item_id): read in C, not a call per row.
 _STORE_ORDER = operator.attrgetter("message_id", "item_id")
+_SECRET, _NAME = operator.attrgetter("secret"), operator.attrgetter("conversation")
 
 
 def _label(r: Row, asked: date, current: bool) -> str:
+    # Its length is len(_where) + len(_when) + 2, which `_Prefixes` measures by.
+    return f"[{_where(r.conversation, current)}, {_when(r.at, asked)[1:]}"
+
+
+def _where(name: str, current: bool) -> str:
     # Another conversation by the name a person knows it by (names.py), never its session id.
-    where = ("this conversation" if current else
-             f"conversation {r.conversation}" if r.conversation else "another conversation")
-    return f"[{where}, {_when(r.at, asked)[1:]}"
+    return ("this conversation" if current else
+            f"conversation {name}" if name else "another conversation")
 
 
 @functools.lru_cache(maxsize=STAMPS)

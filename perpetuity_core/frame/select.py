@@ -112,8 +112,10 @@ _TOOL_RESULT = Kind.TOOL_RESULT.value  # hot: once, not per row
 MUST_TOP, MUST_HALF, MUST_RECENT = ("the top hit", "the other half of the top hit's exchange",
                                     "the conversation's latest stretch")
 
-# (ids, recent, excerpts) -> the tokens of their frame as rendered (frame_render.tokens)
-Measure = Callable[[list[int], Collection[int], Mapping[int, Row]], int]
+# (base, added, recent, excerpts) -> k -> the tokens as rendered of the frame of base and
+# added[:k] (frame_render.prefix_tokens)
+Measure = Callable[[list[int], list[int], Collection[int], Mapping[int, Row]],
+                   Callable[[int], int]]
 
 
 @dataclass(slots=True)
@@ -161,7 +163,8 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     excerpts = {i: r for i, r in excerpts.items() if i not in whole}  # those come whole
     shown = {**rows, **excerpts} if excerpts else rows
     must = whole | recent
-    new = fill(shown, warm, must, tokens, lambda ids: measure(ids, recent, excerpts))
+    new = fill(shown, warm, must, tokens,
+               lambda base, added: measure(base, added, recent, excerpts))
     why = {**dict.fromkeys(recent, MUST_RECENT), **dict.fromkeys(other, MUST_HALF),
            **({hits[0].item_id: MUST_TOP} if hits else {})}
     return Selection(new, rows, recent, why, excerpts)
@@ -340,21 +343,21 @@ def by_warmth_per_token(warm: heat.Warm, costs: Mapping[int, int]) -> list[int]:
     in the warm set's order. A budget is filled best so (the greedy knapsack): one long reply
     must earn its place against the several short turns it would push out. One stable sort
     of an array, not a Python key per row (~400 a first prompt)."""
-    ids = warm.item_ids.tolist()
-    inside = np.fromiter((i in costs for i in ids), bool, len(ids))
+    inside = np.array([i in costs for i in warm.item_ids.tolist()], bool)
     chosen = warm.item_ids[inside]
-    tokens = np.fromiter((costs[i] for i in chosen.tolist()), np.float64, len(chosen))
+    tokens = np.array([costs[i] for i in chosen.tolist()], np.float64)
     # The same float64 division as -w / (c + ROW_FLOOR) in Python: the same order exactly.
     order = np.argsort(-warm.warmth[inside] / (tokens + ROW_FLOOR), kind="stable")
     return chosen[order].tolist()  # type: ignore[no-any-return]
 
 
 def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
-         measure: Callable[[list[int]], int]) -> list[int]:
+         measure: Callable[[list[int], list[int]], Callable[[int], int]]) -> list[int]:
     """The rows to render: the mandatory ones (`must`, never dropped), then the rows with the
     most warmth per token while their estimated size fits; measured as rendered (`measure`:
-    their frame's tokens), and when labels make that frame larger than `tokens`, the most of
-    those added rows, in the order they were added, whose frame fits (`fitting`)."""
+    (mandatory, added) -> k -> the tokens of their frame with the first k added), and when
+    labels make that frame larger than `tokens`, the most of those added rows, in the order
+    they were added, whose frame fits (`fitting`)."""
     costs = {i: cost(r) for i, r in rows.items()}
     order = by_warmth_per_token(warm, costs)
     ordered = set(order)
@@ -368,15 +371,16 @@ def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
             used += costs[i]
     if not added:
         return new
-    return new + added[:fitting(new, added, costs, tokens, measure)]
+    return new + added[:fitting(new, added, costs, tokens, measure(new, added))]
 
 
 def fitting(base: list[int], added: list[int], costs: Mapping[int, int], tokens: int,
-            measure: Callable[[list[int]], int]) -> int:
-    """How many of `added` enter after `base` (`costs`: each row's estimate): all when their
-    frame measures within `tokens`, else the longest prefix the search measured to fit, in at
-    most SEARCHES more layouts: one within FULL percent of `tokens`, or one row short of a
-    prefix measured over.
+            measure: Callable[[int], int]) -> int:
+    """How many of `added` enter after `base` (`costs`: each row's estimate; `measure`: k ->
+    the tokens of the frame of `base` and the first k added): all when their frame measures
+    within `tokens`, else the longest prefix the search measured to fit, in at most SEARCHES
+    more measures: one within FULL percent of `tokens`, or one row short of a prefix
+    measured over.
 
     A row's estimate leaves out its label (the conversation's name and time when it opens a
     group, a time or SKIPPED when it opens a run): a memory of many short conversations
@@ -389,7 +393,7 @@ def fitting(base: list[int], added: list[int], costs: Mapping[int, int], tokens:
     # before[k]: the estimate of `base` and the first k added rows.
     before = list(itertools.accumulate((costs[i] for i in added),
                                        initial=sum(costs[i] for i in base)))
-    hi, over = len(added), measure(base + added)
+    hi, over = len(added), measure(len(added))
     if over <= tokens:
         return hi
     # Nothing measured fits yet: `base` alone is modelled at the same tokens per estimate.
@@ -404,7 +408,7 @@ def fitting(base: list[int], added: list[int], costs: Mapping[int, int], tokens:
         if hi - lo <= 1 or (measured and under * 100 >= tokens * FULL):
             break
         k = min(max(bisect.bisect_right(before, at) - 1, lo + 1), hi - 1)
-        size = measure(base + added[:k])
+        size = measure(k)
         if size <= tokens:
             lo, under, measured = k, size, True
         else:

@@ -85,6 +85,12 @@ class Written:
             if entry[at] is None:  # an object twice in a body counts once
                 self._bytes += len(piece)
             entry[at] = piece
+            # Written without ASCII escapes and ASCII all through, but for DEL (escaped with
+            # them): the same with them. The relay's first round writes a first prompt's frame
+            # with them right after the body without (issue 24: half its 131 messages' cost).
+            if at == 1 and entry[2] is None and piece.isascii() and b"\x7f" not in piece:
+                entry[2] = piece
+                self._bytes += len(piece)
         return pieces
 
     def _trim(self) -> None:
