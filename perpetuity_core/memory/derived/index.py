@@ -21,7 +21,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived import chains, heat
+from perpetuity_core.memory.derived.chains import SUBJECT_CHARS
 from perpetuity_core.memory.storage.dialect import SQL, Rows, Sql, marks, trigger
 from perpetuity_core.memory.storage.store import Database, Store, StoredItem, in_chunks
 from perpetuity_core.wire.conversation import Kind, Message, without_scaffold
@@ -56,6 +57,7 @@ FOLD_EVERY = 4096
 
 
 _CONTEXT = Kind.CONTEXT.value
+_TEXT = Kind.TEXT.value
 
 
 def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
@@ -79,7 +81,12 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
         if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
             continue
         text = item_text(it.kind, it.name, it.text)
-        bag = d.bag(text)
+        if it.kind == _TEXT and text is it.text and len(text) <= SUBJECT_CHARS and text.isascii():
+            # The chains' subjects from the bag's own count (the next batch's, chains.py).
+            bag, known, unseen = d.bag_counted(text)
+            chains.note(db, d.version, text, chains.counted_subjects(d, known, unseen))
+        else:
+            bag = d.bag(text)
         rows.append((it.id, it.message_id, it.user_id, it.conversation_id, int(it.at), bag.length,
                      token_estimate(text), d.version,
                      bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes(), born,
