@@ -2,7 +2,8 @@
 
 Every text row joins the chains of its subjects (`subjects`: its rarest non-trivial words, at
 most SUBJECTS a row), ordered by when it was said. `derive_chains` writes them from the store's
-writer a batch of messages at a time (Store.flush), up to a cursor; memory_chains reads them
+writer a batch of messages at a time (Store.flush), up to a cursor, with the subjects counted
+when each row's bag was (`note`: a text is not split and counted twice); memory_chains reads them
 (`chain_of`) and derives the rows past the cursor itself, so a row is in its chains from the
 moment it is stored, and a fact and its later updates are one chain with the latest state last.
 """
