@@ -137,16 +137,28 @@ def counted_subjects(d: Dictionary, known: dict[int, int], unseen: dict[bytes, i
     """subjects(d, text) from the counts its bag was made from (Dictionary.bag_counted), for
     an ASCII text of at most SUBJECT_CHARS: a vocabulary word's id is its stem's and its rank
     (dictionary.build), so only the unseen words need the stemmer."""
-    floor, stems = dictionary.FIRST_STEM_ID + COMMON_STEMS, d.stems
-    counts = {stems[t - dictionary.FIRST_STEM_ID]: n for t, n in known.items() if t >= floor}
+    floor = dictionary.FIRST_STEM_ID + COMMON_STEMS
+    fresh: dict[str, int] = {}  # stems the corpus never saw
     if unseen:
+        known = dict(known)
         cache = _SUBJECT_OF.setdefault(d.version, {})
         for w, n in unseen.items():
             if w not in cache:
                 cache[w] = _subject_of(d, w.decode())
-            if s := cache[w]:
-                counts[s] = counts.get(s, 0) + n
-    return _top(d, counts.items())
+            if (s := cache[w]) is None:
+                continue
+            if (t := d.stem_ids.get(s)) is None:
+                fresh[s] = fresh.get(s, 0) + n
+            else:
+                known[t] = known.get(t, 0) + n
+    stems = d.stems
+    if fresh:
+        return _top(d, [*((stems[t - dictionary.FIRST_STEM_ID], n) for t, n in known.items()
+                          if t >= floor), *fresh.items()])
+    # A vocabulary stem's rank is its id: count and id packed in one int sort as _top's
+    # (-count, -rank) does, without a tuple or a rank lookup a candidate.
+    top = sorted([n << 32 | t for t, n in known.items() if t >= floor], reverse=True)
+    return [stems[(k & 0xFFFFFFFF) - dictionary.FIRST_STEM_ID] for k in top[:SUBJECTS]]
 
 
 def _top(d: Dictionary, counts: Iterable[tuple[str | None, int]]) -> list[str]:
