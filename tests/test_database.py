@@ -154,3 +154,24 @@ def test_a_failed_write_rolls_back_and_fails_as_one_store_error(store: Store) ->
     with db.writing("write once") as conn:
         conn.execute(insert, (f"{key}:once", "c"))
     assert value(f"{key}:once") == "c"
+
+
+@pytest.mark.parametrize("n", [0, 1, 99, 100, 101, 250])
+def test_rows_go_in_as_one_row_at_a_time_would(store: Store, n: int) -> None:
+    """dialect.Rows: MANY_ROWS rows a statement on SQLite (the rest one at a time), a few in
+    one statement on PostgreSQL; rows that collide with a stored one or one another are
+    ignored one by one, as one-row inserts were."""
+    from perpetuity_core.memory.storage.dialect import Rows
+
+    insert = Rows("INSERT OR IGNORE INTO setting (key, value) VALUES (?, ?)",
+                  "INSERT INTO setting (key, value) VALUES ", "(%s, %s)", " ON CONFLICT DO NOTHING")
+    rows = [(f"rows-{i % max(1, n - 3)}", str(i)) for i in range(n)]  # the last 3 collide
+    with store.db.writing("insert rows") as conn:
+        conn.execute(store.db.legacy("INSERT INTO setting (key, value) VALUES ('rows-0', 'kept')"))
+        insert.run(conn, store.db.postgres, rows)
+    got = dict(store.db.connection().execute(store.db.legacy(
+        "SELECT key, value FROM setting WHERE key LIKE 'rows-%'")).fetchall())
+    want = {"rows-0": "kept"}
+    for key, value in rows:
+        want.setdefault(key, value)
+    assert got == want

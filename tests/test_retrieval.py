@@ -203,6 +203,47 @@ def test_subjects_match_the_reference() -> None:
         assert chains.subjects(d, text) == reference_subjects(d, text), text[:80]
 
 
+def test_the_bag_and_the_subjects_from_one_count_match_their_own() -> None:
+    """Dictionary.bag_counted and chains.counted_subjects (one count for a text row's bag and
+    its chains) give bag() and subjects() exactly: short words and numbers the vocabulary holds
+    are no subject but count in the bag, unseen words are stemmed for both."""
+    d = dictionary.shipped()
+    rng = random.Random(4)
+    vocab = sorted(w for w in d.word_ids if w.isascii())
+    texts = ["", "   ", "tv TVs tvs 2023 2023 d2 uk UK ok 65535 zorblax zorblaxes zorblaxing",
+             "Caroline: running runs RUN ran, painted paintings the of and"] + [
+        " ".join(rng.choice(vocab + ["zqxv", "Zqxvs", "42", "id"]) for _ in range(rng.randint(1, 80)))
+        for _ in range(300)]
+    if SHARED.is_dir():
+        texts += [p.text for t in importers.locomo(SHARED / "locomo" / "locomo10.json")
+                  for m in t.messages[:200] for p in m.parts if p.text.isascii()]
+    for text in texts:
+        bag, known, unseen = d.bag_counted(text)
+        want = d.bag(text)
+        assert (bag.terms.tolist(), bag.counts.tolist(), bag.length) == (
+            want.terms.tolist(), want.counts.tolist(), want.length), text[:80]
+        assert chains.counted_subjects(d, known, unseen) == reference_subjects(d, text), text[:80]
+
+
+def test_a_batch_takes_the_subjects_counted_when_stored_under_their_version(
+        sqlite_store: Store) -> None:
+    """The chains' batch uses the subjects derive_retrieval noted, and counts a text again when
+    they were noted under another dictionary version."""
+    add(sqlite_store, "u", "c", ["The kayak is orange.", "The canoe is green."])
+    version, noted = chains._NOTED[sqlite_store.db]
+    assert version == sqlite_store.db.dictionary.version and len(noted) == 2
+    noted["The kayak is orange."] = ["planted"]  # taken as it is: the batch does not recount
+    sqlite_store.flush()
+    got = {t for (t,) in sqlite_store.db.connection().execute("SELECT term FROM chain")}
+    assert got == {"planted", *chains.subjects(sqlite_store.db.dictionary, "The canoe is green.")}
+    assert sqlite_store.db not in chains._NOTED  # the batch took them all
+    add(sqlite_store, "u", "c", ["The raft is blue."])
+    chains._NOTED[sqlite_store.db] = ("another version", {"The raft is blue.": ["planted"]})
+    sqlite_store.flush()
+    got = {t for (t,) in sqlite_store.db.connection().execute("SELECT term FROM chain")}
+    assert got - {"planted", "cano", "green"} == {"raft", "blu"}  # counted from the text
+
+
 def test_every_item_gets_one_retrieval_row_with_counts_and_version(store: Store) -> None:
     fill(store, random.Random(1), 60)
     index.sequence(store.db)  # PostgreSQL: the rows are ordered in before a reader reads them

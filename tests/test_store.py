@@ -196,6 +196,31 @@ def test_a_new_dictionary_is_rederived_dark_and_flipped_in_one_step(
     assert check(store) == []
 
 
+def test_a_writer_follows_a_flip_made_by_another_process_with_its_next_message(
+        memory_at: Path | str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer derives a message's rows with the dictionary it last followed, inserted only
+    while that one is live: after a flip elsewhere its next message is derived again, under
+    the new version, and the counts still add up."""
+    monkeypatch.setattr(maintenance, "REDERIVE_PAUSE", 0)
+    writer = open_memory(memory_at)
+    fill(writer, random.Random(6), 30)
+    other = open_memory(memory_at)
+    version = small_dictionary(tmp_path / "next.json.gz")
+    maintenance.upload(other, tmp_path / "next.json.gz")
+    maintenance.rederive(other, version, progress=False)
+    maintenance.flip(other, version)
+    other.close()
+    assert writer.db.dictionary.version != version  # not followed yet
+    new = add(writer, "u1", "u1-c0", ["zorblax concert guitar", "two rows | of one message"])
+    index.sequence(writer.db)
+    got = dict(writer.db.translated().execute(
+        f"SELECT item_id, version FROM retrieval WHERE item_id IN ({','.join('?' * len(new))})",
+        new).fetchall())
+    assert writer.db.dictionary.version == version and got == dict.fromkeys(new, version)
+    assert check(writer) == []
+    writer.close()
+
+
 def test_a_memory_on_another_dictionary_says_so_on_start(memory_at: Path | str) -> None:
     path = memory_at
     open_memory(path).close()

@@ -2,20 +2,22 @@
 
 Every text row joins the chains of its subjects (`subjects`: its rarest non-trivial words, at
 most SUBJECTS a row), ordered by when it was said. `derive_chains` writes them from the store's
-writer a batch of messages at a time (Store.flush), up to a cursor; memory_chains reads them
+writer a batch of messages at a time (Store.flush), up to a cursor, with the subjects counted
+when each row's bag was (`note`: a text is not split and counted twice); memory_chains reads them
 (`chain_of`) and derives the rows past the cursor itself, so a row is in its chains from the
 moment it is stored, and a fact and its later updates are one chain with the latest state last.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from perpetuity_core.memory.storage import dictionary
 from perpetuity_core.memory.storage.dialect import SQL, Rows, Sql, marks
 from perpetuity_core.memory.storage.dictionary import Dictionary
-from perpetuity_core.memory.storage.store import Database
+from perpetuity_core.memory.storage.store import BATCH_ROWS, Database
 from perpetuity_core.wire.conversation import Kind
 
 # Chains. A row's subjects are its words that are neither stop words nor among the commonest
@@ -128,11 +130,63 @@ def subjects(d: Dictionary, text: str) -> list[str]:
     counts = Counter(map(cache.__getitem__, words))
     if len(cache) > 1_000_000:  # bound the cache in a long-lived process
         cache.clear()
+    return _top(d, counts.items())
+
+
+def counted_subjects(d: Dictionary, known: dict[int, int], unseen: dict[bytes, int]) -> list[str]:
+    """subjects(d, text) from the counts its bag was made from (Dictionary.bag_counted), for
+    an ASCII text of at most SUBJECT_CHARS: a vocabulary word's id is its stem's and its rank
+    (dictionary.build), so only the unseen words need the stemmer."""
+    floor = dictionary.FIRST_STEM_ID + COMMON_STEMS
+    fresh: dict[str, int] = {}  # stems the corpus never saw
+    if unseen:
+        known = dict(known)
+        cache = _SUBJECT_OF.setdefault(d.version, {})
+        for w, n in unseen.items():
+            if w not in cache:
+                cache[w] = _subject_of(d, w.decode())
+            if (s := cache[w]) is None:
+                continue
+            if (t := d.stem_ids.get(s)) is None:
+                fresh[s] = fresh.get(s, 0) + n
+            else:
+                known[t] = known.get(t, 0) + n
+    stems = d.stems
+    if fresh:
+        return _top(d, [*((stems[t - dictionary.FIRST_STEM_ID], n) for t, n in known.items()
+                          if t >= floor), *fresh.items()])
+    # A vocabulary stem's rank is its id: count and id packed in one int sort as _top's
+    # (-count, -rank) does, without a tuple or a rank lookup a candidate.
+    top = sorted([n << 32 | t for t, n in known.items() if t >= floor], reverse=True)
+    return [stems[(k & 0xFFFFFFFF) - dictionary.FIRST_STEM_ID] for k in top[:SUBJECTS]]
+
+
+def _top(d: Dictionary, counts: Iterable[tuple[str | None, int]]) -> list[str]:
+    """At most SUBJECTS of the stems counted (None is no subject): the most repeated, then the
+    rarest (a stem the corpus never saw counts rarest); ties by stem."""
     rank, unseen = d.stem_ids, d.hash_base
     # sorted, not heapq.nsmallest: a row has a few dozen candidates, and sorting them in C
     # costs less than the heap's Python; the keys are distinct (stems), so the order is one.
     return [s for _, _, s in sorted([(-n, -rank.get(s, unseen), s)
-                                     for s, n in counts.items() if s])[:SUBJECTS]]
+                                     for s, n in counts if s])[:SUBJECTS]]
+
+
+# The subjects the store's writer counted while deriving rows (index.derive_retrieval, from the
+# count their bag was made from), by database: (dictionary version, text -> subjects). The next
+# batch takes them (derive_chains) instead of counting those texts again; a text it does not
+# find there, or one counted under another version, is counted from the row.
+_NOTED: weakref.WeakKeyDictionary[Database, tuple[str, dict[str, list[str]]]] = (
+    weakref.WeakKeyDictionary())
+NOTED_TEXTS = 4 * BATCH_ROWS  # a writer with no batch taking them (an ablation) stops there
+
+
+def note(db: Database, version: str, text: str, found: list[str]) -> None:
+    """Keep a text row's subjects, counted under `version`, for the next batch."""
+    noted = _NOTED.get(db)
+    if noted is None or noted[0] != version:
+        noted = _NOTED[db] = (version, {})
+    if len(noted[1]) < NOTED_TEXTS:
+        noted[1][text] = found
 
 
 def stem_rank(d: Dictionary, stem: str) -> int:
@@ -156,9 +210,12 @@ def derive_chains(db: Database, after: int, upto: int) -> None:
     (Store.flush calls this in the batch's transaction: the chains' only writer)."""
     conn = db.connection()
     d = db.dictionary
-    _INSERT_CHAIN.run(conn, db.postgres, [(user, s, at, i) for i, user, at, text
-                                          in text_rows(db, conn, after, upto, None)
-                                          for s in subjects(d, text)])
+    version, noted = _NOTED.pop(db, ("", {}))
+    if version != d.version:
+        noted = {}
+    _INSERT_CHAIN.run(conn, db.postgres, [
+        (user, s, at, i) for i, user, at, text in text_rows(db, conn, after, upto, None)
+        for s in (noted[text] if text in noted else subjects(d, text))])
 
 
 def text_rows(db: Database, conn: Sql, after: int, upto: int | None,

@@ -21,8 +21,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived import chains, heat
+from perpetuity_core.memory.derived.chains import SUBJECT_CHARS
 from perpetuity_core.memory.storage.dialect import SQL, Rows, Sql, marks, trigger
+from perpetuity_core.memory.storage.dictionary import Dictionary
 from perpetuity_core.memory.storage.store import Database, Store, StoredItem, in_chunks
 from perpetuity_core.wire.conversation import Kind, Message, without_scaffold
 
@@ -46,7 +48,9 @@ def item_text(kind: str, name: str, text: str) -> str:
 
 
 # The pooled counts are folded in every FOLD_EVERY rows, inside the transaction of the message
-# that crosses the mark: each row is its own count increment, and upserting a batch's distinct
+# whose rows cross a multiple of it (on SQLite; a fold reads its own cursor, so a fold by
+# another process meanwhile only makes this one smaller; PostgreSQL folds when due as its rows
+# are ordered, sequence_in): each row is its own count increment, and upserting a batch's distinct
 # terms once costs a fraction of upserting every row's terms (a 600-word turn holds ~150
 # distinct terms; a batch shares most of them). Measured on LoCoMo's 5,882 messages through the
 # write path: updating the totals with every message cost 25 us of its ~290, folding every 256
@@ -56,6 +60,7 @@ FOLD_EVERY = 4096
 
 
 _CONTEXT = Kind.CONTEXT.value
+_TEXT = Kind.TEXT.value
 
 
 def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
@@ -65,49 +70,71 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
     if not items:
         return
     conn = db.connection()
-    user = items[0].user_id
-    # Inside the write lock: a flip elsewhere is seen here. On SQLite the live version, the
-    # fold's cursor and the user's clock come in one statement, the message's one read; on
-    # PostgreSQL the insert reads the clock itself (one round trip).
-    if db.postgres:
-        d, folded, born = db.live.follow(conn), 0, user
-    else:
-        version, folded, born = conn.execute(_WRITE_STATE, (user,)).fetchone()
-        d = db.live.named(conn, version)
+    if db.postgres:  # inside the write lock: a flip elsewhere is seen here
+        rows = _rows(db, db.live.follow(conn), items)
+        if rows:
+            _PENDING.run(conn, True, rows)
+        return
+    # SQLite: derived with the dictionary last followed, and inserted only if it is still the
+    # live one, read by the insert itself inside the write lock (as the user's clock is, for
+    # the births): the message's one read before, a statement of its own, cost 8 us of ~230.
+    # After a flip elsewhere nothing is inserted: followed, derived again.
+    d = db.live.dictionary
+    rows = _rows(db, d, items)
+    if not rows:
+        return
+    seq = _insert(conn, _INSERT_ROW_LIVE, [(*r, d.version) for r in rows])
+    if seq is None:
+        rows = _rows(db, db.live.follow(conn), items)
+        seq = _insert(conn, _INSERT_ROW, rows)
+    assert seq is not None  # inserted without a condition
+    if (seq - len(rows)) // FOLD_EVERY < seq // FOLD_EVERY:  # the rows crossed a mark
+        fold(db, conn)
+
+
+def _rows(db: Database, d: Dictionary, items: list[StoredItem]) -> list[tuple]:
+    """The retrieval rows of a message's items under `d`, each born at its user's clock (the
+    insert reads it: the row holds the user's id in its place)."""
     rows = []
     for it in items:
         if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
             continue
         text = item_text(it.kind, it.name, it.text)
-        bag = d.bag(text)
+        if it.kind == _TEXT and text is it.text and len(text) <= SUBJECT_CHARS and text.isascii():
+            # The chains' subjects from the bag's own count (the next batch's, chains.py).
+            bag, known, unseen = d.bag_counted(text)
+            chains.note(db, d.version, text, chains.counted_subjects(d, known, unseen))
+        else:
+            bag = d.bag(text)
         rows.append((it.id, it.message_id, it.user_id, it.conversation_id, int(it.at), bag.length,
                      token_estimate(text), d.version,
-                     bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes(), born,
-                     heat.half_life(it.kind, it.role, it.text)))
-    if not rows:
-        return
-    if db.postgres:
-        _PENDING.run(conn, True, rows)
-        return
+                     bag.terms.astype("<i4", copy=False).tobytes(), bag.counts.tobytes(),
+                     it.user_id, heat.half_life(it.kind, it.role, it.text)))
+    return rows
+
+
+def _insert(conn: Sql, sql: str, rows: list[tuple]) -> int | None:
+    """Insert a message's rows in one statement: the last one's seq, None if none went in."""
     if len(rows) == 1:
-        seq = conn.execute(_INSERT_ROW, rows[0]).lastrowid
-    else:  # one statement for a message's rows (sqlite3 leaves lastrowid alone in executemany)
-        conn.executemany(_INSERT_ROW, rows)
-        (seq,) = conn.execute("SELECT last_insert_rowid()").fetchone()
-    if seq - folded >= FOLD_EVERY:
-        fold(db, conn)
+        cur = conn.execute(sql, rows[0])
+        return int(cur.lastrowid) if cur.rowcount else None
+    # sqlite3 leaves lastrowid alone in executemany
+    if not conn.executemany(sql, rows).rowcount:
+        return None
+    return int(conn.execute("SELECT last_insert_rowid()").fetchone()[0])
 
 
-_WRITE_STATE = ("SELECT (SELECT value FROM setting WHERE key = 'dictionary'),"
-                " (SELECT folded_seq FROM retrieval_total WHERE id = 1),"
-                " coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0)")
 _COLUMNS = ("item_id, message_id, user_id, conversation_id, at, length, tokens, version, terms,"
             " counts, born, half_life")
 # SQLite numbers a row past the newest and past every seq a deletion freed (m015: no
-# AUTOINCREMENT, whose counter was one more page in every message's commit).
-_INSERT_ROW = (f"INSERT INTO retrieval (seq, {_COLUMNS}) VALUES (max((SELECT coalesce(max(seq), 0)"
+# AUTOINCREMENT, whose counter was one more page in every message's commit); a row is born at
+# its user's clock as the insert reads it.
+_INSERT_ROW = (f"INSERT INTO retrieval (seq, {_COLUMNS}) SELECT max((SELECT coalesce(max(seq), 0)"
                " FROM retrieval), (SELECT id FROM high_water WHERE name = 'retrieval')) + 1,"
-               f" {marks(False, 12)})")
+               f" {marks(False, 10)}, coalesce((SELECT position FROM clock WHERE user_id = ?),"
+               " 0.0), ?")
+# The same while the dictionary named is the live one.
+_INSERT_ROW_LIVE = f"{_INSERT_ROW} WHERE (SELECT value FROM setting WHERE key = 'dictionary') = ?"
 # PostgreSQL: the rows wait for their seq (`sequence`), each born at its user's clock as the
 # insert reads it; SQLite never writes this table.
 _PENDING = Rows(f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ({marks(False, 12)})",

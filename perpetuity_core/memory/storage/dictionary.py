@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -123,6 +123,11 @@ class Dictionary:
         self.word_ids = {w: int(self.term_of[i]) for w, i in self.tokenizer.get_vocab().items()}
         self._ascii_ids = {w.encode(): i for w, i in self.word_ids.items()
                            if w.isascii() and w.isalnum()}
+        # The same, except that a word no chain is named by (shorter than three letters, or a
+        # number: chains.subjects) counts under its id negated, so one count serves the bag and
+        # the chains (bag_counted).
+        self._keyed = {w: -i if i and (len(w) < 3 or w.isdigit()) else i
+                       for w, i in self._ascii_ids.items()}
         self._normalizer = self.tokenizer.normalizer
         self._unseen: dict[str, int] = {}
 
@@ -197,20 +202,40 @@ class Dictionary:
                 n = counts.pop(w)
                 counts[self._resolve(w.decode())] += n
             counts.pop(STOP_ID, None)
-        else:
-            counts = Counter(self.id_list(text))
-        terms = sorted(counts)
-        tf = [counts[t] for t in terms]
-        length = sum(tf)
-        if length > MAX_TF and max(tf) > MAX_TF:  # only a long text can need the cap
-            tf = [min(c, MAX_TF) for c in tf]
-        return Bag(np.array(terms, dtype=np.int32), np.frombuffer(bytes(tf), dtype=np.uint8),
-                   length)
+            return _bag(cast(Counter[int], counts))  # only ids are left
+        return _bag(Counter(self.id_list(text)))
+
+    def bag_counted(self, text: str) -> tuple[Bag, dict[int, int], dict[bytes, int]]:
+        """bag(text) of an ASCII text, with what it was counted from, so that the chains
+        (chains.counted_subjects) need no count of their own: by term id, the occurrences of
+        its vocabulary words (a vocabulary word's id is its stem's), those no chain is named by
+        under their id negated; and the occurrences of its unseen words."""
+        words = text.encode("ascii").translate(ASCII_FOLD).split()
+        keyed = Counter(map(self._keyed.get, words, words))
+        unseen = {w: keyed.pop(w) for w in [k for k in keyed if type(k) is bytes]}
+        known = cast(dict[int, int], keyed)  # only ids are left
+        counts = Counter(known)
+        for t in [t for t in known if t < 0]:
+            counts[-t] += counts.pop(t)
+        for w, n in unseen.items():
+            counts[self._resolve(w.decode())] += n
+        counts.pop(STOP_ID, None)
+        return _bag(counts), known, unseen
 
     def words(self, text: str) -> list[str]:
         """The normalised words of `text`, stop words included (for phrase checks and display)."""
         pre = self.tokenizer.pre_tokenizer
         return [w for w, _ in pre.pre_tokenize_str(self._normalizer.normalize_str(text))]
+
+
+def _bag(counts: Counter[int]) -> Bag:
+    """The bag of term counts (stop words left out)."""
+    terms = sorted(counts)
+    tf = [counts[t] for t in terms]
+    length = sum(tf)
+    if length > MAX_TF and max(tf) > MAX_TF:  # only a long text can need the cap
+        tf = [min(c, MAX_TF) for c in tf]
+    return Bag(np.array(terms, dtype=np.int32), np.frombuffer(bytes(tf), dtype=np.uint8), length)
 
 
 def shipped_path() -> Path:
