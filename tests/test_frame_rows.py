@@ -188,8 +188,12 @@ def test_an_agents_frame_with_a_stretch_takes_its_top_hit_only_as_the_fill_does(
         return messages_tokens(frame_render.messages({**rows, **(excerpts or {})}, ids, recent,
                                                      frozenset(), ASKED, CURRENT))
 
+    def prefixes(base: list[int], added: list[int], recent: Collection[int],
+                 excerpts: Mapping[int, Row]) -> Callable[[int], int]:
+        return lambda k: measure(base + added[:k], recent, excerpts)
+
     def chosen(agent: bool, stretch: list[int]) -> frame_select.Selection:
-        return frame_select.frame(rows, hot, hits, [2], stretch, 120, Cap(40, 2_000), measure,
+        return frame_select.frame(rows, hot, hits, [2], stretch, 120, Cap(40, 2_000), prefixes,
                                   agent=agent)
 
     agents = chosen(True, [7])
