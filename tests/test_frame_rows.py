@@ -116,6 +116,14 @@ def test_nothing_chosen_renders_nothing() -> None:
     assert render([]) == []
 
 
+def frame_prefixes(measure: Callable[[list[int], Collection[int], Mapping[int, Row]], int]
+                   ) -> frame_select.Measure:
+    """The frame's measure of prefixes (base, added, recent, excerpts) -> k -> tokens, from a
+    measure of rows."""
+    return lambda base, added, recent, excerpts: lambda k: measure(base + added[:k], recent,
+                                                                   excerpts)
+
+
 def warm(warmth: dict[int, float]) -> heat.Warm:
     ids = sorted(warmth, key=lambda i: (-warmth[i], i))
     return heat.Warm(np.array(ids, np.int64), np.array([warmth[i] for i in ids]))
@@ -153,12 +161,8 @@ def test_reference_selection() -> None:
                 excerpts: Mapping[int, Row] | None = None) -> int:
         return messages_tokens(render(ids, recent, excerpts))
 
-    def prefixes(base: list[int], added: list[int], recent: Collection[int],
-                 excerpts: Mapping[int, Row]) -> Callable[[int], int]:
-        return lambda k: measure(base + added[:k], recent, excerpts)
-
     chosen = frame_select.frame(rows, hot, hits, [2], [7, 8], tokens, Cap(400, 2_000),
-                                prefixes)
+                                frame_prefixes(measure))
     assert chosen.item_ids == [1, 2, 7, 6, 4, 5]
     assert chosen.recent == {7}
     assert chosen.must == {7: frame_select.MUST_RECENT, 2: frame_select.MUST_HALF,
@@ -166,7 +170,8 @@ def test_reference_selection() -> None:
     assert measure(chosen.item_ids, chosen.recent) <= tokens
     # All six fit 300 tokens by their estimate (238), not as rendered (327): the last added
     # goes. The long warm row never fits.
-    smaller = frame_select.frame(rows, hot, hits, [2], [7, 8], 300, Cap(400, 2_000), prefixes)
+    smaller = frame_select.frame(rows, hot, hits, [2], [7, 8], 300, Cap(400, 2_000),
+                                     frame_prefixes(measure))
     assert smaller.item_ids == [1, 2, 7, 6, 4]
 
 
@@ -188,12 +193,9 @@ def test_an_agents_frame_with_a_stretch_takes_its_top_hit_only_as_the_fill_does(
         return messages_tokens(frame_render.messages({**rows, **(excerpts or {})}, ids, recent,
                                                      frozenset(), ASKED, CURRENT))
 
-    def prefixes(base: list[int], added: list[int], recent: Collection[int],
-                 excerpts: Mapping[int, Row]) -> Callable[[int], int]:
-        return lambda k: measure(base + added[:k], recent, excerpts)
-
     def chosen(agent: bool, stretch: list[int]) -> frame_select.Selection:
-        return frame_select.frame(rows, hot, hits, [2], stretch, 120, Cap(40, 2_000), prefixes,
+        return frame_select.frame(rows, hot, hits, [2], stretch, 120, Cap(40, 2_000),
+                                  frame_prefixes(measure),
                                   agent=agent)
 
     agents = chosen(True, [7])
