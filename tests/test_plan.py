@@ -22,6 +22,7 @@ from perpetuity_core.serve import layout
 from perpetuity_core.serve.exchange import Decision
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Message, Protocol, Provider, Reply, Usage, text_part
+from perpetuity_core.wire.protocols import anthropic
 from tests.test_fixtures import to_request
 from tests.test_frame import say
 
@@ -377,3 +378,18 @@ def test_the_bound_counts_the_system_messages_kept_in_front_of_the_anchor(
         largest = max(largest, sum(len(str(t)) + 3 for t in text) // 4)
     assert any(m["role"] == "system" for m in sent)  # it stayed, after the frame
     assert largest <= bound
+
+
+def test_what_the_model_reads_counts_the_system_messages_kept_in_front_of_the_anchor(
+        tmp_path: Path) -> None:
+    """The token clock steps by what the model reads: a system-role message kept after the
+    frame when the history around it is replaced is read on every call, so it counts."""
+    read = [{"name": "Read", "description": "Read a file.", "input_schema": {"type": "object"}}]
+    s = Session(tmp_path, Cap(floor=100, ceiling=300, bound=12_000), tools=read)
+    s.history.append({"role": "system", "content": "agent types: " + "general-purpose " * 800})
+    s.prompt("Which module parses toml files?")
+    for k in range(12):
+        sent, d = s.tool_round(f"line {k} " * 400)
+    assert d.job is not None and any(m["role"] == "system" for m in sent)
+    read_now = messages_tokens(anthropic.message_from(m) for m in sent)
+    assert d.job.pending.sent_tokens == read_now

@@ -158,7 +158,10 @@ class Layout:
             # The plan keeps what went upstream, so the next call grows from it.
             out.plan = replace(laid_plan, anchor=plan.mark(messages, replaced.keep))
         out.keep, out.note, out.front = replaced.keep, replaced.why, front
-        out.sent_tokens = (messages_tokens(front) + laid_plan.insert_tokens
+        # The harness's system messages before the anchor stay, after the frame: the model
+        # reads them too, and the token clock steps by what the model reads.
+        out.sent_tokens = (messages_tokens(front) + laid_plan.standing_tokens
+                           + laid_plan.insert_tokens
                            + messages_tokens(messages[replaced.keep:]) - laid_plan.stubbed)
         out.body = self.written.dumps(replaced.body)
         out.sent = replaced.body
