@@ -5,6 +5,7 @@ Nothing outside `perpetuity_core.wire.protocols` sees provider JSON: it sees the
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import re
@@ -188,6 +189,19 @@ class ParsedRequest:
     # Characters of what the request carries besides its messages (system prompt, tool
     # definitions): what a bound on the whole request counts beside them.
     fixed_chars: int = 0
+
+
+
+def read_before(known: ParsedRequest | None,
+                raw: int) -> tuple[list[int], list[Message], list[int]]:
+    """New lists of what `known` read of its body's own list before index `raw`: the messages'
+    starts, the messages and the standing indexes (wire.seen: a later body sharing that prefix
+    takes them as read and reads only the rest); empty ones without `known`."""
+    if known is None:
+        return [], [], []
+    upto = bisect.bisect_left(known.raw_index, raw)
+    return (known.raw_index[:upto], known.messages[:upto],
+            known.raw_standing[:bisect.bisect_left(known.raw_standing, raw)])
 
 
 @dataclass(slots=True)

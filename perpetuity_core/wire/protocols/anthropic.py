@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,6 +16,7 @@ from perpetuity_core.wire.conversation import (
     Reply,
     Usage,
     as_context,
+    read_before,
     text_part,
 )
 from perpetuity_core.wire.protocols.anthropic_check import check as check
@@ -41,11 +41,8 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ProtocolError("Anthropic request without a messages list")
-    raw_index, parsed, standing, start = [], [], [], 0
-    if known is not None and 0 < reused <= len(messages):
-        upto = bisect.bisect_left(known.raw_index, reused)
-        raw_index, parsed, start = known.raw_index[:upto], known.messages[:upto], reused
-        standing = known.raw_standing[:bisect.bisect_left(known.raw_standing, reused)]
+    start = reused if known is not None and 0 < reused <= len(messages) else 0
+    raw_index, parsed, standing = read_before(known, start)
     fresh = [i for i in range(start, len(messages)) if isinstance(messages[i], dict)]
     raw_index += fresh
     parsed += [message_from(messages[i]) for i in fresh]

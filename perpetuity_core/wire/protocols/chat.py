@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,6 +16,7 @@ from perpetuity_core.wire.conversation import (
     Protocol,
     Reply,
     Usage,
+    read_before,
     text_part,
 )
 from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase, spliced
@@ -33,11 +33,8 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise ProtocolError("Chat Completions request without a messages list")
-    raw_index, parsed, standing, start = [], [], [], 0
-    if known is not None and 0 < reused <= len(messages):
-        upto = bisect.bisect_left(known.raw_index, reused)
-        raw_index, parsed, start = known.raw_index[:upto], known.messages[:upto], reused
-        standing = known.raw_standing[:bisect.bisect_left(known.raw_standing, reused)]
+    start = reused if known is not None and 0 < reused <= len(messages) else 0
+    raw_index, parsed, standing = read_before(known, start)
     for i in range(start, len(messages)):
         if isinstance(messages[i], dict):
             m = _message(messages[i])

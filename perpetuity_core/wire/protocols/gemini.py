@@ -16,13 +16,20 @@ and a result by the call before it with the same name.
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from perpetuity_core.errors import ProtocolError
-from perpetuity_core.wire.conversation import Kind, Message, ParsedRequest, Protocol, Reply, Usage
+from perpetuity_core.wire.conversation import (
+    Kind,
+    Message,
+    ParsedRequest,
+    Protocol,
+    Reply,
+    Usage,
+    read_before,
+)
 from perpetuity_core.wire.protocols.base import (
     BodyMergerBase,
     CacheRule,
@@ -94,12 +101,8 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
     contents = req.get("contents")
     if not isinstance(contents, list):
         raise ProtocolError("Gemini request without a contents list")
-    raw_index: list[int] = []
-    messages: list[Message] = []
-    start = 0
-    if known is not None and 0 < reused <= len(contents):
-        upto = bisect.bisect_left(known.raw_index, reused)
-        raw_index, messages, start = known.raw_index[:upto], known.messages[:upto], reused
+    start = reused if known is not None and 0 < reused <= len(contents) else 0
+    raw_index, messages, _ = read_before(known, start)
     for i in range(start, len(contents)):
         if isinstance(contents[i], dict):
             raw_index.append(i)

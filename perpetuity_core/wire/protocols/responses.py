@@ -22,6 +22,7 @@ from perpetuity_core.wire.conversation import (
     Protocol,
     Reply,
     Usage,
+    read_before,
     text_part,
 )
 from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase, spliced
@@ -44,13 +45,12 @@ def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
         items = raw
     else:
         raise ProtocolError("Responses request without input")
-    raw_index, messages, standing, start = [], [], [], 0
+    start = 0
     if known is not None and isinstance(raw, list) and 0 < reused <= len(items) and (
             upto := bisect.bisect_left(known.raw_index, reused) - 1) >= 0:
         # The message starting last before `reused` may go on past it: read again from it.
         start = known.raw_index[upto]
-        raw_index, messages = known.raw_index[:upto], known.messages[:upto]
-        standing = known.raw_standing[:bisect.bisect_left(known.raw_standing, start)]
+    raw_index, messages, standing = read_before(known, start)
     for index, m in _fold_starts(items, start, standing):
         if m.role != "system":
             raw_index.append(index)
