@@ -174,13 +174,22 @@ def around(db: Database, hits: Sequence[tuple[int, int]], n: int) -> list[tuple[
     branches: list[str] = []
     args: list[int] = []
     for k, (conversation_id, message_id) in enumerate(hits):
-        for cmp, order in (("<", "DESC"), (">", "ASC")):
-            branches.append(
-                f"SELECT {k}, i.id, m.id FROM item i JOIN message m ON m.id = i.message_id WHERE"
-                f" m.conversation_id = ? AND m.id {cmp} ? AND m.id IN (SELECT id FROM message"
-                f" WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order} LIMIT ?)")
+        for branch in _AROUND_SQLITE:
+            branches.append(branch.format(k))
             args += (conversation_id, message_id, conversation_id, message_id, n)
     return db.connection().execute(" UNION ALL ".join(branches), args).fetchall()
+
+
+# A hit's n messages before it (and after it) on SQLite: those of its conversation between the
+# hit and the nth message from it, one range of the conversation's index in store order. As
+# `m.id IN (the n nearest)` each branch built a temporary index of the n ids (pages allocated
+# and zeroed: 40 a frame), and the reads cost 2.5 times as much (20 hits, pooled LoCoMo).
+_AROUND_SQLITE = tuple(
+    "SELECT {}, i.id, m.id FROM message m JOIN item i ON i.message_id = m.id"
+    f" WHERE m.conversation_id = ? AND m.id {cmp} ? AND m.id {edge} (SELECT {bound}(id) FROM"
+    f" (SELECT id FROM message WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order}"
+    " LIMIT ?))" for cmp, order, bound, edge in (("<", "DESC", "min", ">="),
+                                                 (">", "ASC", "max", "<=")))
 
 
 def next_spoken(db: Database, conversation_id: int, message_id: int, *,
