@@ -83,7 +83,7 @@ def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
             these, args = one_of(db.postgres, "i.id", chunk)
             read = conn.execute(_THERE_OWNED.format(these, kinds, marks(db.postgres, 1)),
                                 [*args, *SHOWN_KINDS, user_id])
-        there = sorted(item for (item,) in read)
+        there = sorted([item for (item,) in read])  # a list: no generator step a row
         known = cache.get(there)
         if len(known) < len(there):  # most calls read no row whole: no test of each
             missing = [item for item in there if item not in known]
