@@ -92,7 +92,8 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     rows = {**shelf.rows, **chosen.excerpts} if chosen.excerpts else shelf.rows
     laid = frame_render.lay(rows, chosen.item_ids, chosen.recent, shelf.adjacent, asked_at,
                             conversation_id)
-    built = _frame(frame_render.written(laid, asked_at, said=said), chosen, found, tokens, warm.foreign)
+    built = _frame(frame_render.written(laid, asked_at, said=said), chosen, found, tokens,
+                   warm.foreign)
     built.warm = warm
     return built
 

@@ -54,9 +54,10 @@ Turn = tuple[str, str]  # (role, text)
 class Said:
     """The frame's messages made before, by their role and parts' text: a message written
     again is the same object, and with it what the wire made of it (`Message.wire_form`: the
-    Anthropic block, then its JSON in wire.written), so a first prompt whose frame shows runs
-    that an earlier one showed writes only what changed (bench_prepare's bench memory: most of
-    a frame's ~120 messages, each made, rendered and encoded afresh every call).
+    Anthropic block or the Chat message, then its JSON in wire.written), so a first prompt
+    whose frame shows runs that an earlier one showed writes only what changed (bench_prepare's
+    bench memory: most of a frame's ~120 messages, each made, rendered and encoded afresh
+    every call).
 
     Keyed on the whole text, so never stale: a changed row, label, asking day or header is
     another key. Least recently used go first past SAID_MESSAGES or SAID_CHARS. One thread
