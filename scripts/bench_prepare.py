@@ -75,6 +75,17 @@ conversations' names, the warm set, the hits' fetch and neighbours: SQLite's ste
 fetches are 13% of all instructions), the body's check and Anthropic render 17%, its encoding
 15%, the fill 16% (the prefix arrays' columns are most of it), the frame laid out and written
 15% (its Parts and Messages are frozen dataclasses, each field set by object.__setattr__).
+Since (h-first9): the frame's messages are kept by their text (frame.render.Said, the Layout's),
+so a frame re-showing what an earlier one showed hands on the same messages, whose wire form
+(Anthropic's and now Chat Completions') and JSON are made already; which rows and hits are
+there is read by the item's and the retrieval row's key alone (their foreign keys stand for
+the joins); a hit's neighbours are a range of its conversation's index, not `IN` the n nearest
+(a temporary index a branch, pages allocated and zeroed). Instructions a prepare, measured by
+scripts/count_prepare.py (20 fresh first prompts after 5 on memories built once by base code,
+PYTHONHASHSEED=0): bench 36.98M -> 28.59M (0.77), LoCoMo 32.00M -> 28.60M (0.89), pooled
+36.64M -> 31.33M (0.86). What is left (cProfile, bench memory): the scan and the hits'
+fetch 20%, the frame's reads 19% (the rows there 9%, the warm set 6%), the fill 18%, the
+body's check and render 10%, the layout and its texts 13%, the encoding 6%.
 
     .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
         [--side task_relay]

@@ -260,7 +260,10 @@ def test_the_neighbours_of_hits_are_the_messages_beside_each_in_its_conversation
     for n in (1, 2):
         want = [(k, item, m) for k, h in enumerate(hits) for m in beside(h, n)
                 for item in items[m]]
-        assert sorted(around(store.db, [(conv[h], h) for h in hits], n)) == sorted(want)
+        got = around(store.db, [(conv[h], h) for h in hits], n)
+        # In hit order, then store order on SQLite, where the reheats read them in this order;
+        # PostgreSQL's lateral join names none.
+        assert (sorted(got) == sorted(want)) if store.db.postgres else got == want
     assert around(store.db, [], 2) == []
 
 

@@ -124,6 +124,70 @@ def test_a_kept_row_carries_its_conversation_name_as_it_is_now(store: Store) -> 
     assert after.text == before.text
 
 
+def frame_texts(store: Store, query: str, asked_at: float,
+                said: frame_render.Said | None) -> list[tuple[str, tuple[str, ...]]]:
+    built = frame.build(scan.Scanner(store, store_rows=0), user_id=store.find_user("u"),
+                        conversation_id=None, query=query, exclude_messages=[],
+                        asked_at=asked_at, limits=cap.Cap(), said=said)
+    assert built is not None
+    return [(m.role, tuple(p.text for p in m.parts)) for m in built.messages]
+
+
+def test_a_frame_said_before_is_never_stale(store: Store) -> None:
+    """Messages kept by their text (render.Said) are handed on only where the text is the
+    same: a frame built through what was kept is the frame built afresh, after a row is
+    purged, a conversation renamed, new rows stored or the asking day moved on."""
+    items = items_of(store, say(store, "c", "the harbour master is called Ines", "noted, Ines",
+                                "the ferry leaves at noon", "and returns at six"))
+    said = frame_render.Said()
+    day = shown_rows(store.db, items)[items[0]].at + 60  # asked the day the rows were said
+    query = "harbour master Ines ferry"
+    first = frame_texts(store, query, day, said)
+    assert first == frame_texts(store, query, day, None)
+    again = frame.build(scan.Scanner(store, store_rows=0), user_id=store.find_user("u"),
+                        conversation_id=None, query=query, exclude_messages=[], asked_at=day,
+                        limits=cap.Cap(), said=said)
+    assert again is not None and all(  # the same text: the same objects
+        m is said.message(m.role, [p.text for p in m.parts]) for m in again.messages)
+
+    def changed(asked_at: float, must: str, gone: str) -> None:
+        got = frame_texts(store, query, asked_at, said)
+        assert got == frame_texts(store, query, asked_at, None)
+        text = "\n".join(t for _, parts in got for t in parts)
+        assert must in text and gone not in text, text
+
+    changed(day + 86_400, "yesterday", "earlier today")  # the asking day moved on
+    changed(day + 3 * 86_400, "3 days before", "yesterday")
+    index.purge(store, items[1:2])
+    changed(day, "the ferry leaves at noon", "noted, Ines")
+    conv = store.find_conversation(store.find_user("u"), "c")
+    assert conv is not None
+    store.name_conversation(conv, title="Harbour notes")
+    changed(day, '"Harbour notes"', "noted, Ines")
+    say(store, "c", "the harbour master retires in May")
+    changed(day, "retires in May", "noted, Ines")
+
+
+def test_what_was_said_is_kept_within_its_bounds() -> None:
+    """Least recently used go first, past the count or the characters; the role is of the
+    key, and so is where the text is parted."""
+    said = frame_render.Said(messages=2, chars=100)
+    a, b = said.message("user", ["aaaa"]), said.message("assistant", ["bbbb"])
+    assert said.message("user", ["aaaa"]) is a  # now the most recent
+    said.message("user", ["cc"])  # past the count: b goes
+    assert said.message("user", ["aaaa"]) is a and said.message("assistant", ["bbbb"]) is not b
+    said = frame_render.Said(messages=10, chars=10)
+    a, b = said.message("user", ["aaaa"]), said.message("user", ["bbbb"])
+    said.message("user", ["cc"])  # 10 characters: all kept
+    assert said.message("user", ["aaaa"]) is a  # b is now the least recent
+    said.message("user", ["d"])  # 11: b goes
+    assert said.message("user", ["aaaa"]) is a and said.message("user", ["bbbb"]) is not b
+    apart = said.message("assistant", ["aaaa"])
+    assert apart.role == "assistant" and apart is not said.message("user", ["aaaa"])
+    split = said.message("user", ["a", "aaa"])
+    assert [p.text for p in split.parts] == ["a", "aaa"]
+
+
 # --------------------------------------------------------------------------- reference checks
 
 

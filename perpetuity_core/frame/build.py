@@ -55,7 +55,8 @@ class Frame:
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
           exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap,
           recent_messages: Iterable[int] = (), kept_tokens: int = 0,
-          narrow: bool = False, agent: bool = False) -> Frame | None:
+          narrow: bool = False, agent: bool = False,
+          said: frame_render.Said | None = None) -> Frame | None:
     """The frame for one question, or None when memory holds nothing to show. Reads only.
 
     Never trimmed: the question's top hit and the latest stretch of the conversation that the
@@ -69,7 +70,8 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     breadth-sized budget: its warm rows hold what the latest stretch leaves out (the shared
     Claude Code sessions: narrow everywhere 0.669 of direct, identifiers 0.882 / 0.807 in
     context; narrow only here 0.678, 0.890 / 0.815). An `agent`'s frame with a latest stretch
-    takes its top hit as the fill does (frame_select.frame).
+    takes its top hit as the fill does (frame_select.frame). Messages `said` before are the
+    objects made then (frame_render.Said).
     """
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded)
@@ -90,14 +92,15 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     rows = {**shelf.rows, **chosen.excerpts} if chosen.excerpts else shelf.rows
     laid = frame_render.lay(rows, chosen.item_ids, chosen.recent, shelf.adjacent, asked_at,
                             conversation_id)
-    built = _frame(frame_render.written(laid, asked_at), chosen, found, tokens, warm.foreign)
+    built = _frame(frame_render.written(laid, asked_at, said=said), chosen, found, tokens,
+                   warm.foreign)
     built.warm = warm
     return built
 
 
 def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
              exclude_messages: Iterable[int], shown: Collection[int], asked_at: float,
-             limits: cap.Cap) -> Frame | None:
+             limits: cap.Cap, said: frame_render.Said | None = None) -> Frame | None:
     """Memory from other conversations for a new prompt in a conversation whose frame stays as
     it was: the question's hits there in rank order, not already in front of the model
     (`shown`, or in the messages the harness sent as they were), within its breadth-sized
@@ -121,7 +124,7 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
     if not chosen.item_ids:
         return None
     more = render(chosen.considered, chosen.item_ids, (), shelf.adjacent, asked_at,
-                  conversation_id, header=MORE_HEADER)
+                  conversation_id, header=MORE_HEADER, said=said)
     return _frame(more, chosen, found, tokens, frozenset())
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 from datetime import UTC, date, datetime
 
@@ -41,19 +42,60 @@ EXCERPT = "[excerpt #{0}: memory_more(item={0}) reads it whole]\n"
 RUN_GAP = 30 * 60
 SKIPPED = "[...]"  # the same sitting resumes after turns the frame leaves out
 STAMPS = 65_536  # rows whose time label is kept (_when)
+# The frame's messages kept by their text (`Said`), and the characters they may hold in all.
+SAID_MESSAGES = 4096
+SAID_CHARS = 4_000_000
 
 _TOOLS = (Kind.TOOL_CALL.value, Kind.TOOL_RESULT.value)  # hot: once, not per row
 
 Turn = tuple[str, str]  # (role, text)
 
 
+class Said:
+    """The frame's messages made before, by their role and parts' text: a message written
+    again is the same object, and with it what the wire made of it (`Message.wire_form`: the
+    Anthropic block or the Chat message, then its JSON in wire.written), so a first prompt
+    whose frame shows runs that an earlier one showed writes only what changed (bench_prepare's
+    bench memory: most of a frame's ~120 messages, each made, rendered and encoded afresh
+    every call).
+
+    Keyed on the whole text, so never stale: a changed row, label, asking day or header is
+    another key. Least recently used go first past SAID_MESSAGES or SAID_CHARS. One thread
+    uses it (the one that prepares requests: the Layout's)."""
+
+    def __init__(self, messages: int = SAID_MESSAGES, chars: int = SAID_CHARS) -> None:
+        self._kept: OrderedDict[tuple[str, ...], Message] = OrderedDict()
+        self._chars = 0
+        self._bounds = messages, chars
+
+    def message(self, role: str, texts: list[str]) -> Message:
+        """Message(role, the texts as text parts), the one made before when there is one."""
+        key = (role, *texts)
+        kept = self._kept.get(key)
+        if kept is not None:
+            self._kept.move_to_end(key)
+            return kept
+        made = self._kept[key] = _message(role, texts)
+        self._chars += sum(map(len, texts))
+        most, chars = self._bounds
+        while len(self._kept) > most or self._chars > chars:
+            old, _ = self._kept.popitem(last=False)
+            self._chars -= sum(map(len, old[1:]))
+        return made
+
+
+def _message(role: str, texts: list[str]) -> Message:
+    return Message(role, tuple([Part(Kind.TEXT, t) for t in texts]))
+
+
 def messages(rows: dict[int, Row], ids: Iterable[int], recent: Collection[int],
              adjacent: Collection[tuple[int, int]], asked_at: float,
-             conversation_id: int | None, header: str = HEADER) -> list[Message]:
+             conversation_id: int | None, header: str = HEADER,
+             said: Said | None = None) -> list[Message]:
     """The rows `ids` as the model reads them: the rows found, then the conversation's latest
     stretch (`recent`), under `header`."""
     return written(lay(rows, list(ids), recent, adjacent, asked_at, conversation_id), asked_at,
-                   header)
+                   header, said)
 
 
 def cost(r: Row) -> int:
@@ -86,10 +128,11 @@ def lay(rows: dict[int, Row], ids: list[int], recent: Collection[int],
             + runs([rows[i] for i in ids if i in recent], adjacent, asked_at, conversation_id))
 
 
-def written(laid: list[Run], asked_at: float, header: str = HEADER) -> list[Message]:
-    """Runs (`lay`) as the messages the model reads."""
+def written(laid: list[Run], asked_at: float, header: str = HEADER,
+            said: Said | None = None) -> list[Message]:
+    """Runs (`lay`) as the messages the model reads; those `said` before, as they were."""
     return assemble([(role, _text(label, parts, current)) for role, label, parts, current
-                     in laid], asked_at, header)
+                     in laid], asked_at, header, said)
 
 
 def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
@@ -249,31 +292,33 @@ def _text(label: str, parts: list[Row], current: bool) -> str:
     return f"{label}\n{text}" if label else text
 
 
-def assemble(turns: list[Turn], asked_at: float, header: str = HEADER) -> list[Message]:
+def assemble(turns: list[Turn], asked_at: float, header: str = HEADER,
+             said: Said | None = None) -> list[Message]:
     """(role, text) turns, section after section, as alternating user and assistant messages
     under the header; within a section they are grouped by conversation (the current one
     last), oldest first (`section`). The closing line tells the time of the question: labels
-    give only the day's distance."""
+    give only the day's distance. Messages `said` before are the objects made then."""
     if not turns:
         return []
-    # Each message's parts gathered first and the message made once: a run of one role's
+    # Each message's texts gathered first and the message made once: a run of one role's
     # turns (conversations that end as they begin) was a new message and tuple per turn.
-    said: list[tuple[str, list[Part]]] = []
+    texts: list[tuple[str, list[str]]] = []
     if turns[0][0] != "user":
-        said.append(("user", [Part(Kind.TEXT, header)]))
+        texts.append(("user", [header]))
     else:
         turns[0] = ("user", header + "\n\n" + turns[0][1])
     for role, text in turns:
-        if said and said[-1][0] == role:
-            said[-1][1].append(Part(Kind.TEXT, text))
+        if texts and texts[-1][0] == role:
+            texts[-1][1].append(text)
         else:
-            said.append((role, [Part(Kind.TEXT, text)]))
-    closing = Part(Kind.TEXT, NOW.format(datetime.fromtimestamp(asked_at, UTC)))
-    if said[-1][0] == "user":
-        said.append(("assistant", [closing]))
+            texts.append((role, [text]))
+    closing = NOW.format(datetime.fromtimestamp(asked_at, UTC))
+    if texts[-1][0] == "user":
+        texts.append(("assistant", [closing]))
     else:
-        said[-1][1].append(closing)
-    return [Message(role, tuple(parts)) for role, parts in said]
+        texts[-1][1].append(closing)
+    make = said.message if said is not None else _message
+    return [make(role, parts) for role, parts in texts]
 
 
 def section(rows: list[Row], adjacent: Collection[tuple[int, int]], asked_at: float,

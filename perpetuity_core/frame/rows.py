@@ -55,7 +55,15 @@ def shown_rows(db: Database, item_ids: Iterable[int],
 
 _SHOWN_COLUMNS = ("SELECT {} FROM item i JOIN message m ON m.id = i.message_id"
                   " JOIN conversation c ON c.id = m.conversation_id"
-                  " WHERE {} AND i.kind IN ({}){}")
+                  " WHERE {} AND i.kind IN ({})")
+# Which of the rows are there, ids only: the item's key alone. An item never outlives its
+# message, nor a message its conversation (their foreign keys; a purge deletes items first and
+# keeps the conversation rows), and a row's conversation is never changed, so the joins to them
+# that read the rows whole (`_SHOWN_COLUMNS`) would find every one of these; a user's rows alone
+# go by their message's user.
+_THERE = "SELECT id FROM item WHERE {} AND kind IN ({})"
+_THERE_OWNED = ("SELECT i.id FROM item i JOIN message m ON m.id = i.message_id"
+                " WHERE {} AND i.kind IN ({}) AND m.user_id = {}")
 
 
 def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
@@ -65,27 +73,31 @@ def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
     frame reads the same warm rows call after call (LoCoMo: 2.8 ms of a first prompt's
     13 went to reading ~350 rows' text again)."""
     kinds = marks(db.postgres, len(SHOWN_KINDS))
-    owner = f" AND m.user_id = {marks(db.postgres, 1)}" if user_id is not None else ""
     cache = _kept(db)
     names: dict[int, str] = {}  # each conversation's, made once: a frame's ~100 rows have a few
     for chunk in in_chunks(ids):
-        these, args = one_of(db.postgres, "i.id", chunk)
-        args += (*SHOWN_KINDS, *(() if user_id is None else (user_id,)))
-        there = conn.execute(_SHOWN_COLUMNS.format("i.id, m.conversation_id", these, kinds, owner),
-                             args).fetchall()
-        known = cache.get([item for item, _ in there])
+        if user_id is None:
+            these, args = one_of(db.postgres, "id", chunk)
+            read = conn.execute(_THERE.format(these, kinds), [*args, *SHOWN_KINDS])
+        else:
+            these, args = one_of(db.postgres, "i.id", chunk)
+            read = conn.execute(_THERE_OWNED.format(these, kinds, marks(db.postgres, 1)),
+                                [*args, *SHOWN_KINDS, user_id])
+        there = sorted([item for (item,) in read])  # a list: no generator step a row
+        known = cache.get(there)
         if len(known) < len(there):  # most calls read no row whole: no test of each
-            missing = [item for item, _ in there if item not in known]
+            missing = [item for item in there if item not in known]
             known |= _read_rows(db, conn, missing, kinds, cache)
-        if unnamed := sorted({conv for _, conv in there} - names.keys()):
+        # A blank row (kept as None) is not shown: its conversation is not named.
+        if unnamed := sorted({r.conversation_id for r in known.values() if r} - names.keys()):
             where, args = one_of(db.postgres, "id", unnamed)
             names |= {conv: label(title, opening, folder) for conv, title, opening, folder in
                       conn.execute(f"SELECT id, title, opening, folder FROM conversation"
                                    f" WHERE {where}", args)}
-        for item, conv in sorted(there):
+        for item in there:
             if (row := known.get(item)) is None:  # blank, or gone since `there` was read
                 continue
-            named = names.get(conv, row.conversation)
+            named = names.get(row.conversation_id, row.conversation)
             out[item] = row if row.conversation == named else replace(row, conversation=named)
     return out
 
@@ -98,7 +110,7 @@ def _read_rows(db: Database, conn: Sql, ids: list[int], kinds: str,
     for (item, message, conv, title, opening, folder, role, at, kind, name,
          text, secret) in conn.execute(_SHOWN_COLUMNS.format(
             "i.id, m.id, m.conversation_id, c.title, c.opening, c.folder, m.role, m.at,"
-            " i.kind, i.name, i.text, i.secret", these, kinds, ""), [*args, *SHOWN_KINDS]):
+            " i.kind, i.name, i.text, i.secret", these, kinds), [*args, *SHOWN_KINDS]):
         shown = without_scaffold(text)
         read[item] = (Row(item, message, conv, label(title, opening, folder), role, at, kind,
                           name, shown, secret) if shown.strip() else None)
@@ -162,13 +174,22 @@ def around(db: Database, hits: Sequence[tuple[int, int]], n: int) -> list[tuple[
     branches: list[str] = []
     args: list[int] = []
     for k, (conversation_id, message_id) in enumerate(hits):
-        for cmp, order in (("<", "DESC"), (">", "ASC")):
-            branches.append(
-                f"SELECT {k}, i.id, m.id FROM item i JOIN message m ON m.id = i.message_id WHERE"
-                f" m.conversation_id = ? AND m.id {cmp} ? AND m.id IN (SELECT id FROM message"
-                f" WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order} LIMIT ?)")
+        for branch in _AROUND_SQLITE:
+            branches.append(branch.format(k))
             args += (conversation_id, message_id, conversation_id, message_id, n)
     return db.connection().execute(" UNION ALL ".join(branches), args).fetchall()
+
+
+# A hit's n messages before it (and after it) on SQLite: those of its conversation between the
+# hit and the nth message from it, one range of the conversation's index in store order. As
+# `m.id IN (the n nearest)` each branch built a temporary index of the n ids (pages allocated
+# and zeroed: 40 a frame), and the reads cost 2.5 times as much (20 hits, pooled LoCoMo).
+_AROUND_SQLITE = tuple(
+    "SELECT {}, i.id, m.id FROM message m JOIN item i ON i.message_id = m.id"
+    f" WHERE m.conversation_id = ? AND m.id {cmp} ? AND m.id {edge} (SELECT {bound}(id) FROM"
+    f" (SELECT id FROM message WHERE conversation_id = ? AND id {cmp} ? ORDER BY id {order}"
+    " LIMIT ?))" for cmp, order, bound, edge in (("<", "DESC", "min", ">="),
+                                                 (">", "ASC", "max", "<=")))
 
 
 def next_spoken(db: Database, conversation_id: int, message_id: int, *,

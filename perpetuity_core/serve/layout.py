@@ -86,6 +86,9 @@ class Layout:
         self._plan_tokens = 0  # their frames' and addenda's, together (PLAN_TOKENS)
         # The bodies laid out, as JSON: a call writes only what the last ones did not.
         self.written = Written()
+        # The frames' messages made before, by their text: a frame that shows what an earlier
+        # one did hands the same messages on, whose wire form and JSON are made already.
+        self.said = render.Said()
 
     def recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
                 protocol: Protocol, asked_at: float, tools_on: bool,
@@ -198,7 +201,7 @@ class Layout:
                             recent_messages=recent,
                             kept_tokens=messages_tokens(messages[keep:prompt]),
                             narrow=bool(parsed.tool_names) and keep == 0,
-                            agent=bool(parsed.tool_names))
+                            agent=bool(parsed.tool_names), said=self.said)
         front, notes_shown = self._with_notes(built.messages if built else [], parsed, library)
         if not built:
             keep = 0  # nothing to stand in for the history
@@ -246,7 +249,8 @@ class Layout:
         # the identifiers a next reply used from older history kept 0.830 and 0.813).
         more = None if carried.agent else frame.addendum(
             self.scanner, user_id=user_id, conversation_id=conv, query=query,
-            exclude_messages=kept, shown=carried.shown, asked_at=asked_at, limits=self.limits)
+            exclude_messages=kept, shown=carried.shown, asked_at=asked_at, limits=self.limits,
+            said=self.said)
         added, notes_shown = self._with_notes(more.messages if more else [], parsed, library)
         if not added:
             return _Built(plan=carried)

@@ -211,9 +211,12 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
     1.1 of a search's 1.3 ms (LoCoMo, a first prompt's frame)."""
     if not ranked:
         return []
-    where, args = one_of(db.postgres, "r.seq", [s for _, s, _ in ranked])
+    # Which are there by the retrieval row's key alone: a retrieval row goes with its item (its
+    # foreign key cascades), an item never outlives its message, so the joins that read a hit
+    # whole would find every one.
+    where, args = one_of(db.postgres, "seq", [s for _, s, _ in ranked])
     there = [s for (s,) in db.connection().execute(
-        f"SELECT r.seq FROM retrieval r {_HIT_JOINS} WHERE {where}", args)]
+        f"SELECT seq FROM retrieval WHERE {where}", args)]
     cache: Kept[Hit] = kept(db, "hits", lambda: Kept(HITS_KEPT, _hit_chars))
     known = cache.get(there)
     if missing := [s for s in there if s not in known]:

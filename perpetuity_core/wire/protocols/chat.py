@@ -74,7 +74,14 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
 
 
 def _render(messages: list[Message]) -> list[dict[str, Any]]:
-    return [{"role": m.role, "content": "\n\n".join(p.text for p in m.parts)} for m in messages]
+    """Each message as one text message, made once and kept on it (`Message.wire_form`): a
+    frame's messages made before (frame.render.Said) hand on the same objects, which
+    wire.written writes once. Never changed after."""
+    return [m.wire_form(_one_message) for m in messages]
+
+
+def _one_message(m: Message) -> dict[str, Any]:
+    return {"role": m.role, "content": "\n\n".join(p.text for p in m.parts)}
 
 
 def check(body: dict[str, Any]) -> list[str]:
