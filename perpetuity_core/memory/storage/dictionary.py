@@ -261,15 +261,13 @@ class Packed(NamedTuple):
 
 def _packed(counts: dict[int, int]) -> Packed:
     """The packed bag of term counts (ids not negative; stop words, id 0, left out)."""
-    pairs = sorted(counts.items())
-    if pairs and pairs[0][0] == STOP_ID:
-        del pairs[0]
-    if not pairs:
-        return Packed(b"", b"", 0)
-    terms, tf = zip(*pairs, strict=True)
+    terms = sorted(counts)
+    if terms and terms[0] == STOP_ID:
+        del terms[0]
+    tf = list(map(counts.__getitem__, terms))
     length = sum(tf)
     if length > MAX_TF and max(tf) > MAX_TF:  # only a long text can need the cap
-        tf = tuple(min(c, MAX_TF) for c in tf)
+        tf = [min(c, MAX_TF) for c in tf]
     return Packed(struct.pack(f"<{len(terms)}i", *terms), bytes(tf), length)
 
 
