@@ -17,7 +17,6 @@ memory.scan.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -84,29 +83,22 @@ def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
         conn.execute(_INSERT_ROW, (seq, *rows[0]))
     else:
         conn.executemany(_INSERT_ROW, [(seq + k, *r) for k, r in enumerate(rows)])
-    _NUMBERED[db] = (db.numbering.epoch, d, seq + len(rows))
+    db.numbering.counted["retrieval"] = (d, seq + len(rows))
     last = seq + len(rows) - 1
     if (last - len(rows)) // FOLD_EVERY < last // FOLD_EVERY:  # the rows crossed a mark
         fold(db, conn)
 
 
-# SQLite: by database, (numbering epoch, live dictionary, next seq) as the writer counts them
-# (derive_retrieval, the retrieval rows' one writer; database.Numbering says how long they hold).
-_NUMBERED: weakref.WeakKeyDictionary[Database, tuple[int, Dictionary, int]] = (
-    weakref.WeakKeyDictionary())
-
-
 def _numbered(db: Database, conn: Sql) -> tuple[Dictionary, int]:
-    """SQLite, inside a message's write: the live dictionary and the next seq, as counted, or
-    read again (one statement) when the count may be stale. The live dictionary changes only
-    by a write, which makes it so: a flip elsewhere is followed, and the rows are derived with
-    the dictionary the database names."""
-    epoch = db.numbering.epoch
-    kept = _NUMBERED.get(db)
-    if kept is None or kept[0] != epoch:
-        seq, version = conn.execute(_NEXT_SEQ).fetchone()
-        kept = _NUMBERED[db] = (epoch, db.live.named(conn, version), seq)
-    return kept[1], kept[2]
+    """SQLite, inside a message's write: the live dictionary and the next seq, as the writer
+    counts them (derive_retrieval, the retrieval rows' one writer), or read again (one
+    statement) when database.Numbering dropped the count. The live dictionary changes only by
+    a write, which drops it: a flip elsewhere is followed, and the rows are derived with the
+    dictionary the database names."""
+    if (counted := db.numbering.counted.get("retrieval")) is not None:
+        return counted
+    seq, version = conn.execute(_NEXT_SEQ).fetchone()
+    return db.live.named(conn, version), seq
 
 
 def _rows(db: Database, d: Dictionary, items: list[StoredItem]) -> list[tuple]:

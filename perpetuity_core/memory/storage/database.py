@@ -165,14 +165,14 @@ class Numbering:
     another connection (a second process, another thread's), seen by `PRAGMA data_version`
     once a write holds the lock; not another write on this connection, through `writing` (a
     purge, a flush, a flip) or around it, seen by its `total_changes`; not a write rolled back,
-    or nested in one (it may be rolled back after). `epoch` changes whenever one of those may
-    have happened, and a writer reads its counters again from the tables when it sees a new
-    epoch."""
+    or nested in one (it may be rolled back after). `counted` holds each writer's counts, by
+    its name, and is emptied whenever one of those may have happened: a writer finding its
+    count gone reads it again from the tables."""
 
-    __slots__ = ("epoch", "_last", "_version")
+    __slots__ = ("counted", "_last", "_version")
 
     def __init__(self) -> None:
-        self.epoch = 0
+        self.counted: dict[str, tuple[Any, ...]] = {}
         # (connection, data_version, total_changes) as the last numbered write committed.
         self._last: tuple[Any, int, int] | None = None
         self._version: int | None = None
@@ -181,12 +181,12 @@ class Numbering:
         """At the start of a numbered write, holding the write lock."""
         version = None if nested else conn.execute("PRAGMA data_version").fetchone()[0]
         if version is None or self._last != (conn, version, conn.total_changes):
-            self.epoch += 1
+            self.counted.clear()
         self._last, self._version = None, version  # a write that does not commit ends it
 
     def other(self) -> None:
         """At the start of any other write: what it writes is nobody's count."""
-        self.epoch += 1
+        self.counted.clear()
         self._last = None
 
     def committed(self, conn: sqlite3.Connection) -> None:

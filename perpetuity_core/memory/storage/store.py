@@ -205,8 +205,6 @@ class Store:
         self.batched = dict(batched)
         self._settle = settle
         self._sequence = sequence
-        # SQLite: (numbering epoch, next message id, next item id), counted by the writer.
-        self._next = (-1, 0, 0)
         try:
             if isinstance(self.path, Path):
                 _create_private(self.path)
@@ -404,10 +402,8 @@ class Store:
         """SQLite: insert a message and its rows under the ids the writer counts (m010's: past
         the newest and past every id a deletion freed), read from the tables again whenever
         database.Numbering says the count may be stale; returns the ids."""
-        epoch = self.db.numbering.epoch
-        if self._next[0] != epoch:
-            self._next = (epoch, *conn.execute(_NEXT_IDS).fetchone())
-        _, message_id, item_id = self._next
+        counted = self.db.numbering.counted
+        message_id, item_id = counted.get("message") or conn.execute(_NEXT_IDS).fetchone()
         item_ids = range(item_id, item_id + len(parts))
         conn.execute(_INSERT_MESSAGE.sqlite, (message_id, *fields))
         if len(parts) == 1:  # most messages: executemany's own cost is not paid for one row
@@ -415,7 +411,7 @@ class Store:
         elif parts:
             conn.executemany(_INSERT_ITEM.sqlite, [(i, message_id, *p)
                                                    for i, p in zip(item_ids, parts, strict=True)])
-        self._next = (epoch, message_id + 1, item_ids.stop)  # only once both went in
+        counted["message"] = (message_id + 1, item_ids.stop)  # only once both went in
         return message_id, item_ids
 
     def flush(self) -> None:
