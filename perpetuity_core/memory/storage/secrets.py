@@ -116,7 +116,8 @@ def secret_kind(text: str) -> str:
     if not present:
         return ""
     active = [(kind, pattern, present.intersection(literals))
-              for kind, pattern, literals in CREDENTIAL_PATTERNS if not present.isdisjoint(literals)]
+              for kind, pattern, literals in CREDENTIAL_PATTERNS
+              if not present.isdisjoint(literals)]
     lines = text.splitlines()
     for i in _lines_holding(low, text, present):
         line = lines[i]
