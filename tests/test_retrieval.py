@@ -204,24 +204,28 @@ def test_subjects_match_the_reference() -> None:
 
 
 def test_the_bag_and_the_subjects_from_one_count_match_their_own() -> None:
-    """Dictionary.bag_counted and chains.counted_subjects (one count for a text row's bag and
-    its chains) give bag() and subjects() exactly: short words and numbers the vocabulary holds
-    are no subject but count in the bag, unseen words are stemmed for both."""
+    """Dictionary.packed_counted and chains.counted_subjects (one count for a text row's bag
+    and its chains) give bag() and subjects() exactly, and so does packed(): short words and
+    numbers the vocabulary holds are no subject but count in the bag, unseen words are stemmed
+    for both, a term counted past MAX_TF is capped."""
     d = dictionary.shipped()
     rng = random.Random(4)
     vocab = sorted(w for w in d.word_ids if w.isascii())
-    texts = ["", "   ", "tv TVs tvs 2023 2023 d2 uk UK ok 65535 zorblax zorblaxes zorblaxing",
-             "Caroline: running runs RUN ran, painted paintings the of and"] + [
+    texts = ["", "   ", "the of and",
+             "tv TVs tvs 2023 2023 d2 uk UK ok 65535 zorblax zorblaxes zorblaxing",
+             "Caroline: running runs RUN ran, painted paintings the of and",
+             "guitar " * 300 + "zqxv " * 260 + "42 violin"] + [
         " ".join(rng.choice(vocab + ["zqxv", "Zqxvs", "42", "id"]) for _ in range(rng.randint(1, 80)))
         for _ in range(300)]
     if SHARED.is_dir():
         texts += [p.text for t in importers.locomo(SHARED / "locomo" / "locomo10.json")
                   for m in t.messages[:200] for p in m.parts if p.text.isascii()]
     for text in texts:
-        bag, known, unseen = d.bag_counted(text)
+        packed, known, unseen = d.packed_counted(text)
         want = d.bag(text)
-        assert (bag.terms.tolist(), bag.counts.tolist(), bag.length) == (
-            want.terms.tolist(), want.counts.tolist(), want.length), text[:80]
+        stored = (want.terms.astype("<i4").tobytes(), want.counts.tobytes(), want.length)
+        assert tuple(packed) == stored, text[:80]
+        assert tuple(d.packed(text)) == stored, text[:80]
         assert chains.counted_subjects(d, known, unseen) == reference_subjects(d, text), text[:80]
 
 

@@ -134,7 +134,7 @@ def subjects(d: Dictionary, text: str) -> list[str]:
 
 
 def counted_subjects(d: Dictionary, known: dict[int, int], unseen: dict[bytes, int]) -> list[str]:
-    """subjects(d, text) from the counts its bag was made from (Dictionary.bag_counted), for
+    """subjects(d, text) from the counts its bag was made from (Dictionary.packed_counted), for
     an ASCII text of at most SUBJECT_CHARS: a vocabulary word's id is its stem's and its rank
     (dictionary.build), so only the unseen words need the stemmer."""
     floor = dictionary.FIRST_STEM_ID + COMMON_STEMS

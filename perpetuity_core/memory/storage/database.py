@@ -155,16 +155,61 @@ def _failed(what: str, e: BaseException) -> StoreError:
     return StoreError(f"could not {what}: {' '.join(str(cause).split())}")
 
 
+class Numbering:
+    """SQLite: how long the ids the message writes hand out may be counted in memory.
+
+    A message's rows were numbered past the newest row and past every id a deletion freed
+    (m010), by subqueries in each insert, the retrieval row's an INSERT ... SELECT reading the
+    table it wrote: 8.5 us of a LoCoMo message's statements, where the check below costs 2.6
+    (interleaved medians, each statement alone). Their one writer (the store for messages and
+    items, index.py for retrieval rows) counts them instead, which holds while nothing but its
+    own message writes changed the database: not another connection (a second process, another
+    thread's), seen by `PRAGMA data_version` once a write holds the lock; not another write on
+    this connection, through `writing` (a purge, a flush, a flip) or around it, seen by its
+    `total_changes`; not a write rolled back, or nested in one (it may be rolled back after).
+    `counted` holds each writer's counts, by its name, and is emptied whenever one of those may
+    have happened: a writer finding its count gone reads it again from the tables."""
+
+    __slots__ = ("counted", "_last", "_version")
+
+    def __init__(self) -> None:
+        self.counted: dict[str, tuple[Any, ...]] = {}
+        # (connection, data_version, total_changes) as the last numbered write committed.
+        self._last: tuple[Any, int, int] | None = None
+        self._version: int | None = None
+
+    def begin(self, conn: sqlite3.Connection, nested: bool) -> None:
+        """At the start of a numbered write, holding the write lock."""
+        version = None if nested else conn.execute("PRAGMA data_version").fetchone()[0]
+        if version is None or self._last != (conn, version, conn.total_changes):
+            self.counted.clear()
+        self._last, self._version = None, version  # a write that does not commit ends it
+
+    def other(self) -> None:
+        """At the start of any other write: what it writes is nobody's count."""
+        self.counted.clear()
+        self._last = None
+
+    def committed(self, conn: sqlite3.Connection) -> None:
+        """After a numbered write committed (not a nested one: its transaction goes on)."""
+        if self._version is not None:
+            self._last = (conn, self._version, conn.total_changes)
+
+
 class _SqliteWrite:
     """Database.writing on SQLite, as a class: a generator context manager inside failing_as'
     cost 5 us a write over the BEGIN and COMMIT themselves (9 us), and every message is one
-    write. Nested, a savepoint of the enclosing write."""
+    write. Nested, a savepoint of the enclosing write. It tells `numbering` where it begins
+    and, numbered (a message's), that it committed."""
 
-    __slots__ = ("what", "peewee", "conn", "nested")
+    __slots__ = ("what", "peewee", "numbering", "numbered", "conn", "nested")
 
-    def __init__(self, what: str, peewee: pw.Database) -> None:
+    def __init__(self, what: str, peewee: pw.Database, numbering: Numbering,
+                 numbered: bool) -> None:
         self.what = what
         self.peewee = peewee
+        self.numbering = numbering
+        self.numbered = numbered
 
     def __enter__(self) -> Sql:
         try:
@@ -173,6 +218,14 @@ class _SqliteWrite:
             conn.execute("SAVEPOINT perpetuity_write" if self.nested else "BEGIN IMMEDIATE")
         except _ERRORS as e:
             raise _failed(self.what, e) from e
+        if not self.numbered:
+            self.numbering.other()
+            return conn  # type: ignore[no-any-return]
+        try:
+            self.numbering.begin(conn, self.nested)
+        except BaseException as e:  # the write is begun: ended here, as a body's failure
+            self.__exit__(type(e), e, None)
+            raise
         return conn  # type: ignore[no-any-return]
 
     def __exit__(self, kind: type[BaseException] | None, e: BaseException | None,
@@ -181,6 +234,8 @@ class _SqliteWrite:
         try:
             if e is None:
                 conn.execute("RELEASE perpetuity_write" if nested else "COMMIT")
+                if self.numbered:
+                    self.numbering.committed(conn)
                 return False
             if conn.in_transaction:  # SQLite rolls some failures back itself
                 conn.execute("ROLLBACK TO perpetuity_write" if nested else "ROLLBACK")
@@ -207,6 +262,7 @@ class Database:
             PostgresDatabase(str(location)) if self.postgres
             else Sqlite(str(location), pragmas=PRAGMAS, check_same_thread=False))
         self.live = Live(self.postgres)  # the dictionary the rows are derived with
+        self.numbering = Numbering()  # SQLite's: PostgreSQL numbers rows by its sequences
 
     @property
     def dictionary(self) -> Dictionary:
@@ -237,7 +293,8 @@ class Database:
         """Close every thread's connection; a thread still reading gets a StoreError."""
         self.peewee.close_all()
 
-    def writing(self, what: str, *, ordered: bool = True) -> AbstractContextManager[Sql]:
+    def writing(self, what: str, *, ordered: bool = True,
+                numbered: bool = False) -> AbstractContextManager[Sql]:
         """The one way to write: a transaction that takes the write lock when it begins.
 
         A deferred `BEGIN` that reads before it writes gets "database is locked" at once, busy
@@ -247,13 +304,15 @@ class Database:
         first); with BEGIN IMMEDIATE the second writer waits its turn: 0 and 0 at 3,000 each.
         On PostgreSQL an unordered write takes the lock shared, an ordered one exclusive
         (module docstring); SQLite has one writer at a time either way. Nested, it is a
-        savepoint of the enclosing write.
+        savepoint of the enclosing write. A numbered write (a message's, on SQLite) keeps
+        `numbering`, by which its writers count the ids it hands out.
 
         SQLite's statements are sqlite3's own, not peewee's atomic(): its bookkeeping cost
         about as much as the BEGIN and COMMIT themselves (8 against 16 to 23 us a write), and
         every message is one write (_SqliteWrite)."""
-        return _SqliteWrite(what, self.peewee) if not self.postgres else self._pg_writing(
-            what, ordered)
+        if self.postgres:
+            return self._pg_writing(what, ordered)
+        return _SqliteWrite(what, self.peewee, self.numbering, numbered)
 
     @contextmanager
     def _pg_writing(self, what: str, ordered: bool) -> Iterator[Sql]:

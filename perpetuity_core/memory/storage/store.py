@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import peewee as pw
 
@@ -130,10 +130,11 @@ def m001_initial(db: Database) -> None:
 
 
 # The next id of a table whose rows can be deleted: past its newest row and past every id a
-# deletion ever freed (m010). On PostgreSQL, its sequence: writers store in parallel there
+# deletion ever freed (m010); on SQLite the writer reads it when its count may be stale
+# (Store._insert_numbered). On PostgreSQL, its sequence: writers store in parallel there
 # (database.py), and a sequence never hands out a number twice (m013_id_sequences).
 _NEXT_ID = ("max((SELECT coalesce(max(id), 0) FROM {0}),"
-            " (SELECT id FROM high_water WHERE name = '{0}')) + 1,")
+            " (SELECT id FROM high_water WHERE name = '{0}')) + 1")
 
 
 class StoredItem(NamedTuple):
@@ -204,7 +205,6 @@ class Store:
         self.batched = dict(batched)
         self._settle = settle
         self._sequence = sequence
-        
         try:
             if isinstance(self.path, Path):
                 _create_private(self.path)
@@ -379,26 +379,40 @@ class Store:
     ) -> Written:
         """Write one message and its rows, and everything derived from them, in one transaction."""
         db = self.db
-        with db.writing(f"store a {message.role} message", ordered=False) as conn:
-            message_id = _id(db, conn.execute(db.pick(_INSERT_MESSAGE), (
-                conversation_id, user_id, message.role, provider, model, at, time.time(),
-                pair_key, message.fingerprint(), source, complete, stop_reason,
-                json.dumps(dataclasses.asdict(usage)) if usage else "")))
-            items = []
-            insert_item = db.pick(_INSERT_ITEM)
-            for i, p in enumerate(message.parts):
-                item_id = _id(db, conn.execute(insert_item, (
-                    message_id, i, p.kind.value, p.name, p.call_id, p.text,
-                    secret_kind(p.text))))
-                items.append(StoredItem(item_id, message_id, user_id, conversation_id,
-                                        message.role, at, i, p.kind.value, p.name, p.call_id,
-                                        p.text))
+        fields = (conversation_id, user_id, message.role, provider, model, at, time.time(),
+                  pair_key, message.fingerprint(), source, complete, stop_reason,
+                  json.dumps(dataclasses.asdict(usage)) if usage else "")
+        parts = [(i, p.kind.value, p.name, p.call_id, p.text, secret_kind(p.text))
+                 for i, p in enumerate(message.parts)]
+        with db.writing(f"store a {message.role} message", ordered=False, numbered=True) as conn:
+            message_id, item_ids = (_insert_returning(conn, fields, parts) if db.postgres
+                                    else self._insert_numbered(conn, fields, parts))
+            items = [StoredItem(item_id, message_id, user_id, conversation_id, message.role, at,
+                                i, kind, name, call_id, text)
+                     for item_id, (i, kind, name, call_id, text, _) in zip(item_ids, parts,
+                                                                           strict=True)]
             for derive in self.derivers:
                 derive(db, items)
         self._behind += len(items)
         if self._behind >= BATCH_ROWS:
             self.flush()
-        return Written(message_id, tuple(i.id for i in items))
+        return Written(message_id, tuple(item_ids))
+
+    def _insert_numbered(self, conn: Sql, fields: tuple, parts: list[tuple]) -> tuple[int, range]:
+        """SQLite: insert a message and its rows under the ids the writer counts (m010's: past
+        the newest and past every id a deletion freed), read from the tables again whenever
+        database.Numbering says the count may be stale; returns the ids."""
+        counted = self.db.numbering.counted
+        message_id, item_id = counted.get("message") or conn.execute(_NEXT_IDS).fetchone()
+        item_ids = range(item_id, item_id + len(parts))
+        conn.execute(_INSERT_MESSAGE.sqlite, (message_id, *fields))
+        if len(parts) == 1:  # most messages: executemany's own cost is not paid for one row
+            conn.execute(_INSERT_ITEM.sqlite, (item_id, message_id, *parts[0]))
+        elif parts:
+            conn.executemany(_INSERT_ITEM.sqlite, [(i, message_id, *p)
+                                                   for i, p in zip(item_ids, parts, strict=True)])
+        counted["message"] = (message_id + 1, item_ids.stop)  # only once both went in
+        return message_id, item_ids
 
     def flush(self) -> None:
         """Write the batched structures up to the last stored row, with their cursors, in one
@@ -426,26 +440,26 @@ _FIND_CONVERSATION = SQL.both("SELECT id FROM conversation WHERE user_id = ? AND
 _LATEST = SQL.both("SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?")
 _DERIVED = SQL.both("SELECT seq FROM derived WHERE name = ?")
 _DERIVED_TO = SQL.both("UPDATE derived SET seq = ? WHERE name = ?")
-# SQLite numbers the rows itself, past every id a deletion freed (m010); PostgreSQL takes them
-# from the sequences (m013). PostgreSQL returns the id (RETURNING: no round trip of its own);
-# SQLite's is the cursor's lastrowid: RETURNING there made a message's write ~60 us slower
-# (p50, 3,000 messages, busy machine).
+# SQLite numbers the rows itself, past every id a deletion freed (m010), as the writer counts
+# them (Store._insert_numbered); PostgreSQL takes them from the sequences (m013), and returns
+# the id (RETURNING: no round trip of its own).
 _MESSAGE_COLUMNS = ("conversation_id, user_id, role, provider, model, at, stored_at, pair_key,"
                     " fingerprint, source, complete, stop_reason, usage")
 _INSERT_MESSAGE = SQL(
-    f"INSERT INTO message (id, {_MESSAGE_COLUMNS}) VALUES ({_NEXT_ID.format('message')}"
-    f"{','.join('?' * 13)})",
+    f"INSERT INTO message (id, {_MESSAGE_COLUMNS}) VALUES ({','.join('?' * 14)})",
     f"INSERT INTO message ({_MESSAGE_COLUMNS}) VALUES ({','.join(['%s'] * 13)}) RETURNING id")
 _ITEM_COLUMNS = "message_id, seq, kind, name, call_id, text, secret"
 _INSERT_ITEM = SQL(
-    f"INSERT INTO item (id, {_ITEM_COLUMNS}) VALUES ({_NEXT_ID.format('item')}"
-    f"{','.join('?' * 7)})",
+    f"INSERT INTO item (id, {_ITEM_COLUMNS}) VALUES ({','.join('?' * 8)})",
     f"INSERT INTO item ({_ITEM_COLUMNS}) VALUES ({','.join(['%s'] * 7)}) RETURNING id")
+_NEXT_IDS = f"SELECT {_NEXT_ID.format('message')}, {_NEXT_ID.format('item')}"
 
 
-def _id(db: Database, cur: Any) -> int:
-    """The id an insert handed out: sqlite3's lastrowid; PostgreSQL's RETURNING."""
-    return int(cur.fetchone()[0] if db.postgres else cur.lastrowid)
+def _insert_returning(conn: Sql, fields: tuple, parts: list[tuple]) -> tuple[int, list[int]]:
+    """PostgreSQL: insert a message and its rows, each id from its sequence; returns them."""
+    message_id = int(conn.execute(_INSERT_MESSAGE.postgres, fields).fetchone()[0])
+    return message_id, [int(conn.execute(_INSERT_ITEM.postgres, (message_id, *p)).fetchone()[0])
+                        for p in parts]
 
 
 def _in_query(db: Database, conn: Sql, sql: str, conversation_id: int,
