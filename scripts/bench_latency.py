@@ -38,6 +38,12 @@ capture 3.46 -> 3.15, pass-through 2.76 -> 2.48; `--floor` the same minute: mitm
 3.18, with a no-op addon 2.54, pass-through 2.93, capture 3.45 (mitmproxy's own is most of
 pass-through's; our hooks' CPU ~0.25 ms of it: passed 0.08, apply 0.11).
 
+Since (h-first9, h-ingest9; bench_prepare.py): three pairs of --requests 100 --floor, the old
+code and this alternating, load 1.0-1.8, on a machine where mitmdump alone added 6.1-7.5 ms
+(twice the earlier runs'): the relay's first prompt 27.3 -> 22.5 ms added (lower in all three
+pairs), the stream's 30.0 -> 26.8; task rounds, capture and pass-through the same within noise
+(task_relay 11.8 / 11.9, pass-through 8.1 / 7.3, mitmdump_bare 6.7 / 6.3).
+
 `--floor` adds mitmproxy's own: `mitmdump_bare` (a reverse proxy to the provider, every body
 streamed, no addon) and `mitmdump_noop` (the same with an addon whose one hook streams the
 response, as ours does): what pass-through and capture are measured against.
