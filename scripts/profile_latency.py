@@ -108,7 +108,9 @@ class Trace:
                     self.add(cpu, time.thread_time() - c)
             setattr(cls, name, wrapper)
 
-        timed(pipeline.Pipeline, "prepare", "prepare", "prepare_cpu")
+        # (`_prepare`, where there is one: a tool round prepared on the loop, Pipeline.carried)
+        timed(pipeline.Pipeline, "_prepare" if hasattr(pipeline.Pipeline, "_prepare")
+              else "prepare", "prepare", "prepare_cpu")
         timed(addon.Perpetuity, "_apply", "apply", "apply_cpu")  # the decision on the flow
         if hasattr(pipeline.Pipeline, "passed"):  # decided on the event loop (since issue 24)
             timed(pipeline.Pipeline, "passed", "passed", "passed_cpu")
