@@ -109,9 +109,11 @@ class Layout:
             out.memory = self._memory(user_id or NO_ONE, None, asked_at, None,
                                       tools_on and bool(parsed.tool_names))
             return out
-        conv = self.store.find_conversation(user_id, ident.conversation)
         # By the conversation's key, not its row: a first request has no row yet.
         key = (user_id, ident.conversation)
+        if carried_only and key not in self._plans:
+            return None  # (before the conversation's read: on the loop, none that is not needed)
+        conv = self.store.find_conversation(user_id, ident.conversation)
         query = prompt_text(messages[prompt])
         # What the request carries besides its messages and the plan's frame: the harness's
         # system prompt and tools, and our tools with their note on the frame (its longest).
