@@ -13,11 +13,14 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
+from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
 from perpetuity_core.serve.pipeline import INLINE_BODY, Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER
+from perpetuity_core.serve.settings import Settings
+from perpetuity_core.wire.conversation import Provider
 
 
 def direct_flow(body: bytes) -> tflow.http.HTTPFlow:
@@ -334,3 +337,109 @@ def test_what_is_decided_on_the_loop_is_what_prepare_decides(
     if passed is not None:
         prepared = pipeline.prepare(req)
         assert passed == prepared and passed.job is None and passed.body is None
+
+
+def _task(rounds: int, prompts: int = 1) -> bytes:
+    """A coding task as a harness sends it: `prompts` prompts, the last one's `rounds` tool
+    rounds after it (each the call and its result)."""
+    messages: list[dict[str, Any]] = []
+    for p in range(prompts):
+        if p:
+            messages.append({"role": "assistant", "content": f"done with step {p - 1}"})
+        messages.append({"role": "user", "content": f"fix the parser's bug, step {p}"})
+    for k in range(rounds):
+        messages += [{"role": "assistant", "content": [
+                         {"type": "text", "text": "Reading."},
+                         {"type": "tool_use", "id": f"t{k}", "name": "Read", "input": {"n": k}}]},
+                     {"role": "user", "content": [
+                         {"type": "tool_result", "tool_use_id": f"t{k}", "content": f"line {k}"}]}]
+    return json.dumps({"model": "claude-opus-4-8", "max_tokens": 100, "stream": True,
+                       "tools": [{"name": "Read", "input_schema": {"type": "object"}}],
+                       "messages": messages}).encode()
+
+
+def _stored(pipeline: Pipeline, body: bytes) -> Any:
+    """`prepare` of a request, its turn stored as the proxy's writer would."""
+    decision = pipeline.prepare(_request(body))
+    assert decision.job is not None
+    pipeline.store_turn(decision.job.pending)
+    return decision
+
+
+def _request(body: bytes) -> HttpRequest:
+    return HttpRequest("POST", "127.0.0.1", "/v1/messages",
+                       (("x-api-key", "sk-ant-k"), ("x-perpetuity-user", "carried")), body,
+                       direct=True)
+
+
+def _same(a: Any, b: Any) -> None:
+    """Two decisions that send, store and show the same."""
+    assert a.note == b.note and a.body == b.body and a.route == b.route
+    assert (a.job is None) == (b.job is None)
+    if a.job is not None:
+        assert (a.job.body, a.job.first_round, a.job.original, a.job.tool_specs) == (
+            b.job.body, b.job.first_round, b.job.original, b.job.tool_specs)
+        pa, pb = a.job.pending, b.job.pending
+        assert (pa.messages, pa.sent_tokens, pa.shown, pa.frame_rows, pa.folder, pa.shape) == (
+            pb.messages, pb.sent_tokens, pb.shown, pb.frame_rows, pb.folder, pb.shape)
+        assert a.job.memory.shown == b.job.memory.shown
+
+
+def test_a_carried_tool_round_is_what_prepare_decides(tmp_path: Path) -> None:
+    """`Pipeline.carried` decides a tool round whose plan is carried exactly as `prepare`
+    does, and declines anything else (a first prompt, a new prompt of the conversation) having
+    changed nothing: what `prepare` then decides is what it would have."""
+    pipelines = [Pipeline(open_memory(tmp_path / f"{side}.db"),
+                          Settings(upstreams={Provider.ANTHROPIC: "https://a.test"}))
+                 for side in ("carried", "prepared")]
+    ours, theirs = pipelines
+    first = _task(0)
+    assert ours.carried(_request(first)) is None  # nothing read before: a first prompt
+    _same(_stored(ours, first), _stored(theirs, first))
+    # The person's first request found no one to recall for, and left no plan to carry.
+    assert ours.carried(_request(_task(1))) is None
+    _same(_stored(ours, _task(1)), _stored(theirs, _task(1)))
+    for k in (2, 3):
+        body = _task(k)
+        carried = ours.carried(_request(body))
+        assert carried is not None and carried.job is not None
+        ours.store_turn(carried.job.pending)
+        _same(carried, _stored(theirs, body))
+    prompt = _task(3).replace(b']}', b', {"role": "assistant", "content": "done"}, '
+                               b'{"role": "user", "content": "now the tests"}]}')
+    assert ours.carried(_request(prompt)) is None  # a new prompt: the plan is not carried
+    _same(_stored(ours, prompt), _stored(theirs, prompt))
+    for p in pipelines:
+        p.store.close()
+
+
+def test_a_tool_round_is_prepared_on_the_loop_when_its_plan_is_carried(tmp_path: Path) -> None:
+    """A task's tool round whose frame is carried costs less to prepare than the two thread
+    hops (issue 24): it is prepared where it arrived. A first prompt, or any round while
+    another request is being prepared, still goes to the preparing thread."""
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+                       perpetuity_anthropic_upstream="http://upstream.test:9")
+        counted = addon.parser.thread = Counted()
+
+        def sent(body: bytes) -> http.HTTPFlow:
+            flow = direct_flow(body)
+            asyncio.run(addon.request(flow))
+            state = flow.metadata[STATE]
+            state.capture.sent()  # stored, as the relay stores it once the reply begins
+            addon.executor.submit(lambda: None).result()
+            return flow
+
+        sent(_task(0))
+        sent(_task(1))  # (the person's first request left no plan: see above)
+        assert counted.submitted == 2
+        flow = sent(_task(2))
+        assert counted.submitted == 2  # the tool round: on the loop
+        assert flow.metadata[STATE].relayed and flow.request.headers.get(JOB_HEADER)
+        counted.shutdown()
+        busy = addon.parser.thread = Busy(addon)
+        addon.parser._lock.acquire()
+        sent(_task(3))
+        assert busy.submitted == 1
+        busy.shutdown()

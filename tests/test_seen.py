@@ -58,6 +58,22 @@ def test_a_growing_history_reads_as_json_loads_reads_it(turns: list[tuple[str, b
         seen.keep(read, [None] * len(history))
 
 
+def test_continues_says_whether_a_body_reads_on_and_takes_nothing_out() -> None:
+    """`Seen.continues` (asked on the event loop before a tool round is prepared there) is
+    true exactly when `read` reads on from a body kept, and leaves that body kept."""
+    seen = Seen()
+    task = [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "on it"}]
+    first = json.dumps(_body(task)).encode()
+    assert not seen.continues(first)
+    seen.keep(seen.read(first), "known")
+    # (the cache mark moves to the last message: the first is what reads on)
+    longer = json.dumps(_body([*task, {"role": "user", "content": "and the tests"}])).encode()
+    other = json.dumps(_body([{"role": "user", "content": "another task"}, *task])).encode()
+    assert seen.continues(longer) and seen.continues(longer) and not seen.continues(other)
+    read = seen.read(longer)
+    assert read.known == "known" and read.reused == 1 and read.data == json.loads(longer)
+
+
 @pytest.mark.parametrize("raw", [
     b"", b"[1]", b"null", b' {"messages" : [ {"a":1} , {"b":2} ] } ', b'{"messages": []}',
     b'{"messages": [1,]}', b'{"messages": [1], }', b'{"messages": [1]} x', b'{"messages": [1]',

@@ -82,6 +82,11 @@ MAX_BODY = 32 * 1024 * 1024
 # a 64 KB body is read in about 0.3 ms, less than the two thread hops it saves.
 INLINE_BODY = 64 * 1024
 
+# The longest history `carried` prepares on the event loop: a carried round's prepare walks the
+# whole history (its check, its layout). Process CPU a round, a task of small rounds on a
+# 2-core machine: 0.55 ms at 101 messages, 1.04 at 401, 1.26 at 601, 1.60 at 801.
+INLINE_MESSAGES = 600
+
 # Dropped from what goes upstream beside the hop-by-hop headers: encodings, since the reply is
 # read to store it (providers stream SSE uncompressed anyway).
 _DROP_UPSTREAM = HOP_BY_HOP | {"accept-encoding"}
@@ -197,7 +202,24 @@ class Pipeline:
         return (len(req.body) <= INLINE_BODY and b"perpetuity-curate" not in req.body
                 and not parse_controls(_text_headers(req)).recall)
 
+    def carried(self, req: HttpRequest) -> Decision | None:
+        """`prepare`'s decision for a tool round of the task in progress whose conversation's
+        plan is carried as it stands (plan.Carry: nothing retrieved or built, no notes read),
+        its body one that continues a body read before, its history no longer than
+        INLINE_MESSAGES; None, with nothing decided, for any other request (`prepare` decides
+        it). What a round costs then is far less than the GIL's switch interval (5 ms), so
+        the preparing thread would not spare the event loop that time, and its two hops would
+        still cost theirs (issue 24): the addon asks this on the loop first."""
+        if req.method != "POST" or not self._seen.continues(req.body):
+            return None
+        return self._prepare(req, carried_only=True)
+
     def prepare(self, req: HttpRequest) -> Decision:
+        decision = self._prepare(req)
+        assert decision is not None  # (None only where carried_only asks)
+        return decision
+
+    def _prepare(self, req: HttpRequest, carried_only: bool = False) -> Decision | None:
         read = self._json_body(req.body) if req.method == "POST" else None
         body: dict[str, Any] | None = read.data if read is not None else None
         decision = self.route_only(req, str(body.get("model", "")) if body else "")
@@ -217,6 +239,8 @@ class Pipeline:
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
+        if carried_only and len(parsed.messages) > INLINE_MESSAGES:
+            return None
         # Anthropic's count_tokens and Gemini's countTokens are answered for the request as it
         # would go upstream (framed, our tools beside the harness's), and store nothing: a
         # harness sizing its context sees what the model reads.
@@ -234,6 +258,8 @@ class Pipeline:
         library = tenants.library(settings.notes_root, ident.tenant)
         if (last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
                 and settings.notes_capture):
+            if carried_only:
+                return None  # curating writes the notes library
             text = _curate(library)
             decision.answer = Answer(
                 "text/event-stream; charset=utf-8" if parsed.stream else "application/json",
@@ -257,9 +283,12 @@ class Pipeline:
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
         tools_on = (settings.tools and controls.tools and controls.capture
                     and (count or not controls.probe))
-        recall = Recall()
+        recall: Recall | None = Recall()
         if controls.recall and "previous_response_id" not in parsed.hints:
-            recall = self.layout.recall(body, parsed, ident, r.protocol, at, tools_on, library)
+            recall = self.layout.recall(body, parsed, ident, r.protocol, at, tools_on, library,
+                                        carried_only)
+        if recall is None:
+            return None  # (carried_only: the plan is not carried as it stands)
         if recall.memory is not None:
             recall.memory.library = library if settings.notes_capture else None
             recall.memory.history = parsed.messages

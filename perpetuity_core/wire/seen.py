@@ -122,9 +122,23 @@ class Seen:
             self._bytes -= len(old.raw)
         read._entry = None
 
+    def continues(self, raw: bytes) -> bool:
+        """Does `raw` start as a kept body did, up to one of its ends (`read` then reads only
+        what follows)? Nothing is taken out."""
+        return self._found(raw) is not None
+
     def _longest(self, raw: bytes) -> tuple[_Entry, int, int] | None:
         """The kept body that `raw` starts like over the most bytes, up to one of its ends
         (that end, and the element it ends): taken out, since the newer body replaces it."""
+        best = self._found(raw)
+        if best is not None:
+            del self._entries[id(best[0])]
+            self._bytes -= len(best[0].raw)
+            self._retired.append(best[0])
+        return best
+
+    def _found(self, raw: bytes) -> tuple[_Entry, int, int] | None:
+        """The kept body that `raw` starts like over the most bytes, up to one of its ends."""
         best: tuple[_Entry, int, int] | None = None
         for entry in reversed(self._entries.values()):
             old = memoryview(entry.raw)
@@ -134,10 +148,6 @@ class Seen:
                 if end < len(raw) and _same_up_to(raw, old, end):
                     best = (entry, end, last)
                     break
-        if best is not None:
-            del self._entries[id(best[0])]
-            self._bytes -= len(best[0].raw)
-            self._retired.append(best[0])
         return best
 
 
