@@ -321,7 +321,7 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
             return kept[:0], tf[:0], hit[:0]
         # Runs of consecutive kept rows, first and last, as the postings' own type: a
         # search for another type would convert the whole slice first.
-        cut = np.flatnonzero(np.diff(kept) > 1)
+        cut = np.flatnonzero(kept[1:] - kept[:-1] > 1)
         head = np.concatenate(([0], cut + 1))  # each run's first index in the kept rows
         first = kept[head].astype(rows.dtype)
         last = kept[np.concatenate((cut, [kept.size - 1]))].astype(rows.dtype)
@@ -332,7 +332,7 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
             count = np.concatenate([e for _, e in ends]) - start
             at = np.repeat(start - (np.cumsum(count) - count), count) + np.arange(count.sum())
             # Inside a run, a row's index in the kept rows is its run's plus its offset.
-            shift = np.repeat(np.tile(head - kept[head], len(spans)), count)
+            shift = np.repeat((head - kept[head])[np.arange(count.size) % head.size], count)
             return rows[at] + shift, tf[at], np.repeat(np.repeat(hit, first.size), count)
     picked = np.concatenate([rows[a:b] for a, b in spans])
     freq = np.concatenate([tf[a:b] for a, b in spans])
@@ -361,16 +361,17 @@ class Visibility:
               at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """(own, others') rows, others' None unless the pool is shared; the time span applies
         only where `at` is given."""
-        live = user >= 0
+        if self.user_id is not None and not self.share_pool:
+            live = user == self.user_id  # a dead row's user is -1, no one's: one pass, not two
+        else:
+            live = user >= 0
         if self.conversation_id is not None:
             live = live & (conv == self.conversation_id)
         if self.during is not None and at is not None:
             live = live & (at >= self.during[0]) & (at < self.during[1])
-        if self.user_id is None:
+        if self.user_id is None or not self.share_pool:
             return live, None
         mine = live & (user == self.user_id)
-        if not self.share_pool:
-            return mine, None
         others = live & (user != self.user_id)
         if self.pool is not None:
             others &= np.isin(user, np.fromiter(self.pool, np.int32, len(self.pool)))
