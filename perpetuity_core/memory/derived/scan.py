@@ -52,7 +52,7 @@ and their context are computed in arrays as long as the rows shown, not the aren
 (View.visible_scores): at 20.96M tokens (105k rows, 120 users, a user's ~900 rows), the
 arena-long passes (a score vector, the hits' bitmap, their reach) were most of a search.
 Measured there (200 LoCoMo and BEAM questions, one thread, a loaded 2-core machine):
-6.03M instructions a search before, 3.05M after (callgrind; with make_query's Counter);
+6.03M instructions a search before, 3.00M after (callgrind; with make_query's Counter);
 p50 1.47 ms before, 0.68-0.84 after, against bm25s's numba backend's 0.40-0.46 on the same
 rows and questions. The pooled case (share_pool, every row visible) still scores every row:
 43M instructions a search, unchanged.
