@@ -614,11 +614,46 @@ def test_a_scan_for_one_user_of_many_scores_only_their_postings(
         assert sum(computed) == own
 
 
+@pytest.mark.parametrize("layout", [arena.TERMS, arena.ROWS])
+def test_scoring_only_the_visible_rows_ranks_as_scoring_every_row(
+        sqlite_store: Store, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """View.visible_scores (arrays as long as the rows shown) against scoring every row and
+    its context over the whole arena: the same hits, scores bit for bit, whoever asks, with
+    a conversation, a time span, a shared pool or a pool of some users, after purges."""
+    monkeypatch.setattr(arena, "SEGMENT_ROWS", 41)
+    rng = random.Random(23)
+    for i in range(400):  # runs of one user's turns, and users interleaved
+        user = f"u{i // 40 if i < 200 else rng.randrange(8)}"
+        add(sqlite_store, user, f"{user}-c{rng.randrange(3)}", [random_text(rng)], at=float(i))
+    live = [i for (i,) in sqlite_store.db.translated().execute("SELECT item_id FROM retrieval")]
+    index.purge(sqlite_store, rng.sample(live, 25))  # dead rows leave their chains
+    users = [sqlite_store.user_id(f"u{i}") for i in range(8)]
+    pool = frozenset(users[2:5])
+    conv = sqlite_store.conversation_id(users[1], "u1-c0", "anthropic")
+    cases: list[dict] = [{"user_id": u} for u in [*users, None]] + [
+        {"user_id": users[1], "conversation_id": conv}, {"user_id": users[6], "during": (250.0, 330.0)}]
+    for q in ["support group guitar", "dog cat painting memory", "arena", "hiking the beach"]:
+        for share, pool_of in ((False, None), (True, None), (True, lambda _u: pool)):
+            results = []
+            for below in (0.0, 2.0):  # never, always only the visible rows
+                monkeypatch.setattr(view, "SCORE_VISIBLE_BELOW", below)
+                sc = scan.Scanner(sqlite_store, layout=layout, store_rows=0, threads=1,
+                                  share_pool=share, pool_of=pool_of)
+                results.append([ranked(sc.search(q, limit=30, **c)) for c in cases])
+            assert results[0] == results[1]
+            if pool_of is None:
+                for c, got in zip(cases, results[1], strict=True):
+                    same(got, reference(sqlite_store, q, c["user_id"], 30, share=share,
+                                        conversation_id=c.get("conversation_id"),
+                                        during=c.get("during")))
+
+
 @pytest.mark.parametrize("run_cost", [0, 10**9], ids=["slices", "mask"])
 def test_visible_postings_against_a_plain_filter(run_cost: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """view.postings with a mask: the postings of the kept rows, term by term in row order,
-    as a plain filter over every posting gives them, by slices of runs or by the mask."""
+    as a plain filter over every posting gives them, by slices of runs or by the mask, each
+    row given as its index in the kept rows."""
     monkeypatch.setattr(view, "RUN_COST", run_cost)
     rng = np.random.default_rng(4)
     for _ in range(30):
@@ -633,7 +668,9 @@ def test_visible_postings_against_a_plain_filter(run_cost: int,
         lo, hi = seg.ptr[hit], seg.ptr[hit + 1]
         keep = np.repeat(rng.random(n // 7 + 1) < 0.4, 7)[:n]  # runs of kept rows
         keep[rng.integers(0, n, 3)] ^= True  # and a few lone ones
-        got = view.postings(seg.rows, seg.tf, lo, hi, hit, (keep, np.flatnonzero(keep)))
+        kept = np.flatnonzero(keep)
+        at, freq, slot = view.postings(seg.rows, seg.tf, lo, hi, hit, (keep, kept))
+        got = kept[at], freq, slot  # each posting's row as its index in the kept rows
         want: list[list[int]] = [[], [], []]
         for j, a, b in zip(hit.tolist(), lo.tolist(), hi.tolist(), strict=True):
             for x in range(a, b):

@@ -4,6 +4,7 @@ explains the formula and the measured choices).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -59,14 +60,16 @@ def make_query(d: Dictionary, text: str, df_of: Callable[[np.ndarray], np.ndarra
                total_length: int, params: Params) -> Query:
     """`text` tokenised by `d` (the live dictionary); `df_of(terms) -> df array` reads the
     pooled document frequencies."""
-    ids = d.ids(text)
-    terms, qtf = np.unique(ids, return_counts=True)
-    if n_rows == 0 or terms.size == 0:
+    # Counted in Python: a question's few ids cost a third of np.unique's 22 us so.
+    counts = Counter(d.id_list(text))
+    if n_rows == 0 or not counts:
         return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0)
+    terms = np.array(sorted(counts), np.int32)
+    qtf = np.array([counts[t] for t in terms.tolist()], np.int64)
     k1, b = params.k1, params.b
     df = np.asarray(df_of(terms), dtype=np.int64)
-    keep = df > 0  # a term no row holds scores every row zero
-    terms, qtf, df = terms[keep].astype(np.int32), qtf[keep], df[keep]
+    if not (keep := df > 0).all():  # a term no row holds scores every row zero
+        terms, qtf, df = terms[keep], qtf[keep], df[keep]
     avgdl = max(total_length / n_rows, 1e-9)
     w = idf(n_rows, df)
     return Query(terms, qtf * w * (k1 + 1), k1 * (1 - b), k1 * b / avgdl,

@@ -163,26 +163,11 @@ class View:
         # the scored rows, which score as they would without it.
         seen = visible.masks(self.user, self.conv)
         near = seen[0] if seen[1] is None else seen[0] | seen[1]
-        # Where few rows are visible (one user of many), only their postings are scored: the
-        # same sums, in the same order, for every row that can be a hit or a hit's context.
         shown = np.flatnonzero(near)
-        keep = near if shown.size < SCORE_VISIBLE_BELOW * self.n else None
-        # BM25 of every row; the extra last slot, which none (-1) reads, is a zero.
-        bm25 = np.zeros(self.n + 1)
-
-        def fill(seg: Segment) -> None:
-            kept = None
-            if keep is not None:  # the segment's part of the mask, and its kept local rows
-                a, b = np.searchsorted(shown, (seg.start, seg.start + seg.n))
-                kept = (keep[seg.start:seg.start + seg.n], shown[a:b] - seg.start)
-            bm25[seg.start:seg.start + seg.n] = self._scores(seg, q, kept)
-
-        if self.pool is not None and len(self.segments) > 1 and self.n > POOL_ROWS:
-            list(self.pool.map(fill, self.segments))
+        if shown.size < SCORE_VISIBLE_BELOW * self.n:
+            cand, score = self.visible_scores(q, near, shown)
         else:
-            for seg in self.segments:
-                fill(seg)
-        cand, score = self.context(bm25, q, near)
+            cand, score = self.context(self.scores(q), q, near)
         own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
         parts = []
         for mask, flag in ((own, True), (other, False)):
@@ -191,6 +176,59 @@ class View:
                 best = top_k(score[mask], np.arange(c.size), self.seq[c], k)
                 parts.append((score[mask][best], self.seq[c][best], np.full(best.size, flag)))
         return merge(parts, k) if parts else []
+
+    def scores(self, q: Query) -> np.ndarray:
+        """BM25 of every row, and an extra last slot, which none (-1) reads, a zero."""
+        bm25 = np.zeros(self.n + 1)
+
+        def fill(seg: Segment) -> None:
+            rows, tf, slot = self._postings(seg, q)
+            length = self.length[seg.start:seg.start + seg.n]
+            # bincount adds in input order: for every row, ascending query term id.
+            bm25[seg.start:seg.start + seg.n] = np.bincount(
+                rows, weights=contributions(q, slot, tf, length[rows]), minlength=seg.n)
+
+        if self.pool is not None and len(self.segments) > 1 and self.n > POOL_ROWS:
+            list(self.pool.map(fill, self.segments))
+        else:
+            for seg in self.segments:
+                fill(seg)
+        return bm25
+
+    def visible_scores(self, q: Query, near: np.ndarray,
+                       shown: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`context`'s answer computed over the visible rows alone (`near`, a mask, and
+        `shown`, its rows ascending): few of many (one user's), so every array here is as
+        long as the rows shown, not the arena. Context never crosses a conversation, and a
+        conversation is one user's, so a visible row's neighbours are visible: each row
+        gets the same sums, in the same order, as over every row."""
+        m = shown.size
+        length = self.length[shown]
+        where, weights = [], []
+        for seg in self.segments:
+            a, b = np.searchsorted(shown, (seg.start, seg.start + seg.n))
+            if a == b:
+                continue
+            keep = (near[seg.start:seg.start + seg.n], shown[a:b] - seg.start)
+            at, tf, slot = self._postings(seg, q, keep)
+            at = at + a
+            where.append(at)
+            weights.append(contributions(q, slot, tf, length[at]))
+        # BM25 per visible row, and an extra last slot, which none reads, a zero; bincount adds
+        # in input order, and each row's postings are its segment's: ascending query term id.
+        bm25 = np.zeros(m + 1)
+        if where:
+            bm25[:m] = np.bincount(np.concatenate(where), weights=np.concatenate(weights),
+                                   minlength=m)
+        score = bm25[:m].copy()
+        for links, w in ((self.prev, q.before), (self.next, q.after)):
+            to = among(shown, self.step(links, shown))
+            x = np.arange(m)
+            for weight in w:  # fixed order: before 1, 2, 3, then after 1, 2, 3
+                x = to[x]  # none (m) reads the last slot, a zero, and steps to none
+                score += weight * bm25[x]
+        positive = score > 0
+        return shown[positive], score[positive]
 
     def step(self, links: np.ndarray, x: np.ndarray) -> np.ndarray:
         """The rows `links` (prev or next) point to from rows `x`, -1 for none. The links are
@@ -227,34 +265,40 @@ class View:
         keep = score > 0
         return cand[keep], score[keep]
 
-    def _scores(self, seg: Segment, q: Query,
-                keep: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-        """Exact scores of every row of a segment (float64; zero for rows without a term, and
-        for rows outside `keep`, a mask over the segment's rows and their local indices,
-        when given)."""
-        length = self.length[seg.start:seg.start + seg.n]
+    def _postings(self, seg: Segment, q: Query,
+                  keep: tuple[np.ndarray, np.ndarray] | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A segment's postings of the query's terms as (local row, tf, query term), each row's
+        in ascending term id; only the rows of `keep` (a mask over the segment's rows and
+        their local indices) when given, each row then given as its index in those."""
         if seg.terms is not None:
             assert seg.ptr is not None and seg.rows is not None
             i = np.searchsorted(seg.terms, q.terms)
             i = np.minimum(i, seg.terms.size - 1)
             hit: Any = np.flatnonzero(seg.terms[i] == q.terms) if seg.terms.size else []
             if len(hit) == 0:
-                return np.zeros(seg.n)
+                return seg.rows[:0], seg.tf[:0], np.zeros(0, np.int64)
             lo, hi = seg.ptr[i[hit]], seg.ptr[i[hit] + 1]
-            rows, tf, slot = postings(seg.rows, seg.tf, lo, hi, hit, keep)
-            contrib = contributions(q, slot, tf, length[rows])
-            # bincount adds in input order: for every row, ascending query term id.
-            return np.bincount(rows, weights=contrib, minlength=seg.n)
+            return postings(seg.rows, seg.tf, lo, hi, hit, keep)
         assert seg.row_terms is not None and seg.row_ptr is not None
         pos = np.searchsorted(q.terms, seg.row_terms)
         pos = np.minimum(pos, q.terms.size - 1)
-        hit = np.flatnonzero(q.terms[pos] == seg.row_terms)
-        rows = np.searchsorted(seg.row_ptr, hit, side="right") - 1
+        found = np.flatnonzero(q.terms[pos] == seg.row_terms)
+        rows = np.searchsorted(seg.row_ptr, found, side="right") - 1
         if keep is not None:
             wanted = keep[0][rows]
-            hit, rows = hit[wanted], rows[wanted]
-        contrib = contributions(q, pos[hit], seg.tf[hit], length[rows])
-        return np.bincount(rows, weights=contrib, minlength=seg.n)
+            found, rows = found[wanted], np.searchsorted(keep[1], rows[wanted])
+        return rows, seg.tf[found], pos[found]
+
+
+def among(shown: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Each row of `y` as its index in `shown` (ascending), m (its size) for none and for rows
+    not shown; and one more slot, m, stepping to itself."""
+    m = shown.size
+    i = np.searchsorted(shown, y)
+    found = i < m
+    found[found] = shown[i[found]] == y[found]
+    return np.append(np.where(found, i, m), m)
 
 
 def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, hit: np.ndarray,
@@ -264,7 +308,7 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
     `rows`, local rows ascending, and `tf`) as (local row, tf, query term): term by term, each
     in row order, so a row's terms come in ascending id; with `keep` (a mask over the
     segment's rows, and the kept rows' indices ascending), only the kept rows' postings, in
-    the same order.
+    the same order, each row given as its index in the kept rows.
 
     The kept rows of one user are a few runs of consecutive rows (a conversation is written
     in turns): each term's postings in a run are then one slice, found by two binary
@@ -274,11 +318,12 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
     if keep is not None:
         kept = keep[1]
         if kept.size == 0:
-            return rows[:0], tf[:0], hit[:0]
+            return kept[:0], tf[:0], hit[:0]
         # Runs of consecutive kept rows, first and last, as the postings' own type: a
         # search for another type would convert the whole slice first.
-        cut = np.flatnonzero(np.diff(kept) > 1)
-        first = kept[np.concatenate(([0], cut + 1))].astype(rows.dtype)
+        cut = np.flatnonzero(kept[1:] - kept[:-1] > 1)
+        head = np.concatenate(([0], cut + 1))  # each run's first index in the kept rows
+        first = kept[head].astype(rows.dtype)
         last = kept[np.concatenate((cut, [kept.size - 1]))].astype(rows.dtype)
         if first.size * len(spans) * RUN_COST < int((hi - lo).sum()):
             ends = [(a + np.searchsorted(rows[a:b], first),
@@ -286,13 +331,15 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
             start = np.concatenate([f for f, _ in ends])
             count = np.concatenate([e for _, e in ends]) - start
             at = np.repeat(start - (np.cumsum(count) - count), count) + np.arange(count.sum())
-            return rows[at], tf[at], np.repeat(np.repeat(hit, first.size), count)
+            # Inside a run, a row's index in the kept rows is its run's plus its offset.
+            shift = np.repeat((head - kept[head])[np.arange(count.size) % head.size], count)
+            return rows[at] + shift, tf[at], np.repeat(np.repeat(hit, first.size), count)
     picked = np.concatenate([rows[a:b] for a, b in spans])
     freq = np.concatenate([tf[a:b] for a, b in spans])
     slot = np.repeat(hit, hi - lo)
     if keep is not None:  # a subsequence: each row's terms keep their order
         wanted = keep[0][picked]
-        picked, freq, slot = picked[wanted], freq[wanted], slot[wanted]
+        return np.searchsorted(keep[1], picked[wanted]), freq[wanted], slot[wanted]
     return picked, freq, slot
 
 
@@ -314,16 +361,17 @@ class Visibility:
               at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """(own, others') rows, others' None unless the pool is shared; the time span applies
         only where `at` is given."""
-        live = user >= 0
+        if self.user_id is not None and not self.share_pool:
+            live = user == self.user_id  # a dead row's user is -1, no one's: one pass, not two
+        else:
+            live = user >= 0
         if self.conversation_id is not None:
             live = live & (conv == self.conversation_id)
         if self.during is not None and at is not None:
             live = live & (at >= self.during[0]) & (at < self.during[1])
-        if self.user_id is None:
+        if self.user_id is None or not self.share_pool:
             return live, None
         mine = live & (user == self.user_id)
-        if not self.share_pool:
-            return mine, None
         others = live & (user != self.user_id)
         if self.pool is not None:
             others &= np.isin(user, np.fromiter(self.pool, np.int32, len(self.pool)))
