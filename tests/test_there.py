@@ -8,7 +8,7 @@ import sqlite3
 from pathlib import Path
 
 from perpetuity_core.frame.rows import shown_rows
-from perpetuity_core.memory.derived import index
+from perpetuity_core.memory.derived import heat, index
 from perpetuity_core.memory.jobs import maintenance
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage.kept import There, deletions
@@ -88,3 +88,15 @@ def test_there_answers_as_asking_for_every_id_would() -> None:
     assert there.among(1, [3, 2], ask) == [2]  # a deletion counted: asked again
     assert there.among(None, [2], ask) == [2] and questions[-1] == [2]  # nothing known
     assert there.among(None, [2], ask) == [2] and len(questions) == 5
+
+
+def test_births_kept_are_the_births_read_and_go_with_a_deletion(store: Store) -> None:
+    items = items_of(store, say(store, "c", "the harbour master is called Ines", "noted, Ines",
+                                "the ferry leaves at noon"))
+    conn = store.db.connection()
+    every = heat.births(store.db, conn, items)
+    assert heat.trajectories(store.db, conn, items[::-1]) == {
+        i: (b.at, b.peak, b.half_life) for i, b in every.items()}
+    assert heat.trajectories(store.db, conn, items) == heat.trajectories(store.db, conn, items)
+    index.purge(store, items[:1])
+    assert list(heat.trajectories(store.db, conn, items)) == items[1:]

@@ -108,3 +108,29 @@ class There:
                 there |= found
                 never.update(i for i in unknown if i not in found)
             return sorted([i for i in ids if i in there or i in found])
+
+
+class Counted[V]:
+    """Rows by id that never change while they are there (what was stored with them: a row's
+    birth), kept while the deletions counted (`deletions`) stand: a deleted row's are dropped
+    with all the rest when the count moves. One lock (frames read on several threads)."""
+
+    def __init__(self, most: int = THERE_KEPT) -> None:
+        self._count: int | None = None
+        self._rows: dict[int, V] = {}
+        self._most = most
+        self._lock = threading.Lock()
+
+    def get(self, count: int | None, ids: Iterable[int]) -> dict[int, V]:
+        """Those of `ids` kept at `count` (None: nothing is known)."""
+        with self._lock:
+            if count is None or count != self._count or len(self._rows) > self._most:
+                self._rows, self._count = {}, count
+            rows = self._rows
+            return {i: rows[i] for i in ids if i in rows}
+
+    def put(self, count: int | None, read: dict[int, V]) -> None:
+        """Keep `read`, read after `count` was."""
+        with self._lock:
+            if count is not None and count == self._count:
+                self._rows.update(read)
