@@ -8,13 +8,14 @@ import sqlite3
 from pathlib import Path
 
 from perpetuity_core.frame.rows import shown_rows
-from perpetuity_core.memory.derived import heat, index
+from perpetuity_core.memory.derived import heat, index, scan
 from perpetuity_core.memory.jobs import maintenance
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage.kept import There, deletions
 from perpetuity_core.memory.storage.store import Store
 from tests.test_frame import say
 from tests.test_kept import items_of
+from tests.test_retrieval import add
 
 
 def test_every_deleted_message_and_item_is_counted(store: Store) -> None:
@@ -100,3 +101,20 @@ def test_births_kept_are_the_births_read_and_go_with_a_deletion(store: Store) ->
     assert heat.trajectories(store.db, conn, items) == heat.trajectories(store.db, conn, items)
     index.purge(store, items[:1])
     assert list(heat.trajectories(store.db, conn, items)) == items[1:]
+
+
+def test_hits_found_there_are_asked_again_only_after_a_retrieval_row_went(
+        sqlite_store: Store) -> None:
+    store = sqlite_store
+    alice = add(store, "alice", "a1", ["garden violin", "violin lessons"])
+    add(store, "bob", "b1", ["garden tomatoes"])
+    scanner = scan.Scanner(store, store_rows=0)
+    statements: list[str] = []
+    store.db.connection().set_trace_callback(  # type: ignore[attr-defined]
+        lambda sql: statements.append(sql) if sql.startswith("SELECT seq FROM retrieval") else None)
+    first = scanner.search("garden violin", None, 10)
+    assert scanner.search("garden violin", None, 10) == first and len(statements) == 1
+    index.purge(store, alice[:1])
+    assert [h.item_id for h in scanner.search("garden violin", None, 10)] == [
+        h.item_id for h in first if h.item_id != alice[0]]
+    assert len(statements) == 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from perpetuity_core.memory.storage.dialect import Sql
 from perpetuity_core.memory.storage.store import Database
@@ -85,17 +85,18 @@ class There:
     ~350 rows every call, 2.7M of its 28.6M instructions on LoCoMo's memory)."""
 
     def __init__(self, most: int = THERE_KEPT) -> None:
-        self._count: int | None = None
+        self._count: Hashable | None = None
         self._there: set[int] = set()
         self._never: set[int] = set()
         self._most = most
         self._lock = threading.Lock()
 
-    def among(self, count: int | None, ids: list[int],
+    def among(self, count: Hashable | None, ids: list[int],
               ask: Callable[[list[int]], Iterable[int]]) -> list[int]:
         """Those of `ids` there, ascending, as `ask` (those of the ids it is given that are
         there) would find them all; `count`: the deletions counted before any of it was read
-        (None: nothing is known, all are asked)."""
+        (None: nothing is known, all are asked; anything that changes whenever a row goes will
+        do)."""
         with self._lock:
             if count is None or count != self._count or (
                     len(self._there) + len(self._never) > self._most):
