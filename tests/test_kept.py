@@ -358,28 +358,3 @@ def test_rank_reheats_are_the_obvious_loop(seed: int) -> None:
                   for _ in range(rng.randint(0, 80))]
     got = heat.rank_reheats(ranked, neighbours)
     assert list(got.items()) == list(reference_rank_reheats(ranked, neighbours).items())
-
-
-def test_the_frames_messages_known_plain_are_checked_as_any_other() -> None:
-    """The Anthropic check reads past the frame's messages as made (anthropic_check.made_plain)
-    without a look at each: what it finds is what looking at each finds."""
-    from perpetuity_core.wire.conversation import Message, text_part
-    from perpetuity_core.wire.protocols import anthropic, anthropic_check
-
-    frame_msgs = [Message("user" if i % 2 == 0 else "assistant", (text_part(f"turn {i}"),))
-                  for i in range(6)]
-    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
-    bodies = [anthropic.replace_history(body, frame_msgs, 0),
-              anthropic.replace_history(body, frame_msgs[:3], 0),  # two user turns in a row
-              {**body, "messages": [anthropic._rendered(m) for m in frame_msgs[1:]]}]
-    for m in frame_msgs:
-        assert id(anthropic._rendered(m)) in anthropic_check._MADE_PLAIN
-        assert anthropic_check._plain(anthropic._rendered(m))
-    found = [anthropic_check.check(b) for b in bodies]
-    assert found[0] == [] and found[1] and found[2]
-    kept = dict(anthropic_check._MADE_PLAIN)
-    anthropic_check._MADE_PLAIN.clear()
-    try:
-        assert [anthropic_check.check(b) for b in bodies] == found
-    finally:
-        anthropic_check._MADE_PLAIN.update(kept)

@@ -20,7 +20,6 @@ from perpetuity_core.wire.conversation import (
     text_part,
 )
 from perpetuity_core.wire.protocols.anthropic_check import check as check
-from perpetuity_core.wire.protocols.anthropic_check import made_plain
 from perpetuity_core.wire.protocols.base import BodyMergerBase, StreamMergerBase, spliced
 from perpetuity_core.wire.protocols.cache_marks import (
     HOUR_MARK,
@@ -131,8 +130,8 @@ def _rendered(m: Message) -> dict[str, Any]:
 
 
 def _one_block(m: Message) -> dict[str, Any]:
-    return made_plain({"role": m.role, "content": [{"type": "text", "text": "\n\n".join(
-        p.text for p in m.parts)}]})
+    return {"role": m.role, "content": [{"type": "text", "text": "\n\n".join(
+        p.text for p in m.parts)}]}
 
 
 def message_from(m: dict[str, Any]) -> Message:

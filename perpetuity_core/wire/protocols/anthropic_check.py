@@ -3,7 +3,6 @@ check (wire.protocols.anthropic), in its own module for size; the replay counts 
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 from perpetuity_core.wire.protocols.cache_marks import (
@@ -28,9 +27,8 @@ def check(body: dict[str, Any]) -> list[str]:
     msgs: list[dict[str, Any]] = []
     plain: list[bool] = []
     walked = []  # what may hold a mark: all but plain text
-    made = _MADE_PLAIN
     for m in raw:
-        read_past = id(m) in made or _plain(m)
+        read_past = _plain(m)
         if not read_past:
             walked.append(m)
         if isinstance(m, dict) and m.get("role") != "system":
@@ -71,24 +69,6 @@ def check(body: dict[str, Any]) -> list[str]:
     if any(isinstance(m, dict) and m.get("ttl") == "1h" for m in marks) and hour_after_minutes(body):
         errors.append("a 1h cache_control marker after a 5-minute one")
     return errors
-
-
-# The frame's messages as the adapter made them (`made_plain`), by object: `check` reads past
-# them without a look at each (a first prompt's frame is ~120 messages, looked at one by one
-# on every call: 0.78M of the bench memory's 27.5M instructions a prepare). Each is held, so
-# that its id names no other object; the oldest go first past PLAIN_KEPT (as many as the
-# frame's messages kept, render.SAID_MESSAGES).
-PLAIN_KEPT = 4096
-_MADE_PLAIN: OrderedDict[int, dict[str, Any]] = OrderedDict()
-
-
-def made_plain(m: dict[str, Any]) -> dict[str, Any]:
-    """`m`, a message `_plain` reads past that is never changed after (a mark goes on a
-    copy), known as one from now on."""
-    _MADE_PLAIN[id(m)] = m
-    if len(_MADE_PLAIN) > PLAIN_KEPT:
-        _MADE_PLAIN.popitem(last=False)
-    return m
 
 
 def _plain(m: Any) -> bool:
