@@ -82,7 +82,7 @@ class There:
     what was found there still is while the deletions counted (`deletions`) stand, and an id
     not found (deleted, or of a kind the question leaves out, which never changes) never will
     be. Only the ids not asked about before are asked (a first prompt's frame asked for its
-    ~350 rows every call, 2.7M of its 28.6M instructions on LoCoMo's memory)."""
+    ~350 rows every call, 2.2M of its 28.6M instructions on LoCoMo's memory)."""
 
     def __init__(self, most: int = THERE_KEPT) -> None:
         self._count: Hashable | None = None
