@@ -90,7 +90,7 @@ Since (h-first10): every message and item deleted is counted by trigger (m017), 
 the frame's rows are there is asked only of ids not found before while the count stands
 (kept.There), and so are the hits' seqs while no retrieval row went (retrieval_gone's last
 seq and the flips); a row's birth is read once (kept.Counted). Instructions a prepare, count_prepare.py as
-above: bench 28.59M -> 26.27M (0.92), LoCoMo 28.60M -> 25.10M (0.88), pooled 31.33M -> 27.91M
+above: bench 28.59M -> 26.63M (0.93), LoCoMo 28.60M -> 25.10M (0.88), pooled 31.33M -> 27.91M
 (0.89). Tried and left out: a covering activation_warm (user_id, at, peak, half_life), LoCoMo
 26.43M -> 26.51M (its rows are small, the lookup by rowid cheap); a hit's neighbours kept
 while nothing is deleted, read for the others only (26.43M -> 26.96M; likely because the
