@@ -86,6 +86,18 @@ PYTHONHASHSEED=0): bench 36.98M -> 28.59M (0.77), LoCoMo 32.00M -> 28.60M (0.89)
 36.64M -> 31.33M (0.86). What is left (cProfile, bench memory): the scan and the hits'
 fetch 20%, the frame's reads 19% (the rows there 9%, the warm set 6%), the fill 18%, the
 body's check and render 10%, the layout and its texts 13%, the encoding 6%.
+Since (h-first10): every message and item deleted is counted by trigger (m017), so which of
+the frame's rows are there is asked only of ids not found before while the count stands
+(kept.There), and so are the hits' seqs while no retrieval row went (retrieval_gone's last
+seq and the flips); a row's birth is read once (kept.Counted). Instructions a prepare, count_prepare.py as
+above: bench 28.59M -> 26.63M (0.93), LoCoMo 28.60M -> 25.10M (0.88), pooled 31.33M -> 27.91M
+(0.89). Tried and left out: a covering activation_warm (user_id, at, peak, half_life), LoCoMo
+26.43M -> 26.51M (its rows are small, the lookup by rowid cheap); a hit's neighbours kept
+while nothing is deleted, read for the others only (26.43M -> 26.96M; likely because the
+UNION's text then changes with the number of hits not kept, a statement prepared afresh). Where
+LoCoMo's go now (callgrind, per function, inclusive, before these): the warm set 5.4M, the
+scan 1.9M and the hits' fetch 2.3M, the fill 4.4M (its prefix arrays 1.5M), the neighbours
+1.5M, adjacency 1.9M, the layout written 1.6M, the body's JSON 2.3M.
 
     .venv/bin/python scripts/bench_prepare.py [--memory bench|locomo|pooled] [--requests 100]
         [--side task_relay]

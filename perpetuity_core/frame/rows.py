@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from perpetuity_core.memory.storage.dialect import SQL, Sql, marks, one_of
-from perpetuity_core.memory.storage.kept import Kept, kept
+from perpetuity_core.memory.storage.kept import Kept, There, deletions, kept
 from perpetuity_core.memory.storage.names import label
 from perpetuity_core.memory.storage.store import IN_CHUNK, Database, failing_as, in_chunks
 from perpetuity_core.wire.conversation import Kind, without_scaffold
@@ -75,15 +75,23 @@ def _shown_rows(db: Database, conn: Sql, ids: list[int], user_id: int | None,
     kinds = marks(db.postgres, len(SHOWN_KINDS))
     cache = _kept(db)
     names: dict[int, str] = {}  # each conversation's, made once: a frame's ~100 rows have a few
+    # Anyone's rows: which are there is asked only of those not found before, while nothing
+    # was deleted (kept.There; counted before anything is read).
+    seen, count = (_there(db), deletions(conn)) if user_id is None else (None, None)
+
+    def ask(chunk: list[int]) -> list[int]:
+        these, args = one_of(db.postgres, "id", chunk)
+        return [item for (item,) in conn.execute(_THERE.format(these, kinds),
+                                                 [*args, *SHOWN_KINDS])]
+
     for chunk in in_chunks(ids):
-        if user_id is None:
-            these, args = one_of(db.postgres, "id", chunk)
-            read = conn.execute(_THERE.format(these, kinds), [*args, *SHOWN_KINDS])
+        if seen is not None:
+            there = seen.among(count, chunk, ask)
         else:
             these, args = one_of(db.postgres, "i.id", chunk)
-            read = conn.execute(_THERE_OWNED.format(these, kinds, marks(db.postgres, 1)),
-                                [*args, *SHOWN_KINDS, user_id])
-        there = sorted([item for (item,) in read])  # a list: no generator step a row
+            there = sorted([item for (item,) in conn.execute(
+                _THERE_OWNED.format(these, kinds, marks(db.postgres, 1)),
+                [*args, *SHOWN_KINDS, user_id])])  # a list: no generator step a row
         known = cache.get(there)
         if len(known) < len(there):  # most calls read no row whole: no test of each
             missing = [item for item in there if item not in known]
@@ -125,6 +133,10 @@ ROWS_KEPT = 16 * 1024 * 1024
 
 def _kept(db: Database) -> Kept[Row | None]:
     return kept(db, "shown rows", lambda: Kept(ROWS_KEPT, lambda r: len(r.text) if r else 0))
+
+
+def _there(db: Database) -> There:
+    return kept(db, "rows there", There)
 
 
 def quoted(r: Row) -> str:

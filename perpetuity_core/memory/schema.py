@@ -210,6 +210,19 @@ def m009_harness_text(db: Database) -> None:
                          (opening_words(first[0]), cid))
 
 
+def m017_deletions_counted(db: Database) -> None:
+    """Every message and item deleted is counted, by trigger (`high_water`'s `deletions`): a
+    reader that kept which rows are there (memory.storage.kept.There) knows they still are
+    while the count stands, instead of asking for each on every call. Only deletions pay
+    (purges, a user's removal); the write path deletes nothing."""
+    conn = db.connection()
+    conn.execute(db.legacy("INSERT INTO high_water (name, id) VALUES ('deletions', 0)"))
+    for table in ("message", "item"):
+        for sql in trigger(db.postgres, f"{table}_deletions", table, "true",
+                           "UPDATE high_water SET id = id + 1 WHERE name = 'deletions'"):
+            conn.execute(db.legacy(sql))
+
+
 MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m004_recall, m005_standing, m006_batched,
                                                    m007_conversation_order, m008_retrieval_time,
@@ -217,7 +230,8 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m011_secret, m012_retrieval_pending,
                                                    m013_id_sequences, m014_message_lookup,
                                                    m015_retrieval_numbered,
-                                                   m016_born_with_retrieval]
+                                                   m016_born_with_retrieval,
+                                                   m017_deletions_counted]
 
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:

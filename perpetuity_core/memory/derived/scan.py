@@ -75,7 +75,7 @@ from perpetuity_core.memory.derived.bm25 import Params, make_query
 from perpetuity_core.memory.derived.index import item_text, sequence, totals, unfolded_df
 from perpetuity_core.memory.derived.view import Visibility
 from perpetuity_core.memory.storage.dialect import marks, one_of
-from perpetuity_core.memory.storage.kept import Kept, kept
+from perpetuity_core.memory.storage.kept import Kept, There, kept
 from perpetuity_core.memory.storage.store import Database, Store, failing_as
 
 
@@ -218,10 +218,16 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
         return []
     # Which are there by the retrieval row's key alone: a retrieval row goes with its item (its
     # foreign key cascades), an item never outlives its message, so the joins that read a hit
-    # whole would find every one.
-    where, args = one_of(db.postgres, "seq", [s for _, s, _ in ranked])
-    there = [s for (s,) in db.connection().execute(
-        f"SELECT seq FROM retrieval WHERE {where}", args)]
+    # whole would find every one. Asked only of the seqs not found before while no retrieval
+    # row went (each deletion logged, a flip counted; kept.There): 200 a search.
+    conn = db.connection()
+
+    def ask(seqs: list[int]) -> list[int]:
+        where, args = one_of(db.postgres, "seq", seqs)
+        return [s for (s,) in conn.execute(f"SELECT seq FROM retrieval WHERE {where}", args)]
+
+    gone = tuple(conn.execute(_GONE_SO_FAR).fetchone())
+    there = kept(db, "hits there", There).among(gone, [s for _, s, _ in ranked], ask)
     cache: Kept[Hit] = kept(db, "hits", lambda: Kept(HITS_KEPT, _hit_chars))
     known = cache.get(there)
     if missing := [s for s in there if s not in known]:
@@ -243,6 +249,10 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
     return hits
 
 
+# The retrieval rows deleted so far (their log's last seq, never handed out again) and the
+# flips, which re-write every row unlogged: while both stand, a seq found there still is.
+_GONE_SO_FAR = ("SELECT (SELECT coalesce(max(seq), 0) FROM retrieval_gone),"
+                " (SELECT value FROM setting WHERE key = 'flips')")
 _HIT_JOINS = "JOIN item i ON i.id = r.item_id JOIN message m ON m.id = r.message_id"
 HITS_KEPT = 16 * 1024 * 1024  # characters of hits' text kept per database
 
