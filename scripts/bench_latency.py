@@ -44,6 +44,13 @@ code and this alternating, load 1.0-1.8, on a machine where mitmdump alone added
 pairs), the stream's 30.0 -> 26.8; task rounds, capture and pass-through the same within noise
 (task_relay 11.8 / 11.9, pass-through 8.1 / 7.3, mitmdump_bare 6.7 / 6.3).
 
+Since (h-task10: a carried tool round prepared on the event loop; h-first10: which rows are
+there, and their births, kept while nothing is deleted): four pairs of --requests 100 --floor,
+d5ec79e and this alternating, load 0.7-1.8, on the same machine now adding 3.2-3.5 ms with a
+no-op addon; medians of the added ttfb: the relay's first prompt 15.18 -> 14.65, the stream's
+15.64 -> 14.91, task_relay 7.00 -> 6.25, task_stream 6.01 -> 5.31, capture 4.96 -> 4.44,
+pass-through 3.67 -> 3.74 (mitmdump_noop 3.54 / 3.29, mitmdump_bare 5.24 / 4.47).
+
 `--floor` adds mitmproxy's own: `mitmdump_bare` (a reverse proxy to the provider, every body
 streamed, no addon) and `mitmdump_noop` (the same with an addon whose one hook streams the
 response, as ours does): what pass-through and capture are measured against.
