@@ -2,5 +2,6 @@
 proxy` runs); addon/perpetuity.py is the same for a checkout."""
 
 from perpetuity_core.serve.addon import Perpetuity
+from perpetuity_core.serve.quiet import Quiet
 
-addons = [Perpetuity()]
+addons = [Perpetuity(), Quiet()]
