@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -13,14 +14,16 @@ import pytest
 from mitmproxy import http
 from mitmproxy.test import taddons, tflow
 
+from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage import capture
 from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
 from perpetuity_core.serve.pipeline import INLINE_BODY, Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER
 from perpetuity_core.serve.settings import Settings
-from perpetuity_core.wire.conversation import Provider
+from perpetuity_core.wire.conversation import Message, Provider, text_part
 
 
 def direct_flow(body: bytes) -> tflow.http.HTTPFlow:
@@ -443,3 +446,36 @@ def test_a_tool_round_is_prepared_on_the_loop_when_its_plan_is_carried(tmp_path:
         sent(_task(3))
         assert busy.submitted == 1
         busy.shutdown()
+
+
+def test_the_memory_is_read_as_the_proxy_starts_not_by_the_first_prompt(tmp_path: Path) -> None:
+    """A new proxy reads every stored row into its arena before a request asks: the first
+    prompt after a start read a whole memory first (issue 24: 90-112 ms to its first byte at
+    4M tokens, against 11-17 for the next)."""
+    store = open_memory(tmp_path / "m.db")
+    said = [Message("user", (text_part(f"turn {n} about the harbour"),)) for n in range(3)]
+    capture.record(store, user_key="u", conversation_key="c", provider="anthropic", model="m",
+                   messages=said, times=[0.0] * len(said), source="request")
+    store.close()
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
+        addon.parser.thread.submit(lambda: None).result()  # what the start queued there is done
+        assert addon.pipeline is not None
+        assert addon.pipeline.scanner.arena.n_rows == 3
+
+
+def test_memory_that_cannot_be_read_ahead_is_read_by_the_first_search(
+        tmp_path: Path, monkeypatch, caplog) -> None:
+    """Reading ahead never fails the start: it is logged below error level (mitmdump exits on
+    an error logged while starting), and the first search reads what it needs."""
+    def broken(self: Scanner) -> int:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(Scanner, "catch_up", broken)
+    addon = Perpetuity()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
+        addon.parser.thread.submit(lambda: None).result()
+    assert any("read memory ahead" in r.message and r.levelname == "WARNING"
+               for r in caplog.records)

@@ -182,6 +182,7 @@ class Perpetuity:
             notes_capture=ctx.options.perpetuity_notes_capture, limits=Cap(ceiling=ceiling),
             share_pool=pooled, trust_identity=ctx.options.perpetuity_trust_identity,
             personal=self.tenancy == identity.PERSONAL))
+        self.parser.warm(self.pipeline)
 
     def _open(self, path: str) -> Store:
         if self.store is not None:
