@@ -8,6 +8,8 @@ from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
@@ -353,3 +355,86 @@ def test_an_excerpts_mark_is_short_and_the_header_names_no_tool() -> None:
     tool, since a frame with the tools off must never mention them."""
     assert "memory_more" not in frame_render.HEADER  # the tools may be off
     assert len(frame_render.EXCERPT.format(12345)) <= 60  # 66 before
+
+
+def reference_names(text: str) -> frozenset[str]:
+    """frame_select.names as first written: every word looked at, each in full."""
+    out = set()
+    for word in frame_select._WORD.findall(text):
+        word = word.strip("./~-")
+        if (len(word) >= 4 and ("/" in word or "." in word or "_" in word.strip("_")
+                                or frame_select._CAMEL.search(word))
+                and not word.replace(".", "").isdigit()):
+            out.add(word)
+    return frozenset(out)
+
+
+_PIECES = ["src/app/main.py", "parseRequest", "HTTPServer", "snake_case", "__init__", "_x_",
+           "v1.2.3", "1234", "12.5", "./run", "~/.cache/", "--flag", "Ünïcode_name", "naïveCase",
+           "word", "Words", "UPPER", "a.b", "x", "end.", "…", "²³⁴⁵", "fooBAR9", "９９９９", "\n",
+           " ", "\t", "(", ")", ",", "-", "/", "."]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=40), st.text(max_size=60))
+def test_names_are_the_plain_loop_s(pieces: list[str], noise: str) -> None:
+    """names() looks at each word once and at a word of letters and digits only for camelCase;
+    it finds what the plain loop over every word finds."""
+    text = "".join(pieces) + noise + " ".join(pieces)
+    assert frame_select.names.__wrapped__(text) == reference_names(text)
+
+
+def reference_mentions(rows: dict[int, Row], mentions: dict[str, int], most: int, used: int,
+                       out: set[int], chosen: dict[int, list[tuple[int, int]]]) -> int:
+    """frame_select._mentions as first written: every row searched, every excerpt's text cut."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for name, i in mentions.items():
+        if i not in out:
+            text = rows[i].text
+            spans.setdefault(i, []).append(frame_select.span(text, text.rfind(name), len(name)))
+    candidates: list[tuple[int, int, int, tuple[int, int] | None]] = []
+    for i, found in spans.items():
+        r, merged = rows[i], frame_select.merge(found)
+        if (frame_render.cost(r) <= frame_select.RECENT_ROW
+                and 2 * sum(e - s for s, e, _ in merged) >= len(r.text)):
+            candidates.append((len(found), frame_render.cost(r), i, None))
+        else:
+            candidates += [(n, (len(r.text[s:e]) + 3) // 4 + frame_select.EXCERPT_TOKENS, i,
+                            (s, e)) for s, e, n in merged]
+    for _, c, i, where in sorted(candidates, key=lambda k: (-k[0] / (k[1] + 100), -k[2])):
+        if used + c > most or i in out:
+            continue
+        if where is None:
+            out.add(i)
+        else:
+            chosen.setdefault(i, []).append(where)
+        used += c
+    return used
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.sampled_from(["src/a_b.py", "lib/x.py", "fooBar", "word",
+                                                    "tests/t_1.py", "\n", "filler " * 30]),
+                                   min_size=1, max_size=30),
+                          st.sampled_from([Kind.TEXT, Kind.TOOL_CALL, Kind.TOOL_RESULT])),
+                min_size=1, max_size=12),
+       st.integers(0, 3000))
+def test_the_stretch_never_searches_a_row_too_large_for_what_is_left(
+        texts: list[tuple[list[str], Kind]], most: int) -> None:
+    """_mentions passes over a row none of whose excerpts (nor the row whole) could fit the
+    room left: the stretch it chooses is the one searching every row chooses, whatever the
+    rows, their names and the room."""
+    rows = {i: row(i, i, CURRENT, "user", float(i), "".join(words), kind=kind)
+            for i, (words, kind) in enumerate(texts, 1)}
+    newest = [rows[i] for i in sorted(rows, reverse=True)]
+    # Rooms at each row's least candidate's cost, and one token either side, beside any.
+    edges = {c + d for r in rows.values() for name in frame_select.names(r.text)
+             for c in ((min(len(r.text), len(name) + frame_select.EXCERPT_CHARS) + 3) // 4
+                       + frame_select.EXCERPT_TOKENS, frame_render.cost(r)) for d in (-1, 0, 1)}
+    for mentions in frame_select.latest_mentions(newest):
+        for used in {0, most // 2, most} | {most - e for e in edges if 0 <= e <= most}:
+            got: tuple[set[int], dict[int, list[tuple[int, int]]]] = (set(), {})
+            want: tuple[set[int], dict[int, list[tuple[int, int]]]] = (set(), {})
+            assert (frame_select._mentions(rows, mentions, most, used, *got)
+                    == reference_mentions(rows, mentions, most, used, *want))
+            assert got == want
