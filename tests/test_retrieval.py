@@ -229,20 +229,47 @@ def test_the_bag_and_the_subjects_from_one_count_match_their_own() -> None:
         assert chains.counted_subjects(d, known, unseen) == reference_subjects(d, text), text[:80]
 
 
+def test_a_long_text_is_counted_once_for_its_bag_and_its_head_subjects() -> None:
+    """Dictionary.packed_counted(text, head) of a text longer than `head`: the bag of the whole
+    text and the subjects of its head (what chains.subjects reads), whether a word runs
+    across the cut or not, and whatever the words either side are (unseen, numbers, stop
+    words, short ones)."""
+    d = dictionary.shipped()
+    rng = random.Random(5)
+    vocab = sorted(w for w in d.word_ids if w.isascii())
+    cut = chains.SUBJECT_CHARS
+    texts = ["x" * (cut + 1), "x" * cut + " tail", "x" * (cut - 1) + " y" * 9,
+             " " * cut + "word", "word" + " " * cut, "ab " * 2000]
+    for _ in range(150):
+        words = rng.choices(vocab + ["zqxv", "Zqxvs", "42", "id", "the", "12345"], k=1500)
+        text = " ".join(words)
+        for w in ("guitar", "zorblaxing", "4242", "id"):  # one word across the cut
+            texts.append(text[:cut - 2] + " " + w + " " + text[cut:])
+        texts += [text, text[:cut - 1] + " " + text[cut:], text[:cut] + " " + text[cut:]]
+    assert sum(len(t) > cut for t in texts) > 600
+    for text in texts:
+        packed, known, unseen = d.packed_counted(text, cut)
+        want = d.bag(text)
+        stored = (want.terms.astype("<i4").tobytes(), want.counts.tobytes(), want.length)
+        assert tuple(packed) == stored, text[cut - 40:cut + 40]
+        assert chains.counted_subjects(d, known, unseen) == reference_subjects(d, text), (
+            text[cut - 40:cut + 40])
+
+
 def test_a_batch_takes_the_subjects_counted_when_stored_under_their_version(
         sqlite_store: Store) -> None:
     """The chains' batch uses the subjects derive_retrieval noted, and counts a text again when
     they were noted under another dictionary version."""
-    add(sqlite_store, "u", "c", ["The kayak is orange.", "The canoe is green."])
+    kayak, canoe = add(sqlite_store, "u", "c", ["The kayak is orange.", "The canoe is green."])
     version, noted = chains._NOTED[sqlite_store.db]
-    assert version == sqlite_store.db.dictionary.version and len(noted) == 2
-    noted["The kayak is orange."] = ["planted"]  # taken as it is: the batch does not recount
+    assert version == sqlite_store.db.dictionary.version and noted.keys() == {kayak, canoe}
+    noted[kayak] = ["planted"]  # taken as it is: the batch does not recount
     sqlite_store.flush()
     got = {t for (t,) in sqlite_store.db.connection().execute("SELECT term FROM chain")}
     assert got == {"planted", *chains.subjects(sqlite_store.db.dictionary, "The canoe is green.")}
     assert sqlite_store.db not in chains._NOTED  # the batch took them all
-    add(sqlite_store, "u", "c", ["The raft is blue."])
-    chains._NOTED[sqlite_store.db] = ("another version", {"The raft is blue.": ["planted"]})
+    (raft,) = add(sqlite_store, "u", "c", ["The raft is blue."])
+    chains._NOTED[sqlite_store.db] = ("another version", {raft: ["planted"]})
     sqlite_store.flush()
     got = {t for (t,) in sqlite_store.db.connection().execute("SELECT term FROM chain")}
     assert got - {"planted", "cano", "green"} == {"raft", "blu"}  # counted from the text

@@ -134,9 +134,9 @@ def subjects(d: Dictionary, text: str) -> list[str]:
 
 
 def counted_subjects(d: Dictionary, known: dict[int, int], unseen: dict[bytes, int]) -> list[str]:
-    """subjects(d, text) from the counts its bag was made from (Dictionary.packed_counted), for
-    an ASCII text of at most SUBJECT_CHARS: a vocabulary word's id is its stem's and its rank
-    (dictionary.build), so only the unseen words need the stemmer."""
+    """subjects(d, text) from the counts its bag was made from (Dictionary.packed_counted), of
+    an ASCII text's first SUBJECT_CHARS characters: a vocabulary word's id is its stem's and
+    its rank (dictionary.build), so only the unseen words need the stemmer."""
     floor = dictionary.FIRST_STEM_ID + COMMON_STEMS
     fresh: dict[str, int] = {}  # stems the corpus never saw
     if unseen:
@@ -172,21 +172,23 @@ def _top(d: Dictionary, counts: Iterable[tuple[str | None, int]]) -> list[str]:
 
 
 # The subjects the store's writer counted while deriving rows (index.derive_retrieval, from the
-# count their bag was made from), by database: (dictionary version, text -> subjects). The next
-# batch takes them (derive_chains) instead of counting those texts again; a text it does not
-# find there, or one counted under another version, is counted from the row.
-_NOTED: weakref.WeakKeyDictionary[Database, tuple[str, dict[str, list[str]]]] = (
+# count their bag was made from), by database: (dictionary version, item id -> subjects). The
+# next batch takes them (derive_chains) instead of counting those texts again; a row it does not
+# find there, or one counted under another version, is counted from its text. By item id, not
+# by text: an item's text never changes, and the batch hashed every text it read back (2 us a
+# BEAM message).
+_NOTED: weakref.WeakKeyDictionary[Database, tuple[str, dict[int, list[str]]]] = (
     weakref.WeakKeyDictionary())
-NOTED_TEXTS = 4 * BATCH_ROWS  # a writer with no batch taking them (an ablation) stops there
+NOTED_ROWS = 4 * BATCH_ROWS  # a writer with no batch taking them (an ablation) stops there
 
 
-def note(db: Database, version: str, text: str, found: list[str]) -> None:
+def note(db: Database, version: str, item_id: int, found: list[str]) -> None:
     """Keep a text row's subjects, counted under `version`, for the next batch."""
     noted = _NOTED.get(db)
     if noted is None or noted[0] != version:
         noted = _NOTED[db] = (version, {})
-    if len(noted[1]) < NOTED_TEXTS:
-        noted[1][text] = found
+    if len(noted[1]) < NOTED_ROWS:
+        noted[1][item_id] = found
 
 
 def stem_rank(d: Dictionary, stem: str) -> int:
@@ -215,7 +217,7 @@ def derive_chains(db: Database, after: int, upto: int) -> None:
         noted = {}
     _INSERT_CHAIN.run(conn, db.postgres, [
         (user, s, at, i) for i, user, at, text in text_rows(db, conn, after, upto, None)
-        for s in (noted[text] if text in noted else subjects(d, text))])
+        for s in (noted[i] if i in noted else subjects(d, text))])
 
 
 def text_rows(db: Database, conn: Sql, after: int, upto: int | None,

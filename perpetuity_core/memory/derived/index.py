@@ -109,10 +109,11 @@ def _rows(db: Database, d: Dictionary, items: list[StoredItem]) -> list[tuple]:
         if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
             continue
         text = item_text(it.kind, it.name, it.text)
-        if it.kind == _TEXT and text is it.text and len(text) <= SUBJECT_CHARS and text.isascii():
-            # The chains' subjects from the bag's own count (the next batch's, chains.py).
-            bag, known, unseen = d.packed_counted(text)
-            chains.note(db, d.version, text, chains.counted_subjects(d, known, unseen))
+        if it.kind == _TEXT and text is it.text and text.isascii():
+            # The chains' subjects from the bag's own count (the next batch's, chains.py): of
+            # the text's first SUBJECT_CHARS characters, as `chains.subjects` reads them.
+            bag, known, unseen = d.packed_counted(text, SUBJECT_CHARS)
+            chains.note(db, d.version, it.id, chains.counted_subjects(d, known, unseen))
         else:
             bag = d.packed(text)
         rows.append((it.id, it.message_id, it.user_id, it.conversation_id, int(it.at), bag.length,
