@@ -51,6 +51,23 @@ no-op addon; medians of the added ttfb: the relay's first prompt 15.18 -> 14.65,
 15.64 -> 14.91, task_relay 7.00 -> 6.25, task_stream 6.01 -> 5.31, capture 4.96 -> 4.44,
 pass-through 3.67 -> 3.74 (mitmdump_noop 3.54 / 3.29, mitmdump_bare 5.24 / 4.47).
 
+What the issue's first figures were (issue 24: 29.5 / 32.6 ms for the relay's first prompt, 14.9
+/ 15.1 for task rounds, 4.6 / 4.7 capture, 3.8 / 4.6 pass-through, on a fresh clone): the
+machine. 033b077, the code they were measured on, run on a later session's machine with its own
+script (two runs of --requests 100): 16.7 / 15.9, 8.2 / 7.1, 2.38 / 2.37, 2.11 / 2.09, the same
+factor (1.8 to 2.2) on every path, pass-through's code among them nearly unchanged since; that
+script also had the relay build the frame 6 times in 7 (above). With this script, the same
+minutes, medians of two: 033b077 22.0 ms, task rounds 9.4, capture 3.7, pass-through 2.9;
+28f135e 10.8, 3.6, 2.45, 1.55.
+
+Since (28f135e, the arena read as the proxy starts, the ingest and latest-stretch changes):
+three pairs of --requests 100 --floor, 28f135e and this alternating, load 1.0-1.1, on a machine
+whose no-op mitmdump added 2.3-3.0 ms; medians: the relay's first prompt 11.95 -> 10.93 ms
+(runs 10.1-12.7 either side), the stream's 10.84 -> 10.03, task_relay 4.15 -> 4.00, task_stream
+3.88 -> 3.60, capture 3.40 -> 3.12, pass-through 2.58 -> 2.26 (mitmdump_noop 2.86 / 2.56): the
+same within the runs' spread, as expected of changes off this script's path (a first prompt
+after the warm-up, a memory of a few hundred short rows).
+
 `--floor` adds mitmproxy's own: `mitmdump_bare` (a reverse proxy to the provider, every body
 streamed, no addon) and `mitmdump_noop` (the same with an addon whose one hook streams the
 response, as ours does): what pass-through and capture are measured against.
