@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import random
 import threading
+from collections import Counter
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from perpetuity_core.memory.derived import arena, bm25, index, scan
 from perpetuity_core.memory.derived.view import Frequencies, View, Visibility
@@ -85,3 +89,30 @@ def test_readers_scan_views_while_the_writer_appends_and_purges(
         assert [(item_of[s], score) for score, s, _ in ranked] == expected
         checked += 1
     assert checked >= len(got) // 2 and len({id(v) for v, *_ in got}) > 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 60), max_size=25), st.sampled_from([1, -1])),
+                max_size=30),
+       st.integers(2, 40))
+def test_frequencies_count_as_a_plain_tally_and_never_change_once_made(
+        batches: list[tuple[list[int], int]], fold_at: int) -> None:
+    """Frequencies after any run of rows counted and uncounted, folded or not, hold what a
+    plain tally holds, and every earlier Frequencies (a published view's) still holds what it
+    held when made: the delta is merged, never written in place. Ids above the dense base go
+    to the hashed table."""
+    base = 40
+    freq = Frequencies(base)
+    freq.FOLD_AT = fold_at
+    tally: Counter[int] = Counter()
+    made: list[tuple[Frequencies, dict[int, int]]] = []
+    probe = np.arange(0, 61, dtype=np.int64)
+    for terms, sign in batches:
+        freq = freq.rows(np.asarray(terms, np.int32), sign)
+        freq.FOLD_AT = fold_at
+        for t in set(terms):
+            tally[t] += sign * terms.count(t)
+        made.append((freq, dict(tally)))
+        assert freq.get(probe).tolist() == [tally[t] for t in probe.tolist()]
+    for f, then in made:
+        assert f.get(probe).tolist() == [then.get(t, 0) for t in probe.tolist()]

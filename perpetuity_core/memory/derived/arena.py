@@ -296,6 +296,8 @@ class Arena:
             while (rows := read_rows(db, conn, cursor, SEGMENT_ROWS)) is not None:
                 new.append(rows)
                 cursor = int(rows.seq[-1])
+                if rows.seq.size < SEGMENT_ROWS:  # the snapshot holds no more: not asked again
+                    break
             gone = conn.execute(db.pick(_GONE), (self.gone_cursor,)).fetchall()
         if self.df is None:
             self.df = Frequencies(db.dictionary.hash_base)

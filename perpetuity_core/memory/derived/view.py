@@ -43,11 +43,21 @@ class Frequencies:
         self.delta = delta or (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     def plus(self, terms: np.ndarray, counts: np.ndarray) -> Frequencies:
-        """These frequencies with `counts` rows added to each of `terms` (distinct)."""
-        t = np.concatenate((self.delta[0], terms.astype(np.int64)))
-        ids, at = np.unique(t, return_inverse=True)
-        c = np.bincount(at, np.concatenate((self.delta[1], counts)).astype(np.float64),
-                        ids.size).astype(np.int64)
+        """These frequencies with `counts` rows added to each of `terms` (distinct, ascending).
+        Merged into the delta where they fall, not sorted with it: a catch-up of a few rows
+        brings tens of terms to a delta of up to FOLD_AT, which np.unique sorted whole every
+        time (a tenth of a small catch-up's 0.5 ms)."""
+        ids, c = self.delta
+        terms = terms.astype(np.int64)
+        at = np.searchsorted(ids, terms)
+        there = at < ids.size
+        there[there] = ids[at[there]] == terms[there]
+        c = c.copy()  # the delta is shared with the views published before
+        c[at[there]] += counts[there]
+        if not there.all():
+            new = ~there
+            ids = np.insert(ids, at[new], terms[new])
+            c = np.insert(c, at[new], counts[new])
         if ids.size < self.FOLD_AT:
             return Frequencies(self.hash_base, self.dense, self.hashed, (ids, c))
         return self._fold(ids, c)
