@@ -237,14 +237,14 @@ def _mentions(rows: dict[int, Row], mentions: dict[str, int], most: int, used: i
     room = most - used
     spans: dict[int, list[tuple[int, int]]] = {}
     for i, these in named.items():
-        r = rows[i]
+        r, whole = rows[i], cost(rows[i])
         # A row none of whose candidates could fit is not searched: an excerpt holds its name
         # and EXCERPT_CHARS on one side at least (or the whole text), and the row whole costs
         # its cost. The last tier, names only tool output held, is some 300 a rebuilt coding
         # frame, seldom with room left (the six shared sessions' 44 frames: this step 0.92 ms
         # a frame, 0.41 so; the stretch chosen the same).
         excerpt = (min(len(r.text), min(map(len, these)) + EXCERPT_CHARS) + 3) // 4
-        if excerpt + EXCERPT_TOKENS > room and (cost(r) > RECENT_ROW or cost(r) > room):
+        if excerpt + EXCERPT_TOKENS > room and (whole > RECENT_ROW or whole > room):
             continue
         spans[i] = [span(r.text, r.text.rfind(name), len(name)) for name in these]
     # (names held, tokens, item id, the span; None: the row whole)

@@ -195,8 +195,8 @@ class Pipeline:
     def warm(self) -> None:
         """Build what the first search reads (the arena of every stored row) before a request
         needs it: the proxy's first prompt after a start read every row of the memory first
-        (the 4M-token unit of bench_retrieval: 90-112 ms to its first byte against 11-17 for the
-        next ones; 0.43 s more at 20M tokens). The preparing thread runs it as the proxy starts;
+        (the 4M-token unit of bench_retrieval: 90-112 ms to its first byte against 10-21 for the
+        next ones; its cold catch-up takes 0.43 s at 20M tokens). The preparing thread runs it as the proxy starts;
         a prompt that comes sooner waits for it, as it would have done the same work itself.
         Reads only; a failure is logged, and the first search reads what it needs as before."""
         try:

@@ -249,7 +249,8 @@ class Dictionary:
         words = folded[:head].split()
         fragment = None
         cut = head
-        if folded[head - 1] != 32 and folded[head] != 32:  # a word runs across the cut
+        # ASCII_FOLD leaves the space the only separator: a word runs across the cut.
+        if folded[head - 1] != 32 and folded[head] != 32:
             fragment = words.pop()
             cut -= len(fragment)
         get = self._keyed.get
