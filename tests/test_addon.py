@@ -460,7 +460,7 @@ def test_the_memory_is_read_as_the_proxy_starts_not_by_the_first_prompt(tmp_path
     addon = Perpetuity()
     with taddons.context(addon) as tctx:
         tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
-        addon.parser.thread.submit(lambda: None).result()  # what the start queued there is done
+        addon.executor.submit(lambda: None).result()  # what the start queued there is done
         assert addon.pipeline is not None
         assert addon.pipeline.scanner.arena.n_rows == 3
 
@@ -476,6 +476,6 @@ def test_a_memory_that_cannot_be_read_ahead_is_a_warning_not_a_failed_start(
     addon = Perpetuity()
     with taddons.context(addon) as tctx:
         tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
-        addon.parser.thread.submit(lambda: None).result()
+        addon.executor.submit(lambda: None).result()
     assert any("read memory ahead" in r.message and r.levelname == "WARNING"
                for r in caplog.records)

@@ -182,4 +182,4 @@ def test_changing_the_database_while_running_is_refused(tmp_path: Path) -> None:
             tctx.configure(addon, perpetuity_db=str(tmp_path / "b.db"))
         assert addon.store is not None and addon.store.path == tmp_path / "a.db"
         assert not (tmp_path / "b.db").exists()
-        addon.store.close()
+        addon.executor.submit(addon.store.close).result()  # on the store's thread, after its work

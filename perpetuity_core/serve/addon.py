@@ -182,7 +182,10 @@ class Perpetuity:
             notes_capture=ctx.options.perpetuity_notes_capture, limits=Cap(ceiling=ceiling),
             share_pool=pooled, trust_identity=ctx.options.perpetuity_trust_identity,
             personal=self.tenancy == identity.PERSONAL))
-        self.parser.warm(self.pipeline)
+        # On the store's thread, where the store is closed (`_open`, `done`): never under a
+        # catch-up still reading (a connection closed from another thread mid-statement crashed
+        # the process). The loop goes on at once; writes queue behind it, off the request path.
+        self.executor.submit(self.pipeline.warm)
 
     def _open(self, path: str) -> Store:
         if self.store is not None:

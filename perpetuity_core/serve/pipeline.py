@@ -196,9 +196,10 @@ class Pipeline:
         """Build what the first search reads (the arena of every stored row) before a request
         needs it: the proxy's first prompt after a start read every row of the memory first
         (the 4M-token unit of bench_retrieval: 90-112 ms to its first byte against 10-21 for the
-        next ones; its cold catch-up takes 0.43 s at 20M tokens). The preparing thread runs it as the proxy starts;
-        a prompt that comes sooner waits for it, as it would have done the same work itself.
-        Reads only; a failure is logged, and the first search reads what it needs as before."""
+        next ones; its cold catch-up takes 0.43 s at 20M tokens). The store's thread runs it as
+        the proxy starts; a prompt that comes sooner waits for it, as it would have done the same
+        work itself. Reads only; a failure is logged, and the first search reads what it needs
+        as before."""
         try:
             self.scanner.catch_up()
         except Exception as e:  # never at error level: mitmdump exits on one logged at start

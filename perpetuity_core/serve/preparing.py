@@ -51,10 +51,5 @@ class Preparing:
         with self._lock:
             return prepare(*args)
 
-    def warm(self, pipeline: Pipeline) -> None:
-        """`pipeline.warm()` on the parser's thread, where the first prompt's search would do
-        that work; the loop goes on at once."""
-        self.thread.submit(pipeline.warm)
-
     def shutdown(self) -> None:
         self.thread.shutdown(wait=False)
