@@ -440,7 +440,7 @@ def test_purge_and_search_take_the_name_the_harness_sent(memory_at: Path | str,
     assert code == 1 and "memory users" in err
     assert query(memory_at, "SELECT count(*) FROM message")[0][0] == 3  # nothing purged yet
     code, _, err = _run(capsys, "memory", "purge", "--user", "store-user", *at)
-    assert code == 0 and err.startswith("purged key-aaa/store-user: 1 messages")
+    assert code == 0 and err.startswith("purged key-aaa/store-user: 1 message, 1 row")
     assert _run(capsys, "memory", "purge", "--user", "key-bbb/shared", *at)[0] == 0
     assert query(memory_at, "SELECT count(*) FROM message")[0][0] == 1
 

@@ -13,7 +13,7 @@ from perpetuity_core.errors import PerpetuityError
 COMMAND_MODULES = ["perpetuity_core.cli.proxy", "perpetuity_core.cli.notes",
                    "perpetuity_core.cli.search", "perpetuity_core.cli.memory",
                    "perpetuity_core.cli.evaluate", "perpetuity_core.cli.replay",
-                   "perpetuity_core.cli.show"]
+                   "perpetuity_core.cli.show", "perpetuity_core.cli.try_it"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
 """`perpetuity memory {import,search,stats,users,tenants,check,purge,migrate,dictionary}`:
-load and query a memory (cli/search.py), list its users and tenants (and join one person's),
+load and query a memory, list its users and tenants (and join one person's),
 keep it whole beside a serving proxy, and move it to another store."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from perpetuity_core.cli import search
-from perpetuity_core.cli.search import opened
+from perpetuity_core.cli.search import DB_HELP, opened
+from perpetuity_core.cli.words import counted
 from perpetuity_core.errors import ConfigError
-
-DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -113,7 +112,7 @@ def cmd_users(args: argparse.Namespace) -> int:
                 if u.last_seen is not None else "never")
         print(f"{u.key:<{width}}  {u.tenant:<28} {u.conversations:>13} {u.messages:>9}"
               f" {u.tokens:>10}  {seen}")
-    print(f"{len(listed)} users in {store.shown}", file=sys.stderr)
+    print(f"{counted(len(listed), 'user')} in {store.shown}", file=sys.stderr)
     return 0
 
 
@@ -130,8 +129,9 @@ def cmd_tenants(args: argparse.Namespace) -> int:
             "  joined (its person)" if t.person else "")
         print(f"{t.tenant}{joined}")
         for u in t.users:
-            print(f"  {u.key}  {u.conversations} conversations, {u.messages} messages")
-    print(f"{len(listed)} tenants in {store.shown}", file=sys.stderr)
+            print(f"  {u.key}  {counted(u.conversations, 'conversation')},"
+                  f" {counted(u.messages, 'message')}")
+    print(f"{counted(len(listed), 'tenant')} in {store.shown}", file=sys.stderr)
     return 0
 
 
@@ -176,7 +176,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     # Reopened: the copied settings (identity salt) are read afresh.
     with opened(args.target) as store:
         after = check(store)
-    print(f"copied {copied.get('message', 0)} messages, {copied.get('item', 0)} rows from"
+    print(f"copied {counted(copied.get('message', 0), 'message')},"
+          f" {counted(copied.get('item', 0), 'row')} from"
           f" {source} to {shown(args.target)}", file=sys.stderr)
     for side, problems in (("source", before), ("target", after)):
         for problem in problems:
@@ -190,7 +191,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
     with opened(args.db) as store:
         out = purge_user(store, args.user)
-    print(f"purged {out.key}: {out.messages} messages, {out.items} rows", file=sys.stderr)
+    print(f"purged {out.key}: {counted(out.messages, 'message')}, {counted(out.items, 'row')}", file=sys.stderr)
     return 0
 
 
@@ -201,7 +202,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     with opened(args.db) as store:
         for v in versions(store):
             when = datetime.fromtimestamp(v.uploaded_at, UTC).strftime("%Y-%m-%d %H:%M")
-            state = "live" if v.live else f"dark, {v.rederived} rows re-derived"
+            state = "live" if v.live else f"dark, {counted(v.rederived, 'row')} re-derived"
             print(f"{v.version}  uploaded {when}  {state}")
     return 0
 
@@ -222,7 +223,7 @@ def cmd_rederive(args: argparse.Namespace) -> int:
     with opened(args.db) as store:
         version = target(store, args.version)
         n = rederive(store, version, progress=not args.quiet)
-    print(f"re-derived {n} rows under {version}; `perpetuity memory dictionary flip` makes it"
+    print(f"re-derived {counted(n, 'row')} under {version}; `perpetuity memory dictionary flip` makes it"
           " live", file=sys.stderr)
     return 0
 
@@ -234,5 +235,5 @@ def cmd_flip(args: argparse.Namespace) -> int:
     with opened(args.db) as store:
         version = target(store, args.version)
         rows = flip(store, version)
-    print(f"dictionary {version} is live: {rows} rows", file=sys.stderr)
+    print(f"dictionary {version} is live: {counted(rows, 'row')}", file=sys.stderr)
     return 0

@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser = subparsers.add_parser(
         "notes",
         help="the curated library of notes: recall, capture, curate",
-        description="The curated library of Markdown notes (see perpetuity_core/notes/).",
+        description="The curated library of Markdown notes: lessons recalled into frames, captured"
+        " by the model, curated by `/perpetuity-curate` or `perpetuity notes curate`.",
     )
     sub = parser.add_subparsers(dest="notes_command", required=True)
 

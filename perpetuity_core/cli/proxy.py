@@ -32,13 +32,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, accepts_extra=True)
 
 
-def mitmdump_command(args: argparse.Namespace) -> list[str]:
+def mitmdump_path() -> str:
+    """The mitmdump beside this Python (the project's venv), else on PATH."""
     if not ADDON_SCRIPT.exists():
         raise ConfigError(f"addon script not found at {ADDON_SCRIPT}; reinstall the package")
     exe = Path(sys.executable).with_name("mitmdump")
     mitmdump = str(exe) if exe.exists() else shutil.which("mitmdump")
     if not mitmdump:
         raise ConfigError("mitmdump not found; install the project with its dependencies")
+    return mitmdump
+
+
+def mitmdump_command(args: argparse.Namespace) -> list[str]:
+    mitmdump = mitmdump_path()
     if args.db:
         where(args.db)  # a URL the store cannot open is refused here, in one line
     cmd = [mitmdump, "-s", str(ADDON_SCRIPT), "--listen-host", args.host,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from perpetuity_core.errors import ConfigError
 
+DB_HELP = "memory database (default: $PERPETUITY_DB or ~/.perpetuity/memory.db)"
+
 if TYPE_CHECKING:  # imported by the commands that use them: the CLI starts light
     from perpetuity_core.memory.derived.scan import Hit
     from perpetuity_core.memory.storage.store import Store
@@ -34,7 +36,7 @@ def add_verbs(sub: argparse._SubParsersAction, alias: bool = False) -> None:
     p = sub.add_parser("import", help=said(cmd_import), description=cmd_import.__doc__)
     p.add_argument("source", choices=["claude-code", "locomo", "beam", "longmemeval"])
     p.add_argument("path", nargs="?", help="default for claude-code: ~/.claude/projects")
-    p.add_argument("--db", help="memory database (default: $PERPETUITY_DB or ~/.perpetuity)")
+    p.add_argument("--db", help=DB_HELP)
     p.add_argument("--user", help="user key for claude-code sessions (default: claude-code:local, which"
                    " a personal proxy reaches; a shared one once joined: `memory tenants join`)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -42,18 +44,18 @@ def add_verbs(sub: argparse._SubParsersAction, alias: bool = False) -> None:
 
     p = sub.add_parser("search", help=said(cmd_search), description=cmd_search.__doc__)
     p.add_argument("query", nargs="?", help="without it: one query per line of standard input")
-    p.add_argument("--db", help="memory database (default: $PERPETUITY_DB or ~/.perpetuity)")
+    p.add_argument("--db", help=DB_HELP)
     p.add_argument("--user", help="whose rows to search: a user's key, id, or the name the"
                    " harness sent when one user has it (default: every row)")
     p.add_argument("--share-pool", action="store_true",
                    help="let the user see the pool's rows too (their own rank first)")
-    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--limit", type=int, default=10, help="rows per query (default 10)")
     p.add_argument("--json", action="store_true", help="JSON instead of a table")
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("stats", help=said(cmd_stats), description=cmd_stats.__doc__)
-    p.add_argument("--db", help="memory database (default: $PERPETUITY_DB or ~/.perpetuity)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--json", action="store_true", help="the figures as one JSON object")
     p.set_defaults(func=cmd_stats)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mitmproxy import exceptions, http, io
 
+from perpetuity_core.cli.words import counted
 from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.serve.flowview import FACTS, ROUND, view_text
 
@@ -28,7 +29,7 @@ def run_show(args: argparse.Namespace) -> int:
     except OSError as e:
         raise PerpetuityError(f"cannot read {path}: {e.strerror or e}") from e
     except exceptions.FlowReadException as e:
-        raise PerpetuityError(f"{path} is not a mitmproxy flow file: {e}") from e
+        raise PerpetuityError(_unreadable(path, e)) from e
     shown = 0
     for flow in flows:
         if not isinstance(flow, http.HTTPFlow) or not (
@@ -40,5 +41,15 @@ def run_show(args: argparse.Namespace) -> int:
                          f"{rule}\n{view_text(flow)}\n")
         shown += 1
     if not shown:
-        raise PerpetuityError(f"no flow in {path} went through Perpetuity ({len(flows)} flows)")
+        raise PerpetuityError(f"no flow in {path} went through Perpetuity ({counted(len(flows), 'flow')})")
     return 0
+
+
+def _unreadable(path: Path, e: Exception) -> str:
+    """mitmproxy reads a file that opens with JSON as HAR, and says only that it is no HAR."""
+    with path.open("rb") as fo:
+        json_like = fo.read(64).lstrip()[:1] in (b"{", b"[")
+    if json_like:
+        return (f"{path} is JSON but not a HAR file; `perpetuity show` reads flows saved with"
+                " `perpetuity proxy -w FILE` (or a HAR export)")
+    return f"{path} is not a mitmproxy flow file: {e}"

@@ -177,7 +177,7 @@ def render(f: dict[str, Any], upstream_body: bytes | None = None) -> str:
         elif f.get("protocol") == "anthropic-messages":
             out.append("  cache marks placed: none")
         out += ["", "== The harness sent ==",
-                f"  {harness['messages']} messages, {total:,} tok"]
+                f"  {_n(harness['messages'], 'message')}, {total:,} tok"]
         stripped = f.get("stripped", [])
         if stripped:
             out.append(f"  stripped: messages 0-{len(stripped) - 1} "
@@ -206,7 +206,7 @@ def render(f: dict[str, Any], upstream_body: bytes | None = None) -> str:
                 f"  budget {r['budget']:,} tok, set by the score spread: breadth "
                 f"{r['breadth']} (effective good matches among the top {cap.BREADTH_TOP}); "
                 f"top scores {r['scores']}",
-                f"  {r['hits']} hits; {sum(1 for x in r['rows'] if x['in'])} rows in "
+                f"  {_n(r['hits'], 'hit')}; {_n(sum(1 for x in r['rows'] if x['in']), 'row')} in "
                 f"({r['tokens']:,} tok); {r['hits_left_out']} hits left out; "
                 f"{r['left_out_warm']} warm rows considered and left out by the cap",
                 f"  {'':2}{'row':>7} {'score':>7} {'warmth':>7} {'tok':>5}  "

@@ -39,8 +39,15 @@ def register(sub: Any) -> None:
                        "billed direct and through the proxy", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = p.add_subparsers(dest="kind", required=True)
-    cc = kinds.add_parser("claude-code", help="Claude Code session files (~/.claude/projects)")
-    cc.add_argument("paths", nargs="+", type=Path, metavar="PATH")
+    cc = kinds.add_parser(
+        "claude-code", help="Claude Code session files (~/.claude/projects)",
+        description="Replay recorded Claude Code sessions through the real pipeline into one"
+        " memory, each call answered with its recorded reply, and bill every call twice under"
+        " Anthropic's prompt-cache rules: as Claude Code sent it (direct) and as it reached the"
+        " provider. Reports cost and tokens each way, where the cost went, invalid requests,"
+        " and what each reply used from older history.")
+    cc.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                    help="session files (*.jsonl) or folders searched for them")
     cc.add_argument("--calls", type=int, help="only each session's first N calls")
     cc.add_argument("--chain", action="store_true",
                     help="the sessions as one conversation that never ends, each after the whole "
@@ -54,7 +61,9 @@ def register(sub: Any) -> None:
     cc.add_argument("--proxy-db", metavar="DB",
                     help="the proxy's memory, whose latest Claude Code request gives them "
                          "otherwise (default: $PERPETUITY_DB or ~/.perpetuity/memory.db)")
-    chat = kinds.add_parser("chat", help="a chat dataset re-sent turn by turn (LoCoMo)")
+    chat = kinds.add_parser("chat", help="a chat dataset re-sent turn by turn (LoCoMo)",
+                            description="Re-send LoCoMo's conversations turn by turn as a chat"
+                            " client would, billed direct and through the proxy.")
     chat.add_argument("dataset", choices=["locomo"])
     chat.add_argument("path", type=Path, help="locomo10.json")
     chat.add_argument("--limit", type=int, default=0, help="only the first N conversations")
