@@ -28,37 +28,13 @@ from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
 from perpetuity_core.wire.conversation import Kind
 
-# The latest stretch of the conversation, in tokens, and the largest row it takes. What a coding
-# task's next reply uses from before its prompt lies mostly in the task just before it (262 of
-# 458 identifiers on the six shared Claude Code sessions), and mostly in small rows: tool calls,
-# the assistant's own words (250 in a row under 200 tokens, 383 under 1,000). Measured with
-# `perpetuity replay` on them (cost of direct, identifiers kept): no stretch 0.71 / 0.71;
-# 4,000 tokens of rows up to 200: 0.76 / 0.84; 6,000 of up to 300: 0.78 / 0.86; 8,000 of up to
-# 250: 0.78 / 0.87; 8,000 of up to 300: 0.80 / 0.88 (d053c9c). With identifiers counted only
-# when the 60 characters around their latest mention come too (replay's context_recall), and
-# agents' prompts getting no addenda: 8,000 of rows up to 250, 0.69 / 0.56 in context; up to
-# 500, 0.73 / 0.76; up to 1,000, 0.73 / 0.81 (the assistant's explanations and mid-sized tool
-# results, 1,000-4,000 characters, held most of the latest mentions left out); 6,000 of rows
-# up to 1,000, 0.70 / 0.78. With names only tool output held coming last (`latest_mentions`),
-# cost of direct / identifiers in the request / in context, of 465: 6,000 tokens, half of them
-# the newest rows, 0.648 / 441 / 415; 5,000, 60% the newest (the same 3,000), 0.634 / 432 / 402;
-# 4,500, 67%, 0.632 / 430 / 396. With the recall tools' shorter definitions and excerpts of 90
-# characters either side: 5,000 0.633 / 435 / 405; 4,500 0.628 / 431 / 398. With note_capture's
-# shorter definition and excerpts' shorter marks: 5,000 0.6287 / 435 / 405; 4,750 0.6253 / 436 /
-# 406; 4,500 0.6246 / 418 / 390 (below 0.92 of 465).
+# The conversation's latest stretch (tokens, largest row): what a coding task's next reply uses
+# from before its prompt lies mostly there, in small rows. Cost and identifiers kept:
+# `perpetuity replay claude-code ../shared/data/claude-code` (trials: docs/tuning.md).
 RECENT_TOKENS = 4_750
 RECENT_ROW = 1_000
-# Of the stretch, the share (percent) that is simply the newest rows; the rest goes to the rows
-# holding the latest mention of what the conversation touched (files read and edited, commands'
-# names, errors' code names), older than those: of the identifiers a next reply used from before
-# its prompt that the newest rows alone left out, 2 in 3 were 6k to 40k tokens back. Measured on
-# the six shared Claude Code sessions (cost of direct / identifiers in the request / in
-# context), from the latest 200 messages, agents' frames filled within the floor: newest only
-# (a share of 100, from 100 messages, before both) 0.6955 / 0.847 / 0.785; 30: 0.682 / 0.841 /
-# 0.761 (from 100); 50: 0.673 / 0.880 / 0.800; 70: 0.693 / 0.886 / 0.813 (the whole budget).
-# The newest rows are where a reply finds most per token (the shared sessions' in-context
-# identifiers by what held them: 2.4 a 1,000 tokens in tool calls and words, 1.4 in tool
-# results, 0.6 in the mentions' excerpts and rows), so a smaller stretch keeps their 3,000.
+# Of the stretch, the percent that is the newest rows; the rest holds the latest mention of each
+# name the conversation touched, older than those. The same replay (trials: docs/tuning.md).
 NEWEST_SHARE = 60
 # A name a coding task touches: a word of four characters or more with a letter that holds a
 # slash, a dot or an underscore (a path, a file, module.attr, snake_case) or is camelCase. One
@@ -66,16 +42,9 @@ NEWEST_SHARE = 60
 # every character took 1 s over 200 messages' rows.
 _WORD = re.compile(r"[\w./~-]{4,}")
 _CAMEL = re.compile(r"[a-z][A-Z]")
-# A name's latest mention in a row too long to quote whole (or quoted whole for one name) comes
-# as an excerpt: the characters either side of it, widened to whole lines where the line ends
-# within LINE_SLACK more (Python source, a listing, a diff), and the row's id, which memory_more
-# reads whole. What a next reply uses of a file it read before lies around the name it uses.
-# Six shared Claude Code sessions (cost of direct / identifiers in the request / in context):
-# whole rows only 0.678 / 0.890 / 0.815; excerpts of touched names 0.682 / 0.903 / 0.845 (120
-# against 80 characters either side, the top hit not yet kept whole: 0.680 / 0.903 / 0.839
-# and 0.680 / 0.897 / 0.839); then names named once 0.687 / 0.925 / 0.860. A stretch of 5,000
-# tokens so: 0.672 / 0.860 / 0.774. 90 characters, with a stretch of 5,000 tokens: 0.6325 /
-# 435 / 405 of 465 identifiers, against 120's 0.6328 / 432 / 402 (whole lines still widen it).
+# A name's latest mention in a row too long to quote whole comes as an excerpt: the characters
+# either side, widened to whole lines that end within LINE_SLACK more, and the row's id, which
+# memory_more reads whole. The same replay (trials: docs/tuning.md).
 EXCERPT_CHARS = 90
 LINE_SLACK = 80
 # What an excerpt costs beside its text: its mark (render.EXCERPT) and the marks of what it left
@@ -86,23 +55,12 @@ NAMED_ROWS = 4_096  # row texts whose names are kept: a few conversations' lates
 # The stretch takes at most this share of the request's bound (cap.Cap.bound): a request rebuilt
 # or trimmed to stay within it must not take back as quoted memory the tool results it dropped.
 STRETCH_SHARE = 10
-# What every row costs on top of its words when the fill weighs warmth per token, so that an
-# "ok" or a "thanks" does not outrank a turn with substance. Measured with HITS 200 (LoCoMo /
-# BEAM recall_all, `perpetuity eval`): warmth order 0.834 / 0.530; warmth per token 0.798 /
-# 0.758; per (tokens + 50) 0.827 / 0.766; per (tokens + 100) 0.831 / 0.749; per sqrt(tokens)
-# 0.824 / 0.704.
+# What every row costs beyond its words when the fill weighs warmth per token, so that an "ok"
+# does not outrank a turn with substance. recall_all of `perpetuity eval locomo|beam` (docs/tuning.md).
 ROW_FLOOR = 100
-# A frame over its budget as measured is searched for the longest prefix of its added rows
-# that fits: done when one measured to fit is within FULL percent of the budget, or after
-# SEARCHES more layouts at most (a layout is most of a first prompt's selection, issue 24).
-# Frames over their estimate, layouts a frame (the first one with them) and the median fill of
-# the budget, bench_prepare's bench memory (174 frames) / one LoCoMo conversation's questions
-# (307): the drop loop's guess first, 97: 3.60 and 0.982 / 2.04 and 0.993 (the drop loop alone
-# 1.61 and 0.42 / 2.01 and 0.993); interpolated from the first, aimed at the budget, then at
-# 98.5% once over: 97, 3.37 and 0.980 / 2.15 and 0.994 (LoCoMo recall_all 0.8436 against
-# 0.845); 98, 4.14, 0.984 / 2.39, 0.994; 99, 4.61, 0.989 / 2.48, 0.995; aimed at 98.5% from
-# the first, 97: 3.27, 0.979 / 2.06, 0.981. A secant through the last two measures, or
-# interpolating on rows counted, did no better.
+# A frame over its budget is searched for the longest prefix of its added rows that fits: done
+# within FULL percent of the budget, or after SEARCHES more layouts. Layouts a frame and its fill:
+# `scripts/bench_prepare.py`, recall_all `perpetuity eval locomo` (trials: docs/tuning.md).
 FULL = 97
 SEARCHES = 4
 _TOOL_RESULT = Kind.TOOL_RESULT.value  # hot: once, not per row
@@ -146,15 +104,10 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     tools of its own) with a latest stretch takes its top hit only as the fill does."""
     recent, excerpts = latest(rows, recent_items,
                               min(RECENT_TOKENS, limits.bound // STRETCH_SHARE))
-    # An agent's frame that stands in for its dropped history (it has a latest stretch) takes the
-    # prompt's top hit and the other half of its exchange as the fill takes any warm row (this
-    # prompt's retrieval reheated them), not whole whatever their size: a coding prompt's words
-    # ("commit it", "now the tests") seldom name what its task needs, which the stretch holds, and
-    # the recall tools reach the rest. On the six shared Claude Code sessions (cost of direct /
-    # identifiers in the request / in context, of 465): top hit and other half whole 0.6257 / 438
-    # / 407 (430 tokens a rebuilt frame); the other half by the fill 0.6246 / 438 / 407; both
-    # 0.6175 / 436 / 404; both unless they are 200 tokens or fewer 0.6164 / 436 / 404. A chat's
-    # question is what its frame is for: its top hit stays whole.
+    # An agent's frame that stands in for its dropped history takes the top hit and its other
+    # half only as the fill takes any warm row: a coding prompt's words seldom name what its task
+    # needs, which the stretch holds (the replay's trials: docs/tuning.md). A chat's question is
+    # what its frame is for: its top hit stays whole.
     if agent and recent:
         hits, half = [], []
     other = companion(half, rows, limits)

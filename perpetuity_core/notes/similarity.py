@@ -17,14 +17,11 @@ from perpetuity_core.memory.storage import dictionary
 from perpetuity_core.notes.library import slugify
 from perpetuity_core.notes.model import CONFIDENCE, Note, render_body, split_sections
 
-# Two notes cover the same ground when similarity() >= SIMILARITY_THRESHOLD. similarity() is
-# TAG_SHARE * Jaccard(normalised tags) + (1 - TAG_SHARE) * Jaccard(terms of name, description and
-# body). The same threshold decides whether capture patches an existing note, so capture never
-# writes what curate would merge straight away. Measured on the tests' notes (tests/test_notes.py;
-# in brackets with the notes' former tokeniser of their own): two wordings of one lesson score 0.570
-# (0.541); two different pytest problems under identical tags 0.411 (0.395; the threshold sits
-# above this, so shared tags alone never merge: identical tags still need 0.22 of body overlap);
-# unrelated notes 0.000 to 0.083 (0.081), the highest two sharing a `docker` tag.
+# Two notes cover the same ground when similarity() >= SIMILARITY_THRESHOLD: TAG_SHARE * Jaccard
+# of normalised tags + (1 - TAG_SHARE) * Jaccard of the terms of name, description and body. The
+# same threshold decides whether capture patches a note, so capture never writes what curate
+# would merge at once. It sits between two problems under identical tags and two wordings of one
+# lesson: `pytest tests/test_notes.py` (the pairs' scores: docs/tuning.md).
 TAG_SHARE = 0.3
 SIMILARITY_THRESHOLD = 0.45
 

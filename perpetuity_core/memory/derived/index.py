@@ -47,15 +47,11 @@ def item_text(kind: str, name: str, text: str) -> str:
     return f"{name} {text}" if name else text
 
 
-# The pooled counts are folded in every FOLD_EVERY rows, inside the transaction of the message
-# whose rows cross a multiple of it (on SQLite; a fold reads its own cursor, so a fold by
-# another process meanwhile only makes this one smaller; PostgreSQL folds when due as its rows
-# are ordered, sequence_in): each row is its own count increment, and upserting a batch's distinct
-# terms once costs a fraction of upserting every row's terms (a 600-word turn holds ~150
-# distinct terms; a batch shares most of them). Measured on LoCoMo's 5,882 messages through the
-# write path: updating the totals with every message cost 25 us of its ~290, folding every 256
-# rows 15 us, every 4,096 rows 3 us. Only the small-memory path (store_rows) reads the
-# unfolded rows, and it reads every row anyway.
+# The pooled counts are folded every FOLD_EVERY rows, in the transaction of the message whose
+# rows cross a multiple of it (PostgreSQL: when due, sequence_in; a fold reads its own cursor):
+# a batch's distinct terms upserted once cost a fraction of every row's. The write path's cost a
+# message: `scripts/bench_ingest.py --sets locomo` (trials: docs/tuning.md). Only the
+# small-memory path (store_rows) reads the unfolded rows, and it reads every row anyway.
 FOLD_EVERY = 4096
 
 

@@ -53,14 +53,12 @@ _WRAPPERS = ("request", "generateContentRequest")
 USAGE = ("promptTokenCount", "candidatesTokenCount", "totalTokenCount", "thoughtsTokenCount",
          "cachedContentTokenCount", "toolUsePromptTokenCount")
 
-# Gemini's implicit prefix cache, by model family (the longest family name the model's name
-# starts with): the smallest prefix it caches, in tokens, and a read's price as a share of the
-# input price. Minimums: Google's context-caching page (ai.google.dev/gemini-api/docs/caching,
-# updated 2026-10-13: 4,096 for 3.x Flash, 3.1 Pro and 4; 2,048 for 2.5 Flash and Pro; Flash-Lite
-# unlisted, 2,048 as the API enforces it, reported on Google's developer forum). Reads: "a 90%
-# discount on cached tokens" (Vertex AI's context cache overview), taken for every family here.
-# Writing costs nothing extra. How long an implicit entry lives is not published: 5 minutes,
-# as the other providers keep theirs, is our assumption. Models before 2.5 cache nothing.
+# Gemini's implicit prefix cache by model family (the longest family name the model's name starts
+# with): the smallest prefix cached, in tokens, and a read's price as a share of the input price.
+# Minimums: ai.google.dev/gemini-api/docs/caching (2026-10-13; Flash-Lite's 2,048 as the API
+# enforces it). Reads: "a 90% discount on cached tokens" (Vertex AI's context cache overview);
+# writes cost nothing extra. An entry's life is unpublished: 5 minutes is our assumption. Models
+# before 2.5 cache nothing (the sources in full: docs/tuning.md).
 IMPLICIT_CACHE: dict[str, tuple[int, float]] = {
     "gemini-2.5-pro": (2_048, 0.1), "gemini-2.5-flash": (2_048, 0.1),
     "gemini-2.5-flash-lite": (2_048, 0.1), "gemini-3": (4_096, 0.1), "gemini-4": (4_096, 0.1),
