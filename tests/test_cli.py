@@ -47,7 +47,7 @@ def test_replay_claude_code_help_describes_it(capsys: pytest.CaptureFixture[str]
     assert "prompt-cache rules" in text and "PATH session files" in text
 
 
-@pytest.mark.parametrize("argv", [("memory",), ("notes",)])
+@pytest.mark.parametrize("argv", [("memory",), ("notes",), ("replay",)])
 def test_help_names_no_source_file(capsys: pytest.CaptureFixture[str],
                                    argv: tuple[str, ...]) -> None:
     text = _help(capsys, *argv)

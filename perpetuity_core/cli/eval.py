@@ -14,7 +14,7 @@ conversation in one memory, each its own user, with pool sharing on (own rows fi
 
 In sequence (`--sequence`), a conversation's questions are asked one after another in one
 conversation, as a person asks them (a minute apart, each answered "Noted."), and stored: the
-frame then lives as it does for a person (`perpetuity_core.frame.plan`: kept, added to, rebuilt).
+frame then lives as it does for a person (its plan: kept, added to, rebuilt).
 Beside the request's recall, the ranking's own: its top rows within as many tokens as the
 memory the request carried (`memory_tokens`: the frame and its addenda), and within as many as
 the memory chosen for that question (`new_memory_tokens`: a new frame or an addendum).

@@ -8,7 +8,7 @@ prompt-cache rules: as the harness sent it (direct) and as it reached the provid
     perpetuity replay chat locomo PATH [--db DB] [--limit N] [--json] [--plot FILE.png]
 
 PATH may be session files or folders (such as ~/.claude/projects, searched for *.jsonl).
-Costs are in units of one uncached input token (billing.py has the rules). The system prompt
+Costs are in units of one uncached input token, under the provider's cache prices. The system prompt
 and tools are a real Claude Code request's: --request-template FILE, else ../shared's capture
 (in a checkout beside it), else the one your own Claude Code last sent through the proxy (kept
 in its memory: --proxy-db, default $PERPETUITY_DB or ~/.perpetuity/memory.db); without any,
