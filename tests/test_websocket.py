@@ -245,7 +245,7 @@ def http_side(settings: Settings, db: Path, sessions: list[tuple[str, list[tuple
     for (handshake, body, frames), whole in zip(messages, wholes, strict=True):
         headers = tuple(json.loads((CODEX / handshake).read_text())["headers"])
         req = HttpRequest("POST", "127.0.0.1", "/v1/responses",
-                          (*headers, ("x-perpetuity-time", AT), ("x-perpetuity-tools", "off")),
+                          (*headers, ("x-perpetuity-time", AT)),
                           http_body(body, whole), direct=True)
         d = pipeline.prepare(req)
         sent.append(json.loads(d.body if d.body is not None else req.body)["input"])
