@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, Proxy
-from tests.fake_provider import FakeProvider, Text, ToolCall
+from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 from tests.test_claude_code import claude_bin, tell_in_real_claude_code
 from tests.test_personal import FACT, QUESTION, tell_claude_code
 
@@ -194,3 +194,23 @@ def test_codex_recall_tools_ride_its_websocket_hidden_and_chained(
     for text in (QUESTION, "It lives on quokka-17.", "And where is the bastion?",
                  "Still quokka-17."):
         assert personal.rows("select count(*) from item where text = ?", text) == [(1,)], text
+
+
+def test_a_refused_framed_message_goes_again_as_codex_sent_it(
+        personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
+    """Fail open over the socket as over HTTP: a 400 for the message we framed (our tools
+    beside Codex's) is not Codex's to see; its own history goes once more, whole, unchained,
+    without our tools, and that answer is Codex's, stored once."""
+    tell_claude_code(personal, fake)
+    fake.clear()
+    fake.script(Error(400), Text("It lives on quokka-17."))
+    got = run_codex(personal, tmp_path, QUESTION)
+    assert got.returncode == 0, got.stderr
+    assert "It lives on quokka-17." in got.stdout
+    ours, again = turns(fake)
+    assert "memory_search" in [t.get("name") for t in ours.get("tools") or []]
+    assert "previous_response_id" not in again and not again.get("tools")
+    assert QUESTION in json.dumps(again["input"]) and "quokka-17" not in json.dumps(again["input"])
+    assert personal.rows("select count(*) from item where text = ?", QUESTION) == [(1,)]
+    assert personal.rows("select count(*) from item where text = ?",
+                         "It lives on quokka-17.") == [(1,)]

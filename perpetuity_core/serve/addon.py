@@ -282,13 +282,15 @@ class Perpetuity:
         assert self.pipeline is not None
         decision, content = await self.parser.run(framed, self.pipeline, handshake, link,
                                                   message.content)
+        original = message.content
         if content is not None:  # every change at once, after everything it needs succeeded
             message.content = content
         if decision.job is not None and flow.websocket is not None:
             capture = Capture(decision.job, self.pipeline, self.executor)
             capture.sent()
-            state.message = SocketReply(link, capture, decision, message.content, self._run_tool,
-                                        self.relay.tool_timeout, len(flow.websocket.messages) - 1)
+            state.message = SocketReply(
+                link, capture, decision, message.content, None if content is None else original,
+                self._run_tool, self.relay.tool_timeout, len(flow.websocket.messages) - 1)
 
     async def _server_message(self, flow: http.HTTPFlow, state: FlowState, link: Chain,
                               message: Any) -> None:
@@ -307,7 +309,7 @@ class Perpetuity:
         if step.done:
             state.message = None
             if _readable():
-                socket_facts(flow, reply.decision, reply.job, reply.index)
+                socket_facts(flow, reply.decision, reply.job, reply.index, reply.fell_open)
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         """Whatever comes through a tunnel was addressed to the tunnel's host, never to us."""

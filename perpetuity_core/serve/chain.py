@@ -145,6 +145,16 @@ class Chain:
         pending.shown, pending.items = pending.seen(), []
         pending.upstream = self.held + sent
 
+    def resent(self, body: dict[str, Any]) -> bytes | None:
+        """The message in flight once more as the client's own, its whole input and no chain
+        (the provider refused ours; what it holds now is unknown); None if that is unknown."""
+        pending = self.pending
+        if pending is None or pending.client is None:
+            return None
+        self.last_id, self.held = "", []
+        self.pending = _Pending(pending.client, list(pending.client))
+        return http_body(body, pending.client)
+
     def lost(self) -> None:
         """A message went by that we could not follow: what the connection holds is unknown,
         so the next message goes whole."""

@@ -62,11 +62,12 @@ def message_facts(flow: http.HTTPFlow, message: Any) -> dict[str, Any] | None:
     return facts if isinstance(facts, dict) else None
 
 
-def socket_facts(flow: http.HTTPFlow, decision: Decision, job: Job | None, index: int) -> None:
+def socket_facts(flow: http.HTTPFlow, decision: Decision, job: Job | None, index: int,
+                 fell_open: str) -> None:
     """A WebSocket message's facts, once its reply has passed, under its place among the
     flow's messages; the flow's comment says how many were framed and what the last one was
     shown, and its mark that one fell open or was repaired."""
-    facts = inspection.facts(decision, job)
+    facts = inspection.facts(decision, job, fell_open)
     by_index = flow.metadata.setdefault(MESSAGES, {})
     by_index[str(index)] = facts
     flow.comment = (f"perpetuity: {len(by_index)} message{'s' if len(by_index) > 1 else ''}; "

@@ -11,7 +11,10 @@ last response, so the client's next message chains to it validly; chain.Chain ke
 histories (the provider holds the hidden rounds, the client's history at that id does not).
 
 How it fails: a tool's failure or timeout is an answer the model reads (tools.run never
-raises). The reply is stored once, as the client saw it, when its last event passes.
+raises). A message we changed that the provider refuses (an `error` of status 400, before the
+client saw anything) goes once more as the client's own, whole and unchained (relay.as_sent's
+rule); any other error reaches the client. The reply is stored once, as the client saw it,
+when its last event passes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.chain import ENDED, Chain
 from perpetuity_core.serve.exchange import Decision
-from perpetuity_core.serve.relay import Round, RunTool
+from perpetuity_core.serve.relay import REFUSED, Round, RunTool
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire.protocols import responses
 from perpetuity_core.wire.sse import Event
@@ -59,8 +62,11 @@ class SocketReply:
     made of as many rounds as they need (at most the job's `max_rounds`)."""
 
     def __init__(self, link: Chain, capture: Capture, decision: Decision, sent: bytes,
-                 run_tool: RunTool, timeout: float, index: int) -> None:
+                 original: bytes | None, run_tool: RunTool, timeout: float, index: int) -> None:
         self.link, self.capture, self.decision = link, capture, decision
+        self.original = original  # the client's message, when what went upstream differs
+        self.fell_open = ""  # why it went upstream as the client's own after all
+        self.shown = False  # the client has seen an event of the reply
         self.job = job = capture.job
         self.run_tool, self.timeout = run_tool, timeout
         self.index = index  # the client message's place in the flow's messages (inspection)
@@ -80,6 +86,8 @@ class SocketReply:
         if not isinstance(event, dict):
             return Step(raw)
         kind = str(event.get("type", ""))
+        if kind == "error" and (resend := self._refused(event)) is not None:
+            return Step(None, send=resend)
         if self.merger is None:
             self.link.event(event)
             return self._shown(kind, raw)
@@ -98,8 +106,26 @@ class SocketReply:
         self.link.event(event)
         return self._shown(kind, shown if kind == "error" else self.merger.finish())
 
+    def _refused(self, event: dict[str, Any]) -> bytes | None:
+        """The client's own message, to send in place of ours that the provider refused before
+        the client saw a thing; None when the error stands."""
+        if (self.original is None or event.get("status") != 400 or len(self.job.rounds) > 1
+                or self.shown):
+            return None
+        try:
+            resend = self.link.resent(json.loads(self.original))
+        except ValueError:
+            return None
+        if resend is not None:
+            log.warning("perpetuity: upstream refused the WebSocket message with our changes "
+                        "(400); sending it again as the client's own")
+            self.original, self.merger, self.job.rounds[:] = None, None, []
+            self.fell_open = REFUSED
+        return resend
+
     def _shown(self, kind: str, data: bytes) -> Step:
         """`data` goes to the client and into the stored reply; the reply ends with a response."""
+        self.shown = True
         self.assembler.feed(Event(kind, data.decode("utf-8", "replace")))
         if kind not in ENDS:
             return Step(data)
