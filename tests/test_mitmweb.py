@@ -209,3 +209,16 @@ def test_a_websocket_message_shows_what_the_model_saw(web) -> None:
     assert "== Tool round 1 of 2" in asked["text"]
     assert 'call memory_search {"query": "sister Oslo"}' in asked["text"]
     assert all(m["view_name"] != "perpetuity" for m in shown[1:])  # the provider's events
+    # The handshake's view lists the socket's framed messages; saved once the socket closed,
+    # `perpetuity show` prints them from the flow file.
+    handshake = w.get(f"/flows/{ws[0]['id']}/request/content/perpetuity.json").json()
+    assert "== WebSocket message 0 ==" in handshake["text"]
+    deadline = time.monotonic() + 10
+    while True:
+        show = subprocess.run([str(BIN / "perpetuity"), "show", str(w.flows_file)],
+                              capture_output=True, text=True, timeout=60)
+        if "== WebSocket message 0 ==" in show.stdout or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert 'call memory_search {"query": "sister Oslo"}' in show.stdout.split(
+        "== WebSocket message 0 ==")[-1], show.stdout[-3000:]

@@ -84,7 +84,15 @@ def view_text(flow: http.HTTPFlow) -> str:
     facts = flow.metadata.get(FACTS)
     if not isinstance(facts, dict):
         raise ValueError("Perpetuity did not touch this flow")
-    return inspection.render(facts, flow.request.get_content(strict=False))
+    out = inspection.render(facts, flow.request.get_content(strict=False))
+    # A WebSocket's handshake: then each message Perpetuity framed, in the order sent.
+    by_index = flow.metadata.get(MESSAGES)
+    if isinstance(by_index, dict) and flow.websocket is not None:
+        messages = flow.websocket.messages
+        for index in sorted(by_index, key=int):
+            sent = messages[int(index)].content if int(index) < len(messages) else None
+            out += f"\n== WebSocket message {index} ==\n" + inspection.render(by_index[index], sent)
+    return out
 
 
 def round_flows(parent: http.HTTPFlow, method: str, url: str,
