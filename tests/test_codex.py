@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, Proxy
-from tests.fake_provider import FakeProvider, Text
+from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 from tests.test_claude_code import claude_bin, tell_in_real_claude_code
 from tests.test_personal import FACT, QUESTION, tell_claude_code
 
@@ -145,3 +145,72 @@ def test_a_fact_told_in_claude_code_reaches_a_new_codex_session(
     assert "On quokka-17." in asked.stdout
     sent = turns(fake)
     assert len(sent) == 1 and FACT in json.dumps(held(fake, sent[0]))
+
+
+def rollout(home: Path) -> str:
+    """Everything Codex kept of its sessions (its rollout files): what it saw."""
+    return "".join(f.read_text() for f in (home / ".codex" / "sessions").rglob("*.jsonl"))
+
+
+def test_codex_recall_tools_ride_its_websocket_hidden_and_chained(
+        personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
+    """The model calls memory_search over Codex's own socket: the proxy runs it and sends the
+    next round on the same connection, chained to the hidden round; Codex sees only the final
+    reply, its next request (a tool of its own) and `codex exec resume` chain validly, and each
+    turn is stored once."""
+    tell_claude_code(personal, fake)
+    fake.clear()
+    fake.script(ToolCall("memory_search", {"query": "staging database host"}),
+                ToolCall("lookup_weather", {"city": "Oslo"}),
+                Text("It lives on quokka-17."))
+    first = run_codex(personal, tmp_path, QUESTION)
+    assert first.returncode == 0, first.stderr
+    assert "It lives on quokka-17." in first.stdout
+    asked = turns(fake)
+    assert len(asked) == 3, asked  # Codex's turn, the proxy's round, Codex's own tool's output
+    turn, hidden, after = asked
+    assert "memory_search" in [t.get("name") for t in turn.get("tools") or []]
+    # The proxy's round: on the connection's last response, the call's output its only input.
+    assert hidden["previous_response_id"] and [i["type"] for i in hidden["input"]] == [
+        "function_call_output"]
+    assert hidden["input"][0]["output"].startswith("memory_search")  # the tool's answer
+    assert fake.refused == []  # every previous_response_id was one the provider issued
+    # Codex saw the visible call and answered it; of ours it saw nothing.
+    seen = rollout(tmp_path)
+    assert "lookup_weather" in seen and "memory_search" not in seen
+    calls = [i.get("name") for i in after["input"] if i.get("type") == "function_call"]
+    assert calls == ["lookup_weather"]
+    fake.clear()
+    fake.script(Text("Still quokka-17."))
+    again = run_codex(personal, tmp_path, "resume", "--last", "And where is the bastion?")
+    assert again.returncode == 0, again.stderr
+    assert "Still quokka-17." in again.stdout
+    assert fake.refused == []
+    resumed = turns(fake)
+    assert len(resumed) == 1
+    whole = held(fake, resumed[0])
+    assert [i.get("name") for i in whole if i.get("type") == "function_call"] == ["lookup_weather"]
+    assert "memory_search" not in rollout(tmp_path)
+    for text in (QUESTION, "It lives on quokka-17.", "And where is the bastion?",
+                 "Still quokka-17."):
+        assert personal.rows("select count(*) from item where text = ?", text) == [(1,)], text
+
+
+def test_a_refused_framed_message_goes_again_as_codex_sent_it(
+        personal: Proxy, fake: FakeProvider, tmp_path: Path) -> None:
+    """Fail open over the socket as over HTTP: a 400 for the message we framed (our tools
+    beside Codex's) is not Codex's to see; its own history goes once more, whole, unchained,
+    without our tools, and that answer is Codex's, stored once."""
+    tell_claude_code(personal, fake)
+    fake.clear()
+    fake.script(Error(400), Text("It lives on quokka-17."))
+    got = run_codex(personal, tmp_path, QUESTION)
+    assert got.returncode == 0, got.stderr
+    assert "It lives on quokka-17." in got.stdout
+    ours, again = turns(fake)
+    assert "memory_search" in [t.get("name") for t in ours.get("tools") or []]
+    assert "previous_response_id" not in again and not again.get("tools")
+    assert QUESTION in json.dumps(again["input"]) and "quokka-17" not in json.dumps(again["input"])
+    assert personal.rows("select count(*) from item where text = ?", QUESTION) == [(1,)]
+    assert personal.rows("select count(*) from item where text = ?",
+                         "It lives on quokka-17.") == [(1,)]

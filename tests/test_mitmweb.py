@@ -5,8 +5,10 @@ and, where Chromium is installed, a screenshot of mitmweb showing a Perpetuity f
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import pytest
 
 from tests.conftest import ROOT, free_port, owned
 from tests.fake_provider import FakeProvider, Text, ToolCall
+from tests.test_websocket import exchanged
 
 BIN = Path(sys.executable).parent
 TOKEN = "perpetuity-test"
@@ -174,3 +177,48 @@ def test_a_screenshot_of_mitmweb_showing_a_perpetuity_flow(web, tmp_path: Path) 
     assert png.startswith(b"\x89PNG") and len(png) > 50_000
     if SCREENSHOT_OUT:
         Path(SCREENSHOT_OUT).write_bytes(png)
+
+
+def test_a_websocket_message_shows_what_the_model_saw(web) -> None:
+    """Codex's own provider through mitmweb (a WebSocket to the proxy as its base URL, the
+    Anthropic turns' credential): the client message Perpetuity framed opens in the
+    `perpetuity` view with its frame and the tool round the proxy ran inside the socket, and
+    the flow's comment says so. (Last in this module: the tests above count its flows.)"""
+    w, fake = web
+    fake.script(ToolCall("memory_search", {"query": "sister Oslo"}), Text("Ada lives in Oslo."))
+    create = {"type": "response.create", "model": "gpt-5", "stream": True, "store": False,
+              "input": [{"type": "message", "role": "user", "content": [
+                  {"type": "input_text", "text": "Which city does my sister live in?"}]}]}
+    port = int(w.proxy.rsplit(":", 1)[1])
+    got, = exchanged(socket.create_connection(("127.0.0.1", port), timeout=10),
+                     f"127.0.0.1:{port}", "/v1/responses",
+                     [("authorization", "Bearer sk-ant-web"), ("session-id", "ws-web")], [create])
+    assert got[-1]["type"] == "response.completed"
+    assert "memory_search" not in json.dumps(got) and "Ada lives in Oslo." in json.dumps(got)
+    deadline = time.monotonic() + 10
+    while not (ws := [f for f in w.get("/flows").json() if f.get("websocket")
+                      and f["comment"].startswith("perpetuity: 1 message")]):
+        assert time.monotonic() < deadline, w.get("/flows").json()
+        time.sleep(0.1)
+    assert "1 tool round" in ws[0]["comment"], ws[0]["comment"]
+    shown = w.get(f"/flows/{ws[0]['id']}/messages/content/auto.json").json()
+    asked = shown[0]
+    assert asked["from_client"] and asked["view_name"] == "perpetuity", asked
+    assert "== The frame as the model read it ==" in asked["text"]
+    assert "My sister Ada lives in Oslo." in asked["text"]
+    assert "== Tool round 1 of 2" in asked["text"]
+    assert 'call memory_search {"query": "sister Oslo"}' in asked["text"]
+    assert all(m["view_name"] != "perpetuity" for m in shown[1:])  # the provider's events
+    # The handshake's view lists the socket's framed messages; saved once the socket closed,
+    # `perpetuity show` prints them from the flow file.
+    handshake = w.get(f"/flows/{ws[0]['id']}/request/content/perpetuity.json").json()
+    assert "== WebSocket message 0 ==" in handshake["text"]
+    deadline = time.monotonic() + 10
+    while True:
+        show = subprocess.run([str(BIN / "perpetuity"), "show", str(w.flows_file)],
+                              capture_output=True, text=True, timeout=60)
+        if "== WebSocket message 0 ==" in show.stdout or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert 'call memory_search {"query": "sister Oslo"}' in show.stdout.split(
+        "== WebSocket message 0 ==")[-1], show.stdout[-3000:]

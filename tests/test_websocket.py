@@ -28,7 +28,7 @@ from perpetuity_core.wire.protocols import responses
 from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, route
 from perpetuity_core.wire.sse import Event
 from tests.conftest import FIXTURES, Proxy, needs_fixtures, query
-from tests.fake_provider import FakeProvider, Text
+from tests.fake_provider import FakeProvider, Text, ToolCall
 
 CODEX = FIXTURES / "codex"
 
@@ -245,7 +245,7 @@ def http_side(settings: Settings, db: Path, sessions: list[tuple[str, list[tuple
     for (handshake, body, frames), whole in zip(messages, wholes, strict=True):
         headers = tuple(json.loads((CODEX / handshake).read_text())["headers"])
         req = HttpRequest("POST", "127.0.0.1", "/v1/responses",
-                          (*headers, ("x-perpetuity-time", AT), ("x-perpetuity-tools", "off")),
+                          (*headers, ("x-perpetuity-time", AT)),
                           http_body(body, whole), direct=True)
         d = pipeline.prepare(req)
         sent.append(json.loads(d.body if d.body is not None else req.body)["input"])
@@ -466,3 +466,46 @@ def test_the_fake_provider_refuses_an_id_it_did_not_issue_on_the_connection(
                       "/v1/responses", [], [{**create, "previous_response_id": completed_id(first[1])}])
     assert other[0][-1]["error"]["code"] == "previous_response_not_found"
     assert fake.refused == [completed_id(first[1])]
+
+
+def test_recall_tools_ride_the_socket_hidden_and_the_chain_holds(proxy: Proxy,
+                                                                 fake: FakeProvider) -> None:
+    """Through a real mitmdump: a fact told on one socket; on another the model calls
+    memory_search, which the proxy answers with a round of its own on that connection. The
+    client sees one response without our call; its next message, chained to that response's
+    id, is accepted (sent whole: the provider holds the hidden round), and each turn is stored
+    once."""
+    headers = [("authorization", "Bearer sk-ws-tools"), ("x-perpetuity-user", "wt1")]
+    say = {"type": "response.create", "model": "gpt-5", "stream": True, "store": False}
+
+    def user(text: str) -> list[dict]:
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                               "text": text}]}]
+
+    direct, host = ("127.0.0.1", proxy.port), f"127.0.0.1:{proxy.port}"
+    fake.script(Text("Noted."))
+    exchanged(stdlib_socket.create_connection(direct, timeout=10), host, "/v1/responses",
+              [*headers, ("session-id", "s-told")], [{**say, "input": user(FACT)}])
+    proxy.wait_messages("wt1", 2)
+    fake.clear()
+    fake.script(ToolCall("memory_search", {"query": "launch code"}), Text("PELICAN-42."),
+                Text("Yes, PELICAN-42."))
+    asked, again = exchanged(
+        stdlib_socket.create_connection(direct, timeout=10), host, "/v1/responses",
+        [*headers, ("session-id", "s-asked")],
+        [{**say, "input": user(ASK)},
+         {**say, "previous_response_id": "<last>", "input": user("sure?")}])
+    assert "memory_search" not in json.dumps(asked)
+    assert [e["item"]["type"] for e in asked if e["type"] == "response.output_item.done"] == [
+        "message"]
+    assert {e["output_index"] for e in asked if "output_index" in e} == {0}  # renumbered
+    assert asked[-1]["response"]["output"][0]["content"][0]["text"] == "PELICAN-42."
+    assert again[-1]["type"] == "response.completed" and fake.refused == []
+    ours, hidden, follow = [r.json for r in fake.requests if r.method == "WS"]
+    assert "memory_search" in [t["name"] for t in ours["tools"]]
+    assert hidden["previous_response_id"] and hidden["input"][0]["type"] == "function_call_output"
+    assert "previous_response_id" not in follow  # the provider holds the hidden round
+    assert not [i for i in follow["input"] if i.get("type", "").startswith("function_call")]
+    assert "PELICAN-42." in json.dumps(follow["input"]) and follow["input"][-1] == user("sure?")[0]
+    texts = [t for _, _, t, _ in proxy.wait_messages("wt1", 6)]
+    assert texts == [FACT, "Noted.", ASK, "PELICAN-42.", "sure?", "Yes, PELICAN-42."]

@@ -9,6 +9,7 @@ mitmproxy catches hook exceptions and carries on with whatever state the flow wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ from perpetuity_core.memory.storage.store import Store, default_db_path
 from perpetuity_core.notes.library import notes_root
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import inspection
-from perpetuity_core.serve.chain import ENDED, Chain, Histories, framed
+from perpetuity_core.serve.chain import Chain, Histories, framed
 from perpetuity_core.serve.direct import Addressing
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Decision, HttpRequest
 from perpetuity_core.serve.flowstate import (
@@ -37,18 +38,17 @@ from perpetuity_core.serve.flowstate import (
     StreamTee,
     state_of,
 )
-from perpetuity_core.serve.flowview import FACTS, PerpetuityView, round_flows
+from perpetuity_core.serve.flowview import FACTS, PerpetuityView, round_flows, socket_facts
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.serve.preparing import Preparing
 from perpetuity_core.serve.relay import JOB_HEADER, REFUSED, Relay, as_sent
+from perpetuity_core.serve.socket_tools import SocketReply
 from perpetuity_core.serve.tee import ReplyTee
 from perpetuity_core.serve.upstream import Request, UpstreamError, decoded
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire import identity
 from perpetuity_core.wire.conversation import Provider
-from perpetuity_core.wire.protocols import responses
 from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, credential, parse_upstream
-from perpetuity_core.wire.sse import Event
 
 log = logging.getLogger("perpetuity")
 # Not carried onto a retry beside the hop-by-hop headers: encodings (the retry decodes what it
@@ -265,43 +265,51 @@ class Perpetuity:
                 or self.pipeline is None):
             return
         message = flow.websocket.messages[-1]
+        if message.injected:
+            return  # ours: a tool round's next message, chained already (socket_tools)
         try:
             if message.from_client:
-                await self._client_message(state, handshake, state.chain, message)
+                await self._client_message(flow, state, handshake, state.chain, message)
             else:
-                self._server_message(state, state.chain, message)
+                await self._server_message(flow, state, state.chain, message)
         except Exception:
             state.chain.lost()
             log.exception("perpetuity: could not read a WebSocket message; it went through as sent")
 
-    async def _client_message(self, state: FlowState, handshake: HttpRequest, link: Chain,
-                              message: Any) -> None:
+    async def _client_message(self, flow: http.HTTPFlow, state: FlowState,
+                              handshake: HttpRequest, link: Chain, message: Any) -> None:
         state.message = None
         assert self.pipeline is not None
         decision, content = await self.parser.run(framed, self.pipeline, handshake, link,
                                                   message.content)
+        original = message.content
         if content is not None:  # every change at once, after everything it needs succeeded
             message.content = content
-        if decision.job is not None:
+        if decision.job is not None and flow.websocket is not None:
             capture = Capture(decision.job, self.pipeline, self.executor)
             capture.sent()
-            state.message = (capture, responses.ReplyAssembler())
+            state.message = SocketReply(
+                link, capture, decision, message.content, None if content is None else original,
+                self._run_tool, self.relay.tool_timeout, len(flow.websocket.messages) - 1)
 
-    @staticmethod
-    def _server_message(state: FlowState, link: Chain, message: Any) -> None:
-        try:
-            event = json.loads(message.content)
-        except ValueError:
+    async def _server_message(self, flow: http.HTTPFlow, state: FlowState, link: Chain,
+                              message: Any) -> None:
+        reply, raw = state.message, message.content
+        if reply is None:
+            with contextlib.suppress(ValueError):
+                link.event(json.loads(raw))
             return
-        link.event(event)
-        if state.message is None or not isinstance(event, dict):
-            return
-        capture, assembler = state.message
-        kind = str(event.get("type", ""))
-        assembler.feed(Event(kind, message.text))
-        if kind in ("response.completed", *ENDED):
+        step = await reply.event(raw)
+        if step.show is None:
+            message.drop()
+        elif step.show is not raw:
+            message.content = step.show
+        if step.send is not None:  # the next round, on this connection, hidden from the client
+            ctx.master.commands.call("inject.websocket", flow, False, step.send, True)
+        if step.done:
             state.message = None
-            capture.replied(assembler.reply())
+            if _readable():
+                socket_facts(flow, reply.decision, reply.job, reply.index, reply.fell_open)
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         """Whatever comes through a tunnel was addressed to the tunnel's host, never to us."""

@@ -10,7 +10,9 @@ and each is mapped here to the client's history at it, so a message on any socke
 `codex exec resume`) is read whole and framed as an HTTP request would be. Upstream, a message
 whose whole input extends what this socket's provider connection holds goes as that extension
 with the provider's last id; any other goes whole, without an id. Nothing is sent with an id the
-provider did not issue on this connection, but a message passed as sent.
+provider did not issue on this connection, but a message passed as sent. The recall tools ride
+along as on HTTP: their rounds are messages the proxy chains itself on the same connection
+(socket_tools), hidden from the client, whose history at the final id holds only what it saw.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from perpetuity_core.serve.exchange import Decision, HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire.protocols import responses
 
 log = logging.getLogger("perpetuity")
 
@@ -61,11 +64,19 @@ class Histories:
 @dataclass(slots=True)
 class _Pending:
     """The message in flight: the client's whole input (None on a chain we do not know), what
-    the provider holds once it is read (None: unknown), and the reply's items so far."""
+    the provider holds once it is read (None: unknown), the reply's items so far in this round,
+    the items the client saw in the rounds before, and our tools' names (hidden from it)."""
 
     client: Items | None
     upstream: Items | None
     items: Items = field(default_factory=list)
+    shown: Items = field(default_factory=list)
+    ours: frozenset[str] = frozenset()
+
+    def seen(self) -> Items:
+        """The reply's items the client saw: none of our calls."""
+        return self.shown + [i for i in self.items
+                             if not (i.get("type") == "function_call" and i.get("name") in self.ours)]
 
 
 def request(body: Any) -> bool:
@@ -99,12 +110,13 @@ class Chain:
         held = self.held + body["input"] if self.last_id and prev == self.last_id else None
         self.pending = _Pending(None, list(body["input"]) if prev is None else held)
 
-    def send(self, body: dict[str, Any], whole: Items, target: Items) -> dict[str, Any] | None:
+    def send(self, body: dict[str, Any], whole: Items, target: Items,
+             ours: frozenset[str] = frozenset()) -> dict[str, Any] | None:
         """What goes upstream so that the provider holds `target` (the frame and the kept
         items, or the client's `whole` input): None when the message as sent does; else its
         extension of what this connection holds, with the provider's id, or the whole of it
-        without an id."""
-        self.pending = _Pending(whole, target)
+        without an id. `ours`: the tools that ride along, whose calls the client never sees."""
+        self.pending = _Pending(whole, target, ours=ours)
         prev = body.get("previous_response_id")
         if prev is None:
             as_sent: Items | None = body["input"]
@@ -120,6 +132,28 @@ class Chain:
         out = {k: v for k, v in body.items() if k != "previous_response_id"}
         out["input"] = target
         return out
+
+    def continued(self, rid: str, sent: Items) -> None:
+        """A round of our tools completed as `rid`, hidden from the client, and `sent` (the
+        calls' outputs) goes on it: the connection holds the round and then `sent`; the client
+        keeps what it saw of the round."""
+        pending = self.pending
+        if pending is None or pending.upstream is None:
+            self.lost()
+            return
+        self.last_id, self.held = rid, pending.upstream + pending.items
+        pending.shown, pending.items = pending.seen(), []
+        pending.upstream = self.held + sent
+
+    def resent(self, body: dict[str, Any]) -> bytes | None:
+        """The message in flight once more as the client's own, its whole input and no chain
+        (the provider refused ours; what it holds now is unknown); None if that is unknown."""
+        pending = self.pending
+        if pending is None or pending.client is None:
+            return None
+        self.last_id, self.held = "", []
+        self.pending = _Pending(pending.client, list(pending.client))
+        return http_body(body, pending.client)
 
     def lost(self) -> None:
         """A message went by that we could not follow: what the connection holds is unknown,
@@ -144,7 +178,7 @@ class Chain:
             else:
                 self.last_id, self.held = rid, pending.upstream + pending.items
             if isinstance(rid, str) and rid and pending.client is not None:
-                self.histories.put(self.key, rid, pending.client + pending.items)
+                self.histories.put(self.key, rid, pending.client + pending.seen())
         elif kind in ENDED:
             self.lost()
 
@@ -160,8 +194,8 @@ def framed(pipeline: Pipeline, handshake: HttpRequest, link: Chain,
            content: bytes) -> tuple[Decision, bytes | None]:
     """A client message, on the parsing thread (the event loop never parses or frames one):
     the decision for the HTTP request it stands for, and what goes upstream in its place (None:
-    the message as sent). The socket's hook is awaited meanwhile, so nothing else touches its
-    chain."""
+    the message as sent), our tools beside the client's when they ride along. The socket's hook
+    is awaited meanwhile, so nothing else touches its chain."""
     try:
         body = json.loads(content)
     except ValueError:
@@ -172,10 +206,7 @@ def framed(pipeline: Pipeline, handshake: HttpRequest, link: Chain,
     if whole is None:
         link.passed(body)
         return Decision(), None
-    # The recall tools do not ride over the socket: the client's chain must hold every item
-    # the provider answered.
-    req = HttpRequest("POST", handshake.host, handshake.path,
-                      handshake.headers + (("x-perpetuity-tools", "off"),),
+    req = HttpRequest("POST", handshake.host, handshake.path, handshake.headers,
                       http_body(body, whole), handshake.direct)
     try:
         decision = pipeline.prepare(req)
@@ -183,5 +214,10 @@ def framed(pipeline: Pipeline, handshake: HttpRequest, link: Chain,
         log.exception("perpetuity: pipeline failed; the WebSocket message goes unframed")
         decision = Decision()
     target = json.loads(decision.body)["input"] if decision.body is not None else whole
-    out = link.send(body, whole, target)
+    job = decision.job
+    specs = job.tool_specs if job is not None and job.memory is not None else []
+    out = link.send(body, whole, target, frozenset(str(t["name"]) for t in specs))
+    if specs:
+        assert job is not None
+        out = responses.add_tools(body if out is None else out, specs, job.max_rounds == 1)
     return decision, None if out is None else json.dumps(out, ensure_ascii=False).encode()

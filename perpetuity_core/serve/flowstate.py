@@ -16,9 +16,9 @@ from typing import Any
 
 from perpetuity_core.serve.chain import Chain
 from perpetuity_core.serve.exchange import Decision, HttpRequest
+from perpetuity_core.serve.socket_tools import SocketReply
 from perpetuity_core.serve.tee import ReplyTee
 from perpetuity_core.serve.writer import Capture
-from perpetuity_core.wire.protocols.responses import ReplyAssembler
 
 log = logging.getLogger("perpetuity")
 
@@ -42,7 +42,7 @@ class FlowState:
     # and the client message whose reply is being read.
     handshake: HttpRequest | None = None
     chain: Chain | None = None
-    message: tuple[Capture, ReplyAssembler] | None = None
+    message: SocketReply | None = None
 
     def finish(self) -> None:
         """Every flow with a turn ends here: the turn is stored even if no reply came, and

@@ -13,10 +13,13 @@ from typing import Any
 from mitmproxy import connection, contentviews, http
 
 from perpetuity_core.serve import inspection
+from perpetuity_core.serve.exchange import Decision, Job
 from perpetuity_core.serve.relay import Round
 
 FACTS = "perpetuity"  # flow.metadata key of a client's flow's facts
 ROUND = "perpetuity_round"  # flow.metadata key of a tool round's flow
+# flow.metadata key of a WebSocket's facts, one per client message by its place in the messages
+MESSAGES = "perpetuity_messages"
 
 
 class PerpetuityView(contentviews.Contentview):
@@ -28,16 +31,49 @@ class PerpetuityView(contentviews.Contentview):
         flow = metadata.flow
         if not isinstance(flow, http.HTTPFlow):
             raise ValueError("not an HTTP flow")
+        if metadata.websocket_message is not None:
+            facts = message_facts(flow, metadata.websocket_message)
+            if facts is None:
+                raise ValueError("Perpetuity did not frame this message")
+            return inspection.render(facts, data)
         return view_text(flow)
 
     def render_priority(self, data: bytes, metadata: contentviews.Metadata) -> float:
-        """First choice for a request Perpetuity touched (its body is what went upstream);
-        chosen by hand for anything else of that flow."""
+        """First choice for a request Perpetuity touched (its body is what went upstream), and
+        for a WebSocket message it framed; chosen by hand for anything else of that flow."""
         flow = metadata.flow
-        if (not isinstance(flow, http.HTTPFlow) or metadata.http_message is not flow.request
+        if not isinstance(flow, http.HTTPFlow):
+            return -1
+        if metadata.websocket_message is not None:
+            return 2 if message_facts(flow, metadata.websocket_message) is not None else -1
+        if (metadata.http_message is not flow.request
                 or not (FACTS in flow.metadata or ROUND in flow.metadata)):
             return -1
         return 2
+
+
+def message_facts(flow: http.HTTPFlow, message: Any) -> dict[str, Any] | None:
+    """The facts of a WebSocket message Perpetuity framed (None for any other)."""
+    by_index = flow.metadata.get(MESSAGES)
+    if not isinstance(by_index, dict) or flow.websocket is None:
+        return None
+    index = next((i for i, m in enumerate(flow.websocket.messages) if m is message), -1)
+    facts = by_index.get(str(index))
+    return facts if isinstance(facts, dict) else None
+
+
+def socket_facts(flow: http.HTTPFlow, decision: Decision, job: Job | None, index: int,
+                 fell_open: str) -> None:
+    """A WebSocket message's facts, once its reply has passed, under its place among the
+    flow's messages; the flow's comment says how many were framed and what the last one was
+    shown, and its mark that one fell open or was repaired."""
+    facts = inspection.facts(decision, job, fell_open)
+    by_index = flow.metadata.setdefault(MESSAGES, {})
+    by_index[str(index)] = facts
+    flow.comment = (f"perpetuity: {len(by_index)} message{'s' if len(by_index) > 1 else ''}; "
+                    f"the last: {inspection.summary(facts).removeprefix('perpetuity: ')}")
+    if facts["fell_open"] or facts["repaired"]:
+        flow.marked = ":warning:" if facts["fell_open"] else ":wrench:"
 
 
 def view_text(flow: http.HTTPFlow) -> str:
@@ -48,7 +84,15 @@ def view_text(flow: http.HTTPFlow) -> str:
     facts = flow.metadata.get(FACTS)
     if not isinstance(facts, dict):
         raise ValueError("Perpetuity did not touch this flow")
-    return inspection.render(facts, flow.request.get_content(strict=False))
+    out = inspection.render(facts, flow.request.get_content(strict=False))
+    # A WebSocket's handshake: then each message Perpetuity framed, in the order sent.
+    by_index = flow.metadata.get(MESSAGES)
+    if isinstance(by_index, dict) and flow.websocket is not None:
+        messages = flow.websocket.messages
+        for index in sorted(by_index, key=int):
+            sent = messages[int(index)].content if int(index) < len(messages) else None
+            out += f"\n== WebSocket message {index} ==\n" + inspection.render(by_index[index], sent)
+    return out
 
 
 def round_flows(parent: http.HTTPFlow, method: str, url: str,
