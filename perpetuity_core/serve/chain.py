@@ -24,6 +24,7 @@ from typing import Any
 
 from perpetuity_core.serve.exchange import Decision, HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire import mend
 
 log = logging.getLogger("perpetuity")
 
@@ -153,7 +154,7 @@ def http_body(body: dict[str, Any], whole: Items) -> bytes:
     """The message as the HTTP request it stands for: the whole input, no chain."""
     out = {k: v for k, v in body.items() if k != "previous_response_id"}
     out["input"] = whole
-    return json.dumps(out, ensure_ascii=False).encode()
+    return mend.dumps(out)
 
 
 def framed(pipeline: Pipeline, handshake: HttpRequest, link: Chain,
@@ -184,4 +185,4 @@ def framed(pipeline: Pipeline, handshake: HttpRequest, link: Chain,
         decision = Decision()
     target = json.loads(decision.body)["input"] if decision.body is not None else whole
     out = link.send(body, whole, target)
-    return decision, None if out is None else json.dumps(out, ensure_ascii=False).encode()
+    return decision, None if out is None else mend.dumps(out)
