@@ -5,10 +5,13 @@ Each is forwarded so the provider reads it, and stored, or said in the log why n
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
+import zlib
 from collections.abc import Iterator
 
+import brotli
 import httpx
 import pytest
 
@@ -24,9 +27,10 @@ GEMINI = "/v1beta/models/gemini-2.5-flash:generateContent"
 @pytest.fixture(scope="module", params=["relay", "mitmproxy-stream"])
 def proxy(request: pytest.FixtureRequest, fake: FakeProvider,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
-    """With the recall tools (the relay forwards) and without (mitmproxy's own path)."""
+    """With the recall tools (the relay forwards) and without (mitmproxy's own path); the log
+    at warnings, as `perpetuity proxy` shows it (the suite's mitmdump -q shows errors only)."""
     extra = ("--set", "perpetuity_tools=false") if request.param == "mitmproxy-stream" else ()
-    p = start_proxy(tmp_path_factory.mktemp(request.param), fake.url, *extra)
+    p = start_proxy(tmp_path_factory.mktemp(request.param), fake.url, *extra, quiet=False)
     yield p
     stop_proxy(p)
     assert b"Traceback" not in p.log.read_bytes(), p.log.read_text()
@@ -117,3 +121,72 @@ def test_a_lone_surrogate_in_a_tool_result_is_stored_mended_and_forwarded_as_sen
                       headers=_headers(path, user, "another")).status_code == 200
     framed = json.dumps(fake.requests[-1].json, ensure_ascii=False)
     assert HEADER in framed and MENDED in framed
+
+
+def _zstd(data: bytes) -> bytes:
+    try:
+        from compression import zstd  # type: ignore[import-not-found]  # Python 3.14
+    except ImportError:
+        from backports import zstd  # mitmproxy's own dependency before 3.14
+    return zstd.compress(data)
+
+
+ENCODINGS = {"gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress,
+             "zstd": _zstd}
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("protocol", ["anthropic", "chat"])
+def test_a_compressed_body_is_stored_and_forwarded_decoded(
+        proxy: Proxy, fake: FakeProvider, protocol: str, encoding: str) -> None:
+    """Before: forwarded still compressed (the provider, reading JSON, answered 400) and never
+    stored. Now the provider gets the JSON, content-encoding dropped, and the turn is stored."""
+    user = f"zip-{protocol}-{encoding}"
+    fake.script(Text("Compressed, read."))
+    path, body = _turns(protocol, "")[0]
+    body = json.loads(json.dumps(body).replace("list the files", f"{encoding} please"))
+    r = httpx.post(proxy.url + path, content=ENCODINGS[encoding](json.dumps(body).encode()),
+                   headers={**_headers(path, user, "c"), "content-encoding": encoding},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    sent = fake.requests[-1]
+    assert "content-encoding" not in sent.headers and sent.json is not None
+    assert _texts(proxy, user, 2) == [f"{encoding} please", "Compressed, read."]
+
+
+def test_a_body_that_cannot_be_decoded_is_forwarded_as_sent_and_logged(
+        proxy: Proxy, fake: FakeProvider) -> None:
+    path, body = _turns("anthropic", "")[0]
+    raw = b"\x1f\x8b not gzip at all"
+    r = httpx.post(proxy.url + path, content=raw, timeout=30,
+                   headers={**_headers(path, "zip-bad", "c"), "content-encoding": "gzip"})
+    assert r.status_code == 400  # the fake cannot read it either
+    assert fake.requests[-1].body == raw and fake.requests[-1].headers["content-encoding"] == "gzip"
+    _logged(proxy, "POST /v1/messages: not stored, forwarded as sent: its content-encoding "
+                   "'gzip' could not be decoded")
+    assert proxy.messages("zip-bad") == []
+
+
+def _logged(proxy: Proxy, line: str) -> None:
+    deadline = time.monotonic() + 5
+    while line.encode() not in proxy.log.read_bytes():
+        assert time.monotonic() < deadline, proxy.log.read_text()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "\xff"}]}',
+     "it is not UTF-8 (invalid start byte at byte 71)"),
+    (b"hello, not JSON", "it is not JSON (Expecting value: line 1 column 1 (char 0))"),
+    (b'[{"role": "user", "content": "an array"}]', "it is JSON but not an object"),
+    (b'{"model": "claude-opus-4-8", "max_tokens": 5, "messages": [{"role": "user", '
+     b'"content": "' + b"x" * (32 * 1024 * 1024) + b'"}]}', "it is over 32 MB (33554524 bytes)"),
+], ids=["not-utf8", "not-json", "not-an-object", "over-32MB"])
+def test_a_body_the_memory_cannot_read_is_forwarded_untouched_and_logged(
+        proxy: Proxy, fake: FakeProvider, raw: bytes, why: str) -> None:
+    """Before: forwarded untouched and silently not stored. Now one log line says so, and why."""
+    r = httpx.post(proxy.url + "/v1/messages", content=raw, timeout=60,
+                   headers=_headers("/v1/messages", "unread", "c"))
+    assert r.status_code in (200, 400)
+    assert fake.requests[-1].body == raw
+    _logged(proxy, f"POST /v1/messages: not stored, forwarded as sent: {why}")

@@ -9,6 +9,7 @@ mitmproxy catches hook exceptions and carries on with whatever state the flow wa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -237,17 +238,21 @@ class Perpetuity:
                 flow.client_conn.id, flow.client_conn.sockname, flow.request.host,
                 flow.request.pretty_host, flow.request.port),
         )
-        fell_open = ""
+        fell_open, decoded = "", False
         try:
             # What the body cannot change is decided here, on the loop: no thread hop.
             decision = self.pipeline.passed(req)
+            if decision is None and "content-encoding" in flow.request.headers:
+                req, decoded = _decoded(flow, req)
+                if not decoded:
+                    decision = self.pipeline.route_only(req)
             if decision is None:
                 decision = await self.parser.decide(self.pipeline, req)
         except Exception as e:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
             decision = self.pipeline.route_only(req)
             fell_open = f"the pipeline failed ({type(e).__name__}: {e})"
-        state = self._apply(flow, decision, fell_open)
+        state = self._apply(flow, decision, fell_open, decoded)
         if (state and decision.route
                 and flow.request.headers.get("upgrade", "").lower() == "websocket"):
             state.handshake = req  # the identity of every message to come
@@ -310,11 +315,15 @@ class Perpetuity:
     def client_disconnected(self, client: Any) -> None:
         self.addressing.tunnels.discard(client.id)
 
-    def _apply(self, flow: http.HTTPFlow, d: Decision, fell_open: str) -> FlowState | None:
+    def _apply(self, flow: http.HTTPFlow, d: Decision, fell_open: str,
+               decoded: bool = False) -> FlowState | None:
         """The decision, on the flow all at once, and its state under one key; None, and the
-        flow left as it came, when it is not provider traffic."""
+        flow left as it came, when it is not provider traffic. `decoded`: the pipeline read
+        the body decoded, and it goes upstream so (`_decoded`)."""
         if d.answer is None and d.route is None:
             return None
+        if decoded:
+            flow.request.decode()
         state = FlowState(decision=d, fell_open=fell_open)
         flow.metadata[STATE] = state
         if d.answer is not None:
@@ -478,6 +487,22 @@ class Perpetuity:
         pool = self.notes if pipeline.writes_notes(name) else self.tools
         return await asyncio.get_running_loop().run_in_executor(
             pool, pipeline.run_tool, name, arguments, memory)
+
+
+def _decoded(flow: http.HTTPFlow, req: HttpRequest) -> tuple[HttpRequest, bool]:
+    """The request with its body decoded (gzip, deflate, br, zstd) and no content-encoding, as
+    it then goes upstream: stored like any other, and readable by a provider that reads only
+    JSON (re-encoding what the frame rebuilt would cost a compression a call); or as it came,
+    said in the log, where it cannot be decoded."""
+    encoding = flow.request.headers["content-encoding"]
+    try:
+        body = flow.request.get_content(strict=True) or b""
+    except ValueError:  # (its message quotes the body's first bytes: not for the log)
+        log.warning("perpetuity: %s %s: not stored, forwarded as sent: its content-encoding "
+                    "%r could not be decoded", req.method, req.path.split("?", 1)[0], encoding)
+        return req, False
+    headers = tuple((k, v) for k, v in req.headers if k.lower() != "content-encoding")
+    return dataclasses.replace(req, body=body, headers=headers), True
 
 
 def listening() -> list[str]:
