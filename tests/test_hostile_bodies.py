@@ -190,3 +190,33 @@ def test_a_body_the_memory_cannot_read_is_forwarded_untouched_and_logged(
     assert r.status_code in (200, 400)
     assert fake.requests[-1].body == raw
     _logged(proxy, f"POST /v1/messages: not stored, forwarded as sent: {why}")
+
+
+@pytest.mark.parametrize("claimed,kept", [("9999-12-31", False), ("+1h", False),
+                                          ("+60s", True)])
+def test_a_claimed_time_in_the_future_is_refused_and_logged(
+        proxy: Proxy, fake: FakeProvider, claimed: str, kept: bool) -> None:
+    """Before: `x-perpetuity-time: 9999-12-31` was taken, and `memory users` showed it as last
+    seen. Now a time past now (beyond a 5-minute skew) is refused in the log, and the turn and
+    its reply stand at their arrival; a clock a minute ahead is still believed."""
+    now = time.time()
+    offsets = {"+1h": 3600, "+60s": 60}
+    header = (claimed if claimed not in offsets else
+              time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now + offsets[claimed])))
+    user = f"clock-{claimed}"
+    fake.script(Text("Noted."))
+    path, body = _turns("anthropic", "")[0]
+    r = httpx.post(proxy.url + path, json=body, timeout=30,
+                   headers={**_headers(path, user, "c"), "x-perpetuity-time": header})
+    assert r.status_code == 200
+    _texts(proxy, user, 2)
+    ats = [at for (at,) in proxy.rows(
+        "select m.at from message m join user u on u.id = m.user_id where u.key like ?",
+        f"%/{user}")]
+    assert len(ats) == 2
+    if kept:
+        assert all(abs(at - (now + 60)) < 2 for at in ats), ats
+    else:
+        assert all(now - 1 <= at <= time.time() + 1 for at in ats), ats
+        _logged(proxy, f"perpetuity: x-perpetuity-time {header} is in the future; the turn is "
+                       "stored at its arrival time")

@@ -78,6 +78,10 @@ _LOW = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 # A surrogate written raw (UTF-8's pattern for one: ED A0-BF), which json.loads also reads.
 _RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
+# How far past the proxy's clock a claimed time (x-perpetuity-time) may be: another machine's
+# clock, a little ahead.
+CLOCK_SKEW = 300.0
+
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
 
@@ -317,7 +321,8 @@ class Pipeline:
                                    headers=_forwarded(req), body=req.body, protocol=r.protocol,
                                    stream=parsed.stream, pending=pending)
             return decision
-        at = controls.at if controls.at is not None else time.time()
+        claimed = _claimed_time(controls.at, time.time(), headers)
+        at = claimed if claimed is not None else time.time()
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
         tools_on = (settings.tools and controls.tools and controls.capture
                     and (count or not controls.probe))
@@ -358,7 +363,7 @@ class Pipeline:
         decision.job = Job(
             method=req.method, url=r.upstream_url, headers=_forwarded(req),
             body=recall.body if recall.body is not None else req.body, protocol=r.protocol,
-            stream=parsed.stream, pending=pending, at=controls.at, memory=recall.memory,
+            stream=parsed.stream, pending=pending, at=claimed, memory=recall.memory,
             max_rounds=settings.tool_rounds, tool_specs=specs,
             original=req.body if recall.body is not None else None,
             first_round=self._first_round(r.protocol, recall.sent, specs)
@@ -497,6 +502,17 @@ def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
     """The request's headers as they go upstream."""
     return [(k, v) for k, v in req.headers
             if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
+
+
+def _claimed_time(at: float | None, now: float, headers: dict[str, str]) -> float | None:
+    """The time `x-perpetuity-time` claims, unless it is past now by more than a clock's skew:
+    a turn from the future would stand as the user's last in `memory users` and in every
+    recency ordering. Refused, it is said in the log, and the arrival time stands."""
+    if at is None or at <= now + CLOCK_SKEW:
+        return at
+    log.warning("perpetuity: x-perpetuity-time %s is in the future; the turn is stored at its "
+                "arrival time", headers.get("x-perpetuity-time", ""))
+    return None
 
 
 def _noted(what: str, why: str) -> str:
