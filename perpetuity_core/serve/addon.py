@@ -29,6 +29,8 @@ from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import inspection
 from perpetuity_core.serve.chain import ENDED, Chain, Histories, framed
 from perpetuity_core.serve.direct import Addressing
+from perpetuity_core.serve.drain import BOUND as DRAIN_BOUND
+from perpetuity_core.serve.drain import Drain
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Decision, HttpRequest
 from perpetuity_core.serve.flowstate import (
     STATE,
@@ -79,6 +81,7 @@ class Perpetuity:
         self.addressing = Addressing()  # did the client address us or a host through us?
         self.tenancy = identity.CREDENTIAL  # whose memory a request reaches (identity.tenancy)
         self.histories = Histories()  # Codex's WebSocket chains: the client's side (chain)
+        self.drain = Drain()  # the flows in flight, waited for at shutdown
 
     def load(self, loader: Any) -> None:
         contentviews.add(PerpetuityView)
@@ -117,11 +120,17 @@ class Perpetuity:
         loader.add_option("perpetuity_tool_rounds", int, 4,
                           "Upstream rounds one reply may take for the recall tools; the last "
                           "round must answer.")
+        loader.add_option("perpetuity_drain", int, int(DRAIN_BOUND),
+                          "Seconds a stop (SIGTERM, SIGINT) waits for the replies in flight to "
+                          "finish and be stored, no longer accepting; then they are stored as "
+                          "far as they came.")
         loader.add_option("perpetuity_tools", bool, True,
                           "Offer the recall tools; their loop runs in the relay. Off, replies "
                           "stream on mitmproxy's own path (x-perpetuity-tools: off, per request).")
 
     def configure(self, updated: set[str]) -> None:
+        if "perpetuity_drain" in updated:
+            self.drain.bound = max(0, ctx.options.perpetuity_drain)
         try:
             self._configure(updated)
         except exceptions.OptionsError as e:
@@ -217,6 +226,9 @@ class Perpetuity:
             print(f"perpetuity: {self.store.notice}", flush=True)
 
     async def done(self) -> None:
+        for flow in await self.drain.wait(_stop_accepting):
+            if (state := state_of(flow.metadata)) is not None:
+                state.finish()  # queued before the store closes; the flow's end is a no-op
         await self.relay.stop()
         if self.store is not None:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.store.close)
@@ -228,6 +240,7 @@ class Perpetuity:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live or self.pipeline is None:
             return
+        self.drain.begin(flow.id, flow)
         req = HttpRequest(
             method=flow.request.method,
             host=flow.request.pretty_host,
@@ -253,6 +266,8 @@ class Perpetuity:
             decision = self.pipeline.route_only(req)
             fell_open = f"the pipeline failed ({type(e).__name__}: {e})"
         state = self._apply(flow, decision, fell_open, decoded)
+        if state is None:
+            self.drain.end(flow.id)  # not provider traffic: nothing of it is stored
         if (state and decision.route
                 and flow.request.headers.get("upgrade", "").lower() == "websocket"):
             state.handshake = req  # the identity of every message to come
@@ -432,6 +447,7 @@ class Perpetuity:
     async def _end(self, flow: http.HTTPFlow) -> None:
         """A flow's end (its response, or its error): the turn stored, the real destination
         shown, the facts made."""
+        self.drain.end(flow.id)
         state = state_of(flow.metadata)
         if state is None:
             return
@@ -503,6 +519,12 @@ def _decoded(flow: http.HTTPFlow, req: HttpRequest) -> tuple[HttpRequest, bool]:
         return req, False
     headers = tuple((k, v) for k, v in req.headers if k.lower() != "content-encoding")
     return dataclasses.replace(req, body=body, headers=headers), True
+
+
+async def _stop_accepting() -> None:
+    """Close every listening socket; the connections they accepted go on."""
+    if (server := ctx.master.addons.get("proxyserver")) is not None:
+        await server.servers.update([])
 
 
 def listening() -> list[str]:
