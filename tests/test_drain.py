@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import start_proxy
+from tests.conftest import owned, start_proxy
 from tests.fake_provider import FakeProvider, Text
 
 WORDS = "".join(f"w{i} " for i in range(30))
@@ -38,7 +38,12 @@ def test_sigterm_mid_stream_lets_the_reply_finish_stores_it_once_and_exits(
     extra = () if tools else ("--set", "perpetuity_tools=false")
     with FakeProvider() as fake:
         proxy = start_proxy(tmp_path, fake.url, *extra, quiet=False)
+        kept = owned(httpx.Client(timeout=30))  # a connection accepted before the stop
         try:
+            quick = {"model": "claude-opus-4-8", "max_tokens": 8,
+                     "messages": [{"role": "user", "content": "hi"}]}
+            assert kept.post(proxy.url + "/v1/messages", json=quick,
+                             headers={**HEADERS, "x-perpetuity": "off"}).status_code == 200
             fake.script(Text(WORDS, chunks=30, delay=0.05))  # 1.5 s of reply
             body = {"model": "claude-opus-4-8", "max_tokens": 64, "stream": True,
                     "messages": [{"role": "user", "content": "count slowly"}]}
@@ -50,6 +55,9 @@ def test_sigterm_mid_stream_lets_the_reply_finish_stores_it_once_and_exits(
                 time.sleep(0.3)
                 with pytest.raises(httpx.ConnectError):  # it no longer accepts
                     httpx.post(proxy.url + "/v1/messages", json=body, headers=HEADERS)
+                # Nor reads a new request on a connection it had: the harness sends it again.
+                refused = kept.post(proxy.url + "/v1/messages", json=quick, headers=HEADERS)
+                assert refused.status_code == 503 and b"shutting down" in refused.content
                 got += list(lines)
             assert _text(got) == (WORDS, True)
             assert proxy.process.wait(30) == 0

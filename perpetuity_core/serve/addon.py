@@ -30,6 +30,7 @@ from perpetuity_core.serve import inspection
 from perpetuity_core.serve.chain import ENDED, Chain, Histories, framed
 from perpetuity_core.serve.direct import Addressing
 from perpetuity_core.serve.drain import BOUND as DRAIN_BOUND
+from perpetuity_core.serve.drain import REFUSED as DRAIN_REFUSED
 from perpetuity_core.serve.drain import Drain
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Decision, HttpRequest
 from perpetuity_core.serve.flowstate import (
@@ -239,6 +240,11 @@ class Perpetuity:
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live or self.pipeline is None:
+            return
+        if self.drain.closing:  # the store is closing: nothing new is read, or stored
+            flow.response = http.Response.make(503, DRAIN_REFUSED, {
+                "content-type": "text/plain; charset=utf-8", "retry-after": "1",
+                "connection": "close"})
             return
         self.drain.begin(flow.id, flow)
         req = HttpRequest(

@@ -1,6 +1,7 @@
 """Shutdown that loses no reply: told to stop (SIGTERM, SIGINT), the proxy stops accepting, lets
 the replies in flight reach their clients whole (their turns stored as they end), and only then
-closes the store, waiting at most `BOUND` seconds.
+closes the store, waiting at most `BOUND` seconds. A request that comes meanwhile (on a
+connection accepted before) is answered 503, and its harness sends it again.
 
 mitmproxy runs every addon's `done` hook and then cancels whatever connections remain: without
 the wait, a reply streaming at SIGTERM was cut mid-stream and its end was stored only if the
@@ -19,6 +20,8 @@ from typing import Any
 log = logging.getLogger("perpetuity")
 
 BOUND = 30.0  # seconds the replies in flight get to finish
+# The answer to a request that comes while the proxy drains: a harness retries a 503.
+REFUSED = b"perpetuity: the proxy is shutting down; send this request again\n"
 _POLL = 0.05
 
 
@@ -28,6 +31,9 @@ class Drain:
     def __init__(self, bound: float = BOUND) -> None:
         self.bound = bound
         self._flows: dict[str, Any] = {}  # flow id -> the flow, while it runs
+        # Set as the wait begins: a request that comes after (on a connection accepted before)
+        # is refused with REFUSED, not read by a pipeline whose store is about to close.
+        self.closing = False
 
     def begin(self, flow_id: str, flow: Any) -> None:
         self._flows[flow_id] = flow
@@ -38,6 +44,7 @@ class Drain:
     async def wait(self, stop_accepting: Callable[[], Awaitable[object]]) -> list[Any]:
         """Stop accepting, then wait for the flows in flight to end, up to the bound; the flows
         still running then."""
+        self.closing = True
         try:
             await stop_accepting()
         except Exception as e:  # keep draining: the listener is closed at exit anyway
