@@ -5,7 +5,7 @@ traceback in the log, and every SIGTERM'd proxy exiting 0 (scripts/kill_loop.py 
 and prints what it found; longer runs: its --kills).
 
 The faults, each on both reply paths (the relay, with the recall tools; mitmproxy's stream):
-  - kill -9 at random moments, and SIGTERM mid-stream (the proxy drains: no reply is cut);
+  - kill -9 at random moments, and SIGTERM mid-stream (the proxy drains);
   - every third turn ends with a cut emoji's lone half (`"\\ud83d"`, stored as U+FFFD);
   - every body compressed, gzip, deflate, br and zstd in turn.
 The full disk is h-store41's case (issue 41): its run belongs beside these, as a test of its
@@ -26,10 +26,12 @@ CLEAN = ("user_twice", "user_lost", "replies_twice", "replies_lost", "partial_me
          "out_of_order", "unclean_exits", "tracebacks")
 
 
+@pytest.mark.timeout(300)  # four proxy starts: ~8 s each on a loaded 2-core machine
 @pytest.mark.parametrize("tools", [True, False], ids=["relay", "mitmproxy-stream"])
 def test_kills_and_drained_stops_with_cut_emoji_and_compressed_bodies(tools: bool) -> None:
+    """A kill -9, then a SIGTERM, then a kill -9, the faults in every request throughout."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "kill_loop.py"), "--kills", "4", "--seed", "41",
+        [sys.executable, str(ROOT / "scripts" / "kill_loop.py"), "--kills", "3", "--seed", "41",
          "--max-gap", "1.0", "--signal", "both", "--faults", "surrogates,compressed",
          *(() if tools else ("--no-tools",))],
         capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -18,6 +18,7 @@ import pytest
 from perpetuity_core.frame.build import HEADER
 from tests.conftest import Proxy, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text, ToolCall
+from tests.test_websocket import through_proxy
 
 CUT = "README.md zebracorn-\ud83d"  # the lone high half of 🦄, as a harness cut it
 MENDED = "README.md zebracorn-\ufffd"
@@ -121,6 +122,26 @@ def test_a_lone_surrogate_in_a_tool_result_is_stored_mended_and_forwarded_as_sen
                       headers=_headers(path, user, "another")).status_code == 200
     framed = json.dumps(fake.requests[-1].json, ensure_ascii=False)
     assert HEADER in framed and MENDED in framed
+
+
+def test_a_lone_surrogate_over_codex_websocket_is_stored_mended(
+        proxy: Proxy, fake: FakeProvider) -> None:
+    """Codex's own provider speaks Responses over a WebSocket: each message is read, framed and
+    stored as the HTTP request it stands for, so the cut emoji is mended there too (before: the
+    message went unread, "could not read a WebSocket message", and nothing was stored)."""
+    first = {"type": "response.create", "model": "gpt-5", "stream": True, "store": False,
+             "input": [{"type": "message", "role": "user",
+                        "content": [{"type": "input_text", "text": CUT}]}]}
+    second = {**first, "previous_response_id": "<last>", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "why?"}]}]}
+    fake.script(Text("A cut emoji."), Text("Node cut it."))
+    headers = [("authorization", "Bearer eyJhbGciOi.chatgpt-oauth.sig"),
+               ("chatgpt-account-id", "acct-hostile"), ("x-perpetuity-user", "cut-ws")]
+    got = through_proxy(proxy, "chatgpt.com", "/backend-api/codex/responses", headers,
+                        [first, second])
+    assert [e[-1]["type"] for e in got] == ["response.completed"] * 2
+    assert fake.refused == []
+    assert _texts(proxy, "cut-ws", 4) == [MENDED, "A cut emoji.", "why?", "Node cut it."]
 
 
 def _zstd(data: bytes) -> bytes:
