@@ -321,7 +321,7 @@ class Pipeline:
                                    headers=_forwarded(req), body=req.body, protocol=r.protocol,
                                    stream=parsed.stream, pending=pending)
             return decision
-        claimed = _claimed_time(controls.at, time.time(), headers)
+        claimed = _claimed_time(controls.at, time.time())
         at = claimed if claimed is not None else time.time()
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
         tools_on = (settings.tools and controls.tools and controls.capture
@@ -347,6 +347,9 @@ class Pipeline:
             return decision
         if recall.key is not None and recall.plan is not None:
             self.layout.remember(recall.key, recall.plan)
+        if controls.at is not None and claimed is None:  # said here: once a request
+            log.warning("perpetuity: x-perpetuity-time %s is in the future; the turn is stored "
+                        "at its arrival time", headers.get("x-perpetuity-time", ""))
         built = recall.built
         pending = PendingTurn(
             user=ident.user, conversation=ident.conversation, provider=r.provider.value,
@@ -504,15 +507,11 @@ def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
             if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
 
 
-def _claimed_time(at: float | None, now: float, headers: dict[str, str]) -> float | None:
-    """The time `x-perpetuity-time` claims, unless it is past now by more than a clock's skew:
-    a turn from the future would stand as the user's last in `memory users` and in every
-    recency ordering. Refused, it is said in the log, and the arrival time stands."""
-    if at is None or at <= now + CLOCK_SKEW:
-        return at
-    log.warning("perpetuity: x-perpetuity-time %s is in the future; the turn is stored at its "
-                "arrival time", headers.get("x-perpetuity-time", ""))
-    return None
+def _claimed_time(at: float | None, now: float) -> float | None:
+    """The time `x-perpetuity-time` claims, unless it is past now by more than a clock's skew
+    (None: the arrival time stands): a turn from the future would stand as the user's last in
+    `memory users` and in every recency ordering."""
+    return at if at is None or at <= now + CLOCK_SKEW else None
 
 
 def _noted(what: str, why: str) -> str:
