@@ -20,11 +20,18 @@ received:
     whole, or a reply cut by the kill (stored as incomplete).
 
     .venv/bin/python scripts/kill_loop.py [--kills 12] [--clients 2] [--seed 1] [--no-tools]
-        [--retry again|as-sent] [--postgres [URL]]
+        [--retry again|as-sent] [--postgres [URL]] [--signal kill|term|both]
+        [--faults surrogates,compressed]
+
+`--signal term` stops the proxy with SIGTERM instead (it drains: the replies in flight finish
+and are stored, so none is cut); `both` alternates. `--faults` adds what harnesses really send
+(issue 41): `surrogates`, every third turn ends with half an emoji as Node writes it
+(`"\\ud83d"`, stored as U+FFFD); `compressed`, every body goes gzip, deflate, br or zstd in turn.
 
 `--postgres` stores in PostgreSQL: a fresh database on the server at URL, or on a server of its
 own (tests/postgres.py) without one. Prints one JSON object; exit status 1 when a turn or reply
-is stored twice or lost, out of order, partial, or `memory check` found a violation.
+is stored twice or lost, out of order, partial, `memory check` found a violation, the log
+holds a traceback, or a SIGTERM'd proxy did not exit 0.
 """
 
 from __future__ import annotations
@@ -56,11 +63,33 @@ WORDS = ["garden", "violin", "harbour", "lantern", "copper", "meadow", "thunder"
 UNSENT = object()  # the proxy never took the request (down while it restarts)
 
 
+CUT = " zebracorn-\ud83d"  # half an emoji, as Node's JSON.stringify writes a cut string
+ENCODINGS = ("gzip", "deflate", "br", "zstd")
+
+
+def mended(text: str) -> str:
+    """What the store keeps of `text`: each lone surrogate as U+FFFD (wire.mend)."""
+    return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+
+
+def compress(body: bytes, encoding: str) -> bytes:
+    import gzip
+    import zlib
+
+    import brotli
+    try:
+        from compression import zstd  # type: ignore[import-not-found]  # Python 3.14
+    except ImportError:
+        from backports import zstd  # mitmproxy's own dependency before 3.14
+    return {"gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress,
+            "zstd": zstd.compress}[encoding](body)
+
+
 class Client(threading.Thread):
     """One conversation, turn after turn; a turn the kill left unanswered is sent again."""
 
     def __init__(self, name: str, base: list[str], stop: threading.Event, seed: int,
-                 again: bool) -> None:
+                 again: bool, faults: frozenset[str] = frozenset()) -> None:
         super().__init__(daemon=True)
         self.name_ = name
         self.base = base  # [url]: the current proxy (the port stays, the process changes)
@@ -71,12 +100,15 @@ class Client(threading.Thread):
         self.turns: list[str] = []  # each user turn once, however often it was sent
         self.failures = 0
         self.sent_again = 0
+        self.faults = faults
+        self.sent = 0  # requests sent (each compressed in turn, with `compressed`)
 
     def run(self) -> None:
         turn = 0
         while not self.stop.is_set():
             words = " ".join(self.rng.choices(WORDS, k=8))
-            self.turn(f"{self.name_} turn {turn}: {words}", self.stop)
+            cut = CUT if "surrogates" in self.faults and turn % 3 == 1 else ""
+            self.turn(f"{self.name_} turn {turn}: {words}{cut}", self.stop)
             turn += 1
 
     def turn(self, text: str, stop: threading.Event) -> None:
@@ -103,10 +135,16 @@ class Client(threading.Thread):
                 "messages": self.history}
         headers = {"x-api-key": "sk-ant-kill-loop", "anthropic-version": "2023-06-01",
                    "x-perpetuity-user": "kill-loop", "x-perpetuity-conversation": self.name_}
+        raw = json.dumps(body).encode()  # ASCII escapes: a lone half goes as "\ud83d"
+        if "compressed" in self.faults:
+            encoding = ENCODINGS[self.sent % len(ENCODINGS)]
+            raw, headers = compress(raw, encoding), {**headers, "content-encoding": encoding}
+        self.sent += 1
         text, done = [], False
         try:
-            with httpx.stream("POST", self.base[0] + "/v1/messages", json=body,
-                              headers=headers, timeout=30) as r:
+            with httpx.stream("POST", self.base[0] + "/v1/messages", content=raw,
+                              headers={**headers, "content-type": "application/json"},
+                              timeout=30) as r:
                 if r.status_code != 200:
                     return None
                 for line in r.iter_lines():
@@ -159,7 +197,7 @@ def tally(clients: list[Client], db: Path | str) -> dict[str, int]:
     for c in clients:
         rows = got.get(c.name_, [])
         for role, key in (("user", "user"), ("assistant", "replies")):
-            sent = c.turns if role == "user" else [
+            sent = [mended(t) for t in c.turns] if role == "user" else [
                 m["content"] for m in c.history if m["role"] == role]
             have = [text for r, text, _ in rows if r == role]
             t["user_turns" if role == "user" else "replies"] += len(sent)
@@ -194,7 +232,13 @@ def main() -> int:
                     " server of its own, tests/postgres.py)")
     ap.add_argument("--no-tools", action="store_true",
                     help="recall tools off: replies on mitmproxy's own stream, not the relay")
+    ap.add_argument("--signal", choices=["kill", "term", "both"], default="kill",
+                    help="stop the proxy with SIGKILL (default), SIGTERM (it drains), or each in"
+                    " turn")
+    ap.add_argument("--faults", default="", help="comma-separated: surrogates, compressed")
     args = ap.parse_args()
+    if unknown := set(filter(None, args.faults.split(","))) - {"surrogates", "compressed"}:
+        ap.error(f"unknown faults: {', '.join(sorted(unknown))}")
     extra = ("--set", "perpetuity_tools=false") if args.no_tools else ()
     rng = random.Random(args.seed)
     with contextlib.ExitStack() as stack:
@@ -219,15 +263,18 @@ def run(args: argparse.Namespace, extra: tuple[str, ...], rng: random.Random,
         proxy: Proxy = start_proxy(Path(tmp), fake.url, *extra, port=port, db=db)
         base = [proxy.url]
         stop = threading.Event()
-        clients = [Client(f"conv-{i}", base, stop, args.seed * 100 + i, args.retry == "again")
-                   for i in range(args.clients)]
+        injected = frozenset(filter(None, args.faults.split(",")))
+        clients = [Client(f"conv-{i}", base, stop, args.seed * 100 + i, args.retry == "again",
+                          injected) for i in range(args.clients)]
         for c in clients:
             c.start()
-        restarts = []
-        for _ in range(args.kills):
+        restarts, unclean_exits = [], 0
+        for k in range(args.kills):
             time.sleep(rng.uniform(args.min_gap, args.max_gap))
-            os.kill(proxy.process.pid, signal.SIGKILL)
-            proxy.process.wait()
+            term = args.signal == "term" or (args.signal == "both" and k % 2 == 1)
+            os.kill(proxy.process.pid, signal.SIGTERM if term else signal.SIGKILL)
+            if proxy.process.wait(60) != 0 and term:
+                unclean_exits += 1  # a drained stop exits 0
             t0 = time.perf_counter()
             proxy = start_proxy(Path(tmp), fake.url, *extra, port=port, db=db)
             restarts.append(time.perf_counter() - t0)
@@ -235,20 +282,29 @@ def run(args: argparse.Namespace, extra: tuple[str, ...], rng: random.Random,
         stop.set()
         for c in clients:
             c.join(60)
-        # Each conversation continued once: the whole history re-sent with one more turn.
+        # Each conversation continued once: the whole history re-sent with one more turn
+        # (given a minute: a proxy that never answers it loses the turn, and says so).
+        last = threading.Event()
+        threading.Timer(60, last.set).start()
         for c in clients:
-            c.turn(f"{c.name_} continued after the kills", threading.Event())
+            c.turn(f"{c.name_} continued after the kills", last)
+        last.set()
         time.sleep(1.0)  # the last reply is written just after the client saw it
         checks_failed += check_memory(proxy.db)
         counts = tally(clients, proxy.db)
         faults = sum(counts[k] for k in ("user_twice", "user_lost", "replies_twice",
                                          "replies_lost", "partial_messages", "out_of_order"))
-        result = {"ok": not faults and not checks_failed, "kills": args.kills,
+        tracebacks = proxy.log.read_bytes().count(b"Traceback")  # every run's: one log
+        if tracebacks:
+            sys.stderr.write(proxy.log.read_text(errors="replace"))
+        result = {"ok": not faults and not checks_failed and not unclean_exits and not tracebacks,
+                  "kills": args.kills, "signal": args.signal, "faults": sorted(injected),
                   "clients": args.clients, "tools": not args.no_tools, "retry": args.retry,
                   "backend": "postgresql" if db else "sqlite",
                   "failed_requests_retried": sum(c.failures for c in clients),
                   "turns_sent_again": sum(c.sent_again for c in clients),
-                  **counts, "check_violations": checks_failed,
+                  **counts, "check_violations": checks_failed, "unclean_exits": unclean_exits,
+                  "tracebacks": tracebacks,
                   "restart_s_p50": round(sorted(restarts)[len(restarts) // 2], 2)
                   if restarts else None}
         proxy.process.terminate()

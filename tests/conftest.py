@@ -85,17 +85,21 @@ class Proxy:
 
 
 def start_proxy(tmp: Path, upstream: str, *extra: str, port: int | None = None,
-                db: Path | str | None = None, tenants: str | None = "credential") -> Proxy:
+                db: Path | str | None = None, tenants: str | None = "credential",
+                quiet: bool = True) -> Proxy:
     """`tenants`: the suite's proxies serve many tests' "people" at once, each its own key or
     claimed user, so they keep tenants apart as a shared proxy does; None leaves the
-    deployment's default (personal on loopback), as tests/test_personal.py means to."""
+    deployment's default (personal on loopback), as tests/test_personal.py means to. `quiet`
+    False: the log shows warnings too (mitmdump -q, errors only, overrides any --set)."""
     port = port or free_port()
     db = db or tmp / "memory.db"
     confdir = tmp / "mitm"
     log = tmp / "mitmdump.log"
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
     cmd = [
-        str(MITMDUMP), "-q", "-s", str(ROOT / "addon" / "perpetuity.py"),
+        str(MITMDUMP), *(("-q",) if quiet else ("--set", "termlog_verbosity=warn",
+                                                 "--set", "flow_detail=0")),
+        "-s", str(ROOT / "addon" / "perpetuity.py"),
         "--listen-host", "127.0.0.1", "--listen-port", str(port),
         "--set", f"confdir={confdir}",
         "--set", f"perpetuity_db={db}",

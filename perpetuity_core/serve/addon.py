@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,9 @@ from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve import inspection
 from perpetuity_core.serve.chain import Chain, Histories, framed
 from perpetuity_core.serve.direct import Addressing
+from perpetuity_core.serve.drain import BOUND as DRAIN_BOUND
+from perpetuity_core.serve.drain import REFUSED as DRAIN_REFUSED
+from perpetuity_core.serve.drain import Drain
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Decision, HttpRequest
 from perpetuity_core.serve.flowstate import (
     STATE,
@@ -78,6 +82,7 @@ class Perpetuity:
         self.addressing = Addressing()  # did the client address us or a host through us?
         self.tenancy = identity.CREDENTIAL  # whose memory a request reaches (identity.tenancy)
         self.histories = Histories()  # Codex's WebSocket chains: the client's side (chain)
+        self.drain = Drain()  # the flows in flight, waited for at shutdown
 
     def load(self, loader: Any) -> None:
         contentviews.add(PerpetuityView)
@@ -116,11 +121,17 @@ class Perpetuity:
         loader.add_option("perpetuity_tool_rounds", int, 4,
                           "Upstream rounds one reply may take for the recall tools; the last "
                           "round must answer.")
+        loader.add_option("perpetuity_drain", int, int(DRAIN_BOUND),
+                          "Seconds a stop (SIGTERM, SIGINT) waits for the replies in flight to "
+                          "finish and be stored, no longer accepting; then they are stored as "
+                          "far as they came.")
         loader.add_option("perpetuity_tools", bool, True,
                           "Offer the recall tools; their loop runs in the relay. Off, replies "
                           "stream on mitmproxy's own path (x-perpetuity-tools: off, per request).")
 
     def configure(self, updated: set[str]) -> None:
+        if "perpetuity_drain" in updated:
+            self.drain.bound = max(0, ctx.options.perpetuity_drain)
         try:
             self._configure(updated)
         except exceptions.OptionsError as e:
@@ -216,6 +227,9 @@ class Perpetuity:
             print(f"perpetuity: {self.store.notice}", flush=True)
 
     async def done(self) -> None:
+        for flow in await self.drain.wait(_stop_accepting):
+            if (state := state_of(flow.metadata)) is not None:
+                state.finish()  # queued before the store closes; the flow's end is a no-op
         await self.relay.stop()
         if self.store is not None:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.store.close)
@@ -227,6 +241,12 @@ class Perpetuity:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response or flow.error or not flow.live or self.pipeline is None:
             return
+        if self.drain.closing:  # the store is closing: nothing new is read, or stored
+            flow.response = http.Response.make(503, DRAIN_REFUSED, {
+                "content-type": "text/plain; charset=utf-8", "retry-after": "1",
+                "connection": "close"})
+            return
+        self.drain.begin(flow.id, flow)
         req = HttpRequest(
             method=flow.request.method,
             host=flow.request.pretty_host,
@@ -237,17 +257,23 @@ class Perpetuity:
                 flow.client_conn.id, flow.client_conn.sockname, flow.request.host,
                 flow.request.pretty_host, flow.request.port),
         )
-        fell_open = ""
+        fell_open, decoded = "", False
         try:
             # What the body cannot change is decided here, on the loop: no thread hop.
             decision = self.pipeline.passed(req)
+            if decision is None and "content-encoding" in flow.request.headers:
+                req, decoded = _decoded(flow, req)
+                if not decoded:
+                    decision = self.pipeline.route_only(req)
             if decision is None:
                 decision = await self.parser.decide(self.pipeline, req)
         except Exception as e:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
             decision = self.pipeline.route_only(req)
             fell_open = f"the pipeline failed ({type(e).__name__}: {e})"
-        state = self._apply(flow, decision, fell_open)
+        state = self._apply(flow, decision, fell_open, decoded)
+        if state is None:
+            self.drain.end(flow.id)  # not provider traffic: nothing of it is stored
         if (state and decision.route
                 and flow.request.headers.get("upgrade", "").lower() == "websocket"):
             state.handshake = req  # the identity of every message to come
@@ -318,11 +344,15 @@ class Perpetuity:
     def client_disconnected(self, client: Any) -> None:
         self.addressing.tunnels.discard(client.id)
 
-    def _apply(self, flow: http.HTTPFlow, d: Decision, fell_open: str) -> FlowState | None:
+    def _apply(self, flow: http.HTTPFlow, d: Decision, fell_open: str,
+               decoded: bool = False) -> FlowState | None:
         """The decision, on the flow all at once, and its state under one key; None, and the
-        flow left as it came, when it is not provider traffic."""
+        flow left as it came, when it is not provider traffic. `decoded`: the pipeline read
+        the body decoded, and it goes upstream so (`_decoded`)."""
         if d.answer is None and d.route is None:
             return None
+        if decoded:
+            flow.request.decode()
         state = FlowState(decision=d, fell_open=fell_open)
         flow.metadata[STATE] = state
         if d.answer is not None:
@@ -431,6 +461,7 @@ class Perpetuity:
     async def _end(self, flow: http.HTTPFlow) -> None:
         """A flow's end (its response, or its error): the turn stored, the real destination
         shown, the facts made."""
+        self.drain.end(flow.id)
         state = state_of(flow.metadata)
         if state is None:
             return
@@ -486,6 +517,28 @@ class Perpetuity:
         pool = self.notes if pipeline.writes_notes(name) else self.tools
         return await asyncio.get_running_loop().run_in_executor(
             pool, pipeline.run_tool, name, arguments, memory)
+
+
+def _decoded(flow: http.HTTPFlow, req: HttpRequest) -> tuple[HttpRequest, bool]:
+    """The request with its body decoded (gzip, deflate, br, zstd) and no content-encoding, as
+    it then goes upstream: stored like any other, and readable by a provider that reads only
+    JSON (re-encoding what the frame rebuilt would cost a compression a call); or as it came,
+    said in the log, where it cannot be decoded."""
+    encoding = flow.request.headers["content-encoding"]
+    try:
+        body = flow.request.get_content(strict=True) or b""
+    except ValueError:  # (its message quotes the body's first bytes: not for the log)
+        log.warning("perpetuity: %s %s: not stored, forwarded as sent: its content-encoding "
+                    "%r could not be decoded", req.method, req.path.split("?", 1)[0], encoding)
+        return req, False
+    headers = tuple((k, v) for k, v in req.headers if k.lower() != "content-encoding")
+    return dataclasses.replace(req, body=body, headers=headers), True
+
+
+async def _stop_accepting() -> None:
+    """Close every listening socket; the connections they accepted go on."""
+    if (server := ctx.master.addons.get("proxyserver")) is not None:
+        await server.servers.update([])
 
 
 def listening() -> list[str]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from perpetuity_core.serve.exchange import Decision, HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.wire import mend
 from perpetuity_core.wire.protocols import responses
 
 log = logging.getLogger("perpetuity")
@@ -187,7 +188,7 @@ def http_body(body: dict[str, Any], whole: Items) -> bytes:
     """The message as the HTTP request it stands for: the whole input, no chain."""
     out = {k: v for k, v in body.items() if k != "previous_response_id"}
     out["input"] = whole
-    return json.dumps(out, ensure_ascii=False).encode()
+    return mend.dumps(out)
 
 
 def framed(pipeline: Pipeline, handshake: HttpRequest, link: Chain,
@@ -220,4 +221,4 @@ def framed(pipeline: Pipeline, handshake: HttpRequest, link: Chain,
     if specs:
         assert job is not None
         out = responses.add_tools(body if out is None else out, specs, job.max_rounds == 1)
-    return decision, None if out is None else json.dumps(out, ensure_ascii=False).encode()
+    return decision, None if out is None else mend.dumps(out)

@@ -28,7 +28,7 @@ from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.exchange import Recall
 from perpetuity_core.serve.settings import Settings
-from perpetuity_core.wire import repair
+from perpetuity_core.wire import mend, repair
 from perpetuity_core.wire.conversation import (
     Kind,
     Message,
@@ -175,7 +175,10 @@ class Layout:
         out.sent_tokens = (messages_tokens(front) + laid_plan.standing_tokens
                            + laid_plan.insert_tokens
                            + messages_tokens(messages[replaced.keep:]) - laid_plan.stubbed)
-        out.body = self.written.dumps(replaced.body)
+        try:
+            out.body = self.written.dumps(replaced.body)
+        except UnicodeEncodeError:  # a lone surrogate kept as sent goes back as its escape
+            out.body = self.written.dumps(replaced.body, ascii=True)
         out.sent = replaced.body
         return out
 
@@ -274,9 +277,8 @@ class Layout:
         out = Recall()
         if starts_task(parsed.messages) and (lesson := self._notes_for(parsed, library)):
             out.notes = lesson.names
-            out.body = json.dumps(ADAPTERS[protocol].replace_history(
-                body, frame.with_note([], lesson.text), parsed.raw_index[0]),
-                ensure_ascii=False).encode()
+            out.body = mend.dumps(ADAPTERS[protocol].replace_history(
+                body, frame.with_note([], lesson.text), parsed.raw_index[0]))
         return out
 
     def remember(self, key: tuple[int, str], laid: Plan) -> None:

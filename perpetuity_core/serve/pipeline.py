@@ -47,6 +47,7 @@ from perpetuity_core.serve.exchange import (
 )
 from perpetuity_core.serve.layout import Layout, last_user_text
 from perpetuity_core.serve.settings import Settings
+from perpetuity_core.wire import mend
 from perpetuity_core.wire.conversation import (
     Kind,
     ParsedRequest,
@@ -74,6 +75,12 @@ BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the bin
 # A surrogate's JSON escape: its high half (d800-dbff) or its low half (dc00-dfff).
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _LOW = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+# A surrogate written raw (UTF-8's pattern for one: ED A0-BF), which json.loads also reads.
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+# How far past the proxy's clock a claimed time (x-perpetuity-time) may be: another machine's
+# clock, a little ahead.
+CLOCK_SKEW = 300.0
 
 # Bodies above this are forwarded untouched rather than parsed on the request path.
 MAX_BODY = 32 * 1024 * 1024
@@ -100,6 +107,7 @@ class _Known:
 
     parsed: ParsedRequest
     folder: tuple[str, int]
+    cut: bool = False  # the body held a lone surrogate, mended where it was read (wire.mend)
 
 
 class Pipeline:
@@ -130,38 +138,54 @@ class Pipeline:
         self._shapes: dict[str, str] = {}  # harness -> digest of its request shape last kept
         self._seen = Seen()  # the bodies last read, so that a longer one reads only its tail
 
-    def _json_body(self, raw: bytes) -> Read | None:
-        """The body read, or None when it is not a JSON object this path may store (too
-        large, unreadable, a lone surrogate); only bytes not read before are scanned."""
-        if not raw or len(raw) > MAX_BODY:
-            return None
+    def _json_body(self, raw: bytes) -> tuple[Read | None, str]:
+        """The body read, or None with why not when it is not a JSON object this path may
+        read (too large, not UTF-8 JSON); "" for no body. Only bytes not read before are
+        scanned."""
+        if not raw:
+            return None, ""
+        if len(raw) > MAX_BODY:
+            return None, f"it is over {MAX_BODY >> 20} MB ({len(raw)} bytes)"
         try:
             read = self._seen.read(raw)
-            if _lone_surrogate(raw, read.fresh_from):  # a lone one (\ud800) cannot be stored
-                json.dumps(read.data, ensure_ascii=False).encode()
-        except (ValueError, RecursionError):  # RecursionError: deeper than Python's stack
-            return None
-        return read if isinstance(read.data, dict) else None
+        except UnicodeDecodeError as e:
+            return None, f"it is not UTF-8 ({e.reason} at byte {e.start})"
+        except ValueError as e:
+            return None, f"it is not JSON ({e})"
+        except RecursionError:  # deeper than Python's stack
+            return None, "it is JSON nested deeper than the parser reads"
+        if not isinstance(read.data, dict):
+            return None, "it is JSON but not an object"
+        return read, ""
 
-    def _parse(self, protocol: Protocol, read: Read) -> tuple[ParsedRequest, str]:
-        """The request in neutral terms and the folder its harness states (names.folder), kept
-        for the next body that starts as this one does: the messages an earlier body of the
-        same wire read are taken as they were, and the folder is looked for among the new ones
+    def _parse(self, protocol: Protocol, read: Read, raw: bytes) -> tuple[ParsedRequest, str, bool]:
+        """The request in neutral terms, the folder its harness states (names.folder) and
+        whether the body holds a lone surrogate (mended in what is read: wire.mend), kept for
+        the next body that starts as this one does: the messages an earlier body of the same
+        wire read are taken as they were, and the folder is looked for among the new ones
         alone."""
         known = read.known if isinstance(read.known, _Known) else None
         if known is not None and known.parsed.protocol != protocol:
             known = None  # another wire's body that starts with the same bytes
+        # Once mended, every body that starts as that one did is mended too: what an adapter
+        # reads again of it (the system prompt, a message that goes on past the reused part)
+        # is read from the body, not taken from the earlier reading.
+        start = read.fresh_from if known is not None else 0
+        cut = ((known is not None and known.cut) or _lone_surrogate(raw, start)
+               or _RAW_SURROGATE.search(raw, start) is not None)
         parsed = ADAPTERS[protocol].parse_request(read.data, known.parsed if known else None,
                                                   read.reused)
+        if cut:
+            parsed = mend.mended_request(parsed, known.parsed if known else None)
         found, reused = ("", 0), 0
         if known is not None:
             found = known.folder
             reused = bisect.bisect_left(known.parsed.raw_index, read.reused)
         if found[1] >= reused:  # none stated in the messages read before: look in the rest
             found = names.messages_folder(parsed.messages, reused)
-        self._seen.keep(read, _Known(parsed, found))
+        self._seen.keep(read, _Known(parsed, found, cut))
         stated = names.stated_folder(parsed.system)
-        return parsed, stated if stated is not None else found[0]
+        return parsed, stated if stated is not None else found[0], cut
 
     def route_only(self, req: HttpRequest, model: str = "") -> Decision:
         """Where the request goes and which headers to strip, touching nothing else."""
@@ -234,7 +258,7 @@ class Pipeline:
         return decision
 
     def _prepare(self, req: HttpRequest, carried_only: bool = False) -> Decision | None:
-        read = self._json_body(req.body) if req.method == "POST" else None
+        read, unread = self._json_body(req.body) if req.method == "POST" else (None, "")
         body: dict[str, Any] | None = read.data if read is not None else None
         decision = self.route_only(req, str(body.get("model", "")) if body else "")
         r = decision.route
@@ -245,11 +269,15 @@ class Pipeline:
         if not controls.enabled:
             decision.note = "x-perpetuity: off"
             return decision
+        if r.protocol is not None and unread:
+            # Forwarded as it came, and said once: a turn the memory never saw is not silent.
+            log.warning("perpetuity: %s %s: not stored, forwarded as sent: %s", req.method,
+                        req.path.split("?", 1)[0], unread)
         if r.protocol is None or read is None or body is None:
             decision.note = "no turn in this request"
             return decision
         try:
-            parsed, folder = self._parse(r.protocol, read)
+            parsed, folder, cut = self._parse(r.protocol, read, req.body)
         except Exception as e:  # fail open: an unreadable body goes through as sent
             decision.note = f"unparsed: {e}"
             return decision
@@ -293,7 +321,8 @@ class Pipeline:
                                    headers=_forwarded(req), body=req.body, protocol=r.protocol,
                                    stream=parsed.stream, pending=pending)
             return decision
-        at = controls.at if controls.at is not None else time.time()
+        claimed = _claimed_time(controls.at, time.time())
+        at = claimed if claimed is not None else time.time()
         # The recall tools ride along with a frame (there is memory to reach) and a model call.
         tools_on = (settings.tools and controls.tools and controls.capture
                     and (count or not controls.probe))
@@ -318,6 +347,9 @@ class Pipeline:
             return decision
         if recall.key is not None and recall.plan is not None:
             self.layout.remember(recall.key, recall.plan)
+        if controls.at is not None and claimed is None:  # said here: once a request
+            log.warning("perpetuity: x-perpetuity-time %s is in the future; the turn is stored "
+                        "at its arrival time", headers.get("x-perpetuity-time", ""))
         built = recall.built
         pending = PendingTurn(
             user=ident.user, conversation=ident.conversation, provider=r.provider.value,
@@ -329,12 +361,12 @@ class Pipeline:
             shown=recall.memory.shown if recall.memory else set(),
             frame_rows=set(recall.plan.shown) if recall.plan else set(),
             folder=folder, library=library,
-            shape=self._new_shape(r.protocol, ident.harness, body, req.headers, parsed))
+            shape=self._new_shape(r.protocol, ident.harness, body, req.headers, parsed, cut))
         specs = self._tool_specs(recall.memory, parsed.tool_names) if recall.memory else []
         decision.job = Job(
             method=req.method, url=r.upstream_url, headers=_forwarded(req),
             body=recall.body if recall.body is not None else req.body, protocol=r.protocol,
-            stream=parsed.stream, pending=pending, at=controls.at, memory=recall.memory,
+            stream=parsed.stream, pending=pending, at=claimed, memory=recall.memory,
             max_rounds=settings.tool_rounds, tool_specs=specs,
             original=req.body if recall.body is not None else None,
             first_round=self._first_round(r.protocol, recall.sent, specs)
@@ -343,7 +375,8 @@ class Pipeline:
         return decision
 
     def _new_shape(self, protocol: Protocol, harness: str, body: dict[str, Any],
-                   headers: tuple[tuple[str, str], ...], parsed: ParsedRequest) -> tuple[str, dict[str, Any]] | None:
+                   headers: tuple[tuple[str, str], ...], parsed: ParsedRequest,
+                   cut: bool) -> tuple[str, dict[str, Any]] | None:
         """Claude Code's request shape (its system prompt and tools) for `perpetuity replay`
         to bill this person's sessions with (memory.storage.templates), when it differs from
         the one last kept; None otherwise. Not looked at in a tool round (most calls): a task's
@@ -351,7 +384,8 @@ class Pipeline:
         if (protocol != Protocol.ANTHROPIC or harness != "claude-code" or not parsed.messages
                 or any(p.kind == Kind.TOOL_RESULT for p in parsed.messages[-1].parts)):
             return None
-        shape = templates.shape(_shaped(body, parsed), list(headers))
+        shaped = _shaped(body, parsed)
+        shape = templates.shape(mend.mended(shaped) if cut else shaped, list(headers))
         if shape is None or self._shapes.get(harness) == (digest := templates.digest(shape)):
             return None
         self._shapes[harness] = digest
@@ -471,6 +505,13 @@ def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
     """The request's headers as they go upstream."""
     return [(k, v) for k, v in req.headers
             if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
+
+
+def _claimed_time(at: float | None, now: float) -> float | None:
+    """The time `x-perpetuity-time` claims, unless it is past now by more than a clock's skew
+    (None: the arrival time stands): a turn from the future would stand as the user's last in
+    `memory users` and in every recency ordering."""
+    return at if at is None or at <= now + CLOCK_SKEW else None
 
 
 def _noted(what: str, why: str) -> str:

@@ -31,6 +31,7 @@ from perpetuity_core.serve.chain import ENDED, Chain
 from perpetuity_core.serve.exchange import Decision
 from perpetuity_core.serve.relay import REFUSED, Round, RunTool
 from perpetuity_core.serve.writer import Capture
+from perpetuity_core.wire import mend
 from perpetuity_core.wire.protocols import responses
 from perpetuity_core.wire.sse import Event
 
@@ -45,7 +46,7 @@ class SocketMerger(responses.StreamMerger):
     def _emit(self, name: str, data: dict[str, Any]) -> bytes:
         data = {**data, "sequence_number": self.sequence}
         self.sequence += 1
-        return json.dumps(data, ensure_ascii=False).encode()
+        return mend.dumps(data)
 
 
 @dataclass(slots=True)
@@ -146,7 +147,7 @@ class SocketReply:
             message["tool_choice"] = "none"  # the last allowed round must answer
         self.link.continued(rid, outputs)
         self.merger.next_round()
-        content = json.dumps(message, ensure_ascii=False).encode()
+        content = mend.dumps(message)
         self.round = Round(time.time(), content)
         self.job.rounds.append(self.round)
         return Step(None, send=content)
