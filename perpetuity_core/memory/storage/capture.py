@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class TurnContext:
     model: str
     at: float
     after: str  # fingerprint of the last message the request sent
+    history: Sequence[Message] = ()  # what the request sent, read again when its reply comes
 
 
 def pair_key(previous_fingerprint: str, message: Message) -> str:
@@ -71,6 +73,11 @@ def after_itself(pair_key: str, fingerprint: str) -> bool:
     return pair_key == _pair.__wrapped__(fingerprint, fingerprint)
 
 
+def follows(pair_key: str, previous: str, fingerprint: str) -> bool:
+    """Was this stored message keyed as following the message stored just before it?"""
+    return pair_key == _pair.__wrapped__(previous, fingerprint)
+
+
 def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]) -> list[int]:
     """Indexes of the messages the store has not seen in this conversation.
 
@@ -86,11 +93,29 @@ def _new(store: Store, conversation_id: int, messages: Sequence[Message]) -> dic
 
     def last_known(start: int, keys: list[str]) -> int:
         tail = range(start, len(messages))
-        known, replies = store.known(
+        stored, replies = store.known(
             conversation_id, [(messages[i].fingerprint(), keys[i - start]) for i in tail],
             [messages[i].fingerprint() for i in tail if messages[i].role == "assistant"])
-        return max((i for i in tail if keys[i - start] in known or (
-            messages[i].role == "assistant" and messages[i].fingerprint() in replies)), default=-1)
+        if not stored and not replies:
+            return -1
+        # A pair or reply said n times in the history is stored n times: the first stored
+        # copies are its first occurrences, so a repeated "ok" never vouches for a later one
+        # (issue 41: a full disk's unstored turns, each answered "ok", were taken as stored).
+        seen_keys, seen_replies = _occurrences(
+            messages[:start], {messages[i].fingerprint() for i in tail}, stored, replies)
+        last = -1
+        for i in tail:
+            if i and messages[i].fingerprint() == messages[i - 1].fingerprint():
+                continue  # a copy sent again is not another occurrence (_keys)
+            key, message = keys[i - start], messages[i]
+            known = seen_keys[key] < stored[key]
+            seen_keys[key] += 1
+            if message.role == "assistant":
+                known |= seen_replies[message.fingerprint()] < replies[message.fingerprint()]
+                seen_replies[message.fingerprint()] += 1
+            if known:
+                last = i
+        return last
 
     # Usually only the newest turn is new: look at the tail first (and key it alone), the whole
     # history only when nothing there is known (a first contact, a rewritten history).
@@ -104,6 +129,25 @@ def _new(store: Store, conversation_id: int, messages: Sequence[Message]) -> dic
     # one before is keyed too, since `last` is at or after `start`.
     return {i: keys[i - start] for i in range(last + 1, len(messages))
             if not (i > start and keys[i - start] == keys[i - start - 1])}
+
+
+def _occurrences(before: Sequence[Message], wanted: set[str], keys: Counter[str],
+                 replies: Counter[str]) -> tuple[Counter[str], Counter[str]]:
+    """How often the history before the tail holds these stored pair keys and assistant
+    fingerprints; a pair is digested only for a message with one of the tail's fingerprints
+    (`wanted`), so a late call of a long session pays a set lookup a message."""
+    seen_keys: Counter[str] = Counter()
+    seen_replies: Counter[str] = Counter()
+    prev = ""
+    for m in before:
+        this = m.fingerprint()
+        if this != prev and this in wanted:
+            if (key := _pair(prev, this)) in keys:
+                seen_keys[key] += 1
+            if m.role == "assistant" and this in replies:
+                seen_replies[this] += 1
+        prev = this
+    return seen_keys, seen_replies
 
 
 def record(
@@ -137,12 +181,20 @@ def record(
         for i, key in _new(store, conversation_id, messages).items()
     ]
     after = messages[-1].fingerprint() if messages else ""
-    return ids, TurnContext(user_id, conversation_id, provider, model, times[-1] if times else 0.0, after)
+    return ids, TurnContext(user_id, conversation_id, provider, model,
+                            times[-1] if times else 0.0, after, messages)
 
 
 def record_reply(store: Store, turn: TurnContext, reply: Reply, at: float) -> int | None:
-    """Store the assistant's reply; an empty one (a stream cut before any content) is not a turn."""
+    """Store the assistant's reply; an empty one (a stream cut before any content) is not a turn,
+    nor one the store holds already at this place more often than the history does: the same
+    request sent again (a client's retry, a second chat opening with the same words) got the
+    same answer, and the history holds it once."""
     if not reply.message.parts:
+        return None
+    key = pair_key(turn.after, reply.message)
+    if store.copies(turn.conversation_id, reply.message.fingerprint(), key) > _held(
+            turn.history, key, reply.message.fingerprint()):
         return None
     return store.add_message(
         conversation_id=turn.conversation_id,
@@ -151,9 +203,20 @@ def record_reply(store: Store, turn: TurnContext, reply: Reply, at: float) -> in
         provider=turn.provider,
         model=turn.model,
         at=at,
-        pair_key=pair_key(turn.after, reply.message),
+        pair_key=key,
         source="reply",
         usage=reply.usage,
         stop_reason=reply.stop_reason,
         complete=reply.complete,
     ).message_id
+
+
+def _held(history: Sequence[Message], key: str, fingerprint: str) -> int:
+    """How often `history` holds this message at the place `key` names (copies sent again
+    counted once, as _keys keys them)."""
+    held, prev = 0, ""
+    for m in history:
+        this = m.fingerprint()
+        held += this == fingerprint != prev and _pair(prev, this) == key
+        prev = this
+    return held
