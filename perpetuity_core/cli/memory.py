@@ -171,7 +171,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         raise ConfigError(f"no memory at {source}")
     with opened(str(source)) as origin:  # brought to the current schema before it is copied
         before = check(origin)
-        with opened(args.target) as store:
+        with opened(args.target, create=True) as store:
             copied = copy_memory(origin, store, progress=not args.quiet)
     # Reopened: the copied settings (identity salt) are read afresh.
     with opened(args.target) as store:
