@@ -157,6 +157,10 @@ class StoredItem(NamedTuple):
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[Database, list[StoredItem]], None]
+# Called by a purge (memory/jobs/forget.py), inside its transaction, with the ids of the items
+# about to be deleted: a derived table keyed by item that no foreign key cascades from
+# item(id) removes its rows here (memory/schema.py lists them, FORGET).
+Forget = Callable[[Sql, list[int]], None]
 # Called by Store.flush, inside the batch's transaction, for the rows with after < seq <= upto.
 BatchDeriver = Callable[[Database, int, int], None]
 # Takes the counts of deleted retrieval rows back out, or orders the rows stored in parallel
