@@ -143,3 +143,34 @@ def test_a_running_proxy_forgets_with_the_memory(fake: FakeProvider, tmp_path: P
     finally:
         stop_proxy(proxy)
     assert main(["memory", "check", "--db", str(proxy.db)]) == 0
+
+
+def test_a_purge_reaches_the_frame_a_conversation_carries(fake: FakeProvider,
+                                                          tmp_path: Path) -> None:
+    """An agent's frame is carried from prompt to prompt while the cache holds; after a purge
+    its next prompt gets a frame without what went."""
+    proxy = start_proxy(tmp_path, fake.url, tenants=None)
+    c = owned(anthropic.Anthropic(base_url=proxy.url, api_key="sk-ant-me", max_retries=0))
+    read = [{"name": "Read", "description": "Read a file.",
+             "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+
+    def ask(*texts: str) -> str:
+        fake.clear()
+        fake.script(Text("Noted."))
+        c.messages.create(model="claude-opus-4-8", max_tokens=50, tools=read,  # type: ignore[arg-type]
+                          messages=[{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                                    for i, t in enumerate(texts)],
+                          extra_headers={"x-perpetuity-conversation": "agent"})
+        return json.dumps([r.json for r in fake.requests])
+
+    try:
+        _ask(proxy, fake, "pasted", "Customer Zebracorn Ltd pays with card 4411 2233 9988 7766.",
+             Text("Noted."))
+        proxy.wait_messages("personal", 2)
+        first = "Charge customer Zebracorn Ltd for the renewal."
+        assert "4411 2233" in ask(first)
+        assert main(["memory", "purge", "--matching", "4411 2233", "--yes", "--db",
+                     str(proxy.db)]) == 0
+        assert "4411 2233" not in ask(first, "Noted.", "Which card did Zebracorn Ltd give?")
+    finally:
+        stop_proxy(proxy)
