@@ -3,7 +3,11 @@
 Harnesses re-send the whole history on every request. A message is recognised as already stored
 by its pair key, a digest of (previous message, this message): it survives a harness rewriting or
 dropping older turns (resume, compaction) and still tells a second "yes" after a different
-question from the first. Everything after the last recognised message is new.
+question from the first. Everything after the last recognised message is new. Recognition counts
+occurrences (issue 41): a pair the history holds n times is stored n times, the stored copies
+standing for its first occurrences; and a reply is recognised by its content alone (its
+predecessor rewritten) only after a message the store holds, so that a run of "ok" replies to
+turns a full disk refused does not stand in for those turns.
 
 A message the same as the one just before it is that message sent again, not a new one: a
 harness keeps a turn whose reply never came (the proxy died, the connection broke) and the same
@@ -98,23 +102,23 @@ def _new(store: Store, conversation_id: int, messages: Sequence[Message]) -> dic
             [messages[i].fingerprint() for i in tail if messages[i].role == "assistant"])
         if not stored and not replies:
             return -1
-        # A pair or reply said n times in the history is stored n times: the first stored
-        # copies are its first occurrences, so a repeated "ok" never vouches for a later one
-        # (issue 41: a full disk's unstored turns, each answered "ok", were taken as stored).
-        seen_keys, seen_replies = _occurrences(
-            messages[:start], {messages[i].fingerprint() for i in tail}, stored, replies)
-        last = -1
+        # A pair said n times in the history is stored n times: the first stored copies are its
+        # first occurrences, so a second "Continue" answered alike is not taken for the first.
+        seen = _occurrences(messages[:start], {messages[i].fingerprint() for i in tail}, stored)
+        last, before = -1, True  # `before`: the message before is one the store holds
         for i in tail:
             if i and messages[i].fingerprint() == messages[i - 1].fingerprint():
                 continue  # a copy sent again is not another occurrence (_keys)
             key, message = keys[i - start], messages[i]
-            known = seen_keys[key] < stored[key]
-            seen_keys[key] += 1
-            if message.role == "assistant":
-                known |= seen_replies[message.fingerprint()] < replies[message.fingerprint()]
-                seen_replies[message.fingerprint()] += 1
+            known = seen[key] < stored[key]
+            seen[key] += 1
+            # A reply re-sent after a message the store holds but keyed after another (that
+            # message rewritten, a compaction) is the reply it holds; after one it never got,
+            # it is not: issue 41's full disk lost the turns between repeated "ok" replies.
+            known |= before and message.role == "assistant" and message.fingerprint() in replies
             if known:
                 last = i
+            before = known
         return last
 
     # Usually only the newest turn is new: look at the tail first (and key it alone), the whole
@@ -131,23 +135,17 @@ def _new(store: Store, conversation_id: int, messages: Sequence[Message]) -> dic
             if not (i > start and keys[i - start] == keys[i - start - 1])}
 
 
-def _occurrences(before: Sequence[Message], wanted: set[str], keys: Counter[str],
-                 replies: Counter[str]) -> tuple[Counter[str], Counter[str]]:
-    """How often the history before the tail holds these stored pair keys and assistant
-    fingerprints; a pair is digested only for a message with one of the tail's fingerprints
-    (`wanted`), so a late call of a long session pays a set lookup a message."""
-    seen_keys: Counter[str] = Counter()
-    seen_replies: Counter[str] = Counter()
-    prev = ""
-    for m in before:
-        this = m.fingerprint()
-        if this != prev and this in wanted:
-            if (key := _pair(prev, this)) in keys:
-                seen_keys[key] += 1
-            if m.role == "assistant" and this in replies:
-                seen_replies[this] += 1
-        prev = this
-    return seen_keys, seen_replies
+def _occurrences(before: Sequence[Message], wanted: set[str], keys: Counter[str]) -> Counter[str]:
+    """How often the history before the tail holds these stored pair keys; a pair is digested
+    only for a message with one of the tail's fingerprints (`wanted`), so a late call of a
+    long session pays a set lookup a message."""
+    seen: Counter[str] = Counter()
+    fingerprints = [m.fingerprint() for m in before]
+    for i in [i for i, f in enumerate(fingerprints) if f in wanted]:
+        this, prev = fingerprints[i], fingerprints[i - 1] if i else ""
+        if this != prev and (key := _pair(prev, this)) in keys:  # not a copy sent again
+            seen[key] += 1
+    return seen
 
 
 def record(
@@ -193,9 +191,9 @@ def record_reply(store: Store, turn: TurnContext, reply: Reply, at: float) -> in
     if not reply.message.parts:
         return None
     key = pair_key(turn.after, reply.message)
-    if store.copies(turn.conversation_id, reply.message.fingerprint(), key) > _held(
-            turn.history, key, reply.message.fingerprint()):
-        return None
+    copies = store.copies(turn.conversation_id, reply.message.fingerprint(), key)
+    if copies and copies > _held(turn.history, key, reply.message.fingerprint()):
+        return None  # (the history read only when a copy is stored: seldom)
     return store.add_message(
         conversation_id=turn.conversation_id,
         user_id=turn.user_id,
@@ -214,9 +212,8 @@ def record_reply(store: Store, turn: TurnContext, reply: Reply, at: float) -> in
 def _held(history: Sequence[Message], key: str, fingerprint: str) -> int:
     """How often `history` holds this message at the place `key` names (copies sent again
     counted once, as _keys keys them)."""
-    held, prev = 0, ""
-    for m in history:
-        this = m.fingerprint()
-        held += this == fingerprint != prev and _pair(prev, this) == key
-        prev = this
+    held = 0
+    for i in [i for i, m in enumerate(history) if m.fingerprint() == fingerprint]:
+        prev = history[i - 1].fingerprint() if i else ""
+        held += prev != fingerprint and _pair(prev, fingerprint) == key
     return held
