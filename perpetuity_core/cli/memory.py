@@ -14,6 +14,8 @@ from perpetuity_core.cli.search import DB_HELP, opened
 from perpetuity_core.cli.words import counted
 from perpetuity_core.errors import ConfigError
 
+PREVIEWED = 50  # messages a purge lists
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     memory = sub.add_parser("memory", help="import, search, stats, users, check, purge, and the"
@@ -42,8 +44,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--db", help=DB_HELP)
     p.set_defaults(func=cmd_check)
     p = verbs.add_parser("purge", help=cmd_purge.__doc__, description=cmd_purge.__doc__)
-    p.add_argument("--user", required=True, help="a user's key, id, or the name the harness"
-                   " sent when one user has it")
+    p.add_argument("--user", help="a user's key, id, or the name the harness sent when one user"
+                   " has it; alone, the whole user goes at once")
+    p.add_argument("--conversation", help="a conversation's id (as `perpetuity search` shows it:"
+                   " c12) or its key: every message of it")
+    p.add_argument("--matching", metavar="TEXT", help="every message holding TEXT (any case)")
+    p.add_argument("--yes", action="store_true", help="remove what --conversation and"
+                   " --matching preview")
     p.add_argument("--db", help=DB_HELP)
     p.set_defaults(func=cmd_purge)
 
@@ -171,7 +178,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         raise ConfigError(f"no memory at {source}")
     with opened(str(source)) as origin:  # brought to the current schema before it is copied
         before = check(origin)
-        with opened(args.target) as store:
+        with opened(args.target, create=True) as store:
             copied = copy_memory(origin, store, progress=not args.quiet)
     # Reopened: the copied settings (identity salt) are read afresh.
     with opened(args.target) as store:
@@ -186,12 +193,41 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    """Remove a user's memory as a unit (notes are untouched)."""
+    """Forget: a user's memory as a unit (--user alone; notes are untouched), or a conversation
+    (--conversation) or every message holding a text (--matching), previewed until --yes, with
+    everything derived from them (docs/forgetting.md: what that covers, and the file's free
+    pages and WAL)."""
+    from perpetuity_core.memory.jobs import forget
     from perpetuity_core.memory.jobs.maintenance import purge_user
 
+    if not args.conversation and not args.matching:
+        if not args.user:
+            raise ConfigError("name what to forget: --user, --conversation or --matching")
+        with opened(args.db) as store:
+            out = purge_user(store, args.user)
+        print(f"purged {out.key}: {counted(out.messages, 'message')}, {counted(out.items, 'row')}",
+              file=sys.stderr)
+        return 0
+    scope = {"conversation": args.conversation, "matching": args.matching, "user": args.user}
     with opened(args.db) as store:
-        out = purge_user(store, args.user)
-    print(f"purged {out.key}: {counted(out.messages, 'message')}, {counted(out.items, 'row')}", file=sys.stderr)
+        chosen = forget.forget(store, **scope) if args.yes else forget.select(store, **scope)
+    for m in chosen.messages[:PREVIEWED]:
+        when = datetime.fromtimestamp(m.at, UTC).strftime("%Y-%m-%d %H:%M")
+        print(f"{m.id:>8} c{m.conversation_id:<5} {m.role:<9} {when}  {m.excerpt}")
+    if len(chosen.messages) > PREVIEWED:
+        print(f"... and {len(chosen.messages) - PREVIEWED} more")
+    conversations = len({m.conversation_id for m in chosen.messages})
+    what = (f"{counted(len(chosen.messages), 'message')} ({counted(chosen.items, 'row')}) in"
+            f" {counted(conversations, 'conversation')}"
+            + (f", {counted(len(chosen.shapes), 'kept request shape')}" if chosen.shapes else ""))
+    if not args.yes:
+        print(f"would purge {what}; nothing changed: add --yes to remove them", file=sys.stderr)
+    elif chosen.wal_cleared is False:
+        print(f"purged {what}; the WAL still holds older pages while a reader (a proxy) is"
+              " mid-read: run `perpetuity memory purge` again, or see docs/forgetting.md",
+              file=sys.stderr)
+    else:
+        print(f"purged {what}; what else may hold it: docs/forgetting.md", file=sys.stderr)
     return 0
 
 

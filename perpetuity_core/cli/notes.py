@@ -12,6 +12,8 @@ from typing import Any
 
 from perpetuity_core import notes
 from perpetuity_core.errors import ConfigError
+from perpetuity_core.frame import tenants
+from perpetuity_core.wire.identity import PERSONAL
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -29,9 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             "--dir",
             type=Path,
             default=None,
-            help="the notes root (default: $PERPETUITY_NOTES_DIR, else ./.perpetuity/ if it "
-            "exists, else ~/.claude/perpetuity/)",
+            help="a notes library (default: the one a personal proxy reads and writes, "
+            "tenants/personal/ under the notes root: $PERPETUITY_NOTES_DIR, else ./.perpetuity/ "
+            "if it exists, else ~/.claude/perpetuity/)",
         )
+        p.add_argument("--tenant", help="the library of this tenant (as `perpetuity memory "
+                       "tenants` lists it) under the notes root, or under --dir")
         p.set_defaults(func=func)
         return p
 
@@ -68,7 +73,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _root(args: argparse.Namespace) -> Path:
-    return args.dir if args.dir is not None else notes.notes_root()
+    """The library a command works on: the proxy keeps one per tenant under the notes root
+    (frame/tenants.py), and a personal proxy's one tenant is `personal`."""
+    if args.dir is not None and not args.tenant:
+        return Path(args.dir)
+    library = tenants.library(args.dir or notes.notes_root(), args.tenant or PERSONAL)
+    assert library is not None  # a root was given
+    return library
 
 
 def _today(args: argparse.Namespace) -> Any:

@@ -60,12 +60,18 @@ def add_verbs(sub: argparse._SubParsersAction, alias: bool = False) -> None:
 
 
 @contextmanager
-def opened(db: str | None) -> Iterator[Store]:
-    """The memory at `db` (the default one when None), closed when the command is done."""
+def opened(db: str | None, *, create: bool = False) -> Iterator[Store]:
+    """The memory at `db` (the default one when None), closed when the command is done. Only a
+    command that writes a memory of its own (`create`: import, a migration's target) makes one
+    where none is: a mistyped --db must not answer zeros from an empty memory it just made."""
     from perpetuity_core.memory.schema import open_memory
+    from perpetuity_core.memory.storage.location import where
     from perpetuity_core.memory.storage.store import default_db_path
 
-    store = open_memory(db or default_db_path())
+    at = where(db or default_db_path())
+    if not create and isinstance(at, Path) and not at.is_file():
+        raise ConfigError(f"no memory at {at} (nothing created; check --db or $PERPETUITY_DB)")
+    store = open_memory(at)
     try:
         yield store
     finally:
@@ -80,7 +86,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if path is None:
         raise ConfigError(f"import {args.source} needs a PATH")
     options = {"user_key": args.user} if args.source == "claude-code" and args.user else {}
-    with opened(args.db) as store:
+    with opened(args.db, create=True) as store:
         out = importers.run(store, args.source, Path(path).expanduser(),
                             progress=not args.quiet, **options)
     print(f"imported {out.messages} new messages ({out.seen} read) in {out.threads} "

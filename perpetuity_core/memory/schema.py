@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.chains import derive_chains, m004_recall
 from perpetuity_core.memory.derived.heat import m003_heat, m005_standing
 from perpetuity_core.memory.derived.index import (
@@ -36,6 +37,7 @@ from perpetuity_core.memory.storage.secrets import secret_kind
 from perpetuity_core.memory.storage.store import (
     Database,
     Deriver,
+    Forget,
     Migrate,
     Store,
     m001_initial,
@@ -232,6 +234,14 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m015_retrieval_numbered,
                                                    m016_born_with_retrieval,
                                                    m017_deletions_counted]
+
+
+# Each derived table's own purge hook (store.Forget), run before a purge deletes items. The
+# tables whose rows reference item(id) ON DELETE CASCADE (retrieval and its pending, numbered
+# and next rows, chain, binding) need none: the deletion takes them, and retrieval's trigger
+# logs what its counts must give back. A new derived table keyed by item either references it
+# so, or adds its hook here.
+FORGET: list[Forget] = [heat.forget]
 
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:

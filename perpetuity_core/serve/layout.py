@@ -23,6 +23,7 @@ from perpetuity_core.frame.plan import Plan
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.memory.storage import capture
+from perpetuity_core.memory.storage.kept import deletions
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
@@ -84,11 +85,23 @@ class Layout:
         # the preparing thread touches it; a restart costs one rebuilt frame.
         self._plans: OrderedDict[tuple[int, str], Plan] = OrderedDict()
         self._plan_tokens = 0  # their frames' and addenda's, together (PLAN_TOKENS)
+        self._deletions: int | None = None  # the memory's deletions when the plans were made
         # The bodies laid out, as JSON: a call writes only what the last ones did not.
         self.written = Written()
         # The frames' messages made before, by their text: a frame that shows what an earlier
         # one did hands the same messages on, whose wire form and JSON are made already.
         self.said = render.Said()
+
+    def _forget_if_purged(self) -> None:
+        """No plan is kept past a deletion from the memory: a frame quotes its rows verbatim,
+        and what a purge removed must not live on in one (a tool round of a task in progress,
+        `carried_only`, still carries its frame to the task's next prompt). One read of a
+        counter (kept.deletions) a request."""
+        count = deletions(self.store.db.connection())
+        if self._deletions is not None and count != self._deletions:
+            self._plans.clear()
+            self._plan_tokens = 0
+        self._deletions = count
 
     def recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
                 protocol: Protocol, asked_at: float, tools_on: bool,
@@ -119,6 +132,8 @@ class Layout:
         # system prompt and tools, and our tools with their note on the frame (its longest).
         ours = _OUR_TOOLS_CHARS + len(_tools_note(10**9)) if tools_on else 0
         fixed = (parsed.fixed_chars + ours + 3) // 4  # token_estimate's rule
+        if not carried_only:
+            self._forget_if_purged()
         old = self._plans.get(key)
         decided = plan.decide(old, messages, prompt, asked_at, self.limits, fixed)
         if carried_only and not isinstance(decided, plan.Carry):

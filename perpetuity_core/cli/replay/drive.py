@@ -185,8 +185,8 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
                  upstream_cache: AnthropicCache, floor_cache: AnthropicCache) -> None:
     built = build(call, shape, session)
     tally.prompts += call.starts_task
-    if anthropic.check(built.body):  # Claude Code's own record is not a valid request
-        tally.skipped_calls += 1
+    if problems := anthropic.check(built.body):  # Claude Code's record is not a valid request
+        tally.skip(problems)
         return
     sent, framed = side.send("/v1/messages?beta=true", built.headers, built.body,
                              {"content": call.reply}, call.replied_at)

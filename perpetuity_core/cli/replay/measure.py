@@ -114,6 +114,7 @@ class Tally:
     calls: int = 0
     prompts: int = 0
     skipped_calls: int = 0  # Claude Code's own record would have been refused
+    skipped_reasons: list[str] = field(default_factory=list)  # why, the first few
     skipped_lines: int = 0
     invalid: int = 0  # upstream requests the provider would refuse
     reasons: list[str] = field(default_factory=list)
@@ -158,11 +159,19 @@ class Tally:
             self.older_kept += sum(1 for name in older if name in upstream_text)
             self.older_in_context += in_context
 
+    def skip(self, problems: list[str]) -> None:
+        """A call not replayed: the API would refuse its rebuilt request, for `problems`."""
+        self.skipped_calls += 1
+        if len(self.skipped_reasons) < 5:
+            self.skipped_reasons.append(
+                f"{self.name} call {self.calls + self.skipped_calls}: {'; '.join(problems)}")
+
     def merge(self, other: Tally) -> None:
         for name in ("calls", "prompts", "skipped_calls", "skipped_lines", "invalid",
                      "older_used", "older_kept", "older_in_context", "calls_using_older", "live_identical", "framed"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reasons += [r for r in other.reasons if r not in self.reasons][:5 - len(self.reasons)]
+        self.skipped_reasons += other.skipped_reasons[:5 - len(self.skipped_reasons)]
         self.direct.add(other.direct)
         self.upstream.add(other.upstream)
         self.floor.add(other.floor)
@@ -182,7 +191,8 @@ class Tally:
                      "ratio": ratio(self.upstream.cost, self.direct.cost)},
             "direct": self.direct.as_dict(), "upstream": self.upstream.as_dict(),
             "invalid_requests": self.invalid, "invalid_reasons": self.reasons[:5],
-            "skipped_invalid_calls": self.skipped_calls, "skipped_lines": self.skipped_lines,
+            "skipped_invalid_calls": self.skipped_calls, "skipped_reasons": self.skipped_reasons,
+            "skipped_lines": self.skipped_lines,
             "older_history": {"calls": self.calls_using_older, "identifiers": self.older_used,
                               "kept": self.older_kept,
                               "recall": ratio(self.older_kept, self.older_used),

@@ -38,6 +38,8 @@ def table(report: dict[str, Any]) -> str:
                     f" direct (system prompt, tools, live task); above it: {causes}")
     if t["invalid_reasons"]:
         rows.append("invalid: " + "; ".join(t["invalid_reasons"]))
+    if t["skipped_reasons"]:
+        rows.append("skipped: " + "; ".join(t["skipped_reasons"]))
     rows.append(f"request template: {report['template']}")
     return "\n".join(rows)
 

@@ -15,10 +15,14 @@ Claude Code records one line per content block. Rebuilding what it sent:
 - thinking blocks keep their signatures and images stay content, as recorded;
 - a prompt whose `parentUuid` is an earlier block of the reply it follows (the person stopped
   the reply before its tool call ran) continues from that block: the later blocks were in the
-  reply but never in a request (the API would have refused the unanswered call).
+  reply but never in a request (the API would have refused the unanswered call);
+- a tool call whose result the file never recorded (an `ExitPlanMode` left unanswered) is
+  answered before the request goes, as Claude Code's own client pairs them (its
+  `[Tool result missing due to internal error]`, an error result, first in the next user
+  message), and a result that answers no call of the reply before it is dropped.
 
 A call whose rebuilt request would still be refused is Claude Code's record being incomplete:
-the replay skips it and counts it.
+the replay skips it, counts it and says why (`skipped_reasons`).
 
 A line that is not a JSON object, or a user/assistant line without a message, is skipped and
 counted.
@@ -37,6 +41,8 @@ from perpetuity_core.wire import conversation
 from perpetuity_core.wire.protocols import anthropic
 
 SYNTHETIC = "<synthetic>"
+# What Claude Code's client sends for a tool call it holds no result for (2.1.x, its cli).
+MISSING_RESULT = "[Tool result missing due to internal error]"
 
 
 @dataclass(slots=True)
@@ -185,10 +191,16 @@ class _Builder:
                                        bool(prompts) and prompts[-1] == len(self.messages) - 1))
 
     def flush(self) -> None:
-        """Close the assistant message being read, then the user message after it."""
+        """Close the assistant message being read, then the user message after it, each of the
+        reply's tool calls answered in it (see the module's docstring)."""
         if self.current is not None:
             self.messages.append(self.current)
             self.prompt_flags.append(False)
+            calls = [b.get("id") for b in self.current["content"] if b.get("type") == "tool_use"]
+            answered = {b.get("tool_use_id") for b in self.results}
+            self.results = [*({"type": "tool_result", "tool_use_id": c, "content": MISSING_RESULT,
+                               "is_error": True} for c in calls if c not in answered),
+                            *(b for b in self.results if b.get("tool_use_id") in calls)]
             self.current = None
         if self.results or self.others:
             self.messages.append({"role": "user", "content": self.results + self.others})

@@ -340,6 +340,11 @@ def rank_reheats(ranked_items: Sequence[int], neighbours: Iterable[tuple[int, in
 _PEAKS = tuple(reheat_peak(rank) for rank in range(1024))
 
 
+def forget(conn: Sql, item_ids: list[int]) -> None:
+    """A purge's hook (store.Forget): activations are keyed by item, not linked to it."""
+    conn.executemany("DELETE FROM activation WHERE item_id = ?", [(i,) for i in item_ids])
+
+
 def m003_heat(db: Database) -> None:
     """Heat (see heat.py): each user's token clock and each row's activation."""
     for sql in (

@@ -13,10 +13,11 @@ One line per violation; none means the memory is whole:
 - the chains up to their cursor are exactly what the live dictionary derives from the rows'
   text, and the binding log binds rows of the turn's own user only;
 - ids are never handed out twice: the high-water marks of deleted ids are kept;
-- no message of a harness's history is stored twice: two messages of one conversation at the
-  same place (pair key) with the same content, or one keyed as following a copy of itself (a
-  turn sent again after its unanswered copy, capture.py). The same words said again later, after
-  something else, are another message.
+- no message of a harness's history is stored twice: a later copy of a message (same
+  conversation, pair key and content) stored somewhere else than after the message its key
+  names (a re-sent history taken for new), or one keyed as following a copy of itself (a turn
+  sent again after its unanswered copy, capture.py). The same pair said again later (a second
+  "Continue" answered the same way) is stored in its place, and is another message.
 """
 
 from __future__ import annotations
@@ -157,21 +158,26 @@ def _ids(conn: Sql) -> list[str]:
 
 def _twice(conn: Sql) -> list[str]:
     # Only a message with another copy in its conversation (the same content: one pass over
-    # the fingerprint index) can be one stored twice; the later copy is listed.
+    # the fingerprint index) can be one stored twice. The later copy is listed when it is not
+    # where its pair key says it was said (after the message stored before it), and so is the
+    # rest of a history stored again after it, each in place after the copy before it.
     copies: dict[tuple[int, str], set[str]] = {}
-    twice = []
-    for i, conversation, key, fp in conn.execute(
-            "SELECT m.id, m.conversation_id, m.pair_key, m.fingerprint FROM message m"
-            " JOIN (SELECT conversation_id, fingerprint FROM message"
+    twice: dict[int, None] = {}  # in id order
+    for i, conversation, key, fp, before, before_fp in conn.execute(
+            "SELECT m.id, m.conversation_id, m.pair_key, m.fingerprint, b.id, b.fingerprint"
+            " FROM message m JOIN (SELECT conversation_id, fingerprint FROM message"
             " GROUP BY conversation_id, fingerprint HAVING count(*) > 1) d"
             " ON d.conversation_id = m.conversation_id AND d.fingerprint = m.fingerprint"
+            " LEFT JOIN message b ON b.id = (SELECT max(p.id) FROM message p"
+            " WHERE p.conversation_id = m.conversation_id AND p.id < m.id)"
             " ORDER BY m.id").fetchall():
         earlier = copies.setdefault((conversation, fp), set())
-        if earlier and (key in earlier or capture.after_itself(key, fp)):
-            twice.append(i)
+        if earlier and (capture.after_itself(key, fp) or key in earlier and (
+                not capture.follows(key, before_fp or "", fp) or before in twice)):
+            twice[i] = None
         earlier.add(key)
     return _listed("messages of a harness's history stored twice (same conversation, same"
-                   " place, same content)", twice)
+                   " place, same content)", list(twice))
 
 
 def _listed(what: str, ids: list[int]) -> list[str]:

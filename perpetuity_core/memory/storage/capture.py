@@ -3,7 +3,11 @@
 Harnesses re-send the whole history on every request. A message is recognised as already stored
 by its pair key, a digest of (previous message, this message): it survives a harness rewriting or
 dropping older turns (resume, compaction) and still tells a second "yes" after a different
-question from the first. Everything after the last recognised message is new.
+question from the first. Everything after the last recognised message is new. Recognition counts
+occurrences (issue 41): a pair the history holds n times is stored n times, the stored copies
+standing for its first occurrences; and a reply is recognised by its content alone (its
+predecessor rewritten) only after a message the store holds, so that a run of "ok" replies to
+turns a full disk refused does not stand in for those turns.
 
 A message the same as the one just before it is that message sent again, not a new one: a
 harness keeps a turn whose reply never came (the proxy died, the connection broke) and the same
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +39,7 @@ class TurnContext:
     model: str
     at: float
     after: str  # fingerprint of the last message the request sent
+    history: Sequence[Message] = ()  # what the request sent, read again when its reply comes
 
 
 def pair_key(previous_fingerprint: str, message: Message) -> str:
@@ -71,6 +77,11 @@ def after_itself(pair_key: str, fingerprint: str) -> bool:
     return pair_key == _pair.__wrapped__(fingerprint, fingerprint)
 
 
+def follows(pair_key: str, previous: str, fingerprint: str) -> bool:
+    """Was this stored message keyed as following the message stored just before it?"""
+    return pair_key == _pair.__wrapped__(previous, fingerprint)
+
+
 def new_messages(store: Store, conversation_id: int, messages: Sequence[Message]) -> list[int]:
     """Indexes of the messages the store has not seen in this conversation.
 
@@ -86,11 +97,29 @@ def _new(store: Store, conversation_id: int, messages: Sequence[Message]) -> dic
 
     def last_known(start: int, keys: list[str]) -> int:
         tail = range(start, len(messages))
-        known, replies = store.known(
+        stored, replies = store.known(
             conversation_id, [(messages[i].fingerprint(), keys[i - start]) for i in tail],
             [messages[i].fingerprint() for i in tail if messages[i].role == "assistant"])
-        return max((i for i in tail if keys[i - start] in known or (
-            messages[i].role == "assistant" and messages[i].fingerprint() in replies)), default=-1)
+        if not stored and not replies:
+            return -1
+        # A pair said n times in the history is stored n times: the first stored copies are its
+        # first occurrences, so a second "Continue" answered alike is not taken for the first.
+        seen = _occurrences(messages[:start], {messages[i].fingerprint() for i in tail}, stored)
+        last, before = -1, True  # `before`: the message before is one the store holds
+        for i in tail:
+            if i and messages[i].fingerprint() == messages[i - 1].fingerprint():
+                continue  # a copy sent again is not another occurrence (_keys)
+            key, message = keys[i - start], messages[i]
+            known = seen[key] < stored[key]
+            seen[key] += 1
+            # A reply re-sent after a message the store holds but keyed after another (that
+            # message rewritten, a compaction) is the reply it holds; after one it never got,
+            # it is not: issue 41's full disk lost the turns between repeated "ok" replies.
+            known |= before and message.role == "assistant" and message.fingerprint() in replies
+            if known:
+                last = i
+            before = known
+        return last
 
     # Usually only the newest turn is new: look at the tail first (and key it alone), the whole
     # history only when nothing there is known (a first contact, a rewritten history).
@@ -104,6 +133,19 @@ def _new(store: Store, conversation_id: int, messages: Sequence[Message]) -> dic
     # one before is keyed too, since `last` is at or after `start`.
     return {i: keys[i - start] for i in range(last + 1, len(messages))
             if not (i > start and keys[i - start] == keys[i - start - 1])}
+
+
+def _occurrences(before: Sequence[Message], wanted: set[str], keys: Counter[str]) -> Counter[str]:
+    """How often the history before the tail holds these stored pair keys; a pair is digested
+    only for a message with one of the tail's fingerprints (`wanted`), so a late call of a
+    long session pays a set lookup a message."""
+    seen: Counter[str] = Counter()
+    fingerprints = [m.fingerprint() for m in before]
+    for i in [i for i, f in enumerate(fingerprints) if f in wanted]:
+        this, prev = fingerprints[i], fingerprints[i - 1] if i else ""
+        if this != prev and (key := _pair(prev, this)) in keys:  # not a copy sent again
+            seen[key] += 1
+    return seen
 
 
 def record(
@@ -137,13 +179,21 @@ def record(
         for i, key in _new(store, conversation_id, messages).items()
     ]
     after = messages[-1].fingerprint() if messages else ""
-    return ids, TurnContext(user_id, conversation_id, provider, model, times[-1] if times else 0.0, after)
+    return ids, TurnContext(user_id, conversation_id, provider, model,
+                            times[-1] if times else 0.0, after, messages)
 
 
 def record_reply(store: Store, turn: TurnContext, reply: Reply, at: float) -> int | None:
-    """Store the assistant's reply; an empty one (a stream cut before any content) is not a turn."""
+    """Store the assistant's reply; an empty one (a stream cut before any content) is not a turn,
+    nor one the store holds already at this place more often than the history does: the same
+    request sent again (a client's retry, a second chat opening with the same words) got the
+    same answer, and the history holds it once."""
     if not reply.message.parts:
         return None
+    key = pair_key(turn.after, reply.message)
+    copies = store.copies(turn.conversation_id, reply.message.fingerprint(), key)
+    if copies and copies > _held(turn.history, key, reply.message.fingerprint()):
+        return None  # (the history read only when a copy is stored: seldom)
     return store.add_message(
         conversation_id=turn.conversation_id,
         user_id=turn.user_id,
@@ -151,9 +201,19 @@ def record_reply(store: Store, turn: TurnContext, reply: Reply, at: float) -> in
         provider=turn.provider,
         model=turn.model,
         at=at,
-        pair_key=pair_key(turn.after, reply.message),
+        pair_key=key,
         source="reply",
         usage=reply.usage,
         stop_reason=reply.stop_reason,
         complete=reply.complete,
     ).message_id
+
+
+def _held(history: Sequence[Message], key: str, fingerprint: str) -> int:
+    """How often `history` holds this message at the place `key` names (copies sent again
+    counted once, as _keys keys them)."""
+    held = 0
+    for i in [i for i, m in enumerate(history) if m.fingerprint() == fingerprint]:
+        prev = history[i - 1].fingerprint() if i else ""
+        held += prev != fingerprint and _pair(prev, fingerprint) == key
+    return held

@@ -29,6 +29,7 @@ import logging
 import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,10 @@ class StoredItem(NamedTuple):
 
 # Called inside each message's transaction with the rows just written; one writer per structure.
 Deriver = Callable[[Database, list[StoredItem]], None]
+# Called by a purge (memory/jobs/forget.py), inside its transaction, with the ids of the items
+# about to be deleted: a derived table keyed by item that no foreign key cascades from
+# item(id) removes its rows here (memory/schema.py lists them, FORGET).
+Forget = Callable[[Sql, list[int]], None]
 # Called by Store.flush, inside the batch's transaction, for the rows with after < seq <= upto.
 BatchDeriver = Callable[[Database, int, int], None]
 # Takes the counts of deleted retrieval rows back out, or orders the rows stored in parallel
@@ -345,9 +350,10 @@ class Store:
                 conversation_id, call_ids)}
 
     def known(self, conversation_id: int, messages: list[tuple[str, str]],
-              reply_fingerprints: list[str]) -> tuple[set[str], set[str]]:
-        """Which of these (fingerprint, pair key) messages' pair keys, and which assistant
-        fingerprints, this conversation already holds.
+              reply_fingerprints: list[str]) -> tuple[Counter[str], set[str]]:
+        """How many rows of this conversation hold each of these (fingerprint, pair key)
+        messages' pair keys (a pair said twice in a history is stored twice: capture matches
+        occurrences, not mere presence), and which of these assistant fingerprints it holds.
 
         One lookup by fingerprint (m014_message_lookup): a stored pair key digests its own
         message's fingerprint (capture.pair_key), so a message holding one of these keys has
@@ -359,8 +365,14 @@ class Store:
                 self.db, self.db.connection(),
                 "SELECT fingerprint, pair_key, role FROM message WHERE conversation_id = {}"
                 " AND fingerprint IN", conversation_id, sorted({f for f, _ in messages} | replies))
-        return ({k for _, k, _ in rows if k in keys},
+        return (Counter(k for _, k, _ in rows if k in keys),
                 {f for f, _, role in rows if role == "assistant" and f in replies})
+
+    def copies(self, conversation_id: int, fingerprint: str, pair_key: str) -> int:
+        """How many messages of this conversation hold this content at this place."""
+        with failing_as("read a message's copies"):
+            return int(self.db.connection().execute(
+                self.db.pick(_COPIES), (conversation_id, fingerprint, pair_key)).fetchone()[0])
 
     def add_message(
         self,
@@ -438,6 +450,8 @@ _NAME = {column: SQL.both(f"UPDATE conversation SET {column} = ? WHERE id = ?"
 _FIND_USER = SQL('SELECT id FROM user WHERE key = ?', 'SELECT id FROM "user" WHERE key = %s')
 _FIND_CONVERSATION = SQL.both("SELECT id FROM conversation WHERE user_id = ? AND key = ?")
 _LATEST = SQL.both("SELECT id FROM message WHERE conversation_id = ? ORDER BY id DESC LIMIT ?")
+_COPIES = SQL.both("SELECT count(*) FROM message WHERE conversation_id = ? AND fingerprint = ?"
+                   " AND pair_key = ?")
 _DERIVED = SQL.both("SELECT seq FROM derived WHERE name = ?")
 _DERIVED_TO = SQL.both("UPDATE derived SET seq = ? WHERE name = ?")
 # SQLite numbers the rows itself, past every id a deletion freed (m010), as the writer counts
