@@ -12,15 +12,6 @@ import pytest
 
 from perpetuity_core.cli import replay
 from perpetuity_core.cli.main import main
-from perpetuity_core.cli.replay.billing import (
-    AnthropicCache,
-    Block,
-    GeminiCache,
-    OpenAICache,
-    anthropic_blocks,
-    anthropic_min_tokens,
-    gemini_blocks,
-)
 from perpetuity_core.cli.replay.drive import proxy_shape
 from perpetuity_core.cli.replay.measure import identifiers, parts_text, with_context
 from perpetuity_core.cli.replay.request import (
@@ -33,6 +24,15 @@ from perpetuity_core.cli.replay.request import (
 )
 from perpetuity_core.cli.replay.sessions import read_session
 from perpetuity_core.errors import ConfigError
+from perpetuity_core.frame.billing import (
+    AnthropicCache,
+    GeminiCache,
+    OpenAICache,
+    anthropic_blocks,
+    anthropic_min_tokens,
+    gemini_blocks,
+)
+from perpetuity_core.frame.blocks import Block
 from perpetuity_core.wire.protocols import anthropic
 from tests.conftest import FIXTURES, SHARED, Proxy, needs_fixtures, opened, owned, query
 from tests.fake_provider import FakeProvider, Text

@@ -24,7 +24,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from perpetuity_core.cli.replay.billing import AnthropicCache
 from perpetuity_core.cli.replay.measure import (
     Tally,
     identifiers,
@@ -37,6 +36,7 @@ from perpetuity_core.cli.replay.measure import (
 from perpetuity_core.cli.replay.request import Template, build, load_template
 from perpetuity_core.cli.replay.sessions import Call, Session, chained, sessions_in_order
 from perpetuity_core.errors import ConfigError
+from perpetuity_core.frame.billing import AnthropicCache
 from perpetuity_core.frame.plan import TTL
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory

@@ -22,7 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from perpetuity_core.cli.replay.billing import Bill, block_text
+from perpetuity_core.frame.billing import Bill
+from perpetuity_core.frame.blocks import block_text
 from perpetuity_core.wire.protocols import anthropic
 
 _CANDIDATE = re.compile(r"~?(?:[\w.\-]*/)+[\w.\-]+|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][\w]*)+"

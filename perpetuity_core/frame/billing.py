@@ -22,20 +22,26 @@ and each content whole, read to the token, from a minimum size and at a read pri
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from perpetuity_core.frame.blocks import (
+    TTL_1H,
+    Block,
+    Blocks,
+    Prompt,
+    anthropic_groups,
+    gemini_groups,
+    openai_groups,
+)
 from perpetuity_core.frame.plan import READ, TTL, WRITE
-from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.wire.protocols import gemini
 
 # The cache the plan prices (frame/plan.py: READ, a 5-minute WRITE, TTL), and the 1-hour entry
-# a harness's own mark may ask for, which only the bill meets.
-WRITE_1H, TTL_1H = 2.0, 3600.0
+# a harness's own mark may ask for (blocks.TTL_1H), which only the bill meets.
+WRITE_1H = 2.0
 LOOKBACK = 20  # blocks before a mark where Anthropic still finds a cached prefix
-IMAGE_TOKENS = 1_600  # an image near Anthropic's 1.15-megapixel cap: (w*h)/750
+SWEEP_EVERY = 256  # bodies between two sweeps of a cache's expired entries (a proxy runs for days)
 
 # The smallest prefix Anthropic caches, by model family (the longest family name the model's
 # name starts with; Anthropic's prompt-caching documentation); any other model: 1,024.
@@ -93,98 +99,33 @@ class Bill:
                 "written_tokens": self.written, "uncached_tokens": self.uncached}
 
 
-@dataclass(frozen=True, slots=True)
-class Block:
-    """One cacheable unit of the prompt: its identity, its tokens, its mark's lifetime (0: none)."""
-
-    key: bytes
-    tokens: int
-    ttl: float = 0.0
+def anthropic_blocks(body: dict[str, Any], blocks: Blocks | None = None) -> list[Block]:
+    return (blocks or Blocks()).chain(anthropic_groups(body)).blocks
 
 
-def block_text(block: Any) -> str:
-    """What a content block costs to read, as text: the words of text and thinking, a tool
-    call's name and arguments, a tool result's content."""
-    if isinstance(block, str):
-        return block
-    if not isinstance(block, dict):
-        return ""
-    kind = block.get("type")
-    if kind == "text":
-        return str(block.get("text", ""))
-    if kind == "thinking":
-        return str(block.get("thinking", ""))
-    if kind in ("tool_use", "server_tool_use"):
-        return str(block.get("name", "")) + json.dumps(block.get("input"), ensure_ascii=False)
-    if kind == "tool_result":
-        content = block.get("content")
-        if isinstance(content, list):
-            return "\n".join(block_text(b) for b in content)
-        return str(content or "")
-    if kind in ("image", "document", "redacted_thinking"):
-        return ""
-    return json.dumps(_unmarked(block), ensure_ascii=False, sort_keys=True)
+def openai_blocks(body: dict[str, Any], blocks: Blocks | None = None) -> list[Block]:
+    return (blocks or Blocks()).chain(openai_groups(body)).blocks
 
 
-def block_tokens(block: Any) -> int:
-    images = 0
-    if isinstance(block, dict):
-        inner = block.get("content") if block.get("type") == "tool_result" else [block]
-        images = sum(1 for b in inner if isinstance(b, dict) and b.get("type") == "image") \
-            if isinstance(inner, list) else 0
-    return token_estimate(block_text(block)) + IMAGE_TOKENS * images
+def gemini_blocks(body: dict[str, Any], blocks: Blocks | None = None) -> list[Block]:
+    return (blocks or Blocks()).chain(gemini_groups(body)).blocks
 
 
-def _unmarked(block: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in block.items() if k != "cache_control"}
-
-
-def _ttl(block: Any) -> float:
-    mark = block.get("cache_control") if isinstance(block, dict) else None
-    if not isinstance(mark, dict):
-        return 0.0
-    return TTL_1H if mark.get("ttl") == "1h" else TTL
-
-
-def anthropic_blocks(body: dict[str, Any]) -> list[Block]:
-    """The prompt as Anthropic caches it: tools, system, then messages, block by block. Each
-    key digests the whole prefix up to that block, so equal keys mean equal prefixes."""
-    units: list[tuple[str, Any, int]] = []  # (where, block, tokens)
-    for tool in body.get("tools") or []:
-        units.append(("tool", tool, token_estimate(json.dumps(_unmarked(tool) if isinstance(
-            tool, dict) else tool, ensure_ascii=False))))
-    system = body.get("system")
-    for b in [{"type": "text", "text": system}] if isinstance(system, str) else system or []:
-        units.append(("system", b, block_tokens(b)))
-    for n, m in enumerate(body.get("messages") or []):
-        if not isinstance(m, dict):
-            continue
-        content = m.get("content")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
-        for i, b in enumerate(blocks):
-            units.append((f"{n}:{i}:{m.get('role')}", b, block_tokens(b)))
-    return _chain(units)
-
-
-def shared_prefix(entries: dict[bytes, float], blocks: list[Block], at: float) -> tuple[int, int]:
+def shared_prefix(entries: dict[bytes, float], prompt: Prompt, at: float) -> tuple[int, int]:
     """An automatic prefix cache's view of a request (OpenAI's, Gemini's): its tokens, and
-    those of the longest prefix still cached at `at`."""
-    ends, total = [], 0
-    for b in blocks:
-        total += b.tokens
-        ends.append(total)
-    return total, max((ends[i] for i, b in enumerate(blocks) if entries.get(b.key, -1.0) >= at),
-                      default=0)
+    those of the longest prefix still cached at `at`. Every request writes all its prefixes,
+    so a shorter prefix lives at least as long as a longer one: the last found is the longest."""
+    for i in range(len(prompt.blocks) - 1, -1, -1):
+        if entries.get(prompt.blocks[i].key, -1.0) >= at:
+            return prompt.tokens, prompt.ends[i]
+    return prompt.tokens, 0
 
 
-def _chain(units: list[tuple[str, Any, int]]) -> list[Block]:
-    h = hashlib.blake2b(digest_size=16)
-    out = []
-    for where, b, tokens in units:
-        raw = _unmarked(b) if isinstance(b, dict) else b
-        h.update(where.encode() + b"\x00" + json.dumps(raw, sort_keys=True).encode() + b"\x01")
-        out.append(Block(h.copy().digest(), tokens, _ttl(b)))
-    return out
+def _unexpired(entries: dict[bytes, float], blocks: Blocks, at: float) -> dict[bytes, float]:
+    """An automatic cache's entries, those expired at `at` dropped every SWEEP_EVERY bodies."""
+    if blocks.calls % SWEEP_EVERY:
+        return entries
+    return {k: expires for k, expires in entries.items() if expires >= at}
 
 
 @dataclass(slots=True)
@@ -198,16 +139,19 @@ class AnthropicCache:
     """One organisation's Anthropic prompt cache, billed request by request in time order."""
 
     entries: dict[bytes, _Entry] = field(default_factory=dict)
+    blocks: Blocks = field(default_factory=Blocks)
 
     def bill(self, body: dict[str, Any], at: float) -> Bill:
-        return self.bill_blocks(anthropic_blocks(body), at, str(body.get("model", "")))
+        if self.blocks.calls % SWEEP_EVERY == 0:
+            self.entries = {k: e for k, e in self.entries.items() if e.expires >= at}
+        return self.bill_prompt(self.blocks.chain(anthropic_groups(body)), at,
+                                str(body.get("model", "")))
 
     def bill_blocks(self, blocks: list[Block], at: float, model: str) -> Bill:
-        ends, total = [], 0
-        for b in blocks:
-            total += b.tokens
-            ends.append(total)
-        marks = [i for i, b in enumerate(blocks) if b.ttl]
+        return self.bill_prompt(Prompt.of(blocks), at, model)
+
+    def bill_prompt(self, prompt: Prompt, at: float, model: str) -> Bill:
+        blocks, ends, marks = prompt.blocks, prompt.ends, prompt.marks
         hit = -1
         for m in marks:
             for j in range(m, max(-1, m - LOOKBACK - 1), -1):
@@ -220,7 +164,7 @@ class AnthropicCache:
             entry = self.entries[blocks[hit].key]
             entry.expires = max(entry.expires, at + entry.ttl)
         minimum = anthropic_min_tokens(model)
-        bill = Bill(tokens=total, read=read, read_cost=READ * read)
+        bill = Bill(tokens=prompt.tokens, read=read, read_cost=READ * read)
         covered = read
         for m in marks:
             if ends[m] < minimum:
@@ -233,37 +177,9 @@ class AnthropicCache:
             old = self.entries.get(blocks[m].key)
             ttl = max(blocks[m].ttl, old.ttl if old and old.expires >= at else 0.0)
             self.entries[blocks[m].key] = _Entry(at + ttl, ttl)
-        bill.uncached = total - covered
+        bill.uncached = prompt.tokens - covered
         bill.uncached_cost = float(bill.uncached)
         return bill
-
-
-def openai_blocks(body: dict[str, Any]) -> list[Block]:
-    """The prompt as OpenAI sees its prefix: tools, instructions, then each message or input
-    item whole (Chat Completions or Responses)."""
-    units: list[tuple[str, Any, int]] = []
-    for tool in body.get("tools") or []:
-        units.append(("tool", tool, token_estimate(json.dumps(tool, ensure_ascii=False))))
-    if isinstance(body.get("instructions"), str):
-        units.append(("instructions", body["instructions"], token_estimate(body["instructions"])))
-    items = body.get("messages") or body.get("input") or []
-    if isinstance(items, str):
-        items = [items]
-    for n, item in enumerate(items):
-        units.append((f"{n}", item, token_estimate(_item_text(item))))
-    return [Block(b.key, b.tokens) for b in _chain(units)]
-
-
-def _item_text(item: Any) -> str:
-    if not isinstance(item, dict):
-        return str(item)
-    content = item.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(str(c.get("text", "")) if isinstance(c, dict) else str(c)
-                         for c in content)
-    return json.dumps(item, ensure_ascii=False, sort_keys=True)
 
 
 @dataclass(slots=True)
@@ -271,39 +187,26 @@ class OpenAICache:
     """OpenAI's automatic prefix cache: each request reads what it shares with a cached one."""
 
     entries: dict[bytes, float] = field(default_factory=dict)  # prefix key -> expiry
+    blocks: Blocks = field(default_factory=Blocks)
 
     def bill(self, body: dict[str, Any], at: float) -> Bill:
-        return self.bill_blocks(openai_blocks(body), at, str(body.get("model", "")))
+        self.entries = _unexpired(self.entries, self.blocks, at)
+        return self.bill_prompt(self.blocks.chain(openai_groups(body)), at,
+                                str(body.get("model", "")))
 
     def bill_blocks(self, blocks: list[Block], at: float, model: str) -> Bill:
-        total, shared = shared_prefix(self.entries, blocks, at)
+        return self.bill_prompt(Prompt.of(blocks), at, model)
+
+    def bill_prompt(self, prompt: Prompt, at: float, model: str) -> Bill:
+        total, shared = shared_prefix(self.entries, prompt, at)
         read = 0
         if shared >= OPENAI_MIN_TOKENS:
             read = OPENAI_MIN_TOKENS + (shared - OPENAI_MIN_TOKENS) // OPENAI_STEP * OPENAI_STEP
         if total >= OPENAI_MIN_TOKENS:
-            for b in blocks:
-                self.entries[b.key] = at + TTL
+            self.entries.update(dict.fromkeys((b.key for b in prompt.blocks), at + TTL))
         price = openai_read_price(model)
         return Bill(tokens=total, read=read, uncached=total - read, read_cost=price * read,
                     uncached_cost=float(total - read))
-
-
-def gemini_blocks(body: dict[str, Any]) -> list[Block]:
-    """The prompt as Gemini's implicit cache sees its prefix: the system instruction, the
-    tools, then each content whole (a Code Assist envelope read inside)."""
-    inner = body.get("request")
-    req: dict[str, Any] = inner if "contents" not in body and isinstance(inner, dict) else body
-    units: list[tuple[str, Any, int]] = []
-    if (system := req.get("systemInstruction")) is not None:
-        units.append(("system", system, token_estimate(json.dumps(system, ensure_ascii=False))))
-    for tool in req.get("tools") or []:
-        units.append(("tool", tool, token_estimate(json.dumps(tool, ensure_ascii=False))))
-    for n, content in enumerate(req.get("contents") or []):
-        parts = content.get("parts") if isinstance(content, dict) else None
-        text = "\n".join(str(p.get("text", "")) if "text" in p else json.dumps(p, ensure_ascii=False)
-                         for p in parts or [] if isinstance(p, dict))
-        units.append((f"{n}", content, token_estimate(text)))
-    return [Block(b.key, b.tokens) for b in _chain(units)]
 
 
 @dataclass(slots=True)
@@ -312,17 +215,22 @@ class GeminiCache:
     shares with a cached one, when that is at least the model's minimum."""
 
     entries: dict[bytes, float] = field(default_factory=dict)  # prefix key -> expiry
+    blocks: Blocks = field(default_factory=Blocks)
 
     def bill(self, body: dict[str, Any], at: float, model: str) -> Bill:
         """`model`: the path names it (Code Assist's body too)."""
-        return self.bill_blocks(gemini_blocks(body), at, model or str(body.get("model", "")))
+        self.entries = _unexpired(self.entries, self.blocks, at)
+        return self.bill_prompt(self.blocks.chain(gemini_groups(body)), at,
+                                model or str(body.get("model", "")))
 
     def bill_blocks(self, blocks: list[Block], at: float, model: str) -> Bill:
+        return self.bill_prompt(Prompt.of(blocks), at, model)
+
+    def bill_prompt(self, prompt: Prompt, at: float, model: str) -> Bill:
         rule = gemini.cache_rule(model)
-        total, shared = shared_prefix(self.entries, blocks, at)
+        total, shared = shared_prefix(self.entries, prompt, at)
         read = shared if shared >= rule.min_tokens else 0
         if total >= rule.min_tokens:
-            for b in blocks:
-                self.entries[b.key] = at + rule.ttl
+            self.entries.update(dict.fromkeys((b.key for b in prompt.blocks), at + rule.ttl))
         return Bill(tokens=total, read=read, uncached=total - read, read_cost=rule.read * read,
                     uncached_cost=float(total - read))
