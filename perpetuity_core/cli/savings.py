@@ -46,4 +46,4 @@ def table(days: list[tuple[str, Saved]]) -> str:
     if money and total.priced < total.calls:
         rows.append(f"{total.calls - total.priced} calls of models without a list price are in"
                     " the calls but not the money")
-    return "\n".join([*rows, *LEGEND])
+    return "\n".join([*rows, "", *LEGEND])
