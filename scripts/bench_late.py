@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Late calls against early ones, end to end through a real mitmdump (issue 43, target 2): the
+six shared Claude Code sessions chained into one conversation that never ends (as `perpetuity
+replay claude-code --chain` chains them), each call's request sent as Claude Code would have
+sent it, through the proxy and, the same bytes, straight to a sink.
+
+The sink (here, on its own thread) reads a request whole and answers a short streamed
+Messages reply at once; it is the proxy's upstream too. A call's added time is its time
+through the proxy less the time the same bytes took to the sink: what the proxy adds, whatever
+the body's size costs to send. The two sides alternate call by call.
+
+    .venv/bin/python scripts/bench_late.py [--passes 1] [--calls N] [--out FILE]
+
+Prints JSON: the added time's p50 (ms, to the last byte) over calls 100-200 and over the last
+100, their ratio, and per tenth of the calls; `--out` keeps every call's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from perpetuity_core.cli.replay.request import build, load_template  # noqa: E402
+from perpetuity_core.cli.replay.sessions import chained, sessions_in_order  # noqa: E402
+from tests.conftest import free_port, start_proxy, stop_proxy  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data" / "claude-code"
+_EVENTS = [
+    ("message_start", {"type": "message_start", "message": {
+        "id": "msg_sink", "type": "message", "role": "assistant", "model": "claude-sonnet-4-6",
+        "content": [], "stop_reason": None, "usage": {"input_tokens": 1, "output_tokens": 1}}}),
+    ("content_block_start", {"type": "content_block_start", "index": 0,
+                             "content_block": {"type": "text", "text": ""}}),
+    ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                             "delta": {"type": "text_delta", "text": "Done."}}),
+    ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                       "usage": {"output_tokens": 2}}),
+    ("message_stop", {"type": "message_stop"}),
+]
+REPLY = b"".join(f"event: {n}\ndata: {json.dumps(d)}\n\n".encode() for n, d in _EVENTS)
+HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: "
+        + str(len(REPLY)).encode() + b"\r\n\r\n")
+
+
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read each request whole (content-length or chunked), answer REPLY; keep-alive."""
+    try:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+            fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
+            if b"content-length" in fields:
+                await reader.readexactly(int(fields[b"content-length"]))
+            elif fields.get(b"transfer-encoding", b"").lower() == b"chunked":
+                while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+                    await reader.readexactly(size + 2)
+                await reader.readuntil(b"\r\n")
+            writer.write(HEAD + REPLY)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+def sink() -> str:
+    """The sink's URL, served on a thread of its own."""
+    port = free_port()
+    ready = threading.Event()
+
+    async def run() -> None:
+        server = await asyncio.start_server(_serve, "127.0.0.1", port, limit=1 << 20)
+        ready.set()
+        async with server:
+            await server.serve_forever()
+
+    threading.Thread(target=lambda: asyncio.run(run()), daemon=True).start()
+    ready.wait(10)
+    return f"http://127.0.0.1:{port}"
+
+
+def timed(client: httpx.Client, url: str, raw: bytes, headers: list[tuple[str, str]]) -> float:
+    """One streamed POST of `raw`, to its last byte, in ms."""
+    start = time.perf_counter()
+    with client.stream("POST", url + "/v1/messages?beta=true", content=raw,
+                       headers=headers) as r:
+        for _ in r.iter_raw():
+            pass
+        assert r.status_code == 200, r.status_code
+    return (time.perf_counter() - start) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--passes", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=0, help="only the chain's first N calls")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not DATA.is_dir():
+        sys.exit(f"bench_late: needs the shared sessions at {DATA}")
+    session = chained(list(sessions_in_order([DATA])) * args.passes)
+    shape = load_template(None)
+    calls = session.calls[:args.calls or None]
+    rows = []
+    upstream = sink()
+    with tempfile.TemporaryDirectory() as tmp:
+        proxy = start_proxy(Path(tmp), upstream)
+        try:
+            with httpx.Client(trust_env=False, timeout=120) as client:
+                for n, call in enumerate(calls):
+                    built = build(call, shape, session)
+                    raw = json.dumps(built.body).encode()
+                    headers = [(k, v) for k, v in built.headers if k.lower() != "content-length"]
+                    sides = ((upstream, "direct"), (proxy.url, "proxy"))
+                    got = {side: timed(client, url, raw, headers)
+                           for url, side in (sides if n % 2 else sides[::-1])}
+                    rows.append({"call": n, "bytes": len(raw),
+                                 "messages": len(built.body["messages"]),
+                                 "direct_ms": round(got["direct"], 2),
+                                 "proxy_ms": round(got["proxy"], 2),
+                                 "added_ms": round(got["proxy"] - got["direct"], 2)})
+        finally:
+            stop_proxy(proxy)
+    if args.out:
+        args.out.write_text(json.dumps(rows))
+
+    def p50(part: list[dict]) -> float:
+        return round(statistics.median(r["added_ms"] for r in part), 2) if part else 0.0
+
+    early, late = p50(rows[100:200]), p50(rows[-100:])
+    tenth = max(1, len(rows) // 10)
+    print(json.dumps({
+        "calls": len(rows), "largest_bytes": max(r["bytes"] for r in rows),
+        "added_ms_p50": {"calls_100_200": early, "last_100": late,
+                         "late_over_early": round(late / early, 2) if early else None},
+        "tenths": [{"from_call": i, "messages": rows[i]["messages"], "bytes": rows[i]["bytes"],
+                    "added_ms_p50": p50(rows[i:i + tenth]),
+                    "direct_ms_p50": round(statistics.median(
+                        r["direct_ms"] for r in rows[i:i + tenth]), 2)}
+                   for i in range(0, len(rows), tenth)]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
