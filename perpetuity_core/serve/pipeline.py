@@ -226,7 +226,7 @@ class Pipeline:
         it). What a round costs then is far less than the GIL's switch interval (5 ms), so
         the preparing thread would not spare the event loop that time, and its two hops would
         still cost theirs (issue 24): the addon asks this on the loop first."""
-        if req.method != "POST" or not self._seen.continues(req.body):
+        if req.method != "POST" or not self._seen.continues(req.body, INLINE_MESSAGES):
             return None
         return self._prepare(req, carried_only=True)
 
