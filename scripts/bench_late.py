@@ -9,10 +9,13 @@ Messages reply at once; it is the proxy's upstream too. A call's added time is i
 through the proxy less the time the same bytes took to the sink: what the proxy adds, whatever
 the body's size costs to send. The two sides alternate call by call.
 
-    .venv/bin/python scripts/bench_late.py [--passes 1] [--calls N] [--out FILE]
+    .venv/bin/python scripts/bench_late.py [--passes 1] [--calls N] [--out FILE] [--against DIR]
 
 Prints JSON: the added time's p50 (ms, to the last byte) over calls 100-200 and over the last
-100, their ratio, and per tenth of the calls; `--out` keeps every call's figures.
+100, their ratio, and per tenth of the calls; `--out` keeps every call's figures. `--against`
+runs a second proxy from another checkout (its addon, its code) beside this one, each call sent
+to both in turn: a paired comparison under the same load (a 2-core machine's load moves the
+added time 2x within one run).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from perpetuity_core.cli.replay.request import build, load_template  # noqa: E402
 from perpetuity_core.cli.replay.sessions import chained, sessions_in_order  # noqa: E402
+from tests import conftest  # noqa: E402
 from tests.conftest import free_port, start_proxy, stop_proxy  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "claude-code"
@@ -107,6 +111,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=1)
     ap.add_argument("--calls", type=int, default=0, help="only the chain's first N calls")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--against", type=Path, metavar="DIR", help="another checkout's proxy too")
     args = ap.parse_args()
     if not DATA.is_dir():
         sys.exit(f"bench_late: needs the shared sessions at {DATA}")
@@ -116,39 +121,52 @@ def main() -> None:
     rows = []
     upstream = sink()
     with tempfile.TemporaryDirectory() as tmp:
-        proxy = start_proxy(Path(tmp), upstream)
+        for side in ("this", "against"):
+            (Path(tmp) / side).mkdir()
+        proxies = {"proxy": start_proxy(Path(tmp) / "this", upstream)}
+        if args.against:
+            here, conftest.ROOT = conftest.ROOT, args.against.resolve()  # its addon script
+            try:
+                proxies["against"] = start_proxy(Path(tmp) / "against", upstream)
+            finally:
+                conftest.ROOT = here
         try:
             with httpx.Client(trust_env=False, timeout=120) as client:
                 for n, call in enumerate(calls):
                     built = build(call, shape, session)
                     raw = json.dumps(built.body).encode()
                     headers = [(k, v) for k, v in built.headers if k.lower() != "content-length"]
-                    sides = ((upstream, "direct"), (proxy.url, "proxy"))
-                    got = {side: timed(client, url, raw, headers)
-                           for url, side in (sides if n % 2 else sides[::-1])}
+                    sides = [(upstream, "direct"), *((p.url, s) for s, p in proxies.items())]
+                    order = sides[n % len(sides):] + sides[:n % len(sides)]  # rotated
+                    got = {side: timed(client, url, raw, headers) for url, side in order}
                     rows.append({"call": n, "bytes": len(raw),
                                  "messages": len(built.body["messages"]),
                                  "direct_ms": round(got["direct"], 2),
-                                 "proxy_ms": round(got["proxy"], 2),
-                                 "added_ms": round(got["proxy"] - got["direct"], 2)})
+                                 **{f"{s}_ms": round(got[s], 2) for s in proxies},
+                                 **{"added_ms" if s == "proxy" else f"{s}_added_ms":
+                                    round(got[s] - got["direct"], 2) for s in proxies}})
         finally:
-            stop_proxy(proxy)
+            for p in proxies.values():
+                stop_proxy(p)
     if args.out:
         args.out.write_text(json.dumps(rows))
 
-    def p50(part: list[dict]) -> float:
-        return round(statistics.median(r["added_ms"] for r in part), 2) if part else 0.0
+    def p50(part: list[dict], key: str = "added_ms") -> float:
+        return round(statistics.median(r[key] for r in part), 2) if part else 0.0
 
-    early, late = p50(rows[100:200]), p50(rows[-100:])
+    def summary(key: str) -> dict[str, float | None]:
+        early, late = p50(rows[100:200], key), p50(rows[-100:], key)
+        return {"calls_100_200": early, "last_100": late,
+                "late_over_early": round(late / early, 2) if early else None}
+
     tenth = max(1, len(rows) // 10)
+    keys = ["added_ms", *(["against_added_ms"] if args.against else [])]
     print(json.dumps({
         "calls": len(rows), "largest_bytes": max(r["bytes"] for r in rows),
-        "added_ms_p50": {"calls_100_200": early, "last_100": late,
-                         "late_over_early": round(late / early, 2) if early else None},
+        **{f"{k}_p50": summary(k) for k in keys},
         "tenths": [{"from_call": i, "messages": rows[i]["messages"], "bytes": rows[i]["bytes"],
-                    "added_ms_p50": p50(rows[i:i + tenth]),
-                    "direct_ms_p50": round(statistics.median(
-                        r["direct_ms"] for r in rows[i:i + tenth]), 2)}
+                    **{f"{k}_p50": p50(rows[i:i + tenth], k) for k in keys},
+                    "direct_ms_p50": p50(rows[i:i + tenth], "direct_ms")}
                    for i in range(0, len(rows), tenth)]}, indent=1))
 
 
