@@ -10,12 +10,15 @@ through the proxy less the time the same bytes took to the sink: what the proxy 
 the body's size costs to send. The two sides alternate call by call.
 
     .venv/bin/python scripts/bench_late.py [--passes 1] [--calls N] [--out FILE] [--against DIR]
+                                           [--trace]
 
 Prints JSON: the added time's p50 (ms, to the last byte) over calls 100-200 and over the last
 100, their ratio, and per tenth of the calls; `--out` keeps every call's figures. `--against`
 runs a second proxy from another checkout (its addon, its code) beside this one, each call sent
 to both in turn: a paired comparison under the same load (a 2-core machine's load moves the
-added time 2x within one run).
+added time 2x within one run). `--trace` loads profile_latency.py's tracing addon into this
+checkout's proxy: where each call's time to first byte went (its segments, and the CPU of
+prepare and of the event loop), medians over calls 100-200 and over the last 100.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -95,15 +99,33 @@ def sink() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def timed(client: httpx.Client, url: str, raw: bytes, headers: list[tuple[str, str]]) -> float:
-    """One streamed POST of `raw`, to its last byte, in ms."""
+def timed(client: httpx.Client, url: str, raw: bytes, headers: list[tuple[str, str]],
+          stamps: dict[str, float] | None = None) -> float:
+    """One streamed POST of `raw`, to its last byte, in ms; its send and first byte stamped
+    in `stamps` (perf_counter: the clock the trace stamps on)."""
     start = time.perf_counter()
     with client.stream("POST", url + "/v1/messages?beta=true", content=raw,
                        headers=headers) as r:
-        for _ in r.iter_raw():
-            pass
+        for n, _ in enumerate(r.iter_raw()):
+            if n == 0 and stamps is not None:
+                stamps.update(sent=start, ttfb=time.perf_counter())
         assert r.status_code == 200, r.status_code
     return (time.perf_counter() - start) * 1000
+
+
+def profile(stamps: list[dict[str, float]], trace: Path) -> dict[str, dict[str, float]]:
+    """The trace's segments of each call (profile_latency.segments), medians over calls
+    100-200 and over the last 100."""
+    from scripts.profile_latency import segments
+
+    lines = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    recs = [segments({**line, **client}) for line, client in zip(lines, stamps)]
+
+    def medians(part: list[dict[str, float]]) -> dict[str, float]:
+        names = sorted({k for r in part for k in r})
+        return {k: round(statistics.median(r[k] for r in part if k in r), 2) for k in names}
+
+    return {"calls_100_200": medians(recs[100:200]), "last_100": medians(recs[-100:])}
 
 
 def main() -> None:
@@ -112,6 +134,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=0, help="only the chain's first N calls")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--against", type=Path, metavar="DIR", help="another checkout's proxy too")
+    ap.add_argument("--trace", action="store_true", help="where this proxy's time went")
     args = ap.parse_args()
     if not DATA.is_dir():
         sys.exit(f"bench_late: needs the shared sessions at {DATA}")
@@ -123,13 +146,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for side in ("this", "against"):
             (Path(tmp) / side).mkdir()
-        proxies = {"proxy": start_proxy(Path(tmp) / "this", upstream)}
+        trace = Path(tmp) / "trace.jsonl"
+        extra = ("-s", str(ROOT / "scripts" / "profile_latency.py")) if args.trace else ()
+        os.environ["PERPETUITY_TRACE"] = str(trace)  # (read by the tracing addon alone)
+        proxies = {"proxy": start_proxy(Path(tmp) / "this", upstream, *extra)}
         if args.against:
             here, conftest.ROOT = conftest.ROOT, args.against.resolve()  # its addon script
             try:
                 proxies["against"] = start_proxy(Path(tmp) / "against", upstream)
             finally:
                 conftest.ROOT = here
+        stamps: list[dict[str, float]] = []
         try:
             with httpx.Client(trust_env=False, timeout=120) as client:
                 for n, call in enumerate(calls):
@@ -138,7 +165,10 @@ def main() -> None:
                     headers = [(k, v) for k, v in built.headers if k.lower() != "content-length"]
                     sides = [(upstream, "direct"), *((p.url, s) for s, p in proxies.items())]
                     order = sides[n % len(sides):] + sides[:n % len(sides)]  # rotated
-                    got = {side: timed(client, url, raw, headers) for url, side in order}
+                    stamps.append({})
+                    got = {side: timed(client, url, raw, headers,
+                                       stamps[-1] if side == "proxy" else None)
+                           for url, side in order}
                     rows.append({"call": n, "bytes": len(raw),
                                  "messages": len(built.body["messages"]),
                                  "direct_ms": round(got["direct"], 2),
@@ -148,6 +178,7 @@ def main() -> None:
         finally:
             for p in proxies.values():
                 stop_proxy(p)
+        profiled = profile(stamps, trace) if args.trace else None
     if args.out:
         args.out.write_text(json.dumps(rows))
 
@@ -167,7 +198,8 @@ def main() -> None:
         "tenths": [{"from_call": i, "messages": rows[i]["messages"], "bytes": rows[i]["bytes"],
                     **{f"{k}_p50": p50(rows[i:i + tenth], k) for k in keys},
                     "direct_ms_p50": p50(rows[i:i + tenth], "direct_ms")}
-                   for i in range(0, len(rows), tenth)]}, indent=1))
+                   for i in range(0, len(rows), tenth)],
+        **({"profile_ms": profiled} if profiled else {})}, indent=1))
 
 
 if __name__ == "__main__":
