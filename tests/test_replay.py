@@ -36,7 +36,13 @@ from perpetuity_core.frame.billing import (
     anthropic_min_tokens,
     gemini_blocks,
 )
-from perpetuity_core.frame.blocks import Block
+from perpetuity_core.frame.blocks import (
+    Block,
+    Blocks,
+    anthropic_groups,
+    gemini_groups,
+    openai_groups,
+)
 from perpetuity_core.frame.prices import Price, dollars, list_price
 from perpetuity_core.wire.protocols import anthropic
 from tests.conftest import FIXTURES, SHARED, Proxy, needs_fixtures, opened, owned, query
@@ -490,3 +496,33 @@ def test_a_model_is_priced_by_its_family_never_by_a_version_the_list_does_not_kn
     tally.add(bill, bill, [], True, set(), "", False, model="gpt-6.2-sol")
     assert tally.as_dict()["money"]["unpriced_models"] == ["gpt-6.2-sol"]
     assert "no list price for gpt-6.2-sol" in saving(tally.as_dict())
+
+
+def test_blocks_made_once_are_the_blocks_made_anew() -> None:
+    """A body's blocks from the memo (the last bodies' shared start, then each unit by prefix,
+    place and id) are those made from scratch, call after call: a history that grows with the
+    same objects, a mark that moves, a message changed in the middle, a tool added, another
+    conversation between, the same object at another place."""
+    memo = Blocks()
+    tools = [{"name": "Read", "description": "r " * 50, "input_schema": {}}]
+    system = [{"type": "text", "text": "s " * 300, "cache_control": {"type": "ephemeral"}}]
+    history: list[dict[str, Any]] = []
+    other = [{"role": "user", "content": "another conversation"}]
+    for n in range(40):
+        history.append({"role": "user" if n % 2 == 0 else "assistant",
+                        "content": [{"type": "text", "text": f"turn {n} " * (n + 1)}]})
+        marked = [*history[:-1], {**history[-1], "content": [
+            {**history[-1]["content"][0], "cache_control": {"type": "ephemeral"}}]}]
+        if n == 20:
+            history[5] = {"role": history[5]["role"], "content": "changed in the middle"}
+        if n == 30:
+            tools = [*tools, {"name": "Write", "description": "w", "input_schema": {}}]
+        for body in ({"tools": tools, "system": system, "messages": marked},
+                     {"tools": tools, "system": system, "messages": other + history[:3]},
+                     {"tools": tools, "system": system, "messages": history[1:]}):
+            for groups in (anthropic_groups(body), openai_groups(
+                    {"tools": tools, "messages": body["messages"]}), gemini_groups(
+                    {"contents": body["messages"]})):
+                got, fresh = memo.chain(groups), Blocks().chain(groups)
+                assert (got.blocks, got.ends, got.marks) == (fresh.blocks, fresh.ends,
+                                                             fresh.marks)
