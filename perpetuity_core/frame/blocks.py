@@ -84,9 +84,10 @@ class Blocks:
         units = [u for _, objs, _ in groups for u in objs]
         starts = list(accumulate((len(objs) for _, objs, _ in groups), initial=0))[:-1]
         lane, same = self._lane(units, starts)
-        cut = lane.unit_ends[same - 1] if lane and same else 0
-        blocks = lane.prompt.blocks[:cut] if lane else []
-        unit_ends = lane.unit_ends[:same] if lane else []
+        base = lane.prompt if lane is not None else Prompt([], [], [])
+        unit_ends = lane.unit_ends[:same] if lane is not None else []
+        cut = unit_ends[-1] if unit_ends else 0  # the blocks taken as they were
+        blocks = base.blocks[:cut]
         start = 0
         for kind, objs, parts in groups:
             for n in range(max(same - start, 0), len(objs)):
@@ -95,13 +96,12 @@ class Blocks:
                 unit_ends.append(len(blocks))
             start += len(objs)
         fresh = blocks[cut:]
-        prompt = Prompt(blocks, (lane.prompt.ends[:cut] if lane else []) + list(accumulate(
-            (b.tokens for b in fresh), initial=lane.prompt.ends[cut - 1] if lane and cut else 0)
-        )[1:], [m for m in lane.prompt.marks if m < cut] if lane else [])
-        prompt.marks += [cut + i for i, b in enumerate(fresh) if b.ttl]
-        if lane is not None:
-            self._lanes.remove(lane)
-        self._lanes = [_Lane(units, starts, unit_ends, prompt), *self._lanes][:LANES]
+        ends = base.ends[:cut] + list(accumulate(
+            (b.tokens for b in fresh), initial=base.ends[cut - 1] if cut else 0))[1:]
+        marks = [m for m in base.marks if m < cut] + [cut + i for i, b in enumerate(fresh) if b.ttl]
+        prompt = Prompt(blocks, ends, marks)
+        self._lanes = [_Lane(units, starts, unit_ends, prompt),
+                       *(other for other in self._lanes if other is not lane)][:LANES]
         if self.calls % KEEP_CALLS == 0:
             self._made = {k: v for k, v in self._made.items() if v[2] > self.calls - KEEP_CALLS}
         return prompt
