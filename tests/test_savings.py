@@ -17,6 +17,8 @@ from perpetuity_core.frame.billing import AnthropicCache
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import savings
 from perpetuity_core.memory.storage.savings import Saved
+from perpetuity_core.serve.savings import reported_bill
+from perpetuity_core.wire.conversation import Message, Protocol, Reply, Usage
 from tests import postgres
 from tests.conftest import Proxy, owned, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text, ToolCall
@@ -170,3 +172,20 @@ def test_a_days_calls_add_up_on_either_backend(memory_at: Path | str,
     assert lines[3].split() == ["2026-12-05", "1", "0.00", "0.00", "60%", "0.00"]
     assert lines[5].split()[:2] == ["total", "4"] and "60%" in lines[5]
     assert "1 calls of models without a list price" in printed
+
+
+@pytest.mark.parametrize(("protocol", "model", "usage", "want"), [
+    # Anthropic counts its uncached input apart from what the cache read and wrote.
+    (Protocol.ANTHROPIC, MODEL, Usage(100, 5, 1000, 200), (100, 1000, 200, 100 + 100 + 250)),
+    # OpenAI and Gemini count the cached tokens inside the input.
+    (Protocol.RESPONSES, "gpt-5", Usage(1100, 5, 1000), (100, 1000, 0, 100 + 100)),
+    (Protocol.CHAT, "gpt-4o", Usage(1100, 5, 1000), (100, 1000, 0, 100 + 500)),
+    (Protocol.GEMINI, "gemini-2.5-pro", Usage(1100, 5, 1000), (100, 1000, 0, 100 + 100)),
+])
+def test_the_providers_usage_is_billed_as_it_counts_it(
+        protocol: Protocol, model: str, usage: Usage, want: tuple[int, int, int, float]) -> None:
+    bill = reported_bill(protocol, Reply(Message("assistant", ()), usage), model)
+    assert bill is not None
+    assert (bill.uncached, bill.read, bill.written) == want[:3]
+    assert bill.cost == pytest.approx(want[3])
+    assert reported_bill(protocol, Reply(Message("assistant", ()), Usage(0, 7)), model) is None
