@@ -9,6 +9,12 @@ read: wire.seen) and added to the day's row.
 
 Prints JSON: per tenth of the calls, the median ms of the billing (`bill_ms`) and of the
 write (`write_ms`), and the history's messages.
+
+What it found (h-code43, 678 calls, histories to 1,356 messages and 7.3 MB, load 9 on 2 cores):
+billing 0.53-0.94 ms a call (median per tenth; 0.6-0.95 ms of CPU, p99 3-5.6), the write
+0.05-0.08 ms. The one call over 11 ms of CPU (50 ms, at 878 messages) is a body that does not
+continue the one before: every block made anew, as the pipeline parses it anew. Billing each
+body from scratch, as the replay did, took 0.8 s a call at 2,712 messages (14.5 MB).
 """
 
 from __future__ import annotations
