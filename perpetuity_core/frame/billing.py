@@ -1,4 +1,6 @@
-"""What a request costs once the provider's prompt cache has done its work.
+"""What a request costs once the provider's prompt cache has done its work: the rules both
+`perpetuity replay` and the proxy's live tally (serve/savings.py) bill by. The prompt's blocks
+are made in frame/blocks.py; a bill's money, at the model's list price, in frame/prices.py.
 
 Costs are in units of one uncached input token. Tokens are counted with the one estimator the
 rest of the package uses (`memory.index.token_estimate`), on the direct request and on the one the proxy
