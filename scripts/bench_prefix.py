@@ -11,7 +11,7 @@ recall off (the history as the client sent it), in two protocols whose caches wo
              as a model with a 1,024-token minimum. Anthropic writes a prefix to its cache only
              at a marked block and reads one only at a marker or up to 20 blocks before it.
 
-Both are billed by `perpetuity_core.cli.replay.billing` (the rules are in its docstring), on the replay's
+Both are billed by `perpetuity_core.frame.billing` (the rules are in its docstring), on the replay's
 own clock, as `perpetuity replay` bills. Costs are in units of one uncached input token, per
 request. Prints JSON.
 
@@ -42,8 +42,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from perpetuity_core.cli.eval import _request
-from perpetuity_core.cli.replay.billing import AnthropicCache, Bill, OpenAICache
 from perpetuity_core.cli.replay.drive import paced
+from perpetuity_core.frame.billing import AnthropicCache, Bill, OpenAICache
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import HttpRequest

@@ -44,10 +44,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from perpetuity_core.cli.replay import drive  # noqa: E402
-from perpetuity_core.cli.replay.billing import AnthropicCache  # noqa: E402
 from perpetuity_core.cli.replay.measure import Tally  # noqa: E402
 from perpetuity_core.cli.replay.request import load_template  # noqa: E402
 from perpetuity_core.cli.replay.sessions import chained, sessions_in_order  # noqa: E402
+from perpetuity_core.frame.billing import AnthropicCache  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
 from perpetuity_core.serve.pipeline import Pipeline, Settings  # noqa: E402
 from perpetuity_core.wire.conversation import Provider  # noqa: E402

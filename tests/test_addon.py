@@ -20,7 +20,7 @@ from perpetuity_core.memory.storage import capture
 from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
-from perpetuity_core.serve.pipeline import INLINE_BODY, Pipeline
+from perpetuity_core.serve.pipeline import INLINE_BODY, INLINE_MESSAGES, Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.wire.conversation import Message, Provider, text_part
@@ -414,6 +414,24 @@ def test_a_carried_tool_round_is_what_prepare_decides(tmp_path: Path) -> None:
     _same(_stored(ours, prompt), _stored(theirs, prompt))
     for p in pipelines:
         p.store.close()
+
+
+def test_a_long_history_is_refused_on_the_loop_before_it_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past INLINE_MESSAGES the on-loop try declines a tool round from the messages counted
+    where its body continues one read before, not after parsing it (issue 43: every late
+    request was read on the loop, given up, and read again on the thread)."""
+    ours = Pipeline(open_memory(tmp_path / "m.db"),
+                    Settings(upstreams={Provider.ANTHROPIC: "https://a.test"}))
+    for k in (1, 2):
+        _stored(ours, _task(k, prompts=2))
+    assert ours.carried(_request(_task(3, prompts=2))) is not None  # short: carried on the loop
+    rounds = INLINE_MESSAGES // 2 + 5
+    _stored(ours, _task(rounds))
+    reads = []
+    monkeypatch.setattr(ours._seen, "read", lambda raw: reads.append(raw))
+    assert ours.carried(_request(_task(rounds + 1))) is None and reads == []
+    ours.store.close()
 
 
 def test_a_tool_round_is_prepared_on_the_loop_when_its_plan_is_carried(tmp_path: Path) -> None:

@@ -12,17 +12,10 @@ import pytest
 
 from perpetuity_core.cli import replay
 from perpetuity_core.cli.main import main
-from perpetuity_core.cli.replay.billing import (
-    AnthropicCache,
-    Block,
-    GeminiCache,
-    OpenAICache,
-    anthropic_blocks,
-    anthropic_min_tokens,
-    gemini_blocks,
-)
+from perpetuity_core.cli.replay import drive
 from perpetuity_core.cli.replay.drive import proxy_shape
-from perpetuity_core.cli.replay.measure import identifiers, parts_text, with_context
+from perpetuity_core.cli.replay.measure import Tally, identifiers, parts_text, with_context
+from perpetuity_core.cli.replay.report import LEGEND, saving, table
 from perpetuity_core.cli.replay.request import (
     DEFAULT_TEMPLATE,
     STAND_IN_SOURCE,
@@ -30,9 +23,27 @@ from perpetuity_core.cli.replay.request import (
     STAND_IN_TOOLS,
     build,
     load_template,
+    stand_in,
 )
 from perpetuity_core.cli.replay.sessions import read_session
 from perpetuity_core.errors import ConfigError
+from perpetuity_core.frame.billing import (
+    AnthropicCache,
+    Bill,
+    GeminiCache,
+    OpenAICache,
+    anthropic_blocks,
+    anthropic_min_tokens,
+    gemini_blocks,
+)
+from perpetuity_core.frame.blocks import (
+    Block,
+    Blocks,
+    anthropic_groups,
+    gemini_groups,
+    openai_groups,
+)
+from perpetuity_core.frame.prices import Price, dollars, list_price
 from perpetuity_core.wire.protocols import anthropic
 from tests.conftest import FIXTURES, SHARED, Proxy, needs_fixtures, opened, owned, query
 from tests.fake_provider import FakeProvider, Text
@@ -439,3 +450,79 @@ def test_the_default_template_is_shareds_claude_code_capture() -> None:
     # silently fall back to the short built-in prompt (the replay's figures depend on it).
     assert DEFAULT_TEMPLATE == FIXTURES / "claude-code" / "02-basic-messages-stream.json"
     assert DEFAULT_TEMPLATE.is_file()
+
+
+# --------------------------------------------------------------------------- in plain words
+
+
+def test_the_saving_is_said_in_money_first_and_stand_ins_before_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    coding_session().write(tmp_path / f"{SID}.jsonl")
+    report = replay.claude_code([tmp_path / f"{SID}.jsonl"],
+                                template=template_file(tmp_path / "t.json"))
+    out = report.as_dict()
+    t = out["total"]
+    # Every call is claude-sonnet-4-6, $3 per million uncached input tokens.
+    assert t["money"]["direct_usd"] == round(report.total.direct.cost * 3 / 1e6, 2) > 0
+    assert t["money"]["saved"] == round(1 - report.total.upstream_usd / report.total.direct_usd, 4)
+    lines = table(out).splitlines()
+    assert lines[0] == (f"${t['money']['direct_usd']:,.2f} direct, ${t['money']['upstream_usd']:,.2f}"
+                        f" through Perpetuity, {t['money']['saved']:.0%} less (5 calls, input at"
+                        " each model's list price, prompt cache included)")
+    head = next(line for line in lines if line.startswith("session"))
+    for column in ("calls", "prompts", "$ direct", "$ Perpetuity", "less", "tokens", "refused",
+                   "skipped", "older kept", "+context", "live same"):  # each column explained
+        assert column in head and any(f"{column}:" in line or f"{column}," in line
+                                      for line in LEGEND), column
+    monkeypatch.setattr(drive, "load_template", lambda template, kept=None: stand_in())
+    guessed = replay.claude_code([tmp_path / f"{SID}.jsonl"]).as_dict()
+    assert guessed["stand_ins"] and table(guessed).splitlines()[0] == (
+        f"Stand-in prompts: {STAND_IN_SOURCE}; the figures are a guess.")
+
+
+def test_a_model_is_priced_by_its_family_never_by_a_version_the_list_does_not_know() -> None:
+    assert list_price("claude-haiku-4-5-20251001") == Price(1.0)
+    assert list_price("claude-opus-4-20250514") == Price(15.0)  # a date: Opus 4
+    assert list_price("claude-opus-4-6") == Price(5.0)
+    assert list_price("claude-opus-4-9") is None  # a version: not Opus 4's price
+    assert list_price("gpt-5-codex") == Price(1.25) and list_price("gpt-5.6-sol") is None
+    assert list_price("models/gemini-2.5-flash-lite") == Price(0.1)
+    bill = Bill(tokens=3000, read=1000, written=1000, uncached=1000, read_cost=100.0,
+                write_cost=1250.0, uncached_cost=1000.0)
+    assert dollars(bill, Price(3.0)) == pytest.approx(2350 * 3 / 1e6)
+    # A model whose cache hits are priced apart: the hit at its own price.
+    assert dollars(bill, Price(2.0, 0.1)) == pytest.approx(2250 * 2 / 1e6 + 1000 * 0.1 / 1e6)
+    tally = Tally("t")
+    tally.add(bill, bill, [], True, set(), "", False, model="gpt-6.2-sol")
+    assert tally.as_dict()["money"]["unpriced_models"] == ["gpt-6.2-sol"]
+    assert "no list price for gpt-6.2-sol" in saving(tally.as_dict())
+
+
+def test_blocks_made_once_are_the_blocks_made_anew() -> None:
+    """A body's blocks from the memo (the last bodies' shared start, then each unit by prefix,
+    place and id) are those made from scratch, call after call: a history that grows with the
+    same objects, a mark that moves, a message changed in the middle, a tool added, another
+    conversation between, the same object at another place."""
+    memo = Blocks()
+    tools = [{"name": "Read", "description": "r " * 50, "input_schema": {}}]
+    system = [{"type": "text", "text": "s " * 300, "cache_control": {"type": "ephemeral"}}]
+    history: list[dict[str, Any]] = []
+    other = [{"role": "user", "content": "another conversation"}]
+    for n in range(40):
+        history.append({"role": "user" if n % 2 == 0 else "assistant",
+                        "content": [{"type": "text", "text": f"turn {n} " * (n + 1)}]})
+        marked = [*history[:-1], {**history[-1], "content": [
+            {**history[-1]["content"][0], "cache_control": {"type": "ephemeral"}}]}]
+        if n == 20:
+            history[5] = {"role": history[5]["role"], "content": "changed in the middle"}
+        if n == 30:
+            tools = [*tools, {"name": "Write", "description": "w", "input_schema": {}}]
+        for body in ({"tools": tools, "system": system, "messages": marked},
+                     {"tools": tools, "system": system, "messages": other + history[:3]},
+                     {"tools": tools, "system": system, "messages": history[1:]}):
+            for groups in (anthropic_groups(body), openai_groups(
+                    {"tools": tools, "messages": body["messages"]}), gemini_groups(
+                    {"contents": body["messages"]})):
+                got, fresh = memo.chain(groups), Blocks().chain(groups)
+                assert (got.blocks, got.ends, got.marks) == (fresh.blocks, fresh.ends,
+                                                             fresh.marks)

@@ -21,7 +21,8 @@ from perpetuity_core.memory.derived import heat, index, scan
 from perpetuity_core.memory.jobs import maintenance
 from perpetuity_core.memory.jobs.integrity import check
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.memory.storage import capture, dictionary
+from perpetuity_core.memory.storage import capture, dictionary, savings
+from perpetuity_core.memory.storage.savings import Saved
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Kind, Message, Part
 from tests.conftest import opened_other, query
@@ -337,6 +338,8 @@ def test_a_sqlite_memory_migrates_to_postgresql_and_checks_on_both_sides(
     index.purge(s, add(s, "u1", "u1-c0", ["purged before the copy"]))
     add(s, "u1", "u1-c0", ["unsettled | stored after the purge"])
     heat.advance(s.db, s.user_id("u1"), 500)
+    tallied = Saved(calls=2, priced=2, direct_cost=10.0, sent_cost=4.0, direct_usd=0.5)
+    savings.add(s.db, "2026-12-06", "anthropic", "claude-sonnet-4-6", tallied)
     salt = s.salt
     uid = s.user_id("u1")
     q = "garden violin support"
@@ -351,6 +354,7 @@ def test_a_sqlite_memory_migrates_to_postgresql_and_checks_on_both_sides(
     t = open_memory(url)
     try:
         assert t.salt == salt and t.user_id("u1") == uid and heat.clock(t.db, uid) == 500
+        assert savings.by_day(t.db.translated()) == [("2026-12-06", tallied)]  # the tally too
         same(ranked(scan.Scanner(t, store_rows=0).search(q, uid, 10)), want)
         new = add(t, "u1", "u1-c0", ["written after the move"])
         assert min(new) > max(i for i, _ in want) and check(t) == []

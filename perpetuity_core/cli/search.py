@@ -140,8 +140,11 @@ def _table(hits: list) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    """Users, conversations, messages, rows, tokens, dictionary version, arena size."""
+    """Users, conversations, messages, rows, tokens, dictionary version, arena size; and what
+    the calls through the proxy cost against sending them direct, per day and in total."""
+    from perpetuity_core.cli import savings
     from perpetuity_core.memory.derived.arena import Arena
+    from perpetuity_core.memory.storage.savings import by_day
 
     with opened(args.db) as store:
         conn = store.db.translated()  # a command's statements: written once
@@ -166,9 +169,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "arena_postings_bytes": sum(s.nbytes() for s in arena.segments),
             "db_bytes": store.size_bytes(),
         }
+        days = by_day(conn)
     if args.json:
-        print(json.dumps(stats))
+        print(json.dumps({**stats, "saving": savings.summary(days)}))
     else:
         for k, v in stats.items():
             print(f"{k:>22}  {v}")
+        print("\n" + savings.table(days))
     return 0

@@ -33,6 +33,7 @@ from perpetuity_core.memory.derived.index import (
 from perpetuity_core.memory.storage import dictionary
 from perpetuity_core.memory.storage.dialect import Sql, trigger
 from perpetuity_core.memory.storage.names import opening_words
+from perpetuity_core.memory.storage.savings import m018_savings
 from perpetuity_core.memory.storage.secrets import secret_kind
 from perpetuity_core.memory.storage.store import (
     Database,
@@ -233,7 +234,7 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m013_id_sequences, m014_message_lookup,
                                                    m015_retrieval_numbered,
                                                    m016_born_with_retrieval,
-                                                   m017_deletions_counted]
+                                                   m017_deletions_counted, m018_savings]
 
 
 # Each derived table's own purge hook (store.Forget), run before a purge deletes items. The

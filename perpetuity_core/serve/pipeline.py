@@ -46,6 +46,7 @@ from perpetuity_core.serve.exchange import (
     Recall,
 )
 from perpetuity_core.serve.layout import Layout, last_user_text
+from perpetuity_core.serve.savings import Savings
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.wire import mend
 from perpetuity_core.wire.conversation import (
@@ -137,6 +138,7 @@ class Pipeline:
         self.layout = Layout(store, self.scanner, settings)
         self._shapes: dict[str, str] = {}  # harness -> digest of its request shape last kept
         self._seen = Seen()  # the bodies last read, so that a longer one reads only its tail
+        self.savings = Savings()  # the live tally's prompt caches (the store's writer uses them)
 
     def _json_body(self, raw: bytes) -> tuple[Read | None, str]:
         """The body read, or None with why not when it is not a JSON object this path may
@@ -248,7 +250,7 @@ class Pipeline:
         it). What a round costs then is far less than the GIL's switch interval (5 ms), so
         the preparing thread would not spare the event loop that time, and its two hops would
         still cost theirs (issue 24): the addon asks this on the loop first."""
-        if req.method != "POST" or not self._seen.continues(req.body):
+        if req.method != "POST" or not self._seen.continues(req.body, INLINE_MESSAGES):
             return None
         return self._prepare(req, carried_only=True)
 
@@ -319,7 +321,7 @@ class Pipeline:
                                       structured=parsed.structured_output)
                 decision.job = Job(method=req.method, url=r.upstream_url,
                                    headers=_forwarded(req), body=req.body, protocol=r.protocol,
-                                   stream=parsed.stream, pending=pending)
+                                   stream=parsed.stream, pending=pending, direct=body)
             return decision
         claimed = _claimed_time(controls.at, time.time())
         at = claimed if claimed is not None else time.time()
@@ -370,7 +372,7 @@ class Pipeline:
             max_rounds=settings.tool_rounds, tool_specs=specs,
             original=req.body if recall.body is not None else None,
             first_round=self._first_round(r.protocol, recall.sent, specs)
-            if recall.memory is not None else None)
+            if recall.memory is not None else None, direct=body, sent=recall.sent)
         decision.note = _noted("captured", recall.note)
         return decision
 
@@ -426,6 +428,10 @@ class Pipeline:
             text = "\n".join(p.text for p in reply.message.parts)
             if cited := notes.cited_notes(text, recalled):
                 notes.mark_used(pending.library, cited, date.today())
+
+    def tally(self, job: Job, reply: Reply) -> None:
+        """Add the call to the live tally of what the proxy saves (the store's writer)."""
+        self.savings.record(self.store.db, job, reply)
 
     def run_tool(self, name: str, arguments: Any, memory: TurnMemory) -> str:
         """One call of a tool we added (the recall tools, note_capture): the text the model

@@ -1,5 +1,5 @@
 """A job's writes, on the store's one writer thread: `sent` (the request's messages) and
-`replied` (the reply, queued behind them).
+`replied` (the reply and the call's live tally, queued behind them).
 
 Many paths reach the point where a write is due (the relay as the first bytes go out and again
 at the end, the tee on mitmproxy's stream, the addon's `response` and `error` hooks, a fallback
@@ -29,6 +29,8 @@ class Stores(Protocol):
     def store_reply(self, turn: TurnContext, reply: Reply, at: float,
                     pending: PendingTurn | None = None) -> None: ...
 
+    def tally(self, job: Job, reply: Reply) -> None: ...
+
 
 class Capture:
     """One job's capture: made with the job, carried with it wherever it runs."""
@@ -54,17 +56,17 @@ class Capture:
         if reply is None or self._replied:
             return
         self._replied = True
-        pipeline, turn, pending = self._pipeline, self._turn, self.job.pending
-        at = self.job.at if self.job.at is not None else time.time()
+        pipeline, turn, job = self._pipeline, self._turn, self.job
+        at = job.at if job.at is not None else time.time()
         assert turn is not None
 
         def write() -> None:
-            if turn.exception() is not None:
-                return  # the turn's failure is logged; a reply cannot be stored without it
-            try:
-                pipeline.store_reply(turn.result(), reply, at, pending)
-            except Exception:
-                log.exception("perpetuity: could not store the reply")
+            if turn.exception() is None:  # (the turn's failure is logged; no reply without it)
+                try:
+                    pipeline.store_reply(turn.result(), reply, at, job.pending)
+                except Exception:
+                    log.exception("perpetuity: could not store the reply")
+            pipeline.tally(job, reply)  # after the reply, which the next request may read
 
         self._writer.submit(write)
 

@@ -122,10 +122,13 @@ class Seen:
             self._bytes -= len(old.raw)
         read._entry = None
 
-    def continues(self, raw: bytes) -> bool:
+    def continues(self, raw: bytes, most: int | None = None) -> bool:
         """Does `raw` start as a kept body did, up to one of its ends (`read` then reads only
-        what follows)? Nothing is taken out."""
-        return self._found(raw) is not None
+        what follows), with no more than `most` history elements up to there? Counted
+        without parsing (the end's index): a long history is refused before it is read, not
+        after. Nothing is taken out."""
+        found = self._found(raw)
+        return found is not None and (most is None or found[2] < most)
 
     def _longest(self, raw: bytes) -> tuple[_Entry, int, int] | None:
         """The kept body that `raw` starts like over the most bytes, up to one of its ends

@@ -24,7 +24,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from perpetuity_core.cli.replay.billing import AnthropicCache
 from perpetuity_core.cli.replay.measure import (
     Tally,
     identifiers,
@@ -34,9 +33,15 @@ from perpetuity_core.cli.replay.measure import (
     request_text,
     with_context,
 )
-from perpetuity_core.cli.replay.request import Template, build, load_template
+from perpetuity_core.cli.replay.request import (
+    STAND_IN_SOURCE,
+    Template,
+    build,
+    load_template,
+)
 from perpetuity_core.cli.replay.sessions import Call, Session, chained, sessions_in_order
 from perpetuity_core.errors import ConfigError
+from perpetuity_core.frame.billing import AnthropicCache
 from perpetuity_core.frame.plan import TTL
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
@@ -66,8 +71,8 @@ class Report:
         return t
 
     def as_dict(self) -> dict[str, Any]:
-        return {"template": self.template, "sessions": [s.as_dict() for s in self.sessions],
-                "total": self.total.as_dict()}
+        return {"template": self.template, "stand_ins": self.template == STAND_IN_SOURCE,
+                "sessions": [s.as_dict() for s in self.sessions], "total": self.total.as_dict()}
 
 
 @contextlib.contextmanager
@@ -206,7 +211,7 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
                                   "\n".join(parts_text(sent.get("messages") or []))) if older else 0
     kept = live_kept(messages, sent.get("messages") or [], built.live_from)
     tally.add(direct, upstream, anthropic.check(sent), kept, older, request_text(sent), framed,
-              in_context)
+              in_context, call.model)
     if tally.per_call is not None:
         tally.per_call.append({"direct_tokens": direct.tokens, "upstream_tokens": upstream.tokens,
                                "prepare_ms": round(side.prepared * 1000, 2),
@@ -306,4 +311,4 @@ def _chat_thread(side: _Side, thread: importers.Thread, tally: Tally, turns: int
                                  {"content": [{"type": "text", "text": reply[1]}]}, reply[2])
         tally.add(direct_cache.bill(body, at), upstream_cache.bill(sent, at),
                   anthropic.check(sent), live_kept(history, sent.get("messages") or [], k),
-                  set(), "", framed)
+                  set(), "", framed, model=model)

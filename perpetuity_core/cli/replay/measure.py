@@ -22,7 +22,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from perpetuity_core.cli.replay.billing import Bill, block_text
+from perpetuity_core.frame.billing import Bill
+from perpetuity_core.frame.blocks import block_text
+from perpetuity_core.frame.prices import dollars, list_price
 from perpetuity_core.wire.protocols import anthropic
 
 _CANDIDATE = re.compile(r"~?(?:[\w.\-]*/)+[\w.\-]+|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][\w]*)+"
@@ -133,6 +135,10 @@ class Tally:
     floor: Bill = field(default_factory=Bill)  # each call's floor (drive.floor_body), billed
     above: dict[str, float] = field(default_factory=dict)  # upstream less floor, by cause
     last_at: float = 0.0  # the latest call's time
+    # In dollars at each model's list price (prices.py), over the calls of a priced model.
+    direct_usd: float = 0.0
+    upstream_usd: float = 0.0
+    unpriced: list[str] = field(default_factory=list)  # models the price list does not know
 
     def price(self, floor: Bill, upstream: Bill, cause: str, at: float) -> None:
         """One call's floor, and what its upstream request cost above it, under `cause`."""
@@ -141,8 +147,14 @@ class Tally:
         self.last_at = at
 
     def add(self, direct: Bill, upstream: Bill, problems: list[str], live_same: bool,
-            older: set[str], upstream_text: str, framed: bool, in_context: int = 0) -> None:
+            older: set[str], upstream_text: str, framed: bool, in_context: int = 0,
+            model: str = "") -> None:
         self.calls += 1
+        if (price := list_price(model)) is not None:
+            self.direct_usd += dollars(direct, price)
+            self.upstream_usd += dollars(upstream, price)
+        elif model not in self.unpriced:
+            self.unpriced.append(model)
         self.direct.add(direct)
         self.upstream.add(upstream)
         self.direct_curve.append((self.direct_curve[-1] if self.direct_curve else 0) + direct.cost)
@@ -175,6 +187,9 @@ class Tally:
         self.direct.add(other.direct)
         self.upstream.add(other.upstream)
         self.floor.add(other.floor)
+        self.direct_usd += other.direct_usd
+        self.upstream_usd += other.upstream_usd
+        self.unpriced += [m for m in other.unpriced if m not in self.unpriced]
         for cause, cost in other.above.items():
             self.above[cause] = self.above.get(cause, 0.0) + cost
 
@@ -189,6 +204,11 @@ class Tally:
                        "ratio": ratio(self.upstream.tokens, self.direct.tokens)},
             "cost": {"direct": round(self.direct.cost, 1), "upstream": round(self.upstream.cost, 1),
                      "ratio": ratio(self.upstream.cost, self.direct.cost)},
+            "money": {"direct_usd": round(self.direct_usd, 2),
+                      "upstream_usd": round(self.upstream_usd, 2),
+                      "saved": None if not self.direct_usd else
+                      round(1 - self.upstream_usd / self.direct_usd, 4),
+                      "unpriced_models": self.unpriced},
             "direct": self.direct.as_dict(), "upstream": self.upstream.as_dict(),
             "invalid_requests": self.invalid, "invalid_reasons": self.reasons[:5],
             "skipped_invalid_calls": self.skipped_calls, "skipped_reasons": self.skipped_reasons,

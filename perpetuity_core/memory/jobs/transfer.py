@@ -22,7 +22,7 @@ from perpetuity_core.memory.storage.store import Database, Store
 # a migration fills (settings, totals, cursors) are replaced by the source's.
 ORDER = ("setting", "user", "conversation", "message", "item", "retrieval", "retrieval_pending",
          "retrieval_next", "binding", "chain", "activation", "clock", "retrieval_term", "retrieval_total",
-         "retrieval_gone", "derived", "high_water", "dictionary")
+         "retrieval_gone", "derived", "high_water", "dictionary", "saving")
 BATCH = 5000
 
 
