@@ -55,3 +55,25 @@ def test_a_request_is_mended_past_what_it_shares_with_the_reading_before() -> No
     assert out.system == "sys \ufffd"
     assert mend.dumps({"t": "zebracorn-\ud83d"}) == b'{"t": "zebracorn-\\ud83d"}'
     assert mend.dumps({"t": "🦄"}) == '{"t": "🦄"}'.encode()
+
+
+def test_a_surrogate_written_raw_is_mended_too(tmp_path) -> None:
+    """UTF-8's pattern for a surrogate (ED A0..BF), which json.loads reads as one: found from
+    its lead byte, past Hangul (ED 80..9F), and the turn stored mended."""
+    from perpetuity_core.memory.schema import open_memory
+    from perpetuity_core.serve.exchange import HttpRequest
+    from perpetuity_core.serve.pipeline import Pipeline, Settings
+    from perpetuity_core.wire.conversation import Provider
+
+    store = open_memory(tmp_path / "m.db")
+    try:
+        pipeline = Pipeline(store, Settings(upstreams={Provider.ANTHROPIC: "https://a.test"}))
+        body = ('{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": '
+                '"\ud55c zebracorn-').encode() + b'\xed\xa0\xbd"}]}'
+        d = pipeline.prepare(HttpRequest("POST", "127.0.0.1", "/v1/messages",
+                                         (("x-api-key", "sk-ant-x"),), body, True))
+        assert d.job is not None
+        pipeline.store_turn(d.job.pending)
+        assert [m.text for m in d.job.pending.messages] == ["\ud55c zebracorn-\ufffd"]
+    finally:
+        store.close()

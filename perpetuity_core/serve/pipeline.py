@@ -174,7 +174,7 @@ class Pipeline:
         # is read from the body, not taken from the earlier reading.
         start = read.fresh_from if known is not None else 0
         cut = ((known is not None and known.cut) or _lone_surrogate(raw, start)
-               or _RAW_SURROGATE.search(raw, start) is not None)
+               or _raw_surrogate(raw, start))
         parsed = ADAPTERS[protocol].parse_request(read.data, known.parsed if known else None,
                                                   read.reused)
         if cut:
@@ -530,6 +530,13 @@ def _curate(root: Path) -> str:
         return notes.curate(root, date.today()).text
     except PerpetuityError as e:
         return f"perpetuity: curate failed: {e}"
+
+
+def _raw_surrogate(raw: bytes, start: int) -> bool:
+    """Does the body hold a surrogate written raw, from byte `start` on? Looked for by its lead
+    byte first (memchr): a 20.8 MB body without one, 1.4 ms where the pattern alone took 12."""
+    at = raw.find(b"\xed", start)
+    return at >= 0 and _RAW_SURROGATE.search(raw, at) is not None
 
 
 def _lone_surrogate(raw: bytes, start: int = 0) -> bool:
