@@ -104,18 +104,25 @@ def _new(store: Store, conversation_id: int, messages: Sequence[Message]) -> dic
             return -1
         # A pair said n times in the history is stored n times: the first stored copies are its
         # first occurrences, so a second "Continue" answered alike is not taken for the first.
-        seen = _occurrences(messages[:start], {messages[i].fingerprint() for i in tail}, stored)
+        # A reply's words are counted so too (how many assistant messages hold them).
+        seen_keys, seen_replies = _occurrences(
+            messages[:start], {messages[i].fingerprint() for i in tail}, stored, replies)
         last, before = -1, True  # `before`: the message before is one the store holds
         for i in tail:
             if i and messages[i].fingerprint() == messages[i - 1].fingerprint():
                 continue  # a copy sent again is not another occurrence (_keys)
             key, message = keys[i - start], messages[i]
-            known = seen[key] < stored[key]
-            seen[key] += 1
-            # A reply re-sent after a message the store holds but keyed after another (that
-            # message rewritten, a compaction) is the reply it holds; after one it never got,
-            # it is not: issue 41's full disk lost the turns between repeated "ok" replies.
-            known |= before and message.role == "assistant" and message.fingerprint() in replies
+            known = seen_keys[key] < stored[key]
+            seen_keys[key] += 1
+            if message.role == "assistant":
+                # A reply re-sent keyed after another message (its predecessor rewritten: a
+                # resume, a compaction) is the one stored with its words, where the store holds
+                # as many or where it follows a message the store holds; a run of "ok" replies
+                # to turns a full disk refused is neither (issue 41).
+                fingerprint = message.fingerprint()
+                known |= before and fingerprint in replies or (
+                    seen_replies[fingerprint] < replies[fingerprint])
+                seen_replies[fingerprint] += 1
             if known:
                 last = i
             before = known
@@ -135,17 +142,23 @@ def _new(store: Store, conversation_id: int, messages: Sequence[Message]) -> dic
             if not (i > start and keys[i - start] == keys[i - start - 1])}
 
 
-def _occurrences(before: Sequence[Message], wanted: set[str], keys: Counter[str]) -> Counter[str]:
-    """How often the history before the tail holds these stored pair keys; a pair is digested
-    only for a message with one of the tail's fingerprints (`wanted`), so a late call of a
-    long session pays a set lookup a message."""
-    seen: Counter[str] = Counter()
+def _occurrences(before: Sequence[Message], wanted: set[str], keys: Counter[str],
+                 replies: Counter[str]) -> tuple[Counter[str], Counter[str]]:
+    """How often the history before the tail holds these stored pair keys and assistant
+    fingerprints; a pair is digested only for a message with one of the tail's fingerprints
+    (`wanted`), so a late call of a long session pays a set lookup a message."""
+    seen_keys: Counter[str] = Counter()
+    seen_replies: Counter[str] = Counter()
     fingerprints = [m.fingerprint() for m in before]
     for i in [i for i, f in enumerate(fingerprints) if f in wanted]:
         this, prev = fingerprints[i], fingerprints[i - 1] if i else ""
-        if this != prev and (key := _pair(prev, this)) in keys:  # not a copy sent again
-            seen[key] += 1
-    return seen
+        if this == prev:
+            continue  # a copy sent again (_keys)
+        if (key := _pair(prev, this)) in keys:
+            seen_keys[key] += 1
+        if before[i].role == "assistant" and this in replies:
+            seen_replies[this] += 1
+    return seen_keys, seen_replies
 
 
 def record(

@@ -350,10 +350,10 @@ class Store:
                 conversation_id, call_ids)}
 
     def known(self, conversation_id: int, messages: list[tuple[str, str]],
-              reply_fingerprints: list[str]) -> tuple[Counter[str], set[str]]:
+              reply_fingerprints: list[str]) -> tuple[Counter[str], Counter[str]]:
         """How many rows of this conversation hold each of these (fingerprint, pair key)
-        messages' pair keys (a pair said twice in a history is stored twice: capture matches
-        occurrences, not mere presence), and which of these assistant fingerprints it holds.
+        messages' pair keys, and how many assistant messages each of these fingerprints: a
+        pair said twice in a history is stored twice, so capture matches occurrences.
 
         One lookup by fingerprint (m014_message_lookup): a stored pair key digests its own
         message's fingerprint (capture.pair_key), so a message holding one of these keys has
@@ -366,7 +366,7 @@ class Store:
                 "SELECT fingerprint, pair_key, role FROM message WHERE conversation_id = {}"
                 " AND fingerprint IN", conversation_id, sorted({f for f, _ in messages} | replies))
         return (Counter(k for _, k, _ in rows if k in keys),
-                {f for f, _, role in rows if role == "assistant" and f in replies})
+                Counter(f for f, _, role in rows if role == "assistant" and f in replies))
 
     def copies(self, conversation_id: int, fingerprint: str, pair_key: str) -> int:
         """How many messages of this conversation hold this content at this place."""
