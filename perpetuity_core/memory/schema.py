@@ -26,6 +26,7 @@ from perpetuity_core.memory.derived.index import (
     m012_retrieval_pending,
     m015_retrieval_numbered,
     m016_born_with_retrieval,
+    m018_vectors,
     sequence_in,
     settle_in,
 )
@@ -231,7 +232,7 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m013_id_sequences, m014_message_lookup,
                                                    m015_retrieval_numbered,
                                                    m016_born_with_retrieval,
-                                                   m017_deletions_counted]
+                                                   m017_deletions_counted, m018_vectors]
 
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:
