@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from perpetuity_core.memory.derived import vectors
 from perpetuity_core.memory.derived.chains import derive_chains, m004_recall
 from perpetuity_core.memory.derived.heat import m003_heat, m005_standing
 from perpetuity_core.memory.derived.index import (
@@ -237,6 +238,9 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:
     """The store at `path`, migrated, with every deriver wired (and `derivers` after them)."""
+    # The semantic table read before any write takes the lock (0.1-0.5 s, once a process):
+    # loaded by a message's write, it held the lock long enough for parallel writers to fail.
+    vectors.table()
     return Store(path, migrations=MIGRATIONS,
                  derivers=[derive_retrieval, *derivers],
                  batched={"chain": derive_chains}, settle=settle_in,

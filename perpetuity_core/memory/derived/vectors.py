@@ -24,7 +24,8 @@ at 4k, 64 cost 0.7.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from concurrent.futures import Executor
 from functools import lru_cache
 from importlib import resources
 from typing import TYPE_CHECKING
@@ -135,24 +136,29 @@ def norms(vectors: np.ndarray) -> np.ndarray:
 BLOCK = 8192  # rows a dot product converts at once (8 MB of int32)
 
 
-def dots(vectors: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Exact integer dot products of int8 rows with an int8 query, int64, a block at a time."""
+def dots(vectors: np.ndarray, q: np.ndarray, pool: Executor | None = None) -> np.ndarray:
+    """Exact integer dot products of int8 rows with an int8 query, int64, a block at a time
+    (on `pool`'s threads for many rows: integers, so the same whatever the order)."""
     out = np.empty(vectors.shape[0], np.int64)
-    for a in range(0, vectors.shape[0], BLOCK):
+
+    def block(a: int) -> None:
         out[a:a + BLOCK] = np.einsum("ij,j->i", vectors[a:a + BLOCK], q, dtype=np.int32)
+
+    starts = range(0, vectors.shape[0], BLOCK)
+    if pool is not None and len(starts) > 4:
+        list(pool.map(block, starts))
+    else:
+        for a in starts:
+            block(a)
     return out
 
 
-def cosines(vectors: np.ndarray, inv: np.ndarray, q: np.ndarray) -> np.ndarray:
+def cosines(vectors: np.ndarray, inv: np.ndarray, q: np.ndarray,
+            pool: Executor | None = None) -> np.ndarray:
     """Cosine of each row with the query, negatives at zero (float64)."""
     qn = float(np.sqrt(np.dot(q.astype(np.int64), q.astype(np.int64))))
-    c = dots(vectors, q) * inv / qn
+    c = dots(vectors, q, pool) * inv / qn
     return np.maximum(c, 0.0, out=c)
-
-
-def rows_of(texts: Iterable[str]) -> list[bytes]:
-    t = table()
-    return [t.row(text) for text in texts]
 
 
 def matrix(blob: bytes, n: int) -> np.ndarray:

@@ -259,7 +259,7 @@ class View:
         if shown.size < SCORE_VISIBLE_BELOW * self.n:  # few of many: only theirs, copied
             cos = vectors.cosines(self.vec[shown], self.inv[shown], q.vec)
         else:
-            cos = vectors.cosines(self.vec, self.inv, q.vec)
+            cos = vectors.cosines(self.vec, self.inv, q.vec, self.pool)
             if shown.size < self.n:
                 cos = cos[shown]
         total = scale * cos
