@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import subprocess
 import sys
 from collections import Counter
@@ -81,9 +80,9 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     conversation (store order), as bm25.Params describes; then the semantic half: every
     visible row's cosine with the query (integer dot products of the stored int8 vectors),
     at zero below zero, times semantic * the best lexical score among the visible rows (1
-    when none scores). The query's vector is the table's sum of its words' tokens, each word
-    weighed by its idf computed here; `during` keeps the rows said in that span, scored as
-    without it.
+    when none scores). The query's vector is the table's vectors of its terms, each weighed
+    by its idf computed here; `during` keeps the rows said in that span, scored as without
+    it.
     """
     k1, b = params.k1, params.b
     conn = opened_other(store.path)
@@ -157,15 +156,14 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
 
 
 def semantic_query(store: Store, query: str, df: Counter[int], n: int) -> list[int] | None:
-    """The query's int8 vector: its words (lowercased) looked up in the table, each weighed by
-    the sum of its terms' idf (a term no row holds at the highest idf)."""
+    """The query's int8 vector: the table's vectors of its terms, each weighed by its count
+    times its idf (a term no row holds at the highest idf)."""
     d = store.db.dictionary
-    words = re.findall(r"[^\W_]+", query)
-    weights = [sum(float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
-                   for t in d.id_list(w)) for w in words]
-    if not words:
-        return None
-    q = vectors.table().query([w.lower() for w in words], np.array(weights))
+    qtf = Counter(d.ids(query).tolist())
+    terms = sorted(qtf)
+    weights = [qtf[t] * float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
+               for t in terms]
+    q = vectors.table().query(d, np.array(terms, np.int32), np.array(weights))
     return None if q is None else q.tolist()
 
 

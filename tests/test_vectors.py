@@ -28,9 +28,12 @@ socket.socket.connect = refuse
 socket.create_connection = refuse
 socket.getaddrinfo = refuse
 from perpetuity_core.memory.derived import vectors
+from perpetuity_core.memory.storage import dictionary
 t = vectors.table()
 assert t.embedding.shape == (32000, vectors.DIMS)
-v = t.row("We went camping by the lake last summer")
+d = dictionary.shipped()
+bag = d.packed("We went camping by the lake last summer")
+v = t.row(d, bag.terms, bag.counts)
 assert len(v) == vectors.DIMS and any(v)
 print("loaded")
 """
@@ -45,17 +48,20 @@ def test_the_table_loads_with_the_network_blocked(tmp_path: Path) -> None:
     assert out.stdout.strip() == "loaded"
 
 
-def derived(text: str) -> bytes:
-    """A row's vector, written out: the table's rows of its content tokens summed, int8 with
-    the largest component at 127."""
-    t = vectors.table()
-    ids = [i for i in t.tokenizer.encode(text[:vectors.ROW_CHARS], add_special_tokens=False).ids
-           if t.content[i]]
-    if not ids:
-        return bytes(vectors.DIMS)
-    v = t.embedding[ids].sum(axis=0)
+def derived(store: Store, text: str) -> bytes:
+    """A row's vector, written out: its bag's terms' vectors summed by count, those of hashed
+    terms left out, int8 with the largest component at 127."""
+    d = store.db.dictionary
+    table = vectors.table().terms(d)
+    bag = d.bag(text)
+    v = np.zeros(vectors.DIMS, np.float32)
+    for t, c in zip(bag.terms.tolist(), bag.counts.tolist(), strict=True):
+        if t < d.hash_base:
+            v += np.float32(c) * table[t]  # float32, row after row, as the writer adds them
     top = float(np.abs(v).max())
-    return bytes(int(np.round(x * (127.0 / top))) & 0xFF for x in v.tolist())
+    if top == 0:
+        return bytes(vectors.DIMS)
+    return np.rint(v * (127.0 / top)).astype(np.int8).tobytes()
 
 
 def stored_vectors(store: Store) -> dict[int, bytes]:
@@ -70,11 +76,12 @@ def texts(store: Store) -> dict[int, str]:
 
 
 def test_each_row_is_written_with_its_vector(store: Store) -> None:
-    ids = add(store, "u1", "c1", ["We went camping by the lake", "the a of", "x" * 9000])
+    ids = add(store, "u1", "c1", ["We went camping by the lake", "the a of",
+                                  "camping " * 300 + "zqxjvbw"])
     got = stored_vectors(store)
     assert set(got) == set(ids)
     for i, text in texts(store).items():
-        assert got[i] == derived(text)
+        assert got[i] == derived(store, text)
     assert got[ids[1]] == bytes(vectors.DIMS)  # stop words only: no topic
 
 
@@ -129,7 +136,7 @@ def test_a_flip_rederives_the_vectors_and_changes_no_heat(store: Store) -> None:
     maintenance.rederive(store, version, progress=False)
     maintenance.flip(store, version)
     got = stored_vectors(store)
-    assert got == {i: derived(t) for i, t in texts(store).items()}
+    assert got == {i: derived(store, t) for i, t in texts(store).items()}
     assert conn.execute("SELECT * FROM activation ORDER BY item_id").fetchall() == heat_before
     assert conn.execute("SELECT item_id, born, half_life FROM retrieval ORDER BY item_id"
                         ).fetchall() == births

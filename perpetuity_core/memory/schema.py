@@ -238,9 +238,10 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:
     """The store at `path`, migrated, with every deriver wired (and `derivers` after them)."""
-    # The semantic table read before any write takes the lock (0.1-0.5 s, once a process):
-    # loaded by a message's write, it held the lock long enough for parallel writers to fail.
-    vectors.table()
+    # The semantic table and its terms' vectors made before any write takes the lock (0.3 s,
+    # once a process): made by a message's write, they held the lock long enough for parallel
+    # writers to fail.
+    vectors.table().terms(dictionary.shipped())
     return Store(path, migrations=MIGRATIONS,
                  derivers=[derive_retrieval, *derivers],
                  batched={"chain": derive_chains}, settle=settle_in,

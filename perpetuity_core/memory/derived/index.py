@@ -123,7 +123,7 @@ def _rows(db: Database, d: Dictionary, items: list[StoredItem], semantic: bool) 
         row = (it.id, it.message_id, it.user_id, it.conversation_id, int(it.at), bag.length,
                token_estimate(text), d.version, bag.terms, bag.counts, it.user_id,
                heat.half_life(it.kind, it.role, it.text))
-        rows.append(row if table is None else (*row, table.row(text)))
+        rows.append(row if table is None else (*row, table.row(d, bag.terms, bag.counts)))
     return rows
 
 
@@ -464,31 +464,31 @@ def m016_born_with_retrieval(db: Database) -> None:
 
 def m018_vectors(db: Database) -> None:
     """Each retrieval row carries its vector (vectors.py: the semantic half of the dictionary,
-    DIMS int8 bytes), written with the row, so the arena scores every row by meaning as well
-    as by words. The rows stored before are derived here, a progress bar on a terminal; on
-    SQLite a re-derivation staged for a flip starts again (its staged rows have none)."""
+    DIMS int8 bytes, read from the row's own bag), written with the row, so the arena scores
+    every row by meaning as well as by words. The rows stored before are derived here, a
+    progress bar on a terminal; a re-derivation staged for a flip starts again."""
     from tqdm import tqdm
 
     conn = db.translated(db.connection())
-    tables = ("retrieval", "retrieval_pending", "retrieval_next")
-    for table in tables:
+    for table in ("retrieval", "retrieval_pending", "retrieval_next"):
         conn.execute(f"ALTER TABLE {table} ADD COLUMN vec BLOB")
     if not db.postgres:
         for table in ("retrieval_staged", "retrieval_term_staged", "retrieval_total_staged",
                       "chain_staged", "retrieval_staged_gone"):
             conn.execute(f"DROP TABLE IF EXISTS {table}")
-        conn.execute("DELETE FROM retrieval_next")
-    total = sum(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables)
+    conn.execute("DELETE FROM retrieval_next")
+    d = db.live.follow(conn)
     semantic = vectors.table()
+    tables = ("retrieval", "retrieval_pending")
+    total = sum(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables)
     with tqdm(total=total, unit="row", desc="perpetuity: deriving the rows' vectors",
               disable=None if total else True) as bar:
         for name in tables:
             last = 0
             while rows := conn.execute(
-                    f"SELECT r.item_id, i.kind, i.name, i.text FROM {name} r JOIN item i"
-                    " ON i.id = r.item_id WHERE r.item_id > ? ORDER BY r.item_id LIMIT 2000",
-                    (last,)).fetchall():
+                    f"SELECT item_id, terms, counts FROM {name} WHERE item_id > ?"
+                    " ORDER BY item_id LIMIT 5000", (last,)).fetchall():
                 conn.executemany(f"UPDATE {name} SET vec = ? WHERE item_id = ?",
-                                 [(semantic.row(item_text(k, n, t)), i) for i, k, n, t in rows])
+                                 [(semantic.row(d, bytes(t), bytes(c)), i) for i, t, c in rows])
                 last = rows[-1][0]
                 bar.update(len(rows))

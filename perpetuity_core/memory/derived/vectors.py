@@ -1,30 +1,32 @@
 """The semantic half of the dictionary: a static token table shipped as data, and the vector
 each retrieval row carries (docs/semantic.md says what the table is and where it comes from).
 
-No model runs. A text's vector is a lookup and a sum: its Llama-2 BPE tokens (stop words and
-punctuation left out) looked up in WordLlama's `l2_supercat_256` table (32,000 x 256, fp16),
-summed, and stored as int8 scaled to its largest component (DIMS bytes a row). The table and
-its tokenizer are read from the `wordllama` wheel's own files: its `WordLlama.load()` looks
-for a tokenizer where the wheel has none and then tries the network.
+No model runs. WordLlama's `l2_supercat_256` table (32,000 Llama-2 BPE tokens x 256, fp16) is
+read from the `wordllama` wheel's own files (its `WordLlama.load()` looks for a tokenizer where
+the wheel has none, then tries the network). From it each term of the retrieval dictionary gets
+a vector once (`Table.terms`: its surface forms' token sums), and a row's vector is its bag's
+terms' vectors summed by count (stop words are in no bag), stored as int8 scaled to its largest
+component (DIMS bytes a row). It is written with the row, by the retrieval rows' one writer
+(index.derive_retrieval), in the message's transaction; a flip (maintenance.py) re-derives it
+with the row. A question's vector weighs its terms by their BM25 idf in the memory (a term no
+row holds by the highest), as the counts stand when it is asked.
 
-A row's vector is a pure function of its text, written by the retrieval rows' one writer
-(index.derive_retrieval) in the row itself, in the message's transaction. A query's is weighed
-by rarity instead: each word's tokens count by the word's BM25 idf in the memory (an unseen
-word by the highest idf), as the live counts stand when it is asked. Measured on LoCoMo (one
-memory per conversation, the ranking's recall_all within 2k / 4k / 8k tokens, fused as
-bm25.Params.semantic says): the rows' plain mean with the query's plain mean 0.765 / 0.816 /
-0.891 (below BM25 alone at 4k, 0.834); both weighed by the memory's token idf, fixed when each
-row was written, 0.802 / 0.864 / 0.921; stop tokens out of the rows and the query weighed by
-its words' idf, as shipped, 0.794 / 0.859 / 0.919, with no count kept beside BM25's. A token's
-rank in the BPE vocabulary, its norm, or the stem's rank in the retrieval dictionary as a
-static rarity all did worse than no weight (0.816-0.823 at 4k). 128 dimensions cost 0.3 points
-at 4k, 64 cost 0.7.
+Measured on LoCoMo (scripts/eval_retrieval.py, its ten conversations in one memory; the
+ranking's recall_all within 2k / 4k / 8k tokens, fused as bm25.Params.semantic says; BM25
+alone 0.775 / 0.834 / 0.881). Rows and question as plain means of their BPE tokens: 0.765 /
+0.816 / 0.891, below BM25 at 4k. Weighed by rarity, on the question's side (its words' idf)
+with stop words out of the rows: 0.780 / 0.848 / 0.908 from the rows' own BPE tokens, 0.782 /
+0.848 / 0.909 from their bags as shipped, where tokenising every text a second time cost more
+CPU than the rest of its write (bench_ingest: 146 against ~40 us a LoCoMo message). Weighing
+the rows too, by the memory's token idf fixed when each was written, did 0.5 point better at
+4k in a one-off measure, at the price of a count kept beside BM25's. A static rarity (the
+token's rank in the BPE vocabulary, its norm, the stem's rank in the retrieval dictionary) did
+worse than none (0.816-0.823 at 4k); a floor under the cosine (0.1 to 0.3) cost 0.8 to 2.2
+points; 128 dimensions 0.3, 64 dimensions 0.7.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
 from concurrent.futures import Executor
 from functools import lru_cache
 from importlib import resources
@@ -33,62 +35,74 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.storage.dictionary import STOP_WORDS
+from perpetuity_core.memory.storage.dictionary import Dictionary
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 DIMS = 256  # bytes a row: the table's width
-# The table as the memory's rows were derived with it (the setting `semantic`).
-TABLE = "wordllama-0.4.0.post1:l2_supercat_256"
-# Characters of a row's text its vector is made of: a long tool result's first screens say
-# what it is about, and tokenising 100 kB for one mean cost milliseconds of the writer's time.
-ROW_CHARS = 4096
-ZERO = bytes(DIMS)  # the vector of a text with no content token
+ZERO = bytes(DIMS)  # the vector of a row with no term the table knows
 
 
 class Table:
-    """The token table and its tokenizer, with which tokens count in a row's vector."""
+    """The token table and its tokenizer, and the vectors of a retrieval dictionary's terms."""
 
     def __init__(self, embedding: np.ndarray, tokenizer: Tokenizer) -> None:
         self.embedding = embedding.astype(np.float32)
         self.tokenizer = tokenizer
-        # Stop words and pieces without a letter or digit carry no topic: left out of rows.
-        self.content = np.ones(embedding.shape[0], bool)
-        for piece, i in tokenizer.get_vocab().items():
-            word = piece.replace("\u2581", "").lower()
-            if word in STOP_WORDS or not re.search(r"[^\W_]", word):
-                self.content[i] = False
+        self._terms: dict[str, np.ndarray] = {}
 
-    def row(self, text: str) -> bytes:
-        """A row's vector: its content tokens' sum, int8."""
-        ids = np.asarray(self.tokenizer.encode(text[:ROW_CHARS], add_special_tokens=False).ids,
-                         np.int64)
-        ids = ids[self.content[ids]]
-        if ids.size == 0:
+    def terms(self, d: Dictionary) -> np.ndarray:
+        """A vector per term id of `d` below its hashed range (float32, unit length; zero for
+        stop words): the mean of its surface forms' token sums, each at unit length. Made once
+        per dictionary (about 0.1 s), so a row's vector is read from the bag its retrieval row
+        already counted: tokenising every text again cost more than the rest of its write."""
+        held = self._terms.get(d.version)
+        if held is not None:
+            return held
+        words = [w for w, t in d.word_ids.items() if t > 0]
+        out = np.zeros((d.hash_base, self.embedding.shape[1]), np.float32)
+        for enc, w in zip(self.tokenizer.encode_batch(words, add_special_tokens=False), words,
+                          strict=True):
+            v = self.embedding[enc.ids].sum(axis=0)
+            if (n := float(np.linalg.norm(v))) > 0:
+                out[d.word_ids[w]] += v / n
+        norm = np.linalg.norm(out, axis=1, keepdims=True)
+        np.divide(out, norm, out=out, where=norm > 0)
+        self._terms = {d.version: out}  # one dictionary is live at a time
+        return out
+
+    def row(self, d: Dictionary, terms: bytes, counts: bytes) -> bytes:
+        """A row's vector from its retrieval row's bag (terms ascending, their counts): the
+        terms' vectors summed by count, int8. A hashed term (a word the dictionary never saw)
+        has none: BM25 ranks by it."""
+        t = np.frombuffer(terms, "<i4")
+        known = int(np.searchsorted(t, d.hash_base))
+        if known == 0:
             return ZERO
-        return quantised(self.embedding[ids].sum(axis=0)).tobytes()
+        v = self.terms(d)[t[:known]]
+        if counts.count(1) == len(counts):  # most rows: every term once
+            s = v.sum(axis=0)
+        else:
+            s = (v * np.frombuffer(counts, np.uint8)[:known, None]).sum(axis=0)
+        return quantised(s).tobytes()
 
-    def query(self, words: list[str], weights: np.ndarray) -> np.ndarray | None:
-        """A question's vector: each word's tokens weighed by `weights` (one a word), int8;
-        None when no word weighs anything."""
-        if not words or not (weights > 0).any():
+    def query(self, d: Dictionary, terms: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+        """A question's vector: its terms' vectors by `weights` (qtf * idf), int8; None when
+        none has a vector."""
+        known = terms < d.hash_base
+        if not (known & (weights > 0)).any():
             return None
-        v = np.zeros(self.embedding.shape[1], np.float64)
-        for enc, w in zip(self.tokenizer.encode_batch(words, add_special_tokens=False),
-                          weights.tolist(), strict=True):
-            if w > 0 and enc.ids:
-                v += w * self.embedding[enc.ids].sum(axis=0, dtype=np.float64)
-        q = quantised(v)
+        q = quantised(weights[known] @ self.terms(d)[terms[known]].astype(np.float64))
         return q if q.any() else None
 
 
 def quantised(v: np.ndarray) -> np.ndarray:
     """int8, the largest component at 127 (a cosine does not see the scale)."""
-    top = float(np.abs(v).max())
+    top = max(float(v.max()), -float(v.min()))
     if top == 0.0:
         return np.zeros(v.size, np.int8)
-    return np.round(v * (127.0 / top)).astype(np.int8)
+    return np.rint(v * (127.0 / top)).astype(np.int8)
 
 
 def load() -> Table:
@@ -108,21 +122,8 @@ def load() -> Table:
 
 @lru_cache(maxsize=1)
 def table() -> Table:
-    """The shipped table, loaded on first use (about 0.1 s)."""
+    """The shipped table, loaded on first use (about 0.3 s)."""
     return load()
-
-
-# A question's words as the retrieval dictionary splits them (runs of letters and digits).
-_WORD = re.compile(r"[^\W_]+")
-
-
-def query_vector(text: str, idf_of: Callable[[list[str]], np.ndarray]) -> np.ndarray | None:
-    """`text`'s vector, each word weighed by `idf_of(words)` (0 for a stop word), looked up
-    lowercased: a name's pieces then weigh less than its word's meaning (BM25 has the name).
-    LoCoMo recall_all within 4k tokens 0.848 so, 0.843 as written (scripts/eval_retrieval.py,
-    its ten conversations in one memory)."""
-    words = _WORD.findall(text)
-    return table().query([w.lower() for w in words], idf_of(words)) if words else None
 
 
 def norms(vectors: np.ndarray) -> np.ndarray:

@@ -413,10 +413,10 @@ def _rederive_batch(db: Database, d: dictionary.Dictionary, limit: int,
         table = vectors.table()  # a row's vector is re-derived with its terms
         for i, kind, name, text, message, user, conversation, at, born, half in items:
             t = item_text(kind, name, text)
-            vec = table.row(t)
             bag = d.bag(t)
             bags.append(bag.terms)
             terms = bag.terms.astype("<i4", copy=False).tobytes()
+            vec = table.row(d, terms, bag.counts.tobytes())
             subjects = chains.subjects(d, text) if kind == Kind.TEXT.value and text.strip() else []
             n_tokens = token_estimate(t)
             nxt.append((i, d.version, bag.length, n_tokens, terms, bag.counts.tobytes(),
