@@ -28,6 +28,7 @@ from perpetuity_core import notes
 from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.frame import tenants
 from perpetuity_core.memory.derived import bindings, heat
+from perpetuity_core.memory.derived.bm25 import Params
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.memory.storage import capture, names, templates, users
@@ -130,7 +131,8 @@ class Pipeline:
         self.scanner = Scanner(store, share_pool=bool(share) or pool is not None,
                                pool_of=(lambda uid: users.pool_of(store, uid, pool))
                                if pool is not None else None, one_person=settings.personal,
-                               store_rows=0)
+                               store_rows=0,
+                               params=Params() if settings.semantic else Params(semantic=0.0))
         if settings.personal:
             # The one user exists before the first request (written once, at start-up): on a
             # file of imports and older tenants, the person's first request recalls them.
