@@ -7,9 +7,6 @@ from pathlib import Path
 
 CORE = Path(__file__).resolve().parent.parent / "perpetuity_core"
 MOST = 6
-# Files another branch of issue 42 is rewriting; each must still hold a long block, so the
-# entry is removed once it is fixed.
-PENDING = {"memory/derived/arena.py"}
 
 
 def long_blocks(text: str) -> list[tuple[int, int]]:
@@ -35,5 +32,4 @@ def test_long_blocks_are_found() -> None:
 def test_no_comment_block_is_over_six_lines() -> None:
     over = {str(f.relative_to(CORE)): blocks for f in sorted(CORE.rglob("*.py"))
             if (blocks := long_blocks(f.read_text()))}
-    assert set(over) - PENDING == set(), {f: over[f] for f in set(over) - PENDING}
-    assert set(over) >= PENDING, f"fixed, take off PENDING: {PENDING - set(over)}"
+    assert over == {}, over

@@ -142,13 +142,9 @@ class NewRows:
     vec: np.ndarray  # int8, a row of vectors.DIMS per row
 
 
-# The rows past a cursor as one result row: SQLite concatenates the blobs and lists the integers
-# in one pass, where a Python tuple per row cost twice as long (10k rows: ~9 ms against ~19).
-# The aggregates read the subquery's rows in its order; read_rows checks that seq ascends.
-# On PostgreSQL, fetched in binary: each integer as its 8-byte big-endian send form (4 for the
-# posting counts), the blobs as stored; its aggregates, too, read the subquery's rows in its
-# order. Reading 52k rows (10M tokens pooled) took 0.29-0.49 s with an ORDER BY in each
-# aggregate (one sort per column) and the text form (decimals and hex to parse); 0.09-0.19 s so.
+# The rows past a cursor as one result row (half the time of a tuple a row); the aggregates read
+# the subquery's rows in its order, and read_rows checks that seq ascends. PostgreSQL's come in
+# binary (integers in their send form), a third of the text form's time: docs/tuning.md.
 _NEW_ROWS = SQL(
     "SELECT count(*), group_concat(seq), group_concat(user_id), group_concat(conversation_id),"
     " group_concat(length), group_concat(at), group_concat(length(counts)),"
