@@ -56,6 +56,21 @@ def test_in_sequence_the_request_is_measured_beside_the_ranking(tmp_path: Path) 
     assert sum(m["questions"] for m in seq["by_made"].values()) == 2
 
 
+def test_personal_pools_every_conversation_as_one_persons(tmp_path: Path) -> None:
+    """The loopback proxy's default: every conversation one person's memory, nothing telling
+    the asker's conversation from another's; the ranking beside the frame is that person's."""
+    path = tiny_locomo(tmp_path / "locomo.json")
+    one = json.loads(path.read_text())[0]
+    other = json.loads(json.dumps(one).replace("Pixel", "Nimbus").replace("Leo", "Max"))
+    path.write_text(json.dumps([one, other | {"sample_id": "other"}]))
+    report = evaluate("locomo", path, limits=Cap(500, 1000), progress=False, sequence=True,
+                      personal=True)
+    assert report["memory"] == "personal" and report["questions"] == 4
+    seq = report["sequence"]
+    assert seq["recall_all"] == 1.0
+    assert seq["ranking_recall_all_within_memory_tokens"] == 1.0
+
+
 def test_eval_command_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "locomo", str(tiny_locomo(tmp_path / "l.json"))]) == 0
     assert json.loads(capsys.readouterr().out)["dataset"] == "locomo"

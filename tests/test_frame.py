@@ -704,3 +704,26 @@ def test_cache_markers_are_counted_anywhere_as_the_reference_counts_them() -> No
     for body in bodies:
         assert len(markers(body)) == _count_markers_reference(body)
     assert len(markers(nested)) == 3
+
+
+def test_the_fill_goes_to_the_conversation_the_question_finds() -> None:
+    """One person's memory of many conversations: a row an earlier question left warm in
+    another conversation does not crowd out this question's rows in the conversation its hits
+    point to (frame_select.focus)."""
+    def row(i: int, conversation: int) -> Row:
+        return Row(i, i, conversation, f"c{conversation}", "user", 0.0, Kind.TEXT.value, "",
+                   "word " * 30)
+
+    rows = {1: row(1, 1), 2: row(2, 2), 3: row(3, 1)}
+    # Row 2 was reheated by the previous question (conversation 2); rows 1 and 3 by this one.
+    warm = heat.Warm(np.array([2, 1, 3]), np.array([1.2, 2.0, 0.8]))
+    hits = [Hit(i, i, 1, 1, "user", 0.0, 5.0 - k, "t") for k, i in enumerate([1, 3, 7, 8, 9])]
+
+    def measure(new: list[int]) -> int:
+        return messages_tokens([Message("user", (text_part(rows[i].text),)) for i in new])
+
+    new = frame_select.fill(rows, warm, {1}, 80, prefixes_of(measure),
+                            frame_select.focus(hits))
+    assert new == [1, 3]
+    assert frame_select.focus([]) == {}
+    assert frame_select.focus(hits) == {1: 1.0}
