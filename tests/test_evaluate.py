@@ -54,6 +54,7 @@ def test_in_sequence_the_request_is_measured_beside_the_ranking(tmp_path: Path) 
     # The request carries the frame, the questions asked so far and their answers.
     assert seq["request_tokens_mean"] > seq["memory_tokens_mean"] > 0
     assert sum(m["questions"] for m in seq["by_made"].values()) == 2
+    assert seq["frame_only"] == seq["ranking_only"] == 0  # both hold both questions
 
 
 def test_personal_pools_every_conversation_as_one_persons(tmp_path: Path) -> None:

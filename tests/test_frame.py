@@ -727,3 +727,28 @@ def test_the_fill_goes_to_the_conversation_the_question_finds() -> None:
     assert new == [1, 3]
     assert frame_select.focus([]) == {}
     assert frame_select.focus(hits) == {1: 1.0}
+
+
+def test_what_an_earlier_question_left_warm_counts_less_in_a_chats_next_frame(
+        store: Store) -> None:
+    """A previous question's reheated rows do not crowd out the next question's: a chat's frame
+    counts them at heat.CARRIED beside its own reheats (an agent's whole), and the activation
+    written stays as it was."""
+    say(store, "old", "the lighthouse keeper was named Ingrid", "noted")
+    say(store, "new", "the parcel went to Oslo on Monday", "thanks")
+    uid = store.find_user("u")
+    assert uid is not None
+    now = heat.clock(store.db, uid)
+    lighthouse = int(store.db.connection().execute("SELECT min(id) FROM item").fetchone()[0])
+    heat.reheat(store.db, now, {lighthouse: heat.REHEAT_TOP})  # the previous question's top hit
+    before = activation(store)
+    warmth = {}
+    for agent in (False, True):
+        built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
+                            query="where did the parcel go", exclude_messages=[],
+                            asked_at=time.time(), limits=cap.Cap(), agent=agent)
+        assert built is not None and built.warm is not None
+        warmth[agent] = dict(zip(built.warm.item_ids.tolist(), built.warm.warmth.tolist()))
+    assert warmth[True][lighthouse] == pytest.approx(heat.REHEAT_TOP)
+    assert warmth[False][lighthouse] == pytest.approx(heat.REHEAT_TOP * heat.CARRIED)
+    assert activation(store) == before

@@ -368,6 +368,9 @@ def _sequence_report(results: list[Result]) -> dict[str, Any]:
             "memory_tokens_mean": round(sum(r.memory for r in rs) / n),
             "ranking_recall_all_within_memory_tokens": round(sum(r.ranked_all for r in rs) / n,
                                                              4),
+            # Where the two differ: questions only the frame held whole, and only the ranking.
+            "frame_only": sum(r.all and not r.ranked_all for r in rs),
+            "ranking_only": sum(r.ranked_all and not r.all for r in rs),
             "new_memory_tokens_mean": round(sum(r.new_memory for r in rs) / n),
             "ranking_recall_all_within_new_memory_tokens": round(
                 sum(r.ranked_new_all for r in rs) / n, 4),

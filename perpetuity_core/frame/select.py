@@ -87,10 +87,8 @@ NAMED_ROWS = 4_096  # row texts whose names are kept: a few conversations' lates
 # or trimmed to stay within it must not take back as quoted memory the tool results it dropped.
 STRETCH_SHARE = 10
 # What every row costs on top of its words when the fill weighs warmth per token, so that an
-# "ok" or a "thanks" does not outrank a turn with substance. Measured with HITS 200 (LoCoMo /
-# BEAM recall_all, `perpetuity eval`): warmth order 0.834 / 0.530; warmth per token 0.798 /
-# 0.758; per (tokens + 50) 0.827 / 0.766; per (tokens + 100) 0.831 / 0.749; per sqrt(tokens)
-# 0.824 / 0.704.
+# "ok" or a "thanks" does not outrank a turn with substance (`perpetuity eval`, LoCoMo and BEAM;
+# the trials in docs/tuning.md).
 ROW_FLOOR = 100
 # Conversation-level evidence: a warm row's warmth is weighed by its conversation's share of
 # the question's hits (`focus`), so that on one person's memory of many conversations the rows
