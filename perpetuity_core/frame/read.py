@@ -86,7 +86,7 @@ def retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float,
 
 
 def for_frame(db: Database, found: Found, user_id: int, excluded: set[int],
-              recent_messages: Iterable[int], carried: float = 1.0) -> tuple[heat.Warm, Shelf]:
+              recent_messages: Iterable[int], carried: float) -> tuple[heat.Warm, Shelf]:
     """What a frame is chosen from: the warm set (with this question's reheats, earlier warmth
     counted at `carried`: heat.warm_set), and the warm rows, the rows of `recent_messages`
     (the latest stretch of the conversation) and the top hit's other half."""
