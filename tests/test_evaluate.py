@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,6 +57,35 @@ def test_in_sequence_the_request_is_measured_beside_the_ranking(tmp_path: Path) 
     # The request carries the frame, the questions asked so far and their answers.
     assert seq["request_tokens_mean"] > seq["memory_tokens_mean"] > 0
     assert sum(m["questions"] for m in seq["by_made"].values()) == 2
+    assert seq["frame_only"] == seq["ranking_only"] == 0  # both hold both questions
+
+
+def test_personal_pools_every_conversation_as_one_persons(tmp_path: Path) -> None:
+    """The loopback proxy's default: every conversation one person's memory, nothing telling
+    the asker's conversation from another's; the ranking beside the frame is that person's."""
+    path = tiny_locomo(tmp_path / "locomo.json")
+    one = json.loads(path.read_text())[0]
+    other = json.loads(json.dumps(one).replace("Pixel", "Nimbus").replace("Leo", "Max"))
+    path.write_text(json.dumps([one, other | {"sample_id": "other"}]))
+    report = evaluate("locomo", path, limits=Cap(500, 1000), progress=False, sequence=True,
+                      personal=True)
+    assert report["memory"] == "personal" and report["questions"] == 4
+    seq = report["sequence"]
+    assert seq["recall_all"] == 1.0
+    assert seq["ranking_recall_all_within_memory_tokens"] == 1.0
+
+
+def test_the_measure_in_sequence_is_the_same_from_run_to_run(tmp_path: Path) -> None:
+    """Two runs, string hashing seeded differently, give the same JSON byte for byte: a
+    measure that moved on its own would hide small gains (issue 40). Every time, clock and
+    write is the dataset's and the asking thread's: nothing depends on the wall clock, on
+    thread timing or on the order of a set of strings."""
+    path = tiny_locomo(tmp_path / "locomo.json")
+    runs = [subprocess.run([sys.executable, "-m", "perpetuity_core.cli.main", "eval", "locomo",
+                            str(path), "--sequence", "--personal"], capture_output=True,
+                           text=True, check=True, env=os.environ | {"PYTHONHASHSEED": seed}).stdout
+            for seed in ("0", "1")]
+    assert runs[0] == runs[1] and json.loads(runs[0])["memory"] == "personal"
 
 
 def test_eval_command_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

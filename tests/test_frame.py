@@ -707,3 +707,51 @@ def test_cache_markers_are_counted_anywhere_as_the_reference_counts_them() -> No
     for body in bodies:
         assert len(markers(body)) == _count_markers_reference(body)
     assert len(markers(nested)) == 3
+
+
+def test_the_fill_goes_to_the_conversation_the_question_finds() -> None:
+    """One person's memory of many conversations: a row an earlier question left warm in
+    another conversation does not crowd out this question's rows in the conversation its hits
+    point to (frame_select.focus)."""
+    def row(i: int, conversation: int) -> Row:
+        return Row(i, i, conversation, f"c{conversation}", "user", 0.0, Kind.TEXT.value, "",
+                   "word " * 30)
+
+    rows = {1: row(1, 1), 2: row(2, 2), 3: row(3, 1)}
+    # Row 2 was reheated by the previous question (conversation 2); rows 1 and 3 by this one.
+    warm = heat.Warm(np.array([2, 1, 3]), np.array([1.2, 2.0, 0.8]))
+    hits = [Hit(i, i, 1, 1, "user", 0.0, 5.0 - k, "t") for k, i in enumerate([1, 3, 7, 8, 9])]
+
+    def measure(new: list[int]) -> int:
+        return messages_tokens([Message("user", (text_part(rows[i].text),)) for i in new])
+
+    new = frame_select.fill(rows, warm, {1}, 80, prefixes_of(measure),
+                            frame_select.focus(hits))
+    assert new == [1, 3]
+    assert frame_select.focus([]) == {}
+    assert frame_select.focus(hits) == {1: 1.0}
+
+
+def test_what_an_earlier_question_left_warm_counts_less_in_a_chats_next_frame(
+        store: Store) -> None:
+    """A previous question's reheated rows do not crowd out the next question's: a chat's frame
+    counts them at heat.CARRIED beside its own reheats (an agent's whole), and the activation
+    written stays as it was."""
+    say(store, "old", "the lighthouse keeper was named Ingrid", "noted")
+    say(store, "new", "the parcel went to Oslo on Monday", "thanks")
+    uid = store.find_user("u")
+    assert uid is not None
+    now = heat.clock(store.db, uid)
+    lighthouse = int(store.db.connection().execute("SELECT min(id) FROM item").fetchone()[0])
+    heat.reheat(store.db, now, {lighthouse: heat.REHEAT_TOP})  # the previous question's top hit
+    before = activation(store)
+    warmth = {}
+    for agent in (False, True):
+        built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
+                            query="where did the parcel go", exclude_messages=[],
+                            asked_at=time.time(), limits=cap.Cap(), agent=agent)
+        assert built is not None and built.warm is not None
+        warmth[agent] = dict(zip(built.warm.item_ids.tolist(), built.warm.warmth.tolist()))
+    assert warmth[True][lighthouse] == pytest.approx(heat.REHEAT_TOP)
+    assert warmth[False][lighthouse] == pytest.approx(heat.REHEAT_TOP * heat.CARRIED)
+    assert activation(store) == before

@@ -11,6 +11,8 @@ labelled evidence turn in it, verbatim?
 
 Per-conversation: each conversation is its own memory (its own database). Pooled: every
 conversation in one memory, each its own user, with pool sharing on (own rows first).
+Personal: every conversation in one memory as one person's (the loopback proxy's default,
+`--tenants personal`): nothing tells the asker's conversation from the others.
 
 In sequence (`--sequence`), a conversation's questions are asked one after another in one
 conversation, as a person asks them (a minute apart, each answered "Noted."), and stored: the
@@ -46,6 +48,7 @@ from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.serve.exchange import HttpRequest, PendingTurn
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.conversation import Kind, Message, Part, Provider, Reply, Usage
+from perpetuity_core.wire.identity import PERSONAL
 
 HISTORY = 2  # earlier turns each fed request carries, as a chat client's window would
 
@@ -232,12 +235,14 @@ def ask(pipeline: Pipeline, thread: importers.Thread, q: Question) -> tuple[str,
 
 def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Cap(),
              frames: Path | None = None, limit: int = 0, progress: bool = True,
-             sequence: bool = False, semantic: bool = True) -> dict[str, Any]:
+             sequence: bool = False, personal: bool = False,
+             semantic: bool = True) -> dict[str, Any]:
     if dataset not in DATASETS:
         raise ConfigError(f"unknown dataset {dataset!r}; one of {', '.join(DATASETS)}")
     cases = list(DATASETS[dataset](path))
     if limit:
         cases = cases[:limit]
+    pooled = pooled or personal
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp, tqdm(
             total=len(cases), desc=dataset, unit="conversation", disable=not progress) as bar:
@@ -249,8 +254,8 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
                 store = open_memory(Path(tmp) / f"memory-{n}.db")
                 pipeline = Pipeline(store, Settings(
                     upstreams={p: "http://127.0.0.1:9" for p in Provider}, limits=limits,
-                    share_pool=pooled, trust_identity=True,  # the dataset's own speakers
-                    semantic=semantic))
+                    share_pool=pooled and not personal, trust_identity=True,  # its speakers
+                    personal=personal, semantic=semantic))
             feed(pipeline, case.thread)
             bar.update(1)
             if pooled and n < len(cases) - 1:
@@ -261,7 +266,8 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
             bar.set_postfix(questions=len(results))
         if store is not None:
             store.close()
-    report = _report(dataset, pooled, limits, results) | {"semantic": semantic}
+    report = _report(dataset, "personal" if personal else "pooled" if pooled
+                     else "per-conversation", limits, results) | {"semantic": semantic}
     if sequence:
         report["sequence"] = _sequence_report(results)
     return report
@@ -334,7 +340,7 @@ def ranking_holds(pipeline: Pipeline, user: str, query: str, at: float,
     """For each of `budgets` (tokens), do the ranking's top rows, taken best first while they
     fit, hold every piece of evidence? What lexical retrieval itself holds in that room, the
     bar for a frame or a tool answer in the same tokens."""
-    user_id = pipeline.store.find_user(user)
+    user_id = pipeline.store.find_user(PERSONAL if pipeline.settings.personal else user)
     if user_id is None:
         return tuple(False for _ in budgets)
     hits = frame.search(pipeline.scanner, query, user_id, at, limit=RANKING_DEPTH)
@@ -366,6 +372,9 @@ def _sequence_report(results: list[Result]) -> dict[str, Any]:
             "memory_tokens_mean": round(sum(r.memory for r in rs) / n),
             "ranking_recall_all_within_memory_tokens": round(sum(r.ranked_all for r in rs) / n,
                                                              4),
+            # Where the two differ: questions only the frame held whole, and only the ranking.
+            "frame_only": sum(r.all and not r.ranked_all for r in rs),
+            "ranking_only": sum(r.ranked_all and not r.all for r in rs),
             "new_memory_tokens_mean": round(sum(r.new_memory for r in rs) / n),
             "ranking_recall_all_within_new_memory_tokens": round(
                 sum(r.ranked_new_all for r in rs) / n, 4),
@@ -379,7 +388,7 @@ def _sequence_report(results: list[Result]) -> dict[str, Any]:
         "by_made": {m: figures([r for r in results if r.made == m]) for m in made}}
 
 
-def _report(dataset: str, pooled: bool, limits: Cap,
+def _report(dataset: str, memory: str, limits: Cap,
             results: list[Result]) -> dict[str, Any]:
     if not results:
         return {"dataset": dataset, "questions": 0}
@@ -388,7 +397,7 @@ def _report(dataset: str, pooled: bool, limits: Cap,
     for r in results:
         by_category.setdefault(r.category, []).append(r)
     return {
-        "dataset": dataset, "memory": "pooled" if pooled else "per-conversation",
+        "dataset": dataset, "memory": memory,
         "questions": len(results),
         "recall_all": round(float(all_.mean()), 4), "recall_any": round(float(any_.mean()), 4),
         "frame_tokens": {"mean": round(float(tokens.mean())), "median": int(np.median(tokens)),

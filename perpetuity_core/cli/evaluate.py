@@ -24,6 +24,9 @@ def register(sub: Any) -> None:
     p.add_argument("path", type=Path,
                    help="locomo10.json, a BEAM chats folder, a LongMemEval file")
     p.add_argument("--pooled", action="store_true", help="one memory of every conversation")
+    p.add_argument("--personal", action="store_true",
+                   help="one memory of every conversation, all one person's (the loopback"
+                        " default, --tenants personal)")
     p.add_argument("--floor", type=int, default=Cap().floor, help="smallest frame, in tokens")
     p.add_argument("--ceiling", type=int, default=Cap().ceiling, help="largest frame, in tokens")
     p.add_argument("--limit", type=int, default=0, help="only the first N conversations")
@@ -85,7 +88,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     reports = [frame_eval.evaluate(args.dataset, args.path, pooled=args.pooled, limits=limits,
                                    frames=args.frames, limit=args.limit,
-                                   sequence=args.sequence, semantic=semantic)
+                                   sequence=args.sequence, personal=args.personal,
+                                   semantic=semantic)
                for semantic in sides]
     print(json.dumps(reports[0] if len(reports) == 1 else side_by_side(*reports), indent=2))
     return 0

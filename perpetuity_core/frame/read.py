@@ -86,12 +86,12 @@ def retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float,
 
 
 def for_frame(db: Database, found: Found, user_id: int, excluded: set[int],
-              recent_messages: Iterable[int]) -> tuple[heat.Warm, Shelf]:
-    """What a frame is chosen from: the warm set (with this question's reheats), and the warm
-    rows, the rows of `recent_messages` (the latest stretch of the conversation) and the top
-    hit's other half."""
+              recent_messages: Iterable[int], carried: float) -> tuple[heat.Warm, Shelf]:
+    """What a frame is chosen from: the warm set (with this question's reheats, earlier warmth
+    counted at `carried`: heat.warm_set), and the warm rows, the rows of `recent_messages`
+    (the latest stretch of the conversation) and the top hit's other half."""
     recent = set(recent_messages) - excluded
-    warm = heat.warm_set(db, user_id, found.now, found.reheats)
+    warm = heat.warm_set(db, user_id, found.now, found.reheats, carried)
     recent_items = items_of(db, recent)
     warm_ids = warm.item_ids.tolist()
     seen = set(warm_ids)

@@ -58,6 +58,10 @@ STRETCH_SHARE = 10
 # What every row costs beyond its words when the fill weighs warmth per token, so that an "ok"
 # does not outrank a turn with substance. recall_all of `perpetuity eval locomo|beam` (docs/tuning.md).
 ROW_FLOOR = 100
+# Conversation-level evidence: a warm row's warmth weighed by its conversation's share of the
+# question's hits (`focus`). `perpetuity eval locomo --sequence --personal` (docs/tuning.md).
+FOCUS = 0.5  # the weight's power: 0 weighs every conversation alike
+FOCUS_FLOOR = 0.05  # the weight of a conversation none of the question's hits is in
 # A frame over its budget is searched for the longest prefix of its added rows that fits: done
 # within FULL percent of the budget, or after SEARCHES more layouts. Layouts a frame and its fill:
 # `scripts/bench_prepare.py`, recall_all `perpetuity eval locomo` (trials: docs/tuning.md).
@@ -115,8 +119,11 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     excerpts = {i: r for i, r in excerpts.items() if i not in whole}  # those come whole
     shown = {**rows, **excerpts} if excerpts else rows
     must = whole | recent
+    # A chat's fill goes to the conversations its question's hits point to; an agent's is
+    # left as the shared Claude Code sessions measured it (its latest stretch holds its task).
     new = fill(shown, warm, must, tokens,
-               lambda base, added: measure(base, added, recent, excerpts))
+               lambda base, added: measure(base, added, recent, excerpts),
+               None if agent else focus(hits))
     why = {**dict.fromkeys(recent, MUST_RECENT), **dict.fromkeys(other, MUST_HALF),
            **({hits[0].item_id: MUST_TOP} if hits else {})}
     return Selection(new, rows, recent, why, excerpts)
@@ -309,28 +316,48 @@ def companion(half: list[int], rows: dict[int, Row], limits: cap.Cap) -> list[in
     return other
 
 
-def by_warmth_per_token(warm: heat.Warm, costs: Mapping[int, int]) -> list[int]:
-    """The warm rows among `costs` (item id -> tokens), the most warmth per token first, ties
-    in the warm set's order. A budget is filled best so (the greedy knapsack): one long reply
-    must earn its place against the several short turns it would push out. One stable sort
-    of an array, not a Python key per row (~400 a first prompt)."""
+def focus(hits: list[Hit]) -> dict[int, float]:
+    """Each conversation's weight in the fill: its share of this question's retrieval (the
+    reheat peaks of its hits, heat.reheat_peak by rank) against the best one's, to the power
+    FOCUS. Empty without hits."""
+    mass: dict[int, float] = {}
+    for rank, h in enumerate(hits):
+        mass[h.conversation_id] = mass.get(h.conversation_id, 0.0) + heat.reheat_peak(rank)
+    top = max(mass.values(), default=0.0)
+    return {c: (m / top) ** FOCUS for c, m in mass.items()} if top > 0 else {}
+
+
+def by_warmth_per_token(warm: heat.Warm, costs: Mapping[int, int],
+                        weights: Mapping[int, float] | None = None) -> list[int]:
+    """The warm rows among `costs` (item id -> tokens), the most warmth per token first (each
+    row's warmth times its `weights`, when given), ties in the warm set's order. A budget is
+    filled best so (the greedy knapsack): one long reply must earn its place against the
+    several short turns it would push out. One stable sort of an array, not a Python key per
+    row (~400 a first prompt)."""
     inside = np.array([i in costs for i in warm.item_ids.tolist()], bool)
     chosen = warm.item_ids[inside]
     tokens = np.array([costs[i] for i in chosen.tolist()], np.float64)
     # The same float64 division as -w / (c + ROW_FLOOR) in Python: the same order exactly.
-    order = np.argsort(-warm.warmth[inside] / (tokens + ROW_FLOOR), kind="stable")
+    w = warm.warmth[inside]
+    if weights is not None:
+        w = w * np.fromiter((weights[i] for i in chosen.tolist()), np.float64, chosen.size)
+    order = np.argsort(-w / (tokens + ROW_FLOOR), kind="stable")
     return chosen[order].tolist()  # type: ignore[no-any-return]
 
 
 def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
-         measure: Callable[[list[int], list[int]], Callable[[int], int]]) -> list[int]:
+         measure: Callable[[list[int], list[int]], Callable[[int], int]],
+         focused: Mapping[int, float] | None = None) -> list[int]:
     """The rows to render: the mandatory ones (`must`, never dropped), then the rows with the
-    most warmth per token while their estimated size fits; measured as rendered (`measure`:
-    (mandatory, added) -> k -> the tokens of their frame with the first k added), and when
-    labels make that frame larger than `tokens`, the most of those added rows, in the order
-    they were added, whose frame fits (`fitting`)."""
+    most warmth per token while their estimated size fits (each row's warmth weighed by its
+    conversation's weight in `focused`, FOCUS_FLOOR where the question's hits missed it, when
+    given); measured as rendered (`measure`: (mandatory, added) -> k -> the tokens of their
+    frame with the first k added), and when labels make that frame larger than `tokens`, the
+    most of those added rows, in the order they were added, whose frame fits (`fitting`)."""
     costs = {i: cost(r) for i, r in rows.items()}
-    order = by_warmth_per_token(warm, costs)
+    weights = ({i: max(focused.get(r.conversation_id, 0.0), FOCUS_FLOOR)
+                for i, r in rows.items()} if focused else None)
+    order = by_warmth_per_token(warm, costs, weights)
     ordered = set(order)
     order += [i for i in rows if i not in ordered]  # mandatory rows gone cold still come
     new = [i for i in order if i in must]

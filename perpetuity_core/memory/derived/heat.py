@@ -49,6 +49,10 @@ REHEAT_TOP = 2.0
 REHEAT_RANK_SCALE = 20.0
 NEIGHBOUR_SHARE = 0.5  # turns around a hit warm with it: the question and its answer travel together
 WARM_FLOOR = 0.05  # below this a row is cold: never rendered, only reachable by retrieval
+# A chat's frame counts what earlier prompts left warm (and births) at this share of its warmth
+# beside the prompt's own reheats, so that one question's reheated rows do not crowd out the
+# next question's (docs/tuning.md). An agent's frame counts it whole (`warm_set`'s default).
+CARRIED = 0.5
 
 # Half-lives in clock tokens, by kind: what a person said stays warm longest; bulky tool output
 # and thinking cool fast; harness scaffolding is born cold.
@@ -187,10 +191,11 @@ class Warm:
     foreign: frozenset[int] = frozenset()
 
 
-def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) -> Warm:
+def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float],
+             carried: float = 1.0) -> Warm:
     """Every row of `user_id` at least WARM_FLOOR warm at `now`, with `reheats` (item -> peak
-    reached now) applied where they beat the current trajectory, and other users' rows among
-    `reheats` at their reheat peak. Reads only."""
+    reached now) applied where they beat the current trajectory (which counts `carried` of its
+    warmth), and other users' rows among `reheats` at their reheat peak. Reads only."""
     conn = db.connection()
     parts = _PARTS[db.postgres]
     rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - _WINDOW) * parts).fetchall()
@@ -217,7 +222,7 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float]) 
     at, peak, half = (np.fromiter(c, np.float64, n) for c in columns)
     w = warmth(at, peak, half, now)
     if reheats:
-        w = np.maximum(w, reheat_peaks(reheats, ids))
+        w = np.maximum(w * carried, reheat_peaks(reheats, ids))
     keep = w >= WARM_FLOOR
     ids, w = ids[keep], w[keep]
     order = np.lexsort((ids, -w))  # warmest first; ties by store order, deterministic
