@@ -135,7 +135,7 @@ def run(call_name: str, arguments: dict | str, memory: TurnMemory, scanner: Scan
         # was stored since the last search, by this process or another, is ordered in first
         # (a tool that searches catches up itself; nothing to do on SQLite).
         sequence(scanner.db)
-        see_sent(memory, scanner.store)
+        see_sent(memory, scanner)
         return RUNNERS[call_name](args, memory, scanner)
     except BadArguments as e:
         return f"{call_name}: {e}. It takes {_signature(spec)}."
