@@ -17,13 +17,13 @@ from mitmproxy.test import taddons, tflow
 from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
-from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
 from perpetuity_core.serve.pipeline import INLINE_BODY, Pipeline
 from perpetuity_core.serve.relay import JOB_HEADER
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.wire.conversation import Message, Provider, text_part
+from tests.addons import Perpetuity
 
 
 def direct_flow(body: bytes) -> tflow.http.HTTPFlow:
@@ -39,8 +39,8 @@ def direct_flow(body: bytes) -> tflow.http.HTTPFlow:
 
 def test_a_failing_pipeline_still_routes_the_request_untouched(tmp_path: Path, monkeypatch) -> None:
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
 
         def broken(self: Pipeline, req: object) -> None:
@@ -57,8 +57,8 @@ def test_a_failing_pipeline_still_routes_the_request_untouched(tmp_path: Path, m
 
 def test_mitmweb_shows_the_real_destination_not_the_relay(tmp_path: Path) -> None:
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"))
         flow = direct_flow(b"{}")
         sent = flow.request.headers.fields
         flow.request.url = "http://127.0.0.1:5555/v1/messages"
@@ -88,8 +88,8 @@ def test_every_path_that_reaches_a_write_makes_it_once(tmp_path: Path, monkeypat
     monkeypatch.setattr(Pipeline, "store_turn", counted_turn)
     monkeypatch.setattr(Pipeline, "store_reply", counted_reply)
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         flow = direct_flow(b'{"model": "claude-opus-4-8", "max_tokens": 20, '
                            b'"messages": [{"role": "user", "content": "hi"}]}')
@@ -120,8 +120,8 @@ def test_a_relayed_request_goes_to_the_relay_without_its_body(tmp_path: Path) ->
     """The job carries the body upstream: mitmproxy sends the relay none (issue 24: a coding
     session's requests grow to hundreds of KB, every round)."""
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         first = direct_flow(b'{"model": "claude-opus-4-8", "max_tokens": 20, "messages": '
                             b'[{"role": "user", "content": "the lighthouse keeper is Ingrid"}]}')
@@ -187,8 +187,8 @@ def test_the_first_chunk_is_read_after_it_is_passed_on(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(Pipeline, "store_reply", kept)
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         flow = direct_flow(b'{"model": "claude-opus-4-8", "max_tokens": 20, "stream": true, '
                            b'"messages": [{"role": "user", "content": "hi"}]}')
@@ -234,8 +234,8 @@ def test_pass_through_never_waits_for_the_preparing_thread(tmp_path: Path) -> No
     (issue 24: each request paid two thread hops, and the body was parsed to be passed on); a
     request that may be framed still goes to the preparing thread."""
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         counted = addon.parser.thread = Counted()
         body = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'
@@ -274,8 +274,8 @@ def test_capture_alone_is_prepared_on_the_loop_when_the_thread_is_idle(tmp_path:
     body, a curate command, recall on, or another request being prepared (the pipeline's caches
     are one thread's) still go to the preparing thread."""
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         counted = addon.parser.thread = Counted()
 
@@ -421,8 +421,8 @@ def test_a_tool_round_is_prepared_on_the_loop_when_its_plan_is_carried(tmp_path:
     hops (issue 24): it is prepared where it arrived. A first prompt, or any round while
     another request is being prepared, still goes to the preparing thread."""
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         counted = addon.parser.thread = Counted()
 
@@ -458,8 +458,8 @@ def test_the_memory_is_read_as_the_proxy_starts_not_by_the_first_prompt(tmp_path
                    messages=said, times=[0.0] * len(said), source="request")
     store.close()
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"))
         addon.executor.submit(lambda: None).result()  # what the start queued there is done
         assert addon.pipeline is not None
         assert addon.pipeline.scanner.arena.n_rows == 3
@@ -474,8 +474,8 @@ def test_a_memory_that_cannot_be_read_ahead_is_a_warning_not_a_failed_start(
 
     monkeypatch.setattr(Scanner, "catch_up", broken)
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"))
         addon.executor.submit(lambda: None).result()
     assert any("read memory ahead" in r.message and r.levelname == "WARNING"
                for r in caplog.records)

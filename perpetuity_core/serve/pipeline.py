@@ -106,22 +106,15 @@ class Pipeline:
     """One memory's request path (`prepare`), its writes (`store_turn`, `store_reply`, run by
     the store's writer) and our tools (`run_tool`), as a deployment's `Settings` say."""
 
-    def __init__(self, store: Store, settings: Settings) -> None:
+    def __init__(self, store: Store, settings: Settings, scanner: Scanner | None = None) -> None:
+        """`scanner`: one made for this store and these settings' sharing, kept (its arena read
+        already) when only other settings changed."""
         self.store = store
         self.settings = settings
         self.upstreams = dict(settings.upstreams)
         self.limits = settings.limits
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
-        share = settings.share_pool
-        pool = share if isinstance(share, frozenset) else None
-        # A set of tenants (the proxy's, even empty) asks users.pool_of on every search, so
-        # an operator's `perpetuity memory tenants join` reaches a running proxy. The arena
-        # from the first row (store_rows=0): a small memory scored from the store re-read
-        # every row on every search (LoCoMo's 600 turns: 1.4 ms of a first prompt's 13).
-        self.scanner = Scanner(store, share_pool=bool(share) or pool is not None,
-                               pool_of=(lambda uid: users.pool_of(store, uid, pool))
-                               if pool is not None else None, one_person=settings.personal,
-                               store_rows=0)
+        self.scanner = scanner or _scanner(store, settings)
         if settings.personal:
             # The one user exists before the first request (written once, at start-up): on a
             # file of imports and older tenants, the person's first request recalls them.
@@ -448,6 +441,18 @@ _RECALL_SPECS: tuple[dict[str, Any], ...] = tuple(
 _WITH_NOTES = (*_RECALL_SPECS, {"name": notes.CAPTURE_TOOL_NAME,
                                 "description": notes.CAPTURE_RULES,
                                 "input_schema": notes.CAPTURE_TOOL_SCHEMA})
+
+
+def _scanner(store: Store, settings: Settings) -> Scanner:
+    share = settings.share_pool
+    pool = share if isinstance(share, frozenset) else None
+    # A set of tenants (the proxy's, even empty) asks users.pool_of on every search, so an
+    # operator's `perpetuity memory tenants join` reaches a running proxy. The arena from the
+    # first row (store_rows=0): a small memory scored from the store re-read every row on every
+    # search (LoCoMo's 600 turns: 1.4 ms of a first prompt's 13).
+    return Scanner(store, share_pool=bool(share) or pool is not None,
+                   pool_of=(lambda uid: users.pool_of(store, uid, pool))
+                   if pool is not None else None, one_person=settings.personal, store_rows=0)
 
 
 def _shaped(body: dict[str, Any], parsed: ParsedRequest) -> dict[str, Any]:
