@@ -116,12 +116,10 @@ class Trace:
                     self.add(cpu, time.thread_time() - c)
             setattr(cls, name, wrapper)
 
-        # (`_prepare`, where there is one: a tool round prepared on the loop, Pipeline.carried)
-        timed(pipeline.Pipeline, "_prepare" if hasattr(pipeline.Pipeline, "_prepare")
-              else "prepare", "prepare", "prepare_cpu")
+        # (`decide`: also a tool round decided on the loop, Pipeline.carried)
+        timed(pipeline.Pipeline, "decide", "prepare", "prepare_cpu")
         timed(http_path.HttpPath, "_apply", "apply", "apply_cpu")  # the decision on the flow
-        if hasattr(pipeline.Pipeline, "passed"):  # decided on the event loop (since issue 24)
-            timed(pipeline.Pipeline, "passed", "passed", "passed_cpu")
+        timed(pipeline.Pipeline, "understand", "passed", "passed_cpu")  # on the event loop
 
         exchange, send = relay.Relay._exchange, relay.Relay.send
         request, responseheaders, response = (http_path.HttpPath.request,

@@ -20,6 +20,7 @@ from perpetuity_core.memory.storage import capture
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
 from perpetuity_core.serve.pipeline import INLINE_BODY, Pipeline
+from perpetuity_core.serve.reading import Reader
 from perpetuity_core.serve.relay import JOB_HEADER
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.wire.conversation import Message, Provider, text_part
@@ -46,7 +47,7 @@ def test_a_failing_pipeline_still_routes_the_request_untouched(tmp_path: Path, m
         def broken(self: Pipeline, req: object) -> None:
             raise RuntimeError("a bug in the memory pipeline")
 
-        monkeypatch.setattr(Pipeline, "prepare", broken)
+        monkeypatch.setattr(Pipeline, "decide", broken)
         body = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'
         flow = direct_flow(body)
         asyncio.run(addon.request(flow))
@@ -335,11 +336,13 @@ def test_what_is_decided_on_the_loop_is_what_prepare_decides(
         body: bytes, decided: bool) -> None:
     req = HttpRequest(method="POST", host=host, path=path, headers=tuple(headers.items()),
                       body=body, direct=direct)
-    passed = pipeline.passed(req)
-    assert (passed is not None) == decided
-    if passed is not None:
+    understood = pipeline.understand(req)
+    assert understood.done == decided and not understood.read  # no body read on the loop
+    if understood.done:
         prepared = pipeline.prepare(req)
-        assert passed == prepared and passed.job is None and passed.body is None
+        passed = understood.decision
+        assert passed == prepared and passed is not None and passed.job is None
+        assert passed.body is None
 
 
 def _task(rounds: int, prompts: int = 1) -> bytes:
@@ -388,30 +391,45 @@ def _same(a: Any, b: Any) -> None:
         assert a.job.memory.shown == b.job.memory.shown
 
 
-def test_a_carried_tool_round_is_what_prepare_decides(tmp_path: Path) -> None:
+def test_a_carried_tool_round_is_what_prepare_decides(tmp_path: Path, monkeypatch) -> None:
     """`Pipeline.carried` decides a tool round whose plan is carried exactly as `prepare`
     does, and declines anything else (a first prompt, a new prompt of the conversation) having
-    changed nothing: what `prepare` then decides is what it would have."""
+    changed nothing: what `decide` then makes of what it read is what `prepare` would have,
+    and the body is not read again."""
+    parses: list[int] = []
+    parse = Reader._parse
+
+    def counted(self: Reader, *args: Any) -> Any:
+        parses.append(1)
+        return parse(self, *args)
+
+    monkeypatch.setattr(Reader, "_parse", counted)
     pipelines = [Pipeline(open_memory(tmp_path / f"{side}.db"),
                           Settings(upstreams={Provider.ANTHROPIC: "https://a.test"}))
                  for side in ("carried", "prepared")]
     ours, theirs = pipelines
     first = _task(0)
-    assert ours.carried(_request(first)) is None  # nothing read before: a first prompt
+    assert ours.carried(ours.understand(_request(first))) is None  # nothing read: a first prompt
     _same(_stored(ours, first), _stored(theirs, first))
     # The person's first request found no one to recall for, and left no plan to carry.
-    assert ours.carried(_request(_task(1))) is None
+    assert ours.carried(ours.understand(_request(_task(1)))) is None
     _same(_stored(ours, _task(1)), _stored(theirs, _task(1)))
     for k in (2, 3):
         body = _task(k)
-        carried = ours.carried(_request(body))
+        carried = ours.carried(ours.understand(_request(body)))
         assert carried is not None and carried.job is not None
         ours.store_turn(carried.job.pending)
         _same(carried, _stored(theirs, body))
     prompt = _task(3).replace(b']}', b', {"role": "assistant", "content": "done"}, '
                                b'{"role": "user", "content": "now the tests"}]}')
-    assert ours.carried(_request(prompt)) is None  # a new prompt: the plan is not carried
-    _same(_stored(ours, prompt), _stored(theirs, prompt))
+    understood = ours.understand(_request(prompt))
+    assert ours.carried(understood) is None  # a new prompt: the plan is not carried
+    parses.clear()
+    decided = ours.decide(understood)
+    assert parses == []  # read once, on the loop: the thread lays it out
+    assert decided.job is not None
+    ours.store_turn(decided.job.pending)
+    _same(decided, _stored(theirs, prompt))
     for p in pipelines:
         p.store.close()
 

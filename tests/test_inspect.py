@@ -124,7 +124,7 @@ def test_a_flow_that_fell_open_is_marked_and_still_saved(tmp_path: Path, monkeyp
         def broken(self: Pipeline, req: object) -> None:
             raise RuntimeError("a bug in the memory pipeline")
 
-        monkeypatch.setattr(Pipeline, "prepare", broken)
+        monkeypatch.setattr(Pipeline, "decide", broken)
         flow = exchange(addon, request([{"role": "user", "content": "hi"}], "c"), "c", "Hello.")
         assert flow.marked == ":warning:"
         assert "fell open: the pipeline failed (RuntimeError" in flow.comment

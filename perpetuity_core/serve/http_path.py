@@ -64,13 +64,13 @@ class HttpPath:
         )
         fell_open = ""
         try:
-            # What the body cannot change is decided here, on the loop: no thread hop.
-            decision = pipeline.passed(req)
-            if decision is None:
-                decision = await self.shared.parser.decide(pipeline, req)
+            # What the line and headers decide is decided here, on the loop: no thread hop.
+            understood = pipeline.understand(req)
+            decision = (understood.decision if understood.done and understood.decision
+                        else await self.shared.parser.decide(pipeline, understood))
         except Exception as e:
             log.exception("perpetuity: pipeline failed; forwarding the request untouched")
-            decision = pipeline.route_only(req)
+            decision = pipeline.reader.route_only(req)
             fell_open = f"the pipeline failed ({type(e).__name__}: {e})"
         state = self._apply(flow, decision, fell_open)
         if (state and decision.route
