@@ -20,7 +20,7 @@ from perpetuity_core.memory.storage import capture
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
 from perpetuity_core.serve.pipeline import INLINE_BODY, Pipeline
-from perpetuity_core.serve.reading import Reader
+from perpetuity_core.serve.reading import RequestReader
 from perpetuity_core.serve.relay import JOB_HEADER
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.wire.conversation import Message, Provider, text_part
@@ -397,13 +397,13 @@ def test_a_carried_tool_round_is_what_prepare_decides(tmp_path: Path, monkeypatc
     changed nothing: what `decide` then makes of what it read is what `prepare` would have,
     and the body is not read again."""
     parses: list[int] = []
-    parse = Reader._parse
+    parse = RequestReader._parse
 
-    def counted(self: Reader, *args: Any) -> Any:
+    def counted(self: RequestReader, *args: Any) -> Any:
         parses.append(1)
         return parse(self, *args)
 
-    monkeypatch.setattr(Reader, "_parse", counted)
+    monkeypatch.setattr(RequestReader, "_parse", counted)
     pipelines = [Pipeline(open_memory(tmp_path / f"{side}.db"),
                           Settings(upstreams={Provider.ANTHROPIC: "https://a.test"}))
                  for side in ("carried", "prepared")]

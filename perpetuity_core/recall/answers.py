@@ -70,10 +70,6 @@ def see_sent(memory: TurnMemory, scanner: Scanner) -> None:
     memory.sent = ()
 
 
-class BadArguments(ValueError):
-    """The call's arguments do not fit its schema: the message tells the model what does."""
-
-
 def fetch_rows(scanner: Scanner, user_id: int | None,
                item_ids: Iterable[int]) -> dict[int, Row]:
     """The rows among `item_ids` (of `user_id` only, when given) that the model may be shown."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from perpetuity_core.errors import BadArguments
 from perpetuity_core.frame import cap
 from perpetuity_core.memory.derived.chains import chain_of, stem_rank, subject_words
 from perpetuity_core.memory.derived.scan import Hit, Scanner
@@ -25,7 +26,6 @@ from perpetuity_core.recall.answers import (
     ANSWER_CAP,
     LABEL_CHARS,
     RESULT_CHARS,
-    BadArguments,
     TurnMemory,
     clip,
     conversation_name,

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from perpetuity_core.errors import BadArguments
 from perpetuity_core.memory.derived.index import sequence
 from perpetuity_core.memory.derived.scan import Scanner
-from perpetuity_core.recall.answers import BadArguments, TurnMemory, see_sent
+from perpetuity_core.recall.answers import TurnMemory, see_sent
 from perpetuity_core.recall.queries import COUNT_LIST, RUNNERS
 
 log = logging.getLogger("perpetuity")

@@ -16,15 +16,23 @@ from typing import Any
 
 from mitmproxy import ctx, http
 
+from perpetuity_core.errors import UpstreamError
 from perpetuity_core.serve.chain import Chain
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Decision, HttpRequest
-from perpetuity_core.serve.flowstate import STATE, FlowState, Forwarded, Kept, StreamTee, state_of
+from perpetuity_core.serve.flowstate import (
+    STATE,
+    BodyCopy,
+    FlowState,
+    Forwarded,
+    StreamTee,
+    state_of,
+)
 from perpetuity_core.serve.flowview import FACTS
 from perpetuity_core.serve.relay import JOB_HEADER, REFUSED, as_sent
 from perpetuity_core.serve.serving import Serving
 from perpetuity_core.serve.settle import readable
 from perpetuity_core.serve.tee import ReplyTee
-from perpetuity_core.serve.upstream import Request, UpstreamError, decoded
+from perpetuity_core.serve.upstream import Request, decoded
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire.route import credential
 
@@ -146,7 +154,7 @@ class HttpPath:
         elif state.relayed and state.capture and (event := state.capture.job.forwarded):
             stream = Forwarded(event)
         if readable():  # mitmproxy keeps nothing of a streamed body: a copy to inspect
-            state.kept = Kept(stream)
+            state.kept = BodyCopy(stream)
             flow.response.stream = state.kept
         else:  # no buffering: every chunk goes to the client as it comes
             flow.response.stream = stream or True

@@ -44,7 +44,7 @@ from perpetuity_core.serve.exchange import (
     Recall,
 )
 from perpetuity_core.serve.layout import Layout, Planned
-from perpetuity_core.serve.reading import Reader, Turn, Understood
+from perpetuity_core.serve.reading import RequestReader, Turn, Understood
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.wire.conversation import Kind, ParsedRequest, Protocol, Reply
 from perpetuity_core.wire.identity import PERSONAL
@@ -88,7 +88,7 @@ class Pipeline:
             store.user_id(PERSONAL)
         self.layout = Layout(store, self.scanner, settings)
         self._shapes: dict[str, str] = {}  # harness -> digest of its request shape last kept
-        self.reader = Reader(store.salt, settings)  # each request read once
+        self.reader = RequestReader(store.salt, settings)  # each request read once
 
     def understand(self, req: HttpRequest) -> Understood:
         """The request's line and headers read (serve.reading): done where they decide it

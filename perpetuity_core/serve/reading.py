@@ -1,8 +1,8 @@
 """What a request is, worked out once: its route, its `x-perpetuity-*` controls, its body read
-and parsed into neutral terms, and whose it is. `Reader.understand` reads the line and headers
-alone (on the event loop: enough to pass on another host's traffic, or `x-perpetuity: off`);
-`Reader.read` reads the body, once, however many times the pipeline asks. What it cannot read
-is decided here, as a pass-through with its reason; the pipeline decides the rest.
+and parsed into neutral terms, and whose it is. `RequestReader.understand` reads the line and
+headers alone (on the event loop: enough to pass on another host's traffic, or `x-perpetuity:
+off`); `RequestReader.read` reads the body, once, however many times the pipeline asks. What it
+cannot read is decided here, as a pass-through with its reason; the pipeline decides the rest.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Understood:
     once the body was read as one."""
 
     req: HttpRequest
-    headers: dict[str, str]  # lower-cased, as text (Reader.text_headers)
+    headers: dict[str, str]  # lower-cased, as text (text_headers)
     controls: Controls
     decision: Decision | None = None  # routed (where the body's model is not needed to route)
     done: bool = False
@@ -98,7 +98,7 @@ class _Known:
     folder: tuple[str, int]
 
 
-class Reader:
+class RequestReader:
     """Reads requests for one memory: the bodies last read are kept (wire.seen), so that a
     longer one reads only its tail. One preparer at a time (serve.preparing)."""
 
