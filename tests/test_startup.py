@@ -82,7 +82,7 @@ def test_an_option_change_rebuilds_only_what_it_affects(tmp_path: Path) -> None:
         assert (addon.store, addon.pipeline) == (store, pipeline)
 
         tctx.configure(startup, perpetuity_frame_ceiling=3_000)  # the pipeline, not its scanner
-        assert addon.pipeline is not pipeline and addon.pipeline.limits.ceiling == 3_000
+        assert addon.pipeline is not pipeline and addon.pipeline.settings.limits.ceiling == 3_000
         assert addon.pipeline.scanner is scanner and addon.store is store
         pipeline = addon.pipeline
 

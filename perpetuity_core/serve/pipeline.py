@@ -78,8 +78,6 @@ class Pipeline:
         already) when only other settings changed."""
         self.store = store
         self.settings = settings
-        self.upstreams = dict(settings.upstreams)
-        self.limits = settings.limits
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
         self.scanner = scanner or _scanner(store, settings)
         if settings.personal:
