@@ -275,7 +275,7 @@ def test_adjacency_read_once_for_every_row_holds_for_any_rows_chosen(store: Stor
     say(store, "a", *[f"alpha {i}" for i in range(12)])  # four more, stored after b's
     items = [i for (i,) in query(store.path, "SELECT id FROM item ORDER BY id")]
     rows = shown_rows(store.db, items)
-    adjacent = frame_read._adjacent(store.db, rows)
+    adjacent = frame_read._adjacent(Scanner(store), rows)
     by_conversation: dict[int, list[int]] = {}
     for r in rows.values():
         by_conversation.setdefault(r.conversation_id, []).append(r.message_id)
