@@ -56,12 +56,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from perpetuity_core.frame import read as frame_read  # noqa: E402
-from perpetuity_core.frame.rows import around, shown_rows  # noqa: E402
 from perpetuity_core.memory.derived import index, scan  # noqa: E402
 from perpetuity_core.memory.jobs import importers  # noqa: E402
 from perpetuity_core.memory.jobs.integrity import check  # noqa: E402
 from perpetuity_core.memory.jobs.transfer import copy_memory  # noqa: E402
 from perpetuity_core.memory.schema import open_memory  # noqa: E402
+from perpetuity_core.memory.storage.reads import around, shown_rows  # noqa: E402
 from perpetuity_core.memory.storage.store import Database, Store  # noqa: E402
 from perpetuity_core.wire.conversation import Kind, Message, Part  # noqa: E402
 from scripts.bench_retrieval import UNIT_USERS, parse_size, pct, questions  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the live tally (serve/savings.py) costs the store's writer thread per call, early and
+"""What the live tally (serve/tally.py) costs the store's writer thread per call, early and
 late in a session that never ends: the six shared Claude Code sessions chained as `perpetuity
 replay claude-code --chain` chains them, each call through `Pipeline.prepare` and stored as
 the replay does, then billed both ways as the proxy bills it (its bodies the objects prepare
@@ -36,7 +36,7 @@ from perpetuity_core.memory.schema import open_memory  # noqa: E402
 from perpetuity_core.memory.storage import savings  # noqa: E402
 from perpetuity_core.serve.exchange import HttpRequest  # noqa: E402
 from perpetuity_core.serve.pipeline import Pipeline, Settings  # noqa: E402
-from perpetuity_core.serve.savings import Savings  # noqa: E402
+from perpetuity_core.serve.tally import Savings  # noqa: E402
 from perpetuity_core.wire.conversation import Provider  # noqa: E402
 from perpetuity_core.wire.protocols import ADAPTERS  # noqa: E402
 

@@ -150,7 +150,7 @@ def save(args: argparse.Namespace) -> dict[str, Any]:
                     contextlib.closing(sqlite3.connect(args.out / "memory.db")) as copy:
                 src.backup(copy)
             with (args.out / "state.pickle").open("wb") as f:
-                pickle.dump((pipeline.layout._plans, pipeline._seen, pipeline._shapes), f)
+                pickle.dump((pipeline.layout._plans, pipeline.reader.seen, pipeline._shapes), f)
             sent.clear()
 
     drive._Side.send = kept  # type: ignore[method-assign,assignment]

@@ -100,7 +100,7 @@ class Trace:
         self.out.close()
 
     def _patch(self) -> None:
-        from perpetuity_core.serve import addon, pipeline, relay
+        from perpetuity_core.serve import http_path, pipeline, relay
 
         def timed(cls: Any, name: str, wall: str, cpu: str) -> None:
             inner = getattr(cls, name)
@@ -116,17 +116,15 @@ class Trace:
                     self.add(cpu, time.thread_time() - c)
             setattr(cls, name, wrapper)
 
-        # (`_prepare`, where there is one: a tool round prepared on the loop, Pipeline.carried)
-        timed(pipeline.Pipeline, "_prepare" if hasattr(pipeline.Pipeline, "_prepare")
-              else "prepare", "prepare", "prepare_cpu")
-        timed(addon.Perpetuity, "_apply", "apply", "apply_cpu")  # the decision on the flow
-        if hasattr(pipeline.Pipeline, "passed"):  # decided on the event loop (since issue 24)
-            timed(pipeline.Pipeline, "passed", "passed", "passed_cpu")
+        # (`decide`: also a tool round decided on the loop, Pipeline.carried)
+        timed(pipeline.Pipeline, "decide", "prepare", "prepare_cpu")
+        timed(http_path.HttpPath, "_apply", "apply", "apply_cpu")  # the decision on the flow
+        timed(pipeline.Pipeline, "understand", "passed", "passed_cpu")  # on the event loop
 
         exchange, send = relay.Relay._exchange, relay.Relay.send
-        request, responseheaders, response = (addon.Perpetuity.request,
-                                              addon.Perpetuity.responseheaders,
-                                              addon.Perpetuity.response)
+        request, responseheaders, response = (http_path.HttpPath.request,
+                                              http_path.HttpPath.responseheaders,
+                                              http_path.HttpPath.response)
 
         async def exchange_(r: Any, *a: Any) -> bool:
             self.stamp("relay_in")
@@ -162,8 +160,8 @@ class Trace:
                 self.cur = {}
 
         relay.Relay._exchange, relay.Relay.send = exchange_, send_
-        addon.Perpetuity.request, addon.Perpetuity.response = request_, response_
-        addon.Perpetuity.responseheaders = responseheaders_
+        http_path.HttpPath.request, http_path.HttpPath.response = request_, response_
+        http_path.HttpPath.responseheaders = responseheaders_
 
 
 if "PERPETUITY_TRACE" in os.environ and __name__ != "__main__":  # loaded by mitmdump

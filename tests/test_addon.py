@@ -17,13 +17,14 @@ from mitmproxy.test import taddons, tflow
 from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
-from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.flowstate import STATE, FlowState
 from perpetuity_core.serve.pipeline import INLINE_BODY, INLINE_MESSAGES, Pipeline
+from perpetuity_core.serve.reading import RequestReader
 from perpetuity_core.serve.relay import JOB_HEADER
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.wire.conversation import Message, Provider, text_part
+from tests.addons import Perpetuity
 
 
 def direct_flow(body: bytes) -> tflow.http.HTTPFlow:
@@ -39,14 +40,14 @@ def direct_flow(body: bytes) -> tflow.http.HTTPFlow:
 
 def test_a_failing_pipeline_still_routes_the_request_untouched(tmp_path: Path, monkeypatch) -> None:
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
 
         def broken(self: Pipeline, req: object) -> None:
             raise RuntimeError("a bug in the memory pipeline")
 
-        monkeypatch.setattr(Pipeline, "prepare", broken)
+        monkeypatch.setattr(Pipeline, "decide", broken)
         body = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'
         flow = direct_flow(body)
         asyncio.run(addon.request(flow))
@@ -57,8 +58,8 @@ def test_a_failing_pipeline_still_routes_the_request_untouched(tmp_path: Path, m
 
 def test_mitmweb_shows_the_real_destination_not_the_relay(tmp_path: Path) -> None:
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"))
         flow = direct_flow(b"{}")
         sent = flow.request.headers.fields
         flow.request.url = "http://127.0.0.1:5555/v1/messages"
@@ -88,8 +89,8 @@ def test_every_path_that_reaches_a_write_makes_it_once(tmp_path: Path, monkeypat
     monkeypatch.setattr(Pipeline, "store_turn", counted_turn)
     monkeypatch.setattr(Pipeline, "store_reply", counted_reply)
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         flow = direct_flow(b'{"model": "claude-opus-4-8", "max_tokens": 20, '
                            b'"messages": [{"role": "user", "content": "hi"}]}')
@@ -120,8 +121,8 @@ def test_a_relayed_request_goes_to_the_relay_without_its_body(tmp_path: Path) ->
     """The job carries the body upstream: mitmproxy sends the relay none (issue 24: a coding
     session's requests grow to hundreds of KB, every round)."""
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         first = direct_flow(b'{"model": "claude-opus-4-8", "max_tokens": 20, "messages": '
                             b'[{"role": "user", "content": "the lighthouse keeper is Ingrid"}]}')
@@ -187,8 +188,8 @@ def test_the_first_chunk_is_read_after_it_is_passed_on(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(Pipeline, "store_reply", kept)
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"), perpetuity_tools=False,
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         flow = direct_flow(b'{"model": "claude-opus-4-8", "max_tokens": 20, "stream": true, '
                            b'"messages": [{"role": "user", "content": "hi"}]}')
@@ -234,8 +235,8 @@ def test_pass_through_never_waits_for_the_preparing_thread(tmp_path: Path) -> No
     (issue 24: each request paid two thread hops, and the body was parsed to be passed on); a
     request that may be framed still goes to the preparing thread."""
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         counted = addon.parser.thread = Counted()
         body = b'{"model": "claude-opus-4-8", "messages": [{"role": "user", "content": "hi"}]}'
@@ -274,8 +275,8 @@ def test_capture_alone_is_prepared_on_the_loop_when_the_thread_is_idle(tmp_path:
     body, a curate command, recall on, or another request being prepared (the pipeline's caches
     are one thread's) still go to the preparing thread."""
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         counted = addon.parser.thread = Counted()
 
@@ -335,11 +336,13 @@ def test_what_is_decided_on_the_loop_is_what_prepare_decides(
         body: bytes, decided: bool) -> None:
     req = HttpRequest(method="POST", host=host, path=path, headers=tuple(headers.items()),
                       body=body, direct=direct)
-    passed = pipeline.passed(req)
-    assert (passed is not None) == decided
-    if passed is not None:
+    understood = pipeline.understand(req)
+    assert understood.done == decided and not understood.read  # no body read on the loop
+    if understood.done:
         prepared = pipeline.prepare(req)
-        assert passed == prepared and passed.job is None and passed.body is None
+        passed = understood.decision
+        assert passed == prepared and passed is not None and passed.job is None
+        assert passed.body is None
 
 
 def _task(rounds: int, prompts: int = 1) -> bytes:
@@ -388,30 +391,45 @@ def _same(a: Any, b: Any) -> None:
         assert a.job.memory.shown == b.job.memory.shown
 
 
-def test_a_carried_tool_round_is_what_prepare_decides(tmp_path: Path) -> None:
+def test_a_carried_tool_round_is_what_prepare_decides(tmp_path: Path, monkeypatch) -> None:
     """`Pipeline.carried` decides a tool round whose plan is carried exactly as `prepare`
     does, and declines anything else (a first prompt, a new prompt of the conversation) having
-    changed nothing: what `prepare` then decides is what it would have."""
+    changed nothing: what `decide` then makes of what it read is what `prepare` would have,
+    and the body is not read again."""
+    parses: list[int] = []
+    parse = RequestReader._parse
+
+    def counted(self: RequestReader, *args: Any) -> Any:
+        parses.append(1)
+        return parse(self, *args)
+
+    monkeypatch.setattr(RequestReader, "_parse", counted)
     pipelines = [Pipeline(open_memory(tmp_path / f"{side}.db"),
                           Settings(upstreams={Provider.ANTHROPIC: "https://a.test"}))
                  for side in ("carried", "prepared")]
     ours, theirs = pipelines
     first = _task(0)
-    assert ours.carried(_request(first)) is None  # nothing read before: a first prompt
+    assert ours.carried(ours.understand(_request(first))) is None  # nothing read: a first prompt
     _same(_stored(ours, first), _stored(theirs, first))
     # The person's first request found no one to recall for, and left no plan to carry.
-    assert ours.carried(_request(_task(1))) is None
+    assert ours.carried(ours.understand(_request(_task(1)))) is None
     _same(_stored(ours, _task(1)), _stored(theirs, _task(1)))
     for k in (2, 3):
         body = _task(k)
-        carried = ours.carried(_request(body))
+        carried = ours.carried(ours.understand(_request(body)))
         assert carried is not None and carried.job is not None
         ours.store_turn(carried.job.pending)
         _same(carried, _stored(theirs, body))
     prompt = _task(3).replace(b']}', b', {"role": "assistant", "content": "done"}, '
                                b'{"role": "user", "content": "now the tests"}]}')
-    assert ours.carried(_request(prompt)) is None  # a new prompt: the plan is not carried
-    _same(_stored(ours, prompt), _stored(theirs, prompt))
+    understood = ours.understand(_request(prompt))
+    assert ours.carried(understood) is None  # a new prompt: the plan is not carried
+    parses.clear()
+    decided = ours.decide(understood)
+    assert parses == []  # read once, on the loop: the thread lays it out
+    assert decided.job is not None
+    ours.store_turn(decided.job.pending)
+    _same(decided, _stored(theirs, prompt))
     for p in pipelines:
         p.store.close()
 
@@ -425,12 +443,13 @@ def test_a_long_history_is_refused_on_the_loop_before_it_is_read(
                     Settings(upstreams={Provider.ANTHROPIC: "https://a.test"}))
     for k in (1, 2):
         _stored(ours, _task(k, prompts=2))
-    assert ours.carried(_request(_task(3, prompts=2))) is not None  # short: carried on the loop
+    short = ours.carried(ours.understand(_request(_task(3, prompts=2))))
+    assert short is not None  # short: carried on the loop
     rounds = INLINE_MESSAGES // 2 + 5
     _stored(ours, _task(rounds))
     reads = []
-    monkeypatch.setattr(ours._seen, "read", lambda raw: reads.append(raw))
-    assert ours.carried(_request(_task(rounds + 1))) is None and reads == []
+    monkeypatch.setattr(ours.reader.seen, "read", lambda raw: reads.append(raw))
+    assert ours.carried(ours.understand(_request(_task(rounds + 1)))) is None and reads == []
     ours.store.close()
 
 
@@ -439,8 +458,8 @@ def test_a_tool_round_is_prepared_on_the_loop_when_its_plan_is_carried(tmp_path:
     hops (issue 24): it is prepared where it arrived. A first prompt, or any round while
     another request is being prepared, still goes to the preparing thread."""
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         counted = addon.parser.thread = Counted()
 
@@ -476,8 +495,8 @@ def test_the_memory_is_read_as_the_proxy_starts_not_by_the_first_prompt(tmp_path
                    messages=said, times=[0.0] * len(said), source="request")
     store.close()
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"))
         addon.executor.submit(lambda: None).result()  # what the start queued there is done
         assert addon.pipeline is not None
         assert addon.pipeline.scanner.arena.n_rows == 3
@@ -492,8 +511,8 @@ def test_a_memory_that_cannot_be_read_ahead_is_a_warning_not_a_failed_start(
 
     monkeypatch.setattr(Scanner, "catch_up", broken)
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"))
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"))
         addon.executor.submit(lambda: None).result()
     assert any("read memory ahead" in r.message and r.levelname == "WARNING"
                for r in caplog.records)

@@ -104,13 +104,24 @@ def test_only_the_store_reaches_the_database_module() -> None:
         assert "DatabaseProxy" not in text, path
 
 
+def test_no_sql_above_memory() -> None:
+    """The frame and the recall tools read through memory.storage.reads: no statement and no
+    connection of the handle is written in frame/ or recall/."""
+    above = {path: text for path, text in _sources().items()
+             if path.startswith(("perpetuity_core/frame/", "perpetuity_core/recall/"))}
+    assert above
+    for path, text in above.items():
+        assert not re.search(r"\b(SELECT|INSERT|UPDATE|DELETE)\b", text), path
+        assert ".connection()" not in text and ".pick(" not in text, path
+
+
 def test_translation_is_named_where_it_is_used() -> None:
     """SQL written once in SQLite's dialect runs on PostgreSQL only through the handle's
     `legacy` or `translated` (migrations, maintenance commands, the check): the per-request
     modules write theirs per backend."""
     per_request = ("memory/derived/scan", "memory/derived/arena", "memory/derived/heat",
                    "memory/derived/index", "memory/derived/bindings", "memory/derived/chains",
-                   "memory/storage/users", "frame/rows", "frame/read")
+                   "memory/storage/users", "memory/storage/reads", "frame/read")
     for name in per_request:
         text = (PACKAGE / f"{name}.py").read_text()
         body = text.split("\ndef m0", 1)[0]  # a module's migrations come last

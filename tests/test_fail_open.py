@@ -18,8 +18,8 @@ from mitmproxy.test import taddons
 
 from perpetuity_core.frame import tenants
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.wire.identity import tenant_of
+from tests.addons import Perpetuity
 from tests.conftest import Proxy, opened, start_proxy, stop_proxy
 from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 
@@ -167,8 +167,8 @@ def test_a_failed_turn_write_is_logged_without_a_reply(fake: FakeProvider, tmp_p
 
 def test_changing_the_database_while_running_is_refused(tmp_path: Path) -> None:
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "a.db"))
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "a.db"))
         done = threading.Event()
 
         async def serve() -> None:
@@ -179,7 +179,7 @@ def test_changing_the_database_while_running_is_refused(tmp_path: Path) -> None:
         asyncio.run(serve())
         assert done.is_set()
         with pytest.raises(exceptions.OptionsError, match="cannot change while running"):
-            tctx.configure(addon, perpetuity_db=str(tmp_path / "b.db"))
+            tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "b.db"))
         assert addon.store is not None and addon.store.path == tmp_path / "a.db"
         assert not (tmp_path / "b.db").exists()
         addon.executor.submit(addon.store.close).result()  # on the store's thread, after its work

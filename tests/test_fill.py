@@ -15,9 +15,9 @@ from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import cap
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
-from perpetuity_core.frame.rows import Row
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Scanner
+from perpetuity_core.memory.storage.reads import Row
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Kind
 from tests.test_frame import prefixes_of, say

@@ -20,7 +20,6 @@ from perpetuity_core.frame import cap
 from perpetuity_core.frame import read as frame_read
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
-from perpetuity_core.frame.rows import Row, adjacent_pairs, around, shown_rows
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.bm25 import Params
 from perpetuity_core.memory.derived.index import messages_tokens
@@ -28,6 +27,7 @@ from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
+from perpetuity_core.memory.storage.reads import Row, adjacent_pairs, around, shown_rows
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
@@ -278,7 +278,7 @@ def test_adjacency_read_once_for_every_row_holds_for_any_rows_chosen(store: Stor
     say(store, "a", *[f"alpha {i}" for i in range(12)])  # four more, stored after b's
     items = [i for (i,) in query(store.path, "SELECT id FROM item ORDER BY id")]
     rows = shown_rows(store.db, items)
-    adjacent = frame_read._adjacent(store.db, rows)
+    adjacent = frame_read._adjacent(Scanner(store), rows)
     by_conversation: dict[int, list[int]] = {}
     for r in rows.values():
         by_conversation.setdefault(r.conversation_id, []).append(r.message_id)

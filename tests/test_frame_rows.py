@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
 from perpetuity_core.frame.cap import Cap
-from perpetuity_core.frame.rows import Row
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Hit
+from perpetuity_core.memory.storage.reads import Row
 from perpetuity_core.wire.conversation import Kind, Message
 from tests.test_frame import prefixes_of
 

@@ -21,8 +21,8 @@ from mitmproxy.addons.save import Save
 from mitmproxy.addons.view import View
 from mitmproxy.test import taddons
 
-from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.pipeline import Pipeline
+from tests.addons import Perpetuity
 from tests.conftest import owned, start_proxy, stop_proxy
 from tests.fake_provider import FakeProvider, Text, ToolCall
 from tests.test_addon import direct_flow
@@ -78,8 +78,8 @@ def remember(addon: Perpetuity) -> None:
 def inspected(tmp_path: Path, **options: object) -> Iterator[Perpetuity]:
     """The addon beside a flow list, as in mitmweb, its upstream never reached."""
     addon = Perpetuity()
-    with taddons.context(addon, View()) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons, View()) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9", **options)
         yield addon
 
@@ -124,7 +124,7 @@ def test_a_flow_that_fell_open_is_marked_and_still_saved(tmp_path: Path, monkeyp
         def broken(self: Pipeline, req: object) -> None:
             raise RuntimeError("a bug in the memory pipeline")
 
-        monkeypatch.setattr(Pipeline, "prepare", broken)
+        monkeypatch.setattr(Pipeline, "decide", broken)
         flow = exchange(addon, request([{"role": "user", "content": "hi"}], "c"), "c", "Hello.")
         assert flow.marked == ":warning:"
         assert "fell open: the pipeline failed (RuntimeError" in flow.comment
@@ -159,8 +159,8 @@ def test_perpetuity_show_prints_the_view_of_a_saved_file(tmp_path: Path) -> None
 def test_no_facts_are_made_where_no_one_can_read_them(tmp_path: Path) -> None:
     """mitmdump without a flow file or bodies printed: the references are dropped unread."""
     addon, save = Perpetuity(), Save()
-    with taddons.context(addon, save) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "m.db"),
+    with taddons.context(*addon.addons, save) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "m.db"),
                        perpetuity_anthropic_upstream="http://upstream.test:9")
         flow = exchange(addon, request([{"role": "user", "content": "hi"}], "c"), "c", "Hello.")
         assert flow.metadata == {"perpetuity": {"upstream": "http://upstream.test:9/v1/messages",

@@ -15,12 +15,13 @@ import pytest
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import cap
 from perpetuity_core.frame import render as frame_render
-from perpetuity_core.frame.rows import Row, following, quoted, shown_rows, time_label
+from perpetuity_core.frame.rows import quoted, time_label
 from perpetuity_core.frame.tenants import withheld
 from perpetuity_core.memory.derived import heat, index, scan
 from perpetuity_core.memory.derived.view import Visibility
 from perpetuity_core.memory.jobs import maintenance
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage.reads import Row, following, shown_rows
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Kind
 from tests.test_frame import say

@@ -23,7 +23,7 @@ from perpetuity_core.frame import plan
 from perpetuity_core.frame.cap import Cap
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve import pipeline
+from perpetuity_core.serve import reading
 from perpetuity_core.wire.conversation import Kind, Message, Part
 from perpetuity_core.wire.protocols import anthropic
 from tests.conftest import SHARED, Proxy, owned
@@ -222,4 +222,4 @@ def test_a_lone_surrogate_is_found_without_re_encoding_the_body(text: str) -> No
         lone = False
     except UnicodeEncodeError:
         lone = True
-    assert pipeline._lone_surrogate(raw) == lone
+    assert reading.lone_surrogate(raw) == lone

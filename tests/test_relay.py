@@ -27,7 +27,7 @@ from perpetuity_core.wire.protocols import ADAPTERS
 from tests.fake_provider import Error, FakeProvider, Text, ToolCall
 
 
-class Written:
+class CaptureLog:
     """The writes a capture made, in the order it made them (no database)."""
 
     def __init__(self) -> None:
@@ -68,7 +68,7 @@ def test_a_capture_writes_each_step_once_and_in_order() -> None:
     its request."""
     job = _job(None, {}, stream=False)
     reply = Reply(Message("assistant", (text_part("Hello."),)), Usage())
-    written = Written()
+    written = CaptureLog()
     capture = Capture(job, written, Inline())
     capture.replied(None)  # an unreadable reply: the request alone
     capture.sent()
@@ -76,7 +76,7 @@ def test_a_capture_writes_each_step_once_and_in_order() -> None:
     capture.replied(reply)
     capture.sent()
     assert written.log == [("turn", "c"), ("reply", "Hello.")]
-    first = Written()
+    first = CaptureLog()
     Capture(job, first, Inline()).replied(reply)
     assert first.log == [("turn", "c"), ("reply", "Hello.")]  # its request written before it
 
@@ -97,7 +97,7 @@ async def _exchange(fake: FakeProvider) -> bytes:
     specs = [{"name": t.name, "description": t.description, "input_schema": t.input_schema}
              for t in tools.TOOLS]
     job = _job(fake, body, stream=True, memory=TurnMemory(1, None, 0.0), tool_specs=specs)
-    token = relay.submit(Capture(job, Written(), Inline()))
+    token = relay.submit(Capture(job, CaptureLog(), Inline()))
     reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
     writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
                  "content-length: 0\r\n\r\n".encode())
@@ -128,7 +128,7 @@ def test_pings_keep_the_stream_alive_while_a_tool_runs() -> None:
     assert b"memory_search" not in raw
 
 
-async def _after_a_chunked_request(fake: FakeProvider, written: Written) -> tuple[bytes, bytes]:
+async def _after_a_chunked_request(fake: FakeProvider, written: CaptureLog) -> tuple[bytes, bytes]:
     relay = Relay(None)  # type: ignore[arg-type]
     await relay.start()
     body = {"model": "claude-opus-4-8", "max_tokens": 20,
@@ -154,7 +154,7 @@ async def _after_a_chunked_request(fake: FakeProvider, written: Written) -> tupl
 def test_a_chunked_request_body_is_read_whole() -> None:
     with FakeProvider() as fake:
         fake.script(Text("Hi there."))
-        written = Written()
+        written = CaptureLog()
         first, second = asyncio.run(_after_a_chunked_request(fake, written))
     assert first.startswith(b"HTTP/1.1 502 ")
     # The second request reached its job: the chunked body was not read as a request.
@@ -195,7 +195,7 @@ def test_the_first_round_is_built_when_preparing_as_the_relay_built_it(tmp_path:
         store.close()
 
 
-async def _held_at_the_first_bytes(fake: FakeProvider, written: Written,
+async def _held_at_the_first_bytes(fake: FakeProvider, written: CaptureLog,
                                    memory: TurnMemory | None) -> tuple[bytes, list, bytes]:
     relay = Relay(None)  # type: ignore[arg-type]
     await relay.start()
@@ -231,7 +231,7 @@ def test_the_relay_goes_on_once_its_first_bytes_are_passed_on(
     monkeypatch.setattr(relay_module, "FORWARD_WAIT", 30.0)
     with FakeProvider() as fake:
         fake.script(Text("Hi there.", chunks=3))
-        written = Written()
+        written = CaptureLog()
         first, held, rest = asyncio.run(_held_at_the_first_bytes(fake, written, memory))
     assert first.startswith(b"HTTP/1.1 200 ") and b"content_block" not in first
     assert held == []
@@ -247,11 +247,11 @@ def test_the_relays_upstream_calls_make_no_log_records(caplog: pytest.LogCapture
     caplog.set_level(logging.DEBUG)
     with FakeProvider() as fake:
         fake.script(Text("Hi there."))
-        asyncio.run(_after_a_chunked_request(fake, Written()))
+        asyncio.run(_after_a_chunked_request(fake, CaptureLog()))
     assert not [r for r in caplog.records if r.name != "asyncio"]
 
 
-async def _begun(fake: FakeProvider, written: Written, memory: TurnMemory | None,
+async def _begun(fake: FakeProvider, written: CaptureLog, memory: TurnMemory | None,
                  deliver: bool) -> bytes:
     """A job submitted and begun as the addon does; then claimed by mitmproxy's request, or
     dropped as the addon does when its flow ends first."""
@@ -293,7 +293,7 @@ def test_the_upstream_call_begins_before_mitmproxy_reaches_the_relay(
     relay then reads that call's reply, and makes no second one."""
     with FakeProvider() as fake:
         fake.script(Text("Hi there.", chunks=3))
-        written = Written()
+        written = CaptureLog()
         raw = asyncio.run(_begun(fake, written, memory, deliver=True))
         assert len(fake.requests) == 1
     assert raw.startswith(b"HTTP/1.1 200 ") and b"event: message_stop" in raw
@@ -305,7 +305,7 @@ def test_a_job_its_flow_never_delivers_has_its_upstream_call_stopped() -> None:
     answer): the call begun for it is closed, not left streaming a billed reply to no one."""
     with FakeProvider() as fake:
         fake.script(Text("Hi there. " * 200, chunks=200))
-        written = Written()
+        written = CaptureLog()
         asyncio.run(_begun(fake, written, None, deliver=False))
     assert written.log == []
 
@@ -389,7 +389,7 @@ def test_what_one_upstream_read_brings_goes_on_as_one_chunk() -> None:
         event("message_stop", {"type": "message_stop"})])
     job = _job(None, {"model": "m", "stream": True, "messages": []}, stream=True,
                memory=TurnMemory(1, None, 0.0))
-    written, sent = Written(), Sent()
+    written, sent = CaptureLog(), Sent()
     loop = relay_module.ToolLoop(OneRead(raw), Capture(job, written, Inline()), sent)  # type: ignore[arg-type]
     assert asyncio.run(loop.run())
     assert b"event: message_start" in sent.chunks[0] and b"event: content_block_stop" in sent.chunks[0]
@@ -414,7 +414,7 @@ async def _two_calls_apart(fake: FakeProvider, pause: float) -> None:
     for n in range(2):
         body = {"model": "claude-opus-4-8", "max_tokens": 20,
                 "messages": [{"role": "user", "content": f"call {n}"}]}
-        token = relay.submit(Capture(_job(fake, body, stream=False), Written(), Inline()))
+        token = relay.submit(Capture(_job(fake, body, stream=False), CaptureLog(), Inline()))
         await _delivered(relay, token)
         if not n:
             await asyncio.sleep(pause)
@@ -445,7 +445,7 @@ async def _two_clients(fake: FakeProvider) -> None:
                 "messages": [{"role": "user", "content": "hello"}]}
         job = _job(fake, body, stream=False)
         job.headers = [("x-api-key", key)]
-        token = relay.submit(Capture(job, Written(), Inline()))
+        token = relay.submit(Capture(job, CaptureLog(), Inline()))
         await _delivered(relay, token)
     await relay.stop()
 

@@ -13,11 +13,12 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from mitmproxy import certs
 
+from perpetuity_core.errors import UpstreamError
 from perpetuity_core.serve.relay import JOB_HEADER, Relay
-from perpetuity_core.serve.upstream import Client, Request, UpstreamError
+from perpetuity_core.serve.upstream import Client, Request
 from perpetuity_core.serve.writer import Capture
 from tests.fake_provider import FakeProvider, Text
-from tests.test_relay import Inline, Written, _job
+from tests.test_relay import CaptureLog, Inline, _job
 
 BODY = {"model": "claude-opus-4-8", "max_tokens": 20,
         "messages": [{"role": "user", "content": "hello"}]}
@@ -78,7 +79,7 @@ async def delivered(relay: Relay, url: str, headers: list[tuple[str, str]]) -> b
     """A plain job to `url` fetched from the relay as mitmproxy does: its whole reply."""
     job = _job(None, BODY, stream=False)
     job.url, job.headers = url + "/v1/messages", headers
-    token = relay.submit(Capture(job, Written(), Inline()))
+    token = relay.submit(Capture(job, CaptureLog(), Inline()))
     reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
     writer.write(f"POST /v1/messages HTTP/1.1\r\nhost: x\r\n{JOB_HEADER}: {token}\r\n"
                  "content-length: 0\r\n\r\n".encode())

@@ -17,7 +17,7 @@ from perpetuity_core.frame.billing import AnthropicCache
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import savings
 from perpetuity_core.memory.storage.savings import Saved
-from perpetuity_core.serve.savings import reported_bill
+from perpetuity_core.serve.tally import reported_bill
 from perpetuity_core.wire.conversation import Message, Protocol, Reply, Usage
 from tests import postgres
 from tests.conftest import Proxy, owned, start_proxy, stop_proxy

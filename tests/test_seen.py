@@ -176,7 +176,7 @@ def test_a_replaced_body_is_freed_by_the_store_s_writer_and_never_more_wait(
     store's writer (store_turn releases it), and never more than seen.RETIRED wait when no
     write comes (probes, capture off)."""
     s = _long_session(tmp_path, 3)
-    retired = s.pipeline._seen._retired
+    retired = s.pipeline.reader.seen._retired
     d = s.pipeline.prepare(_request(s))  # the last call's body read again, then replaced
     assert [e.raw for e in retired] == [_request(s).body]
     s.pipeline.store_turn(d.job.pending)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from perpetuity_core.frame.rows import shown_rows
 from perpetuity_core.memory.derived import heat, index, scan
 from perpetuity_core.memory.jobs import maintenance
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage.kept import There, deletions
+from perpetuity_core.memory.storage.reads import shown_rows
 from perpetuity_core.memory.storage.store import Store
 from tests.test_frame import say
 from tests.test_kept import items_of

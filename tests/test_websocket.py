@@ -20,13 +20,13 @@ from wsproto.events import AcceptConnection, Request, TextMessage
 from wsproto.frame_protocol import Opcode
 
 from perpetuity_core.memory.schema import open_memory
-from perpetuity_core.serve.addon import Perpetuity
 from perpetuity_core.serve.chain import http_body
 from perpetuity_core.serve.exchange import HttpRequest
 from perpetuity_core.serve.pipeline import Pipeline, Settings
 from perpetuity_core.wire.protocols import responses
 from perpetuity_core.wire.route import DEFAULT_UPSTREAMS, route
 from perpetuity_core.wire.sse import Event
+from tests.addons import Perpetuity
 from tests.conftest import FIXTURES, Proxy, needs_fixtures, query
 from tests.fake_provider import FakeProvider, Text, ToolCall
 
@@ -69,8 +69,8 @@ def captured(tmp_path: Path, *sessions: tuple[str, str]) -> Path:
     """The store after the addon saw these (handshake file, message files' prefix) sessions."""
     db = tmp_path / "memory.db"
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(db), perpetuity_notes_dir=str(tmp_path / "notes"))
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(db), perpetuity_notes_dir=str(tmp_path / "notes"))
         for handshake, prefix in sessions:
             asyncio.run(drive(addon, CODEX / handshake, session(prefix)))
         addon.executor.submit(time.sleep, 0).result()  # every queued write done
@@ -272,8 +272,8 @@ def test_codex_socket_is_framed_as_http_is(tmp_path: Path) -> None:
     sessions = tui_sessions()
     addon = Perpetuity()
     client, wholes, providers = Client(), [], []
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "ws.db"), perpetuity_tenants="personal",
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "ws.db"), perpetuity_tenants="personal",
                        perpetuity_notes_dir=str(tmp_path / "notes"))
         for handshake, exchanges in sessions:
             providers.append(asyncio.run(socket(addon, CODEX / handshake, exchanges, client, wholes)))
@@ -317,8 +317,8 @@ def test_codex_chain_holds_across_sockets(tmp_path: Path) -> None:
     (turn, frames), = messages_of((23, None))
     addon = Perpetuity()
     handshake = CODEX / "05-builtin_ws_basic-ws_handshake-v1_responses.json"
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "ws.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "ws.db"),
                        perpetuity_notes_dir=str(tmp_path / "notes"))
         first = {k: v for k, v in first.items() if k != "previous_response_id"}
         asyncio.run(socket(addon, handshake, [(first, first_frames)], Client(), []))
@@ -438,8 +438,8 @@ def test_a_failing_pipeline_sends_the_socket_message_as_sent(tmp_path: Path, mon
     still holds (the next message, on it, as sent)."""
     sessions = tui_sessions()[:2]
     addon = Perpetuity()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, perpetuity_db=str(tmp_path / "ws.db"),
+    with taddons.context(*addon.addons) as tctx:
+        tctx.configure(addon.addons[0], perpetuity_db=str(tmp_path / "ws.db"),
                        perpetuity_notes_dir=str(tmp_path / "notes"))
         asyncio.run(socket(addon, CODEX / sessions[0][0], sessions[0][1], Client(), []))
         assert addon.pipeline is not None

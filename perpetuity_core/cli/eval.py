@@ -39,11 +39,11 @@ from tqdm import tqdm
 from perpetuity_core.errors import ConfigError
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame.cap import Cap
-from perpetuity_core.frame.rows import shown_rows
 from perpetuity_core.memory.derived.index import token_estimate
 from perpetuity_core.memory.jobs import importers
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
+from perpetuity_core.memory.storage.reads import shown_rows
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.serve.exchange import HttpRequest, PendingTurn
 from perpetuity_core.serve.pipeline import Pipeline, Settings

@@ -142,7 +142,7 @@ def _table(hits: list) -> None:
 def cmd_stats(args: argparse.Namespace) -> int:
     """Users, conversations, messages, rows, tokens, dictionary version, arena size; and what
     the calls through the proxy cost against sending them direct, per day and in total."""
-    from perpetuity_core.cli import savings
+    from perpetuity_core.cli import saved
     from perpetuity_core.memory.derived.arena import Arena
     from perpetuity_core.memory.storage.savings import by_day
 
@@ -171,9 +171,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         }
         days = by_day(conn)
     if args.json:
-        print(json.dumps({**stats, "saving": savings.summary(days)}))
+        print(json.dumps({**stats, "saving": saved.summary(days)}))
     else:
         for k, v in stats.items():
             print(f"{k:>22}  {v}")
-        print("\n" + savings.table(days))
+        print("\n" + saved.table(days))
     return 0

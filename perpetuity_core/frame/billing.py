@@ -1,5 +1,5 @@
 """What a request costs once the provider's prompt cache has done its work: the rules both
-`perpetuity replay` and the proxy's live tally (serve/savings.py) bill by. The prompt's blocks
+`perpetuity replay` and the proxy's live tally (serve/tally.py) bill by. The prompt's blocks
 are made in frame/blocks.py; a bill's money, at the model's list price, in frame/prices.py.
 
 Costs are in units of one uncached input token. Tokens are counted with the one estimator the

@@ -21,10 +21,10 @@ from perpetuity_core.frame import select as frame_select
 from perpetuity_core.frame.read import NEIGHBOUR_HITS, NEIGHBOURS, search
 from perpetuity_core.frame.render import CLOSING, HEADER, MORE_HEADER, NOW, with_note
 from perpetuity_core.frame.render import messages as render
-from perpetuity_core.frame.rows import Row
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Hit, Scanner
+from perpetuity_core.memory.storage.reads import Row
 from perpetuity_core.wire.conversation import Message
 
 # What callers used from here before the split (serve, cli, scripts, tests).
@@ -75,7 +75,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     """
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded)
-    warm, shelf = frame_read.for_frame(scanner.db, found, user_id, excluded, recent_messages,
+    warm, shelf = frame_read.for_frame(scanner, found, user_id, excluded, recent_messages,
                                        1.0 if agent else heat.CARRIED)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens)
 
@@ -119,7 +119,7 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
     hits = [h for h in found.hits if h.conversation_id != conversation_id]
     if not hits or hits[0].item_id in shown:
         return None
-    shelf = frame_read.for_addendum(scanner.db, hits, excluded)
+    shelf = frame_read.for_addendum(scanner, hits, excluded)
     tokens = frame_select.budget(found.hits, limits)
     chosen = frame_select.addendum(shelf.rows, hits, shelf.half, shown, tokens, limits)
     if not chosen.item_ids:

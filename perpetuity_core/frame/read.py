@@ -14,7 +14,9 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from perpetuity_core.frame import dates
-from perpetuity_core.frame.rows import (
+from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived.scan import Hit, Scanner
+from perpetuity_core.memory.storage.reads import (
     Row,
     around,
     following,
@@ -22,9 +24,6 @@ from perpetuity_core.frame.rows import (
     next_spoken,
     shown_rows,
 )
-from perpetuity_core.memory.derived import heat
-from perpetuity_core.memory.derived.scan import Hit, Scanner
-from perpetuity_core.memory.storage.store import Database
 
 # The ranked rows a question's retrieval reheats: a broad question's evidence lies deep in the
 # ranking (470dd1a, with the fill by warmth per token: BEAM recall_all 0.530 -> 0.749 from 100
@@ -78,57 +77,57 @@ def retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float,
              excluded: set[int]) -> Found:
     """A question's hits, the reheats they bring (peaks by rank, neighbours warming with
     them) and the user's clock."""
-    db = scanner.db
     hits = search(scanner, query, user_id, asked_at, excluded)
     reheats = heat.rank_reheats([h.item_id for h in hits],
-                                _neighbours(db, hits[:NEIGHBOUR_HITS], excluded))
-    return Found(hits, reheats, heat.clock(db, user_id))
+                                _neighbours(scanner, hits[:NEIGHBOUR_HITS], excluded))
+    return Found(hits, reheats, heat.clock(scanner.db, user_id))
 
 
-def for_frame(db: Database, found: Found, user_id: int, excluded: set[int],
+def for_frame(scanner: Scanner, found: Found, user_id: int, excluded: set[int],
               recent_messages: Iterable[int], carried: float) -> tuple[heat.Warm, Shelf]:
     """What a frame is chosen from: the warm set (with this question's reheats, earlier warmth
     counted at `carried`: heat.warm_set), and the warm rows, the rows of `recent_messages`
     (the latest stretch of the conversation) and the top hit's other half."""
-    recent = set(recent_messages) - excluded
+    db, recent = scanner.db, set(recent_messages) - excluded
     warm = heat.warm_set(db, user_id, found.now, found.reheats, carried)
     recent_items = items_of(db, recent)
     warm_ids = warm.item_ids.tolist()
     seen = set(warm_ids)
-    rows = _rows(db, warm_ids + [i for i in recent_items if i not in seen], excluded)
-    half = _other_half(db, found.hits[0], excluded) if found.hits else []
-    return warm, Shelf(rows, _adjacent(db, rows), half, recent_items)
+    rows = _rows(scanner, warm_ids + [i for i in recent_items if i not in seen], excluded)
+    half = _other_half(scanner, found.hits[0], excluded) if found.hits else []
+    return warm, Shelf(rows, _adjacent(scanner, rows), half, recent_items)
 
 
-def for_addendum(db: Database, hits: list[Hit], excluded: set[int]) -> Shelf:
+def for_addendum(scanner: Scanner, hits: list[Hit], excluded: set[int]) -> Shelf:
     """What an addendum is chosen from: the rows of `hits` (best first, at least one) and of
     the top hit's other half."""
-    half = _other_half(db, hits[0], excluded)
-    rows = _rows(db, [h.item_id for h in hits], excluded) | _rows(db, half, excluded)
-    return Shelf(rows, _adjacent(db, rows), half)
+    half = _other_half(scanner, hits[0], excluded)
+    rows = _rows(scanner, [h.item_id for h in hits], excluded) | _rows(scanner, half, excluded)
+    return Shelf(rows, _adjacent(scanner, rows), half)
 
 
-def _neighbours(db: Database, hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
+def _neighbours(scanner: Scanner, hits: list[Hit], excluded: set[int]) -> list[tuple[int, int]]:
     """(rank, item_id) of the rows in the messages around each hit, in its conversation."""
     return [(rank, item) for rank, item, message in
-            around(db, [(h.conversation_id, h.message_id) for h in hits], NEIGHBOURS)
+            around(scanner.db, [(h.conversation_id, h.message_id) for h in hits], NEIGHBOURS)
             if message not in excluded]
 
 
-def _other_half(db: Database, hit: Hit, excluded: set[int]) -> list[int]:
+def _other_half(scanner: Scanner, hit: Hit, excluded: set[int]) -> list[int]:
     """The rows of the other half of a hit's exchange: the reply to it, or the question it
     answers. The two travel together; either alone is often not the answer."""
-    row = next_spoken(db, hit.conversation_id, hit.message_id, after=hit.role == "user")
+    row = next_spoken(scanner.db, hit.conversation_id, hit.message_id, after=hit.role == "user")
     other = row[0] if row and row[1] != hit.role and row[0] not in excluded else None
-    return items_of(db, {other} if other else set())
+    return items_of(scanner.db, {other} if other else set())
 
 
-def _rows(db: Database, item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
+def _rows(scanner: Scanner, item_ids: list[int], excluded: set[int]) -> dict[int, Row]:
     # No owner filter: in a shared pool the reheated hits may be another user's rows.
-    return {i: r for i, r in shown_rows(db, item_ids).items() if r.message_id not in excluded}
+    return {i: r for i, r in shown_rows(scanner.db, item_ids).items()
+            if r.message_id not in excluded}
 
 
-def _adjacent(db: Database, rows: dict[int, Row]) -> frozenset[tuple[int, int]]:
+def _adjacent(scanner: Scanner, rows: dict[int, Row]) -> frozenset[tuple[int, int]]:
     """Pairs of the rows' messages with nothing stored between them, per conversation. What
     any subset of the rows renders follows from these: two of its messages follow one another
     in the store exactly when nothing stored lies between them, so no row read here either,
@@ -143,4 +142,4 @@ def _adjacent(db: Database, rows: dict[int, Row]) -> frozenset[tuple[int, int]]:
         if (before := last.get(conversation)) is not None:
             pairs.append((before, message))
         last[conversation] = message
-    return following(db, pairs)
+    return following(scanner.db, pairs)

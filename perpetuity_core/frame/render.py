@@ -20,8 +20,9 @@ from datetime import UTC, date, datetime
 
 import numpy as np
 
-from perpetuity_core.frame.rows import Row, quoted, time_label
+from perpetuity_core.frame.rows import quoted, time_label
 from perpetuity_core.frame.tenants import withheld
+from perpetuity_core.memory.storage.reads import Row
 from perpetuity_core.wire.conversation import Kind, Message, Part
 
 # The lines the model reads around the quoted turns. They say what the turns are (quoted, not

@@ -23,9 +23,9 @@ import numpy as np
 
 from perpetuity_core.frame import cap
 from perpetuity_core.frame.render import cost
-from perpetuity_core.frame.rows import Row
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
+from perpetuity_core.memory.storage.reads import Row
 from perpetuity_core.wire.conversation import Kind
 
 # The conversation's latest stretch (tokens, largest row): what a coding task's next reply uses

@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from perpetuity_core.frame.rows import Row
+from perpetuity_core.memory.storage.reads import Row
 from perpetuity_core.wire.conversation import Kind, Message
 
 TENANTS_DIR = "tenants"  # under the notes root: one library per tenant

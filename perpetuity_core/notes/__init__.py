@@ -24,14 +24,6 @@ with `CredentialError`, which names the kind of secret and where, never the secr
 """
 
 from perpetuity_core.memory.storage.secrets import CredentialFinding, scan_credentials, secret_kind
-from perpetuity_core.notes.capture import (
-    CAPTURE_RULES,
-    CAPTURE_TOOL_NAME,
-    CAPTURE_TOOL_SCHEMA,
-    CaptureResult,
-    capture,
-    note_from_fields,
-)
 from perpetuity_core.notes.curate import (
     ARCHIVE_AFTER_DAYS,
     STALE_AFTER_DAYS,
@@ -94,4 +86,12 @@ from perpetuity_core.notes.similarity import (
     tag_set,
     tag_terms,
     terms,
+)
+from perpetuity_core.notes.write import (
+    CAPTURE_RULES,
+    CAPTURE_TOOL_NAME,
+    CAPTURE_TOOL_SCHEMA,
+    CaptureResult,
+    capture,
+    note_from_fields,
 )

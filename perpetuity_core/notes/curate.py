@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from pathlib import Path
 
-from perpetuity_core.notes.capture import fold_notes
 from perpetuity_core.notes.library import (
     IndexReport,
     index_lines,
@@ -24,6 +23,7 @@ from perpetuity_core.notes.library import (
 )
 from perpetuity_core.notes.model import ARCHIVE_DIR, INDEX_FILE, NOTES_DIR, Note, render_note
 from perpetuity_core.notes.similarity import SIMILARITY_THRESHOLD, similarity, strength
+from perpetuity_core.notes.write import fold_notes
 
 # Ageing, counted in whole days from last_used (or created, if the note was never used):
 # 30 or more days unused -> state: stale; 90 or more -> moved to .archive/ with state: archived.

@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from perpetuity_core.frame.cap import Cap
-from perpetuity_core.frame.rows import Row, items_of, quoted, shown_rows, time_label
+from perpetuity_core.frame.rows import quoted, time_label
 from perpetuity_core.frame.tenants import withheld
 from perpetuity_core.memory.derived.index import token_estimate
-from perpetuity_core.memory.storage.store import Database, Store
+from perpetuity_core.memory.derived.scan import Scanner
+from perpetuity_core.memory.storage.reads import Row, items_of, shown_rows
 from perpetuity_core.wire.conversation import Message
 
 SNIPPET_CHARS = 100  # memory_count lists instances, not their whole text
@@ -60,21 +61,19 @@ class TurnMemory:
         return None if self.everyone else self.user_id
 
 
-def see_sent(memory: TurnMemory, store: Store) -> None:
+def see_sent(memory: TurnMemory, scanner: Scanner) -> None:
     """Count the rows of the messages the request carries as sent among those shown."""
     if memory.sent and memory.conversation_id is not None:
-        ids = store.message_ids(memory.conversation_id, [m.fingerprint() for m in memory.sent])
-        memory.shown.update(items_of(store.db, set(ids)))
+        ids = scanner.store.message_ids(memory.conversation_id,
+                                        [m.fingerprint() for m in memory.sent])
+        memory.shown.update(items_of(scanner.db, set(ids)))
     memory.sent = ()
 
 
-class BadArguments(ValueError):
-    """The call's arguments do not fit its schema: the message tells the model what does."""
-
-
-def fetch_rows(db: Database, user_id: int | None, item_ids: Iterable[int]) -> dict[int, Row]:
+def fetch_rows(scanner: Scanner, user_id: int | None,
+               item_ids: Iterable[int]) -> dict[int, Row]:
     """The rows among `item_ids` (of `user_id` only, when given) that the model may be shown."""
-    return shown_rows(db, item_ids, user_id)
+    return shown_rows(scanner.db, item_ids, user_id)
 
 
 def row_label(r: Row, *extra: str, named: bool = False) -> str:

@@ -15,20 +15,17 @@ from typing import Any
 
 import numpy as np
 
+from perpetuity_core.errors import BadArguments
 from perpetuity_core.frame import cap
-from perpetuity_core.frame.rows import SHOWN_KINDS, Row, next_spoken
 from perpetuity_core.memory.derived.chains import chain_of, stem_rank, subject_words
 from perpetuity_core.memory.derived.scan import Hit, Scanner
-from perpetuity_core.memory.storage import dictionary
-from perpetuity_core.memory.storage.dialect import SQL, marks, one_of
+from perpetuity_core.memory.storage import dictionary, reads
 from perpetuity_core.memory.storage.dictionary import Dictionary
-from perpetuity_core.memory.storage.names import label
-from perpetuity_core.memory.storage.store import Database, in_chunks
+from perpetuity_core.memory.storage.reads import SHOWN_KINDS, Row, next_spoken
 from perpetuity_core.recall.answers import (
     ANSWER_CAP,
     LABEL_CHARS,
     RESULT_CHARS,
-    BadArguments,
     TurnMemory,
     clip,
     conversation_name,
@@ -79,11 +76,12 @@ class Filters:
                 math.inf if self.before is None else self.before)
 
 
-def _filters(db: Database, args: dict[str, Any], memory: TurnMemory) -> Filters:
+def _filters(scanner: Scanner, args: dict[str, Any], memory: TurnMemory) -> Filters:
     conv = None
     key = args.get("conversation")
     if key:
-        conv = memory.conversation_id if key == "current" else _own_conversation(db, memory, key)
+        conv = (memory.conversation_id if key == "current"
+                else _own_conversation(scanner, memory, key))
         if conv is None:
             raise BadArguments(f"there is no conversation {key!r}")
     said = ", ".join(f"{k} {args[k]}" for k in ("conversation", "role", "after", "before")
@@ -92,20 +90,12 @@ def _filters(db: Database, args: dict[str, Any], memory: TurnMemory) -> Filters:
                    f" ({said})" if said else "")
 
 
-def _own_conversation(db: Database, memory: TurnMemory, number: str) -> int | None:
+def _own_conversation(scanner: Scanner, memory: TurnMemory, number: str) -> int | None:
     """The id of the user's conversation an answer numbered `number` (c12), else None."""
     digits = number.strip().removeprefix("c")
     if not digits.isdigit():
         return None
-    owner = memory.owner
-    row = db.connection().execute(
-        db.pick(_ANY_CONVERSATION) if owner is None else db.pick(_OWN_CONVERSATION),
-        (int(digits),) if owner is None else (int(digits), owner)).fetchone()
-    return row[0] if row else None
-
-
-_OWN_CONVERSATION = SQL.both("SELECT id FROM conversation WHERE id = ? AND user_id = ?")
-_ANY_CONVERSATION = SQL.both("SELECT id FROM conversation WHERE id = ?")
+    return reads.conversation_of(scanner.db, int(digits), memory.owner)
 
 
 def _instant(args: dict[str, Any], key: str) -> float | None:
@@ -130,25 +120,15 @@ def _search(scanner: Scanner, memory: TurnMemory, query: str, f: Filters, want: 
     while True:
         hits = scanner.search(query, memory.user_id, limit=k, exclude=exclude,
                               conversation_id=f.conversation_id, during=f.during())
-        rows = fetch_rows(scanner.db, memory.owner, [h.item_id for h in hits])
+        rows = fetch_rows(scanner, memory.owner, [h.item_id for h in hits])
         keep = [(h, rows[h.item_id]) for h in hits if h.item_id in rows
                 and f.admits(rows[h.item_id])]
         if holding is not None:
-            held = _holding(scanner.db, [h.item_id for h, _ in keep], holding)
+            held = reads.holding(scanner.db, [h.item_id for h, _ in keep], holding)
             keep = [(h, r) for h, r in keep if h.item_id in held]
         if len(keep) >= want or len(hits) < k or k >= MAX_SCAN:
             return keep[:want]
         k = min(k * 4, MAX_SCAN)
-
-
-def _holding(db: Database, item_ids: list[int], terms: np.ndarray) -> set[int]:
-    """Which of the rows hold at least one of `terms` themselves (not only their context)."""
-    if not item_ids or terms.size == 0:
-        return set()
-    rows = db.connection().execute(
-        "SELECT item_id, terms FROM retrieval WHERE item_id IN"
-        f" ({marks(db.postgres, len(item_ids))})", item_ids).fetchall()
-    return {i for i, blob in rows if np.isin(np.frombuffer(blob, "<i4"), terms).any()}
 
 
 def _query_terms(d: Dictionary, text: str) -> np.ndarray:
@@ -167,7 +147,7 @@ def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
     reply to it, or the question it answers), whole, in a budget set by the spread of their
     scores as the frame's is. A row the model was shown is not shown again, but the other half
     of its exchange can be: either alone is often not the answer."""
-    f = _filters(scanner.db, args, memory)
+    f = _filters(scanner, args, memory)
     query, limit = args["query"], args.get("limit") or MAX_ROWS
     found = _search(scanner, memory, query, f, SEARCH_DEPTH + len(memory.shown), ())
     unseen = [(h, r) for h, r in found if r.item_id not in memory.shown][:limit]
@@ -175,7 +155,7 @@ def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
         return f"memory_search {query!r}{f.said}: nothing you have not seen this turn matches."
     depth = found.index(unseen[-1]) + 1 if unseen else len(found)
     hits = found[:depth]
-    halves = other_halves(scanner.db, memory.user_id, [r for _, r in hits])
+    halves = other_halves(scanner, memory.user_id, [r for _, r in hits])
     order: list[Row] = []
     for _, r in hits:
         pair = [r, *(x for x in halves.get(r.item_id, []) if f.admits(x))]
@@ -187,34 +167,29 @@ def memory_search(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
                         " half of its exchange", order, budget)
 
 
-def other_halves(db: Database, user_id: int, rows: list[Row]) -> dict[int, list[Row]]:
+def other_halves(scanner: Scanner, user_id: int, rows: list[Row]) -> dict[int, list[Row]]:
     """Each row's other half of its exchange: the rows of the reply to a user's turn, or of the
     question an assistant's turn answers, in its conversation."""
     partner: dict[int, int] = {}
     for r in rows:
         if r.role not in ("user", "assistant"):
             continue
-        spoken = next_spoken(db, r.conversation_id, r.message_id, after=r.role == "user")
+        spoken = next_spoken(scanner.db, r.conversation_id, r.message_id, after=r.role == "user")
         if spoken and spoken[1] != r.role:
             partner[r.item_id] = spoken[0]
     if not partner:
         return {}
-    where, values = one_of(db.postgres, "message_id", sorted(set(partner.values())))
-    items = db.connection().execute(
-        f"SELECT id, message_id FROM item WHERE {where} ORDER BY id", values).fetchall()
-    by_message: dict[int, list[int]] = {}
-    for item_id, message_id in items:
-        by_message.setdefault(message_id, []).append(item_id)
-    shown = fetch_rows(db, user_id, [i for ids in by_message.values() for i in ids])
+    by_message = reads.messages_items(scanner.db, list(partner.values()))
+    shown = fetch_rows(scanner, user_id, [i for ids in by_message.values() for i in ids])
     return {item: [shown[i] for i in by_message.get(message, []) if i in shown]
             for item, message in partner.items()}
 
 
 def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     if "item" in args:
-        return _continue_row(scanner.db, args["item"], args["offset"], memory)
+        return _continue_row(scanner, args["item"], args["offset"], memory)
     limit, page = args["limit"], args["page"]
-    rows = fetch_rows(scanner.db, memory.owner,
+    rows = fetch_rows(scanner, memory.owner,
                       [i for i in memory.below_cap if i not in memory.shown])
     left = [rows[i] for i in dict.fromkeys(memory.below_cap) if i in rows]
     if not left:
@@ -229,8 +204,8 @@ def memory_more(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> s
                    [(r.item_id, row_line(r, chars)) for r in part])
 
 
-def _continue_row(db: Database, item_id: int, offset: int, memory: TurnMemory) -> str:
-    r = fetch_rows(db, memory.owner, [item_id]).get(item_id)
+def _continue_row(scanner: Scanner, item_id: int, offset: int, memory: TurnMemory) -> str:
+    r = fetch_rows(scanner, memory.owner, [item_id]).get(item_id)
     if r is None:
         return f"memory_more: there is no row #{item_id} in your memory."
     body = row_body(r)
@@ -245,14 +220,15 @@ def memory_count(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> 
     category, match = args["category"], args["match"]
     db = scanner.db
     terms = _query_terms(db.dictionary, category)
-    f = _filters(db, args, memory)
-    ids, at, conv = count_rows(db, memory.owner, terms, match == "all", f)
+    f = _filters(scanner, args, memory)
+    ids, at, conv = count_rows(scanner, memory.owner, terms, match == "all", f)
     what = f"memory_count {category!r}{f.said}, rows holding {match} of its words"
     if ids.size == 0:
         return f"{what}: 0 rows."
     listed = ids[np.lexsort((ids, at))[:args["limit"]]].tolist()  # oldest first
-    rows = fetch_rows(db, memory.owner, listed)
-    keys = _conversation_names(db, np.unique(conv).tolist())
+    rows = fetch_rows(scanner, memory.owner, listed)
+    keys = {c: conversation_name(c, name) for c, name in
+            reads.conversation_labels(db, np.unique(conv).tolist()).items()}
     days = np.datetime_as_string((at // 86_400).astype(np.int64).astype("datetime64[D]"))
     header = (f"{what}: {plural(ids.size, 'row')}, in {plural(np.unique(conv).size, 'conversation')},"
               f" on {plural(np.unique(days).size, 'day')}.")
@@ -279,36 +255,13 @@ def _tally(values: np.ndarray) -> list[tuple[Any, int]]:
     return list(zip(u.tolist(), n.tolist(), strict=True))
 
 
-def _conversation_names(db: Database, conversation_ids: list[int]) -> dict[int, str]:
-    if not conversation_ids:
-        return {}
-    return {c: conversation_name(c, label(title, opening, folder)) for c, title, opening, folder
-            in db.connection().execute(
-                "SELECT id, title, opening, folder FROM conversation WHERE id IN"
-                f" ({marks(db.postgres, len(conversation_ids))})", conversation_ids)}
-
-
-_USER_ROWS = SQL.both("SELECT item_id, terms FROM retrieval WHERE user_id = ?")
-_USER_CONVERSATION_ROWS = SQL.both(
-    "SELECT item_id, terms FROM retrieval WHERE user_id = ? AND conversation_id = ?")
-_ALL_ROWS = SQL.both("SELECT item_id, terms FROM retrieval")
-_CONVERSATION_ROWS = SQL.both("SELECT item_id, terms FROM retrieval WHERE conversation_id = ?")
-
-
-def count_rows(db: Database, user_id: int | None, terms: np.ndarray, every: bool,
+def count_rows(scanner: Scanner, user_id: int | None, terms: np.ndarray, every: bool,
                f: Filters) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every row of `user_id` (of everyone, for None) passing the filters that holds every one of `terms` (or, unless
     `every`, any of them): (item ids, times, conversation ids), by item id. Exact: every
     retrieval row of the user is read and matched in numpy over its term blob; only the
     matches are then joined to their messages for the other filters."""
-    sql, params = _USER_ROWS, [user_id]
-    if user_id is None:
-        sql, params = _ALL_ROWS, []
-    if f.conversation_id is not None:
-        sql, params = ((_CONVERSATION_ROWS, [f.conversation_id]) if user_id is None
-                       else (_USER_CONVERSATION_ROWS, [user_id, f.conversation_id]))
-    conn = db.connection()
-    rows = conn.execute(db.pick(sql), params).fetchall()
+    rows = reads.retrieval_terms(scanner.db, user_id, f.conversation_id)
     empty = np.zeros(0, np.int64), np.zeros(0), np.zeros(0, np.int64)
     if not rows:
         return empty
@@ -319,13 +272,8 @@ def count_rows(db: Database, user_id: int | None, terms: np.ndarray, every: bool
     # A row's terms are distinct, so the matches per row are the query terms it holds.
     held = np.bincount(owner[np.isin(held_terms, terms)], minlength=len(rows))
     matched = np.sort(np.asarray(ids, np.int64)[held >= (terms.size if every else 1)]).tolist()
-    kept: list[tuple[int, float, int]] = []
-    for chunk in in_chunks(matched):
-        kept += [(i, at, conv) for i, at, conv, role, kind in conn.execute(
-            "SELECT i.id, m.at, m.conversation_id, m.role, i.kind FROM item i JOIN message m"
-            f" ON m.id = i.message_id WHERE i.id IN ({marks(db.postgres, len(chunk))})"
-            " ORDER BY i.id",
-            chunk) if kind in SHOWN_KINDS and (f.role is None or role == f.role)
+    kept = [(i, at, conv) for i, at, conv, role, kind in reads.said(scanner.db, matched)
+            if kind in SHOWN_KINDS and (f.role is None or role == f.role)
             and (f.after is None or at >= f.after) and (f.before is None or at < f.before)]
     if not kept:
         return empty
@@ -336,7 +284,7 @@ def count_rows(db: Database, user_id: int | None, terms: np.ndarray, every: bool
 def memory_dates(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -> str:
     query, limit = args["query"], args["limit"]
     terms = _query_terms(scanner.db.dictionary, query)
-    f = _filters(scanner.db, args, memory)
+    f = _filters(scanner, args, memory)
     # Rows already shown are still events on the timeline: they come back as stubs.
     found = _search(scanner, memory, query, f, limit, (), holding=terms)
     if not found:
@@ -360,8 +308,8 @@ def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -
                                              holding=terms)]
     if not anchors:
         return f"memory_cooccur {topic!r}: nothing stored matches it."
-    turns, bound, together = cooccurring(db, anchors)
-    rows = fetch_rows(db, memory.owner, bound[:COOCCUR_ROWS].tolist())
+    turns, bound, together = cooccurring(scanner, anchors)
+    rows = fetch_rows(scanner, memory.owner, bound[:COOCCUR_ROWS].tolist())
     near = [i for i in bound[:COOCCUR_ROWS].tolist() if i in rows]
     if not near:
         return (f"memory_cooccur {topic!r}: its matches have not come up in a recorded turn with"
@@ -382,15 +330,12 @@ def memory_cooccur(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) -
     return render_answer(memory, header, entries)
 
 
-def cooccurring(db: Database, anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
+def cooccurring(scanner: Scanner, anchors: list[int]) -> tuple[int, np.ndarray, np.ndarray]:
     """From the binding log: how many turns bound any of `anchors` (a topic's matches, best
     first), and the other rows bound in those turns, most strongly first, with how many of
     those turns each shares. A turn weighs 1 / (1 + rank) of the best anchor it holds, a row
     the sum of its turns' weights; ties by item id."""
-    conn = db.connection()
-    pairs = conn.execute(
-        f"SELECT turn_message_id, item_id FROM binding WHERE item_id IN"
-        f" ({marks(db.postgres, len(anchors))})", anchors).fetchall()
+    pairs = reads.bound_turns(scanner.db, anchors)
     empty = np.zeros(0, np.int64)
     if not pairs:
         return 0, empty, empty
@@ -399,12 +344,7 @@ def cooccurring(db: Database, anchors: list[int]) -> tuple[int, np.ndarray, np.n
     for t, i in pairs:
         weight[t] = max(weight.get(t, 0.0), 1.0 / (1 + rank[i]))
     turns = sorted(weight)
-    bound: list[tuple[int, int]] = []
-    for chunk in in_chunks(turns):
-        bound += conn.execute(
-            "SELECT turn_message_id, item_id FROM binding WHERE turn_message_id IN"
-            f" ({marks(db.postgres, len(chunk))}) ORDER BY turn_message_id, item_id",
-            chunk).fetchall()
+    bound = reads.bound_in(scanner.db, turns)
     turn = np.asarray([b[0] for b in bound], np.int64)
     item = np.asarray([b[1] for b in bound], np.int64)
     w = np.asarray([weight[t] for t in turns])[np.searchsorted(turns, turn)]
@@ -442,7 +382,7 @@ def memory_chains(args: dict[str, Any], memory: TurnMemory, scanner: Scanner) ->
                            " not chained; memory_search finds them)")
     ids, covered = chain_of(db, memory.owner, stems)
     words = " and ".join(forms[s] for s in stems)
-    rows = fetch_rows(db, memory.owner, ids)
+    rows = fetch_rows(scanner, memory.owner, ids)
     chain = [rows[i] for i in ids if i in rows]
     if not chain:
         return f"memory_chains {subject!r}: no stored row is about {words}."

@@ -93,7 +93,7 @@ class Job:
     # The tool loop's upstream rounds as they happened (relay.Round), for inspection.
     rounds: list[Any] = field(default_factory=list)
     # The request's JSON as the client sent it, and as it goes upstream before our tools
-    # (None: as sent): what the live tally bills (serve.savings). Read only.
+    # (None: as sent): what the live tally bills (serve.tally). Read only.
     direct: Any = None
     sent: Any = None
 

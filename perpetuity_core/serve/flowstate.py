@@ -36,7 +36,7 @@ class FlowState:
     headers: tuple[tuple[bytes, bytes], ...] | None = None
     original: bytes | None = None  # the body as the client sent it, when we changed it
     tee: ReplyTee | None = None  # reads the reply on mitmproxy's stream until it ends
-    kept: Kept | None = None  # a copy of a streamed body, for inspection
+    kept: BodyCopy | None = None  # a copy of a streamed body, for inspection
     fell_open: str = ""  # why the request went upstream as the client sent it after all
     # A WebSocket's: its handshake (the identity of every message to come), its two chains,
     # and the client message whose reply is being read.
@@ -58,7 +58,7 @@ def state_of(metadata: dict[str, Any]) -> FlowState | None:
     return state if isinstance(state, FlowState) else None
 
 
-class Kept:
+class BodyCopy:
     """A `flow.response.stream` callable that keeps a copy of the body as it passed, for
     inspection, around the tee when there is one."""
 

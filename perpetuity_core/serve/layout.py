@@ -73,6 +73,19 @@ class _Built:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Planned:
+    """What a conversation's plan says of one request: `decided` is None where there is no plan
+    to decide (no stored user yet, or no prompt in the request)."""
+
+    user_id: int | None
+    prompt: int | None = None
+    key: tuple[int, str] | None = None
+    fixed: int = 0  # the tokens the request carries besides its messages (plan.decide)
+    old: Plan | None = None
+    decided: plan.Carry | plan.Addendum | plan.Trim | plan.Rebuild | None = None
+
+
 class Layout:
     """Each conversation's plan kept between calls, and the request laid out by it."""
 
@@ -95,49 +108,54 @@ class Layout:
     def _forget_if_purged(self) -> None:
         """No plan is kept past a deletion from the memory: a frame quotes its rows verbatim,
         and what a purge removed must not live on in one (a tool round of a task in progress,
-        `carried_only`, still carries its frame to the task's next prompt). One read of a
-        counter (kept.deletions) a request."""
+        decided on the loop by `Pipeline.carried`, still carries its frame to the task's next
+        prompt). One read of a counter (kept.deletions) a request, off the loop."""
         count = deletions(self.store.db.connection())
         if self._deletions is not None and count != self._deletions:
             self._plans.clear()
             self._plan_tokens = 0
         self._deletions = count
 
-    def recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
-                protocol: Protocol, asked_at: float, tools_on: bool,
-                library: Path | None, carried_only: bool = False) -> Recall | None:
-        """The request laid out by its conversation's plan (`perpetuity_core.frame.plan`): the
-        frame in front, the harness's messages from the anchor on, addenda before the prompts
-        they serve; notes when a task starts, and the note on the recall tools when they ride
-        along. What changes is `plan.decide`'s to say; this builds and lays out what it said.
-        `carried_only`: None, with nothing changed, unless the plan is carried as it stands (a
-        tool round of the task in progress: nothing retrieved, built or read from the notes)."""
+    def planned(self, parsed: ParsedRequest, ident: Identity, asked_at: float,
+                tools_on: bool, on_loop: bool = False) -> Planned:
+        """What the conversation's plan says of this request (`plan.decide`, pure but for the
+        purge check): read on the event loop for a tool round (`on_loop`: the plans are not
+        checked against a purge there), whose plan is carried as it stands (`Pipeline.carried`),
+        and again where the request is laid out."""
         messages = parsed.messages
         prompt = _prompt_index(messages)
         user_id = self.store.find_user(ident.user)
-        if carried_only and (user_id is None or prompt is None):
-            return None
         if user_id is None or prompt is None:
-            out = self._lesson_only(body, parsed, protocol, library)
-            out.memory = self._memory(user_id or NO_ONE, None, asked_at, None,
-                                      tools_on and bool(parsed.tool_names))
-            return out
+            return Planned(user_id=user_id)
         # By the conversation's key, not its row: a first request has no row yet.
         key = (user_id, ident.conversation)
-        if carried_only and key not in self._plans:
-            return None  # (before the conversation's read: on the loop, none that is not needed)
-        conv = self.store.find_conversation(user_id, ident.conversation)
-        query = prompt_text(messages[prompt])
         # What the request carries besides its messages and the plan's frame: the harness's
         # system prompt and tools, and our tools with their note on the frame (its longest).
         ours = _OUR_TOOLS_CHARS + len(_tools_note(10**9)) if tools_on else 0
         fixed = (parsed.fixed_chars + ours + 3) // 4  # token_estimate's rule
-        if not carried_only:
+        if not on_loop:
             self._forget_if_purged()
         old = self._plans.get(key)
-        decided = plan.decide(old, messages, prompt, asked_at, self.limits, fixed)
-        if carried_only and not isinstance(decided, plan.Carry):
-            return None
+        return Planned(user_id=user_id, prompt=prompt, key=key, fixed=fixed, old=old,
+                       decided=plan.decide(old, messages, prompt, asked_at, self.limits, fixed))
+
+    def recall(self, body: dict[str, Any], parsed: ParsedRequest, ident: Identity,
+               protocol: Protocol, asked_at: float, tools_on: bool, library: Path | None,
+               planned: Planned) -> Recall:
+        """The request laid out by its conversation's plan (`perpetuity_core.frame.plan`): the
+        frame in front, the harness's messages from the anchor on, addenda before the prompts
+        they serve; notes when a task starts, and the note on the recall tools when they ride
+        along. What changes is `planned`'s to say; this builds and lays out what it said."""
+        messages = parsed.messages
+        user_id, prompt, key, decided = planned.user_id, planned.prompt, planned.key, planned.decided
+        if user_id is None or prompt is None or key is None or decided is None:
+            out = self._lesson_only(body, parsed, protocol, library)
+            out.memory = self._memory(user_id or NO_ONE, None, asked_at, None,
+                                      tools_on and bool(parsed.tool_names))
+            return out
+        conv = self.store.find_conversation(user_id, ident.conversation)
+        query = prompt_text(messages[prompt])
+        old, fixed = planned.old, planned.fixed
         match decided:
             case plan.Carry(plan=carried):
                 made = _Built(plan=carried)

@@ -1,10 +1,12 @@
 """The per-request path, in the order data flows: route → identity → retrieve → render, then a
 job to forward and capture.
 
-`prepare` turns one HTTP request into a `Decision`: leave it alone, send it upstream untouched,
-or forward it, its history replaced by the frame (and notes, when a task starts), as a `Job`
-whose reply is captured (through the relay when the recall tools ride along). What becomes of
-the conversation's frame is `plan.decide`'s to say; `serve.layout` builds what it said. It only
+A request is understood once (`understand`, then the body read by `serve.reading`: its route,
+controls, parsing and identity), then decided, then laid out by its conversation's plan:
+`decide` turns it into a `Decision`: leave it alone, send it upstream untouched, or forward it,
+its history replaced by the frame (and notes, when a task starts), as a `Job` whose reply is
+captured (through the relay when the recall tools ride along). What becomes of the
+conversation's frame is `plan.decide`'s to say; `serve.layout` builds what it said. It only
 reads: the writes (`store_turn`, `store_reply`) run on the store's one writer thread while the
 request is already on its way (`serve.writer`). It never raises for bad input: anything it
 cannot read passes through as the client sent it. A deployment's options reach it as one
@@ -13,20 +15,17 @@ cannot read passes through as the client sent it. A deployment's options reach i
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
-import re
 import secrets
 import time
-from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
 
 from perpetuity_core import notes
 from perpetuity_core.errors import PerpetuityError
-from perpetuity_core.frame import tenants
+from perpetuity_core.frame import plan, tenants
 from perpetuity_core.memory.derived import bindings, heat
 from perpetuity_core.memory.derived.bm25 import Params
 from perpetuity_core.memory.derived.index import messages_tokens
@@ -38,7 +37,6 @@ from perpetuity_core.recall import tools
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.exchange import (
     HOP_BY_HOP,
-    UNKNOWN_PROVIDER,
     Answer,
     Decision,
     HttpRequest,
@@ -46,52 +44,25 @@ from perpetuity_core.serve.exchange import (
     PendingTurn,
     Recall,
 )
-from perpetuity_core.serve.layout import Layout, last_user_text
-from perpetuity_core.serve.savings import Savings
+from perpetuity_core.serve.layout import Layout, Planned
+from perpetuity_core.serve.reading import RequestReader, Turn, Understood
 from perpetuity_core.serve.settings import Settings
+from perpetuity_core.serve.tally import Savings
 from perpetuity_core.wire import mend
-from perpetuity_core.wire.conversation import (
-    Kind,
-    ParsedRequest,
-    Protocol,
-    Reply,
-)
-from perpetuity_core.wire.identity import PERSONAL, identify
+from perpetuity_core.wire.conversation import Kind, ParsedRequest, Protocol, Reply
+from perpetuity_core.wire.identity import PERSONAL
 from perpetuity_core.wire.protocols import ADAPTERS, gemini
-from perpetuity_core.wire.route import (
-    CONTROL_PREFIX,
-    anthropic_count,
-    credential,
-    gemini_call,
-    parse_controls,
-    reads_model,
-    route,
-)
-from perpetuity_core.wire.seen import Read, Seen
+from perpetuity_core.wire.route import CONTROL_PREFIX
 
 log = logging.getLogger("perpetuity")
 
-CURATE_COMMAND = "/perpetuity-curate"
 BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the binding log
 
-# A surrogate's JSON escape: its high half (d800-dbff) or its low half (dc00-dfff).
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-_LOW = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
-# A surrogate written raw (UTF-8's pattern for one: ED A0-BF), which json.loads also reads.
-_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
-
-# How far past the proxy's clock a claimed time (x-perpetuity-time) may be: another machine's
-# clock, a little ahead.
-CLOCK_SKEW = 300.0
-
-# Bodies above this are forwarded untouched rather than parsed on the request path.
-MAX_BODY = 32 * 1024 * 1024
-
-# The largest body `prepare` reads on the event loop when it retrieves nothing (Pipeline.light):
+# The largest body `decide` reads on the event loop when it retrieves nothing (Pipeline.light):
 # a 64 KB body is read in about 0.3 ms, less than the two thread hops it saves.
 INLINE_BODY = 64 * 1024
 
-# The longest history `carried` prepares on the event loop: a carried round's prepare walks the
+# The longest history `carried` decides on the event loop: a carried round's decision walks the
 # whole history (its check, its layout). Process CPU a round, a task of small rounds on a
 # 2-core machine: 0.55 ms at 101 messages, 1.04 at 401, 1.26 at 601, 1.60 at 801.
 INLINE_MESSAGES = 600
@@ -101,124 +72,32 @@ INLINE_MESSAGES = 600
 _DROP_UPSTREAM = HOP_BY_HOP | {"accept-encoding"}
 
 
-@dataclass(frozen=True, slots=True)
-class _Known:
-    """What the request path made of a body, kept for the next body that starts as it does
-    (wire.seen): the request in neutral terms, and the folder its messages state with the index
-    of the message stating it (names.messages_folder; none: their count)."""
-
-    parsed: ParsedRequest
-    folder: tuple[str, int]
-    cut: bool = False  # the body held a lone surrogate, mended where it was read (wire.mend)
-
-
 class Pipeline:
-    """One memory's request path (`prepare`), its writes (`store_turn`, `store_reply`, run by
+    """One memory's request path (`understand`, then `decide`; `prepare` both), its writes (`store_turn`, `store_reply`, run by
     the store's writer) and our tools (`run_tool`), as a deployment's `Settings` say."""
 
-    def __init__(self, store: Store, settings: Settings) -> None:
+    def __init__(self, store: Store, settings: Settings, scanner: Scanner | None = None) -> None:
+        """`scanner`: one made for this store and these settings' sharing, kept (its arena read
+        already) when only other settings changed."""
         self.store = store
         self.settings = settings
-        self.upstreams = dict(settings.upstreams)
-        self.limits = settings.limits
         # Reads only, on the thread that prepares requests; the store's thread does the writing.
-        share = settings.share_pool
-        pool = share if isinstance(share, frozenset) else None
-        # A set of tenants (the proxy's, even empty) asks users.pool_of on every search, so
-        # an operator's `perpetuity memory tenants join` reaches a running proxy. The arena
-        # from the first row (store_rows=0): a small memory scored from the store re-read
-        # every row on every search (LoCoMo's 600 turns: 1.4 ms of a first prompt's 13).
-        self.scanner = Scanner(store, share_pool=bool(share) or pool is not None,
-                               pool_of=(lambda uid: users.pool_of(store, uid, pool))
-                               if pool is not None else None, one_person=settings.personal,
-                               store_rows=0,
-                               params=Params() if settings.semantic else Params(semantic=0.0))
+        self.scanner = scanner or _scanner(store, settings)
         if settings.personal:
             # The one user exists before the first request (written once, at start-up): on a
             # file of imports and older tenants, the person's first request recalls them.
             store.user_id(PERSONAL)
         self.layout = Layout(store, self.scanner, settings)
         self._shapes: dict[str, str] = {}  # harness -> digest of its request shape last kept
-        self._seen = Seen()  # the bodies last read, so that a longer one reads only its tail
+        self.reader = RequestReader(store.salt, settings)  # each request read once
         self.savings = Savings()  # the live tally's prompt caches (the store's writer uses them)
 
-    def _json_body(self, raw: bytes) -> tuple[Read | None, str]:
-        """The body read, or None with why not when it is not a JSON object this path may
-        read (too large, not UTF-8 JSON); "" for no body. Only bytes not read before are
-        scanned."""
-        if not raw:
-            return None, ""
-        if len(raw) > MAX_BODY:
-            return None, f"it is over {MAX_BODY >> 20} MB ({len(raw)} bytes)"
-        try:
-            read = self._seen.read(raw)
-        except UnicodeDecodeError as e:
-            return None, f"it is not UTF-8 ({e.reason} at byte {e.start})"
-        except ValueError as e:
-            return None, f"it is not JSON ({e})"
-        except RecursionError:  # deeper than Python's stack
-            return None, "it is JSON nested deeper than the parser reads"
-        if not isinstance(read.data, dict):
-            return None, "it is JSON but not an object"
-        return read, ""
-
-    def _parse(self, protocol: Protocol, read: Read, raw: bytes) -> tuple[ParsedRequest, str, bool]:
-        """The request in neutral terms, the folder its harness states (names.folder) and
-        whether the body holds a lone surrogate (mended in what is read: wire.mend), kept for
-        the next body that starts as this one does: the messages an earlier body of the same
-        wire read are taken as they were, and the folder is looked for among the new ones
-        alone."""
-        known = read.known if isinstance(read.known, _Known) else None
-        if known is not None and known.parsed.protocol != protocol:
-            known = None  # another wire's body that starts with the same bytes
-        # Once mended, every body that starts as that one did is mended too: what an adapter
-        # reads again of it (the system prompt, a message that goes on past the reused part)
-        # is read from the body, not taken from the earlier reading.
-        start = read.fresh_from if known is not None else 0
-        cut = ((known is not None and known.cut) or _lone_surrogate(raw, start)
-               or _raw_surrogate(raw, start))
-        parsed = ADAPTERS[protocol].parse_request(read.data, known.parsed if known else None,
-                                                  read.reused)
-        if cut:
-            parsed = mend.mended_request(parsed, known.parsed if known else None)
-        found, reused = ("", 0), 0
-        if known is not None:
-            found = known.folder
-            reused = bisect.bisect_left(known.parsed.raw_index, read.reused)
-        if found[1] >= reused:  # none stated in the messages read before: look in the rest
-            found = names.messages_folder(parsed.messages, reused)
-        self._seen.keep(read, _Known(parsed, found, cut))
-        stated = names.stated_folder(parsed.system)
-        return parsed, stated if stated is not None else found[0], cut
-
-    def route_only(self, req: HttpRequest, model: str = "") -> Decision:
-        """Where the request goes and which headers to strip, touching nothing else."""
-        headers = {k.lower(): v for k, v in req.headers}
-        r = route(host=req.host, path=req.path, direct=req.direct, headers=headers, model=model,
-                  upstreams=self.upstreams)
-        if r is None and req.direct:
-            return Decision(answer=UNKNOWN_PROVIDER, note="provider unknown")
-        if r is None:
-            return Decision(note="not provider traffic")  # untouched, our headers included
-        strip = sorted({k for k, _ in req.headers if k.lower().startswith(CONTROL_PREFIX)})
-        return Decision(route=r, strip=strip)
-
-    def passed(self, req: HttpRequest) -> Decision | None:
-        """`prepare`'s decision where the body cannot change it, made without reading the body:
-        another host's traffic through us, and `x-perpetuity: off`. The addon asks this on the
-        event loop first, so these never wait for the preparing thread (two thread hops) nor
-        parse a body they pass on as it came. None: `prepare` decides (also where only the
-        body's model tells the provider)."""
-        if reads_model(path=req.path, direct=req.direct,
-                       headers={k.lower(): v for k, v in req.headers}):
-            return None
-        decision = self.route_only(req)
-        if decision.route is None:
-            return decision
-        if parse_controls(_text_headers(req)).enabled:
-            return None
-        decision.note = "x-perpetuity: off"
-        return decision
+    def understand(self, req: HttpRequest) -> Understood:
+        """The request's line and headers read (serve.reading): done where they decide it
+        (another host's traffic through us, `x-perpetuity: off`), with no body read. The addon
+        asks this on the event loop, so those never wait for the preparing thread (two thread
+        hops) nor parse a body they pass on as it came."""
+        return self.reader.understand(req)
 
     def warm(self) -> None:
         """Build what the first search reads (the arena of every stored row) before a request
@@ -234,149 +113,126 @@ class Pipeline:
             log.warning("perpetuity: could not read memory ahead of the first request (%s); "
                         "the first search reads it", e)
 
-    def light(self, req: HttpRequest) -> bool:
-        """Is `prepare` light enough for the event loop: recall off (`x-perpetuity-recall:
+    def light(self, u: Understood) -> bool:
+        """Is the decision light enough for the event loop: recall off (`x-perpetuity-recall:
         off`: nothing retrieved or rendered, the body only read to be stored), a small body,
         and no curate command in it (curating writes the notes library)? The addon then
-        prepares it there, sparing capture alone two thread hops (issue 24: 0.5-0.6 ms near
+        decides it there, sparing capture alone two thread hops (issue 24: 0.5-0.6 ms near
         idle, several under load, around 0.4 ms of work). A command the bytes escape is still
         curated, on the loop."""
-        return (len(req.body) <= INLINE_BODY and b"perpetuity-curate" not in req.body
-                and not parse_controls(_text_headers(req)).recall)
+        return (len(u.req.body) <= INLINE_BODY and b"perpetuity-curate" not in u.req.body
+                and not u.controls.recall)
 
-    def carried(self, req: HttpRequest) -> Decision | None:
-        """`prepare`'s decision for a tool round of the task in progress whose conversation's
-        plan is carried as it stands (plan.Carry: nothing retrieved or built, no notes read),
-        its body one that continues a body read before, its history no longer than
-        INLINE_MESSAGES; None, with nothing decided, for any other request (`prepare` decides
-        it). What a round costs then is far less than the GIL's switch interval (5 ms), so
-        the preparing thread would not spare the event loop that time, and its two hops would
-        still cost theirs (issue 24): the addon asks this on the loop first."""
-        if req.method != "POST" or not self._seen.continues(req.body, INLINE_MESSAGES):
-            return None
-        return self._prepare(req, carried_only=True)
+    def carried(self, u: Understood) -> Decision | None:
+        """The decision for a tool round of the task in progress whose conversation's plan is
+        carried as it stands (plan.Carry: nothing retrieved or built, no notes read), its body
+        one that continues a body read before, its history no longer than INLINE_MESSAGES;
+        None for any other request, with what was read of it kept in `u` for `decide`. What a
+        round costs then is far less than the GIL's switch interval (5 ms), so the preparing
+        thread would not spare the event loop that time, and its two hops would still cost
+        theirs (issue 24): the addon asks this on the loop first."""
+        if (u.req.method != "POST"
+                or not self.reader.seen.continues(u.req.body, INLINE_MESSAGES)):
+            return None  # (a longer history is declined before it is parsed)
+        self.reader.read(u)
+        t = u.turn
+        if u.done or t is None:
+            return u.decision
+        if len(t.parsed.messages) > INLINE_MESSAGES or t.curates:
+            return None  # (curating writes the notes library)
+        planned = None
+        if t.recalls and not t.ident.side:
+            planned = self.layout.planned(t.parsed, t.ident, t.at, t.tools_on, on_loop=True)
+            if not isinstance(planned.decided, plan.Carry):
+                return None
+        return self.decide(u, planned)
 
     def prepare(self, req: HttpRequest) -> Decision:
-        decision = self._prepare(req)
-        assert decision is not None  # (None only where carried_only asks)
-        return decision
+        """One request's decision, from its bytes (the evaluations, the Codex socket)."""
+        return self.decide(self.understand(req))
 
-    def _prepare(self, req: HttpRequest, carried_only: bool = False) -> Decision | None:
-        read, unread = self._json_body(req.body) if req.method == "POST" else (None, "")
-        body: dict[str, Any] | None = read.data if read is not None else None
-        decision = self.route_only(req, str(body.get("model", "")) if body else "")
-        r = decision.route
-        if r is None:
-            return decision
-        headers = _text_headers(req)
-        controls = parse_controls(headers)
-        if not controls.enabled:
-            decision.note = "x-perpetuity: off"
-            return decision
-        if r.protocol is not None and unread:
-            # Forwarded as it came, and said once: a turn the memory never saw is not silent.
-            log.warning("perpetuity: %s %s: not stored, forwarded as sent: %s", req.method,
-                        req.path.split("?", 1)[0], unread)
-        if r.protocol is None or read is None or body is None:
-            decision.note = "no turn in this request"
-            return decision
-        try:
-            parsed, folder, cut = self._parse(r.protocol, read, req.body)
-        except Exception as e:  # fail open: an unreadable body goes through as sent
-            decision.note = f"unparsed: {e}"
-            return decision
-        if carried_only and len(parsed.messages) > INLINE_MESSAGES:
-            return None
-        # Anthropic's count_tokens and Gemini's countTokens are answered for the request as it
-        # would go upstream (framed, our tools beside the harness's), and store nothing: a
-        # harness sizing its context sees what the model reads.
-        count = anthropic_count(req.path)
-        if (call := gemini_call(req.path)) is not None:
-            # Gemini: the path names the model and the streaming.
-            parsed.model, parsed.stream = call.model or parsed.model, call.stream
-            count = call.count
-        if count:
-            controls = replace(controls, probe=True)
-        settings = self.settings
-        ident = identify(headers, parsed, credential(headers, req.path), self.store.salt,
-                         settings.trust_identity, settings.personal)
-        decision.identity, decision.parsed = ident, parsed
-        library = tenants.library(settings.notes_root, ident.tenant)
-        if (last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
-                and settings.notes_capture):
-            if carried_only:
-                return None  # curating writes the notes library
-            text = _curate(library)
-            decision.answer = Answer(
+    def decide(self, u: Understood, planned: Planned | None = None) -> Decision:
+        """`u` read (once: serve.reading), decided, and laid out by its conversation's plan;
+        `planned` is the plan's word when `carried` read it already."""
+        self.reader.read(u)
+        d, t = u.decision, u.turn
+        assert d is not None
+        if u.done or t is None:
+            return d
+        r, parsed, ident, controls, body = t.route, t.parsed, t.ident, t.controls, t.body
+        if t.curates and t.library is not None:
+            d.answer = Answer(
                 "text/event-stream; charset=utf-8" if parsed.stream else "application/json",
-                ADAPTERS[r.protocol].render_text(text, parsed.model, parsed.stream,
+                ADAPTERS[t.protocol].render_text(_curate(t.library), parsed.model, parsed.stream,
                                                  "resp_perpetuity_" + secrets.token_hex(8)))
-            decision.note = "answered /perpetuity-curate"
-            return decision
+            d.note = "answered /perpetuity-curate"
+            return d
+        req = u.req
         if ident.side:
-            decision.note = f"side request: {ident.side}"
+            d.note = f"side request: {ident.side}"
             if ident.side == "title" and controls.capture and not controls.probe:
                 # Forwarded as sent; only its reply is read, for the conversation's name.
                 pending = PendingTurn(user=ident.user, conversation=ident.conversation,
                                       provider=r.provider.value, model=parsed.model, messages=[],
                                       at=time.time(), title=True,
                                       structured=parsed.structured_output)
-                decision.job = Job(method=req.method, url=r.upstream_url,
-                                   headers=_forwarded(req), body=req.body, protocol=r.protocol,
-                                   stream=parsed.stream, pending=pending, direct=body)
-            return decision
-        claimed = _claimed_time(controls.at, time.time())
-        at = claimed if claimed is not None else time.time()
-        # The recall tools ride along with a frame (there is memory to reach) and a model call.
-        tools_on = (settings.tools and controls.tools and controls.capture
-                    and (count or not controls.probe))
-        recall: Recall | None = Recall()
-        if controls.recall and "previous_response_id" not in parsed.hints:
-            recall = self.layout.recall(body, parsed, ident, r.protocol, at, tools_on, library,
-                                        carried_only)
-        if recall is None:
-            return None  # (carried_only: the plan is not carried as it stands)
+                d.job = Job(method=req.method, url=r.upstream_url, headers=_forwarded(req),
+                            body=req.body, protocol=t.protocol, stream=parsed.stream,
+                            pending=pending, direct=body)
+            return d
+        recall = Recall()
+        if t.recalls:
+            recall = self.layout.recall(
+                body, parsed, ident, t.protocol, t.at, t.tools_on, t.library,
+                planned or self.layout.planned(parsed, ident, t.at, t.tools_on))
+        return self._laid_out(u, t, recall)
+
+    def _laid_out(self, u: Understood, t: Turn, recall: Recall) -> Decision:
+        """The decision for a turn laid out as `recall` says: the body to send, and the job
+        that sends it and captures the reply."""
+        d, req, r, parsed, controls = u.decision, u.req, t.route, t.parsed, t.controls
+        assert d is not None
         if recall.memory is not None:
-            recall.memory.library = library if settings.notes_capture else None
+            recall.memory.library = t.library if self.settings.notes_capture else None
             recall.memory.history = parsed.messages
-        decision.body, decision.frame, decision.recall = recall.body, recall.built, recall
-        if count and recall.memory is not None:
+        d.body, d.frame, d.recall = recall.body, recall.built, recall
+        if t.count and recall.memory is not None:
             specs = self._tool_specs(recall.memory, parsed.tool_names)
-            counted = recall.sent if recall.sent is not None else body
-            if r.protocol == Protocol.GEMINI:
+            counted = recall.sent if recall.sent is not None else t.body
+            if t.protocol == Protocol.GEMINI:
                 counted = gemini.count_request(counted, parsed.model)
-            decision.body = self._first_round(r.protocol, counted, specs)
+            d.body = self._first_round(t.protocol, counted, specs)
         if controls.probe or not controls.capture:
-            decision.note = _noted("probe" if controls.probe else "capture off", recall.note)
-            return decision
+            d.note = _noted("probe" if controls.probe else "capture off", recall.note)
+            return d
         if recall.key is not None and recall.plan is not None:
             self.layout.remember(recall.key, recall.plan)
-        if controls.at is not None and claimed is None:  # said here: once a request
+        if controls.at is not None and t.claimed is None:  # said here: once a request
             log.warning("perpetuity: x-perpetuity-time %s is in the future; the turn is stored "
-                        "at its arrival time", headers.get("x-perpetuity-time", ""))
-        built = recall.built
+                        "at its arrival time", u.headers.get("x-perpetuity-time", ""))
+        built, ident = recall.built, t.ident
         pending = PendingTurn(
             user=ident.user, conversation=ident.conversation, provider=r.provider.value,
-            model=parsed.model, messages=parsed.messages, at=at,
+            model=parsed.model, messages=parsed.messages, at=t.at,
             reheats=built.reheats if built else {}, clock=built.now if built else 0.0,
             sent_tokens=(recall.sent_tokens if recall.body is not None
                          else messages_tokens(parsed.messages)),
             notes=recall.notes, hits=set(built.hits[:BOUND_HITS]) if built else set(),
             shown=recall.memory.shown if recall.memory else set(),
             frame_rows=set(recall.plan.shown) if recall.plan else set(),
-            folder=folder, library=library,
-            shape=self._new_shape(r.protocol, ident.harness, body, req.headers, parsed, cut))
+            folder=t.folder, library=t.library,
+            shape=self._new_shape(t.protocol, ident.harness, t.body, req.headers, parsed, t.cut))
         specs = self._tool_specs(recall.memory, parsed.tool_names) if recall.memory else []
-        decision.job = Job(
+        d.job = Job(
             method=req.method, url=r.upstream_url, headers=_forwarded(req),
-            body=recall.body if recall.body is not None else req.body, protocol=r.protocol,
-            stream=parsed.stream, pending=pending, at=claimed, memory=recall.memory,
-            max_rounds=settings.tool_rounds, tool_specs=specs,
+            body=recall.body if recall.body is not None else req.body, protocol=t.protocol,
+            stream=parsed.stream, pending=pending, at=t.claimed, memory=recall.memory,
+            max_rounds=self.settings.tool_rounds, tool_specs=specs,
             original=req.body if recall.body is not None else None,
-            first_round=self._first_round(r.protocol, recall.sent, specs)
-            if recall.memory is not None else None, direct=body, sent=recall.sent)
-        decision.note = _noted("captured", recall.note)
-        return decision
+            first_round=self._first_round(t.protocol, recall.sent, specs)
+            if recall.memory is not None else None, direct=t.body, sent=recall.sent)
+        d.note = _noted("captured", recall.note)
+        return d
 
     def _new_shape(self, protocol: Protocol, harness: str, body: dict[str, Any],
                    headers: tuple[tuple[str, str], ...], parsed: ParsedRequest,
@@ -399,7 +255,7 @@ class Pipeline:
         """Store what is new in the request, each message in its own transaction, this turn's
         reheats (retrieval is the only writer of activation after birth), and move the clock
         by what the model was sent. The store's writer calls this."""
-        self._seen.release()  # the body this one replaced, freed here: off the request path
+        self.reader.seen.release()  # the body this one replaced, freed here: off the request path
         heat.reheat(self.store.db, p.clock, p.reheats)
         if p.shape is not None:
             with self.store.db.writing("keep the harness's request shape") as raw:
@@ -492,6 +348,19 @@ _WITH_NOTES = (*_RECALL_SPECS, {"name": notes.CAPTURE_TOOL_NAME,
                                 "input_schema": notes.CAPTURE_TOOL_SCHEMA})
 
 
+def _scanner(store: Store, settings: Settings) -> Scanner:
+    share = settings.share_pool
+    pool = share if isinstance(share, frozenset) else None
+    # A set of tenants (the proxy's, even empty) asks users.pool_of on every search, so an
+    # operator's `perpetuity memory tenants join` reaches a running proxy. The arena from the
+    # first row (store_rows=0): a small memory scored from the store re-read every row on every
+    # search (LoCoMo's 600 turns: 1.4 ms of a first prompt's 13).
+    return Scanner(store, share_pool=bool(share) or pool is not None,
+                   pool_of=(lambda uid: users.pool_of(store, uid, pool))
+                   if pool is not None else None, one_person=settings.personal, store_rows=0,
+                   params=Params() if settings.semantic else Params(semantic=0.0))
+
+
 def _shaped(body: dict[str, Any], parsed: ParsedRequest) -> dict[str, Any]:
     """`body` with only the messages templates.shape reads (the first user message, the
     system-role ones), in their order: the same shape without a walk of the whole history."""
@@ -502,24 +371,10 @@ def _shaped(body: dict[str, Any], parsed: ParsedRequest) -> dict[str, Any]:
     return {**body, "messages": [raw[i] for i in keep]}
 
 
-def _text_headers(req: HttpRequest) -> dict[str, str]:
-    """The headers lower-cased, read as text: a value that was not UTF-8 (mitmproxy's
-    surrogate escapes) must never reach the store or a digest as it is."""
-    return {k.lower(): v.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-            for k, v in req.headers}
-
-
 def _forwarded(req: HttpRequest) -> list[tuple[str, str]]:
     """The request's headers as they go upstream."""
     return [(k, v) for k, v in req.headers
             if k.lower() not in _DROP_UPSTREAM and not k.lower().startswith(CONTROL_PREFIX)]
-
-
-def _claimed_time(at: float | None, now: float) -> float | None:
-    """The time `x-perpetuity-time` claims, unless it is past now by more than a clock's skew
-    (None: the arrival time stands): a turn from the future would stand as the user's last in
-    `memory users` and in every recency ordering."""
-    return at if at is None or at <= now + CLOCK_SKEW else None
 
 
 def _noted(what: str, why: str) -> str:
@@ -532,28 +387,3 @@ def _curate(root: Path) -> str:
         return notes.curate(root, date.today()).text
     except PerpetuityError as e:
         return f"perpetuity: curate failed: {e}"
-
-
-def _raw_surrogate(raw: bytes, start: int) -> bool:
-    """Does the body hold a surrogate written raw, from byte `start` on? Looked for by its lead
-    byte first (memchr): a 20.8 MB body without one, 1.4 ms where the pattern alone took 12."""
-    at = raw.find(b"\xed", start)
-    return at >= 0 and _RAW_SURROGATE.search(raw, at) is not None
-
-
-def _lone_surrogate(raw: bytes, start: int = 0) -> bool:
-    """Does the body escape a surrogate that is not half of a pair, from byte `start` on (the
-    bytes before were read before, and passed)? Scanned, not re-encoded: a long history's emoji
-    (paired) made every call dump and encode the whole body (0.3 s at 6.5 MB). An escape is one
-    only after an even run of backslashes (else it is text)."""
-    paired = -1  # where the low half of the last pair starts
-    for m in _SURROGATE.finditer(raw, start):
-        start = k = m.start()
-        while k and raw[k - 1] == 0x5C:
-            k -= 1
-        if (start - k) % 2 or start == paired:
-            continue
-        if raw[start + 3] not in b"89abAB" or not _LOW.match(raw, m.end()):
-            return True
-        paired = m.end()
-    return False

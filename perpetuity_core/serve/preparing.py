@@ -19,8 +19,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from perpetuity_core.serve.exchange import Decision, HttpRequest
+from perpetuity_core.serve.exchange import Decision
 from perpetuity_core.serve.pipeline import Pipeline
+from perpetuity_core.serve.reading import Understood
 
 
 class Preparing:
@@ -29,18 +30,19 @@ class Preparing:
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-parse")
         self._lock = threading.Lock()  # held while a request is prepared, on either side
 
-    async def decide(self, pipeline: Pipeline, req: HttpRequest) -> Decision:
-        """`pipeline.prepare(req)`, on the loop when it is light or a tool round whose plan is
-        carried (`Pipeline.carried`), and the thread idle."""
+    async def decide(self, pipeline: Pipeline, u: Understood) -> Decision:
+        """`pipeline.decide(u)`, on the loop when it is light or a tool round whose plan is
+        carried (`Pipeline.carried`), and the thread idle. A round that is not carried goes
+        to the thread with what the loop read of it: its body is not read again."""
         if self._lock.acquire(blocking=False):
             try:
-                if pipeline.light(req):
-                    return pipeline.prepare(req)
-                if (decision := pipeline.carried(req)) is not None:
+                if pipeline.light(u):
+                    return pipeline.decide(u)
+                if (decision := pipeline.carried(u)) is not None:
                     return decision
             finally:
                 self._lock.release()
-        return await self.run(pipeline.prepare, req)
+        return await self.run(pipeline.decide, u)
 
     async def run[T](self, prepare: Callable[..., T], *args: Any) -> T:
         """`prepare(*args)` on the parser's thread, while no other request is prepared."""

@@ -25,11 +25,12 @@ from typing import Any, Protocol, cast
 
 import h11
 
+from perpetuity_core.errors import UpstreamError
 from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.serve.exchange import HOP_BY_HOP, Job
 from perpetuity_core.serve.http11 import Http11
 from perpetuity_core.serve.tee import ReplyTee
-from perpetuity_core.serve.upstream import Client, Request, Response, UpstreamError
+from perpetuity_core.serve.upstream import Client, Request, Response
 from perpetuity_core.serve.writer import Capture
 from perpetuity_core.wire.protocols import ADAPTERS
 from perpetuity_core.wire.protocols.base import BodyMerging, StreamMerging

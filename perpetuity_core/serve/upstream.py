@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import certifi
 import h11
 
+from perpetuity_core.errors import UpstreamError
 from perpetuity_core.serve.tee import READABLE_ENCODINGS
 
 # How long an idle connection to a provider is kept (httpx's default is 5 s): a harness pauses
@@ -52,10 +53,6 @@ _PORTS = {"http": 80, "https": 443}
 _OFFER = READABLE_ENCODINGS.encode()
 
 Key = tuple[str, str, int]  # (scheme, host, port)
-
-
-class UpstreamError(Exception):
-    """The provider could not be reached, or its reply could not be read to its end."""
 
 
 class _Stale(UpstreamError):

@@ -40,7 +40,9 @@ class Doomed:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Selection:
+class Purge:
+    """What a purge removes (previewed until --yes)."""
+
     messages: list[Doomed]
     items: int
     emptied: list[int]  # conversations with no message left: their names go too
@@ -50,14 +52,14 @@ class Selection:
 
 
 def select(store: Store, *, conversation: str | None = None, matching: str | None = None,
-           user: str | None = None) -> Selection:
+           user: str | None = None) -> Purge:
     """What a purge would remove; nothing changes."""
     with store.db.snapshot("preview a purge") as raw:
         return _select(store.db.translated(raw), conversation, matching, user)
 
 
 def forget(store: Store, *, conversation: str | None = None, matching: str | None = None,
-           user: str | None = None) -> Selection:
+           user: str | None = None) -> Purge:
     """Remove what `select` finds, in one transaction; returns what went. On SQLite the pages
     it frees are overwritten with zeros (secure_delete, which not every build turns on) and the
     WAL is checkpointed and truncated after it, so that the file no longer holds the text
@@ -89,7 +91,7 @@ def forget(store: Store, *, conversation: str | None = None, matching: str | Non
 
 
 def _select(conn: Sql, conversation: str | None, matching: str | None,
-            user: str | None) -> Selection:
+            user: str | None) -> Purge:
     if not conversation and not matching:
         raise ConfigError("name what to forget: --conversation ID and/or --matching TEXT")
     where: list[str] = ["1 = 1"]
@@ -124,7 +126,7 @@ def _select(conn: Sql, conversation: str | None, matching: str | None,
         shapes = [k for (k,) in conn.execute(
             "SELECT key FROM setting WHERE key LIKE ? AND instr(lower(value), lower(?)) > 0",
             (templates.PREFIX + "%", matching))]
-    return Selection(doomed, items, emptied, names, shapes)
+    return Purge(doomed, items, emptied, names, shapes)
 
 
 def _conversation(conn: Sql, spec: str) -> int:

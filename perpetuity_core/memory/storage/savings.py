@@ -1,6 +1,6 @@
 """The live tally of what the proxy saves: per day, provider and model, what the captured calls
 cost as the harness sent them (direct) and as they went upstream, billed under the prompt-cache
-rules (frame.billing), and what the provider reported for them (serve.savings computes each
+rules (frame.billing), and what the provider reported for them (serve.tally computes each
 call's figures; this keeps their sums).
 
 A call adds to its row in one upsert on the store's writer thread, beside its capture. Costs

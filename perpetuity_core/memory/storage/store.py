@@ -173,7 +173,7 @@ BATCH_ROWS = 256
 
 
 @dataclass(frozen=True, slots=True)
-class Written:
+class AddedMessage:
     message_id: int
     item_ids: tuple[int, ...]
 
@@ -388,7 +388,7 @@ class Store:
         usage: Usage | None = None,
         stop_reason: str = "",
         complete: bool = True,
-    ) -> Written:
+    ) -> AddedMessage:
         """Write one message and its rows, and everything derived from them, in one transaction."""
         db = self.db
         fields = (conversation_id, user_id, message.role, provider, model, at, time.time(),
@@ -408,7 +408,7 @@ class Store:
         self._behind += len(items)
         if self._behind >= BATCH_ROWS:
             self.flush()
-        return Written(message_id, tuple(item_ids))
+        return AddedMessage(message_id, tuple(item_ids))
 
     def _insert_numbered(self, conn: Sql, fields: tuple, parts: list[tuple]) -> tuple[int, range]:
         """SQLite: insert a message and its rows under the ids the writer counts (m010's: past

@@ -1,5 +1,5 @@
-"""Capture: the note_capture tool's rules and schema, and writing or patching exactly one note
-from its fields, after a credential scan.
+"""Writing a note: the note_capture tool's rules and schema, and writing or patching exactly
+one note from its fields, after a credential scan.
 """
 
 from __future__ import annotations
