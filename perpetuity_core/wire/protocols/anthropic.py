@@ -84,8 +84,9 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
     untouched. A cache marker goes, while the request has one to spare (those in the stripped
     history go with it), on the last block that stays the same from call to call after the
     harness's own system prompt: the standing messages' end where there are any, else the
-    frame's. Standing first, a new frame is written after a cached prefix that holds them
-    (Claude Code's 1.5k-token agent list: written at every rebuilt frame when it came after).
+    frame's. They go right after the frame's first message (its header, when the frame opens
+    with it alone): a new frame is then written after a cached prefix that holds them (Claude
+    Code's 1.5k-token agent list, written again with every new frame when it came after it).
     """
     raw = body["messages"]
     kept_system = [raw[i] for i in standing if i < keep_from] if standing is not None else [
@@ -94,12 +95,17 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
     rendered = _render(frame)
     after = markers(kept_system) + markers(kept)
     spare = MAX_CACHE_MARKERS - len(after) - len(markers_outside(body))
-    front = [*kept_system, *rendered]
+    # After the frame's first message, as Claude Code puts them after its first prompt (the
+    # API wants a user message first): where the frame opens with its header alone, they follow
+    # a message that is the same in every frame.
+    opens = 1 if kept_system and rendered and len(rendered) > 1 else len(rendered)
+    front = [*rendered[:opens], *kept_system, *rendered[opens:]]
     if rendered and spare > 0:
         # The API refuses an hour's mark after a five minutes' one: where the harness keeps
         # what follows the frame an hour (Claude Code for some accounts), this one lasts too.
         hour = any(isinstance(m, dict) and m.get("ttl") == "1h" for m in after)
-        at = len(kept_system) - 1 if kept_system and _markable(kept_system[-1]) else -1
+        last = opens + len(kept_system) - 1
+        at = last if opens == 1 and _markable(front[last]) else -1
         front[at] = _marked_last(front[at], dict(HOUR_MARK) if hour else {"type": "ephemeral"})
     return {**body, "messages": front + kept}
 
