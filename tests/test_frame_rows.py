@@ -96,6 +96,27 @@ def test_reference_frame_opening_with_the_users_words() -> None:
     ]
 
 
+def test_an_agents_frame_opens_with_its_header_alone() -> None:
+    """An agent's frame (`apart`) opens with the header as a message of its own, the same in
+    every frame, so the harness's standing messages can follow it in the cached prefix; a
+    first turn of the user's comes after SKIPPED. Measured as written, prefix by prefix."""
+    later = row(8, 15, 1, "user", ASKED - 3 * DAY + 2 * frame_render.RUN_GAP,
+                "And a table for two.", label=TRIP)
+    rows = {**ROWS, 8: later}
+    for ids in ([1, 2, 8], [2, 8], [1], [3, 1, 2, 5, 4, 7]):
+        laid = frame_render.lay(rows, ids, {6, 7}, ADJACENT | {(14, 15)}, ASKED, None)
+        out = frame_render.written(laid, ASKED, apart=True)
+        assert said(out)[0] == ("user", [frame_render.HEADER])
+        assert said(out)[1][0] == "assistant"
+        assert frame_render.tokens(laid, ASKED, apart=True) == messages_tokens(out)
+        measure = frame_render.prefix_tokens(rows, [], ids, {6, 7}, ADJACENT | {(14, 15)},
+                                             ASKED, None, apart=True)
+        assert measure(len(ids)) == messages_tokens(out)
+    laid = frame_render.lay(rows, [1, 2], (), ADJACENT, ASKED, None)
+    assert said(frame_render.written(laid, ASKED, apart=True))[:2] == [
+        ("user", [frame_render.HEADER]), ("assistant", [frame_render.SKIPPED])]
+
+
 def test_a_credential_is_quoted_in_its_own_conversation() -> None:
     mine = frame_render.messages(ROWS, [5], (), ADJACENT, ASKED, 2)
     assert "my key is sk-0000" in mine[0].parts[0].text

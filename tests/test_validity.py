@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from perpetuity_core.frame.billing import AnthropicCache
 from perpetuity_core.frame.cap import Cap
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve.exchange import Decision
@@ -666,3 +667,29 @@ def test_every_capture_through_a_remembering_pipeline_is_accepted(tmp_path: Path
                 wire, [(raw["body"], pipeline.prepare(to_request(raw)))])
     store.close()
     assert replaced >= 10, replaced
+
+
+def test_standing_messages_follow_the_frames_header_and_carry_its_mark() -> None:
+    """Claude Code's system-role message (its agent list, 1.5k tokens) stays the same across
+    rebuilt frames: it goes right after the frame's header (a user message, as Claude Code puts
+    it after its first prompt), with the spare mark, so a new frame is written after a cached
+    prefix that holds it (it came after the frame and was written with every one); the
+    recall tools' `lasting` keeps it an hour, as the system prompt before it."""
+    standing = {"role": "system", "content": "agents: Explore, Plan. " * 300}  # ~1.7k tokens
+    body = {"model": "claude", "system": [{"type": "text", "text": "s" * 8_000,
+                                           "cache_control": {"type": "ephemeral"}}],
+            "messages": [user(text("old")), standing, assistant(text("old reply")),
+                         user({**text("go"), "cache_control": {"type": "ephemeral"}})]}
+    bills = []
+    cache = AnthropicCache()
+    for k, at in enumerate((0.0, 60.0, 1_000.0)):  # the last after the 5-minute cache expired
+        frame = [Message("user", (text_part("[memory]"),)),
+                 Message("assistant", (text_part(f"memory {k} " + "x" * 8_000),))]
+        sent = anthropic.add_tools(anthropic.replace_history(body, frame, 3), [], False)
+        assert [m["role"] for m in sent["messages"][:3]] == ["user", "system", "assistant"]
+        assert anthropic.check(sent) == []
+        assert sent["messages"][1]["content"][-1]["cache_control"] == cache_marks.HOUR_MARK
+        assert "cache_control" not in sent["messages"][2]["content"][-1]  # the frame's end
+        bills.append(cache.bill(sent, at))
+    # The system prompt (2k tokens) and the standing message are read, after a pause too.
+    assert bills[1].read == bills[2].read >= 3_500

@@ -84,7 +84,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
         # Measured as rendered, never laid out: most measures are of frames the fill drops.
         rows = {**shelf.rows, **excerpts} if excerpts else shelf.rows
         return frame_render.prefix_tokens(rows, base, added, recent, shelf.adjacent, asked_at,
-                                          conversation_id)
+                                          conversation_id, apart=agent)
 
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
                                 tokens, limits, measured, agent)
@@ -93,8 +93,8 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     rows = {**shelf.rows, **chosen.excerpts} if chosen.excerpts else shelf.rows
     laid = frame_render.lay(rows, chosen.item_ids, chosen.recent, shelf.adjacent, asked_at,
                             conversation_id)
-    built = _frame(frame_render.written(laid, asked_at, said=said), chosen, found, tokens,
-                   warm.foreign)
+    built = _frame(frame_render.written(laid, asked_at, said=said, apart=agent), chosen,
+                   found, tokens, warm.foreign)
     built.warm = warm
     return built
 

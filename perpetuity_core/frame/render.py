@@ -130,13 +130,14 @@ def lay(rows: dict[int, Row], ids: list[int], recent: Collection[int],
 
 
 def written(laid: list[Run], asked_at: float, header: str = HEADER,
-            said: Said | None = None) -> list[Message]:
-    """Runs (`lay`) as the messages the model reads; those `said` before, as they were."""
+            said: Said | None = None, apart: bool = False) -> list[Message]:
+    """Runs (`lay`) as the messages the model reads; those `said` before, as they were
+    (`apart`: the header a message of its own, `assemble`)."""
     return assemble([(role, _text(label, parts, current)) for role, label, parts, current
-                     in laid], asked_at, header, said)
+                     in laid], asked_at, header, said, apart)
 
 
-def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
+def tokens(laid: list[Run], asked_at: float, header: str = HEADER, apart: bool = False) -> int:
     """messages_tokens of what `written` makes of these runs, without writing it: each part's
     tokens by token_estimate's rule, the header joined to the first turn when that is the
     user's (`assemble`), and the closing line."""
@@ -148,11 +149,12 @@ def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
         for p in parts:
             n += len(withheld(p)) if p.secret and not current else _quoted_length(p)
         sizes.append(n)
-    heading = 0
-    if laid[0][0] == "user":
+    heading = (len(header) + 3) // 4
+    if laid[0][0] == "user" and apart:
+        heading += (len(SKIPPED) + 3) // 4
+    elif laid[0][0] == "user":
         sizes[0] += len(header) + 2
-    else:
-        heading = (len(header) + 3) // 4
+        heading = 0
     closing = len(NOW.format(datetime.fromtimestamp(asked_at, UTC)))
     return heading + sum((n + 3) // 4 for n in sizes) + (closing + 3) // 4
 
@@ -160,7 +162,7 @@ def tokens(laid: list[Run], asked_at: float, header: str = HEADER) -> int:
 def prefix_tokens(rows: dict[int, Row], base: list[int], added: list[int],
                   recent: Collection[int], adjacent: Collection[tuple[int, int]],
                   asked_at: float, conversation_id: int | None,
-                  header: str = HEADER) -> Callable[[int], int]:
+                  header: str = HEADER, apart: bool = False) -> Callable[[int], int]:
     """k -> `tokens` of `lay(rows, base + added[:k], recent, ...)`, without laying any out.
 
     What the fill's search measures (frame_select.fitting): it measured 2 to 4 layouts a first
@@ -187,10 +189,10 @@ def prefix_tokens(rows: dict[int, Row], base: list[int], added: list[int],
         if first < 0:
             return 0
         total += more
-        if user:  # the header joins the first turn (`assemble`)
+        if user and not apart:  # the header joins the first turn (`assemble`)
             total += (first + len(header) + 2 + 3) // 4 - (first + 3) // 4
         else:
-            total += (len(header) + 3) // 4
+            total += (len(header) + 3) // 4 + (len(SKIPPED) + 3) // 4 * user
         return total + closing
 
     return measure
@@ -294,11 +296,14 @@ def _text(label: str, parts: list[Row], current: bool) -> str:
 
 
 def assemble(turns: list[Turn], asked_at: float, header: str = HEADER,
-             said: Said | None = None) -> list[Message]:
+             said: Said | None = None, apart: bool = False) -> list[Message]:
     """(role, text) turns, section after section, as alternating user and assistant messages
     under the header; within a section they are grouped by conversation (the current one
     last), oldest first (`section`). The closing line tells the time of the question: labels
-    give only the day's distance. Messages `said` before are the objects made then."""
+    give only the day's distance. Messages `said` before are the objects made then. `apart`:
+    the header is a message of its own, the same in every frame (an agent's: the harness's
+    standing messages follow it in the cached prefix, wire.protocols.anthropic), a first
+    turn of the user's after SKIPPED."""
     if not turns:
         return []
     # Each message's texts gathered first and the message made once: a run of one role's
@@ -306,6 +311,8 @@ def assemble(turns: list[Turn], asked_at: float, header: str = HEADER,
     texts: list[tuple[str, list[str]]] = []
     if turns[0][0] != "user":
         texts.append(("user", [header]))
+    elif apart:
+        texts += [("user", [header]), ("assistant", [SKIPPED])]
     else:
         turns[0] = ("user", header + "\n\n" + turns[0][1])
     for role, text in turns:

@@ -79,28 +79,49 @@ def replace_history(body: dict[str, Any], frame: list[Message], keep_from: int,
     """The body with messages before raw index `keep_from` replaced by the frame, and each of
     `inserts` (raw index -> messages) put just before the message at that index.
 
-    System-role messages among the replaced ones stay, after the frame (`standing`: their raw
+    System-role messages among the replaced ones stay, before the frame (`standing`: their raw
     indexes, as parse_request found them; None: looked for); the rest of the body is
-    untouched. The frame's end gets a cache marker while the request has one to spare (those in
-    the stripped history go with it): the frame is the part of the request that stays the same
-    from call to call after the harness's own system prompt.
+    untouched. A cache marker goes, while the request has one to spare (those in the stripped
+    history go with it), on the last block that stays the same from call to call after the
+    harness's own system prompt: the standing messages' end where there are any, else the
+    frame's. They go right after the frame's first message (its header, when the frame opens
+    with it alone): a new frame is then written after a cached prefix that holds them (Claude
+    Code's 1.5k-token agent list, written again with every new frame when it came after it).
     """
     raw = body["messages"]
     kept_system = [raw[i] for i in standing if i < keep_from] if standing is not None else [
         m for m in raw[:keep_from] if isinstance(m, dict) and m.get("role") == "system"]
-    kept = kept_system + spliced(raw, keep_from, inserts, _render)
+    kept = spliced(raw, keep_from, inserts, _render)
     rendered = _render(frame)
-    after = markers(kept)
+    after = markers(kept_system) + markers(kept)
     spare = MAX_CACHE_MARKERS - len(after) - len(markers_outside(body))
+    # After the frame's first message, as Claude Code puts them after its first prompt (the
+    # API wants a user message first): where the frame opens with its header alone, they follow
+    # a message that is the same in every frame.
+    opens = 1 if kept_system and rendered and len(rendered) > 1 else len(rendered)
+    front = [*rendered[:opens], *kept_system, *rendered[opens:]]
     if rendered and spare > 0:
         # The API refuses an hour's mark after a five minutes' one: where the harness keeps
-        # what follows the frame an hour (Claude Code for some accounts), the frame's lasts too.
+        # what follows the frame an hour (Claude Code for some accounts), this one lasts too.
         hour = any(isinstance(m, dict) and m.get("ttl") == "1h" for m in after)
-        mark = dict(HOUR_MARK) if hour else {"type": "ephemeral"}
-        last = rendered[-1]  # a copy marked: the one rendered is shared (`_rendered`)
-        rendered[-1] = {**last, "content": [*last["content"][:-1],
-                                            {**last["content"][-1], "cache_control": mark}]}
-    return {**body, "messages": rendered + kept}
+        last = opens + len(kept_system) - 1
+        at = last if opens == 1 and _markable(front[last]) else -1
+        front[at] = _marked_last(front[at], dict(HOUR_MARK) if hour else {"type": "ephemeral"})
+    return {**body, "messages": front + kept}
+
+
+def _markable(m: dict[str, Any]) -> bool:
+    content = m.get("content")
+    return isinstance(content, str) and bool(content) or (
+        isinstance(content, list) and bool(content) and isinstance(content[-1], dict))
+
+
+def _marked_last(m: dict[str, Any], mark: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `m` with `mark` on its last block (the message itself may be shared: the
+    frame's rendered ones are, `_rendered`)."""
+    content = m["content"]
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    return {**m, "content": [*blocks[:-1], {**blocks[-1], "cache_control": mark}]}
 
 
 def stub_results(body: dict[str, Any], stubs: Mapping[str, str], keep_from: int) -> dict[str, Any]:

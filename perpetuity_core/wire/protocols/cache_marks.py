@@ -96,8 +96,23 @@ def lasting(body: dict[str, Any]) -> dict[str, Any]:
     sessions replayed together, one cache: 0.687 of direct -> 0.650; each alone, 0.693 ->
     0.679, the 34-call 83a70023 1.08 -> 1.18). Only marks already there, so the request's
     marks are as many; they come before every message's, so no hour's mark follows a five
-    minutes' (which the API refuses: `check`)."""
-    return {**body, **{k: _LASTING[k](body[k]) for k in ("tools", "system") if k in body}}
+    minutes' (which the API refuses: `check`). The system-role messages right after an
+    unmarked first message (the harness's standing context, after a frame's header) last an
+    hour too: they are as stable as the system prompt, and a frame rebuilt after a pause then
+    reads them."""
+    out: dict[str, Any] = {**body, **{k: _LASTING[k](body[k]) for k in ("tools", "system")
+                                      if k in body}}
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > 1 and _standing(messages[1]) \
+            and not markers(messages[0]):
+        n = next((i for i, m in enumerate(messages) if i and not _standing(m)), len(messages))
+        out["messages"] = [messages[0], *({**m, "content": _marked(m["content"])}
+                                          for m in messages[1:n]), *messages[n:]]
+    return out
+
+
+def _standing(m: Any) -> bool:
+    return isinstance(m, dict) and m.get("role") == "system"
 
 
 def _marked(blocks: Any) -> Any:
