@@ -31,7 +31,8 @@ time. `--out` keeps every call's figures.
 
 What it found (h-late43; a 2-core machine shared with other sessions): side by side, load 4.0,
 this against main (24235af) beside it: added p50 early / late 10.0 / 10.5 ms (1.05x) against
-10.4 / 18.7 (1.81x); proxy CPU a call 11.2 / 32.4 against 11.0 / 37.7. --sequential (load 3.4
+10.4 / 18.7 (1.81x); proxy CPU a call 11.2 / 32.4 against 11.0 / 37.7; again at load 3.5,
+8.5 / 10.1 (1.19x) against 10.5 / 14.5 (1.39x). --sequential (load 3.4
 to 6.9): 17.4 / 28.6 (1.65x) against 15.9 / 38.4 (2.42x). What changed: each client connection
 read in 1 MB pieces where mitmproxy asked 64 KB (serve/client_reads.py), and a late body
 compared with the one kept once, not twice (wire/seen.Look). Before (h-code43, --passes 1, the
