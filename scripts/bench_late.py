@@ -1,36 +1,43 @@
-#!/usr/bin/env python3
 """Late calls against early ones, end to end through a real mitmdump (issue 43, target 2): the
 six shared Claude Code sessions chained into one conversation that never ends (as `perpetuity
-replay claude-code --chain` chains them), each call's request sent as Claude Code would have
-sent it, through the proxy and, the same bytes, straight to a sink.
+replay claude-code --chain --passes 3` chains them: 2,034 calls, the last 100 past 1.2M tokens,
+bodies to 21.8 MB), each call's request sent as Claude Code would have sent it, through the
+proxy and, the same bytes, straight to a sink.
 
 The sink (here, on its own thread) reads a request whole and answers a short streamed
 Messages reply at once; it is the proxy's upstream too. A call's added time is its time
-through the proxy less the time the same bytes took to the sink: what the proxy adds, whatever
-the body's size costs to send. The two sides alternate call by call.
+through the proxy less the time the same bytes took to the sink (the median of `--direct`
+sends around it): what the proxy adds, whatever the body's size costs to send.
 
-    .venv/bin/python scripts/bench_late.py [--passes 1] [--calls N] [--out FILE] [--against DIR]
-                                           [--trace]
+    .venv/bin/python scripts/bench_late.py [--passes 3] [--window 100] [--runs 1] [--direct 3]
+                                           [--against DIR] [--trace] [--sequential] [--out F]
 
-Prints JSON: the added time's p50 (ms, to the last byte) over calls 100-200 and over the last
-100, their ratio, and per tenth of the calls; `--out` keeps every call's figures. `--against`
-runs a second proxy from another checkout (its addon, its code) beside this one, each call sent
-to both in turn: a paired comparison under the same load (a 2-core machine's load moves the
-added time 2x within one run). `--trace` loads profile_latency.py's tracing addon into this
-checkout's proxy: where each call's time to first byte went (its segments, and the CPU of
-prepare and of the event loop), medians over calls 100-200 and over the last 100.
+By default the two windows are timed side by side: one proxy is fed the chain's calls before
+call 100 and another those before its last `window` (untimed), then early call 100 + i and
+late call N - window + i go in turn, each to its own proxy, under the same load. After each
+call the proxy is left to finish its writes (its CPU still for 10 ms) before the next is sent,
+as a harness's next call comes after a reply and its tools. `--sequential` is the issue's
+set-up instead: one proxy, every call timed in order with no pause (the writes of one call
+overlap the next), its windows calls 100-199 and the last `window`, minutes apart.
 
-What it found (h-code43; the chain of 678 calls, bodies 0.7 to 7.3 MB, 2 to 1,356 messages; a
-2-core machine at load 9): the added time's p50 early / late 57.7 / 70.2 ms (1.22x) in one run,
-105.6 / 79.9 (0.76x) in the traced one, 78.6 / 55.3 (0.70x) paired with bfffdb6 (before the
-live tally and the count before parsing; 75.4 / 54.9 there): the load moves it more than the
-history does. Paired, this against bfffdb6: -0.8 ms median over all calls, -1.9 past 600
-messages. Traced, early / late medians: mitmproxy reading the body to our hook 32.3 / 50.4 ms
-(the direct side's send 15.8 / 23.0), to the preparing thread 0.5 / 8.8, prepare 11.8 / 3.7
-wall for 2.65 / 2.67 ms CPU (flat), the event loop's CPU 11.0 / 13.4. Every round past
-INLINE_MESSAGES prepared on the thread, the hop is what late calls pay; but with no bound at
-all (late rounds prepared on the loop too), paired against this: +5.3 ms past 600 messages
-(+0.4 below), so the bound stays.
+Prints JSON: per run and window the added time's p50 (ms, to the last byte and to the first),
+the proxy process's CPU per call (every thread's, its writes included), late over early, the
+load average over the run; the median ratio over `--runs` (each with fresh proxies).
+`--against DIR` runs another checkout's proxies beside these, each call sent to both: before
+and after, under the same load. `--trace` loads profile_latency.py's tracing addon into this
+checkout's proxies: where a call's time went (its segments, the CPU of prepare and of the event
+loop, the collector's pauses), medians per window and the call at each window's median added
+time. `--out` keeps every call's figures.
+
+What it found (h-late43; a 2-core machine shared with other sessions): side by side, load 4.0,
+this against main (24235af) beside it: added p50 early / late 10.0 / 10.5 ms (1.05x) against
+10.4 / 18.7 (1.81x); proxy CPU a call 11.2 / 32.4 against 11.0 / 37.7; again at load 3.5,
+8.5 / 10.1 (1.19x) against 10.5 / 14.5 (1.39x). --sequential (load 3.4
+to 6.9): 17.4 / 28.6 (1.65x) against 15.9 / 38.4 (2.42x). What changed: each client connection
+read in 1 MB pieces where mitmproxy asked 64 KB (serve/client_reads.py), and a late body
+compared with the one kept once, not twice (wire/seen.Look). Before (h-code43, --passes 1, the
+windows minutes apart): 57.7 / 70.2 ms (1.22x) in one run, 0.76x and 0.70x in others: the load
+moved it more than the history did, which timing the windows side by side removes.
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -53,8 +62,9 @@ sys.path.insert(0, str(ROOT))
 
 from perpetuity_core.cli.replay.request import build, load_template  # noqa: E402
 from perpetuity_core.cli.replay.sessions import chained, sessions_in_order  # noqa: E402
+from scripts.profile_latency import cpu_ns, segments  # noqa: E402
 from tests import conftest  # noqa: E402
-from tests.conftest import free_port, start_proxy, stop_proxy  # noqa: E402
+from tests.conftest import Proxy, free_port, start_proxy, stop_proxy  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "claude-code"
 _EVENTS = [
@@ -112,106 +122,239 @@ def sink() -> str:
 
 
 def timed(client: httpx.Client, url: str, raw: bytes, headers: list[tuple[str, str]],
-          stamps: dict[str, float] | None = None) -> float:
-    """One streamed POST of `raw`, to its last byte, in ms; its send and first byte stamped
-    in `stamps` (perf_counter: the clock the trace stamps on)."""
+          stamps: dict[str, float] | None = None) -> tuple[float, float]:
+    """One streamed POST of `raw`: its time to the last byte and to the first, in ms; its send
+    and first byte stamped in `stamps` (perf_counter: the clock the trace stamps on)."""
     start = time.perf_counter()
+    first = 0.0
     with client.stream("POST", url + "/v1/messages?beta=true", content=raw,
                        headers=headers) as r:
         for n, _ in enumerate(r.iter_raw()):
-            if n == 0 and stamps is not None:
-                stamps.update(sent=start, ttfb=time.perf_counter())
+            if n == 0:
+                first = time.perf_counter()
         assert r.status_code == 200, r.status_code
-    return (time.perf_counter() - start) * 1000
+    if stamps is not None:
+        stamps.update(sent=start, ttfb=first)
+    return (time.perf_counter() - start) * 1000, (first - start) * 1000
 
 
-def profile(stamps: list[dict[str, float]], trace: Path) -> dict[str, dict[str, float]]:
-    """The trace's segments of each call (profile_latency.segments), medians over calls
-    100-200 and over the last 100."""
-    from scripts.profile_latency import segments
+def settled(pid: int, still_ms: float = 10.0, most_s: float = 2.0) -> None:
+    """Wait until the proxy's CPU stays still for `still_ms` (its writes done), at most `most_s`."""
+    step, still, last = 0.002, 0.0, cpu_ns(pid)
+    deadline = time.monotonic() + most_s
+    while time.monotonic() < deadline and still < still_ms / 1000:
+        time.sleep(step)
+        now = cpu_ns(pid)
+        still = still + step if now - last < 100_000 else 0.0  # under 0.1 ms of CPU a step
+        last = now
 
-    lines = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
-    recs = [segments({**line, **client}) for line, client in zip(lines, stamps)]
 
-    def medians(part: list[dict[str, float]]) -> dict[str, float]:
-        names = sorted({k for r in part for k in r})
-        return {k: round(statistics.median(r[k] for r in part if k in r), 2) for k in names}
+@dataclass
+class Side:
+    """One proxy: whose code ("this" or "against"), which window it serves, its trace."""
 
-    return {"calls_100_200": medians(recs[100:200]), "last_100": medians(recs[-100:])}
+    code: str
+    proxy: Proxy
+    trace: Path | None = None
+    lines: int = 0  # trace lines read so far
+
+    def traced(self) -> dict[str, float]:
+        """The trace's line for the call just sent (all threads' stamps, one line a call)."""
+        if self.trace is None or not self.trace.exists():
+            return {}
+        lines = self.trace.read_text().splitlines()
+        new, self.lines = lines[self.lines:], len(lines)
+        return json.loads(new[-1]) if new else {}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args, self.tmp = args, tmp
+        self.session = chained(list(sessions_in_order([DATA])) * args.passes)
+        self.shape = load_template(None)
+        self.calls = self.session.calls[:args.calls or None]
+        self.upstream = sink()
+        self.client = httpx.Client(trust_env=False, timeout=300)
+        self.rows: list[dict[str, Any]] = []
+
+    def request(self, n: int) -> tuple[bytes, list[tuple[str, str]], int]:
+        built = build(self.calls[n], self.shape, self.session)
+        headers = [(k, v) for k, v in built.headers if k.lower() != "content-length"]
+        return json.dumps(built.body).encode(), headers, len(built.body["messages"])
+
+    def start(self, name: str) -> list[Side]:
+        """This checkout's proxy (traced with --trace), and the other's with --against."""
+        folder = self.tmp / name
+        for code in ("this", "against"):
+            (folder / code).mkdir(parents=True)
+        trace = folder / "trace.jsonl" if self.args.trace else None
+        extra = ("-s", str(ROOT / "scripts" / "profile_latency.py")) if trace else ()
+        os.environ["PERPETUITY_TRACE"] = str(trace or "")  # (read by the tracing addon alone)
+        sides = [Side("this", start_proxy(folder / "this", self.upstream, *extra), trace)]
+        if self.args.against:
+            here, conftest.ROOT = conftest.ROOT, self.args.against.resolve()  # its addon script
+            try:
+                sides.append(Side("against", start_proxy(folder / "against", self.upstream)))
+            finally:
+                conftest.ROOT = here
+        return sides
+
+    def send(self, n: int, window: str, sides: list[Side], settle: bool) -> None:
+        """Call `n` to the sink (--direct times) and to each side, in an order rotated call by
+        call; one row of figures."""
+        raw, headers, messages = self.request(n)
+        order: list[Side | None] = [None] * self.args.direct + list(sides)
+        k = n % len(order)
+        direct: list[float] = []
+        got: dict[str, tuple[float, float, float, dict[str, float]]] = {}
+        for side in order[k:] + order[:k]:
+            if side is None:
+                direct.append(timed(self.client, self.upstream, raw, headers)[0])
+                continue
+            pid = side.proxy.process.pid
+            before, stamps = cpu_ns(pid), {}
+            total, first = timed(self.client, side.proxy.url, raw, headers, stamps)
+            if settle:
+                settled(pid)
+            traced = side.traced()
+            got[side.code] = (total, first, (cpu_ns(pid) - before) / 1e6,
+                              segments({**traced, **stamps}) if traced else {})
+        d = statistics.median(direct)
+        row: dict[str, Any] = {"call": n, "window": window, "bytes": len(raw),
+                               "messages": messages, "direct_ms": round(d, 2),
+                               "load": os.getloadavg()[0]}
+        for code, (total, first, cpu, segs) in got.items():
+            row[code] = {"ms": round(total, 2), "added_ms": round(total - d, 2),
+                         "added_ttfb_ms": round(first - d, 2), "cpu_ms": round(cpu, 2),
+                         **({"segments": {k: round(v, 2) for k, v in segs.items()}}
+                            if segs else {})}
+        self.rows.append(row)
+
+    def feed(self, upto: dict[str, int], sides: dict[str, list[Side]]) -> None:
+        """Calls before `upto[window]` to that window's proxies, untimed, each built once."""
+        for n in range(max(upto.values())):
+            raw, headers, _ = self.request(n)
+            for window, last in upto.items():
+                for side in sides[window] if n < last else ():
+                    timed(self.client, side.proxy.url, raw, headers)
+        for window in sides:
+            for side in sides[window]:
+                settled(side.proxy.process.pid, most_s=30)
+                side.traced()  # (the fed calls' lines skipped)
+
+    def interleaved(self) -> list[dict[str, Any]]:
+        """One run: the two windows' proxies fed, then their calls in turn."""
+        w, total = self.args.window, len(self.calls)
+        first = {"early": EARLY, "late": total - w}
+        sides = {window: self.start(f"{window}{len(self.rows)}") for window in first}
+        try:
+            self.feed(first, sides)
+            start = len(self.rows)
+            for i in range(w):
+                for window, at in first.items():
+                    self.send(at + i, window, sides[window], settle=True)
+            return self.rows[start:]
+        finally:
+            for side in (s for group in sides.values() for s in group):
+                stop_proxy(side.proxy)
+
+    def sequential(self) -> list[dict[str, Any]]:
+        """The issue's set-up: one proxy, every call timed in order, no pause."""
+        sides = self.start(f"sequential{len(self.rows)}")
+        w = self.args.window
+        try:
+            for n in range(len(self.calls)):
+                window = ("early" if EARLY <= n < EARLY + w else
+                          "late" if n >= len(self.calls) - w else "")
+                self.send(n, window, sides, settle=False)
+            return [r for r in self.rows if r["window"]]
+        finally:
+            for side in sides:
+                stop_proxy(side.proxy)
+
+
+EARLY = 100  # the early window's first call (the issue's calls 100-200)
+
+
+def p50(values: list[float]) -> float:
+    return round(statistics.median(values), 2) if values else 0.0
+
+
+def summary(rows: list[dict[str, Any]], codes: list[str]) -> dict[str, Any]:
+    """A run's figures: per side and window the p50s, and late over early."""
+    loads = [r["load"] for r in rows]
+    out: dict[str, Any] = {"load": {"min": min(loads), "p50": p50(loads), "max": max(loads)}}
+    for window in ("early", "late"):
+        part = [r for r in rows if r["window"] == window]
+        out[window] = {"calls": [part[0]["call"], part[-1]["call"]],
+                       "bytes_p50": int(p50([r["bytes"] for r in part])),
+                       "messages_p50": int(p50([r["messages"] for r in part])),
+                       "direct_ms_p50": p50([r["direct_ms"] for r in part])}
+    for code in codes:
+        got = {}
+        for window in ("early", "late"):
+            part = [r[code] for r in rows if r["window"] == window]
+            got[window] = {k: p50([p[k] for p in part])
+                           for k in ("added_ms", "added_ttfb_ms", "cpu_ms")}
+        got["late_over_early"] = {k: round(got["late"][k] / got["early"][k], 2)
+                                  for k in got["early"] if got["early"][k] > 0}
+        out[code] = got
+    return out
+
+
+def profile(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per window, the segments' medians and those of the call at the median added time."""
+    out: dict[str, Any] = {}
+    for window in ("early", "late"):
+        part = sorted((r for r in rows if r["window"] == window and "segments" in r["this"]),
+                      key=lambda r: r["this"]["added_ms"])
+        if not part:
+            continue
+        names = sorted({k for r in part for k in r["this"]["segments"]})
+        mid = part[len(part) // 2]
+        out[window] = {
+            "medians": {k: p50([r["this"]["segments"][k] for r in part
+                                if k in r["this"]["segments"]]) for k in names},
+            "median_call": {"call": mid["call"], "bytes": mid["bytes"],
+                            "messages": mid["messages"], "added_ms": mid["this"]["added_ms"],
+                            "cpu_ms": mid["this"]["cpu_ms"], **mid["this"]["segments"]}}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--passes", type=int, default=1)
+    ap.add_argument("--passes", type=int, default=3, help="the sessions chained this many times")
     ap.add_argument("--calls", type=int, default=0, help="only the chain's first N calls")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--window", type=int, default=100, help="calls in each window")
+    ap.add_argument("--runs", type=int, default=1, help="runs, each with fresh proxies")
+    ap.add_argument("--direct", type=int, default=3, help="sends to the sink per call (median)")
+    ap.add_argument("--sequential", action="store_true", help="the issue's set-up (see above)")
     ap.add_argument("--against", type=Path, metavar="DIR", help="another checkout's proxy too")
     ap.add_argument("--trace", action="store_true", help="where this proxy's time went")
+    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not DATA.is_dir():
         sys.exit(f"bench_late: needs the shared sessions at {DATA}")
-    session = chained(list(sessions_in_order([DATA])) * args.passes)
-    shape = load_template(None)
-    calls = session.calls[:args.calls or None]
-    rows = []
-    upstream = sink()
+    codes = ["this", *(["against"] if args.against else [])]
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for side in ("this", "against"):
-            (Path(tmp) / side).mkdir()
-        trace = Path(tmp) / "trace.jsonl"
-        extra = ("-s", str(ROOT / "scripts" / "profile_latency.py")) if args.trace else ()
-        os.environ["PERPETUITY_TRACE"] = str(trace)  # (read by the tracing addon alone)
-        proxies = {"proxy": start_proxy(Path(tmp) / "this", upstream, *extra)}
-        if args.against:
-            here, conftest.ROOT = conftest.ROOT, args.against.resolve()  # its addon script
-            try:
-                proxies["against"] = start_proxy(Path(tmp) / "against", upstream)
-            finally:
-                conftest.ROOT = here
-        stamps: list[dict[str, float]] = []
+        bench = Bench(args, Path(tmp))
         try:
-            with httpx.Client(trust_env=False, timeout=120) as client:
-                for n, call in enumerate(calls):
-                    built = build(call, shape, session)
-                    raw = json.dumps(built.body).encode()
-                    headers = [(k, v) for k, v in built.headers if k.lower() != "content-length"]
-                    sides = [(upstream, "direct"), *((p.url, s) for s, p in proxies.items())]
-                    order = sides[n % len(sides):] + sides[:n % len(sides)]  # rotated
-                    stamps.append({})
-                    got = {side: timed(client, url, raw, headers,
-                                       stamps[-1] if side == "proxy" else None)
-                           for url, side in order}
-                    rows.append({"call": n, "bytes": len(raw),
-                                 "messages": len(built.body["messages"]),
-                                 "direct_ms": round(got["direct"], 2),
-                                 **{f"{s}_ms": round(got[s], 2) for s in proxies},
-                                 **{"added_ms" if s == "proxy" else f"{s}_added_ms":
-                                    round(got[s] - got["direct"], 2) for s in proxies}})
+            for _ in range(args.runs):
+                rows = bench.sequential() if args.sequential else bench.interleaved()
+                runs.append((summary(rows, codes), rows))
         finally:
-            for p in proxies.values():
-                stop_proxy(p)
-        profiled = profile(stamps, trace) if args.trace else None
+            bench.client.close()
     if args.out:
-        args.out.write_text(json.dumps(rows))
-
-    def p50(part: list[dict], key: str = "added_ms") -> float:
-        return round(statistics.median(r[key] for r in part), 2) if part else 0.0
-
-    def summary(key: str) -> dict[str, float | None]:
-        early, late = p50(rows[100:200], key), p50(rows[-100:], key)
-        return {"calls_100_200": early, "last_100": late,
-                "late_over_early": round(late / early, 2) if early else None}
-
-    tenth = max(1, len(rows) // 10)
-    keys = ["added_ms", *(["against_added_ms"] if args.against else [])]
+        args.out.write_text(json.dumps(bench.rows))
     print(json.dumps({
-        "calls": len(rows), "largest_bytes": max(r["bytes"] for r in rows),
-        **{f"{k}_p50": summary(k) for k in keys},
-        "tenths": [{"from_call": i, "messages": rows[i]["messages"], "bytes": rows[i]["bytes"],
-                    **{f"{k}_p50": p50(rows[i:i + tenth], k) for k in keys},
-                    "direct_ms_p50": p50(rows[i:i + tenth], "direct_ms")}
-                   for i in range(0, len(rows), tenth)],
-        **({"profile_ms": profiled} if profiled else {})}, indent=1))
+        "mode": "sequential" if args.sequential else "interleaved", "passes": args.passes,
+        "calls": len(bench.calls), "largest_bytes": max(r["bytes"] for r in bench.rows),
+        "runs": [s for s, _ in runs],
+        "late_over_early_median": {
+            code: {k: p50([s[code]["late_over_early"][k] for s, _ in runs])
+                   for k in runs[0][0][code]["late_over_early"]} for code in codes},
+        **({"profile_ms": profile(runs[-1][1])} if args.trace else {})}, indent=1))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import signal
@@ -83,6 +84,17 @@ class Trace:
         self.lock = threading.Lock()
         self.out = open(os.environ["PERPETUITY_TRACE"], "a", buffering=1)  # noqa: SIM115
         self._patch()
+        self._gc_started = 0.0
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        """The collector's pauses, on any thread (no lock: it may run while one is held)."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+            return
+        self.cur["gc"] = self.cur.get("gc", 0.0) + time.perf_counter() - self._gc_started
+        if info["generation"] == 2:
+            self.cur["gc2"] = self.cur.get("gc2", 0) + 1
 
     def stamp(self, name: str, value: float | None = None) -> None:
         with self.lock:
@@ -208,6 +220,8 @@ def segments(rec: dict[str, float]) -> dict[str, float]:
     out["passed_cpu"] = rec.get("passed_cpu", 0.0) * 1000
     out["apply_cpu"] = rec.get("apply_cpu", 0.0) * 1000
     out["loop_cpu"] = rec.get("loop_cpu", 0.0) * 1000
+    out["gc"] = rec.get("gc", 0.0) * 1000  # the collector's pauses, every thread's
+    out["gc2"] = rec.get("gc2", 0)  # full collections
     return out
 
 

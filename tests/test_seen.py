@@ -58,20 +58,28 @@ def test_a_growing_history_reads_as_json_loads_reads_it(turns: list[tuple[str, b
         seen.keep(read, [None] * len(history))
 
 
-def test_continues_says_whether_a_body_reads_on_and_takes_nothing_out() -> None:
-    """`Seen.continues` (asked on the event loop before a tool round is prepared there) is
-    true exactly when `read` reads on from a body kept, and leaves that body kept."""
-    seen = Seen()
+def test_a_look_says_whether_a_body_reads_on_and_takes_nothing_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Seen.look` (asked on the event loop before a tool round is prepared there) continues
+    exactly when `read` reads on from a body kept, and leaves that body kept; `read` handed
+    the look compares no byte again, and one whose body another read took out looks again."""
+    kept = Seen()
     task = [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "on it"}]
     first = json.dumps(_body(task)).encode()
-    assert not seen.continues(first)
-    seen.keep(seen.read(first), "known")
+    assert not kept.look(first).continues(10)
+    kept.keep(kept.read(first), "known")
     # (the cache mark moves to the last message: the first is what reads on)
     longer = json.dumps(_body([*task, {"role": "user", "content": "and the tests"}])).encode()
     other = json.dumps(_body([{"role": "user", "content": "another task"}, *task])).encode()
-    assert seen.continues(longer) and seen.continues(longer) and not seen.continues(other)
-    read = seen.read(longer)
+    look = kept.look(longer)
+    assert look.continues(10) and kept.look(longer).continues(10) and not look.continues(0)
+    assert not kept.look(other).continues(10)
+    with monkeypatch.context() as m:
+        m.setattr(seen, "_same_up_to", None)  # (compared again: TypeError)
+        read = kept.read(longer, look)
     assert read.known == "known" and read.reused == 1 and read.data == json.loads(longer)
+    again = kept.read(longer, look)  # its body went with the read above: read whole
+    assert again.reused == 0 and again.data == json.loads(longer)
 
 
 @pytest.mark.parametrize("raw", [

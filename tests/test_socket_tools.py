@@ -9,11 +9,13 @@ import json
 from typing import Any
 
 from perpetuity_core.recall.answers import TurnMemory
-from perpetuity_core.serve.chain import Chain, Histories
-from perpetuity_core.serve.exchange import Decision, Job, PendingTurn
+from perpetuity_core.serve.chain import Chain, Histories, framed
+from perpetuity_core.serve.exchange import Decision, HttpRequest, Job, PendingTurn
 from perpetuity_core.serve.socket_tools import SocketReply, Step, run_calls
 from perpetuity_core.wire.conversation import Protocol
+from perpetuity_core.wire.protocols import responses
 from perpetuity_core.wire.protocols.base import Reply
+from tests.conftest import FIXTURES, needs_fixtures
 
 WHOLE = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
 SPECS = [{"name": "memory_search", "description": "", "input_schema": {}}]
@@ -111,3 +113,45 @@ def test_a_tool_past_its_time_is_answered_so() -> None:
     memory = TurnMemory(user_id=1, conversation_id=1, asked_at=0.0)
     got = asyncio.run(run_calls([("c1", "memory_search", {})], slow, memory, 0.01))
     assert got == [("c1", "memory_search: timed out after 0.01 s")]
+
+
+# Codex's tools as its Responses Lite request carries them: an input item, no `tools` field
+# (../shared's captures of codex-cli 0.171: 07-builtin_ws_basic, 15-custom_http_model_gpt62).
+CODEX_TOOLS = {"type": "additional_tools", "id": "at_1", "role": "developer",
+               "tools": [{"type": "namespace", "name": "functions", "description": "",
+                          "tools": [{"type": "function", "name": "wait", "parameters": {}}]}]}
+OURS = {"type": "additional_tools", "role": "developer", "tools": [
+    {"type": "function", "name": "memory_search", "description": "", "parameters": {}}]}
+
+
+class Framing:
+    """What chain.framed asks of the pipeline: a decision whose job lets our tools ride."""
+
+    def prepare(self, req: Any) -> Decision:
+        return Decision(job=job(4))
+
+
+def test_our_tools_ride_beside_codex_s_own_item_held_once_on_the_chain() -> None:
+    link = Chain(Histories(), "key")
+    handshake = HttpRequest("GET", "api.openai.com", "/v1/responses", (), b"", False)
+    first = {"type": "response.create", "model": "gpt-6.2-sol", "input": [CODEX_TOOLS, *WHOLE]}
+    _, sent = framed(Framing(), handshake, link, json.dumps(first).encode())  # type: ignore[arg-type]
+    out = json.loads(sent or b"")
+    assert "tools" not in out and out["input"] == [CODEX_TOOLS, OURS, *WHOLE]
+    link.event({"type": "response.completed", "response": {"id": "r1"}})
+    more = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "and?"}]}]
+    second = {**first, "previous_response_id": "r1", "input": more}
+    _, sent = framed(Framing(), handshake, link, json.dumps(second).encode())  # type: ignore[arg-type]
+    assert sent is None  # as Codex sent it: the provider holds ours already, on r1
+    assert link.pending is not None and link.pending.upstream == [CODEX_TOOLS, OURS, *WHOLE, *more]
+
+
+@needs_fixtures
+def test_over_http_codex_s_lite_request_gets_ours_as_an_item_after_its_own() -> None:
+    body = json.loads((FIXTURES / "codex" / "15-custom_http_model_gpt62-responses-stream.json"
+                       ).read_text())["body"]
+    out = responses.add_tools(body, SPECS, last_round=True)
+    assert "tools" not in body and "tools" not in out and out["tool_choice"] == "none"
+    assert out["input"] == [body["input"][0], OURS, *body["input"][1:]]
+    plain = responses.add_tools({"input": WHOLE, "tools": []}, SPECS, last_round=False)
+    assert plain["tools"] == OURS["tools"] and plain["input"] == WHOLE

@@ -237,7 +237,8 @@ def tui_sessions() -> list[tuple[str, list[tuple[dict, list[dict]]]]]:
 def http_side(settings: Settings, db: Path, sessions: list[tuple[str, list[tuple[dict, list[dict]]]]],
               wholes: list[list[dict]]) -> list[list[dict]]:
     """The same history as HTTP requests, each whole (as a custom provider sends it), through
-    a pipeline of its own on a memory of its own: the input each would have sent upstream."""
+    a pipeline of its own on a memory of its own: the input each would have sent upstream (our
+    tools' item in it where they ride)."""
     pipeline = Pipeline(open_memory(str(db)), settings)
     sent = []
     messages = [(handshake, body, frames) for handshake, exchanges in sessions
@@ -248,7 +249,9 @@ def http_side(settings: Settings, db: Path, sessions: list[tuple[str, list[tuple
                           (*headers, ("x-perpetuity-time", AT)),
                           http_body(body, whole), direct=True)
         d = pipeline.prepare(req)
-        sent.append(json.loads(d.body if d.body is not None else req.body)["input"])
+        # As it goes upstream: the relay's first round when our tools ride (beside Codex's).
+        upstream = d.job.first_round if d.job is not None and d.job.first_round else d.body
+        sent.append(json.loads(upstream if upstream is not None else req.body)["input"])
         if d.job is not None:
             turn = pipeline.store_turn(d.job.pending)
             assembler = responses.ReplyAssembler()

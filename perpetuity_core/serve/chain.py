@@ -217,8 +217,18 @@ def framed(pipeline: Pipeline, handshake: HttpRequest, link: Chain,
     target = json.loads(decision.body)["input"] if decision.body is not None else whole
     job = decision.job
     specs = job.tool_specs if job is not None and job.memory is not None else []
-    out = link.send(body, whole, target, frozenset(str(t["name"]) for t in specs))
-    if specs:
+    ours = frozenset(str(t["name"]) for t in specs)
+    if specs and (at := responses.tools_item_at(body, target)) is not None:
+        # Codex's own tools are an input item the provider holds (Responses Lite): ours go
+        # beside it in what the provider is to hold, once, not into each message.
         assert job is not None
-        out = responses.add_tools(body if out is None else out, specs, job.max_rounds == 1)
+        target = [*target[:at], responses.tools_item(specs), *target[at:]]
+        out = link.send(body, whole, target, ours)
+        if job.max_rounds == 1:
+            out = {**(body if out is None else out), "tool_choice": "none"}
+    else:
+        out = link.send(body, whole, target, ours)
+        if specs:
+            assert job is not None
+            out = responses.add_tools(body if out is None else out, specs, job.max_rounds == 1)
     return decision, None if out is None else mend.dumps(out)

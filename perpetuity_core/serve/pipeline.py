@@ -130,8 +130,10 @@ class Pipeline:
         round costs then is far less than the GIL's switch interval (5 ms), so the preparing
         thread would not spare the event loop that time, and its two hops would still cost
         theirs (issue 24): the addon asks this on the loop first."""
-        if (u.req.method != "POST"
-                or not self.reader.seen.continues(u.req.body, INLINE_MESSAGES)):
+        if u.req.method != "POST":
+            return None
+        u.look = self.reader.seen.look(u.req.body)  # (read compares none of it again)
+        if not u.look.continues(INLINE_MESSAGES):
             return None  # (a longer history is declined before it is parsed)
         self.reader.read(u)
         t = u.turn

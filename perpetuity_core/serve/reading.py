@@ -35,7 +35,7 @@ from perpetuity_core.wire.route import (
     reads_model,
     route,
 )
-from perpetuity_core.wire.seen import Read, Seen
+from perpetuity_core.wire.seen import Look, Read, Seen
 
 log = logging.getLogger("perpetuity")
 
@@ -93,6 +93,7 @@ class Understood:
     done: bool = False
     read: bool = False  # the body was read (to a turn, or to a decision)
     turn: Turn | None = None
+    look: Look | None = None  # where the body starts as one read before did, once looked for
 
     def decided(self, note: str) -> None:
         assert self.decision is not None
@@ -157,7 +158,7 @@ class RequestReader:
             return
         u.read = True
         req = u.req
-        read, unread = self._json_body(req.body) if req.method == "POST" else (None, "")
+        read, unread = self._json_body(req.body, u.look) if req.method == "POST" else (None, "")
         body: dict[str, Any] | None = read.data if read is not None else None
         if u.decision is None:  # the body's model says which provider
             self._routed(u, str(body.get("model", "")) if body else "")
@@ -201,7 +202,7 @@ class RequestReader:
             curates=(last_user_text(parsed.messages) == CURATE_COMMAND and library is not None
                      and s.notes_capture))
 
-    def _json_body(self, raw: bytes) -> tuple[Read | None, str]:
+    def _json_body(self, raw: bytes, look: Look | None) -> tuple[Read | None, str]:
         """The body read, or None with why not when it is not a JSON object this path may
         read (too large, not UTF-8 JSON); "" for no body. Only bytes not read before are
         scanned."""
@@ -210,7 +211,7 @@ class RequestReader:
         if len(raw) > MAX_BODY:
             return None, f"it is over {MAX_BODY >> 20} MB ({len(raw)} bytes)"
         try:
-            read = self.seen.read(raw)
+            read = self.seen.read(raw, look)
         except UnicodeDecodeError as e:
             return None, f"it is not UTF-8 ({e.reason} at byte {e.start})"
         except ValueError as e:

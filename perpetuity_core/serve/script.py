@@ -3,6 +3,7 @@ proxy` runs); addon/perpetuity.py is the same for a checkout. The addons share o
 and run in this order on every hook: start-up before the rest, the HTTP path's end of a flow
 before inspection settles it."""
 
+from perpetuity_core.serve.client_reads import LargeReads
 from perpetuity_core.serve.codex_socket import CodexSocket
 from perpetuity_core.serve.http_path import HttpPath
 from perpetuity_core.serve.quiet import Quiet
@@ -14,7 +15,7 @@ from perpetuity_core.serve.startup import Startup
 def make() -> list[object]:
     """The proxy's addons, sharing one memory and its threads."""
     shared = Serving()
-    return [Startup(shared), HttpPath(shared), CodexSocket(shared), Settle(), Quiet()]
+    return [Startup(shared), LargeReads(), HttpPath(shared), CodexSocket(shared), Settle(), Quiet()]
 
 
 addons = make()

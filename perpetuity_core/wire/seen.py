@@ -60,6 +60,21 @@ class Read:
     _entry: _Entry | None = None  # what `Seen.keep` remembers (None: nothing to remember)
 
 
+@dataclass(frozen=True, slots=True)
+class Look:
+    """Where a body starts as a kept one did (`Seen.look`): that body, the byte just past the
+    end where they part, and the history element ending there; None for none."""
+
+    raw: bytes
+    found: tuple[_Entry, int, int] | None
+
+    def continues(self, most: int) -> bool:
+        """Does the body continue a kept one, with fewer than `most` history elements up to
+        where it does? Counted without parsing (the end's index): a long history is refused
+        before it is read, not after."""
+        return self.found is not None and self.found[2] < most
+
+
 @dataclass(slots=True)
 class _Entry:
     raw: bytes  # the body, as sent
@@ -96,9 +111,10 @@ class Seen:
             except IndexError:  # another thread's release took the last
                 return
 
-    def read(self, raw: bytes) -> Read:
-        """`raw` as `json.loads` reads it (its errors raised as it raises them)."""
-        found = self._longest(raw)
+    def read(self, raw: bytes, look: Look | None = None) -> Read:
+        """`raw` as `json.loads` reads it (its errors raised as it raises them); `look`: where
+        it starts as a kept body did, as `look` found it (not compared again)."""
+        found = self._longest(raw, look)
         if found is not None:
             try:
                 read = _continued(raw, *found)
@@ -122,18 +138,18 @@ class Seen:
             self._bytes -= len(old.raw)
         read._entry = None
 
-    def continues(self, raw: bytes, most: int | None = None) -> bool:
-        """Does `raw` start as a kept body did, up to one of its ends (`read` then reads only
-        what follows), with no more than `most` history elements up to there? Counted
-        without parsing (the end's index): a long history is refused before it is read, not
-        after. Nothing is taken out."""
-        found = self._found(raw)
-        return found is not None and (most is None or found[2] < most)
+    def look(self, raw: bytes) -> Look:
+        """Where `raw` starts as a kept body did, up to one of its ends (`read` then reads only
+        what follows); nothing is taken out. Handed to `read`, its bytes are not compared
+        again (a late body's 21 MB were compared twice a call: on the loop, then to read)."""
+        return Look(raw, self._found(raw))
 
-    def _longest(self, raw: bytes) -> tuple[_Entry, int, int] | None:
+    def _longest(self, raw: bytes, look: Look | None = None) -> tuple[_Entry, int, int] | None:
         """The kept body that `raw` starts like over the most bytes, up to one of its ends
         (that end, and the element it ends): taken out, since the newer body replaces it."""
-        best = self._found(raw)
+        kept = look is not None and look.raw is raw and (
+            look.found is None or self._entries.get(id(look.found[0])) is look.found[0])
+        best = look.found if kept and look is not None else self._found(raw)
         if best is not None:
             del self._entries[id(best[0])]
             self._bytes -= len(best[0].raw)

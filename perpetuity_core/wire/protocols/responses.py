@@ -30,6 +30,7 @@ from perpetuity_core.wire.protocols.chat import HINT_FIELDS, canonical_arguments
 from perpetuity_core.wire.sse import Event
 
 CODEX_TURN = "x-codex-turn-metadata"
+TOOLS_ITEM = "additional_tools"  # an input item of tool definitions (Codex's Responses Lite)
 
 
 def parse_request(body: dict[str, Any], known: ParsedRequest | None = None,
@@ -294,13 +295,39 @@ def render_text(text: str, model: str, stream: bool, reply_id: str) -> bytes:
 
 
 def add_tools(body: dict[str, Any], tools: list[dict[str, Any]], last_round: bool) -> dict[str, Any]:
-    """Our tools beside the harness's own; on the last round the model must answer."""
-    defs = [{"type": "function", "name": t["name"], "description": t["description"],
-             "parameters": t["input_schema"]} for t in tools]
-    out = {**body, "tools": list(body.get("tools") or []) + defs}
+    """Our tools beside the harness's own, where it sends them: its `tools`, or an item of our
+    own just past its `additional_tools` input item (tools_item_at); on the last round the
+    model must answer."""
+    items = body.get("input")
+    if (at := tools_item_at(body, items)) is not None:
+        assert isinstance(items, list)
+        out = {**body, "input": [*items[:at], tools_item(tools), *items[at:]]}
+    else:
+        out = {**body, "tools": list(body.get("tools") or []) + _definitions(tools)}
     if last_round:
         out["tool_choice"] = "none"
     return out
+
+
+def tools_item_at(body: dict[str, Any], items: Any) -> int | None:
+    """Where in `items` our tools' item goes: just past the harness's first `additional_tools`
+    item when the body has no `tools` (Codex's Responses Lite, as codex-rs/core/src/client.rs
+    sends a `use_responses_lite` model's request: its tools as that input item, no `tools`
+    field); None when ours go in `tools`."""
+    if "tools" in body or not isinstance(items, list):
+        return None
+    return next((i + 1 for i, it in enumerate(items)
+                 if isinstance(it, dict) and it.get("type") == TOOLS_ITEM), None)
+
+
+def tools_item(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """Our tools as an input item, in the shape of the harness's own (developer role)."""
+    return {"type": TOOLS_ITEM, "role": "developer", "tools": _definitions(tools)}
+
+
+def _definitions(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "function", "name": t["name"], "description": t["description"],
+             "parameters": t["input_schema"]} for t in tools]
 
 
 def continue_body(body: dict[str, Any], items: list[dict[str, Any]],
