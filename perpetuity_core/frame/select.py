@@ -61,7 +61,7 @@ ROW_FLOOR = 100
 # Conversation-level evidence: a warm row's warmth weighed by its conversation's share of the
 # warm set (`focus`: this question's reheats and what the person's earlier questions left warm).
 # `perpetuity eval locomo --sequence --personal` (docs/tuning.md).
-FOCUS = 0.5  # the weight's power: 0 weighs every conversation alike
+FOCUS = 1.0  # the weight's power: 0 weighs every conversation alike
 FOCUS_FLOOR = 0.05  # the weight of a conversation no warm row is in
 # A frame over its budget is searched for the longest prefix of its added rows that fits: done
 # within FULL percent of the budget, or after SEARCHES more layouts. Layouts a frame and its fill:
