@@ -125,8 +125,9 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     excerpts = {i: r for i, r in excerpts.items() if i not in whole}  # those come whole
     shown = {**rows, **excerpts} if excerpts else rows
     must = whole | recent
-    # A chat's fill goes to the conversations its question's hits point to; an agent's is
-    # left as the shared Claude Code sessions measured it (its latest stretch holds its task).
+    # A chat's fill goes to the conversations its warm rows point to (this question's hits and
+    # earlier questions'); an agent's is left as the shared Claude Code sessions measured it
+    # (its latest stretch holds its task).
     new = fill(shown, warm, must, tokens,
                lambda base, added: measure(base, added, recent, excerpts),
                None if agent else focus(warm, rows))
