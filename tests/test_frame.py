@@ -723,10 +723,49 @@ def test_the_fill_goes_to_the_conversation_the_question_finds() -> None:
         return messages_tokens([Message("user", (text_part(rows[i].text),)) for i in new])
 
     new = frame_select.fill(rows, warm, {1}, 80, prefixes_of(measure),
-                            frame_select.focus(hits))
+                            frame_select.focus(warm, rows))
     assert new == [1, 3]
-    assert frame_select.focus([]) == {}
-    assert frame_select.focus(hits) == {1: 1.0}
+    assert frame_select.focus(heat.Warm(np.zeros(0, np.int64), np.zeros(0)), rows) == {}
+    assert frame_select.about(hits) == 1 and frame_select.about([]) is None
+
+
+def test_a_chats_fill_leans_to_the_conversation_its_earlier_questions_found() -> None:
+    """One person's memory of many conversations: where this question's words match two
+    conversations about alike, the fill leans to the one the person's earlier questions left
+    warm (frame_select.focus over the warm set), not to the one its own hits lean to."""
+    def row(i: int, conversation: int) -> Row:
+        return Row(i, i, conversation, f"c{conversation}", "user", 0.0, Kind.TEXT.value, "",
+                   "word " * 30)
+
+    rows = {1: row(1, 1), 2: row(2, 2), 3: row(3, 1), 4: row(4, 2), 5: row(5, 1), 6: row(6, 1)}
+    # This question's hits: 2 and 4 in conversation 2, 1 in conversation 1; rows 3, 5 and 6 of
+    # conversation 1 an earlier question left warm.
+    hits = [Hit(i, i, 1, rows[i].conversation_id, "user", 0.0, 5.0 - k, "t")
+            for k, i in enumerate([2, 1, 4])]
+    warm = heat.Warm(np.array([2, 1, 4, 3, 5, 6]), np.array([2.0, 1.95, 1.9, 1.0, 1.0, 1.0]))
+
+    def measure(base: list[int], added: list[int], recent: object, excerpts: object
+                ) -> Callable[[int], int]:
+        return lambda k: messages_tokens([Message("user", (text_part(rows[i].text),))
+                                          for i in base + added[:k]])
+
+    chosen = frame_select.frame(rows, warm, hits, [], [], 80, cap.Cap(), measure)
+    assert chosen.item_ids == [2, 1]  # the top hit, then conversation 1's hit
+    assert frame_select.focus(warm, rows)[1] == 1.0
+
+
+def test_a_chats_budget_is_the_breadth_of_its_question_within_its_conversation() -> None:
+    """In a memory of many conversations, a chat's budget is measured over the hits of the
+    conversation most of them are in (frame_select.about): another conversation's matches do
+    not make a narrow question broad. One conversation, or an agent's frame: as before."""
+    scores = [(1, 10.0), (2, 6.0), (2, 6.0), (2, 6.0)] + [(1, 3.0)] * 20
+    hits = [Hit(k, k, 1, c, "user", 0.0, s, "t") for k, (c, s) in enumerate(scores)]
+    limits = cap.Cap()
+    assert frame_select.about(hits) == 1
+    assert frame_select.budget(hits, limits, chat=True) == limits.floor
+    assert frame_select.budget(hits, limits) > limits.floor + 900  # (an agent's)
+    alone = [h for h in hits if h.conversation_id == 1]
+    assert frame_select.budget(alone, limits, chat=True) == frame_select.budget(alone, limits)
 
 
 def test_what_an_earlier_question_left_warm_counts_less_in_a_chats_next_frame(

@@ -77,7 +77,8 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded)
     warm, shelf = frame_read.for_frame(scanner, found, user_id, excluded, recent_messages,
                                        1.0 if agent else heat.CARRIED)
-    tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens)
+    tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens,
+                                                                     chat=not agent)
 
     def measured(base: list[int], added: list[int], recent: Collection[int],
                  excerpts: Mapping[int, Row]) -> Callable[[int], int]:

@@ -59,9 +59,10 @@ STRETCH_SHARE = 10
 # does not outrank a turn with substance. recall_all of `perpetuity eval locomo|beam` (docs/tuning.md).
 ROW_FLOOR = 100
 # Conversation-level evidence: a warm row's warmth weighed by its conversation's share of the
-# question's hits (`focus`). `perpetuity eval locomo --sequence --personal` (docs/tuning.md).
-FOCUS = 0.5  # the weight's power: 0 weighs every conversation alike
-FOCUS_FLOOR = 0.05  # the weight of a conversation none of the question's hits is in
+# warm set (`focus`: this question's reheats and what the person's earlier questions left warm).
+# `perpetuity eval locomo --sequence --personal` (docs/tuning.md).
+FOCUS = 1.0  # the weight's power: 0 weighs every conversation alike
+FOCUS_FLOOR = 0.05  # the weight of a conversation no warm row is in
 # A frame over its budget is searched for the longest prefix of its added rows that fits: done
 # within FULL percent of the budget, or after SEARCHES more layouts. Layouts a frame and its fill:
 # `scripts/bench_prepare.py`, recall_all `perpetuity eval locomo` (trials: docs/tuning.md).
@@ -90,12 +91,17 @@ class Selection:
     excerpts: dict[int, Row] = field(default_factory=dict)  # rows quoted in part (`excerpt`)
 
 
-def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0) -> int:
+def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0, chat: bool = False) -> int:
     """The breadth-sized budget of a question whose retrieval found `hits`, less the turns the
     harness keeps as sent in front of its prompt (`kept_tokens`: a short conversation's whole
     history), never below a narrow question's: the cap is on what the model reads, memory and
-    live history together, and the live history is never cut."""
-    breadth_sized = cap.budget(np.asarray([h.score for h in hits]), limits)
+    live history together, and the live history is never cut. A `chat`'s question is measured
+    within the conversation most of its hits are in (`about`): in a memory of many, the words
+    that tell that conversation from the others (a name) score in most of its rows, and made
+    them all good matches (docs/tuning.md)."""
+    inside = about(hits) if chat else None
+    scores = [h.score for h in hits if inside is None or h.conversation_id == inside]
+    breadth_sized = cap.budget(np.asarray(scores), limits)
     return max(limits.floor, breadth_sized - kept_tokens)
 
 
@@ -119,11 +125,12 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     excerpts = {i: r for i, r in excerpts.items() if i not in whole}  # those come whole
     shown = {**rows, **excerpts} if excerpts else rows
     must = whole | recent
-    # A chat's fill goes to the conversations its question's hits point to; an agent's is
-    # left as the shared Claude Code sessions measured it (its latest stretch holds its task).
+    # A chat's fill goes to the conversations its warm rows point to (this question's hits and
+    # earlier questions'); an agent's is left as the shared Claude Code sessions measured it
+    # (its latest stretch holds its task).
     new = fill(shown, warm, must, tokens,
                lambda base, added: measure(base, added, recent, excerpts),
-               None if agent else focus(hits))
+               None if agent else focus(warm, rows))
     why = {**dict.fromkeys(recent, MUST_RECENT), **dict.fromkeys(other, MUST_HALF),
            **({hits[0].item_id: MUST_TOP} if hits else {})}
     return Selection(new, rows, recent, why, excerpts)
@@ -316,13 +323,25 @@ def companion(half: list[int], rows: dict[int, Row], limits: cap.Cap) -> list[in
     return other
 
 
-def focus(hits: list[Hit]) -> dict[int, float]:
-    """Each conversation's weight in the fill: its share of this question's retrieval (the
-    reheat peaks of its hits, heat.reheat_peak by rank) against the best one's, to the power
-    FOCUS. Empty without hits."""
+def about(hits: list[Hit]) -> int | None:
+    """The conversation most of this question's retrieval is in: the most reheat peaks of its
+    hits (heat.reheat_peak by rank; the first such on a tie). None without hits."""
     mass: dict[int, float] = {}
     for rank, h in enumerate(hits):
         mass[h.conversation_id] = mass.get(h.conversation_id, 0.0) + heat.reheat_peak(rank)
+    return max(mass, key=mass.__getitem__) if mass else None
+
+
+def focus(warm: heat.Warm, rows: Mapping[int, Row]) -> dict[int, float]:
+    """Each conversation's weight in a chat's fill: its share of the warmth of the warm rows
+    among `rows` against the warmest conversation's, to the power FOCUS. The warm set holds
+    this question's reheats (its hits by rank, their neighbours) and what the person's earlier
+    questions left warm (heat.CARRIED): a question whose words match several conversations
+    leans to the one the conversation's earlier questions found. Empty when none is warm."""
+    mass: dict[int, float] = {}
+    for i, w in zip(warm.item_ids.tolist(), warm.warmth.tolist(), strict=True):
+        if (r := rows.get(i)) is not None:
+            mass[r.conversation_id] = mass.get(r.conversation_id, 0.0) + w
     top = max(mass.values(), default=0.0)
     return {c: (m / top) ** FOCUS for c, m in mass.items()} if top > 0 else {}
 
@@ -350,7 +369,7 @@ def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
          focused: Mapping[int, float] | None = None) -> list[int]:
     """The rows to render: the mandatory ones (`must`, never dropped), then the rows with the
     most warmth per token while their estimated size fits (each row's warmth weighed by its
-    conversation's weight in `focused`, FOCUS_FLOOR where the question's hits missed it, when
+    conversation's weight in `focused`, FOCUS_FLOOR where none of its rows is warm, when
     given); measured as rendered (`measure`: (mandatory, added) -> k -> the tokens of their
     frame with the first k added), and when labels make that frame larger than `tokens`, the
     most of those added rows, in the order they were added, whose frame fits (`fitting`)."""
