@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from perpetuity_core.memory.derived import vectors
 from perpetuity_core.memory.derived.bm25 import (
     Params,
     Query,
@@ -147,6 +148,8 @@ class View:
     conv: np.ndarray
     at: np.ndarray
     length: np.ndarray
+    vec: np.ndarray  # int8, vectors.DIMS a row
+    inv: np.ndarray  # 1 / |vec|, float64
     prev: np.ndarray  # the links' whole buffers (see step): rows past n are not this view's
     next: np.ndarray
     segments: tuple[Segment, ...]
@@ -174,10 +177,14 @@ class View:
         seen = visible.masks(self.user, self.conv)
         near = seen[0] if seen[1] is None else seen[0] | seen[1]
         shown = np.flatnonzero(near)
-        if shown.size < SCORE_VISIBLE_BELOW * self.n:
+        if q.terms.size == 0:
+            cand, score = shown[:0], np.zeros(0)
+        elif shown.size < SCORE_VISIBLE_BELOW * self.n:
             cand, score = self.visible_scores(q, near, shown)
         else:
             cand, score = self.context(self.scores(q), q, near)
+        if q.vec is not None:
+            cand, score = self.fused(q, cand, score, shown)
         own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
         parts = []
         for mask, flag in ((own, True), (other, False)):
@@ -239,6 +246,27 @@ class View:
                 score += weight * bm25[x]
         positive = score > 0
         return shown[positive], score[positive]
+
+    def fused(self, q: Query, cand: np.ndarray, score: np.ndarray,
+              shown: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The visible rows (`shown`, ascending) scoring above zero once the semantic half is
+        added to the lexical scores `score` of rows `cand` (bm25.Params.semantic): every visible
+        row's cosine is computed, exactly (integer dot products), in the same order wherever
+        the rows sit."""
+        assert q.vec is not None
+        best = float(score.max()) if score.size else 0.0
+        scale = q.semantic * (best if best > 0 else 1.0)
+        if shown.size < SCORE_VISIBLE_BELOW * self.n:  # few of many: only theirs, copied
+            cos = vectors.cosines(self.vec[shown], self.inv[shown], q.vec)
+        else:
+            cos = vectors.cosines(self.vec, self.inv, q.vec, self.pool)
+            if shown.size < self.n:
+                cos = cos[shown]
+        total = scale * cos
+        at = np.searchsorted(shown, cand)  # a lexical hit is visible, its context too
+        total[at] += score
+        keep = total > 0
+        return shown[keep], total[keep]
 
     def step(self, links: np.ndarray, x: np.ndarray) -> np.ndarray:
         """The rows `links` (prev or next) point to from rows `x`, -1 for none. The links are
