@@ -77,10 +77,11 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     """Brute-force score of every row, in plain Python: (item_id, score), best first.
 
     BM25 of each row, plus the weighted BM25 of the rows before and after it in its
-    conversation (store order), as bm25.Params describes; then the semantic half: every
-    visible row's cosine with the query (integer dot products of the stored int8 vectors),
-    at zero below zero, times semantic * the best lexical score among the visible rows (1
-    when none scores). The query's vector is the table's vectors of its terms, each weighed
+    conversation (store order), as bm25.Params describes; then the semantic half, for the
+    visible rows of the conversations holding the view.SEMANTIC_FROM best visible rows by
+    that score (ties by seq): each one's cosine with the query (integer dot products of the
+    stored int8 vectors), at zero below zero, times semantic * the best of those scores
+    (none when no row scores). The query's vector is the table's vectors of its terms, each weighed
     by its idf computed here; `during` keeps the rows said in that span, scored as without
     it.
     """
@@ -132,11 +133,13 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
                if (user_id is None or user == user_id or share)
                and (conversation_id is None or conv == conversation_id)}
     q = semantic_query(store, query, df, n) if params.semantic > 0 else None
-    if q is not None:
-        best = max([lexical[s] for s in visible if lexical[s] > 0], default=0.0)
-        scale = params.semantic * (best if best > 0 else 1.0)
+    found = sorted((-lexical[s], s) for s in visible if lexical[s] > 0)
+    if q is not None and found:
+        scale = params.semantic * -found[0][0]
         qn = math.sqrt(sum(x * x for x in q))
-        for seq in visible:
+        conv_of = {seq: conv for seq, _, _, conv, _, _ in decoded}
+        convs = {conv_of[s] for _, s in found[:view.SEMANTIC_FROM]}
+        for seq in (s for s in visible if conv_of[s] in convs):
             v = vecs[seq]
             sq = sum(x * x for x in v)
             cos = float(sum(x * y for x, y in zip(v, q))) * (1.0 / math.sqrt(sq)) / qn if sq else 0.0

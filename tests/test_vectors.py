@@ -87,16 +87,20 @@ def test_each_row_is_written_with_its_vector(store: Store) -> None:
 
 def test_a_question_reaches_a_row_that_shares_no_word_with_it(store: Store) -> None:
     add(store, "u1", "c1", ["I adopted a puppy from the shelter last week",
-                            "The quarterly tax filing is due in April"])
+                            "The quarterly tax filing is due in April", "It rained all day",
+                            "We cooked pasta for dinner", "The meeting moved to Friday",
+                            "My neighbour planted a big garden"])
+    add(store, "u1", "c2", ["Our family got a puppy and a kitten"])
     uid = store.user_id("u1")
-    q = "Does she own a dog?"
+    q = "Is there a dog in her garden?"
     for params in (bm25.Params(), bm25.Params(semantic=0.0)):
-        hits = scan.Scanner(store, store_rows=0, params=params).search(q, uid, 5)
-        same(ranked(hits), reference(store, q, uid, 5, params=params))
-    hits = scan.Scanner(store, store_rows=0).search(q, uid, 5)
-    assert hits and "puppy" in hits[0].text
-    assert not scan.Scanner(store, store_rows=0, params=bm25.Params(semantic=0.0)).search(
-        q, uid, 5)
+        hits = scan.Scanner(store, store_rows=0, params=params).search(q, uid, 10)
+        same(ranked(hits), reference(store, q, uid, 10, params=params))
+    # Only within the conversation the words found: the other one's puppy stays out.
+    found = [h.text for h in scan.Scanner(store, store_rows=0).search(q, uid, 10)]
+    assert any("puppy" in t for t in found) and not any("kitten" in t for t in found)
+    lexical = scan.Scanner(store, store_rows=0, params=bm25.Params(semantic=0.0))
+    assert not any("puppy" in h.text for h in lexical.search(q, uid, 10))
 
 
 def test_existing_rows_get_their_vectors_when_migrated(tmp_path: Path) -> None:
@@ -150,10 +154,10 @@ def test_a_purge_removes_the_users_vectors(store: Store) -> None:
     alice = add(store, "alice", "a1", ["we hiked up the mountain at dawn"])
     bob = add(store, "bob", "b1", ["a long walk in the hills"])
     scanner = scan.Scanner(store, store_rows=0)
-    assert {h.item_id for h in scanner.search("trekking", None, 10)} == set(alice + bob)
+    assert {h.item_id for h in scanner.search("trekking at dawn in the hills", None, 10)} == set(alice + bob)
     maintenance.purge_user(store, "alice")
     assert set(stored_vectors(store)) == set(bob)
-    assert [h.item_id for h in scanner.search("trekking", None, 10)] == bob
+    assert [h.item_id for h in scanner.search("trekking at dawn in the hills", None, 10)] == bob
     assert check(store) == []
 
 

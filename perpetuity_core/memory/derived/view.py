@@ -125,6 +125,8 @@ class Segment:
 # Below this fraction of rows visible, a scan scores only the visible rows' postings (picking
 # them costs about what scoring them does, so past half it would cost more than it saves).
 SCORE_VISIBLE_BELOW = 0.5
+# The best lexical candidates whose conversations the semantic half ranks (View.semantic_rows).
+SEMANTIC_FROM = 3
 # Rows up to which the segments are scored on the calling thread: handing a small memory's few
 # segments to the workers and back cost more than scoring them (LoCoMo's 600 turns in three
 # segments: 9% of a first prompt's frame build in its profile went to the hand-offs).
@@ -184,7 +186,7 @@ class View:
         else:
             cand, score = self.context(self.scores(q), q, near)
         if q.vec is not None:
-            cand, score = self.fused(q, cand, score, shown)
+            cand, score = self.fused(q, cand, score, near, shown)
         own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
         parts = []
         for mask, flag in ((own, True), (other, False)):
@@ -247,26 +249,34 @@ class View:
         positive = score > 0
         return shown[positive], score[positive]
 
-    def fused(self, q: Query, cand: np.ndarray, score: np.ndarray,
+    def fused(self, q: Query, cand: np.ndarray, score: np.ndarray, near: np.ndarray,
               shown: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The visible rows (`shown`, ascending) scoring above zero once the semantic half is
-        added to the lexical scores `score` of rows `cand` (bm25.Params.semantic): every visible
-        row's cosine is computed, exactly (integer dot products), in the same order wherever
-        the rows sit."""
+        """The lexical candidates (`cand`, scoring `score`) and the visible rows (`near`, a
+        mask, and `shown`, its rows ascending) of the conversations the words found (`semantic_rows`), each scoring its
+        lexical score plus the semantic half (bm25.Params.semantic), above zero."""
         assert q.vec is not None
-        best = float(score.max()) if score.size else 0.0
-        scale = q.semantic * (best if best > 0 else 1.0)
-        if shown.size < SCORE_VISIBLE_BELOW * self.n:  # few of many: only theirs, copied
-            cos = vectors.cosines(self.vec[shown], self.inv[shown], q.vec)
-        else:
-            cos = vectors.cosines(self.vec, self.inv, q.vec, self.pool)
-            if shown.size < self.n:
-                cos = cos[shown]
-        total = scale * cos
-        at = np.searchsorted(shown, cand)  # a lexical hit is visible, its context too
-        total[at] += score
+        if cand.size == 0:  # nothing the words found: no conversation to look in
+            return cand, score
+        rows = self.semantic_rows(cand, score, near, shown)
+        cos = vectors.cosines(self.vec[rows], self.inv[rows], q.vec)
+        both = np.union1d(cand, rows)  # ascending
+        total = np.zeros(both.size)
+        total[np.searchsorted(both, rows)] = q.semantic * float(score.max()) * cos
+        total[np.searchsorted(both, cand)] += score
         keep = total > 0
-        return shown[keep], total[keep]
+        return both[keep], total[keep]
+
+    def semantic_rows(self, cand: np.ndarray, score: np.ndarray, near: np.ndarray,
+                      shown: np.ndarray) -> np.ndarray:
+        """The visible rows (ascending) of the conversations holding the SEMANTIC_FROM best
+        lexical candidates (ties by row): conversation-level evidence from the words, so the
+        table ranks within the conversations they point to, never the other conversations
+        of a pooled memory, and a search pays a cosine for those rows alone."""
+        top = cand[np.lexsort((cand, -score))[:SEMANTIC_FROM]]
+        convs = np.unique(self.conv[top])
+        if shown.size < SCORE_VISIBLE_BELOW * self.n:  # few of many: only theirs
+            return shown[np.isin(self.conv[shown], convs)]
+        return np.flatnonzero(near & np.isin(self.conv, convs))
 
     def step(self, links: np.ndarray, x: np.ndarray) -> np.ndarray:
         """The rows `links` (prev or next) point to from rows `x`, -1 for none. The links are
