@@ -28,13 +28,14 @@ class Params:
     on LoCoMo this context lifts recall_all within 2k tokens from 0.68 to about 0.78 (see the
     evaluation). It is still relevance to the query only: it mixes scores, never recency.
 
-    `semantic` weighs the semantic half (vectors.py): a visible row's score is its score above
-    plus semantic * best * max(cosine, 0), `best` the best score above among the rows visible
-    (1 when none scores): the two halves min-max normalised (the lexical minimum is 0), in the
-    lexical score's units, so the frame's breadth (cap.py) reads them as before. 0 turns it
-    off. Picked on LoCoMo (scripts/eval_retrieval.py: its ten conversations in one memory,
-    recall_all within 2k/4k/8k tokens): 0 gives 0.775/0.834/0.881, 1.0 0.782/0.848/0.909,
-    1.5 0.784/0.842/0.909, 2.0 0.782/0.841/0.909, 3.0 0.769/0.838/0.900.
+    `semantic` weighs the semantic half (vectors.py): a row of a conversation holding one of
+    the best lexical rows (view.SEMANTIC_FROM) scores its score above plus semantic * best *
+    max(cosine, 0), `best` the best score above among the rows visible: the two halves
+    min-max normalised (the lexical minimum is 0), in the lexical score's units, so the
+    frame's breadth (cap.py) reads them as before. When no row scores, nothing is added. 0
+    turns it off. Picked on LoCoMo with every visible row fused (scripts/eval_retrieval.py: its
+    ten conversations, recall_all within 2k/4k/8k tokens): 0 gives 0.775/0.834/0.881, 1.0
+    0.782/0.848/0.909, 1.5 0.784/0.842/0.909, 2.0 0.782/0.841/0.909, 3.0 0.769/0.838/0.900.
     """
 
     k1: float = 0.9
