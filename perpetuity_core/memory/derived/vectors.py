@@ -140,13 +140,15 @@ BLOCK = 8192  # rows converted to float32 at once (8 MB)
 
 
 def dots(vectors: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Dot products of int8 rows with an int8 query, exact, as int64: a float32 matrix
-    product (BLAS) a block at a time, exact whatever its order of additions, each product
-    and every partial sum being an integer below 2**24 (256 * 127 * 127)."""
+    """Dot products of int8 rows with an int8 query, exact, as int64: in float32 a block at a
+    time, exact whatever the order of its additions, each product and every partial sum being
+    an integer below 2**24 (256 * 127 * 127). einsum's own float32 loop, not BLAS: a matrix
+    times a vector through OpenBLAS's threads took 2.4 ms for 1,800 rows on a loaded 2-core
+    machine, einsum 0.09 (an int8 einsum into int32 0.59)."""
     out = np.empty(vectors.shape[0], np.int64)
     qf = q.astype(np.float32)
     for a in range(0, vectors.shape[0], BLOCK):
-        out[a:a + BLOCK] = vectors[a:a + BLOCK].astype(np.float32) @ qf
+        out[a:a + BLOCK] = np.einsum("ij,j->i", vectors[a:a + BLOCK].astype(np.float32), qf)
     return out
 
 

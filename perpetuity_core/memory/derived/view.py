@@ -251,20 +251,26 @@ class View:
 
     def fused(self, q: Query, cand: np.ndarray, score: np.ndarray, near: np.ndarray,
               shown: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The lexical candidates (`cand`, scoring `score`) and the visible rows (`near`, a
-        mask, and `shown`, its rows ascending) of the conversations the words found (`semantic_rows`), each scoring its
-        lexical score plus the semantic half (bm25.Params.semantic), above zero."""
+        """The lexical candidates (`cand` ascending, scoring `score`) and the visible rows
+        (`near`, a mask, and `shown`, its rows ascending) of the conversations the words found
+        (semantic_rows), each scoring its lexical score plus the semantic half
+        (bm25.Params.semantic), those above zero, in no particular order."""
         assert q.vec is not None
         if cand.size == 0:  # nothing the words found: no conversation to look in
             return cand, score
         rows = self.semantic_rows(cand, score, near, shown)
-        cos = vectors.cosines(self.vec[rows], self.inv[rows], q.vec)
-        both = np.union1d(cand, rows)  # ascending
-        total = np.zeros(both.size)
-        total[np.searchsorted(both, rows)] = q.semantic * float(score.max()) * cos
-        total[np.searchsorted(both, cand)] += score
+        sem = q.semantic * float(score.max()) * vectors.cosines(self.vec[rows], self.inv[rows],
+                                                                q.vec)
+        # Each of `rows` is a lexical candidate or not (`cand` ascending): the sum for the
+        # ones that are, the semantic half alone for the others, appended.
+        at = np.minimum(np.searchsorted(cand, rows), cand.size - 1)
+        lexical = cand[at] == rows
+        total = score.copy()
+        total[at[lexical]] = sem[lexical] + score[at[lexical]]
+        cand = np.concatenate((cand, rows[~lexical]))
+        total = np.concatenate((total, sem[~lexical]))
         keep = total > 0
-        return both[keep], total[keep]
+        return cand[keep], total[keep]
 
     def semantic_rows(self, cand: np.ndarray, score: np.ndarray, near: np.ndarray,
                       shown: np.ndarray) -> np.ndarray:
@@ -272,7 +278,7 @@ class View:
         lexical candidates (ties by row): conversation-level evidence from the words, so the
         table ranks within the conversations they point to, never the other conversations
         of a pooled memory, and a search pays a cosine for those rows alone."""
-        top = cand[np.lexsort((cand, -score))[:SEMANTIC_FROM]]
+        top = cand[top_k(score, np.arange(cand.size), cand, SEMANTIC_FROM)]
         convs = np.unique(self.conv[top])
         if shown.size < SCORE_VISIBLE_BELOW * self.n:  # few of many: only theirs
             return shown[np.isin(self.conv[shown], convs)]
