@@ -89,7 +89,8 @@ class Table:
         if n <= len(_ONES) and counts.startswith(_ONES[:n]):
             s = table[t].sum(axis=0)
         else:
-            s = np.frombuffer(counts, np.uint8, n).astype(np.float32) @ table[t]
+            s = np.einsum("i,ij->j", np.frombuffer(counts, np.uint8, n).astype(np.float32),
+                          table[t])
         top = max(float(s.max()), -float(s.min()))
         if top == 0.0:
             return ZERO
@@ -102,7 +103,8 @@ class Table:
         known = terms < d.hash_base
         if not (known & (weights > 0)).any():
             return None
-        q = quantised(weights[known] @ self.terms(d)[terms[known]].astype(np.float64))
+        q = quantised(np.einsum("i,ij->j", weights[known],
+                                self.terms(d)[terms[known]].astype(np.float64)))
         return q if q.any() else None
 
 
