@@ -66,7 +66,7 @@ class Query:
 
     @property
     def empty(self) -> bool:
-        return self.terms.size == 0 and self.vec is None
+        return self.terms.size == 0  # the semantic half looks only where the words found
 
 
 def make_query(d: Dictionary, text: str, df_of: Callable[[np.ndarray], np.ndarray], n_rows: int,

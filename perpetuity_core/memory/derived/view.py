@@ -179,9 +179,7 @@ class View:
         seen = visible.masks(self.user, self.conv)
         near = seen[0] if seen[1] is None else seen[0] | seen[1]
         shown = np.flatnonzero(near)
-        if q.terms.size == 0:
-            cand, score = shown[:0], np.zeros(0)
-        elif shown.size < SCORE_VISIBLE_BELOW * self.n:
+        if shown.size < SCORE_VISIBLE_BELOW * self.n:
             cand, score = self.visible_scores(q, near, shown)
         else:
             cand, score = self.context(self.scores(q), q, near)
