@@ -125,8 +125,9 @@ class Segment:
 # Below this fraction of rows visible, a scan scores only the visible rows' postings (picking
 # them costs about what scoring them does, so past half it would cost more than it saves).
 SCORE_VISIBLE_BELOW = 0.5
-# The best lexical candidates whose conversations the semantic half ranks (View.semantic_rows).
-SEMANTIC_FROM = 3
+# The best lexical candidates whose conversations the semantic half ranks (View.semantic_rows;
+# docs/tuning.md: 1, 3, 10 measured in sequence).
+SEMANTIC_FROM = 1
 # Rows up to which the segments are scored on the calling thread: handing a small memory's few
 # segments to the workers and back cost more than scoring them (LoCoMo's 600 turns in three
 # segments: 9% of a first prompt's frame build in its profile went to the hand-offs).
