@@ -21,6 +21,7 @@ from perpetuity_core.frame import read as frame_read
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
 from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived.bm25 import Params
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.jobs import importers
@@ -192,8 +193,10 @@ def test_standing_instructions_outlast_the_warm_window_and_reach_the_frame(store
     warm = heat.warm_set(store.db, uid, heat.clock(store.db, uid), {})
     texts = {r.text for r in shown_rows(store.db, warm.item_ids.tolist()).values()}
     assert texts == {"Always show timings in milliseconds."}
-    built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
-                        query="how fast is the deploy", exclude_messages=[],
+    # A question that retrieves nothing (words alone: in meaning, "deploy" is near the staging
+    # server's turn): the standing instruction comes by its warmth.
+    built = frame.build(Scanner(store, params=Params(semantic=0.0)), user_id=uid,
+                        conversation_id=None, query="how fast is the deploy", exclude_messages=[],
                         asked_at=time.time(), limits=cap.Cap())
     text = "\n".join(p.text for m in built.messages for p in m.parts)
     assert "Always show timings in milliseconds." in text and "kestrel" not in text

@@ -78,6 +78,15 @@ def before_m016(store: Store) -> None:
         conn.execute("DELETE FROM migration WHERE name = 'm016_born_with_retrieval'")
 
 
+def before_m019(store: Store) -> None:
+    """Turn a memory into the shape m017 left it in: no vector in the retrieval rows."""
+    conn = store.db.translated()
+    with store.db.writing("undo m019"):
+        for table in ("retrieval", "retrieval_pending", "retrieval_next"):
+            conn.execute(f"ALTER TABLE {table} DROP COLUMN vec")
+        conn.execute("DELETE FROM migration WHERE name = 'm019_vectors'")
+
+
 def ranks(store: Store) -> list[list[tuple[int, float]]]:
     scanner = Scanner(store, store_rows=0)  # the arena: what a large memory searches
     scanner.catch_up()
@@ -102,8 +111,10 @@ def test_a_memory_made_before_m014_and_m015_upgrades_in_place(
     (item,) = old.db.connection().execute(
         old.db.legacy("SELECT item_id FROM retrieval WHERE seq = ?"), (newest,)).fetchone()
     index.purge(old, [item])
+    ranked = ranks(old)
     before_m016(old)
-    before, ranked = snapshot(old), ranks(old)
+    before_m019(old)  # m015 rebuilds the retrieval table as it stood before the vectors
+    before = snapshot(old)
     assert "storedmessage_conversation_id_pair_key" in indexes(old)
     old.close()
     monkeypatch.undo()

@@ -7,6 +7,7 @@ from the store, on random memories and queries: same rows, same order, same scor
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perpetuity_core.memory.derived import arena, bm25, chains, index, scan, view
+from perpetuity_core.memory.derived import arena, bm25, chains, index, scan, vectors, view
 from perpetuity_core.memory.jobs import importers, maintenance
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import dictionary
@@ -76,13 +77,20 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     """Brute-force score of every row, in plain Python: (item_id, score), best first.
 
     BM25 of each row, plus the weighted BM25 of the rows before and after it in its
-    conversation (store order), as bm25.Params describes; `during` keeps the rows said in
-    that span, scored as without it.
+    conversation (store order), as bm25.Params describes; then the semantic half, for the
+    visible rows of the conversations holding the view.SEMANTIC_FROM best visible rows by
+    that score (ties by seq): each one's cosine with the query (integer dot products of the
+    stored int8 vectors), at zero below zero, times semantic * the best of those scores
+    (none when no row scores). The query's vector is the table's vectors of its terms, each weighed
+    by its idf computed here; `during` keeps the rows said in that span, scored as without
+    it.
     """
     k1, b = params.k1, params.b
     conn = opened_other(store.path)
     rows = conn.execute("SELECT seq, item_id, user_id, conversation_id, length, terms, counts"
                         " FROM retrieval ORDER BY seq").fetchall()
+    vecs = {seq: list(np.frombuffer(v, np.int8).tolist()) for seq, v in conn.execute(
+        "SELECT seq, vec FROM retrieval")}
     said = {i: int(at) for i, at in conn.execute(  # whole seconds, as retrieval keeps them
         "SELECT i.id, m.at FROM item i JOIN message m ON m.id = i.message_id")}
     conn.close()
@@ -111,8 +119,8 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     chains: dict[int, list[int]] = {}
     for seq, _, _, conv, _, _ in decoded:
         chains.setdefault(conv, []).append(seq)
-    out = []
-    for seq, item, user, conv, _, _ in decoded:
+    lexical = {}
+    for seq, _, _, conv, _, _ in decoded:
         chain = chains[conv]
         i = chain.index(seq)
         s = bm25[seq]
@@ -120,15 +128,46 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
             s = s + w * (bm25[chain[i - d]] if i - d >= 0 else 0.0)
         for d, w in enumerate(params.after, 1):
             s = s + w * (bm25[chain[i + d]] if i + d < len(chain) else 0.0)
-        if item in exclude or (conversation_id is not None and conv != conversation_id):
+        lexical[seq] = s
+    visible = {seq for seq, _, user, conv, _, _ in decoded
+               if (user_id is None or user == user_id or share)
+               and (conversation_id is None or conv == conversation_id)}
+    q = semantic_query(store, query, df, n) if params.semantic > 0 else None
+    found = sorted((-lexical[s], s) for s in visible if lexical[s] > 0)
+    if q is not None and found:
+        scale = params.semantic * -found[0][0]
+        qn = math.sqrt(sum(x * x for x in q))
+        conv_of = {seq: conv for seq, _, _, conv, _, _ in decoded}
+        convs = {conv_of[s] for _, s in found[:view.SEMANTIC_FROM]}
+        for seq in (s for s in visible if conv_of[s] in convs):
+            v = vecs[seq]
+            sq = sum(x * x for x in v)
+            cos = float(sum(x * y for x, y in zip(v, q))) * (1.0 / math.sqrt(sq)) / qn if sq else 0.0
+            lexical[seq] = scale * max(cos, 0.0) + lexical[seq]
+    out = []
+    for seq, item, user, _, _, _ in decoded:
+        s = lexical[seq]
+        if item in exclude or seq not in visible:
             continue
         if during is not None and not during[0] <= said[item] < during[1]:
             continue
         own = user_id is None or user == user_id
-        if (own or share) and s > 0:
+        if s > 0:
             out.append((not own, -s, seq, item))
     out.sort()
     return [(item, -negs) for _, negs, _, item in out[:k]]
+
+
+def semantic_query(store: Store, query: str, df: Counter[int], n: int) -> list[int] | None:
+    """The query's int8 vector: the table's vectors of its terms, each weighed by its count
+    times its idf (a term no row holds at the highest idf)."""
+    d = store.db.dictionary
+    qtf = Counter(d.ids(query).tolist())
+    terms = sorted(qtf)
+    weights = [qtf[t] * float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
+               for t in terms]
+    q = vectors.table().query(d, np.array(terms, np.int32), np.array(weights))
+    return None if q is None else q.tolist()
 
 
 def ranked(hits: list[scan.Hit]) -> list[tuple[int, float]]:
@@ -394,8 +433,9 @@ def test_rows_stored_before_m008_learn_when_they_were_said(tmp_path: Path) -> No
 PLAIN = bm25.Params(before=(), after=())  # BM25 alone, no conversational context
 
 
-@pytest.mark.parametrize("params", [bm25.Params(), PLAIN, bm25.Params(1.2, 0.75)],
-                         ids=["context", "plain", "k1-b"])
+@pytest.mark.parametrize("params", [bm25.Params(), PLAIN, bm25.Params(1.2, 0.75),
+                                    bm25.Params(semantic=0.0)],
+                         ids=["context", "plain", "k1-b", "lexical"])
 @pytest.mark.parametrize("path", ["store", "terms", "rows"])
 def test_scan_is_exact_against_the_reference(store: Store, path: str, params: bm25.Params,
                                              monkeypatch: pytest.MonkeyPatch) -> None:

@@ -293,7 +293,8 @@ def test_a_search_finds_a_row_another_process_committed_before_any_batch(
     store = open_memory(memory_at)
     fill(store, random.Random(5), 20)
     scanner = scan.Scanner(store, store_rows=store_rows)
-    assert scanner.search("quokka Wendell", None, 5) == []  # caught up before the other writes
+    # Caught up before the other writes (rows near in meaning may rank; no quokka yet).
+    assert all("quokka" not in h.text for h in scanner.search("quokka Wendell", None, 5))
     subprocess.run([sys.executable, "-c", _OTHER_WRITER, str(memory_at)], cwd=ROOT, check=True,
                    timeout=120)
     hits = scanner.search("quokka Wendell", None, 5)

@@ -115,6 +115,8 @@ def test_hits_found_there_are_asked_again_only_after_a_retrieval_row_went(
     first = scanner.search("garden violin", None, 10)
     assert scanner.search("garden violin", None, 10) == first and len(statements) == 1
     index.purge(store, alice[:1])
-    assert [h.item_id for h in scanner.search("garden violin", None, 10)] == [
-        h.item_id for h in first if h.item_id != alice[0]]
+    # The others are found (their order may move: the pooled counts, and the best score the
+    # semantic half is scaled by, went with the row).
+    assert {h.item_id for h in scanner.search("garden violin", None, 10)} == {
+        h.item_id for h in first if h.item_id != alice[0]}
     assert len(statements) == 2

@@ -213,6 +213,7 @@ class Result(NamedTuple):
     request: int = 0  # every message's text the request carried, four characters a token
     first: bool = False  # the conversation's first question
     made: str = ""  # what the plan made for it: a frame, an addendum, or nothing new
+    ranked_fixed: bool = False  # the ranking's top rows held all the evidence in RANKING_TOKENS
 
 
 @dataclass(slots=True)
@@ -234,7 +235,8 @@ def ask(pipeline: Pipeline, thread: importers.Thread, q: Question) -> tuple[str,
 
 def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Cap(),
              frames: Path | None = None, limit: int = 0, progress: bool = True,
-             sequence: bool = False, personal: bool = False) -> dict[str, Any]:
+             sequence: bool = False, personal: bool = False,
+             semantic: bool = True) -> dict[str, Any]:
     if dataset not in DATASETS:
         raise ConfigError(f"unknown dataset {dataset!r}; one of {', '.join(DATASETS)}")
     cases = list(DATASETS[dataset](path))
@@ -253,7 +255,7 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
                 pipeline = Pipeline(store, Settings(
                     upstreams={p: "http://127.0.0.1:9" for p in Provider}, limits=limits,
                     share_pool=pooled and not personal, trust_identity=True,  # its speakers
-                    personal=personal))
+                    personal=personal, semantic=semantic))
             feed(pipeline, case.thread)
             bar.update(1)
             if pooled and n < len(cases) - 1:
@@ -265,7 +267,7 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
         if store is not None:
             store.close()
     report = _report(dataset, "personal" if personal else "pooled" if pooled
-                     else "per-conversation", limits, results)
+                     else "per-conversation", limits, results) | {"semantic": semantic}
     if sequence:
         report["sequence"] = _sequence_report(results)
     return report
@@ -312,11 +314,12 @@ def _ask_in_sequence(pipeline: Pipeline, case: Case, limits: Cap) -> list[Result
         history_tokens = sum(token_estimate(m.text) for m, t in zip(
             case.thread.messages, case.thread.times) if t <= q.at)
         made = d.recall.made if d.recall is not None and d.frame else "none"
-        in_memory, in_new = ranking_holds(pipeline, user, q.text, at, (memory, new), evidence)
+        in_memory, in_new, in_fixed = ranking_holds(pipeline, user, q.text, at,
+                                                    (memory, new, RANKING_TOKENS), evidence)
         out.append(Result(all(found), any(found), new, history_tokens, q.category, memory, new,
                           in_memory, in_new,
                           sum(token_estimate(str(m.get("content", ""))) for m in sent),
-                          k == 0, made))
+                          k == 0, made, in_fixed))
         if d.job is not None:
             turn = pipeline.store_turn(d.job.pending)
             pipeline.store_reply(turn, Reply(noted(), Usage()), at, d.job.pending)
@@ -329,6 +332,7 @@ def noted() -> Message:
 
 
 RANKING_DEPTH = 2_000  # rows the ranking is read to: past any request's tokens on every dataset
+RANKING_TOKENS = 4_000  # the ranking's recall within a fixed budget too, whatever the frame took
 
 
 def ranking_holds(pipeline: Pipeline, user: str, query: str, at: float,
@@ -374,6 +378,8 @@ def _sequence_report(results: list[Result]) -> dict[str, Any]:
             "new_memory_tokens_mean": round(sum(r.new_memory for r in rs) / n),
             "ranking_recall_all_within_new_memory_tokens": round(
                 sum(r.ranked_new_all for r in rs) / n, 4),
+            f"ranking_recall_all_within_{RANKING_TOKENS}_tokens": round(
+                sum(r.ranked_fixed for r in rs) / n, 4),
         }
 
     made = sorted({r.made for r in results})

@@ -288,7 +288,8 @@ def ask_in_sequence(proxy: Proxy, reader: Reader, case: base.Case) -> list[Outco
 
 
 def evaluate(dataset: str, path: Path, *, second: str = "rare", pooled: bool = False,
-             limits: Cap = Cap(), limit: int = 0, progress: bool = True) -> dict[str, Any]:
+             limits: Cap = Cap(), limit: int = 0, progress: bool = True,
+             semantic: bool = True) -> dict[str, Any]:
     if dataset not in base.DATASETS:
         raise ConfigError(f"unknown dataset {dataset!r}; one of {', '.join(base.DATASETS)}")
     cases = list(base.DATASETS[dataset](path))[: limit or None]
@@ -304,7 +305,8 @@ def evaluate(dataset: str, path: Path, *, second: str = "rare", pooled: bool = F
                 store = open_memory(Path(tmp) / f"memory-{n}.db")
                 proxy = Proxy(Pipeline(store, Settings(
                     upstreams={p: reader.url for p in Provider}, limits=limits,
-                    share_pool=pooled, trust_identity=True, tool_rounds=ROUNDS + 1)), reader.loop)
+                    share_pool=pooled, trust_identity=True, tool_rounds=ROUNDS + 1,
+                    semantic=semantic)), reader.loop)
             base.feed(proxy.pipeline, case.thread)
             bar.update(1)
             if pooled and n < len(cases) - 1:

@@ -40,6 +40,9 @@ def register(sub: Any) -> None:
     p.add_argument("--second", choices=eval_reader.SECOND_MOVES, default="rare",
                    help="the scripted reader's second round")
     p.add_argument("--json", action="store_true", help="the reader's report as JSON")
+    p.add_argument("--semantic", choices=["on", "off", "both"], default="on",
+                   help="the scan's semantic half (docs/semantic.md); both: the report with it"
+                        " and without, side by side")
     online = p.add_argument_group("online", "a real model answers, a judge model grades")
     online.add_argument("--online", action="store_true",
                         help="answer each question with --model through memory, graded by --judge")
@@ -73,13 +76,34 @@ def _run(args: argparse.Namespace) -> int:
             judge_price=tuple(args.judge_price) if args.judge_price else None)
         print(json.dumps(found, indent=2))
         return 0
+    sides = {"on": [True], "off": [False], "both": [True, False]}[args.semantic]
     if args.reader:
-        found = eval_reader.evaluate(args.dataset, args.path, second=args.second,
-                                     pooled=args.pooled, limits=limits, limit=args.limit)
-        print(json.dumps(found, indent=2) if args.json else eval_reader.table(found))
+        for semantic in sides:
+            found = eval_reader.evaluate(args.dataset, args.path, second=args.second,
+                                         pooled=args.pooled, limits=limits, limit=args.limit,
+                                         semantic=semantic)
+            if len(sides) > 1 and not args.json:
+                print(f"semantic half {'on' if semantic else 'off'}:")
+            print(json.dumps(found, indent=2) if args.json else eval_reader.table(found))
         return 0
-    report = frame_eval.evaluate(args.dataset, args.path, pooled=args.pooled, limits=limits,
-                                 frames=args.frames, limit=args.limit, sequence=args.sequence,
-                                 personal=args.personal)
-    print(json.dumps(report, indent=2))
+    reports = [frame_eval.evaluate(args.dataset, args.path, pooled=args.pooled, limits=limits,
+                                   frames=args.frames, limit=args.limit,
+                                   sequence=args.sequence, personal=args.personal,
+                                   semantic=semantic)
+               for semantic in sides]
+    print(json.dumps(reports[0] if len(reports) == 1 else side_by_side(*reports), indent=2))
     return 0
+
+
+def side_by_side(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """Two reports, the semantic half on and off, with each headline figure as [on, off]."""
+    def pair(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in a.items():
+            if isinstance(value, dict) and isinstance(b.get(key), dict):
+                out[key] = pair(value, b[key])
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                out[key] = [value, b.get(key)]
+        return out
+
+    return {"semantic [on, off]": pair(on, off), "semantic on": on, "semantic off": off}

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from perpetuity_core.memory.derived import heat
+from perpetuity_core.memory.derived import heat, vectors
 from perpetuity_core.memory.derived.chains import derive_chains, m004_recall
 from perpetuity_core.memory.derived.heat import m003_heat, m005_standing
 from perpetuity_core.memory.derived.index import (
@@ -27,6 +27,7 @@ from perpetuity_core.memory.derived.index import (
     m012_retrieval_pending,
     m015_retrieval_numbered,
     m016_born_with_retrieval,
+    m019_vectors,
     sequence_in,
     settle_in,
 )
@@ -234,7 +235,8 @@ MIGRATIONS: list[Migrate] = [m001_initial, m002_retrieval, m003_heat,
                                                    m013_id_sequences, m014_message_lookup,
                                                    m015_retrieval_numbered,
                                                    m016_born_with_retrieval,
-                                                   m017_deletions_counted, m018_savings]
+                                                   m017_deletions_counted, m018_savings,
+                                                   m019_vectors]
 
 
 # Each derived table's own purge hook (store.Forget), run before a purge deletes items. The
@@ -247,6 +249,10 @@ FORGET: list[Forget] = [heat.forget]
 
 def open_memory(path: str | Path, derivers: Iterable[Deriver] = ()) -> Store:
     """The store at `path`, migrated, with every deriver wired (and `derivers` after them)."""
+    # The semantic table and its terms' vectors made before any write takes the lock (0.3 s,
+    # once a process): made by a message's write, they held the lock long enough for parallel
+    # writers to fail.
+    vectors.table().terms(dictionary.shipped())
     return Store(path, migrations=MIGRATIONS,
                  derivers=[derive_retrieval, *derivers],
                  batched={"chain": derive_chains}, settle=settle_in,

@@ -27,6 +27,7 @@ from perpetuity_core import notes
 from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.frame import plan, tenants
 from perpetuity_core.memory.derived import bindings, heat
+from perpetuity_core.memory.derived.bm25 import Params
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Scanner
 from perpetuity_core.memory.storage import capture, names, templates, users
@@ -358,7 +359,8 @@ def _scanner(store: Store, settings: Settings) -> Scanner:
     # search (LoCoMo's 600 turns: 1.4 ms of a first prompt's 13).
     return Scanner(store, share_pool=bool(share) or pool is not None,
                    pool_of=(lambda uid: users.pool_of(store, uid, pool))
-                   if pool is not None else None, one_person=settings.personal, store_rows=0)
+                   if pool is not None else None, one_person=settings.personal, store_rows=0,
+                   params=Params() if settings.semantic else Params(semantic=0.0))
 
 
 def _shaped(body: dict[str, Any], parsed: ParsedRequest) -> dict[str, Any]:

@@ -28,3 +28,4 @@ class Settings:
     # A personal proxy (identity.tenancy): every request is one person's, and so is every row
     # already in the file (old credential tenants, imports): one memory, nothing re-keyed.
     personal: bool = False
+    semantic: bool = True  # the scan's semantic half (bm25.Params.semantic); off to compare

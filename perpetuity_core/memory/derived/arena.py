@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from perpetuity_core.memory.derived import vectors
 from perpetuity_core.memory.derived.index import order_pending, sequence
 from perpetuity_core.memory.derived.view import Frequencies, Segment, View
 from perpetuity_core.memory.storage.dialect import SQL, Sql
@@ -138,6 +139,7 @@ class NewRows:
     row_len: np.ndarray  # int64: postings per row
     terms: np.ndarray  # int32, each row's ascending
     tf: np.ndarray  # uint8
+    vec: np.ndarray  # int8, a row of vectors.DIMS per row
 
 
 # The rows past a cursor as one result row (half the time of a tuple a row); the aggregates read
@@ -146,41 +148,43 @@ class NewRows:
 _NEW_ROWS = SQL(
     "SELECT count(*), group_concat(seq), group_concat(user_id), group_concat(conversation_id),"
     " group_concat(length), group_concat(at), group_concat(length(counts)),"
-    " CAST(group_concat(terms, '') AS BLOB), CAST(group_concat(counts, '') AS BLOB)"
+    " CAST(group_concat(terms, '') AS BLOB), CAST(group_concat(counts, '') AS BLOB),"
+    " CAST(group_concat(vec, '') AS BLOB)"
     " FROM (SELECT * FROM retrieval WHERE seq > ? ORDER BY seq LIMIT ?)",
     "SELECT count(*), " + ", ".join(
         f"string_agg(int8send({c}), '')"
         for c in ("seq", "user_id", "conversation_id", "length", "at"))
-    + ", string_agg(int4send(length(counts)), ''), string_agg(terms, ''), string_agg(counts, '')"
-    " FROM (SELECT * FROM retrieval WHERE seq > %s ORDER BY seq LIMIT %s) r")
+    + ", string_agg(int4send(length(counts)), ''), string_agg(terms, ''), string_agg(counts, ''),"
+    " string_agg(vec, '') FROM (SELECT * FROM retrieval WHERE seq > %s ORDER BY seq LIMIT %s) r")
 
 
 def _fetch(db: Database, conn: Sql, after: int,
-           limit: int) -> tuple[int, list[np.ndarray], bytes, bytes]:
+           limit: int) -> tuple[int, list[np.ndarray], bytes, bytes, bytes]:
     """The rows past `after` as (count, [seq, user, conv, length, at, row_len] as int64,
-    terms, counts)."""
+    terms, counts, vectors)."""
     if db.postgres:
         cursor = conn.raw.cursor(binary=True)  # type: ignore[attr-defined]  # PgConnection's
         cursor.execute(_NEW_ROWS.postgres, (after, limit))
-        count, *ints, row_len, terms, counts = cursor.fetchone()
+        count, *ints, row_len, terms, counts, vecs = cursor.fetchone()
         if count == 0:
-            return 0, [], b"", b""
+            return 0, [], b"", b"", b""
         return count, [*(np.frombuffer(x, ">i8").astype(np.int64) for x in ints),
-                       np.frombuffer(row_len, ">i4").astype(np.int64)], terms, counts
-    count, *ints, terms, counts = conn.execute(_NEW_ROWS.sqlite, (after, limit)).fetchone()
+                       np.frombuffer(row_len, ">i4").astype(np.int64)], terms, counts, vecs
+    count, *ints, terms, counts, vecs = conn.execute(_NEW_ROWS.sqlite, (after, limit)).fetchone()
     if count == 0:
-        return 0, [], b"", b""
-    return count, [np.fromstring(x, np.int64, sep=",") for x in ints], terms, counts
+        return 0, [], b"", b"", b""
+    return count, [np.fromstring(x, np.int64, sep=",") for x in ints], terms, counts, vecs
 
 
 def read_rows(db: Database, conn: Sql, after: int, limit: int) -> NewRows | None:
     """At most `limit` retrieval rows past seq `after`, or None if there are none."""
-    count, columns, terms, counts = _fetch(db, conn, after, limit)
+    count, columns, terms, counts, vecs = _fetch(db, conn, after, limit)
     if count == 0:
         return None
     seq, user, conv, length, at, row_len = columns
     rows = NewRows(seq, user.astype(np.int32), conv.astype(np.int32), at, length.astype(np.int32),
-                   row_len, np.frombuffer(terms, "<i4"), np.frombuffer(counts, np.uint8))
+                   row_len, np.frombuffer(terms, "<i4"), np.frombuffer(counts, np.uint8),
+                   vectors.matrix(vecs or b"", count))
     if (seq.size != count or rows.at.size != count or (np.diff(seq) <= 0).any()
             or rows.tf.size != rows.terms.size or rows.tf.size != int(row_len.sum())):
         raise AssertionError("retrieval rows read out of order or cut")
@@ -201,7 +205,7 @@ _GONE = SQL.both("SELECT seq, row_seq, length, terms FROM retrieval_gone WHERE s
 
 # The arena's per-row columns and their types (see Arena).
 COLUMNS = {"seq": np.int64, "user": np.int32, "conv": np.int32, "at": np.int64,
-            "length": np.int32, "prev": np.int32, "next": np.int32}
+            "length": np.int32, "prev": np.int32, "next": np.int32, "inv": np.float64}
 
 
 class Arena:
@@ -209,7 +213,8 @@ class Arena:
     by one catch-up at a time, read through the `View` each catch-up publishes.
 
     Per row: seq (int64), user and conversation (int32, user -1 once deleted), when it was said
-    (int64 seconds), length and the previous and next row of its conversation (int32): 32 bytes.
+    (int64 seconds), length and the previous and next row of its conversation (int32), its
+    vector (vectors.DIMS int8) and that vector's inverse norm (float64): 296 bytes.
     Per posting 3 bytes (term-major) or 5 bytes (row-major). Document frequencies in a
     `Frequencies`. The attributes seq ... next are the writer's: views of every row so far.
     """
@@ -227,7 +232,10 @@ class Arena:
         # copying every column (measured before: 13.5 ms a catch-up at 1M rows, 37.5 at 5M).
         self._buffers: dict[str, np.ndarray] = {
             name: np.full(1, -1, dtype) for name, dtype in COLUMNS.items()}
+        self._buffers["vec"] = np.zeros((1, vectors.DIMS), np.int8)
         self.seq = self.user = self.conv = self.at = self.length = np.zeros(0, np.int64)
+        self.inv = np.zeros(0)
+        self.vec = np.zeros((0, vectors.DIMS), np.int8)
         # The previous and next live row of the same conversation in store order (-1: none).
         self.prev = self.next = np.zeros(0, np.int32)
         self._grow(0)
@@ -254,6 +262,7 @@ class Arena:
         """The arena as it is now, for readers, and kept as `view` (one attribute store: a
         reader reads the old view or the new one, whole)."""
         self.view = View(self.seq.size, self.seq, self.user, self.conv, self.at, self.length,
+                         self.vec, self.inv,
                          self._buffers["prev"], self._buffers["next"], tuple(self.segments),
                          self.df, self.n_rows,
                          self.total_length, self.row_cursor, self.gone_cursor, self._pool)
@@ -314,8 +323,8 @@ class Arena:
         if n > cap:
             cap = max(n, 2 * cap, 1024)
             for name, old in self._buffers.items():
-                buf = np.empty(cap + 1, old.dtype)
-                buf[:old.size - 1] = old[:-1]
+                buf = np.empty((cap + 1, *old.shape[1:]), old.dtype)
+                buf[:old.shape[0] - 1] = old[:-1]
                 buf[cap] = -1  # a link of -1 (none) reads this: none follows itself
                 self._buffers[name] = buf
         self._views(n)
@@ -325,20 +334,22 @@ class Arena:
         self.seq, self.user, self.conv = b["seq"][:n], b["user"][:n], b["conv"][:n]
         self.at, self.length = b["at"][:n], b["length"][:n]
         self.prev, self.next = b["prev"][:n], b["next"][:n]
+        self.vec, self.inv = b["vec"][:n], b["inv"][:n]
 
     def put_rows(self, seq: np.ndarray, user: np.ndarray, conv: np.ndarray, at: np.ndarray,
-                 length: np.ndarray) -> None:
-        """Append rows' columns and chain them into their conversations."""
+                 length: np.ndarray, vec: np.ndarray) -> None:
+        """Append rows' columns and vectors and chain them into their conversations."""
         start = self.seq.size
         self._grow(start + seq.size)
         self.seq[start:], self.user[start:], self.conv[start:] = seq, user, conv
         self.at[start:], self.length[start:] = at, length
+        self.vec[start:], self.inv[start:] = vec, vectors.norms(vec)
         self._link(seq.size)
 
     def _append(self, new: NewRows) -> None:
         """Add at most SEGMENT_ROWS rows as one new segment."""
         start = self.seq.size
-        self.put_rows(new.seq, new.user, new.conv, new.at, new.length)
+        self.put_rows(new.seq, new.user, new.conv, new.at, new.length, new.vec)
         self.n_rows += new.seq.size
         self.total_length += int(new.length.sum(dtype=np.int64))
         self.row_cursor = int(new.seq[-1])
@@ -421,6 +432,7 @@ class Arena:
 
     def nbytes(self) -> int:
         rows = (self.seq.nbytes + self.user.nbytes + self.conv.nbytes + self.at.nbytes
-                + self.length.nbytes + self.prev.nbytes + self.next.nbytes)
+                + self.length.nbytes + self.prev.nbytes + self.next.nbytes + self.vec.nbytes
+                + self.inv.nbytes)
         return rows + sum(s.nbytes() for s in self.segments) + (
             self.df.nbytes() if self.df is not None else 0)

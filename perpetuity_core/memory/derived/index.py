@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from perpetuity_core.memory.derived import chains, heat
+from perpetuity_core.memory.derived import chains, heat, vectors
 from perpetuity_core.memory.derived.chains import SUBJECT_CHARS
 from perpetuity_core.memory.storage.dialect import SQL, Rows, Sql, marks, trigger
 from perpetuity_core.memory.storage.dictionary import Dictionary
@@ -59,26 +59,29 @@ _CONTEXT = Kind.CONTEXT.value
 _TEXT = Kind.TEXT.value
 
 
-def derive_retrieval(db: Database, items: list[StoredItem]) -> None:
+def derive_retrieval(db: Database, items: list[StoredItem], semantic: bool = True) -> None:
     """Write the retrieval rows and counts of a message's items (inside its transaction), each
-    with its birth (heat.py: the clock position it was stored at and its half-life). On
-    PostgreSQL they wait in retrieval_pending until `sequence` orders them (database.py)."""
+    with its birth (heat.py: the clock position it was stored at and its half-life) and its
+    vector (vectors.py). On PostgreSQL they wait in retrieval_pending until `sequence` orders
+    them (database.py). `semantic` False: without the vector, for m016, which runs on tables
+    m019 has not given one yet (m019 derives them)."""
     if not items:
         return
     conn = db.connection()
     if db.postgres:  # inside the write lock: a flip elsewhere is seen here
-        rows = _rows(db, db.live.follow(conn), items)
+        rows = _rows(db, db.live.follow(conn), items, semantic)
         if rows:
-            _PENDING.run(conn, True, rows)
+            (_PENDING if semantic else _PENDING_LEXICAL).run(conn, True, rows)
         return
     d, seq = _numbered(db, conn)
-    rows = _rows(db, d, items)
+    rows = _rows(db, d, items, semantic)
     if not rows:
         return
+    insert = _INSERT_ROW if semantic else _INSERT_LEXICAL
     if len(rows) == 1:  # most messages: executemany's own cost is not paid for one row
-        conn.execute(_INSERT_ROW, (seq, *rows[0]))
+        conn.execute(insert, (seq, *rows[0]))
     else:
-        conn.executemany(_INSERT_ROW, [(seq + k, *r) for k, r in enumerate(rows)])
+        conn.executemany(insert, [(seq + k, *r) for k, r in enumerate(rows)])
     db.numbering.counted["retrieval"] = (d, seq + len(rows))
     last = seq + len(rows) - 1
     if (last - len(rows)) // FOLD_EVERY < last // FOLD_EVERY:  # the rows crossed a mark
@@ -97,10 +100,11 @@ def _numbered(db: Database, conn: Sql) -> tuple[Dictionary, int]:
     return db.live.named(conn, version), seq
 
 
-def _rows(db: Database, d: Dictionary, items: list[StoredItem]) -> list[tuple]:
+def _rows(db: Database, d: Dictionary, items: list[StoredItem], semantic: bool) -> list[tuple]:
     """The retrieval rows of a message's items under `d`, each born at its user's clock (the
-    insert reads it: the row holds the user's id in its place)."""
+    insert reads it: the row holds the user's id in its place), with its vector."""
     rows = []
+    table = vectors.table() if semantic else None
     for it in items:
         if it.kind == _CONTEXT:  # harness text is stored with its message, never retrieved
             continue
@@ -112,19 +116,23 @@ def _rows(db: Database, d: Dictionary, items: list[StoredItem]) -> list[tuple]:
             chains.note(db, d.version, it.id, chains.counted_subjects(d, known, unseen))
         else:
             bag = d.packed(text)
-        rows.append((it.id, it.message_id, it.user_id, it.conversation_id, int(it.at), bag.length,
-                     token_estimate(text), d.version, bag.terms, bag.counts, it.user_id,
-                     heat.half_life(it.kind, it.role, it.text)))
+        row = (it.id, it.message_id, it.user_id, it.conversation_id, int(it.at), bag.length,
+               token_estimate(text), d.version, bag.terms, bag.counts, it.user_id,
+               heat.half_life(it.kind, it.role, it.text))
+        rows.append(row if table is None else (*row, table.row(d, bag.terms, bag.counts)))
     return rows
 
 
-_COLUMNS = ("item_id, message_id, user_id, conversation_id, at, length, tokens, version, terms,"
+_LEXICAL = ("item_id, message_id, user_id, conversation_id, at, length, tokens, version, terms,"
             " counts, born, half_life")
+_COLUMNS = _LEXICAL + ", vec"
 # SQLite numbers a row past the newest and past every seq a deletion freed (m015: no
 # AUTOINCREMENT, whose counter was one more page in every message's commit), as the writer
 # counts them (_numbered); a row is born at its user's clock as the insert reads it.
 _INSERT_ROW = (f"INSERT INTO retrieval (seq, {_COLUMNS}) VALUES ({marks(False, 11)},"
-               " coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0), ?)")
+               " coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0), ?, ?)")
+_INSERT_LEXICAL = (f"INSERT INTO retrieval (seq, {_LEXICAL}) VALUES ({marks(False, 11)},"
+                   " coalesce((SELECT position FROM clock WHERE user_id = ?), 0.0), ?)")
 # Past AUTOINCREMENT's counter too, which numbered the rows of a memory not migrated past m015
 # yet (the migrations' tests write through the path on one).
 _NEXT_SEQ = ("SELECT max((SELECT coalesce(max(seq), 0) FROM retrieval), coalesce((SELECT id FROM"
@@ -132,10 +140,14 @@ _NEXT_SEQ = ("SELECT max((SELECT coalesce(max(seq), 0) FROM retrieval), coalesce
              " name = 'retrieval'), 0)) + 1, (SELECT value FROM setting WHERE key = 'dictionary')")
 # PostgreSQL: the rows wait for their seq (`sequence`), each born at its user's clock as the
 # insert reads it; SQLite never writes this table.
-_PENDING = Rows(f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ({marks(False, 12)})",
+_PENDING = Rows(f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ({marks(False, 13)})",
                 f"INSERT INTO retrieval_pending ({_COLUMNS}) VALUES ",
                 f"({marks(True, 10)}, coalesce((SELECT position FROM clock WHERE user_id = %s),"
-                " 0.0), %s)")
+                " 0.0), %s, %s)")
+_PENDING_LEXICAL = Rows(
+    f"INSERT INTO retrieval_pending ({_LEXICAL}) VALUES ({marks(False, 12)})",
+    f"INSERT INTO retrieval_pending ({_LEXICAL}) VALUES ",
+    f"({marks(True, 10)}, coalesce((SELECT position FROM clock WHERE user_id = %s), 0.0), %s)")
 
 
 def _fold_due(db: Database, conn: Sql, seq: int) -> None:
@@ -425,7 +437,7 @@ def m016_born_with_retrieval(db: Database) -> None:
         " WHERE r.item_id = i.id) AND NOT EXISTS (SELECT 1 FROM retrieval_pending p"
         " WHERE p.item_id = i.id) ORDER BY id", (_CONTEXT,))]
     for items in items_by_message(db, rowless):
-        derive_retrieval(db, items)
+        derive_retrieval(db, items, semantic=False)
     for table in ("retrieval", "retrieval_pending", "retrieval_next"):
         conn.execute(
             f"UPDATE {table} SET born = coalesce((SELECT a.at FROM activation a WHERE"
@@ -444,3 +456,35 @@ def m016_born_with_retrieval(db: Database) -> None:
                 "CREATE INDEX retrieval_standing ON retrieval (user_id, born, half_life, item_id)"
                 f" WHERE half_life >= {heat.STANDING_HALF_LIFE}"):
         conn.execute(sql)
+
+
+def m019_vectors(db: Database) -> None:
+    """Each retrieval row carries its vector (vectors.py: the semantic half of the dictionary,
+    DIMS int8 bytes, read from the row's own bag), written with the row, so the arena scores
+    every row by meaning as well as by words. The rows stored before are derived here, a
+    progress bar on a terminal; a re-derivation staged for a flip starts again."""
+    from tqdm import tqdm
+
+    conn = db.translated(db.connection())
+    for table in ("retrieval", "retrieval_pending", "retrieval_next"):
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN vec BLOB")
+    if not db.postgres:
+        for table in ("retrieval_staged", "retrieval_term_staged", "retrieval_total_staged",
+                      "chain_staged", "retrieval_staged_gone"):
+            conn.execute(f"DROP TABLE IF EXISTS {table}")
+    conn.execute("DELETE FROM retrieval_next")
+    d = db.live.follow(conn)
+    semantic = vectors.table()
+    tables = ("retrieval", "retrieval_pending")
+    total = sum(conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables)
+    with tqdm(total=total, unit="row", desc="perpetuity: deriving the rows' vectors",
+              disable=None if total else True) as bar:
+        for name in tables:
+            last = 0
+            while rows := conn.execute(
+                    f"SELECT item_id, terms, counts FROM {name} WHERE item_id > ?"
+                    " ORDER BY item_id LIMIT 5000", (last,)).fetchall():
+                conn.executemany(f"UPDATE {name} SET vec = ? WHERE item_id = ?",
+                                 [(semantic.row(d, bytes(t), bytes(c)), i) for i, t, c in rows])
+                last = rows[-1][0]
+                bar.update(len(rows))

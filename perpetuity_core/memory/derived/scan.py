@@ -70,6 +70,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from perpetuity_core.memory.derived import vectors
 from perpetuity_core.memory.derived.arena import COLUMNS, ROWS, TERMS, Arena, build_segment
 from perpetuity_core.memory.derived.bm25 import Params, make_query
 from perpetuity_core.memory.derived.index import item_text, sequence, totals, unfolded_df
@@ -194,15 +195,16 @@ class Scanner:
             elif visible.user_id is not None and visible.pool is not None:
                 args = [visible.user_id, *visible.pool]
                 where = f"WHERE user_id IN ({marks(db.postgres, len(args))})"
-            rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts"
-                                f" FROM retrieval {where} ORDER BY seq", args).fetchall()
+            rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts,"
+                                f" vec FROM retrieval {where} ORDER BY seq", args).fetchall()
         if not rows:
             return []
         tmp = Arena(db, ROWS, threads=1)
-        seq, user, conv, at, length, terms_b, counts_b = zip(*rows)
-        tmp.put_rows(*(np.asarray(c, COLUMNS[name]) for name, c in
-                       zip(("seq", "user", "conv", "at", "length"), (seq, user, conv, at, length),
-                           strict=True)))
+        seq, user, conv, at, length, terms_b, counts_b, vec_b = zip(*rows)
+        tmp.put_rows(np.asarray(seq, COLUMNS["seq"]), np.asarray(user, COLUMNS["user"]),
+                     np.asarray(conv, COLUMNS["conv"]), np.asarray(at, COLUMNS["at"]),
+                     np.asarray(length, COLUMNS["length"]),
+                     vectors.matrix(b"".join(vec_b), len(rows)))
         row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from perpetuity_core.memory.derived import vectors
 from perpetuity_core.memory.derived.bm25 import (
     Params,
     Query,
@@ -124,6 +125,9 @@ class Segment:
 # Below this fraction of rows visible, a scan scores only the visible rows' postings (picking
 # them costs about what scoring them does, so past half it would cost more than it saves).
 SCORE_VISIBLE_BELOW = 0.5
+# The best lexical candidates whose conversations the semantic half ranks (View.semantic_rows;
+# docs/tuning.md: 1, 3, 10 measured in sequence).
+SEMANTIC_FROM = 1
 # Rows up to which the segments are scored on the calling thread: handing a small memory's few
 # segments to the workers and back cost more than scoring them (LoCoMo's 600 turns in three
 # segments: 9% of a first prompt's frame build in its profile went to the hand-offs).
@@ -147,6 +151,8 @@ class View:
     conv: np.ndarray
     at: np.ndarray
     length: np.ndarray
+    vec: np.ndarray  # int8, vectors.DIMS a row
+    inv: np.ndarray  # 1 / |vec|, float64
     prev: np.ndarray  # the links' whole buffers (see step): rows past n are not this view's
     next: np.ndarray
     segments: tuple[Segment, ...]
@@ -178,6 +184,8 @@ class View:
             cand, score = self.visible_scores(q, near, shown)
         else:
             cand, score = self.context(self.scores(q), q, near)
+        if q.vec is not None:
+            cand, score = self.fused(q, cand, score, near, shown)
         own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
         parts = []
         for mask, flag in ((own, True), (other, False)):
@@ -239,6 +247,41 @@ class View:
                 score += weight * bm25[x]
         positive = score > 0
         return shown[positive], score[positive]
+
+    def fused(self, q: Query, cand: np.ndarray, score: np.ndarray, near: np.ndarray,
+              shown: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The lexical candidates (`cand` ascending, scoring `score`) and the visible rows
+        (`near`, a mask, and `shown`, its rows ascending) of the conversations the words found
+        (semantic_rows), each scoring its lexical score plus the semantic half
+        (bm25.Params.semantic), those above zero, in no particular order."""
+        assert q.vec is not None
+        if cand.size == 0:  # nothing the words found: no conversation to look in
+            return cand, score
+        rows = self.semantic_rows(cand, score, near, shown)
+        sem = q.semantic * float(score.max()) * vectors.cosines(self.vec[rows], self.inv[rows],
+                                                                q.vec)
+        # Each of `rows` is a lexical candidate or not (`cand` ascending): the sum for the
+        # ones that are, the semantic half alone for the others, appended.
+        at = np.minimum(np.searchsorted(cand, rows), cand.size - 1)
+        lexical = cand[at] == rows
+        total = score.copy()
+        total[at[lexical]] = sem[lexical] + score[at[lexical]]
+        cand = np.concatenate((cand, rows[~lexical]))
+        total = np.concatenate((total, sem[~lexical]))
+        keep = total > 0
+        return cand[keep], total[keep]
+
+    def semantic_rows(self, cand: np.ndarray, score: np.ndarray, near: np.ndarray,
+                      shown: np.ndarray) -> np.ndarray:
+        """The visible rows (ascending) of the conversations holding the SEMANTIC_FROM best
+        lexical candidates (ties by row): conversation-level evidence from the words, so the
+        table ranks within the conversations they point to, never the other conversations
+        of a pooled memory, and a search pays a cosine for those rows alone."""
+        top = cand[top_k(score, np.arange(cand.size), cand, SEMANTIC_FROM)]
+        convs = np.unique(self.conv[top])
+        if shown.size < SCORE_VISIBLE_BELOW * self.n:  # few of many: only theirs
+            return shown[np.isin(self.conv[shown], convs)]
+        return np.flatnonzero(near & np.isin(self.conv, convs))
 
     def step(self, links: np.ndarray, x: np.ndarray) -> np.ndarray:
         """The rows `links` (prev or next) point to from rows `x`, -1 for none. The links are

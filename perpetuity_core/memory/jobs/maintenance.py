@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from perpetuity_core.errors import ConfigError
-from perpetuity_core.memory.derived import chains
+from perpetuity_core.memory.derived import chains, vectors
 from perpetuity_core.memory.derived.index import (
     count_terms,
     fold,
@@ -255,9 +255,9 @@ def _flip_in_place(db: Database, raw: Sql) -> None:
     before = _delete_unlogged(conn)
     conn.execute(
         "INSERT INTO retrieval (item_id, message_id, user_id, conversation_id, at, length,"
-        " tokens, version, terms, counts, born, half_life) SELECT n.item_id, m.id, m.user_id,"
-        " m.conversation_id, CAST(m.at AS INTEGER), n.length, n.tokens, n.version, n.terms,"
-        " n.counts, n.born, n.half_life FROM retrieval_next n JOIN item i ON i.id = n.item_id"
+        " tokens, version, terms, counts, born, half_life, vec) SELECT n.item_id, m.id,"
+        " m.user_id, m.conversation_id, CAST(m.at AS INTEGER), n.length, n.tokens, n.version,"
+        " n.terms, n.counts, n.born, n.half_life, n.vec FROM retrieval_next n JOIN item i ON i.id = n.item_id"
         " JOIN message m ON m.id = i.message_id ORDER BY n.item_id")
     conn.execute("DELETE FROM retrieval_term")
     conn.execute("UPDATE retrieval_total SET rows = 0, length = 0, tokens = 0, folded_seq = ?",
@@ -410,28 +410,31 @@ def _rederive_batch(db: Database, d: dictionary.Dictionary, limit: int,
         if not items:
             return 0
         nxt, staged, chained, bags = [], [], [], []
+        table = vectors.table()  # a row's vector is re-derived with its terms
         for i, kind, name, text, message, user, conversation, at, born, half in items:
             t = item_text(kind, name, text)
             bag = d.bag(t)
             bags.append(bag.terms)
             terms = bag.terms.astype("<i4", copy=False).tobytes()
+            vec = table.row(d, terms, bag.counts.tobytes())
             subjects = chains.subjects(d, text) if kind == Kind.TEXT.value and text.strip() else []
             n_tokens = token_estimate(t)
             nxt.append((i, d.version, bag.length, n_tokens, terms, bag.counts.tobytes(),
-                        " ".join(subjects), born, half))
+                        " ".join(subjects), born, half, vec))
             staged.append((i, message, user, conversation, int(at), bag.length, n_tokens,
-                           d.version, terms, bag.counts.tobytes(), born, half))
+                           d.version, terms, bag.counts.tobytes(), born, half, vec))
             chained += [(user, s, at, i) for s in subjects]
         conn.executemany("INSERT OR REPLACE INTO retrieval_next (item_id, version, length, tokens,"
-                         " terms, counts, subjects, born, half_life) VALUES (?,?,?,?,?,?,?,?,?)",
+                         " terms, counts, subjects, born, half_life, vec)"
+                         " VALUES (?,?,?,?,?,?,?,?,?,?)",
                          nxt)
         if not staging:
             return len(items)
         conn.executemany(
             "INSERT INTO retrieval_staged (seq, item_id, message_id, user_id, conversation_id,"
-            " at, length, tokens, version, terms, counts, born, half_life) VALUES (max((SELECT"
+            " at, length, tokens, version, terms, counts, born, half_life, vec) VALUES (max((SELECT"
             " coalesce(max(seq), 0) FROM retrieval_staged), (SELECT id FROM high_water WHERE"
-            " name = 'retrieval_staged')) + 1, ?,?,?,?,?,?,?,?,?,?,?,?)", staged)
+            " name = 'retrieval_staged')) + 1, ?,?,?,?,?,?,?,?,?,?,?,?,?)", staged)
         chains.insert_chain("chain_staged").run(raw, db.postgres, chained)
         count_terms(db, raw, np.concatenate(bags), +1, "retrieval_term_staged")
         conn.execute("UPDATE retrieval_total_staged SET rows = rows + ?, length = length + ?,"

@@ -1,0 +1,183 @@
+"""The semantic half of the dictionary (memory/derived/vectors.py): the table shipped as data,
+read with no network; each row's vector derived with the row, re-derived by a flip, removed by
+a purge and carried by a migration, on both backends."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from perpetuity_core.cli import main as cli
+from perpetuity_core.memory.derived import bm25, heat, index, scan, vectors
+from perpetuity_core.memory.jobs import maintenance
+from perpetuity_core.memory.jobs.integrity import check
+from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage.store import Store
+from tests.test_retrieval import add, fill, ranked, reference, same
+
+# Any socket the process opens raises: the table must come from the wheel's files alone.
+OFFLINE = """
+import socket, sys
+def refuse(*a, **k):
+    raise OSError("network blocked by the test")
+socket.socket.connect = refuse
+socket.create_connection = refuse
+socket.getaddrinfo = refuse
+from perpetuity_core.memory.derived import vectors
+from perpetuity_core.memory.storage import dictionary
+t = vectors.table()
+assert t.embedding.shape == (32000, vectors.DIMS)
+d = dictionary.shipped()
+bag = d.packed("We went camping by the lake last summer")
+v = t.row(d, bag.terms, bag.counts)
+assert len(v) == vectors.DIMS and any(v)
+print("loaded")
+"""
+
+
+def test_the_table_loads_with_the_network_blocked(tmp_path: Path) -> None:
+    env = {"HF_HUB_OFFLINE": "1", "HOME": str(tmp_path), "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([sys.executable, "-c", OFFLINE], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "loaded"
+
+
+def derived(store: Store, text: str) -> np.ndarray:
+    """A row's vector, written out: its bag's terms' vectors summed by count (in float64),
+    those of hashed terms left out, with the largest component at 127."""
+    d = store.db.dictionary
+    table = vectors.table().terms(d)
+    bag = d.bag(text)
+    v = np.zeros(vectors.DIMS)
+    for t, c in zip(bag.terms.tolist(), bag.counts.tolist(), strict=True):
+        if t < d.hash_base:
+            v += c * table[t].astype(np.float64)
+    top = float(np.abs(v).max())
+    return v * (127.0 / top) if top else v
+
+
+def near(got: bytes, want: np.ndarray) -> bool:
+    """The stored int8 vector is `want` rounded (float32 sums: off by one at most)."""
+    return bool(np.abs(np.frombuffer(got, np.int8) - want).max() <= 1.0)
+
+
+def stored_vectors(store: Store) -> dict[int, bytes]:
+    index.sequence(store.db)  # PostgreSQL: the rows waiting for their seq, moved in first
+    return {i: bytes(v) for i, v in store.db.translated().execute(
+        "SELECT item_id, vec FROM retrieval")}
+
+
+def texts(store: Store) -> dict[int, str]:
+    return {i: index.item_text(k, n, t) for i, k, n, t in store.db.translated().execute(
+        "SELECT id, kind, name, text FROM item WHERE kind != 'context'")}
+
+
+def test_each_row_is_written_with_its_vector(store: Store) -> None:
+    ids = add(store, "u1", "c1", ["We went camping by the lake", "the a of",
+                                  "camping " * 300 + "zqxjvbw"])
+    got = stored_vectors(store)
+    assert set(got) == set(ids)
+    for i, text in texts(store).items():
+        assert near(got[i], derived(store, text))
+    assert got[ids[1]] == bytes(vectors.DIMS)  # stop words only: no topic
+
+
+def test_a_question_reaches_a_row_that_shares_no_word_with_it(store: Store) -> None:
+    add(store, "u1", "c1", ["I adopted a puppy from the shelter last week",
+                            "The quarterly tax filing is due in April", "It rained all day",
+                            "We cooked pasta for dinner", "The meeting moved to Friday",
+                            "My neighbour planted a big garden"])
+    add(store, "u1", "c2", ["Our family got a puppy and a kitten"])
+    uid = store.user_id("u1")
+    q = "Is there a dog in her garden?"
+    for params in (bm25.Params(), bm25.Params(semantic=0.0)):
+        hits = scan.Scanner(store, store_rows=0, params=params).search(q, uid, 10)
+        same(ranked(hits), reference(store, q, uid, 10, params=params))
+    # Only within the conversation the words found: the other one's puppy stays out.
+    found = [h.text for h in scan.Scanner(store, store_rows=0).search(q, uid, 10)]
+    assert any("puppy" in t for t in found) and not any("kitten" in t for t in found)
+    lexical = scan.Scanner(store, store_rows=0, params=bm25.Params(semantic=0.0))
+    assert not any("puppy" in h.text for h in lexical.search(q, uid, 10))
+
+
+def test_existing_rows_get_their_vectors_when_migrated(tmp_path: Path) -> None:
+    s = open_memory(tmp_path / "old.db")
+    fill(s, random.Random(3), 60)
+    want = stored_vectors(s)
+    conn = s.db.translated()
+    with s.db.peewee.atomic():  # the database as it was before m019_vectors
+        for table in ("retrieval", "retrieval_pending", "retrieval_next"):
+            conn.execute(f"ALTER TABLE {table} DROP COLUMN vec")
+        conn.execute("DELETE FROM migration WHERE name = 'm019_vectors'")
+    s.close()
+    s = open_memory(tmp_path / "old.db")
+    try:
+        assert stored_vectors(s) == want
+        uid = s.user_id("u1")
+        same(ranked(scan.Scanner(s, store_rows=0).search("garden violin", uid, 10)),
+             reference(s, "garden violin", uid, 10))
+        assert check(s) == []
+    finally:
+        s.close()
+
+
+def test_a_flip_rederives_the_vectors_and_changes_no_heat(store: Store) -> None:
+    fill(store, random.Random(9), 80)
+    uid = store.user_id("u1")
+    heat.advance(store.db, uid, 300)
+    scanner = scan.Scanner(store, store_rows=0)
+    scanner.search("garden violin", uid, 10)
+    conn = store.db.translated()
+    # Vectors gone wrong (a table of another release): the flip derives them again.
+    conn.execute("UPDATE retrieval SET vec = ?", (bytes(vectors.DIMS),))
+    heat_before = conn.execute("SELECT * FROM activation ORDER BY item_id").fetchall()
+    births = conn.execute("SELECT item_id, born, half_life FROM retrieval ORDER BY item_id"
+                          ).fetchall()
+    version = store.db.dictionary.version
+    maintenance.rederive(store, version, progress=False)
+    maintenance.flip(store, version)
+    got = stored_vectors(store)
+    assert got.keys() == texts(store).keys()
+    assert all(near(got[i], derived(store, t)) for i, t in texts(store).items())
+    assert conn.execute("SELECT * FROM activation ORDER BY item_id").fetchall() == heat_before
+    assert conn.execute("SELECT item_id, born, half_life FROM retrieval ORDER BY item_id"
+                        ).fetchall() == births
+    assert heat.clock(store.db, uid) == 300
+    same(ranked(scanner.search("garden violin", uid, 10)),
+         reference(store, "garden violin", uid, 10))
+    assert check(store) == []
+
+
+def test_a_purge_removes_the_users_vectors(store: Store) -> None:
+    alice = add(store, "alice", "a1", ["we hiked up the mountain at dawn"])
+    bob = add(store, "bob", "b1", ["a long walk in the hills"])
+    scanner = scan.Scanner(store, store_rows=0)
+    assert {h.item_id for h in scanner.search("trekking at dawn in the hills", None, 10)} == set(alice + bob)
+    maintenance.purge_user(store, "alice")
+    assert set(stored_vectors(store)) == set(bob)
+    assert [h.item_id for h in scanner.search("trekking at dawn in the hills", None, 10)] == bob
+    assert check(store) == []
+
+
+def test_a_migration_carries_the_vectors(tmp_path: Path, postgres_url: str) -> None:
+    path = tmp_path / "memory.db"
+    s = open_memory(path)
+    fill(s, random.Random(4), 50)
+    want = stored_vectors(s)
+    uid = s.user_id("u1")
+    ranking = reference(s, "concert guitar", uid, 10)
+    s.close()
+    assert cli.main(["memory", "migrate", "--from", f"sqlite://{path}", "--to", postgres_url,
+                     "--quiet"]) == 0
+    t = open_memory(postgres_url)
+    try:
+        assert stored_vectors(t) == want
+        same(ranked(scan.Scanner(t, store_rows=0).search("concert guitar", uid, 10)), ranking)
+    finally:
+        t.close()
