@@ -37,7 +37,10 @@ to 6.9): 17.4 / 28.6 (1.65x) against 15.9 / 38.4 (2.42x). What changed: each cli
 read in 1 MB pieces where mitmproxy asked 64 KB (serve/client_reads.py), and a late body
 compared with the one kept once, not twice (wire/seen.Look). Before (h-code43, --passes 1, the
 windows minutes apart): 57.7 / 70.2 ms (1.22x) in one run, 0.76x and 0.70x in others: the load
-moved it more than the history did, which timing the windows side by side removes.
+moved it more than the history did, which timing the windows side by side removes. Since
+(h-late43b, large bodies kept in the heap, serve/heap.py) --sequential beside main, loads 1.5
+to 3.4: a late call's whole time 26.8 / 36.1 / 23.9 ms against 35.2 / 46.5 / 33.2, its CPU
+18.3 / 22.1 / 21.4 against 26.1 / 31.3 / 28.9 (docs/benchmarks.md, "Late calls").
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from perpetuity_core.frame.cap import Cap
 from perpetuity_core.serve import script
 from perpetuity_core.serve.client_reads import LargeReads
 from perpetuity_core.serve.codex_socket import CodexSocket
+from perpetuity_core.serve.heap import LargeBlocks
 from perpetuity_core.serve.http_path import HttpPath
 from perpetuity_core.serve.quiet import Quiet
 from perpetuity_core.serve.settle import Settle
@@ -26,8 +27,8 @@ from tests.addons import Perpetuity
 
 def test_the_script_lists_one_addon_per_concern_sharing_one_state() -> None:
     addons = script.make()
-    assert [type(a) for a in addons] == [Startup, LargeReads, HttpPath, CodexSocket, Settle,
-                                         Quiet]
+    assert [type(a) for a in addons] == [Startup, LargeReads, LargeBlocks, HttpPath, CodexSocket,
+                                         Settle, Quiet]
     shared = {id(a.shared) for a in addons if hasattr(a, "shared")}
     assert len(shared) == 1
 

@@ -5,6 +5,7 @@ before inspection settles it."""
 
 from perpetuity_core.serve.client_reads import LargeReads
 from perpetuity_core.serve.codex_socket import CodexSocket
+from perpetuity_core.serve.heap import LargeBlocks
 from perpetuity_core.serve.http_path import HttpPath
 from perpetuity_core.serve.quiet import Quiet
 from perpetuity_core.serve.serving import Serving
@@ -15,7 +16,7 @@ from perpetuity_core.serve.startup import Startup
 def make() -> list[object]:
     """The proxy's addons, sharing one memory and its threads."""
     shared = Serving()
-    return [Startup(shared), LargeReads(), HttpPath(shared), CodexSocket(shared), Settle(), Quiet()]
+    return [Startup(shared), LargeReads(), LargeBlocks(), HttpPath(shared), CodexSocket(shared), Settle(), Quiet()]
 
 
 addons = make()
