@@ -16,12 +16,9 @@ mitmproxy, a WireGuard or local-mode stream), the connection is read as mitmprox
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from mitmproxy import ctx
-
-log = logging.getLogger("perpetuity")
 
 CHUNK = 1 << 20  # bytes a read may return (and buffer before the socket is paused)
 

@@ -384,9 +384,7 @@ def m015_retrieval_numbered(db: Database) -> None:
     if db.postgres:
         return
     conn = db.connection()
-    for table in ("retrieval_staged", "retrieval_term_staged", "retrieval_total_staged",
-                  "chain_staged", "retrieval_staged_gone"):
-        conn.execute(f"DROP TABLE IF EXISTS {table}")
+    _drop_staged(conn)
     for sql in (
         "CREATE TABLE retrieval_numbered (seq INTEGER PRIMARY KEY,"
         " item_id INTEGER NOT NULL UNIQUE REFERENCES item(id) ON DELETE CASCADE,"
@@ -428,9 +426,7 @@ def m016_born_with_retrieval(db: Database) -> None:
         conn.execute(f"ALTER TABLE {table} ADD COLUMN born REAL NOT NULL DEFAULT 0")
         conn.execute(f"ALTER TABLE {table} ADD COLUMN half_life REAL NOT NULL DEFAULT 1")
     if not db.postgres:
-        for table in ("retrieval_staged", "retrieval_term_staged", "retrieval_total_staged",
-                      "chain_staged", "retrieval_staged_gone"):
-            conn.execute(f"DROP TABLE IF EXISTS {table}")
+        _drop_staged(conn)
         conn.execute("DELETE FROM high_water WHERE name = 'retrieval_staged'")
     rowless = [i for (i,) in conn.execute(
         "SELECT id FROM item i WHERE kind != ? AND NOT EXISTS (SELECT 1 FROM retrieval r"
@@ -458,6 +454,13 @@ def m016_born_with_retrieval(db: Database) -> None:
         conn.execute(sql)
 
 
+def _drop_staged(conn: Sql) -> None:
+    """SQLite: a re-derivation staged for a flip starts again (maintenance.py stages it)."""
+    for table in ("retrieval_staged", "retrieval_term_staged", "retrieval_total_staged",
+                  "chain_staged", "retrieval_staged_gone"):
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+
 def m019_vectors(db: Database) -> None:
     """Each retrieval row carries its vector (vectors.py: the semantic half of the dictionary,
     DIMS int8 bytes, read from the row's own bag), written with the row, so the arena scores
@@ -469,9 +472,7 @@ def m019_vectors(db: Database) -> None:
     for table in ("retrieval", "retrieval_pending", "retrieval_next"):
         conn.execute(f"ALTER TABLE {table} ADD COLUMN vec BLOB")
     if not db.postgres:
-        for table in ("retrieval_staged", "retrieval_term_staged", "retrieval_total_staged",
-                      "chain_staged", "retrieval_staged_gone"):
-            conn.execute(f"DROP TABLE IF EXISTS {table}")
+        _drop_staged(conn)
     conn.execute("DELETE FROM retrieval_next")
     d = db.live.follow(conn)
     semantic = vectors.table()
