@@ -348,10 +348,10 @@ def test_names_only_tool_output_held_come_after_those_the_task_touched() -> None
     assert set(excerpts) == {3} and "src/app/edited.py" in excerpts[3].text
 
 
-def test_a_bulk_among_the_newest_rows_comes_as_the_lines_around_its_names() -> None:
-    """A coding task's last steps: the file it read is a bulk among the newest rows; it comes
-    as the lines around the names it holds, verbatim, the rest of the dump left out (memory_more
-    reads it whole), and the rows around it whole."""
+def test_a_bulk_among_an_agents_newest_rows_comes_as_the_lines_around_its_names() -> None:
+    """A coding task's last steps: the file it read is a bulk among the newest rows; in an
+    agent's stretch it comes as the lines around the names it holds, verbatim, the rest of the
+    dump left out (memory_more reads it whole), and the rows around it whole."""
     dump = [f"{n:4d}\t    total = total + {n}  # accumulate the running sum of the batch"
             for n in range(1, 56)]
     dump[39] = "  40\tdef load_settings(path):"
@@ -362,17 +362,19 @@ def test_a_bulk_among_the_newest_rows_comes_as_the_lines_around_its_names() -> N
     rows = {i: row(i, i, CURRENT, "user", float(i), t, kind=kinds.get(i, Kind.TEXT))
             for i, t in texts.items()}
     assert frame_render.cost(rows[3]) <= frame_select.RECENT_ROW  # not skipped as too long
-    got, excerpts = frame_select.latest(rows, list(rows))
+    got, excerpts = frame_select.latest(rows, list(rows), agent=True)
     assert got == {1, 2, 3, 4} and set(excerpts) == {3}
     quoted = excerpts[3].text
     assert dump[39] in quoted and dump[40] in quoted  # the identifier stays, with its lines
     assert dump[10] not in quoted and dump[50] not in quoted  # the elided bulk is gone
     assert frame_render.cost(excerpts[3]) < frame_render.cost(rows[3]) // 4
+    assert not frame_select.latest(rows, list(rows))[1]  # a chat's: what its person said, whole
 
 
-def test_the_names_the_conversation_named_most_come_first() -> None:
-    """Of two latest mentions with room for one: the name the conversation came back to in
-    five rows comes before a denser excerpt holding two names named twice each."""
+def test_the_names_an_agents_conversation_named_most_come_first() -> None:
+    """Of two latest mentions with room for one, in an agent's stretch: the name the
+    conversation came back to in five rows comes before a denser excerpt holding two names
+    named twice each."""
     long = words(frame_select.RECENT_ROW)  # bulk: never among the newest rows
     texts = {**{i: f"{long}\nsrc/core/engine.py\n{long}" for i in range(1, 5)},
              5: f"{long}\nsrc/core/engine.py runs\n{long}",
@@ -385,7 +387,7 @@ def test_the_names_the_conversation_named_most_come_first() -> None:
             texts[i], texts[i].rindex(name), len(name))]))
 
     room = max(cost(5, "src/core/engine.py"), cost(8, "lib/b_one.py lib/b_two.py")) + 10
-    _, excerpts = frame_select.latest(rows, list(rows), most=room)
+    _, excerpts = frame_select.latest(rows, list(rows), most=room, agent=True)
     assert set(excerpts) == {5} and "src/core/engine.py" in excerpts[5].text
 
 

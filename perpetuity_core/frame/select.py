@@ -118,7 +118,7 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     conversation's latest stretch (store order). An `agent`'s frame (a harness that sends
     tools of its own) with a latest stretch is that stretch alone."""
     recent, excerpts = latest(rows, recent_items,
-                              min(RECENT_TOKENS, limits.bound // STRETCH_SHARE))
+                              min(RECENT_TOKENS, limits.bound // STRETCH_SHARE), agent)
     # An agent's frame that stands in for its dropped history is its stretch: a coding prompt's
     # words seldom name what its task needs, which the stretch holds, and every tool round
     # re-reads what the fill adds (the replay: its warm rows held 10 of 465 identifiers for 340
@@ -167,15 +167,16 @@ def addendum(rows: dict[int, Row], hits: list[Hit], half: list[int], shown: Coll
                                               **dict.fromkeys(other, MUST_HALF)})
 
 
-def latest(rows: dict[int, Row], items: list[int],
-           most: int = RECENT_TOKENS) -> tuple[set[int], dict[int, Row]]:
+def latest(rows: dict[int, Row], items: list[int], most: int = RECENT_TOKENS,
+           agent: bool = False) -> tuple[set[int], dict[int, Row]]:
     """The conversation's latest rows within `most` tokens, and of them those quoted as
     excerpts (item id -> the row as excerpted). The newest rows up to RECENT_ROW first, while
-    they fit NEWEST_SHARE of it: whole, or a bulk as the lines around its names (`bulk`); then
-    the latest mention of each name the conversation touched more than once (`latest_mentions`,
-    bulk rows too) that the chosen rows do not hold: a row whose mentions are most of it whole,
-    else the lines around each mention (`excerpt`), the names most often named per token
-    first."""
+    they fit NEWEST_SHARE of it: whole, or in an `agent`'s a bulk as the lines around its
+    names (`bulk`); then the latest mention of each name the conversation touched more than
+    once (`latest_mentions`, bulk rows too) that the chosen rows do not hold: a row whose
+    mentions are most of it whole, else the lines around each mention (`excerpt`), the most
+    names per token first, in an agent's weighed by how often each was named. A chat's long
+    message is what its person said, whole: a name in it (a link) is not what it is about."""
     newest_first = sorted((i for i in items if i in rows), reverse=True)
     out: set[int] = set()
     chosen: dict[int, list[tuple[int, int]]] = {}
@@ -185,7 +186,7 @@ def latest(rows: dict[int, Row], items: list[int],
         r, c = rows[i], cost(rows[i])
         if c > RECENT_ROW:
             continue
-        where = bulk(r, c)
+        where = bulk(r, c) if agent else None
         c = c if where is None else _spans_tokens(where)
         if used + c > newest:
             break
@@ -199,6 +200,8 @@ def latest(rows: dict[int, Row], items: list[int],
     # (a new conversation's first frames, where nothing was named twice yet), then to those only
     # tool output named.
     *tiers, times = latest_mentions([rows[i] for i in newest_first])
+    if not agent:
+        times = Counter(dict.fromkeys(times, 1))
     for mentions in tiers:
         left = {name: i for name, i in mentions.items() if i not in quoted}
         used = _mentions(rows, left, times, most, used, out, chosen)
