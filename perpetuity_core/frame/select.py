@@ -5,8 +5,8 @@ How much, by the breadth-sized cap (cap.py). What, for a frame, by heat: this tu
 has reheated its hits, and the warm rows that give the most warmth per token enter until the
 budget is spent, measured as rendered (frame_render). Never left out: the question's top hit,
 the other half of its exchange (unless that is a bulk), and the conversation's latest stretch,
-which is the whole of an agent's frame (`frame`). An addendum takes its hits in rank order instead, within a
-narrow question's budget.
+which is the whole of an agent's frame (`frame`). An addendum takes its hits in rank order
+instead, within a narrow question's budget.
 """
 
 from __future__ import annotations
