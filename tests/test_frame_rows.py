@@ -198,11 +198,11 @@ def test_reference_selection() -> None:
     assert smaller.item_ids == [1, 2, 7, 6, 4]
 
 
-def test_an_agents_frame_with_a_stretch_takes_its_top_hit_only_as_the_fill_does() -> None:
-    """An agent's frame standing in for its dropped history: its latest stretch whole, and the
-    prompt's top hit and the other half of its exchange only where the fill takes them (here
-    the top hit is too long for the budget). A chat's frame, or an agent's with no stretch,
-    takes them whole whatever the budget."""
+def test_an_agents_frame_with_a_stretch_is_its_stretch() -> None:
+    """An agent's frame standing in for its dropped history is its latest stretch: no top hit,
+    no other half, no warm row, though the short answer would fit the budget (every tool round
+    re-reads what comes). A chat's frame, or an agent's with no stretch, takes them whole
+    whatever the budget."""
     rows = {r.item_id: r for r in [
         row(1, 1, 1, "user", ASKED - DAY, "The deploy script " + words(300)),  # the top hit
         row(2, 2, 1, "assistant", ASKED - DAY + 60, "Run make deploy."),  # its other half
@@ -222,7 +222,8 @@ def test_an_agents_frame_with_a_stretch_takes_its_top_hit_only_as_the_fill_does(
                                   agent=agent)
 
     agents = chosen(True, [7])
-    assert set(agents.item_ids) == {7, 2}  # the top hit over the budget; its short answer fits
+    assert agents.item_ids == [7]
+    assert frame_render.cost(agents.considered[2]) < 120  # it would have fit
     assert agents.must == {7: frame_select.MUST_RECENT}
     assert chosen(False, [7]).must == {7: frame_select.MUST_RECENT, 1: frame_select.MUST_TOP,
                                        2: frame_select.MUST_HALF}
@@ -331,8 +332,10 @@ def test_names_only_tool_output_held_come_after_those_the_task_touched() -> None
     kinds = {1: Kind.TOOL_CALL, 2: Kind.TOOL_RESULT, 3: Kind.TOOL_RESULT, 4: Kind.TOOL_RESULT}
     rows = {i: row(i, i, CURRENT, "user", float(i), t, kind=kinds.get(i, Kind.TEXT))
             for i, t in texts.items()}
-    twice, once, seen_only = frame_select.latest_mentions([rows[i] for i in (5, 4, 3, 2, 1)])
+    twice, once, seen_only, times = frame_select.latest_mentions(
+        [rows[i] for i in (5, 4, 3, 2, 1)])
     assert twice == {"src/app/edited.py": 3} and not once
+    assert times["src/app/edited.py"] == 2 and times["lib/listed_0.py"] == 3
     assert seen_only == {f"lib/listed_{n}.py": 4 for n in range(8)}
     # Room for one excerpt: the touched name's latest mention, not the denser listing.
     def cost(i: int, name: str) -> int:
@@ -343,6 +346,49 @@ def test_names_only_tool_output_held_come_after_those_the_task_touched() -> None
     assert edited + listed > most
     _, excerpts = frame_select.latest(rows, list(rows), most=most)
     assert set(excerpts) == {3} and "src/app/edited.py" in excerpts[3].text
+
+
+def test_a_bulk_among_an_agents_newest_rows_comes_as_the_lines_around_its_names() -> None:
+    """A coding task's last steps: the file it read is a bulk among the newest rows; in an
+    agent's stretch it comes as the lines around the names it holds, verbatim, the rest of the
+    dump left out (memory_more reads it whole), and the rows around it whole."""
+    dump = [f"{n:4d}\t    total = total + {n}  # accumulate the running sum of the batch"
+            for n in range(1, 56)]
+    dump[39] = "  40\tdef load_settings(path):"
+    dump[40] = "  41\t    return read_env(path)"
+    texts = {1: "Why does the loader ignore the env?", 2: "Read src/app/loader.py",
+             3: "\n".join(dump), 4: "load_settings never calls read_env on the override."}
+    kinds = {2: Kind.TOOL_CALL, 3: Kind.TOOL_RESULT}
+    rows = {i: row(i, i, CURRENT, "user", float(i), t, kind=kinds.get(i, Kind.TEXT))
+            for i, t in texts.items()}
+    assert frame_render.cost(rows[3]) <= frame_select.RECENT_ROW  # not skipped as too long
+    got, excerpts = frame_select.latest(rows, list(rows), agent=True)
+    assert got == {1, 2, 3, 4} and set(excerpts) == {3}
+    quoted = excerpts[3].text
+    assert dump[39] in quoted and dump[40] in quoted  # the identifier stays, with its lines
+    assert dump[10] not in quoted and dump[50] not in quoted  # the elided bulk is gone
+    assert frame_render.cost(excerpts[3]) < frame_render.cost(rows[3]) // 4
+    assert not frame_select.latest(rows, list(rows))[1]  # a chat's: what its person said, whole
+
+
+def test_the_names_an_agents_conversation_named_most_come_first() -> None:
+    """Of two latest mentions with room for one, in an agent's stretch: the name the
+    conversation came back to in five rows comes before a denser excerpt holding two names
+    named twice each."""
+    long = words(frame_select.RECENT_ROW)  # bulk: never among the newest rows
+    texts = {**{i: f"{long}\nsrc/core/engine.py\n{long}" for i in range(1, 5)},
+             5: f"{long}\nsrc/core/engine.py runs\n{long}",
+             6: f"{long}\nlib/b_one.py\n{long}", 7: f"{long}\nlib/b_two.py\n{long}",
+             8: f"{long}\nlib/b_one.py lib/b_two.py\n{long}"}
+    rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
+
+    def cost(i: int, name: str) -> int:
+        return frame_render.cost(frame_select.excerpt(rows[i], [frame_select.span(
+            texts[i], texts[i].rindex(name), len(name))]))
+
+    room = max(cost(5, "src/core/engine.py"), cost(8, "lib/b_one.py lib/b_two.py")) + 10
+    _, excerpts = frame_select.latest(rows, list(rows), most=room, agent=True)
+    assert set(excerpts) == {5} and "src/core/engine.py" in excerpts[5].text
 
 
 def test_an_excerpt_is_whole_lines_around_each_latest_mention_verbatim() -> None:
@@ -405,20 +451,24 @@ def test_names_are_the_plain_loop_s(pieces: list[str], noise: str) -> None:
     assert frame_select.names.__wrapped__(text) == reference_names(text)
 
 
-def reference_mentions(rows: dict[int, Row], mentions: dict[str, int], most: int, used: int,
-                       out: set[int], chosen: dict[int, list[tuple[int, int]]]) -> int:
-    """frame_select._mentions as first written: every row searched, every excerpt's text cut."""
+def reference_mentions(rows: dict[int, Row], mentions: dict[str, int], times: Mapping[str, int],
+                       most: int, used: int, out: set[int],
+                       chosen: dict[int, list[tuple[int, int]]]) -> int:
+    """frame_select._mentions as first written: every row searched, every excerpt's text cut,
+    a span worth the times its names were named."""
     spans: dict[int, list[tuple[int, int]]] = {}
+    worth: dict[int, list[int]] = {}
     for name, i in mentions.items():
         if i not in out:
             text = rows[i].text
             spans.setdefault(i, []).append(frame_select.span(text, text.rfind(name), len(name)))
+            worth.setdefault(i, []).append(times[name])
     candidates: list[tuple[int, int, int, tuple[int, int] | None]] = []
     for i, found in spans.items():
-        r, merged = rows[i], frame_select.merge(found)
+        r, merged = rows[i], frame_select.merge(found, worth[i])
         if (frame_render.cost(r) <= frame_select.RECENT_ROW
                 and 2 * sum(e - s for s, e, _ in merged) >= len(r.text)):
-            candidates.append((len(found), frame_render.cost(r), i, None))
+            candidates.append((sum(worth[i]), frame_render.cost(r), i, None))
         else:
             candidates += [(n, (len(r.text[s:e]) + 3) // 4 + frame_select.EXCERPT_TOKENS, i,
                             (s, e)) for s, e, n in merged]
@@ -452,10 +502,11 @@ def test_the_stretch_never_searches_a_row_too_large_for_what_is_left(
     edges = {c + d for r in rows.values() for name in frame_select.names(r.text)
              for c in ((min(len(r.text), len(name) + frame_select.EXCERPT_CHARS) + 3) // 4
                        + frame_select.EXCERPT_TOKENS, frame_render.cost(r)) for d in (-1, 0, 1)}
-    for mentions in frame_select.latest_mentions(newest):
+    *tiers, times = frame_select.latest_mentions(newest)
+    for mentions in tiers:
         for used in {0, most // 2, most} | {most - e for e in edges if 0 <= e <= most}:
             got: tuple[set[int], dict[int, list[tuple[int, int]]]] = (set(), {})
             want: tuple[set[int], dict[int, list[tuple[int, int]]]] = (set(), {})
-            assert (frame_select._mentions(rows, mentions, most, used, *got)
-                    == reference_mentions(rows, mentions, most, used, *want))
+            assert (frame_select._mentions(rows, mentions, times, most, used, *got)
+                    == reference_mentions(rows, mentions, times, most, used, *want))
             assert got == want

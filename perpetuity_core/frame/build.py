@@ -66,12 +66,10 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     (frame_select.budget). A `narrow` frame is filled within a narrow question's budget: an
     agent's (a harness that sends tools of its own) in front of a conversation it keeps whole,
     other conversations' memory that every tool round re-reads and the recall tools, riding
-    from the first call, reach anyway. A frame that stands in for dropped history keeps the
-    breadth-sized budget: its warm rows hold what the latest stretch leaves out (the shared
-    Claude Code sessions: narrow everywhere 0.669 of direct, identifiers 0.882 / 0.807 in
-    context; narrow only here 0.678, 0.890 / 0.815). An `agent`'s frame with a latest stretch
-    takes its top hit as the fill does (frame_select.frame). Messages `said` before are the
-    objects made then (frame_render.Said).
+    from the first call, reach anyway. A chat's frame that stands in for dropped history keeps
+    the breadth-sized budget; an `agent`'s with a latest stretch is that stretch alone
+    (frame_select.frame: what its fill added was re-read by every tool round and held little
+    the next step used). Messages `said` before are the objects made then (frame_render.Said).
     """
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded)

@@ -4,9 +4,9 @@ that enter. Pure: no reads.
 How much, by the breadth-sized cap (cap.py). What, for a frame, by heat: this turn's retrieval
 has reheated its hits, and the warm rows that give the most warmth per token enter until the
 budget is spent, measured as rendered (frame_render). Never left out: the question's top hit,
-the other half of its exchange (unless that is a bulk; neither in an agent's frame: `frame`), and
-the conversation's latest stretch. An addendum takes its hits in rank order instead, within a
-narrow question's budget.
+the other half of its exchange (unless that is a bulk), and the conversation's latest stretch,
+which is the whole of an agent's frame (`frame`). An addendum takes its hits in rank order
+instead, within a narrow question's budget.
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ LINE_SLACK = 80
 EXCERPT_TOKENS = 8
 LEFT_OUT = "[…]"
 NAMED_ROWS = 4_096  # row texts whose names are kept: a few conversations' latest stretches
+# A newest row over BULK_ROW tokens comes as the lines around the names it holds when those are
+# under BULK_SHARE percent of it: a file read or a long edit is mostly text the next step does
+# not take up, and memory_more reads it whole. The same replay (docs/savings.md).
+BULK_ROW = 150
+BULK_SHARE = 67
 # The stretch takes at most this share of the request's bound (cap.Cap.bound): a request rebuilt
 # or trimmed to stay within it must not take back as quoted memory the tool results it dropped.
 STRETCH_SHARE = 10
@@ -111,15 +116,15 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     """A frame's rows: the mandatory ones, then the most warmth per token within `tokens` as
     rendered. `half` is the rows of the top hit's other half, `recent_items` the rows of the
     conversation's latest stretch (store order). An `agent`'s frame (a harness that sends
-    tools of its own) with a latest stretch takes its top hit only as the fill does."""
+    tools of its own) with a latest stretch is that stretch alone."""
     recent, excerpts = latest(rows, recent_items,
-                              min(RECENT_TOKENS, limits.bound // STRETCH_SHARE))
-    # An agent's frame that stands in for its dropped history takes the top hit and its other
-    # half only as the fill takes any warm row: a coding prompt's words seldom name what its task
-    # needs, which the stretch holds (the replay's trials: docs/tuning.md). A chat's question is
-    # what its frame is for: its top hit stays whole.
+                              min(RECENT_TOKENS, limits.bound // STRETCH_SHARE), agent)
+    # An agent's frame that stands in for its dropped history is its stretch: a coding prompt's
+    # words seldom name what its task needs, which the stretch holds, and every tool round
+    # re-reads what the fill adds (the replay: its warm rows held 10 of 465 identifiers for 340
+    # tokens a frame; docs/savings.md). A chat's question is what its frame is for.
     if agent and recent:
-        hits, half = [], []
+        hits, half, tokens = [], [], 0
     other = companion(half, rows, limits)
     whole = ({hits[0].item_id} if hits else set()) | set(other)
     excerpts = {i: r for i, r in excerpts.items() if i not in whole}  # those come whole
@@ -162,47 +167,80 @@ def addendum(rows: dict[int, Row], hits: list[Hit], half: list[int], shown: Coll
                                               **dict.fromkeys(other, MUST_HALF)})
 
 
-def latest(rows: dict[int, Row], items: list[int],
-           most: int = RECENT_TOKENS) -> tuple[set[int], dict[int, Row]]:
+def latest(rows: dict[int, Row], items: list[int], most: int = RECENT_TOKENS,
+           agent: bool = False) -> tuple[set[int], dict[int, Row]]:
     """The conversation's latest rows within `most` tokens, and of them those quoted as
-    excerpts (item id -> the row as excerpted). The newest rows up to RECENT_ROW first, whole,
-    while they fit NEWEST_SHARE of it; then the latest mention of each name the conversation
-    touched more than once (`latest_mentions`, bulk rows too) that the chosen rows do not hold:
-    a row whose mentions are most of it whole, else the lines around each mention
-    (`excerpt`), most names per token first."""
+    excerpts (item id -> the row as excerpted). The newest rows up to RECENT_ROW first, while
+    they fit NEWEST_SHARE of it: whole, or in an `agent`'s a bulk as the lines around its
+    names (`bulk`); then the latest mention of each name the conversation touched more than
+    once (`latest_mentions`, bulk rows too) that the chosen rows do not hold: a row whose
+    mentions are most of it whole, else the lines around each mention (`excerpt`), the most
+    names per token first, in an agent's weighed by how often each was named. A chat's long
+    message is what its person said, whole: a name in it (a link) is not what it is about."""
     newest_first = sorted((i for i in items if i in rows), reverse=True)
     out: set[int] = set()
+    chosen: dict[int, list[tuple[int, int]]] = {}
     used = 0
     newest = most * NEWEST_SHARE // 100
     for i in newest_first:
-        c = cost(rows[i])
+        r, c = rows[i], cost(rows[i])
         if c > RECENT_ROW:
             continue
+        where = bulk(r, c) if agent else None
+        c = c if where is None else _spans_tokens(where)
         if used + c > newest:
             break
-        out.add(i)
+        if where is None:
+            out.add(i)
+        else:
+            chosen[i] = where
         used += c
-    chosen: dict[int, list[tuple[int, int]]] = {}
+    quoted = set(chosen)  # every name these hold comes with its lines already
     # The names touched more than once first; the rest of the stretch goes to those touched once
     # (a new conversation's first frames, where nothing was named twice yet), then to those only
     # tool output named.
-    for mentions in latest_mentions([rows[i] for i in newest_first]):
-        used = _mentions(rows, mentions, most, used, out, chosen)
+    *tiers, times = latest_mentions([rows[i] for i in newest_first])
+    if not agent:
+        times = Counter(dict.fromkeys(times, 1))
+    for mentions in tiers:
+        left = {name: i for name, i in mentions.items() if i not in quoted}
+        used = _mentions(rows, left, times, most, used, out, chosen)
     excerpts = {i: excerpt(rows[i], where) for i, where in chosen.items() if i not in out}
     return out | set(excerpts), excerpts
 
 
-def _mentions(rows: dict[int, Row], mentions: dict[str, int], most: int, used: int,
-              out: set[int], chosen: dict[int, list[tuple[int, int]]]) -> int:
+def bulk(r: Row, tokens: int) -> list[tuple[int, int]] | None:
+    """The spans of a newest row of `tokens` over BULK_ROW to quote instead of it whole: the
+    lines around the last mention of each name it holds (`span`), when they come to under
+    BULK_SHARE percent of it; None to quote it whole."""
+    if tokens <= BULK_ROW:
+        return None
+    found = [span(r.text, r.text.rfind(name), len(name)) for name in names(r.text)]
+    if not found or _spans_tokens(found) * 100 >= tokens * BULK_SHARE:
+        return None
+    return found
+
+
+def _spans_tokens(spans: list[tuple[int, int]]) -> int:
+    """What an excerpt of `spans` costs, by token_estimate's rule with its marks."""
+    return sum((e - s + 3) // 4 + EXCERPT_TOKENS for s, e, _ in merge(spans))
+
+
+def _mentions(rows: dict[int, Row], mentions: dict[str, int], times: Mapping[str, int],
+              most: int, used: int, out: set[int],
+              chosen: dict[int, list[tuple[int, int]]]) -> int:
     """Add to the stretch (`out`, rows whole; `chosen`, excerpts' spans by row) the latest
-    mention of each of `mentions` (name -> its row) that `out` does not hold, most names per
-    token first, within `most` tokens; the tokens used after."""
+    mention of each of `mentions` (name -> its row) that `out` does not hold, within `most`
+    tokens, the most worth per token first: a name is worth the `times` the conversation named
+    it (in how many rows), as what a task keeps coming back to is what its next step uses
+    (the replay: of the names named once 0.5% were used, of those named in ten rows or more
+    16%). The tokens used after."""
     named: dict[int, list[str]] = {}
     for name, i in mentions.items():
         if i not in out:
             named.setdefault(i, []).append(name)
     room = most - used
-    spans: dict[int, list[tuple[int, int]]] = {}
+    spans: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}
     for i, these in named.items():
         r, whole = rows[i], cost(rows[i])
         # A row none of whose candidates could fit is not searched: an excerpt holds its name
@@ -213,16 +251,17 @@ def _mentions(rows: dict[int, Row], mentions: dict[str, int], most: int, used: i
         excerpt = (min(len(r.text), min(map(len, these)) + EXCERPT_CHARS) + 3) // 4
         if excerpt + EXCERPT_TOKENS > room and (whole > RECENT_ROW or whole > room):
             continue
-        spans[i] = [span(r.text, r.text.rfind(name), len(name)) for name in these]
-    # (names held, tokens, item id, the span; None: the row whole)
+        spans[i] = ([span(r.text, r.text.rfind(name), len(name)) for name in these],
+                    [times[name] for name in these])
+    # (worth, tokens, item id, the span; None: the row whole)
     candidates: list[tuple[int, int, int, tuple[int, int] | None]] = []
-    for i, found in spans.items():
-        r, merged = rows[i], merge(found)
+    for i, (found, worth) in spans.items():
+        r, merged = rows[i], merge(found, worth)
         if cost(r) <= RECENT_ROW and 2 * sum(e - s for s, e, _ in merged) >= len(r.text):
-            candidates.append((len(found), cost(r), i, None))
+            candidates.append((sum(worth), cost(r), i, None))
         else:  # an excerpt's tokens by token_estimate's rule, without copying its text
-            candidates += [(n, (e - s + 3) // 4 + EXCERPT_TOKENS, i, (s, e))
-                           for s, e, n in merged]
+            candidates += [(w, (e - s + 3) // 4 + EXCERPT_TOKENS, i, (s, e))
+                           for s, e, w in merged]
     for _, c, i, where in sorted(candidates, key=lambda k: (-k[0] / (k[1] + ROW_FLOOR), -k[2])):
         if used + c > most or i in out:
             continue
@@ -248,15 +287,17 @@ def span(text: str, at: int, length: int) -> tuple[int, int]:
     return start, end
 
 
-def merge(spans: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Overlapping or touching spans as one, in text order, each with how many it merged."""
+def merge(spans: list[tuple[int, int]],
+          worth: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """Overlapping or touching spans as one, in text order, each with the sum of the `worth`
+    of those it merged (1 each unless given: how many)."""
     out: list[tuple[int, int, int]] = []
-    for s, e in sorted(spans):
+    for (s, e), w in sorted(zip(spans, worth or [1] * len(spans), strict=True)):
         if out and s <= out[-1][1] + 1:
             ps, pe, n = out[-1]
-            out[-1] = (ps, max(pe, e), n + 1)
+            out[-1] = (ps, max(pe, e), n + w)
         else:
-            out.append((s, e, 1))
+            out.append((s, e, w))
     return out
 
 
@@ -274,11 +315,13 @@ def excerpt(r: Row, spans: list[tuple[int, int]]) -> Row:
     return replace(r, text="\n".join(parts), excerpt=True)
 
 
-def latest_mentions(newest_first: list[Row]) -> tuple[dict[str, int], ...]:
+def latest_mentions(newest_first: list[Row]) -> tuple[dict[str, int], dict[str, int],
+                                                    dict[str, int], Counter[str]]:
     """The names (`names`) the conversation touched (said in words or a tool call's arguments,
     not only seen in a tool's output) in more than one of these rows, those it touched in one,
-    and those only tool output held, each with the row of its latest mention: what a listing or
-    a log names and the task never took up is what its next reply uses least."""
+    and those only tool output held, each with the row of its latest mention (what a listing or
+    a log names and the task never took up is what its next reply uses least); then how many
+    of the rows named each."""
     last: dict[str, int] = {}
     seen: Counter[str] = Counter()
     touched: set[str] = set()
@@ -291,7 +334,7 @@ def latest_mentions(newest_first: list[Row]) -> tuple[dict[str, int], ...]:
             touched |= found
     return ({name: row for name, row in last.items() if name in touched and seen[name] > 1},
             {name: row for name, row in last.items() if name in touched and seen[name] == 1},
-            {name: row for name, row in last.items() if name not in touched})
+            {name: row for name, row in last.items() if name not in touched}, seen)
 
 
 @functools.lru_cache(maxsize=NAMED_ROWS)
