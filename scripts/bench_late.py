@@ -40,7 +40,10 @@ windows minutes apart): 57.7 / 70.2 ms (1.22x) in one run, 0.76x and 0.70x in ot
 moved it more than the history did, which timing the windows side by side removes. Since
 (h-late43b, large bodies kept in the heap, serve/heap.py) --sequential beside main, loads 1.5
 to 3.4: a late call's whole time 26.8 / 36.1 / 23.9 ms against 35.2 / 46.5 / 33.2, its CPU
-18.3 / 22.1 / 21.4 against 26.1 / 31.3 / 28.9 (docs/benchmarks.md, "Late calls").
+18.3 / 22.1 / 21.4 against 26.1 / 31.3 / 28.9 (docs/benchmarks.md, "Late calls"). Since
+(h-late43, second pass: a body's pieces joined once, a late tool round decided on the loop)
+--sequential beside 801b1a4 at load 11.3: added 10.6 / 3.4 ms (0.32x) against 9.2 / 12.5
+(1.36x).
 """
 
 from __future__ import annotations

@@ -175,8 +175,16 @@ def test_codex_recall_tools_ride_its_websocket_hidden_and_chained(
     asked = turns(fake)
     assert len(asked) == 3, asked  # Codex's turn, the proxy's round, Codex's own tool's output
     turn, hidden, after = asked
-    # Codex's tools are an input item (its Responses Lite), so ours are one beside it.
-    assert "tools" not in turn and "memory_search" in tool_items(held(fake, turn))
+    # Codex's tools are an input item (its Responses Lite), so ours are an item of our own just
+    # after it, as Codex's own incremental tools update would be (docs/codex.md), and Codex's
+    # item goes up as Codex sent it.
+    assert "tools" not in turn
+    items = held(fake, turn)
+    at = [n for n, i in enumerate(items) if i.get("type") == "additional_tools"]
+    assert len(at) == 2 and at[1] == at[0] + 1, at
+    codex, ours = items[at[0]], items[at[1]]
+    assert "memory_search" not in tool_items([codex]) and "memory_search" in tool_items([ours])
+    assert ours["role"] == codex["role"] == "developer"
     # The proxy's round: on the connection's last response, the call's output its only input.
     assert hidden["previous_response_id"] and [i["type"] for i in hidden["input"]] == [
         "function_call_output"]

@@ -66,14 +66,17 @@ def test_a_look_says_whether_a_body_reads_on_and_takes_nothing_out(
     kept = Seen()
     task = [{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "on it"}]
     first = json.dumps(_body(task)).encode()
-    assert not kept.look(first).continues(10)
+    assert not kept.look(first).continues(1000)
     kept.keep(kept.read(first), "known")
     # (the cache mark moves to the last message: the first is what reads on)
     longer = json.dumps(_body([*task, {"role": "user", "content": "and the tests"}])).encode()
     other = json.dumps(_body([{"role": "user", "content": "another task"}, *task])).encode()
     look = kept.look(longer)
-    assert look.continues(10) and kept.look(longer).continues(10) and not look.continues(0)
-    assert not kept.look(other).continues(10)
+    assert look.found is not None and longer[:look.found[1]].endswith(b'"fix it"}')
+    unread = len(longer) - look.found[1]  # the bytes past the first message
+    assert look.continues(unread) and kept.look(longer).continues(unread)
+    assert not look.continues(unread - 1)  # counted in bytes not read before
+    assert not kept.look(other).continues(1000)
     with monkeypatch.context() as m:
         m.setattr(seen, "_same_up_to", None)  # (compared again: TypeError)
         read = kept.read(longer, look)

@@ -49,7 +49,7 @@ from perpetuity_core.serve.reading import RequestReader, Turn, Understood
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.serve.tally import Savings
 from perpetuity_core.wire import mend
-from perpetuity_core.wire.conversation import Kind, ParsedRequest, Protocol, Reply
+from perpetuity_core.wire.conversation import Kind, ParsedRequest, Protocol, Reply, is_prompt
 from perpetuity_core.wire.identity import PERSONAL
 from perpetuity_core.wire.protocols import ADAPTERS, gemini
 from perpetuity_core.wire.route import CONTROL_PREFIX
@@ -62,10 +62,15 @@ BOUND_HITS = 20  # a turn's best rendered matches, bound to its reply in the bin
 # a 64 KB body is read in about 0.3 ms, less than the two thread hops it saves.
 INLINE_BODY = 64 * 1024
 
-# The longest history `carried` decides on the event loop: a carried round's decision walks the
-# whole history (its check, its layout). Process CPU a round, a task of small rounds on a
-# 2-core machine: 0.55 ms at 101 messages, 1.04 at 401, 1.26 at 601, 1.60 at 801.
+# The longest live task `carried` decides on the event loop: a carried round's decision walks
+# the live task (from the person's latest prompt: its check, its layout), not the history
+# before it, which only grows. CPU a round, a task of small rounds on a 2-core machine: 1.05 ms
+# at 600 messages, 3.1 at 2,000, 5.3 at 4,000 (load 9).
 INLINE_MESSAGES = 600
+
+# The most bytes of a body not read before that `carried` reads on the event loop (the rest is
+# read already, `Seen.look`): a tool round's results, about 1 ms of parsing.
+INLINE_UNREAD = 256 * 1024
 
 # Dropped from what goes upstream beside the hop-by-hop headers: encodings, since the reply is
 # read to store it (providers stream SSE uncompressed anyway).
@@ -126,22 +131,23 @@ class Pipeline:
     def carried(self, u: Understood) -> Decision | None:
         """The decision for a tool round of the task in progress whose conversation's plan is
         carried as it stands (plan.Carry: nothing retrieved or built, no notes read), its body
-        one that continues a body read before, its history no longer than INLINE_MESSAGES;
-        None for any other request, with what was read of it kept in `u` for `decide`. What a
-        round costs then is far less than the GIL's switch interval (5 ms), so the preparing
-        thread would not spare the event loop that time, and its two hops would still cost
-        theirs (issue 24): the addon asks this on the loop first."""
+        one that continues a body read before by at most INLINE_UNREAD bytes, its live task no
+        longer than INLINE_MESSAGES, however long the history before it; None for any other
+        request, with what was read of it kept in `u` for `decide`. What a round costs then is
+        far less than the GIL's switch interval (5 ms), so the preparing thread would not spare
+        the event loop that time, and its two hops would still cost theirs (issue 24): the
+        addon asks this on the loop first."""
         if u.req.method != "POST":
             return None
         u.look = self.reader.seen.look(u.req.body)  # (read compares none of it again)
-        if not u.look.continues(INLINE_MESSAGES):
-            return None  # (a longer history is declined before it is parsed)
+        if not u.look.continues(INLINE_UNREAD):
+            return None  # (a body not read before is declined before it is parsed)
         self.reader.read(u)
         t = u.turn
         if u.done or t is None:
             return u.decision
-        if len(t.parsed.messages) > INLINE_MESSAGES or t.curates:
-            return None  # (curating writes the notes library)
+        if t.curates or not any(map(is_prompt, reversed(t.parsed.messages[-INLINE_MESSAGES:]))):
+            return None  # (a longer live task is laid out on the thread; curating writes notes)
         planned = None
         if t.recalls and not t.ident.side:
             planned = self.layout.planned(t.parsed, t.ident, t.at, t.tools_on, on_loop=True)

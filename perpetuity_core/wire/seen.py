@@ -69,10 +69,10 @@ class Look:
     found: tuple[_Entry, int, int] | None
 
     def continues(self, most: int) -> bool:
-        """Does the body continue a kept one, with fewer than `most` history elements up to
-        where it does? Counted without parsing (the end's index): a long history is refused
-        before it is read, not after."""
-        return self.found is not None and self.found[2] < most
+        """Does the body continue a kept one, with at most `most` bytes after where it does
+        (what `read` parses)? Known without parsing: a body mostly not read before is refused
+        before it is read, not after, however long the part read before."""
+        return self.found is not None and len(self.raw) - self.found[1] <= most
 
 
 @dataclass(slots=True)
