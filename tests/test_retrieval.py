@@ -174,7 +174,7 @@ def nearest(store: Store, qtf: Counter[int], df: Counter[int],
     for t in sorted(qtf):
         if t >= d.hash_base:
             continue
-        sims = (table @ table[t]).astype(np.float64).tolist()
+        sims = np.einsum("ij,j->i", table, table[t]).astype(np.float64).tolist()
         near = sorted((-s, u) for u, s in enumerate(sims)
                       if s >= vectors.NEAR_MIN and u != t and df[u] and u not in qtf)
         for negs, u in near[:vectors.NEAR]:

@@ -82,15 +82,16 @@ class Table:
     def near(self, d: Dictionary, term: int) -> tuple[np.ndarray, np.ndarray]:
         """The dictionary's terms nearest `term` by the table: those at a cosine of NEAR_MIN
         or more, best first (ties by id), `term` itself left out, as (ids int32, cosines
-        float64). Found once per term and dictionary (a product with every term's vector,
-        0.2 ms), then kept: a memory asks about the same words again and again."""
+        float64). Found once per term and dictionary (a product with every term's vector by
+        einsum's own loop, 0.4 ms: OpenBLAS's threaded one took 0.1 ms idle and 19 on average
+        on a loaded machine), then kept: a memory asks about the same words again and again."""
         if self._near_of != d.version:
             self._near, self._near_of = {}, d.version
         held = self._near.get(term)
         if held is not None:
             return held
         table = self.terms(d)
-        sims = (table @ table[term]).astype(np.float64)
+        sims = np.einsum("ij,j->i", table, table[term]).astype(np.float64)
         sims[term] = -1.0
         ids = np.flatnonzero(sims >= NEAR_MIN)
         order = np.lexsort((ids, -sims[ids]))
