@@ -114,7 +114,8 @@ def expanded(d: Dictionary, terms: np.ndarray, qtf: np.ndarray, df: np.ndarray,
     near = [(f, *table.near(d, t)) for t, f in zip(terms.tolist(), qtf.tolist(), strict=True)
             if t < d.hash_base]
     every = np.unique(np.concatenate([ids for _, ids, _ in near] + [np.zeros(0, np.int32)]))
-    df_near = dict(zip(every.tolist(), np.asarray(df_of(every)).tolist(), strict=True))
+    df_near = dict(zip(every.tolist(), np.asarray(df_of(every)).tolist(), strict=True)
+                   ) if every.size else {}
     brought: dict[int, float] = {}
     for f, ids, cos in near:  # one df read for every query term's nearest terms
         taken = [(u, c) for u, c in zip(ids.tolist(), cos.tolist(), strict=True)
