@@ -77,7 +77,8 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     """Brute-force score of every row, in plain Python: (item_id, score), best first.
 
     BM25 of each row, plus the weighted BM25 of the rows before and after it in its
-    conversation (store order), as bm25.Params describes; then the semantic half, for the
+    conversation (store order), as bm25.Params describes, the query's terms with those the
+    table brings (nearest, with semantic and expand on); then the semantic half, for the
     visible rows of the conversations holding the view.SEMANTIC_FROM best visible rows by
     that score (ties by seq): each one's cosine with the query (integer dot products of the
     stored int8 vectors), at zero below zero, times semantic * the best of those scores
@@ -106,14 +107,17 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
         return []
     avgdl = sum(r[4] for r in decoded) / n
     qtf = Counter(store.db.dictionary.ids(query).tolist())
+    counts: dict[int, float] = dict(qtf)
+    if params.semantic > 0 and params.expand > 0:
+        counts |= nearest(store, qtf, df, params.expand)
     bm25 = {}
     for seq, _, _, _, length, tf in decoded:
         s = 0.0
-        for t in sorted(qtf):
+        for t in sorted(counts):
             if df[t] and t in tf:
                 # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
                 idf = float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
-                w = qtf[t] * idf * (k1 + 1)
+                w = counts[t] * idf * (k1 + 1)
                 s += w * tf[t] / (tf[t] + (k1 * (1 - b) + k1 * b / avgdl * length))
         bm25[seq] = s
     chains: dict[int, list[int]] = {}
@@ -156,6 +160,26 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
             out.append((not own, -s, seq, item))
     out.sort()
     return [(item, -negs) for _, negs, _, item in out[:k]]
+
+
+def nearest(store: Store, qtf: Counter[int], df: Counter[int],
+            weight: float) -> dict[int, float]:
+    """The terms the query's terms bring (bm25.expanded): for each query term, by the table's
+    cosine with it (at least vectors.NEAR_MIN, best first, ties by id), the first vectors.NEAR
+    other terms that some row holds and the query does not, each counted weight * cosine * the
+    query term's count, the most over the query's terms."""
+    d = store.db.dictionary
+    table = vectors.table().terms(d)
+    out: dict[int, float] = {}
+    for t in sorted(qtf):
+        if t >= d.hash_base:
+            continue
+        sims = np.einsum("ij,j->i", table, table[t]).astype(np.float64).tolist()
+        near = sorted((-s, u) for u, s in enumerate(sims)
+                      if s >= vectors.NEAR_MIN and u != t and df[u] and u not in qtf)
+        for negs, u in near[:vectors.NEAR]:
+            out[u] = max(out.get(u, 0.0), weight * -negs * qtf[t])
+    return out
 
 
 def semantic_query(store: Store, query: str, df: Counter[int], n: int) -> list[int] | None:
