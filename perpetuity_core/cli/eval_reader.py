@@ -36,7 +36,7 @@ import json
 import tempfile
 import threading
 from collections.abc import Coroutine
-from concurrent.futures import Executor, Future
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -202,41 +202,36 @@ class Reader:
 
 class Proxy:
     """The pipeline and the real relay, in process: what mitmdump runs, without mitmproxy in
-    between (the tests drive the same reader through a real mitmdump). A job's writes run at
-    once on the relay's loop while the asking thread waits for the reply: one writer, in order,
-    each stored before the next question is asked."""
+    between (the tests drive the same reader through a real mitmdump). A job's writes run on
+    one writer thread after the reply, as the proxy's do; a question waits for the writes
+    queued before it for its user (serve.writer.Landing), as it does through the proxy."""
 
     def __init__(self, pipeline: Pipeline, loop: EventLoop, timeout: float = 60.0) -> None:
         self.pipeline, self.loop = pipeline, loop
         self.relay = Relay(self._run_tool)
         loop.run(self.relay.start())
         self.http = httpx.Client(trust_env=False, timeout=timeout)
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="perpetuity-store")
 
     def close(self) -> None:
         self.http.close()
         self.loop.run(self.relay.stop())
+        self.writer.shutdown(wait=True)  # the last reply stored before the store closes
 
     def send(self, job: Job) -> httpx.Response:
         """Run one job's exchange through the relay, as mitmproxy hands it over: the reply
         the client receives."""
-        token = self.relay.submit(Capture(job, self.pipeline, _Inline()))
+        capture = Capture(job, self.pipeline, self.writer, self.pipeline.landing)
+        token = self.relay.submit(capture)
         return self.http.post(f"http://127.0.0.1:{self.relay.port}/",
                               headers={JOB_HEADER: token}, content=b"")
 
+    def written(self) -> None:
+        """Wait for every write queued so far (FIFO: a no-op behind them has run)."""
+        self.writer.submit(lambda: None).result()
+
     async def _run_tool(self, name: str, arguments: Any, memory: Any) -> str:
         return self.pipeline.run_tool(name, arguments, memory)
-
-
-class _Inline(Executor):
-    """Runs each write at once, on the caller's thread (the relay's loop)."""
-
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
-        done: Future = Future()
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except Exception as e:  # the capture reports it, as the writer thread's would be
-            done.set_exception(e)
-        return done
 
 
 class Outcome(NamedTuple):
@@ -281,6 +276,7 @@ def ask_in_sequence(proxy: Proxy, reader: Reader, case: base.Case) -> list[Outco
             requests = [json.loads(d.body) if d.body is not None else {"messages": history}]
         evidence = [case.thread.messages[i].text for i in q.evidence]
         seen = check(requests, evidence, q.category, k == 0)
+        proxy.written()  # the ranking read, as before, after this question's writes
         out.append(seen._replace(ranking=base.ranking_holds(
             proxy.pipeline, user, q.text, at, seen.tokens, evidence)))
         history.append({"role": "assistant", "content": ANSWER})

@@ -61,7 +61,7 @@ class CodexSocket:
         if content is not None:  # every change at once, after everything it needs succeeded
             message.content = content
         if decision.job is not None and flow.websocket is not None:
-            capture = Capture(decision.job, pipeline, s.executor)
+            capture = Capture(decision.job, pipeline, s.executor, pipeline.landing)
             capture.sent()
             state.message = SocketReply(
                 link, capture, decision, message.content, None if content is None else original,

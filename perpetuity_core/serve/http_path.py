@@ -131,7 +131,8 @@ class HttpPath:
         route = d.route
         assert route is not None  # (provider traffic: neither answered nor left alone above)
         if d.job is not None and self.shared.pipeline is not None:
-            state.capture = Capture(d.job, self.shared.pipeline, self.shared.executor)
+            state.capture = Capture(d.job, self.shared.pipeline, self.shared.executor,
+                                    self.shared.pipeline.landing)
             state.relayed = d.job.relay
         token = ""
         if state.capture and state.relayed:

@@ -48,6 +48,7 @@ from perpetuity_core.serve.layout import Layout, Planned
 from perpetuity_core.serve.reading import RequestReader, Turn, Understood
 from perpetuity_core.serve.settings import Settings
 from perpetuity_core.serve.tally import Savings
+from perpetuity_core.serve.writer import Landing
 from perpetuity_core.wire import mend
 from perpetuity_core.wire.conversation import Kind, ParsedRequest, Protocol, Reply, is_prompt
 from perpetuity_core.wire.identity import PERSONAL
@@ -96,6 +97,7 @@ class Pipeline:
         self._shapes: dict[str, str] = {}  # harness -> digest of its request shape last kept
         self.reader = RequestReader(store.salt, settings)  # each request read once
         self.savings = Savings()  # the live tally's prompt caches (the store's writer uses them)
+        self.landing = Landing()  # each user's writes queued and not yet run (serve.writer)
 
     def understand(self, req: HttpRequest) -> Understood:
         """The request's line and headers read (serve.reading): done where they decide it
@@ -190,9 +192,16 @@ class Pipeline:
             return d
         recall = Recall()
         if t.recalls:
-            recall = self.layout.recall(
-                body, parsed, ident, t.protocol, t.at, t.tools_on, t.library,
-                planned or self.layout.planned(parsed, ident, t.at, t.tools_on))
+            planned = planned or self.layout.planned(parsed, ident, t.at, t.tools_on)
+            # What retrieves reads the user's earlier turns, reheats and clock as stored: their
+            # writes, queued before the client had its reply, may not have run yet (the
+            # figures of `perpetuity eval` through the proxy moved with the load). A carried
+            # round retrieves nothing, and is not held up.
+            if (isinstance(planned.decided, plan.Rebuild | plan.Addendum | None)
+                    and self.landing.wait(ident.user)):
+                planned = self.layout.planned(parsed, ident, t.at, t.tools_on)
+            recall = self.layout.recall(body, parsed, ident, t.protocol, t.at, t.tools_on,
+                                        t.library, planned)
         return self._laid_out(u, t, recall)
 
     def _laid_out(self, u: Understood, t: Turn, recall: Recall) -> Decision:

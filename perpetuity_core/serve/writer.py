@@ -5,20 +5,31 @@ Many paths reach the point where a write is due (the relay as the first bytes go
 at the end, the tee on mitmproxy's stream, the addon's `response` and `error` hooks, a fallback
 after a 400), so each step is idempotent by design: a step that already ran is a no-op, never
 a second write. Both steps run on the event loop, and only queue.
+
+The client has its reply before the writer has run what it queued (the turn, its reheats, the
+reply, the clock's moves). `Landing` keeps each user's latest queued write, which that user's
+next request waits for (bounded) before it retrieves: its frame then reads what came before it,
+whatever the machine's load, and another user's request never waits on it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Executor, Future
-from typing import Protocol
+from concurrent.futures import wait as wait_for
+from typing import Any, Protocol
 
 from perpetuity_core.memory.storage.capture import TurnContext
 from perpetuity_core.serve.exchange import Job, PendingTurn
 from perpetuity_core.wire.conversation import Reply
 
 log = logging.getLogger("perpetuity")
+
+# How long a request waits for its user's earlier writes: far past a reply's write (~1-20 ms,
+# more under load), short enough that a stuck disk delays a request, never stops it.
+LANDING_BOUND = 2.0  # seconds
 
 
 class Stores(Protocol):
@@ -32,13 +43,48 @@ class Stores(Protocol):
     def tally(self, job: Job, reply: Reply) -> None: ...
 
 
-class Capture:
-    """One job's capture: made with the job, carried with it wherever it runs."""
+class Landing:
+    """Each user's latest write queued on the one writer thread, until it has run: FIFO, so
+    when it has, so have all that user's writes queued before it."""
 
-    def __init__(self, job: Job, pipeline: Stores, writer: Executor) -> None:
+    def __init__(self, bound: float = LANDING_BOUND) -> None:
+        self.bound = bound
+        self._last: dict[str, Future[Any]] = {}  # user key -> their latest write not yet run
+        self._lock = threading.Lock()  # queued on the event loop, waited for on the parser's
+
+    def queued(self, user: str, write: Future[Any]) -> None:
+        with self._lock:
+            self._last[user] = write
+        write.add_done_callback(lambda done: self._landed(user, done))  # (at once, if run)
+
+    def _landed(self, user: str, done: Future[Any]) -> None:
+        with self._lock:
+            if self._last.get(user) is done:
+                del self._last[user]
+
+    def wait(self, user: str) -> bool:
+        """Wait, up to `bound` seconds, for `user`'s writes queued so far; whether any were
+        pending."""
+        with self._lock:
+            write = self._last.get(user)
+        if write is None:
+            return False
+        if wait_for([write], timeout=self.bound).not_done:
+            log.warning("perpetuity: a request was prepared before its user's earlier writes"
+                        " were stored (the writer was busy over %.1f s)", self.bound)
+        return True
+
+
+class Capture:
+    """One job's capture: made with the job, carried with it wherever it runs; its writes
+    are told to `landing` (the pipeline's), which the user's next request waits for."""
+
+    def __init__(self, job: Job, pipeline: Stores, writer: Executor,
+                 landing: Landing | None = None) -> None:
         self.job = job
         self._pipeline = pipeline
         self._writer = writer  # one thread: SQLite has one writer, and FIFO keeps replies in order
+        self._landing = landing
         self._turn: Future[TurnContext] | None = None  # the request's write, once queued
         self._replied = False
 
@@ -48,6 +94,7 @@ class Capture:
             return
         self._turn = self._writer.submit(self._pipeline.store_turn, self.job.pending)
         self._turn.add_done_callback(_report_unstored)  # read even when no reply follows
+        self._tell(self._turn)
 
     def replied(self, reply: Reply | None) -> None:
         """Queue the reply behind its request (the request first, if it was not yet); once. None,
@@ -68,7 +115,11 @@ class Capture:
                     log.exception("perpetuity: could not store the reply")
             pipeline.tally(job, reply)  # after the reply, which the next request may read
 
-        self._writer.submit(write)
+        self._tell(self._writer.submit(write))
+
+    def _tell(self, write: Future[Any]) -> None:
+        if self._landing is not None:
+            self._landing.queued(self.job.pending.user, write)
 
 
 def _report_unstored(turn: Future) -> None:
