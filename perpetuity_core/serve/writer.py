@@ -9,7 +9,7 @@ a second write. Both steps run on the event loop, and only queue.
 The client has its reply before the writer has run what it queued (the turn, its reheats, the
 reply, the clock's moves). `Landing` keeps each user's latest queued write, which that user's
 next request waits for (bounded) before it retrieves: its frame then reads what came before it,
-whatever the machine's load, and another user's request never waits on it.
+whatever the machine's load; another user's request is not held for them.
 """
 
 from __future__ import annotations
