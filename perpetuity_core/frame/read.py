@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from perpetuity_core.frame import dates
+from perpetuity_core.frame import dates, subject
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.storage.reads import (
@@ -63,13 +63,17 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
     """A question's hits, best first, outside the `excluded` messages; when the question names
     a date, the rows said then come first, each part in the scan's order (LoCoMo recall_all,
     `perpetuity eval`: 0.830 without, 0.844 with, at the same mean frame; 200 of its 1,535
-    questions name a date)."""
+    questions name a date); within each part the rows said by whom the question is about rank
+    higher (frame_subject)."""
     during = dates.window(query, asked_at)
     found: list[Hit] = []
     for span in ([during] if during else []) + [None]:
         seen = {h.item_id for h in found}
-        hits = scanner.search(query, user_id, limit=limit + len(excluded), during=span)
-        found += [h for h in hits if h.message_id not in excluded and h.item_id not in seen]
+        # At least the hits the subject re-orders, so a shallower read orders its rows alike.
+        hits = scanner.search(query, user_id, limit=max(limit, subject.DEPTH) + len(excluded),
+                              during=span)
+        hits = subject.ranked(query, [h for h in hits if h.message_id not in excluded])
+        found += [h for h in hits if h.item_id not in seen]
     return found[:limit]
 
 

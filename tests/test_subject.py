@@ -1,0 +1,97 @@
+"""The question's subject (frame/subject.py): the rows said by whom a question is about rank
+higher among its hits, a step of its own after the scan, whose top-k stays the fused score's
+(tests/test_retrieval.py). `reference` is the rule written out plainly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from perpetuity_core.frame import read as frame_read
+from perpetuity_core.frame import subject
+from perpetuity_core.memory.derived.scan import Hit, Scanner
+from perpetuity_core.memory.storage import capture
+from perpetuity_core.memory.storage.store import Store
+from perpetuity_core.wire.conversation import Message, text_part
+
+
+def hit(k: int, text: str, score: float, role: str = "user") -> Hit:
+    return Hit(k, k, 1, 1, role, 0.0, score, text, seq=k)
+
+
+def reference(query: str, hits: list[Hit]) -> list[Hit]:
+    """The rule plainly: who the subject is, then a stable sort of the first DEPTH hits by
+    score, the subject's times (1 + SUBJECT)."""
+    head = hits[:subject.DEPTH]
+    question = set(query.lower().replace("'s", "").replace("?", "").split())
+    speakers = {h.text.split(": ")[0] for h in head if ": " in h.text and h.text[0].isupper()}
+    named = {s for s in speakers if s.lower() in question}
+    if len(named) == 1:
+        def said(h: Hit) -> bool:
+            return h.text.split(": ")[0] in named
+    elif not named and question & {"i", "me", "my", "mine", "myself"}:
+        def said(h: Hit) -> bool:
+            return h.role == "user" and not (": " in h.text and h.text[0].isupper())
+    else:
+        return hits
+    return sorted(head, key=lambda h: -h.score * (1 + subject.SUBJECT if said(h) else 1)
+                  ) + hits[subject.DEPTH:]
+
+
+TRANSCRIPT = [hit(1, "Caroline: Thanks, Melanie! Your family is lovely.", 9.0),
+              hit(2, "Melanie: We went camping with the kids.", 6.0, "assistant"),
+              hit(3, "Caroline: I joined a support group.", 5.0),
+              hit(4, "Melanie: Pottery class was fun.", 4.0, "assistant")]
+CHAT = [hit(1, "The sprint ends when the review is done; a sprint review closes it.", 9.0,
+            "assistant"),
+        hit(2, "I set my first sprint to end on Friday.", 5.0),
+        hit(3, "Note: a reminder I pasted.", 4.0)]
+
+
+@pytest.mark.parametrize(("query", "hits", "order"), [
+    ("What has Melanie done with her family?", TRANSCRIPT, [2, 1, 4, 3]),
+    ("What is Melanie's favourite activity?", TRANSCRIPT, [2, 1, 4, 3]),
+    ("What did Caroline join?", TRANSCRIPT, [1, 3, 2, 4]),
+    ("What have Caroline and Melanie both done?", TRANSCRIPT, [1, 2, 3, 4]),  # two: no subject
+    ("What did they do?", TRANSCRIPT, [1, 2, 3, 4]),
+    ("When does my first sprint end?", CHAT, [2, 1, 3]),  # the person's own turns
+    ("When does the sprint end?", CHAT, [1, 2, 3]),
+])
+def test_the_subjects_rows_rank_higher(query: str, hits: list[Hit], order: list[int]) -> None:
+    got = subject.ranked(query, hits)
+    assert [h.item_id for h in got] == order
+    assert got == reference(query, hits)
+    assert [h.score for h in sorted(got, key=lambda h: h.item_id)] == [h.score for h in hits]
+
+
+def test_only_the_first_hits_are_reordered() -> None:
+    head = [hit(k, f"Caroline: talk {k}", 100.0 - k * 0.01) for k in range(subject.DEPTH - 1)]
+    hits = [*head, hit(500, "Melanie: inside the depth", 60.0, "assistant"),
+            hit(999, "Melanie: past the depth", 50.0, "assistant"), hit(1000, "Caroline: x", 0.5)]
+    got = subject.ranked("What did Melanie say?", hits)
+    assert got[0].item_id == 500  # 60 as 120, before 100
+    assert [h.item_id for h in got[-2:]] == [999, 1000]  # past DEPTH: as they were
+    assert got == reference("What did Melanie say?", hits)
+
+
+def test_the_frames_search_ranks_the_named_speakers_turns_first(store: Store) -> None:
+    """Through the store and the scan: the other speaker's turns that name Melanie score
+    higher; the frame's search puts hers first, the scan's order stays the score's."""
+    turns = ["Caroline: Melanie, your family sounds great, Melanie!",
+             "Melanie: We went camping with the kids last weekend.",
+             "Caroline: Melanie, family matters most, Melanie.",
+             "Melanie: I signed up for a pottery class."]
+    capture.record(store, user_key="u", conversation_key="c", provider="anthropic", model="m",
+                   messages=[Message("user" if i % 2 == 0 else "assistant", (text_part(t),))
+                             for i, t in enumerate(turns)],
+                   times=[1_700_000_000.0 + i for i in range(len(turns))], source="import")
+    uid = store.find_user("u")
+    assert uid is not None
+    scanner = Scanner(store)
+    query = "What activities has Melanie done with her family?"
+    scanned = scanner.search(query, uid, limit=10)
+    assert scanned[0].text.startswith("Caroline:")  # the score alone: the one naming her
+    found = frame_read.search(scanner, query, uid, time.time())
+    assert found[0].text.startswith("Melanie:")
+    assert [h.item_id for h in found] == [h.item_id for h in subject.ranked(query, scanned)]
