@@ -5,15 +5,21 @@ higher among its hits, a step of its own after the scan, whose top-k stays the f
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from perpetuity_core.frame import read as frame_read
+from perpetuity_core.frame import select as frame_select
 from perpetuity_core.frame import subject
+from perpetuity_core.frame.render import cost
+from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.storage import capture
+from perpetuity_core.memory.storage.reads import Row
 from perpetuity_core.memory.storage.store import Store
-from perpetuity_core.wire.conversation import Message, text_part
+from perpetuity_core.wire.conversation import Kind, Message, text_part
 
 
 def hit(k: int, text: str, score: float, role: str = "user") -> Hit:
@@ -95,3 +101,25 @@ def test_the_frames_search_ranks_the_named_speakers_turns_first(store: Store) ->
     found = frame_read.search(scanner, query, uid, time.time())
     assert found[0].text.startswith("Melanie:")
     assert [h.item_id for h in found] == [h.item_id for h in subject.ranked(query, scanned)]
+
+
+def test_the_fill_weighs_the_subjects_rows_higher() -> None:
+    """Equally warm rows of one conversation, room for two: the subject's go in."""
+    def row(i: int, text: str, role: str) -> Row:
+        return Row(i, i, 1, "c", role, 0.0, Kind.TEXT.value, "", text)
+
+    rows = {1: row(1, "Caroline: Melanie, you look well.", "user"),
+            2: row(2, "Caroline: Melanie, thanks again.", "user"),
+            3: row(3, "Melanie: We went camping.", "assistant"),
+            4: row(4, "Melanie: Pottery was fun.", "assistant")}
+    warm = heat.Warm(np.array([1, 2, 3, 4], np.int64), np.array([1.0, 1.0, 0.8, 0.8]))
+    flags = subject.said("What has Melanie done?", [(r.text, r.role) for r in rows.values()])
+    assert flags == [False, False, True, True]
+    said = {i for i, f in zip(rows, flags, strict=True) if f}
+
+    def measure(base: list[int], added: list[int]) -> Callable[[int], int]:
+        return lambda k: sum(cost(rows[i]) for i in base + added[:k])
+
+    room = cost(rows[1]) + cost(rows[2])
+    assert sorted(frame_select.fill(rows, warm, set(), room, measure, {1: 1.0})) == [1, 2]
+    assert sorted(frame_select.fill(rows, warm, set(), room, measure, {1: 1.0}, said)) == [3, 4]

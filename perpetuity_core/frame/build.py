@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from perpetuity_core.frame import cap
+from perpetuity_core.frame import cap, subject
 from perpetuity_core.frame import read as frame_read
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
@@ -85,8 +85,10 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
         return frame_render.prefix_tokens(rows, base, added, recent, shelf.adjacent, asked_at,
                                           conversation_id, apart=agent)
 
+    flags = subject.said(query, [(r.text, r.role) for r in shelf.rows.values()])
+    by_subject = {i for i, f in zip(shelf.rows, flags or (), strict=False) if f}
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
-                                tokens, limits, measured, agent)
+                                tokens, limits, measured, agent, by_subject)
     if not chosen.item_ids:
         return None
     rows = {**shelf.rows, **chosen.excerpts} if chosen.excerpts else shelf.rows

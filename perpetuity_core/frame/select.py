@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from perpetuity_core.frame import cap
+from perpetuity_core.frame import cap, subject
 from perpetuity_core.frame.render import cost
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
@@ -112,7 +112,7 @@ def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0, chat: bool = 
 
 def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int],
           recent_items: list[int], tokens: int, limits: cap.Cap, measure: Measure,
-          agent: bool = False) -> Selection:
+          agent: bool = False, said: Collection[int] = frozenset()) -> Selection:
     """A frame's rows: the mandatory ones, then the most warmth per token within `tokens` as
     rendered. `half` is the rows of the top hit's other half, `recent_items` the rows of the
     conversation's latest stretch (store order). An `agent`'s frame (a harness that sends
@@ -135,7 +135,7 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     # (its latest stretch holds its task).
     new = fill(shown, warm, must, tokens,
                lambda base, added: measure(base, added, recent, excerpts),
-               None if agent else focus(warm, rows))
+               None if agent else focus(warm, rows), said)
     why = {**dict.fromkeys(recent, MUST_RECENT), **dict.fromkeys(other, MUST_HALF),
            **({hits[0].item_id: MUST_TOP} if hits else {})}
     return Selection(new, rows, recent, why, excerpts)
@@ -409,7 +409,8 @@ def by_warmth_per_token(warm: heat.Warm, costs: Mapping[int, int],
 
 def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
          measure: Callable[[list[int], list[int]], Callable[[int], int]],
-         focused: Mapping[int, float] | None = None) -> list[int]:
+         focused: Mapping[int, float] | None = None,
+         said: Collection[int] = frozenset()) -> list[int]:
     """The rows to render: the mandatory ones (`must`, never dropped), then the rows with the
     most warmth per token while their estimated size fits (each row's warmth weighed by its
     conversation's weight in `focused`, FOCUS_FLOOR where none of its rows is warm, when
@@ -418,6 +419,7 @@ def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
     most of those added rows, in the order they were added, whose frame fits (`fitting`)."""
     costs = {i: cost(r) for i, r in rows.items()}
     weights = ({i: max(focused.get(r.conversation_id, 0.0), FOCUS_FLOOR)
+                * (1.0 + subject.SUBJECT if i in said else 1.0)
                 for i, r in rows.items()} if focused else None)
     order = by_warmth_per_token(warm, costs, weights)
     ordered = set(order)

@@ -42,21 +42,28 @@ def _words(text: str) -> str:
     return " ".join(_WORD.findall(text.lower()))
 
 
+def said(query: str, spoken: list[tuple[str, str]]) -> list[bool] | None:
+    """Which of the rows `spoken` ((text, role) each) the question's subject said, or None
+    when it has none."""
+    labels = [label(text) for text, _ in spoken]
+    words = f" {_words(query)} "  # "Melanie's" names Melanie
+    named = {s for s in set(labels) if s is not None and f" {_words(s)} " in words}
+    if len(named) == 1:
+        return [s in named for s in labels]
+    if not named and _FIRST_PERSON.search(query):
+        return [s is None and role == "user" for s, (_, role) in zip(labels, spoken, strict=True)]
+    return None
+
+
 def ranked(query: str, hits: list[Hit]) -> list[Hit]:
     """`hits` (best first) with the first DEPTH re-ordered: the subject's rows at (1 + SUBJECT)
     times their score, ties in their order; the rest after them as they were. As they were when
     the question has no subject."""
     head = hits[:DEPTH]
-    labels = [label(h.text) for h in head]
-    words = f" {_words(query)} "  # "Melanie's" names Melanie
-    named = {s for s in set(labels) if s is not None and f" {_words(s)} " in words}
-    if len(named) == 1:
-        said = [s in named for s in labels]
-    elif not named and _FIRST_PERSON.search(query):
-        said = [s is None and h.role == "user" for s, h in zip(labels, head, strict=True)]
-    else:
+    flags = said(query, [(h.text, h.role) for h in head])
+    if flags is None:
         return hits
     boost = 1.0 + SUBJECT
     order = sorted(range(len(head)),
-                   key=lambda k: (-(head[k].score * boost if said[k] else head[k].score), k))
+                   key=lambda k: (-(head[k].score * boost if flags[k] else head[k].score), k))
     return [head[k] for k in order] + hits[DEPTH:]
