@@ -30,13 +30,13 @@ def reference(query: str, hits: list[Hit]) -> list[Hit]:
     """The rule plainly: who the subject is, then a stable sort of the first DEPTH hits by
     score, the subject's times (1 + SUBJECT)."""
     head = hits[:subject.DEPTH]
-    question = set(query.lower().replace("'s", "").replace("?", "").split())
+    question = set(query.replace("'s", "").replace("?", "").split())
     speakers = {h.text.split(": ")[0] for h in head if ": " in h.text and h.text[0].isupper()}
-    named = {s for s in speakers if s.lower() in question}
+    named = {s for s in speakers if s in question}
     if len(named) == 1:
         def said(h: Hit) -> bool:
             return h.text.split(": ")[0] in named
-    elif not named and question & {"i", "me", "my", "mine", "myself"}:
+    elif not named and {w.lower() for w in question} & {"i", "me", "my", "mine", "myself"}:
         def said(h: Hit) -> bool:
             return h.role == "user" and not (": " in h.text and h.text[0].isupper())
     else:
@@ -63,6 +63,7 @@ CHAT = [hit(1, "The sprint ends when the review is done; a sprint review closes 
     ("What did they do?", TRANSCRIPT, [1, 2, 3, 4]),
     ("When does my first sprint end?", CHAT, [2, 1, 3]),  # the person's own turns
     ("When does the sprint end?", CHAT, [1, 2, 3]),
+    ("What did the note say about my sprint?", CHAT, [2, 1, 3]),  # "Note:" is not named
 ])
 def test_the_subjects_rows_rank_higher(query: str, hits: list[Hit], order: list[int]) -> None:
     got = subject.ranked(query, hits)

@@ -22,6 +22,8 @@ import re
 
 from perpetuity_core.memory.derived.scan import Hit
 
+# A subject's row ranks and fills as if (1 + SUBJECT) times as good: 0.5 to 3 measured on
+# LoCoMo, per conversation and pooled (docs/tuning.md).
 SUBJECT = 1.0
 # The hits re-ordered: the frame's own (frame_read.HITS), so the frame and the ranking measured
 # beside it (`perpetuity eval`, read deeper) order their first rows alike.
@@ -39,14 +41,15 @@ def label(text: str) -> str | None:
 
 
 def _words(text: str) -> str:
-    return " ".join(_WORD.findall(text.lower()))
+    return " ".join(_WORD.findall(text))
 
 
 def said(query: str, spoken: list[tuple[str, str]]) -> list[bool] | None:
     """Which of the rows `spoken` ((text, role) each) the question's subject said, or None
     when it has none."""
     labels = [label(text) for text, _ in spoken]
-    words = f" {_words(query)} "  # "Melanie's" names Melanie
+    # As written: "Melanie's" names Melanie; "the update" names no "Update: ..." label.
+    words = f" {_words(query)} "
     named = {s for s in set(labels) if s is not None and f" {_words(s)} " in words}
     if len(named) == 1:
         return [s in named for s in labels]
