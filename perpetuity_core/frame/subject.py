@@ -18,6 +18,7 @@ Trials and figures: docs/tuning.md.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from perpetuity_core.memory.derived.scan import Hit
@@ -34,8 +35,11 @@ _FIRST_PERSON = re.compile(r"\b(?:i|me|my|mine|myself)\b", re.IGNORECASE)
 _WORD = re.compile(r"\w+")
 
 
+@functools.lru_cache(maxsize=4096)
 def label(text: str) -> str | None:
-    """The speaker a transcript's row is labelled with, or None."""
+    """The speaker a transcript's row is labelled with, or None. Kept for the latest texts, as
+    frame_select.names: the next question reads most of the same rows (0.14 ms for 500 rows
+    afresh, 0.02 kept)."""
     m = _LABEL.match(text)
     return m.group(1) if m else None
 
