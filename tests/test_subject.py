@@ -102,6 +102,9 @@ def test_the_frames_search_ranks_the_named_speakers_turns_first(store: Store) ->
     found = frame_read.search(scanner, query, uid, time.time())
     assert found[0].text.startswith("Melanie:")
     assert [h.item_id for h in found] == [h.item_id for h in subject.ranked(query, scanned)]
+    # An agent's prompt is left in the scan's order.
+    agent = frame_read.search(scanner, query, uid, time.time(), chat=False)
+    assert [h.item_id for h in agent] == [h.item_id for h in scanned]
 
 
 def test_the_fill_weighs_the_subjects_rows_higher() -> None:

@@ -11,6 +11,7 @@ An addendum is built the same way for a new prompt under a frame that stays.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -72,7 +73,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     the next step used). Messages `said` before are the objects made then (frame_render.Said).
     """
     excluded = set(exclude_messages)
-    found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded)
+    found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded, chat=not agent)
     warm, shelf = frame_read.for_frame(scanner, found, user_id, excluded, recent_messages,
                                        1.0 if agent else heat.CARRIED)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens,
@@ -85,8 +86,9 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
         return frame_render.prefix_tokens(rows, base, added, recent, shelf.adjacent, asked_at,
                                           conversation_id, apart=agent)
 
-    flags = subject.said(query, [(r.text, r.role) for r in shelf.rows.values()])
-    by_subject = {i for i, f in zip(shelf.rows, flags or (), strict=False) if f}
+    # A chat's fill weighs its question's subject's rows as its search ranks them.
+    flags = None if agent else subject.said(query, [(r.text, r.role) for r in shelf.rows.values()])
+    by_subject = set(itertools.compress(shelf.rows, flags)) if flags else set()
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
                                 tokens, limits, measured, agent, by_subject)
     if not chosen.item_ids:

@@ -59,12 +59,13 @@ class Shelf:
 
 
 def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
-           excluded: Collection[int] = frozenset(), limit: int = HITS) -> list[Hit]:
+           excluded: Collection[int] = frozenset(), limit: int = HITS,
+           chat: bool = True) -> list[Hit]:
     """A question's hits, best first, outside the `excluded` messages; when the question names
     a date, the rows said then come first, each part in the scan's order (LoCoMo recall_all,
     `perpetuity eval`: 0.830 without, 0.844 with, at the same mean frame; 200 of its 1,535
-    questions name a date); within each part the rows said by whom the question is about rank
-    higher (frame_subject)."""
+    questions name a date); within each part, for a `chat`, the rows said by whom the question
+    is about rank higher (frame_subject; an agent's prompt is left as measured)."""
     during = dates.window(query, asked_at)
     found: list[Hit] = []
     for span in ([during] if during else []) + [None]:
@@ -72,16 +73,17 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
         # At least the hits the subject re-orders, so a shallower read orders its rows alike.
         hits = scanner.search(query, user_id, limit=max(limit, subject.DEPTH) + len(excluded),
                               during=span)
-        hits = subject.ranked(query, [h for h in hits if h.message_id not in excluded])
+        hits = [h for h in hits if h.message_id not in excluded]
+        hits = subject.ranked(query, hits) if chat else hits
         found += [h for h in hits if h.item_id not in seen]
     return found[:limit]
 
 
 def retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float,
-             excluded: set[int]) -> Found:
-    """A question's hits, the reheats they bring (peaks by rank, neighbours warming with
-    them) and the user's clock."""
-    hits = search(scanner, query, user_id, asked_at, excluded)
+             excluded: set[int], chat: bool = True) -> Found:
+    """A question's hits (`search`), the reheats they bring (peaks by rank, neighbours warming
+    with them) and the user's clock."""
+    hits = search(scanner, query, user_id, asked_at, excluded, chat=chat)
     reheats = heat.rank_reheats([h.item_id for h in hits],
                                 _neighbours(scanner, hits[:NEIGHBOUR_HITS], excluded))
     return Found(hits, reheats, heat.clock(scanner.db, user_id))

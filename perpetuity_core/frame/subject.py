@@ -3,7 +3,7 @@
 A question about a person is answered by what that person said. On LoCoMo 95% of the evidence
 turns of the multi-hop and open-domain questions the ranking missed within 4,000 tokens were
 said by the person the question names, sharing little but the name with it, while 41% of the
-rows taken before them were the other speaker's (most of them addressing that person by name).
+rows taken before them were another speaker's ("Caroline: Thanks, Melanie!").
 So among a question's first DEPTH hits, a row said by its subject ranks as if it scored
 (1 + SUBJECT) times its score; the hits keep their scores (the cap reads their spread, and the
 scan's top-k stays the fused score's). Who the subject is:
