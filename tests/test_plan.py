@@ -70,10 +70,11 @@ LIMITS = Cap(floor=100, ceiling=1_000)
 
 
 def _plan(anchor: int = 2, prompt: int = 2, frame_tokens: int = 500, excess: float = 0.0,
-          talk: list[Message] = TALK, pace: plan.Pace | None = None) -> plan.Plan:
+          talk: list[Message] = TALK, pace: plan.Pace | None = None,
+          agent: bool = False) -> plan.Plan:
     return plan.Plan(frame=(), frame_tokens=frame_tokens, anchor=plan.mark(talk, anchor),
                      prompt=plan.mark(talk, prompt), at=T0, excess=excess,
-                     pace=pace or plan.Pace())
+                     pace=pace or plan.Pace(), agent=agent)
 
 
 EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
@@ -92,8 +93,11 @@ EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
      plan.Addendum),
     ("a new prompt after the cache expired", _plan(), TALK[:5], 4, T0 + plan.TTL + 1,
      plan.Rebuild),
-    ("expired, but a rebuild would not shrink the request", _plan(anchor=3, prompt=3),
-     TALK[:5], 4, T0 + plan.TTL + 1, plan.Addendum),
+    ("expired, but an agent's rebuild would not shrink the request",
+     _plan(anchor=3, prompt=3, agent=True), TALK[:5], 4, T0 + plan.TTL + 1, plan.Addendum),
+    # A chat's rebuilt frame is sized to the room its request has: it never grows past it.
+    ("expired: a chat's frame, rebuilt, is no larger", _plan(anchor=3, prompt=3), TALK[:5], 4,
+     T0 + plan.TTL + 1, plan.Rebuild),
     ("the re-reads paid reach a frame's write", _plan(excess=560), TALK[:5], 4, T0 + 10,
      plan.Rebuild),
     ("a frame under the floor is priced at the floor", _plan(frame_tokens=10),
@@ -101,8 +105,8 @@ EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
     # Tasks of 20 calls: 0.1 x 800 re-read on each of the next task's 21 / 2 calls >= 625.
     ("a long task ahead re-reads what is kept on every call", _plan(pace=plan.Pace(20, 1)),
      TALK[:5], 4, T0 + 10, plan.Rebuild),
-    ("a new prompt in an agent's short conversation", replace(_plan(anchor=0, prompt=0),
-     agent=True), TALK[:3], 2, T0 + 10, plan.Addendum),
+    ("a new prompt in an agent's short conversation", _plan(anchor=0, prompt=0, agent=True),
+     TALK[:3], 2, T0 + 10, plan.Addendum),
 ])
 def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: int, at: float,
                 expected: type) -> None:
@@ -127,7 +131,7 @@ def test_an_agents_short_conversation_is_not_rebuilt_to_keep_it_all() -> None:
     """A rebuild of a conversation shorter than a frame keeps all of it, written again after a
     new frame: however long its tasks, no re-read is saved while the cache holds."""
     limits = Cap(floor=100, ceiling=2_000)  # TALK's 1,600 tokens before its prompt are short
-    agent = replace(_plan(anchor=0, prompt=0, pace=plan.Pace(20, 1)), agent=True)
+    agent = _plan(anchor=0, prompt=0, pace=plan.Pace(20, 1), agent=True)
     assert isinstance(plan.decide(agent, TALK[:5], 4, T0 + 10, limits), plan.Addendum)
     expired = plan.decide(agent, TALK[:5], 4, T0 + plan.TTL + 1, limits)
     assert isinstance(expired, plan.Rebuild)  # everything is written again anyway

@@ -46,14 +46,17 @@ kept. Its prompt and its last `LAST_ROUNDS` rounds are never cut. Each of these 
 cache from the first change on, so it happens only at the bound, and a trim frees `HEADROOM`
 more than it must, so that the calls after it grow at their end again before the next.
 
-A conversation whose history is shorter than a frame is never replaced at all (a chat of a few
-thousand tokens is cheapest sent as it is): it gets a frame of other conversations' memory in
-front, its own turns kept as sent, until its history outgrows the frame. In a chat (a client
-that sends no tools of its own) each prompt gets a new frame: what that rewrites after the
-frame is the short history, about what an addendum would cost, and the frame then holds what
-this prompt needs, not what earlier ones did. An agent's prompts get addenda instead: a new
-frame rewrote the frame and the history after it at every prompt, 1.1 to 1.4 times the direct
-cost of a new Claude Code session's first calls.
+An agent's conversation whose history is shorter than a frame is never replaced at all: it gets
+a frame of other conversations' memory in front, its own turns kept as sent, until its history
+outgrows the frame. A chat (a client that sends no tools of its own) keeps as sent only its
+latest exchange, whatever its length, and the exchanges before it within `CHAT_KEPT` tokens
+(`chat_keep`: the turns a follow-up leans on); memory holds the rest, and the frame is sized to
+the room that leaves in the request (frame.select.budget). While its history is shorter than a
+frame, each prompt gets a new frame: what that rewrites after the frame is the short history,
+about what an addendum would cost, and the frame then holds what this prompt needs, not what
+earlier ones did. An agent's prompts get addenda instead: a new frame rewrote the frame and the
+history after it at every prompt, 1.1 to 1.4 times the direct cost of a new Claude Code
+session's first calls.
 
 Plans live in memory, on the thread that prepares requests; after a restart the next call
 rebuilds once. A plan whose anchor or addenda no longer appear in what the harness sends
@@ -89,7 +92,7 @@ LAST_ROUNDS = 4  # a live task's latest tool rounds, never stubbed
 HEADROOM = 8  # a trim frees a further 1/HEADROOM of the bound
 # A chat keeps as sent its latest exchange whatever its length, and the exchanges before it
 # while all it keeps fits in CHAT_KEPT tokens: the turns a follow-up leans on (`chat_keep`).
-CHAT_KEPT = 500
+CHAT_KEPT = 200
 # What the provider counts for an image or a document the text estimate sees as a short label:
 # an image near Anthropic's 1.15-megapixel cap, (w*h)/750 (the replay's bill counts the same).
 MEDIA_TOKENS = 1_600
@@ -169,10 +172,11 @@ def place(plan: Plan, messages: list[Message]) -> Placement | None:
 def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> bool:
     """At a new prompt: is a new frame cheaper than keeping what accumulated since the last
     one (`kept_tokens`: the harness's turns before the prompt and the addenda)?"""
-    if kept_tokens <= frame_size < RECENT_TOKENS:
-        # A frame shorter than a full latest stretch grows, when rebuilt, by up to what the
-        # rebuild drops: it would not shrink the request. One as long as a full stretch is
+    if plan.agent and kept_tokens <= frame_size < RECENT_TOKENS:
+        # An agent's frame shorter than a full latest stretch grows, when rebuilt, by up to what
+        # the rebuild drops: it would not shrink the request. One as long as a full stretch is
         # replaced by one about as long (the conversation only grew), so all it drops is saved.
+        # A chat's is sized to the room its request has (frame.select.budget), never larger.
         return False
     if at - plan.at > plan.rule.ttl:
         return True  # the cache has expired: keeping is written again in full anyway

@@ -251,6 +251,12 @@ class Layout:
                             recent_messages=recent, kept_tokens=_kept_tokens(messages, keep,
                                                                              prompt, agent),
                             narrow=agent and keep == 0, agent=agent, said=self.said)
+        if (built and not agent and keep and _own_only(built, conv)
+                and not plan.longer(messages, prompt, self.limits.ceiling)):
+            # A short chat that memory has nothing else for is sent as it is, as before: a frame
+            # of its own older turns would rewrite, at every prompt, what the provider's cache
+            # holds (LoCoMo's chat replay: docs/tuning.md).
+            built = None
         front, notes_shown = self._with_notes(built.messages if built else [], parsed, library)
         if not built:
             keep = 0  # nothing to stand in for the history
@@ -353,6 +359,12 @@ def _sent_whole(messages: list[Message], stubs: tuple[plan.Stub, ...]) -> list[M
     if not stubbed:
         return messages
     return [m for m in messages if not any(p.call_id in stubbed for p in m.parts)]
+
+
+def _own_only(built: Frame, conv: int | None) -> bool:
+    """Does the frame show only rows of conversation `conv` (the one it is built for)?"""
+    return all(r.conversation_id == conv for i in built.item_ids
+               if (r := built.rows.get(i)) is not None)
 
 
 def _kept_tokens(messages: list[Message], keep: int, prompt: int, agent: bool) -> int:
