@@ -229,8 +229,9 @@ class Layout:
                  query: str, asked_at: float, library: Path | None,
                  pace: plan.Pace) -> _Built:
         """A new frame for the prompt, the harness's messages before it dropped (memory holds
-        them); a conversation shorter than a frame keeps them all, with other conversations'
-        memory in front."""
+        them): an agent's conversation shorter than a frame keeps them all, with other
+        conversations' memory in front; a chat keeps its latest exchanges (plan.chat_keep), or
+        all of a short history memory has nothing else for."""
         messages = parsed.messages
         agent = bool(parsed.tool_names)
         if agent:
