@@ -238,6 +238,8 @@ class Layout:
             keep = prompt if plan.longer(messages, prompt, self.limits.ceiling) else 0
         else:
             keep = plan.chat_keep(messages, prompt)
+            if messages_tokens(messages[keep:]) + self.limits.ceiling > self.limits.bound:
+                keep = prompt  # at the bound the turns before the live task go, as an agent's
         if conv is None:
             keep = 0
         elif new := capture.new_messages(self.store, conv, messages):
