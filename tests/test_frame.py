@@ -764,11 +764,26 @@ def test_a_chats_budget_is_the_breadth_of_its_question_within_its_conversation()
     scores = [(1, 10.0), (2, 6.0), (2, 6.0), (2, 6.0)] + [(1, 3.0)] * 20
     hits = [Hit(k, k, 1, c, "user", 0.0, s, "t") for k, (c, s) in enumerate(scores)]
     limits = cap.Cap()
+    narrow = limits.ceiling * frame_select.CHAT_REQUEST * frame_select.CHAT_NARROW // 10_000
     assert frame_select.about(hits) == 1
-    assert frame_select.budget(hits, limits, chat=True) == limits.floor
+    assert frame_select.budget(hits, limits, chat=True) == narrow
     assert frame_select.budget(hits, limits) > limits.floor + 900  # (an agent's)
     alone = [h for h in hits if h.conversation_id == 1]
-    assert frame_select.budget(alone, limits, chat=True) == frame_select.budget(alone, limits)
+    assert frame_select.budget(alone, limits, chat=True) == narrow
+
+
+def test_a_chats_budget_is_the_room_its_request_has_left() -> None:
+    """A chat's frame is sized to CHAT_REQUEST percent of the ceiling less what it keeps as
+    sent (its latest exchanges and its prompt): a broad question takes all of that room, a
+    narrow one CHAT_NARROW percent of it; never under the floor."""
+    limits = cap.Cap(floor=1000, ceiling=5000)
+    room = limits.ceiling * frame_select.CHAT_REQUEST // 100
+    broad = [Hit(i, i, 1, 1, "user", 0.0, 10.0, "t") for i in range(20)]
+    narrow = [Hit(0, 0, 1, 1, "user", 0.0, 10.0, "t")]
+    assert frame_select.budget(broad, limits, 600, chat=True) == room - 600
+    assert frame_select.budget(narrow, limits, 600, chat=True) == \
+        (room - 600) * frame_select.CHAT_NARROW // 100
+    assert frame_select.budget(broad, limits, room - 200, chat=True) == limits.floor
 
 
 def test_what_an_earlier_question_left_warm_counts_less_in_a_chats_next_frame(

@@ -208,18 +208,20 @@ def test_mitmdump_saves_every_flow_relayed_or_not(tmp_path: Path) -> None:
 def test_the_view_lists_what_was_stripped_and_what_was_kept(tmp_path: Path) -> None:
     with inspected(tmp_path, perpetuity_tools=False, perpetuity_frame_ceiling=1_000) as addon:
         long = "The deployment checklist: " + "verify the canary, " * 300
-        history = [{"role": "user", "content": long}]
-        exchange(addon, request(history, "task"), "task", "Checked.")
-        history += [{"role": "assistant", "content": "Checked."},
+        history = [{"role": "user", "content": long}, {"role": "assistant", "content": "Checked."},
+                   {"role": "user", "content": "And the owner?"}]
+        exchange(addon, request(history, "task"), "task", "Me.")
+        history += [{"role": "assistant", "content": "Me."},
                     {"role": "user", "content": "And the rollback plan?"}]
         flow = exchange(addon, request(history, "task"), "task", "Ready.")
         facts = flow.metadata["perpetuity"]
+        # A chat keeps its latest exchange as sent (plan.chat_keep); the one before is memory's.
         assert [s[:2] for s in facts["stripped"]] == [[0, "user"], [1, "assistant"]]
-        assert facts["kept"] == {"from": 2, "messages": 1, "tokens": 6}
+        assert facts["kept"] == {"from": 2, "messages": 3, "tokens": 11}
         assert facts["sent_tokens"] < facts["harness"]["tokens"]
         assert f"{sum(s[2] for s in facts['stripped']):,} stripped" in flow.comment
         # The checklist itself did not fit the budget: listed as a warm row left out.
         assert any(r["why"] == "warm, left out by the cap" and "checklist" in r["text"]
                    and not r["in"] for r in facts["retrieval"]["rows"])
         view = contentviews.prettify_message(flow.request, flow).text
-        assert "stripped: messages 0-1" in view and "kept as sent: messages 2-2" in view
+        assert "stripped: messages 0-1" in view and "kept as sent: messages 2-4" in view

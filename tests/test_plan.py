@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from perpetuity_core.cli.eval import chat_request, noted
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import plan
 from perpetuity_core.frame import select as frame_select
@@ -69,10 +70,11 @@ LIMITS = Cap(floor=100, ceiling=1_000)
 
 
 def _plan(anchor: int = 2, prompt: int = 2, frame_tokens: int = 500, excess: float = 0.0,
-          talk: list[Message] = TALK, pace: plan.Pace | None = None) -> plan.Plan:
+          talk: list[Message] = TALK, pace: plan.Pace | None = None,
+          agent: bool = False) -> plan.Plan:
     return plan.Plan(frame=(), frame_tokens=frame_tokens, anchor=plan.mark(talk, anchor),
                      prompt=plan.mark(talk, prompt), at=T0, excess=excess,
-                     pace=pace or plan.Pace())
+                     pace=pace or plan.Pace(), agent=agent)
 
 
 EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
@@ -91,8 +93,11 @@ EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
      plan.Addendum),
     ("a new prompt after the cache expired", _plan(), TALK[:5], 4, T0 + plan.TTL + 1,
      plan.Rebuild),
-    ("expired, but a rebuild would not shrink the request", _plan(anchor=3, prompt=3),
-     TALK[:5], 4, T0 + plan.TTL + 1, plan.Addendum),
+    ("expired, but an agent's rebuild would not shrink the request",
+     _plan(anchor=3, prompt=3, agent=True), TALK[:5], 4, T0 + plan.TTL + 1, plan.Addendum),
+    # A chat's rebuilt frame is sized to the room its request has: it never grows past it.
+    ("expired: a chat's frame, rebuilt, is no larger", _plan(anchor=3, prompt=3), TALK[:5], 4,
+     T0 + plan.TTL + 1, plan.Rebuild),
     ("the re-reads paid reach a frame's write", _plan(excess=560), TALK[:5], 4, T0 + 10,
      plan.Rebuild),
     ("a frame under the floor is priced at the floor", _plan(frame_tokens=10),
@@ -100,8 +105,8 @@ EDITED = [TALK[0], _said("assistant", 400, "rewritten"), *TALK[2:]]
     # Tasks of 20 calls: 0.1 x 800 re-read on each of the next task's 21 / 2 calls >= 625.
     ("a long task ahead re-reads what is kept on every call", _plan(pace=plan.Pace(20, 1)),
      TALK[:5], 4, T0 + 10, plan.Rebuild),
-    ("a new prompt in an agent's short conversation", replace(_plan(anchor=0, prompt=0),
-     agent=True), TALK[:3], 2, T0 + 10, plan.Addendum),
+    ("a new prompt in an agent's short conversation", _plan(anchor=0, prompt=0, agent=True),
+     TALK[:3], 2, T0 + 10, plan.Addendum),
 ])
 def test_decide(case: str, old: plan.Plan | None, talk: list[Message], prompt: int, at: float,
                 expected: type) -> None:
@@ -126,7 +131,7 @@ def test_an_agents_short_conversation_is_not_rebuilt_to_keep_it_all() -> None:
     """A rebuild of a conversation shorter than a frame keeps all of it, written again after a
     new frame: however long its tasks, no re-read is saved while the cache holds."""
     limits = Cap(floor=100, ceiling=2_000)  # TALK's 1,600 tokens before its prompt are short
-    agent = replace(_plan(anchor=0, prompt=0, pace=plan.Pace(20, 1)), agent=True)
+    agent = _plan(anchor=0, prompt=0, pace=plan.Pace(20, 1), agent=True)
     assert isinstance(plan.decide(agent, TALK[:5], 4, T0 + 10, limits), plan.Addendum)
     expired = plan.decide(agent, TALK[:5], 4, T0 + plan.TTL + 1, limits)
     assert isinstance(expired, plan.Rebuild)  # everything is written again anyway
@@ -158,6 +163,7 @@ class Session:
         self.history: list[dict[str, Any]] = []
         self.at = T0
         self.calls = 0
+        self.replies: list[str] = []  # the next replies' texts, when given
 
     def send(self, gap: float = 10.0) -> tuple[list[dict[str, Any]], Decision]:
         """(the messages that went upstream, the decision); `asked` keeps what the harness sent."""
@@ -180,6 +186,8 @@ class Session:
 
     def _reply(self) -> Message:
         self.calls += 1
+        if self.replies:
+            return Message("assistant", (text_part(self.replies.pop(0)),))
         return Message("assistant", (text_part(f"Reading the file for step {self.calls}. "
                                                + "words " * 200),))
 
@@ -278,8 +286,9 @@ def test_after_the_cache_expired_a_new_prompt_gets_a_new_frame(tmp_path: Path) -
     first, _ = s.prompt("Which module parses yaml?")
     later, d = s.prompt("Which module parses ini files?", gap=plan.TTL + 1)
     assert d.frame is not None and later[0] != first[0]
-    # The history before the prompt is replaced: the frame's end, then the prompt as sent.
-    assert later[-1] == s.asked[-1] and "[End of quoted memory." in json.dumps(later[-2])
+    # The history before the latest exchange is replaced: the frame's end, then that exchange
+    # and the prompt as sent (plan.chat_keep).
+    assert later[-3:] == s.asked[-3:] and "[End of quoted memory." in json.dumps(later[-4])
 
 
 def test_a_short_conversation_is_sent_as_it_is_under_a_frame_for_each_prompt(
@@ -291,6 +300,74 @@ def test_a_short_conversation_is_sent_as_it_is_under_a_frame_for_each_prompt(
     assert d.frame is not None and "tests/test_csv.py" in json.dumps(second[:-3])
     third, d = s.tool_round("ok " * 20)
     assert d.frame is None and _unmarked(third).startswith(_unmarked(second)[:-1])
+
+
+def test_a_chat_keeps_its_latest_exchange_whatever_its_length() -> None:
+    """A chat's request starts at its latest exchange, however long the reply, or earlier
+    while what it keeps fits CHAT_KEPT: always at a person's message, never a system one."""
+    system = Message("system", (text_part("Be brief."),))
+    long_reply = [_said("user", 50, "one"), _said("assistant", 50, "two"),
+                  _said("user", 50, "three"), _said("assistant", 3_000, "four"),
+                  _said("user", 10, "five")]
+    assert plan.chat_keep([system, *long_reply], 5, 500) == 3
+    short = [system] + [_said(role, 100, "six") for _ in range(3) for role in ("user", "assistant")]
+    assert plan.chat_keep([*short, _said("user", 10, "seven")], 7, 500) == 3  # 400 tokens kept
+    assert plan.chat_keep([_said("user", 10, "eight")], 0, 500) == 0
+    assert plan.chat_keep([_said("assistant", 900, "hello"), _said("user", 10, "hi")], 1, 500) == 0
+
+
+def test_a_chats_long_previous_answer_is_sent_as_it_is(tmp_path: Path) -> None:
+    """A follow-up leans on the answer before it: when a chat's history is replaced (here at
+    the first call after a restart), its latest exchange stays as sent, however long the
+    answer; the turns before it are memory's."""
+    limits = Cap(floor=100, ceiling=1_000)
+    s = Session(tmp_path, limits)
+    s.replies = ["Fine.", "Here is the plan, step by step: " + "lorem ipsum dolor " * 400]
+    s.prompt("Hello there, a chat about the weekend.")
+    s.prompt("Write me a long plan for the weekend.")
+    answer = s.history[-1]
+    s.pipeline = Pipeline(s.store, Settings(upstreams=UPSTREAMS, limits=limits,
+                                            trust_identity=True))  # a restart: no plan kept
+    sent, d = s.prompt("Which module parses toml files, as that plan needs?")
+    assert d.frame is not None and sent[0]["content"][0]["text"].startswith(frame.HEADER)
+    assert sent[-3:] == s.asked[-3:] and sent[-2] == answer  # the previous answer, whole
+    assert s.asked[0] not in sent  # the first exchange is memory's, not sent as it was
+
+
+def _chat_after(tmp_path: Path, exchanges: int) -> tuple[int, int]:
+    """A chat client's broad question after `exchanges` short ones of the same size, each
+    answered, as `perpetuity eval --sequence` asks them: its frame's budget and the messages
+    that went upstream."""
+    store = open_memory(tmp_path / "m.db")
+    say(store, "earlier", *[f"The {w} module parses {w} files and its tests live in"
+                            f" tests/test_{w}.py. " + "detail " * 60
+                            for w in ("toml", "yaml", "json", "csv", "ini", "xml")], user="u")
+    pipeline = Pipeline(store, Settings(upstreams=UPSTREAMS, trust_identity=True))
+    history: list[dict[str, str]] = []
+    for k in range(exchanges):
+        history.append({"role": "user", "content": f"Remind me of day {k:03d}."})
+        d = pipeline.prepare(chat_request("u", "chat", T0 + 60 * k, history))
+        assert d.job is not None
+        turn = pipeline.store_turn(d.job.pending)
+        pipeline.store_reply(turn, Reply(noted(), Usage()), T0 + 60 * k, d.job.pending)
+        history.append({"role": "assistant", "content": "Noted."})
+    history.append({"role": "user",
+                    "content": "Which module parses which files, and where do their tests live?"})
+    d = pipeline.prepare(chat_request("u", "chat", T0 + 60 * exchanges, history))
+    store.close()
+    assert d.frame is not None and d.body is not None
+    return d.frame.budget, len(json.loads(d.body)["messages"])
+
+
+def test_a_chats_frame_does_not_shrink_as_the_chat_grows(tmp_path: Path) -> None:
+    """The frame's budget is the room the request has: what a chat keeps as sent stays within
+    its latest exchanges (plan.CHAT_KEPT), so a longer chat's request is no longer and its
+    frame no smaller (they were: its whole history was kept while shorter than a frame)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    shorter, longer = _chat_after(tmp_path / "a", 80), _chat_after(tmp_path / "b", 160)
+    assert shorter[0] > Cap().floor
+    assert longer == shorter
 
 
 def test_a_gemini_plan_rebuilds_sooner_its_cache_writing_at_no_surcharge() -> None:
@@ -346,18 +423,20 @@ def test_kept_plans_never_hold_more_tokens_than_their_bound(tmp_path: Path,
 
 
 def test_an_agents_rebuilt_frame_takes_its_top_hit_only_as_the_fill_does(tmp_path: Path) -> None:
-    """A frame standing in for dropped history holds the conversation's latest stretch; an
-    agent's takes the prompt's top hit only where the fill does, a chat's takes it whole."""
+    """An agent's frame standing in for dropped history holds the conversation's latest
+    stretch, and the prompt's top hit only where the fill does; a chat's, which keeps its latest
+    exchange as sent, takes the top hit whole and no stretch."""
     read = [{"name": "Read", "description": "Read a file.", "input_schema": {"type": "object"}}]
-    for name, tools, whole in (("chat", None, True), ("agent", read, False)):
+    for name, tools, agent in (("chat", None, False), ("agent", read, True)):
         (tmp_path / name).mkdir()
         s = Session(tmp_path / name, Cap(floor=100, ceiling=300), tools=tools)
         s.prompt("Which module parses toml files?")
         for k in range(3):
             s.tool_round(f"round {k} " * 200)
         _, d = s.prompt("Which module parses yaml?", gap=plan.TTL + 1)
-        assert d.frame is not None and frame_select.MUST_RECENT in d.frame.must.values()
-        assert (frame_select.MUST_TOP in d.frame.must.values()) is whole, name
+        assert d.frame is not None
+        assert (frame_select.MUST_RECENT in d.frame.must.values()) is agent, name
+        assert (frame_select.MUST_TOP in d.frame.must.values()) is not agent, name
 
 
 def test_the_bound_counts_the_system_messages_kept_in_front_of_the_anchor(

@@ -617,8 +617,10 @@ def test_a_result_after_the_next_prompt_keeps_its_call(tmp_path: Path,
     assert replaced.body is not None and replaced.keep < prompt
     assert "not" in replaced.why and "output without its call" in replaced.why
     assert responses.check(replaced.body) == [] and replaced.body["input"][-4:] == session[-4:]
+    # An agent's (its tools sent): a chat keeps its latest exchange, the call with it.
+    shell = [{"type": "function", "name": "shell", "parameters": {"type": "object"}}]
     with caplog.at_level(logging.INFO, logger="perpetuity"):
-        body, d = drive(tmp_path, RESPONSES, session)[-1]
+        body, d = drive(tmp_path, RESPONSES, session, tools=shell)[-1]
     assert assert_accepted_and_live_task_kept(RESPONSES, [(body, d)]) == 1
     assert "not" in d.note and "output without its call" in d.note
     assert json.loads(d.body)["input"][-4:] == body["input"][-4:]

@@ -46,14 +46,17 @@ kept. Its prompt and its last `LAST_ROUNDS` rounds are never cut. Each of these 
 cache from the first change on, so it happens only at the bound, and a trim frees `HEADROOM`
 more than it must, so that the calls after it grow at their end again before the next.
 
-A conversation whose history is shorter than a frame is never replaced at all (a chat of a few
-thousand tokens is cheapest sent as it is): it gets a frame of other conversations' memory in
-front, its own turns kept as sent, until its history outgrows the frame. In a chat (a client
-that sends no tools of its own) each prompt gets a new frame: what that rewrites after the
-frame is the short history, about what an addendum would cost, and the frame then holds what
-this prompt needs, not what earlier ones did. An agent's prompts get addenda instead: a new
-frame rewrote the frame and the history after it at every prompt, 1.1 to 1.4 times the direct
-cost of a new Claude Code session's first calls.
+An agent's conversation whose history is shorter than a frame is never replaced at all: it gets
+a frame of other conversations' memory in front, its own turns kept as sent, until its history
+outgrows the frame. A chat (a client that sends no tools of its own) keeps as sent only its
+latest exchange, whatever its length, and the exchanges before it within `CHAT_KEPT` tokens
+(`chat_keep`: the turns a follow-up leans on); memory holds the rest, and the frame is sized to
+the room that leaves in the request (frame.select.budget). While its history is shorter than a
+frame, each prompt gets a new frame: what that rewrites after the frame is the short history,
+about what an addendum would cost, and the frame then holds what this prompt needs, not what
+earlier ones did. An agent's prompts get addenda instead: a new frame rewrote the frame and the
+history after it at every prompt, 1.1 to 1.4 times the direct cost of a new Claude Code
+session's first calls.
 
 Plans live in memory, on the thread that prepares requests; after a restart the next call
 rebuilds once. A plan whose anchor or addenda no longer appear in what the harness sends
@@ -67,7 +70,7 @@ from dataclasses import dataclass, replace
 from perpetuity_core.frame.cap import Cap
 from perpetuity_core.frame.select import RECENT_TOKENS
 from perpetuity_core.memory.derived.index import messages_tokens, token_estimate
-from perpetuity_core.wire.conversation import Kind, Message, Protocol
+from perpetuity_core.wire.conversation import Kind, Message, Protocol, is_prompt
 from perpetuity_core.wire.protocols import gemini
 from perpetuity_core.wire.protocols.base import CacheRule
 
@@ -87,6 +90,9 @@ Mark = tuple[int, str]  # a message's index in the request and its fingerprint
 Stub = tuple[str, str]  # a tool call's id, and the text its result is sent as
 LAST_ROUNDS = 4  # a live task's latest tool rounds, never stubbed
 HEADROOM = 8  # a trim frees a further 1/HEADROOM of the bound
+# A chat keeps as sent its latest exchange whatever its length, and the exchanges before it
+# while all it keeps fits in CHAT_KEPT tokens: the turns a follow-up leans on (`chat_keep`).
+CHAT_KEPT = 200
 # What the provider counts for an image or a document the text estimate sees as a short label:
 # an image near Anthropic's 1.15-megapixel cap, (w*h)/750 (the replay's bill counts the same).
 MEDIA_TOKENS = 1_600
@@ -166,10 +172,11 @@ def place(plan: Plan, messages: list[Message]) -> Placement | None:
 def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> bool:
     """At a new prompt: is a new frame cheaper than keeping what accumulated since the last
     one (`kept_tokens`: the harness's turns before the prompt and the addenda)?"""
-    if kept_tokens <= frame_size < RECENT_TOKENS:
-        # A frame shorter than a full latest stretch grows, when rebuilt, by up to what the
-        # rebuild drops: it would not shrink the request. One as long as a full stretch is
+    if plan.agent and kept_tokens <= frame_size < RECENT_TOKENS:
+        # An agent's frame shorter than a full latest stretch grows, when rebuilt, by up to what
+        # the rebuild drops: it would not shrink the request. One as long as a full stretch is
         # replaced by one about as long (the conversation only grew), so all it drops is saved.
+        # A chat's is sized to the room its request has (frame.select.budget), never larger.
         return False
     if at - plan.at > plan.rule.ttl:
         return True  # the cache has expired: keeping is written again in full anyway
@@ -258,6 +265,34 @@ def trimmed(plan: Plan, messages: list[Message], keep: int, prompt: int, fixed: 
     return replace(plan, stubs=tuple(chosen), stubbed=saved)
 
 
+def longer(messages: list[Message], end: int, tokens: int) -> bool:
+    """messages_tokens(messages[:end]) > tokens, summed from `end` back until it is: a late
+    prompt's history is far over a frame's ceiling, and summing all of it made every rebuild
+    grow with the session."""
+    total = 0
+    for i in range(end - 1, -1, -1):
+        total += messages_tokens((messages[i],))
+        if total > tokens:
+            return True
+    return False
+
+
+def chat_keep(messages: list[Message], prompt: int, tokens: int = CHAT_KEPT) -> int:
+    """Where a chat's request starts: at its latest exchange (the person's message before
+    `prompt` and what answered it, whatever its length), or at an earlier person's message while
+    everything from there to the prompt fits in `tokens`. Memory holds the turns before it, and
+    a frame brings them back when the prompt needs them. Always a person's message (a kept part
+    opening with a reply went back to the whole history: repair.kept_start); 0 without one."""
+    keep, used = prompt, 0
+    for i in range(prompt - 1, -1, -1):
+        used += messages_tokens((messages[i],))
+        if messages[i].role == "user" and is_prompt(messages[i]):  # an exchange opens here
+            if keep < prompt and used > tokens:
+                break
+            keep = i
+    return keep if keep < prompt else 0
+
+
 def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
            limits: Cap, fixed: int = 0) -> Carry | Addendum | Trim | Rebuild:
     """What this request does with its conversation's plan `old` (None: no plan yet, or it was
@@ -273,11 +308,15 @@ def decide(old: Plan | None, messages: list[Message], prompt: int, at: float,
         return Rebuild(pace=pace)  # the history changed under it
     before = messages_tokens(messages[placed.keep:prompt])
     kept = before + old.insert_tokens
-    # Short: the history before the prompt fits a frame. A plan anchored past the first message
-    # was built when its history did not, and histories only grow; so only an anchor at 0
-    # (what is before the prompt is all kept) needs counting, and `before` is that count. Not
-    # a second walk over the whole history on every call.
-    short = placed.keep == 0 and before <= limits.ceiling
+    # Short: the history before the prompt fits a frame. An agent's plan anchored past the first
+    # message was built when its history did not, and histories only grow; so only an anchor at
+    # 0 (what is before the prompt is all kept) needs counting, and `before` is that count. A
+    # chat's keeps its latest exchanges only (`chat_keep`): its history is walked back from the
+    # prompt until it is over a frame (`longer`), never over the whole of a long one.
+    if placed.keep == 0 or old.agent:
+        short = placed.keep == 0 and before <= limits.ceiling
+    else:
+        short = not longer(messages, prompt, limits.ceiling)
     drops = 0 if short else kept  # a short conversation's rebuild keeps all of it
     grows = 0 if here == old.prompt else limits.ceiling  # a new prompt may get an addendum
     if size(old, messages, placed.keep, fixed) + grows > limits.bound:

@@ -68,6 +68,12 @@ ROW_FLOOR = 100
 # `perpetuity eval locomo --sequence --personal` (docs/tuning.md).
 FOCUS = 1.0  # the weight's power: 0 weighs every conversation alike
 FOCUS_FLOOR = 0.05  # the weight of a conversation no warm row is in
+# A chat's request is its frame, its latest exchanges kept as sent (plan.chat_keep) and its
+# prompt: its budget is the room those leave under CHAT_REQUEST percent of the ceiling, a narrow
+# question's CHAT_NARROW percent of that room and a broad one's all of it (`budget`). What it
+# does not keep comes back as any stored row does, when warm: no latest stretch of its own.
+CHAT_REQUEST = 88
+CHAT_NARROW = 60
 # A frame over its budget is searched for the longest prefix of its added rows that fits: done
 # within FULL percent of the budget, or after SEARCHES more layouts. Layouts a frame and its fill:
 # `scripts/bench_prepare.py`, recall_all `perpetuity eval locomo` (trials: docs/tuning.md).
@@ -97,17 +103,24 @@ class Selection:
 
 
 def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0, chat: bool = False) -> int:
-    """The breadth-sized budget of a question whose retrieval found `hits`, less the turns the
-    harness keeps as sent in front of its prompt (`kept_tokens`: a short conversation's whole
-    history), never below a narrow question's: the cap is on what the model reads, memory and
-    live history together, and the live history is never cut. A `chat`'s question is measured
-    within the conversation most of its hits are in (`about`): in a memory of many, the words
-    that tell that conversation from the others (a name) score in most of its rows, and made
-    them all good matches (docs/tuning.md)."""
+    """The breadth-sized budget of a question whose retrieval found `hits`, never below a
+    narrow question's. An agent's pays for the turns the harness keeps as sent in front of its
+    prompt (`kept_tokens`: a short conversation's whole history): the cap is on what the model
+    reads, memory and live history together, and the live history is never cut. A `chat`'s is
+    sized within the room its request has, CHAT_REQUEST percent of the ceiling less what it
+    keeps as sent (`kept_tokens`, its prompt too), and its question is measured within the
+    conversation most of its hits are in (`about`): in a memory of many, the words that tell
+    that conversation from the others (a name) score in most of its rows, and made them all
+    good matches (docs/tuning.md)."""
     inside = about(hits) if chat else None
-    scores = [h.score for h in hits if inside is None or h.conversation_id == inside]
-    breadth_sized = cap.budget(np.asarray(scores), limits)
-    return max(limits.floor, breadth_sized - kept_tokens)
+    scores = np.asarray([h.score for h in hits if inside is None or h.conversation_id == inside])
+    if not chat:
+        return max(limits.floor, cap.budget(scores, limits) - kept_tokens)
+    room = min(limits.ceiling, limits.ceiling * CHAT_REQUEST // 100 - kept_tokens)
+    if room <= limits.floor:
+        return limits.floor
+    narrow = max(limits.floor, room * CHAT_NARROW // 100)
+    return cap.budget(scores, replace(limits, floor=narrow, ceiling=room))
 
 
 def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int],

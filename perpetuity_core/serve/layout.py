@@ -229,10 +229,17 @@ class Layout:
                  query: str, asked_at: float, library: Path | None,
                  pace: plan.Pace) -> _Built:
         """A new frame for the prompt, the harness's messages before it dropped (memory holds
-        them); a conversation shorter than a frame keeps them all, with other conversations'
-        memory in front."""
+        them): an agent's conversation shorter than a frame keeps them all, with other
+        conversations' memory in front; a chat keeps its latest exchanges (plan.chat_keep), or
+        all of a short history memory has nothing else for."""
         messages = parsed.messages
-        keep = prompt if _over(messages, prompt, self.limits.ceiling) else 0
+        agent = bool(parsed.tool_names)
+        if agent:
+            keep = prompt if plan.longer(messages, prompt, self.limits.ceiling) else 0
+        else:
+            keep = plan.chat_keep(messages, prompt)
+            if messages_tokens(messages[keep:]) + self.limits.ceiling > self.limits.bound:
+                keep = prompt  # at the bound the turns before the live task go, as an agent's
         if conv is None:
             keep = 0
         elif new := capture.new_messages(self.store, conv, messages):
@@ -240,13 +247,19 @@ class Layout:
         keep = repair.kept_start(messages, keep)  # never a result whose call is dropped
         kept = self.store.message_ids(conv, [m.fingerprint() for m in messages[keep:]]) \
             if conv else []
-        recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv else []
+        # A chat has no latest stretch: its older turns come back as any stored row does.
+        recent = self.store.latest_messages(conv, RECENT_STRETCH) if conv and agent else []
         built = frame.build(self.scanner, user_id=user_id, conversation_id=conv, query=query,
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
-                            recent_messages=recent,
-                            kept_tokens=messages_tokens(messages[keep:prompt]),
-                            narrow=bool(parsed.tool_names) and keep == 0,
-                            agent=bool(parsed.tool_names), said=self.said)
+                            recent_messages=recent, kept_tokens=_kept_tokens(messages, keep,
+                                                                             prompt, agent),
+                            narrow=agent and keep == 0, agent=agent, said=self.said)
+        if (built and not agent and keep and _own_only(built, conv)
+                and not plan.longer(messages, prompt, self.limits.ceiling)):
+            # A short chat that memory has nothing else for is sent as it is, as before: a frame
+            # of its own older turns would rewrite, at every prompt, what the provider's cache
+            # holds (LoCoMo's chat replay: docs/tuning.md).
+            built = None
         front, notes_shown = self._with_notes(built.messages if built else [], parsed, library)
         if not built:
             keep = 0  # nothing to stand in for the history
@@ -351,21 +364,24 @@ def _sent_whole(messages: list[Message], stubs: tuple[plan.Stub, ...]) -> list[M
     return [m for m in messages if not any(p.call_id in stubbed for p in m.parts)]
 
 
+def _own_only(built: Frame, conv: int | None) -> bool:
+    """Does the frame show only rows of conversation `conv` (the one it is built for)?"""
+    return all(r.conversation_id == conv for i in built.item_ids
+               if (r := built.rows.get(i)) is not None)
+
+
+def _kept_tokens(messages: list[Message], keep: int, prompt: int, agent: bool) -> int:
+    """What the budget pays for of the messages kept as sent: an agent's turns before its
+    prompt; a chat's turns and its prompt, the room its request has left (frame_select.budget),
+    its system messages aside (the harness's instructions, as an agent's system prompt is)."""
+    if agent:
+        return messages_tokens(messages[keep:prompt])
+    return messages_tokens(m for m in messages[keep:] if m.role != "system")
+
+
 def _held(laid: Plan) -> int:
     """The tokens a kept plan holds: its frame's and its addenda's."""
     return laid.frame_tokens + laid.insert_tokens
-
-
-def _over(messages: list[Message], end: int, bound: int) -> bool:
-    """messages_tokens(messages[:end]) > bound, summed from `end` back until it is: a late
-    prompt's history is far over a frame's ceiling, and summing all of it made every rebuild
-    grow with the session."""
-    total = 0
-    for i in range(end - 1, -1, -1):
-        total += messages_tokens((messages[i],))
-        if total > bound:
-            return True
-    return False
 
 
 def _tools_note(left_out: int) -> str:
