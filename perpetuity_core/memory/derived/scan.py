@@ -72,10 +72,10 @@ import numpy as np
 
 from perpetuity_core.memory.derived import vectors
 from perpetuity_core.memory.derived.arena import COLUMNS, ROWS, TERMS, Arena, build_segment
-from perpetuity_core.memory.derived.bm25 import Params, make_query
+from perpetuity_core.memory.derived.bm25 import FEEDBACK_ROWS, Params, Query, fed_back, make_query
 from perpetuity_core.memory.derived.index import item_text, sequence, totals, unfolded_df
-from perpetuity_core.memory.derived.view import Visibility
-from perpetuity_core.memory.storage.dialect import marks, one_of
+from perpetuity_core.memory.derived.view import View, Visibility
+from perpetuity_core.memory.storage.dialect import Sql, marks, one_of
 from perpetuity_core.memory.storage.kept import Kept, There, kept
 from perpetuity_core.memory.storage.store import Database, Store, failing_as
 
@@ -172,13 +172,32 @@ class Scanner:
         with failing_as("search memory"):
             self.catch_up()
             if self._use_arena:
-                view = self.arena.view
-                ranked = view.top(view.query(self.db.dictionary, query, self.params), k,
-                                  visible)
+                ranked = self._arena_top(query, k, visible)
             else:
                 ranked = self._store_top(query, k, visible)
             hits = fetch_hits(self.db, ranked)
         return [h for h in hits if h.item_id not in exclude][:limit]
+
+    def _arena_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
+        view = self.arena.view
+        q = view.query(self.db.dictionary, text, self.params)
+        if view.df is None:  # nothing stored yet: the query is empty, nothing ranks
+            return []
+        return self._top(view, q, k, visible, view.df.get, self.db.connection())
+
+    def _top(self, view: View, q: Query, k: int, visible: Visibility,
+             df_of: Callable[[np.ndarray], np.ndarray], conn: Sql
+             ) -> list[tuple[float, int, bool]]:
+        """The k best visible rows for `q`, ranked a second time with the terms its
+        FEEDBACK_ROWS best rows bring (bm25.fed_back; rows excluded later feed back too)."""
+        first = view.top(q, max(k, FEEDBACK_ROWS) if self.params.feedback > 0 else k, visible)
+        if self.params.feedback <= 0 or not first:
+            return first[:k]
+        best = first[:FEEDBACK_ROWS]
+        got = bags(self.db, conn, [s for _, s, _ in best])
+        fed = fed_back(q, [got[s] for _, s, _ in best if s in got],
+                       [sc for sc, s, _ in best if s in got], df_of, self.params)
+        return first[:k] if fed is q else view.top(fed, k, visible)
 
     def _store_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The small-memory path: score the visible rows read straight from the store."""
@@ -189,14 +208,20 @@ class Scanner:
                            total, self.params)
             if q.empty:
                 return []
-            where, args = "", []
-            if visible.user_id is not None and not visible.share_pool:
-                where, args = f"WHERE user_id = {marks(db.postgres, 1)}", [visible.user_id]
-            elif visible.user_id is not None and visible.pool is not None:
-                args = [visible.user_id, *visible.pool]
-                where = f"WHERE user_id IN ({marks(db.postgres, len(args))})"
-            rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts,"
-                                f" vec FROM retrieval {where} ORDER BY seq", args).fetchall()
+            return self._store_rows_top(conn, q, k, visible)
+
+    def _store_rows_top(self, conn: Sql, q: Query, k: int,
+                        visible: Visibility) -> list[tuple[float, int, bool]]:
+        """`_store_top` within its snapshot, where the feedback's rows and counts are read."""
+        db = self.db
+        where, args = "", []
+        if visible.user_id is not None and not visible.share_pool:
+            where, args = f"WHERE user_id = {marks(db.postgres, 1)}", [visible.user_id]
+        elif visible.user_id is not None and visible.pool is not None:
+            args = [visible.user_id, *visible.pool]
+            where = f"WHERE user_id IN ({marks(db.postgres, len(args))})"
+        rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts,"
+                            f" vec FROM retrieval {where} ORDER BY seq", args).fetchall()
         if not rows:
             return []
         tmp = Arena(db, ROWS, threads=1)
@@ -208,7 +233,7 @@ class Scanner:
         row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]
-        return tmp.publish().top(q, k, visible)
+        return self._top(tmp.publish(), q, k, visible, lambda t: unfolded_df(db, conn, t), conn)
 
 
 def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]:
@@ -249,6 +274,17 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
             hits.append(Hit(h.item_id, h.message_id, h.user_id, h.conversation_id, h.role, h.at,
                             score, h.text, s, h.tokens))  # by position: keywords cost more
     return hits
+
+
+Bag = tuple[np.ndarray, np.ndarray, int]  # a row's terms ascending, their counts, its length
+
+
+def bags(db: Database, conn: Sql, seqs: list[int]) -> dict[int, Bag]:
+    """The bags of the rows `seqs` that are still there (the arena holds postings by term,
+    not a row's terms: these few are read by key)."""
+    where, args = one_of(db.postgres, "seq", seqs)
+    return {s: (np.frombuffer(t, "<i4"), np.frombuffer(c, np.uint8), n) for s, t, c, n in
+            conn.execute(f"SELECT seq, terms, counts, length FROM retrieval WHERE {where}", args)}
 
 
 # The retrieval rows deleted so far (their log's last seq, never handed out again) and the
