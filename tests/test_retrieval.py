@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,8 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     stored int8 vectors), at zero below zero, times semantic * the best of those scores
     (none when no row scores). The query's vector is the table's vectors of its terms, each weighed
     by its idf computed here; `during` keeps the rows said in that span, scored as without
-    it.
+    it. With feedback on, all that again with the terms the bm25.FEEDBACK_ROWS best of those
+    rows bring (fed_back), ranked as the answer is but before `exclude`.
     """
     k1, b = params.k1, params.b
     conn = opened_other(store.path)
@@ -110,56 +112,91 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     counts: dict[int, float] = dict(qtf)
     if params.semantic > 0 and params.expand > 0:
         counts |= nearest(store, qtf, df, params.expand)
-    bm25 = {}
-    for seq, _, _, _, length, tf in decoded:
-        s = 0.0
-        for t in sorted(counts):
-            if df[t] and t in tf:
-                # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
-                idf = float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
-                w = counts[t] * idf * (k1 + 1)
-                s += w * tf[t] / (tf[t] + (k1 * (1 - b) + k1 * b / avgdl * length))
-        bm25[seq] = s
     chains: dict[int, list[int]] = {}
     for seq, _, _, conv, _, _ in decoded:
         chains.setdefault(conv, []).append(seq)
-    lexical = {}
-    for seq, _, _, conv, _, _ in decoded:
-        chain = chains[conv]
-        i = chain.index(seq)
-        s = bm25[seq]
-        for d, w in enumerate(params.before, 1):
-            s = s + w * (bm25[chain[i - d]] if i - d >= 0 else 0.0)
-        for d, w in enumerate(params.after, 1):
-            s = s + w * (bm25[chain[i + d]] if i + d < len(chain) else 0.0)
-        lexical[seq] = s
+
+    def idf(t: int) -> float:
+        return float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
+
     visible = {seq for seq, _, user, conv, _, _ in decoded
                if (user_id is None or user == user_id or share)
                and (conversation_id is None or conv == conversation_id)}
     q = semantic_query(store, query, df, n) if params.semantic > 0 else None
-    found = sorted((-lexical[s], s) for s in visible if lexical[s] > 0)
-    if q is not None and found:
-        scale = params.semantic * -found[0][0]
-        qn = math.sqrt(sum(x * x for x in q))
-        conv_of = {seq: conv for seq, _, _, conv, _, _ in decoded}
-        convs = {conv_of[s] for _, s in found[:view.SEMANTIC_FROM]}
-        for seq in (s for s in visible if conv_of[s] in convs):
-            v = vecs[seq]
-            sq = sum(x * x for x in v)
-            cos = float(sum(x * y for x, y in zip(v, q))) * (1.0 / math.sqrt(sq)) / qn if sq else 0.0
-            lexical[seq] = scale * max(cos, 0.0) + lexical[seq]
-    out = []
-    for seq, item, user, _, _, _ in decoded:
-        s = lexical[seq]
-        if item in exclude or seq not in visible:
-            continue
-        if during is not None and not during[0] <= said[item] < during[1]:
-            continue
-        own = user_id is None or user == user_id
-        if s > 0:
-            out.append((not own, -s, seq, item))
-    out.sort()
+    conv_of = {seq: conv for seq, _, _, conv, _, _ in decoded}
+
+    def scored(counts: dict[int, float]) -> dict[int, float]:
+        plain = {}
+        for seq, _, _, _, length, tf in decoded:
+            s = 0.0
+            for t in sorted(counts):
+                if df[t] and t in tf:
+                    # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
+                    w = counts[t] * idf(t) * (k1 + 1)
+                    s += w * tf[t] / (tf[t] + (k1 * (1 - b) + k1 * b / avgdl * length))
+            plain[seq] = s
+        lexical = {}
+        for seq, _, _, conv, _, _ in decoded:
+            chain = chains[conv]
+            i = chain.index(seq)
+            s = plain[seq]
+            for d, w in enumerate(params.before, 1):
+                s = s + w * (plain[chain[i - d]] if i - d >= 0 else 0.0)
+            for d, w in enumerate(params.after, 1):
+                s = s + w * (plain[chain[i + d]] if i + d < len(chain) else 0.0)
+            lexical[seq] = s
+        found = sorted((-lexical[s], s) for s in visible if lexical[s] > 0)
+        if q is not None and found:
+            scale = params.semantic * -found[0][0]
+            qn = math.sqrt(sum(x * x for x in q))
+            convs = {conv_of[s] for _, s in found[:view.SEMANTIC_FROM]}
+            for seq in (s for s in visible if conv_of[s] in convs):
+                v = vecs[seq]
+                sq = sum(x * x for x in v)
+                cos = float(sum(x * y for x, y in zip(v, q))) * (1.0 / math.sqrt(sq)) / qn if sq else 0.0
+                lexical[seq] = scale * max(cos, 0.0) + lexical[seq]
+        return lexical
+
+    def ranking(scores: dict[int, float]) -> list[tuple[bool, float, int, int]]:
+        out = []
+        for seq, item, user, _, _, _ in decoded:
+            s = scores[seq]
+            if seq not in visible:
+                continue
+            if during is not None and not during[0] <= said[item] < during[1]:
+                continue
+            if s > 0:
+                out.append((not (user_id is None or user == user_id), -s, seq, item))
+        return sorted(out)
+
+    lexical = scored(counts)
+    if params.feedback > 0:
+        bag = {seq: (tf, length) for seq, _, _, _, length, tf in decoded}
+        best = [(-negs, seq) for _, negs, seq, _ in ranking(lexical)[:bm25.FEEDBACK_ROWS]]
+        counts |= fed_back(best, bag, counts, params.feedback, idf)
+        lexical = scored(counts)
+    out = [r for r in ranking(lexical) if r[3] not in exclude]
     return [(item, -negs) for _, negs, _, item in out[:k]]
+
+
+def fed_back(best: list[tuple[float, int]], bag: dict[int, tuple[dict[int, int], int]],
+             counts: dict[int, float], weight: float, idf: Callable[[int], float]
+             ) -> dict[int, float]:
+    """The terms the best rows (score, seq; rank order, before any exclusion) bring
+    (bm25.fed_back): of the rows of at most bm25.FEEDBACK_LENGTH terms, each term the query
+    lacks weighs the sum of score * count / length, times its idf; the bm25.FEEDBACK_TERMS
+    heaviest (ties by id) count weight * theirs / the heaviest's."""
+    mass: dict[int, float] = {}
+    for score, seq in best:
+        tf, length = bag[seq]
+        if length > bm25.FEEDBACK_LENGTH:
+            continue
+        for t in sorted(tf):
+            if t not in counts:
+                mass[t] = mass.get(t, 0.0) + score * tf[t] / max(length, 1)
+    heavy = sorted((-m * idf(t), t) for t, m in mass.items())[:bm25.FEEDBACK_TERMS]
+    heavy = [(negw, t) for negw, t in heavy if negw < 0]
+    return {t: weight * -negw / -heavy[0][0] for negw, t in heavy}
 
 
 def nearest(store: Store, qtf: Counter[int], df: Counter[int],
@@ -458,8 +495,9 @@ PLAIN = bm25.Params(before=(), after=())  # BM25 alone, no conversational contex
 
 
 @pytest.mark.parametrize("params", [bm25.Params(), PLAIN, bm25.Params(1.2, 0.75),
-                                    bm25.Params(semantic=0.0)],
-                         ids=["context", "plain", "k1-b", "lexical"])
+                                    bm25.Params(semantic=0.0), bm25.Params(feedback=0.0),
+                                    bm25.Params(feedback=1.0)],
+                         ids=["context", "plain", "k1-b", "lexical", "no-feedback", "feedback"])
 @pytest.mark.parametrize("path", ["store", "terms", "rows"])
 def test_scan_is_exact_against_the_reference(store: Store, path: str, params: bm25.Params,
                                              monkeypatch: pytest.MonkeyPatch) -> None:

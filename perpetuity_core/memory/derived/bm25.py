@@ -116,22 +116,27 @@ FEEDBACK_TERMS = 20
 FEEDBACK_LENGTH = 200
 
 
-def fed_back(q: Query, bags: Sequence[tuple[np.ndarray, np.ndarray, int]], scores: Sequence[float],
-             df_of: Callable[[np.ndarray], np.ndarray], params: Params) -> Query:
+def fed_back(q: Query, bags: Sequence[tuple[np.ndarray, np.ndarray, int, int]],
+             scores: Sequence[float], df_of: Callable[[np.ndarray], np.ndarray],
+             params: Params) -> Query:
     """`q` with the terms its best rows hold and it does not (a relevance model, Lavrenko &
     Croft 2001, as RM3 adds it to the query: Abdul-Jaleel et al., TREC 2004). `bags` are those
-    rows' (terms ascending, counts, length) in rank order, `scores` their first-pass scores;
-    those longer than FEEDBACK_LENGTH are left out. A term weighs the sum over the rows of score * count / length, times its idf; the
+    rows' (terms ascending, counts, length, conversation) in rank order, `scores` their
+    first-pass scores; only the first one's conversation feeds back (in a person's memory the
+    others' words pulled their own rows in), and no row longer than FEEDBACK_LENGTH. A term weighs the sum over the rows of score * count / length, times its idf; the
     FEEDBACK_TERMS heaviest (ties by id) are counted `params.feedback` * weight / the heaviest
     times, the question's own terms as they were: a multi-hop question's second turn shares
     words with its first evidence turn, not with the question."""
-    kept = [(b, s) for b, s in zip(bags, scores, strict=True) if b[2] <= FEEDBACK_LENGTH]
+    if not bags:
+        return q
+    kept = [(b, s) for b, s in zip(bags, scores, strict=True)
+            if b[2] <= FEEDBACK_LENGTH and b[3] == bags[0][3]]
     if not kept:
         return q
-    terms = np.concatenate([t for (t, _, _), _ in kept])
+    terms = np.concatenate([t for (t, _, _, _), _ in kept])
     # Added row by row in rank order (bincount sums in input order), as the reference does.
     part = np.concatenate([s * c.astype(np.float64) / max(n, 1)
-                           for (_, c, n), s in kept])
+                           for (_, c, n, _), s in kept])
     new = np.setdiff1d(np.unique(terms), q.terms, assume_unique=True)
     if new.size == 0:
         return q

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -188,16 +188,24 @@ class Scanner:
     def _top(self, view: View, q: Query, k: int, visible: Visibility,
              df_of: Callable[[np.ndarray], np.ndarray], conn: Sql
              ) -> list[tuple[float, int, bool]]:
-        """The k best visible rows for `q`, ranked a second time with the terms its
-        FEEDBACK_ROWS best rows bring (bm25.fed_back; rows excluded later feed back too)."""
+        """The k best visible rows for `q`, those of the best row's conversation ranked again
+        with the terms its FEEDBACK_ROWS best rows bring (bm25.fed_back; rows excluded later
+        feed back too). Only there: in a person's memory the terms pulled in the other
+        conversations' rows (docs/tuning.md). Those rows' scores only rise, so the others'
+        are the first ranking's, and the k best of both are the answer."""
         first = view.top(q, max(k, FEEDBACK_ROWS) if self.params.feedback > 0 else k, visible)
         if self.params.feedback <= 0 or not first:
             return first[:k]
-        best = first[:FEEDBACK_ROWS]
-        got = bags(self.db, conn, [s for _, s, _ in best])
-        fed = fed_back(q, [got[s] for _, s, _ in best if s in got],
-                       [sc for sc, s, _ in best if s in got], df_of, self.params)
-        return first[:k] if fed is q else view.top(fed, k, visible)
+        got = bags(self.db, conn, [s for _, s, _ in first[:FEEDBACK_ROWS]])
+        best = [(got[s], score) for score, s, _ in first[:FEEDBACK_ROWS] if s in got]
+        fed = fed_back(q, [b for b, _ in best], [s for _, s in best], df_of, self.params)
+        if fed is q:
+            return first[:k]
+        conv = best[0][0][3]
+        again = view.top(fed, k, replace(visible, conversation_id=conv))
+        convs = view.conversations(np.array([s for _, s, _ in first], np.int64))
+        rest = [r for r, c in zip(first, convs.tolist(), strict=True) if c != conv]
+        return sorted(again + rest, key=lambda r: (not r[2], -r[0], r[1]))[:k]
 
     def _store_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The small-memory path: score the visible rows read straight from the store."""
@@ -276,15 +284,18 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
     return hits
 
 
-Bag = tuple[np.ndarray, np.ndarray, int]  # a row's terms ascending, their counts, its length
+# A row's terms ascending, their counts, its length and conversation.
+Bag = tuple[np.ndarray, np.ndarray, int, int]
 
 
 def bags(db: Database, conn: Sql, seqs: list[int]) -> dict[int, Bag]:
     """The bags of the rows `seqs` that are still there (the arena holds postings by term,
     not a row's terms: these few are read by key)."""
     where, args = one_of(db.postgres, "seq", seqs)
-    return {s: (np.frombuffer(t, "<i4"), np.frombuffer(c, np.uint8), n) for s, t, c, n in
-            conn.execute(f"SELECT seq, terms, counts, length FROM retrieval WHERE {where}", args)}
+    return {s: (np.frombuffer(t, "<i4"), np.frombuffer(c, np.uint8), n, conv)
+            for s, t, c, n, conv in conn.execute(
+                f"SELECT seq, terms, counts, length, conversation_id FROM retrieval WHERE {where}",
+                args)}
 
 
 # The retrieval rows deleted so far (their log's last seq, never handed out again) and the
