@@ -85,8 +85,9 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     stored int8 vectors), at zero below zero, times semantic * the best of those scores
     (none when no row scores). The query's vector is the table's vectors of its terms, each weighed
     by its idf computed here; `during` keeps the rows said in that span, scored as without
-    it. With feedback on, all that again with the terms the bm25.FEEDBACK_ROWS best of those
-    rows bring (fed_back), ranked as the answer is but before `exclude`.
+    it. With feedback on, the rows of the best one's conversation scored all that again
+    (among themselves) with the terms the bm25.FEEDBACK_ROWS best rows bring (fed_back),
+    ranked as the answer is but before `exclude`; the other rows as they were.
     """
     k1, b = params.k1, params.b
     conn = opened_other(store.path)
@@ -117,6 +118,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
         chains.setdefault(conv, []).append(seq)
 
     def idf(t: int) -> float:
+        # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
         return float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
 
     visible = {seq for seq, _, user, conv, _, _ in decoded
@@ -125,13 +127,12 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     q = semantic_query(store, query, df, n) if params.semantic > 0 else None
     conv_of = {seq: conv for seq, _, _, conv, _, _ in decoded}
 
-    def scored(counts: dict[int, float]) -> dict[int, float]:
+    def scored(counts: dict[int, float], among: set[int]) -> dict[int, float]:
         plain = {}
         for seq, _, _, _, length, tf in decoded:
             s = 0.0
             for t in sorted(counts):
                 if df[t] and t in tf:
-                    # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
                     w = counts[t] * idf(t) * (k1 + 1)
                     s += w * tf[t] / (tf[t] + (k1 * (1 - b) + k1 * b / avgdl * length))
             plain[seq] = s
@@ -145,12 +146,12 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
             for d, w in enumerate(params.after, 1):
                 s = s + w * (plain[chain[i + d]] if i + d < len(chain) else 0.0)
             lexical[seq] = s
-        found = sorted((-lexical[s], s) for s in visible if lexical[s] > 0)
+        found = sorted((-lexical[s], s) for s in among if lexical[s] > 0)
         if q is not None and found:
             scale = params.semantic * -found[0][0]
             qn = math.sqrt(sum(x * x for x in q))
             convs = {conv_of[s] for _, s in found[:view.SEMANTIC_FROM]}
-            for seq in (s for s in visible if conv_of[s] in convs):
+            for seq in (s for s in among if conv_of[s] in convs):
                 v = vecs[seq]
                 sq = sum(x * x for x in v)
                 cos = float(sum(x * y for x, y in zip(v, q))) * (1.0 / math.sqrt(sq)) / qn if sq else 0.0
@@ -169,27 +170,30 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
                 out.append((not (user_id is None or user == user_id), -s, seq, item))
         return sorted(out)
 
-    lexical = scored(counts)
-    if params.feedback > 0:
-        bag = {seq: (tf, length) for seq, _, _, _, length, tf in decoded}
-        best = [(-negs, seq) for _, negs, seq, _ in ranking(lexical)[:bm25.FEEDBACK_ROWS]]
-        counts |= fed_back(best, bag, counts, params.feedback, idf)
-        lexical = scored(counts)
+    lexical = scored(counts, visible)
+    best = [(-negs, seq) for _, negs, seq, _ in ranking(lexical)[:bm25.FEEDBACK_ROWS]]
+    if params.feedback > 0 and best:
+        bag = {seq: (tf, length, conv) for seq, _, _, conv, length, tf in decoded}
+        more = fed_back(best, bag, counts, params.feedback, idf)
+        inside = {s for s in visible if conv_of[s] == conv_of[best[0][1]]}
+        if more:  # the best row's conversation ranked again with them, the others as they were
+            lexical |= {s: x for s, x in scored(counts | more, inside).items() if s in inside}
     out = [r for r in ranking(lexical) if r[3] not in exclude]
     return [(item, -negs) for _, negs, _, item in out[:k]]
 
 
-def fed_back(best: list[tuple[float, int]], bag: dict[int, tuple[dict[int, int], int]],
+def fed_back(best: list[tuple[float, int]], bag: dict[int, tuple[dict[int, int], int, int]],
              counts: dict[int, float], weight: float, idf: Callable[[int], float]
              ) -> dict[int, float]:
     """The terms the best rows (score, seq; rank order, before any exclusion) bring
-    (bm25.fed_back): of the rows of at most bm25.FEEDBACK_LENGTH terms, each term the query
-    lacks weighs the sum of score * count / length, times its idf; the bm25.FEEDBACK_TERMS
-    heaviest (ties by id) count weight * theirs / the heaviest's."""
+    (bm25.fed_back): of the rows of the first one's conversation of at most
+    bm25.FEEDBACK_LENGTH terms, each term the query lacks weighs the sum of score * count /
+    length, times its idf; the bm25.FEEDBACK_TERMS heaviest (ties by id) count weight *
+    theirs / the heaviest's."""
     mass: dict[int, float] = {}
     for score, seq in best:
-        tf, length = bag[seq]
-        if length > bm25.FEEDBACK_LENGTH:
+        tf, length, conv = bag[seq]
+        if length > bm25.FEEDBACK_LENGTH or conv != bag[best[0][1]][2]:
             continue
         for t in sorted(tf):
             if t not in counts:
@@ -693,6 +697,34 @@ def test_merged_segments_equal_one_built_from_all_their_rows() -> None:
             for name in ("terms", "ptr", "rows", "row_ptr", "row_terms", "tf"):
                 x, y = getattr(merged, name), getattr(both, name)
                 assert (x is None and y is None) or (np.array_equal(x, y) and x.dtype == y.dtype)
+
+
+FILLER = ["we watched a movie about space last night", "my brother fixed the kitchen sink",
+          "the bakery on main street closed early", "I finally finished that long novel",
+          "our neighbour painted the fence green", "traffic was terrible this morning"]
+
+
+def test_a_second_hop_is_reached_through_the_first_hops_words(store: Store) -> None:
+    """The turn that answers a multi-hop question shares no word with it, only with the
+    turn that does (bm25.fed_back); another conversation's turn sharing those words is left
+    as it was. Words alone (no semantic half, which finds any row of the conversation)."""
+    texts = ["Melanie went camping at Yosemite with her nephew Bartholomew", *FILLER,
+             "Bartholomew says the Yosemite rangers spotted a black bear", *FILLER]
+    ids = add(store, "u", "c", texts)
+    other = add(store, "u", "d", [*FILLER, "Bartholomew and Yosemite again", *FILLER])
+    first, hop, elsewhere = ids[0], ids[len(FILLER) + 1], other[len(FILLER)]
+    uid = store.user_id("u")
+    question = "Where did Melanie go camping?"
+    for params in (bm25.Params(semantic=0.0), bm25.Params(semantic=0.0, feedback=0.0)):
+        for rows in (0, 10**9):  # the arena, and a small memory read from the store
+            found = [h.item_id for h in scan.Scanner(store, store_rows=rows, params=params)
+                     .search(question, uid, 50)]
+            assert found[0] == first
+            assert (hop in found) == (params.feedback > 0)
+            assert elsewhere not in found
+            same(ranked(scan.Scanner(store, store_rows=rows, params=params)
+                        .search(question, uid, 50)),
+                 reference(store, question, uid, 50, params=params))
 
 
 def test_pooled_visibility(store: Store) -> None:

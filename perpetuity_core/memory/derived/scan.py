@@ -35,6 +35,11 @@ plus conversational context, the BM25 of the rows around d in its conversation:
 asks: one shared statistic, so a row's score does not depend on who else is visible. Heat,
 recency and anything else that is not relevance stay out of it.
 
+Then a second hop (Params.feedback, bm25.fed_back): the terms the best rows of that ranking
+hold and the question does not are searched again, at a fifth of a question term's weight,
+among the rows of the best row's conversation (Scanner._top). A multi-hop question's second
+evidence turn often shares words with its first one only.
+
 Measured on LoCoMo and left out (scripts/eval_retrieval.py): rare-term weighting (idf ** 1.5 or
 ** 2) and a phrase bonus over adjacent word pairs each move recall by about a point at most,
 against an index twice the size for the phrase bonus; the speaker's name in the row text
