@@ -43,7 +43,8 @@ class Params:
 
     `feedback` bridges a second hop (pseudo-relevance feedback, fed_back): the terms the best
     rows of a first ranking hold and the question does not, searched again at that fraction
-    of a question term's weight. 0 turns it off.
+    of a question term's weight, re-order the best row's conversation (scan.Scanner._top).
+    0 turns it off.
     """
 
     k1: float = 0.9
