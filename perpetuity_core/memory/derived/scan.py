@@ -210,11 +210,14 @@ class Scanner:
             return first[:k]
         conv = best[0][0][3]
         inside = view.conversations(np.array([s for _, s, _ in first], np.int64)) == conv
-        again = view.top(fed, k, replace(visible, conversation_id=conv))
-        places = [r for r, there in zip(first, inside.tolist(), strict=True) if there]
-        return sorted([(p[0], r[1], r[2]) for p, r in zip(places, again)]
-                      + [r for r, there in zip(first, inside.tolist(), strict=True) if not there],
-                      key=lambda r: (not r[2], -r[0], r[1]))[:k]
+        again = iter(view.top(fed, k, replace(visible, conversation_id=conv)))
+        out = []
+        for place, there in zip(first, inside.tolist(), strict=True):
+            # Its rows rank at least as high as before: as many score, never fewer.
+            row = next(again, None) if there else place
+            if row is not None:
+                out.append((place[0], row[1], row[2]))
+        return out[:k]
 
     def _store_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The small-memory path: score the visible rows read straight from the store."""
