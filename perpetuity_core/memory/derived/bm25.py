@@ -123,11 +123,12 @@ def fed_back(q: Query, bags: Sequence[tuple[np.ndarray, np.ndarray, int, int]],
     """`q` with the terms its best rows hold and it does not (a relevance model, Lavrenko &
     Croft 2001, as RM3 adds it to the query: Abdul-Jaleel et al., TREC 2004). `bags` are those
     rows' (terms ascending, counts, length, conversation) in rank order, `scores` their
-    first-pass scores; only the first one's conversation feeds back (in a person's memory the
-    others' words pulled their own rows in), and no row longer than FEEDBACK_LENGTH. A term weighs the sum over the rows of score * count / length, times its idf; the
-    FEEDBACK_TERMS heaviest (ties by id) are counted `params.feedback` * weight / the heaviest
-    times, the question's own terms as they were: a multi-hop question's second turn shares
-    words with its first evidence turn, not with the question."""
+    first-pass scores. Only the first one's conversation feeds back (in a person's memory the
+    others' words pulled their own rows in), and no row longer than FEEDBACK_LENGTH. A term
+    weighs the sum over the rows of score * count / length, times its idf; the FEEDBACK_TERMS
+    heaviest (ties by id) are counted `params.feedback` * weight / the heaviest's times, the
+    question's own terms as they were: a multi-hop question's second turn shares words with
+    its first evidence turn, not with the question."""
     if not bags:
         return q
     kept = [(b, s) for b, s in zip(bags, scores, strict=True)

@@ -186,10 +186,10 @@ class Scanner:
 
     def _arena_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         view = self.arena.view
-        q = view.query(self.db.dictionary, text, self.params)
-        if view.df is None:  # nothing stored yet: the query is empty, nothing ranks
+        if view.df is None:  # nothing stored yet
             return []
-        return self._top(view, q, k, visible, view.df.get, self.db.connection())
+        return self._top(view, view.query(self.db.dictionary, text, self.params), k, visible,
+                         view.df.get, self.db.connection())
 
     def _top(self, view: View, q: Query, k: int, visible: Visibility,
              df_of: Callable[[np.ndarray], np.ndarray], conn: Sql
@@ -213,7 +213,7 @@ class Scanner:
         again = iter(view.top(fed, k, replace(visible, conversation_id=conv)))
         out = []
         for place, there in zip(first, inside.tolist(), strict=True):
-            # Its rows rank at least as high as before: as many score, never fewer.
+            # A place never lacks a row within k: a row scored before scores again, no lower.
             row = next(again, None) if there else place
             if row is not None:
                 out.append((place[0], row[1], row[2]))
