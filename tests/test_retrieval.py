@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,10 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     stored int8 vectors), at zero below zero, times semantic * the best of those scores
     (none when no row scores). The query's vector is the table's vectors of its terms, each weighed
     by its idf computed here; `during` keeps the rows said in that span, scored as without
-    it.
+    it. With feedback on, of the first max(k + excluded, bm25.FEEDBACK_ROWS) rows so ranked
+    (before `exclude`), those of the best one's conversation are replaced, place by place, by
+    that conversation's rows ranked by all that again (among themselves) with the terms the
+    bm25.FEEDBACK_ROWS best rows bring (fed_back); each takes its place's score.
     """
     k1, b = params.k1, params.b
     conn = opened_other(store.path)
@@ -110,56 +114,97 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     counts: dict[int, float] = dict(qtf)
     if params.semantic > 0 and params.expand > 0:
         counts |= nearest(store, qtf, df, params.expand)
-    bm25 = {}
-    for seq, _, _, _, length, tf in decoded:
-        s = 0.0
-        for t in sorted(counts):
-            if df[t] and t in tf:
-                # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
-                idf = float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
-                w = counts[t] * idf * (k1 + 1)
-                s += w * tf[t] / (tf[t] + (k1 * (1 - b) + k1 * b / avgdl * length))
-        bm25[seq] = s
     chains: dict[int, list[int]] = {}
     for seq, _, _, conv, _, _ in decoded:
         chains.setdefault(conv, []).append(seq)
-    lexical = {}
-    for seq, _, _, conv, _, _ in decoded:
-        chain = chains[conv]
-        i = chain.index(seq)
-        s = bm25[seq]
-        for d, w in enumerate(params.before, 1):
-            s = s + w * (bm25[chain[i - d]] if i - d >= 0 else 0.0)
-        for d, w in enumerate(params.after, 1):
-            s = s + w * (bm25[chain[i + d]] if i + d < len(chain) else 0.0)
-        lexical[seq] = s
+
+    def idf(t: int) -> float:
+        # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
+        return float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
+
     visible = {seq for seq, _, user, conv, _, _ in decoded
                if (user_id is None or user == user_id or share)
                and (conversation_id is None or conv == conversation_id)}
     q = semantic_query(store, query, df, n) if params.semantic > 0 else None
-    found = sorted((-lexical[s], s) for s in visible if lexical[s] > 0)
-    if q is not None and found:
-        scale = params.semantic * -found[0][0]
-        qn = math.sqrt(sum(x * x for x in q))
-        conv_of = {seq: conv for seq, _, _, conv, _, _ in decoded}
-        convs = {conv_of[s] for _, s in found[:view.SEMANTIC_FROM]}
-        for seq in (s for s in visible if conv_of[s] in convs):
-            v = vecs[seq]
-            sq = sum(x * x for x in v)
-            cos = float(sum(x * y for x, y in zip(v, q))) * (1.0 / math.sqrt(sq)) / qn if sq else 0.0
-            lexical[seq] = scale * max(cos, 0.0) + lexical[seq]
-    out = []
-    for seq, item, user, _, _, _ in decoded:
-        s = lexical[seq]
-        if item in exclude or seq not in visible:
-            continue
-        if during is not None and not during[0] <= said[item] < during[1]:
-            continue
-        own = user_id is None or user == user_id
-        if s > 0:
-            out.append((not own, -s, seq, item))
-    out.sort()
+    conv_of = {seq: conv for seq, _, _, conv, _, _ in decoded}
+
+    def scored(counts: dict[int, float], among: set[int]) -> dict[int, float]:
+        plain = {}
+        for seq, _, _, _, length, tf in decoded:
+            s = 0.0
+            for t in sorted(counts):
+                if df[t] and t in tf:
+                    w = counts[t] * idf(t) * (k1 + 1)
+                    s += w * tf[t] / (tf[t] + (k1 * (1 - b) + k1 * b / avgdl * length))
+            plain[seq] = s
+        lexical = {}
+        for seq, _, _, conv, _, _ in decoded:
+            chain = chains[conv]
+            i = chain.index(seq)
+            s = plain[seq]
+            for d, w in enumerate(params.before, 1):
+                s = s + w * (plain[chain[i - d]] if i - d >= 0 else 0.0)
+            for d, w in enumerate(params.after, 1):
+                s = s + w * (plain[chain[i + d]] if i + d < len(chain) else 0.0)
+            lexical[seq] = s
+        found = sorted((-lexical[s], s) for s in among if lexical[s] > 0)
+        if q is not None and found:
+            scale = params.semantic * -found[0][0]
+            qn = math.sqrt(sum(x * x for x in q))
+            convs = {conv_of[s] for _, s in found[:view.SEMANTIC_FROM]}
+            for seq in (s for s in among if conv_of[s] in convs):
+                v = vecs[seq]
+                sq = sum(x * x for x in v)
+                cos = float(sum(x * y for x, y in zip(v, q))) * (1.0 / math.sqrt(sq)) / qn if sq else 0.0
+                lexical[seq] = scale * max(cos, 0.0) + lexical[seq]
+        return lexical
+
+    def ranking(scores: dict[int, float]) -> list[tuple[bool, float, int, int]]:
+        out = []
+        for seq, item, user, _, _, _ in decoded:
+            s = scores[seq]
+            if seq not in visible:
+                continue
+            if during is not None and not during[0] <= said[item] < during[1]:
+                continue
+            if s > 0:
+                out.append((not (user_id is None or user == user_id), -s, seq, item))
+        return sorted(out)
+
+    lexical = scored(counts, visible)
+    first = ranking(lexical)[:max(k + len(exclude), bm25.FEEDBACK_ROWS)]
+    best = [(-negs, seq) for _, negs, seq, _ in first[:bm25.FEEDBACK_ROWS]]
+    more = fed_back(best, {seq: (tf, length, conv) for seq, _, _, conv, length, tf in decoded},
+                    counts, params.feedback, idf) if params.feedback > 0 and best else {}
+    if more:  # the best row's conversation in the order the terms give, in its places
+        inside = {s for s in visible if conv_of[s] == conv_of[best[0][1]]}
+        fed = scored(counts | more, inside)
+        again = ranking({s: fed[s] if s in inside else 0.0 for s in lexical})
+        first = [(p[0], p[1], r[2], r[3]) for p, r in zip(
+            first, (again.pop(0) if p[2] in inside else p for p in first), strict=True)]
+    out = [r for r in first if r[3] not in exclude]
     return [(item, -negs) for _, negs, _, item in out[:k]]
+
+
+def fed_back(best: list[tuple[float, int]], bag: dict[int, tuple[dict[int, int], int, int]],
+             counts: dict[int, float], weight: float, idf: Callable[[int], float]
+             ) -> dict[int, float]:
+    """The terms the best rows (score, seq; rank order, before any exclusion) bring
+    (bm25.fed_back): of the rows of the first one's conversation of at most
+    bm25.FEEDBACK_LENGTH terms, each term the query lacks weighs the sum of score * count /
+    length, times its idf; the bm25.FEEDBACK_TERMS heaviest (ties by id) count weight *
+    theirs / the heaviest's."""
+    mass: dict[int, float] = {}
+    for score, seq in best:
+        tf, length, conv = bag[seq]
+        if length > bm25.FEEDBACK_LENGTH or conv != bag[best[0][1]][2]:
+            continue
+        for t in sorted(tf):
+            if t not in counts:
+                mass[t] = mass.get(t, 0.0) + score * tf[t] / max(length, 1)
+    heavy = sorted((-m * idf(t), t) for t, m in mass.items())[:bm25.FEEDBACK_TERMS]
+    heavy = [(negw, t) for negw, t in heavy if negw < 0]
+    return {t: weight * -negw / -heavy[0][0] for negw, t in heavy}
 
 
 def nearest(store: Store, qtf: Counter[int], df: Counter[int],
@@ -458,8 +503,9 @@ PLAIN = bm25.Params(before=(), after=())  # BM25 alone, no conversational contex
 
 
 @pytest.mark.parametrize("params", [bm25.Params(), PLAIN, bm25.Params(1.2, 0.75),
-                                    bm25.Params(semantic=0.0)],
-                         ids=["context", "plain", "k1-b", "lexical"])
+                                    bm25.Params(semantic=0.0), bm25.Params(feedback=0.0),
+                                    bm25.Params(feedback=1.0)],
+                         ids=["context", "plain", "k1-b", "lexical", "no-feedback", "feedback"])
 @pytest.mark.parametrize("path", ["store", "terms", "rows"])
 def test_scan_is_exact_against_the_reference(store: Store, path: str, params: bm25.Params,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -657,6 +703,34 @@ def test_merged_segments_equal_one_built_from_all_their_rows() -> None:
                 assert (x is None and y is None) or (np.array_equal(x, y) and x.dtype == y.dtype)
 
 
+FILLER = ["we watched a movie about space last night", "my brother fixed the kitchen sink",
+          "the bakery on main street closed early", "I finally finished that long novel",
+          "our neighbour painted the fence green", "traffic was terrible this morning"]
+
+
+def test_a_second_hop_is_reached_through_the_first_hops_words(store: Store) -> None:
+    """The turn that answers a multi-hop question shares no word with it, only with the
+    turn that does (bm25.fed_back): it moves up among its conversation's rows, which the
+    table alone ranks (11th, behind turns about nothing near); another conversation's turn
+    sharing those words is not pulled in."""
+    texts = ["Melanie went camping at Yosemite with her nephew Bartholomew", *FILLER,
+             "Bartholomew says the Yosemite rangers spotted a black bear", *FILLER]
+    ids = add(store, "u", "c", texts)
+    other = add(store, "u", "d", [*FILLER, "Bartholomew and Yosemite again", *FILLER])
+    first, hop, elsewhere = ids[0], ids[len(FILLER) + 1], other[len(FILLER)]
+    uid = store.user_id("u")
+    question = "Where did Melanie go camping?"
+    for params, at in ((bm25.Params(), 7), (bm25.Params(feedback=0.0), 10)):
+        for rows in (0, 10**9):  # the arena, and a small memory read from the store
+            found = [h.item_id for h in scan.Scanner(store, store_rows=rows, params=params)
+                     .search(question, uid, 50)]
+            assert (found[0], found.index(hop)) == (first, at)
+            assert elsewhere not in found
+            same(ranked(scan.Scanner(store, store_rows=rows, params=params)
+                        .search(question, uid, 50)),
+                 reference(store, question, uid, 50, params=params))
+
+
 def test_pooled_visibility(store: Store) -> None:
     rng = random.Random(5)
     fill(store, rng, 150)
@@ -684,7 +758,8 @@ def test_a_scan_for_one_user_of_many_scores_only_their_postings(
     for i in range(300):
         user = f"u{rng.randrange(10) if turns == 'interleaved' else i // 30}"
         add(sqlite_store, user, f"{user}-c{rng.randrange(2)}", [random_text(rng)], at=float(i))
-    sc = scan.Scanner(sqlite_store, layout=layout, store_rows=0, threads=1)
+    one = bm25.Params(feedback=0.0)  # one scan: the feedback's second adds its own terms
+    sc = scan.Scanner(sqlite_store, layout=layout, store_rows=0, threads=1, params=one)
     uid = sqlite_store.user_id("u3")
     computed: list[int] = []
     real = view.contributions
@@ -698,7 +773,7 @@ def test_a_scan_for_one_user_of_many_scores_only_their_postings(
     conn = sqlite_store.db.connection()
     for q in ["support group guitar", "dog cat painting", "memory arena"]:
         computed.clear()
-        same(ranked(sc.search(q, uid, 10)), reference(sqlite_store, q, uid, 10))
+        same(ranked(sc.search(q, uid, 10)), reference(sqlite_store, q, uid, 10, params=one))
         terms = set(sqlite_store.db.dictionary.ids(q).tolist())
         own = sum(len(terms.intersection(np.frombuffer(t, "<i4").tolist())) for (t,) in
                   conn.execute("SELECT terms FROM retrieval WHERE user_id = ?", (uid,)))

@@ -40,6 +40,11 @@ class Params:
     `expand` bridges words lexically, in every conversation (with `semantic` on): each query
     term brings its nearest terms by the table that the memory holds (expanded), each counted
     `expand` * its cosine times (docs/tuning.md: 0.3 and 0.5 measured).
+
+    `feedback` bridges a second hop (pseudo-relevance feedback, fed_back): the terms the best
+    rows of a first ranking hold and the question does not, searched again at that fraction
+    of a question term's weight, re-order the best row's conversation (scan.Scanner._top).
+    0 turns it off.
     """
 
     k1: float = 0.9
@@ -48,6 +53,7 @@ class Params:
     after: tuple[float, ...] = (0.3, 0.2, 0.1)
     semantic: float = 1.0
     expand: float = 0.3
+    feedback: float = 0.2
 
 
 def idf(n_rows: int, df: np.ndarray) -> np.ndarray:
@@ -68,6 +74,7 @@ class Query:
     after: tuple[float, ...] = ()
     vec: np.ndarray | None = None  # int8 (vectors.py), None with the semantic half off
     semantic: float = 0.0  # Params.semantic
+    n_rows: int = 0  # the pooled statistic's rows, for the idf of terms fed back
 
     @property
     def empty(self) -> bool:
@@ -81,7 +88,7 @@ def make_query(d: Dictionary, text: str, df_of: Callable[[np.ndarray], np.ndarra
     # Counted in Python: a question's few ids cost a third of np.unique's 22 us so.
     counts = Counter(d.id_list(text))
     if n_rows == 0 or not counts:
-        return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0)
+        return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0, n_rows=n_rows)
     terms = np.array(sorted(counts), np.int32)
     qtf = np.array([counts[t] for t in terms.tolist()], np.int64)
     k1, b = params.k1, params.b
@@ -98,7 +105,60 @@ def make_query(d: Dictionary, text: str, df_of: Callable[[np.ndarray], np.ndarra
     avgdl = max(total_length / n_rows, 1e-9)
     w = idf(n_rows, df)
     return Query(terms, qtf * w * (k1 + 1), k1 * (1 - b), k1 * b / avgdl,
-                 params.before, params.after, vec, params.semantic)
+                 params.before, params.after, vec, params.semantic, n_rows)
+
+
+# Pseudo-relevance feedback (fed_back): the best rows of the first ranking read, and the most
+# terms they bring (docs/tuning.md, "Pseudo-relevance feedback": 3 to 20 rows, 5 to 50 terms).
+FEEDBACK_ROWS = 10
+FEEDBACK_TERMS = 20
+# A row longer than this (in terms) feeds nothing back: a long reply holds many topics, and
+# its words brought other long replies into BEAM's frames (docs/tuning.md).
+FEEDBACK_LENGTH = 200
+
+
+def fed_back(q: Query, bags: Sequence[tuple[np.ndarray, np.ndarray, int, int]],
+             scores: Sequence[float], df_of: Callable[[np.ndarray], np.ndarray],
+             params: Params) -> Query:
+    """`q` with the terms its best rows hold and it does not (a relevance model, Lavrenko &
+    Croft 2001, as RM3 adds it to the query: Abdul-Jaleel et al., TREC 2004). `bags` are those
+    rows' (terms ascending, counts, length, conversation) in rank order, `scores` their
+    first-pass scores. Only the first one's conversation feeds back (in a person's memory the
+    others' words pulled their own rows in), and no row longer than FEEDBACK_LENGTH. A term
+    weighs the sum over the rows of score * count / length, times its idf; the FEEDBACK_TERMS
+    heaviest (ties by id) are counted `params.feedback` * weight / the heaviest's times, the
+    question's own terms as they were: a multi-hop question's second turn shares words with
+    its first evidence turn, not with the question."""
+    if not bags:
+        return q
+    kept = [(b, s) for b, s in zip(bags, scores, strict=True)
+            if b[2] <= FEEDBACK_LENGTH and b[3] == bags[0][3]]
+    if not kept:
+        return q
+    terms = np.concatenate([t for (t, _, _, _), _ in kept])
+    # Added row by row in rank order (bincount sums in input order), as the reference does.
+    part = np.concatenate([s * c.astype(np.float64) / max(n, 1)
+                           for (_, c, n, _), s in kept])
+    new = np.setdiff1d(np.unique(terms), q.terms, assume_unique=True)
+    if new.size == 0:
+        return q
+    at = np.searchsorted(new, terms)
+    mine = (at < new.size) & (new[np.minimum(at, new.size - 1)] == terms)
+    mass = np.bincount(at[mine], weights=part[mine], minlength=new.size)
+    df = np.asarray(df_of(new), np.int64)
+    w = idf(q.n_rows, df)
+    weight = np.where(df > 0, mass * w, 0.0)
+    pick = np.lexsort((new, -weight))[:FEEDBACK_TERMS]
+    pick = pick[weight[pick] > 0]
+    if pick.size == 0:
+        return q
+    pick.sort()  # ascending id, as the query's terms
+    count = params.feedback * weight[pick] / weight[pick].max()
+    every = np.concatenate((q.terms, new[pick].astype(np.int32)))
+    order = np.argsort(every, kind="stable")
+    weights = np.concatenate((q.weights, count * w[pick] * (params.k1 + 1)))
+    return Query(every[order], weights[order], q.a, q.c, q.before, q.after, q.vec, q.semantic,
+                 q.n_rows)
 
 
 def expanded(d: Dictionary, terms: np.ndarray, qtf: np.ndarray, df: np.ndarray,

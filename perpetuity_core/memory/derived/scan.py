@@ -35,6 +35,12 @@ plus conversational context, the BM25 of the rows around d in its conversation:
 asks: one shared statistic, so a row's score does not depend on who else is visible. Heat,
 recency and anything else that is not relevance stay out of it.
 
+Then a second hop (Params.feedback, bm25.fed_back): the terms the best rows of that ranking
+hold and the question does not are searched again, at a fifth of a question term's weight,
+and the best row's conversation's rows take its places in the ranking in that new order
+(Scanner._top). A multi-hop question's second evidence turn often shares words with its first
+one only.
+
 Measured on LoCoMo and left out (scripts/eval_retrieval.py): rare-term weighting (idf ** 1.5 or
 ** 2) and a phrase bonus over adjacent word pairs each move recall by about a point at most,
 against an index twice the size for the phrase bonus; the speaker's name in the row text
@@ -66,16 +72,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from perpetuity_core.memory.derived import vectors
 from perpetuity_core.memory.derived.arena import COLUMNS, ROWS, TERMS, Arena, build_segment
-from perpetuity_core.memory.derived.bm25 import Params, make_query
+from perpetuity_core.memory.derived.bm25 import FEEDBACK_ROWS, Params, Query, fed_back, make_query
 from perpetuity_core.memory.derived.index import item_text, sequence, totals, unfolded_df
-from perpetuity_core.memory.derived.view import Visibility
-from perpetuity_core.memory.storage.dialect import marks, one_of
+from perpetuity_core.memory.derived.view import View, Visibility
+from perpetuity_core.memory.storage.dialect import Sql, marks, one_of
 from perpetuity_core.memory.storage.kept import Kept, There, kept
 from perpetuity_core.memory.storage.store import Database, Store, failing_as
 
@@ -172,13 +178,46 @@ class Scanner:
         with failing_as("search memory"):
             self.catch_up()
             if self._use_arena:
-                view = self.arena.view
-                ranked = view.top(view.query(self.db.dictionary, query, self.params), k,
-                                  visible)
+                ranked = self._arena_top(query, k, visible)
             else:
                 ranked = self._store_top(query, k, visible)
             hits = fetch_hits(self.db, ranked)
         return [h for h in hits if h.item_id not in exclude][:limit]
+
+    def _arena_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
+        view = self.arena.view
+        if view.df is None:  # nothing stored yet
+            return []
+        return self._top(view, view.query(self.db.dictionary, text, self.params), k, visible,
+                         view.df.get, self.db.connection())
+
+    def _top(self, view: View, q: Query, k: int, visible: Visibility,
+             df_of: Callable[[np.ndarray], np.ndarray], conn: Sql
+             ) -> list[tuple[float, int, bool]]:
+        """The k best visible rows for `q`, the best row's conversation's ranked again with the
+        terms its FEEDBACK_ROWS best rows bring (bm25.fed_back; rows excluded later feed back
+        too): they take that conversation's places in the first ranking, scores and all, in
+        their new order. The first ranking's mix of conversations and its scores (which the
+        frame's budget reads) stay: letting the fed scores rise cost LoCoMo `--personal` 1.4
+        points of the frame and BEAM's 3 (docs/tuning.md)."""
+        first = view.top(q, max(k, FEEDBACK_ROWS) if self.params.feedback > 0 else k, visible)
+        if self.params.feedback <= 0 or not first:
+            return first[:k]
+        got = bags(self.db, conn, [s for _, s, _ in first[:FEEDBACK_ROWS]])
+        best = [(got[s], score) for score, s, _ in first[:FEEDBACK_ROWS] if s in got]
+        fed = fed_back(q, [b for b, _ in best], [s for _, s in best], df_of, self.params)
+        if fed is q:
+            return first[:k]
+        conv = best[0][0][3]
+        inside = view.conversations(np.array([s for _, s, _ in first], np.int64)) == conv
+        again = iter(view.top(fed, k, replace(visible, conversation_id=conv)))
+        out = []
+        for place, there in zip(first, inside.tolist(), strict=True):
+            # A place never lacks a row within k: a row scored before scores again, no lower.
+            row = next(again, None) if there else place
+            if row is not None:
+                out.append((place[0], row[1], row[2]))
+        return out[:k]
 
     def _store_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The small-memory path: score the visible rows read straight from the store."""
@@ -189,14 +228,20 @@ class Scanner:
                            total, self.params)
             if q.empty:
                 return []
-            where, args = "", []
-            if visible.user_id is not None and not visible.share_pool:
-                where, args = f"WHERE user_id = {marks(db.postgres, 1)}", [visible.user_id]
-            elif visible.user_id is not None and visible.pool is not None:
-                args = [visible.user_id, *visible.pool]
-                where = f"WHERE user_id IN ({marks(db.postgres, len(args))})"
-            rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts,"
-                                f" vec FROM retrieval {where} ORDER BY seq", args).fetchall()
+            return self._store_rows_top(conn, q, k, visible)
+
+    def _store_rows_top(self, conn: Sql, q: Query, k: int,
+                        visible: Visibility) -> list[tuple[float, int, bool]]:
+        """`_store_top` within its snapshot, where the feedback's rows and counts are read."""
+        db = self.db
+        where, args = "", []
+        if visible.user_id is not None and not visible.share_pool:
+            where, args = f"WHERE user_id = {marks(db.postgres, 1)}", [visible.user_id]
+        elif visible.user_id is not None and visible.pool is not None:
+            args = [visible.user_id, *visible.pool]
+            where = f"WHERE user_id IN ({marks(db.postgres, len(args))})"
+        rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts,"
+                            f" vec FROM retrieval {where} ORDER BY seq", args).fetchall()
         if not rows:
             return []
         tmp = Arena(db, ROWS, threads=1)
@@ -208,7 +253,7 @@ class Scanner:
         row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]
-        return tmp.publish().top(q, k, visible)
+        return self._top(tmp.publish(), q, k, visible, lambda t: unfolded_df(db, conn, t), conn)
 
 
 def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]:
@@ -249,6 +294,20 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
             hits.append(Hit(h.item_id, h.message_id, h.user_id, h.conversation_id, h.role, h.at,
                             score, h.text, s, h.tokens))  # by position: keywords cost more
     return hits
+
+
+# A row's terms ascending, their counts, its length and conversation.
+Bag = tuple[np.ndarray, np.ndarray, int, int]
+
+
+def bags(db: Database, conn: Sql, seqs: list[int]) -> dict[int, Bag]:
+    """The bags of the rows `seqs` that are still there (the arena holds postings by term,
+    not a row's terms: these few are read by key)."""
+    where, args = one_of(db.postgres, "seq", seqs)
+    return {s: (np.frombuffer(t, "<i4"), np.frombuffer(c, np.uint8), n, conv)
+            for s, t, c, n, conv in conn.execute(
+                f"SELECT seq, terms, counts, length, conversation_id FROM retrieval WHERE {where}",
+                args)}
 
 
 # The retrieval rows deleted so far (their log's last seq, never handed out again) and the

@@ -195,6 +195,10 @@ class View:
                 parts.append((score[mask][best], self.seq[c][best], np.full(best.size, flag)))
         return merge(parts, k) if parts else []
 
+    def conversations(self, seqs: np.ndarray) -> np.ndarray:
+        """The conversation of each of `seqs`, rows of this view (seq ascends in it)."""
+        return self.conv[np.searchsorted(self.seq[:self.n], seqs)]
+
     def scores(self, q: Query) -> np.ndarray:
         """BM25 of every row, and an extra last slot, which none (-1) reads, a zero."""
         bm25 = np.zeros(self.n + 1)
