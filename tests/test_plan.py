@@ -17,6 +17,7 @@ from perpetuity_core.frame import plan
 from perpetuity_core.frame import select as frame_select
 from perpetuity_core.frame.cap import Cap
 from perpetuity_core.frame.select import RECENT_TOKENS
+from perpetuity_core.memory.derived import bm25
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.serve import layout
@@ -248,6 +249,9 @@ def _then_other_work(s: Session) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path) -> None:
     s = Session(tmp_path, Cap(floor=100, ceiling=300))
+    # Words alone: with the feedback the second prompt already gets an addendum (the other
+    # modules' rows share its words), and the third, past the bound, a new frame.
+    s.pipeline.scanner.params = bm25.Params(feedback=0.0)
     before, after, d = _then_other_work(s)
     assert _unmarked(after).startswith(_unmarked(before)[:-1])  # still append-only
     assert after[-1] == s.asked[-1]  # the prompt itself, as sent
