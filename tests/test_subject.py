@@ -19,8 +19,6 @@ from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.storage import capture
 from perpetuity_core.memory.storage.reads import Row
 from perpetuity_core.memory.storage.store import Store
-from perpetuity_core.recall import queries
-from perpetuity_core.recall.answers import TurnMemory
 from perpetuity_core.wire.conversation import Kind, Message, text_part
 
 
@@ -129,24 +127,3 @@ def test_the_fill_weighs_the_subjects_rows_higher() -> None:
     room = cost(rows[1]) + cost(rows[2])
     assert sorted(frame_select.fill(rows, warm, set(), room, measure, {1: 1.0})) == [1, 2]
     assert sorted(frame_select.fill(rows, warm, set(), room, measure, {1: 1.0}, said)) == [3, 4]
-
-
-def test_memory_search_ranks_the_named_speakers_turns_first(store: Store) -> None:
-    """The recall tool's search orders its rows as a chat's frame does: the other speaker's
-    turns that name Melanie score higher, her own come first."""
-    turns = ["Caroline: Melanie, your family sounds great, Melanie!",
-             "Melanie: We went camping with the kids last weekend.",
-             "Caroline: Melanie, family matters most, Melanie.",
-             "Melanie: I signed up for a pottery class."]
-    capture.record(store, user_key="u", conversation_key="c", provider="anthropic", model="m",
-                   messages=[Message("user" if i % 2 == 0 else "assistant", (text_part(t),))
-                             for i, t in enumerate(turns)],
-                   times=[1_700_000_000.0 + i for i in range(len(turns))], source="import")
-    uid = store.find_user("u")
-    assert uid is not None
-    scanner = Scanner(store)
-    query = "What activities has Melanie done with her family?"
-    assert scanner.search(query, uid, limit=10)[0].text.startswith("Caroline:")
-    memory = TurnMemory(uid, None, time.time())
-    found = queries._search(scanner, memory, query, queries._filters(scanner, {}, memory), 2, ())
-    assert [r.text.split(":")[0] for _, r in found] == ["Melanie", "Melanie"]

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from perpetuity_core.errors import BadArguments
-from perpetuity_core.frame import cap, subject
+from perpetuity_core.frame import cap
 from perpetuity_core.memory.derived.chains import chain_of, stem_rank, subject_words
 from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.storage import dictionary, reads
@@ -114,14 +114,12 @@ def _search(scanner: Scanner, memory: TurnMemory, query: str, f: Filters, want: 
             exclude: Iterable[int], holding: np.ndarray | None = None) -> list[tuple[Hit, Row]]:
     """The `want` best rows for `query` that pass the filters, best first. The scan itself
     keeps to the conversation and time span; for the other filters it reads deeper (up to
-    MAX_SCAN rows) while they reject. The rows said by whom the query is about rank higher, as
-    in a chat's frame (frame_subject), so a search reads at least the hits that re-orders."""
+    MAX_SCAN rows) while they reject."""
     exclude = frozenset(exclude)
     k = want
     while True:
-        hits = subject.ranked(query, scanner.search(
-            query, memory.user_id, limit=max(k, subject.DEPTH), exclude=exclude,
-            conversation_id=f.conversation_id, during=f.during()))[:k]
+        hits = scanner.search(query, memory.user_id, limit=k, exclude=exclude,
+                              conversation_id=f.conversation_id, during=f.during())
         rows = fetch_rows(scanner, memory.owner, [h.item_id for h in hits])
         keep = [(h, rows[h.item_id]) for h in hits if h.item_id in rows
                 and f.admits(rows[h.item_id])]
