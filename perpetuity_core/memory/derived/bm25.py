@@ -117,7 +117,11 @@ FEEDBACK_TERMS = 20
 FEEDBACK_LENGTH = 200
 
 
-def fed_back(q: Query, bags: Sequence[tuple[np.ndarray, np.ndarray, int, int]],
+# A row's terms ascending, their counts, its length and conversation (scan.bags reads them).
+Bag = tuple[np.ndarray, np.ndarray, int, int]
+
+
+def fed_back(q: Query, bags: Sequence[Bag],
              scores: Sequence[float], df_of: Callable[[np.ndarray], np.ndarray],
              params: Params) -> Query:
     """`q` with the terms its best rows hold and it does not (a relevance model, Lavrenko &

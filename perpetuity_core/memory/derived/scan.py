@@ -78,7 +78,14 @@ import numpy as np
 
 from perpetuity_core.memory.derived import vectors
 from perpetuity_core.memory.derived.arena import COLUMNS, ROWS, TERMS, Arena, build_segment
-from perpetuity_core.memory.derived.bm25 import FEEDBACK_ROWS, Params, Query, fed_back, make_query
+from perpetuity_core.memory.derived.bm25 import (
+    FEEDBACK_ROWS,
+    Bag,
+    Params,
+    Query,
+    fed_back,
+    make_query,
+)
 from perpetuity_core.memory.derived.index import item_text, sequence, totals, unfolded_df
 from perpetuity_core.memory.derived.view import View, Visibility
 from perpetuity_core.memory.storage.dialect import Sql, marks, one_of
@@ -294,10 +301,6 @@ def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]
             hits.append(Hit(h.item_id, h.message_id, h.user_id, h.conversation_id, h.role, h.at,
                             score, h.text, s, h.tokens))  # by position: keywords cost more
     return hits
-
-
-# A row's terms ascending, their counts, its length and conversation.
-Bag = tuple[np.ndarray, np.ndarray, int, int]
 
 
 def bags(db: Database, conn: Sql, seqs: list[int]) -> dict[int, Bag]:
