@@ -262,6 +262,13 @@ def test_identifiers_are_code_names_not_words() -> None:
                      "~/notes/todo", "lib/a/b"}
 
 
+def test_a_tool_calls_escapes_make_no_names() -> None:
+    """A tool call's arguments are read as JSON: the word after an escaped line break is a
+    word, as it was in the command, not a camel-case name ("nEOF", "nRead")."""
+    call = json.dumps({"command": "cat <<'EOF'\nEOF\nRead src/app/main.py\tparse_when"})
+    assert identifiers(call) == {"src/app/main.py", "parse_when"}
+
+
 def test_a_name_counts_in_context_only_with_the_text_around_its_latest_mention() -> None:
     older = parts_text([
         {"role": "user", "content": "Look at src/app/main.py first."},

@@ -31,13 +31,15 @@ _CANDIDATE = re.compile(r"~?(?:[\w.\-]*/)+[\w.\-]+|[A-Za-z_][A-Za-z0-9_]*(?:\.[A
                         r"|[A-Za-z_][A-Za-z0-9_]*")
 _CAMEL = re.compile(r"[a-z][A-Z]|[A-Z].*[A-Z].*[a-z]|[A-Z][a-z]+[A-Z]")
 _EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,8}$")
+# A tool call's arguments are read as JSON: "\nEOF" is a line break and a word, not "nEOF".
+_ESCAPE = re.compile(r"\\[nrt]")
 CONTEXT = 60  # characters either side of a name's latest mention that must come with it
 
 
 def identifiers(text: str) -> set[str]:
     """File paths and code names in a text, not plain words."""
     out = set()
-    for m in _CANDIDATE.finditer(text):
+    for m in _CANDIDATE.finditer(_ESCAPE.sub(" ", text)):
         s = m.group().rstrip(".-/")
         if len(s) < 4:
             continue
