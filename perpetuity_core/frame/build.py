@@ -90,7 +90,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
         return frame_render.prefix_tokens(rows, base, added, recent, shelf.adjacent, asked_at,
                                           conversation_id, apart=agent)
 
-    # A chat's fill weighs its question's subject's rows as its search ranks them.
+    # A chat's fill weighs its question's subject's rows higher, as its search ranks them.
     flags = None if agent else subject.said(query, [(r.text, r.role) for r in shelf.rows.values()])
     by_subject = set(itertools.compress(shelf.rows, flags)) if flags else set()
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
