@@ -443,9 +443,10 @@ def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
     """The rows to render: the mandatory ones (`must`, never dropped), then the rows with the
     most warmth per token while their estimated size fits (each row's warmth weighed by its
     conversation's weight in `focused`, FOCUS_FLOOR where none of its rows is warm, and by
-    (1 + FILL_SUBJECT) when the question's subject `said` it, when given); measured as rendered (`measure`: (mandatory, added) -> k -> the tokens of their
-    frame with the first k added), and when labels make that frame larger than `tokens`, the
-    most of those added rows, in the order they were added, whose frame fits (`fitting`)."""
+    (1 + FILL_SUBJECT) when the question's subject `said` it, when given); measured as
+    rendered (`measure`: (mandatory, added) -> k -> the tokens of their frame with the first k
+    added), and when labels make that frame larger than `tokens`, the most of those added
+    rows, in the order they were added, whose frame fits (`fitting`)."""
     costs = {i: cost(r) for i, r in rows.items()}
     weights = ({i: max(focused.get(r.conversation_id, 0.0), FOCUS_FLOOR)
                 * (1.0 + FILL_SUBJECT if i in said else 1.0)
