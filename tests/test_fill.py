@@ -16,7 +16,8 @@ from perpetuity_core.frame import cap
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
 from perpetuity_core.memory.derived import heat
-from perpetuity_core.memory.derived.scan import Scanner
+from perpetuity_core.memory.derived.bm25 import Params
+from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.storage.reads import Row
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.wire.conversation import Kind
@@ -86,3 +87,35 @@ def test_the_fill_fits_its_budget_as_rendered_and_keeps_every_mandatory_row(
     assert must <= set(new)
     if set(new) - must:
         assert measure(new) <= tokens
+
+
+def test_a_chats_fill_counts_its_hits_neighbours_at_a_share(store: Store) -> None:
+    """The turn beside a hit warms with it, and that reheat is written whole (the next
+    question's heat), but a chat's fill counts it at FILL_NEIGHBOUR: a hit is evidence more
+    often than the turn beside one. An agent's frame counts it whole."""
+    say(store, "c", "one", "two", "how was the weekend", "we went to the coast",
+        "the heron nested on the pier", "lovely, what else", "nothing much", "three", "four")
+    uid = store.find_user("u")
+    assert uid is not None
+    # Words alone: the table's cosine would make every turn of the conversation a hit.
+    scanner = Scanner(store, params=Params(semantic=0.0))
+    chat, agent = (frame.build(scanner, user_id=uid, conversation_id=None, query="heron pier",
+                               exclude_messages=[], asked_at=ASKED, limits=cap.Cap(), agent=a)
+                   for a in (False, True))
+    assert chat is not None and chat.warm is not None
+    assert agent is not None and agent.warm is not None
+    hits = {h.item_id for h in chat.ranked}
+    beside = [i for i in chat.reheats if i not in hits]  # "one" and "four"
+    assert len(beside) == 2
+    seen = dict(zip(chat.warm.item_ids.tolist(), chat.warm.warmth.tolist(), strict=True))
+    whole = dict(zip(agent.warm.item_ids.tolist(), agent.warm.warmth.tolist(), strict=True))
+    for i in beside:  # written whole, counted at a share
+        assert chat.reheats[i] == agent.reheats[i] > 0
+        assert whole[i] >= chat.reheats[i] > seen[i]
+    assert all(seen[i] == whole[i] == chat.reheats[i] for i in hits)
+
+
+def test_fill_reheats_keeps_the_hits_and_shares_the_rest() -> None:
+    hits = [Hit(1, 1, 1, 1, "user", 0.0, 3.0, "a", seq=1)]
+    got = frame_select.fill_reheats({1: 2.0, 2: 1.0}, hits)
+    assert got == {1: 2.0, 2: frame_select.FILL_NEIGHBOUR}

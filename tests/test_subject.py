@@ -127,3 +127,21 @@ def test_the_fill_weighs_the_subjects_rows_higher() -> None:
     room = cost(rows[1]) + cost(rows[2])
     assert sorted(frame_select.fill(rows, warm, set(), room, measure, {1: 1.0})) == [1, 2]
     assert sorted(frame_select.fill(rows, warm, set(), room, measure, {1: 1.0}, said)) == [3, 4]
+
+
+def test_the_fill_weighs_the_subjects_rows_above_their_ranks_weight() -> None:
+    """The subject's row at 0.45 of the other's warmth (its rank already counts the subject
+    once), the same length, room for one: at (1 + FILL_SUBJECT) it goes in, where at the
+    ranking's own (1 + SUBJECT) the other speaker's row took the room. LoCoMo in sequence:
+    docs/tuning.md."""
+    rows = {1: Row(1, 1, 1, "c", "user", 0.0, Kind.TEXT.value, "", "Caroline: Melanie, hi!"),
+            2: Row(2, 2, 1, "c", "assistant", 0.0, Kind.TEXT.value, "", "Melanie: We camped out.")}
+    assert cost(rows[1]) == cost(rows[2])
+    warm = heat.Warm(np.array([1, 2], np.int64), np.array([1.0, 0.45]))
+    said = {2}
+    assert (1 + subject.SUBJECT) * 0.45 < 1.0 < (1 + frame_select.FILL_SUBJECT) * 0.45
+
+    def measure(base: list[int], added: list[int]) -> Callable[[int], int]:
+        return lambda k: sum(cost(rows[i]) for i in base + added[:k])
+
+    assert frame_select.fill(rows, warm, set(), cost(rows[1]), measure, {1: 1.0}, said) == [2]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from perpetuity_core.frame import cap, subject
 from perpetuity_core.frame import read as frame_read
@@ -74,7 +74,11 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     """
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded, chat=not agent)
-    warm, shelf = frame_read.for_frame(scanner, found, user_id, excluded, recent_messages,
+    # A chat's fill counts its hits' neighbours at a share (frame_select.fill_reheats); the
+    # reheats written (`_frame`) are the search's own.
+    seen = found if agent else replace(found, reheats=frame_select.fill_reheats(found.reheats,
+                                                                                found.hits))
+    warm, shelf = frame_read.for_frame(scanner, seen, user_id, excluded, recent_messages,
                                        1.0 if agent else heat.CARRIED)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens,
                                                                      chat=not agent)
@@ -86,7 +90,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
         return frame_render.prefix_tokens(rows, base, added, recent, shelf.adjacent, asked_at,
                                           conversation_id, apart=agent)
 
-    # A chat's fill weighs its question's subject's rows as its search ranks them.
+    # A chat's fill weighs its question's subject's rows higher, as its search ranks them.
     flags = None if agent else subject.said(query, [(r.text, r.role) for r in shelf.rows.values()])
     by_subject = set(itertools.compress(shelf.rows, flags)) if flags else set()
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,

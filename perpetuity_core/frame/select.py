@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from perpetuity_core.frame import cap, subject
+from perpetuity_core.frame import cap
 from perpetuity_core.frame.render import cost
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
@@ -68,6 +68,13 @@ ROW_FLOOR = 100
 # `perpetuity eval locomo --sequence --personal` (docs/tuning.md).
 FOCUS = 1.0  # the weight's power: 0 weighs every conversation alike
 FOCUS_FLOOR = 0.05  # the weight of a conversation no warm row is in
+# A chat's fill weighs its question's subject's rows at (1 + FILL_SUBJECT) times their warmth,
+# above the ranking's own re-order (subject.SUBJECT), and counts the rows warm only as its hits'
+# neighbours at FILL_NEIGHBOUR of that warmth (`fill_reheats`; the reheats written are whole):
+# what its ranking held in the same tokens and the frame did not, the fill's neighbours and
+# shorter, deeper hits had taken. `perpetuity eval locomo|beam --sequence` (docs/tuning.md).
+FILL_SUBJECT = 1.5
+FILL_NEIGHBOUR = 0.5
 # A chat's request is its frame, its latest exchanges kept as sent (plan.chat_keep) and its
 # prompt: its budget is the room those leave under CHAT_REQUEST percent of the ceiling, a narrow
 # question's CHAT_NARROW percent of that room and a broad one's all of it (`budget`). What it
@@ -388,6 +395,15 @@ def about(hits: list[Hit]) -> int | None:
     return max(mass, key=mass.__getitem__) if mass else None
 
 
+def fill_reheats(reheats: Mapping[int, float], hits: list[Hit]) -> dict[int, float]:
+    """A chat's frame's view of its question's `reheats`: its hits' peaks whole, the rows
+    reheated only as a hit's neighbour at FILL_NEIGHBOUR of theirs. A hit is a row its words
+    (or the table) found; a neighbour is the turn beside one, evidence less often (LoCoMo in
+    sequence: 0.06% of such rows against 0.3% of the hits ranked 40th to 60th)."""
+    found = {h.item_id for h in hits}
+    return {i: p if i in found else p * FILL_NEIGHBOUR for i, p in reheats.items()}
+
+
 def focus(warm: heat.Warm, rows: Mapping[int, Row]) -> dict[int, float]:
     """Each conversation's weight in a chat's fill: its share of the warmth of the warm rows
     among `rows` against the warmest conversation's, to the power FOCUS. The warm set holds
@@ -426,13 +442,14 @@ def fill(rows: dict[int, Row], warm: heat.Warm, must: set[int], tokens: int,
          said: Collection[int] = frozenset()) -> list[int]:
     """The rows to render: the mandatory ones (`must`, never dropped), then the rows with the
     most warmth per token while their estimated size fits (each row's warmth weighed by its
-    conversation's weight in `focused`, FOCUS_FLOOR where none of its rows is warm, when
-    given); measured as rendered (`measure`: (mandatory, added) -> k -> the tokens of their
-    frame with the first k added), and when labels make that frame larger than `tokens`, the
-    most of those added rows, in the order they were added, whose frame fits (`fitting`)."""
+    conversation's weight in `focused`, FOCUS_FLOOR where none of its rows is warm, and by
+    (1 + FILL_SUBJECT) when the question's subject `said` it, when given); measured as
+    rendered (`measure`: (mandatory, added) -> k -> the tokens of their frame with the first k
+    added), and when labels make that frame larger than `tokens`, the most of those added
+    rows, in the order they were added, whose frame fits (`fitting`)."""
     costs = {i: cost(r) for i, r in rows.items()}
     weights = ({i: max(focused.get(r.conversation_id, 0.0), FOCUS_FLOOR)
-                * (1.0 + subject.SUBJECT if i in said else 1.0)
+                * (1.0 + FILL_SUBJECT if i in said else 1.0)
                 for i, r in rows.items()} if focused else None)
     order = by_warmth_per_token(warm, costs, weights)
     ordered = set(order)

@@ -25,8 +25,9 @@ import numpy as np
 
 from perpetuity_core.memory.derived.scan import Hit
 
-# A subject's row ranks and fills as if (1 + SUBJECT) times as good: 0.5 to 3 measured on
-# LoCoMo, per conversation and pooled (docs/tuning.md).
+# A subject's row ranks as if (1 + SUBJECT) times as good (a chat's fill weighs it by its own
+# frame_select.FILL_SUBJECT): 0.5 to 3 measured on LoCoMo, per conversation and pooled
+# (docs/tuning.md).
 SUBJECT = 1.0
 # The hits re-ordered: the frame's own (frame_read.HITS), so the frame and the ranking measured
 # beside it (`perpetuity eval`, read deeper) order their first rows alike.
