@@ -26,9 +26,9 @@ def hit(k: int, text: str, score: float, role: str = "user") -> Hit:
     return Hit(k, k, 1, 1, role, 0.0, score, text, seq=k)
 
 
-def reference(query: str, hits: list[Hit]) -> list[Hit]:
+def reference(query: str, hits: list[Hit], owner: int | None = None) -> list[Hit]:
     """The rule plainly: who the subject is, then a stable sort of the first DEPTH hits by
-    score, the subject's times (1 + SUBJECT)."""
+    score, the subject's times (1 + SUBJECT), an `owner`'s rows before the others'."""
     head = hits[:subject.DEPTH]
     question = set(query.replace("'s", "").replace("?", "").split())
     speakers = {h.text.split(": ")[0] for h in head if ": " in h.text and h.text[0].isupper()}
@@ -41,7 +41,8 @@ def reference(query: str, hits: list[Hit]) -> list[Hit]:
             return h.role == "user" and not (": " in h.text and h.text[0].isupper())
     else:
         return hits
-    return sorted(head, key=lambda h: -h.score * (1 + subject.SUBJECT if said(h) else 1)
+    return sorted(head, key=lambda h: (owner is not None and h.user_id != owner,
+                                       -h.score * (1 + subject.SUBJECT if said(h) else 1))
                   ) + hits[subject.DEPTH:]
 
 
@@ -70,6 +71,21 @@ def test_the_subjects_rows_rank_higher(query: str, hits: list[Hit], order: list[
     assert [h.item_id for h in got] == order
     assert got == reference(query, hits)
     assert [h.score for h in sorted(got, key=lambda h: h.item_id)] == [h.score for h in hits]
+
+
+def test_a_shared_pools_own_rows_stay_first() -> None:
+    """A shared pool ranks the asker's own rows first (scan.Scanner, share_pool): the subject's
+    re-order moves rows within the asker's and within the others', never one of theirs above
+    one of the asker's."""
+    def of(user: int, k: int, text: str, score: float) -> Hit:
+        return Hit(k, k, user, user, "user", 0.0, score, text, seq=k, tokens=20)
+
+    hits = [of(1, 1, "Bo: the budget, in detail.", 3.0), of(1, 2, "Ann: my budget is 40.", 2.0),
+            of(2, 3, "Ann: the budget spreadsheet.", 9.0), of(2, 4, "Bo: the budget.", 8.0)]
+    got = subject.ranked("What is Ann's budget?", hits, owner=1)
+    assert [h.item_id for h in got] == [2, 1, 3, 4]
+    assert got == reference("What is Ann's budget?", hits, owner=1)
+    assert [h.item_id for h in subject.ranked("What is Ann's budget?", hits)] == [3, 4, 2, 1]
 
 
 def test_only_the_first_hits_are_reordered() -> None:

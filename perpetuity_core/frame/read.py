@@ -65,7 +65,9 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
     a date, the rows said then come first, each part in the scan's order (LoCoMo recall_all,
     `perpetuity eval`: 0.830 without, 0.844 with, at the same mean frame; 200 of its 1,535
     questions name a date); within each part, for a `chat`, the rows said by whom the question
-    is about rank higher (frame_subject; an agent's prompt is left as measured)."""
+    is about rank higher (frame_subject; an agent's prompt is left as measured), a shared
+    pool's own rows still first."""
+    owner = user_id if scanner.share_pool and not scanner.one_person else None
     during = dates.window(query, asked_at)
     found: list[Hit] = []
     for span in ([during] if during else []) + [None]:
@@ -74,7 +76,7 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
         hits = scanner.search(query, user_id, limit=max(limit, subject.DEPTH) + len(excluded),
                               during=span)
         hits = [h for h in hits if h.message_id not in excluded]
-        hits = subject.ranked(query, hits) if chat else hits
+        hits = subject.ranked(query, hits, owner) if chat else hits
         found += [h for h in hits if h.item_id not in seen]
     return found[:limit]
 

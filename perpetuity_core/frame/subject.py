@@ -65,15 +65,21 @@ def said(query: str, spoken: list[tuple[str, str]]) -> list[bool] | None:
     return None
 
 
-def ranked(query: str, hits: list[Hit]) -> list[Hit]:
+def ranked(query: str, hits: list[Hit], owner: int | None = None) -> list[Hit]:
     """`hits` (best first) with the first DEPTH re-ordered: the subject's rows at (1 + SUBJECT)
     times their score, ties in their order; the rest after them as they were. As they were when
-    the question has no subject."""
+    the question has no subject. With `owner` (a shared pool, which ranks the asker's own rows
+    first), that user's rows stay before the others'."""
     head = hits[:DEPTH]
     flags = said(query, [(h.text, h.role) for h in head])
     if flags is None:
         return hits
     scores = np.fromiter((h.score for h in head), np.float64, len(head))
     scores *= np.where(flags, 1.0 + SUBJECT, 1.0)
-    # One stable sort of an array, not a Python key per hit: ties keep the scan's order.
-    return [head[k] for k in np.argsort(-scores, kind="stable").tolist()] + hits[DEPTH:]
+    # One stable sort of arrays, not a Python key per hit: ties keep the scan's order.
+    if owner is None:
+        order = np.argsort(-scores, kind="stable")
+    else:
+        others = np.fromiter((h.user_id != owner for h in head), bool, len(head))
+        order = np.lexsort((np.arange(len(head)), -scores, others))
+    return [head[k] for k in order.tolist()] + hits[DEPTH:]
