@@ -5,6 +5,7 @@ publishes one while readers scan the last), its segments and document frequencie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,6 +195,31 @@ class View:
                 best = top_k(score[mask], np.arange(c.size), self.seq[c], k)
                 parts.append((score[mask][best], self.seq[c][best], np.full(best.size, flag)))
         return merge(parts, k) if parts else []
+
+    def statistics(self, conv: int) -> Statistics:
+        """One conversation's own statistic: its live rows, their total length and a
+        document-frequency reader counting only its rows (what its own memory would hold)."""
+        rows = np.flatnonzero((self.conv[:self.n] == conv) & (self.user[:self.n] >= 0))
+        return Statistics(rows.size, int(self.length[rows].sum()),
+                          lambda terms: self.frequencies(terms, rows))
+
+    def frequencies(self, terms: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """How many of `rows` (ascending) hold each of `terms`: their postings of those terms
+        alone, read as a scan of those rows reads them (`_postings`)."""
+        out = np.zeros(terms.size, np.int64)
+        if terms.size == 0 or rows.size == 0:
+            return out
+        order = np.argsort(terms, kind="stable")  # the row-major read wants them ascending
+        q = Query(terms[order].astype(np.int32), np.zeros(terms.size), 0.0, 0.0)
+        mask = np.zeros(self.n, bool)
+        mask[rows] = True
+        for seg in self.segments:
+            a, b = np.searchsorted(rows, (seg.start, seg.start + seg.n))
+            if a < b:
+                _, _, slot = self._postings(seg, q, (mask[seg.start:seg.start + seg.n],
+                                                     rows[a:b] - seg.start))
+                out[order] += np.bincount(slot, minlength=terms.size)
+        return out
 
     def conversations(self, seqs: np.ndarray) -> np.ndarray:
         """The conversation of each of `seqs`, rows of this view (seq ascends in it)."""
@@ -402,6 +428,15 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
 
 # Postings a mask reads for the price of one run's two binary searches (measured ~8 to 30).
 RUN_COST = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Statistics:
+    """The counts a query's idf and length norm read (bm25.make_query)."""
+
+    n_rows: int
+    total_length: int
+    df: Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
