@@ -90,7 +90,8 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     (before `exclude`), those of the best one's conversation (or of `again`) are replaced,
     place by place, by that conversation's rows ranked by all that again (among themselves),
     every count (rows, lengths, document frequencies: idf, the table's terms, the query's
-    vector) taken over that conversation's rows alone, with the terms its rows among the
+    vector) taken over that conversation's rows alone (over every row where it holds
+    scan.OWN_BELOW of them or more), with the terms its rows among the
     bm25.FEEDBACK_ROWS best bring (fed_back); each takes its place's score, and places left
     over take that conversation's rows of the first ranking not taken yet, in order.
     """
@@ -130,7 +131,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
         if params.semantic > 0 and params.expand > 0:
             counts |= nearest(store, qtf, df, params.expand)
         q = semantic_query(store, query, df, n) if params.semantic > 0 else None
-        return df, n, sum(r[4] for r in among) / n, counts, q
+        return df, n, sum(r[4] for r in among) / max(n, 1), counts, q
 
     def idf_of(df: Counter[int], n: int) -> Callable[[int], float]:
         # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
@@ -189,6 +190,8 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
         conv = conv_of[best[0][1]] if again is None else again
         best = [(score, seq) for score, seq in best if conv_of[seq] == conv]
         own = statistic([r for r in decoded if r[3] == conv])
+        if own[1] >= scan.OWN_BELOW * len(decoded):
+            own = pooled
         more = fed_back(best, {seq: (tf, length, c) for seq, _, _, c, length, tf in decoded},
                         own[3], params.feedback, idf_of(own[0], own[1]))
         inside = {s for s in visible if conv_of[s] == conv}

@@ -94,7 +94,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     flags = None if agent else subject.said(query, [(r.text, r.role) for r in shelf.rows.values()])
     by_subject = set(itertools.compress(shelf.rows, flags)) if flags else set()
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
-                                tokens, limits, measured, agent, by_subject)
+                                tokens, limits, measured, agent, by_subject, lean)
     if not chosen.item_ids:
         return None
     rows = {**shelf.rows, **chosen.excerpts} if chosen.excerpts else shelf.rows

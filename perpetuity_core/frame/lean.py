@@ -10,12 +10,13 @@ So a chat carries its leaning from question to question (in its plan): each ques
 `shares` (its hits' reheat peaks by rank, heat.reheat_peak, per conversation, summing to 1),
 the earlier ones at KEPT per question since. A question is about the conversation its hits
 reach with the most share plus PRIOR times the leaning's (`about`), and that conversation is
-ranked as its own memory would rank it (scan.Scanner.search's `again`).
+ranked as its own memory would rank it (scan.Scanner.search's `again`); the fill weighs each
+conversation's warm rows by its share of their warmth, tipped so too (`weighed`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
@@ -43,9 +44,25 @@ def about(hits: Sequence[Hit], lean: Lean) -> int | None:
     """The conversation of the hits with the most share plus PRIOR times its share of the
     chat's leaning (ties to the lower id); None without hits."""
     own = shares(hits)
+    return min(own, key=lambda c: (-tipped(own, lean, c), c), default=None)
+
+
+def tipped(own: Mapping[int, float], lean: Lean, c: int) -> float:
+    """Conversation `c`'s part of `own` (shares summing to 1) plus PRIOR times its share of
+    the chat's leaning."""
     total = sum(part for _, part in lean)
-    prior = {c: PRIOR * part / total for c, part in lean} if total > 0 else {}
-    return min(own, key=lambda c: (-(own[c] + prior.get(c, 0.0)), c), default=None)
+    prior = dict(lean).get(c, 0.0) / total if total > 0 else 0.0
+    return own.get(c, 0.0) + PRIOR * prior
+
+
+def weighed(mass: Mapping[int, float], lean: Lean) -> dict[int, float]:
+    """Each conversation's `mass` (a chat's fill: its warm rows' warmth, frame_select.focus)
+    as its share, tipped by the chat's leaning."""
+    total = sum(mass.values())
+    if not lean or total <= 0:
+        return dict(mass)
+    own = {c: m / total for c, m in mass.items()}
+    return {c: tipped(own, lean, c) for c in own}
 
 
 def after(lean: Lean, hits: Sequence[Hit]) -> Lean:

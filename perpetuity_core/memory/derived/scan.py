@@ -92,6 +92,12 @@ from perpetuity_core.memory.storage.dialect import Sql, marks, one_of
 from perpetuity_core.memory.storage.kept import Kept, There, kept
 from perpetuity_core.memory.storage.store import Database, Store, failing_as
 
+# A conversation with fewer rows than this share of the memory's is ranked again by its own
+# counts (Scanner._top); past it the memory's are mostly its own. One memory per conversation,
+# LoCoMo's chat of questions beside it: its own counts cost the frame 2 questions of 1,535,
+# by ranks moved one or two places (docs/tuning.md).
+OWN_BELOW = 0.5
+
 
 # Not frozen: a frozen dataclass sets each field through object.__setattr__, six times the
 # cost of making one (3.8 against 0.6 us), and a search makes 200 (fetch_hits). Never changed
@@ -198,21 +204,22 @@ class Scanner:
         if view.df is None:  # nothing stored yet
             return []
         return self._top(view, text, view.query(self.db.dictionary, text, self.params), k,
-                         visible, self.db.connection(), again)
+                         visible, view.df.get, self.db.connection(), again)
 
     def _top(self, view: View, text: str, q: Query, k: int, visible: Visibility,
-             conn: Sql, again: int | None = None) -> list[tuple[float, int, bool]]:
+             df_of: Callable[[np.ndarray], np.ndarray], conn: Sql,
+             again: int | None = None) -> list[tuple[float, int, bool]]:
         """The k best visible rows for `q` (`text` against the pooled statistic), the best
         row's conversation (or `again`) ranked again as its own memory would rank it: `text`
         against that conversation's own statistic (View.statistics), with the terms its rows
         among the FEEDBACK_ROWS best bring (bm25.fed_back; rows excluded later feed back
         too). Its rows take that conversation's places in the first ranking, scores and all,
-        in their new order. In a
-        person's memory a word rare in the pool (a name, a topic) is common within the
-        conversation it tells apart, and pooled idf ranked its every row a good match
-        (docs/tuning.md). The first ranking's mix of conversations and its scores (which the
+        in their new order. In a person's memory a word rare in the pool (a name, a topic) is
+        common within the conversation it tells apart, and pooled idf ranked its every row a
+        good match (docs/tuning.md). The first ranking's mix of conversations and its scores (which the
         frame's budget reads) stay: letting the fed scores rise cost LoCoMo `--personal` 1.4
-        points of the frame and BEAM's 3."""
+        points of the frame and BEAM's 3. A conversation that is most of the memory
+        (OWN_BELOW) is ranked again by the memory's counts: they are mostly its own."""
         first = view.top(q, max(k, FEEDBACK_ROWS) if self.params.feedback > 0 else k, visible)
         if self.params.feedback <= 0 or not first:
             return first[:k]
@@ -223,9 +230,11 @@ class Scanner:
         conv = best[0][0][3] if again is None else again
         best = [(b, score) for b, score in best if b[3] == conv]
         own = view.statistics(conv)
-        local = make_query(self.db.dictionary, text, own.df, own.n_rows, own.total_length,
+        if own.n_rows < OWN_BELOW * q.n_rows:
+            q = make_query(self.db.dictionary, text, own.df, own.n_rows, own.total_length,
                            self.params)
-        fed = fed_back(local, [b for b, _ in best], [s for _, s in best], own.df, self.params)
+            df_of = own.df
+        fed = fed_back(q, [b for b, _ in best], [s for _, s in best], df_of, self.params)
         inside = view.conversations(np.array([s for _, s, _ in first], np.int64)) == conv
         ranked = view.top(fed, k, replace(visible, conversation_id=conv))
         # A row the first ranking held may score nothing again (its cosine by the
@@ -272,7 +281,8 @@ class Scanner:
         row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]
-        return self._top(tmp.publish(), text, q, k, visible, conn, again)
+        return self._top(tmp.publish(), text, q, k, visible,
+                         lambda t: unfolded_df(db, conn, t), conn, again)
 
 
 def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]:
