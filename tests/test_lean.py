@@ -42,6 +42,14 @@ def test_the_leaning_keeps_earlier_questions_at_a_falling_part() -> None:
     assert lean == ((1, frame_lean.KEPT), (2, 1.0))  # 4's part fell below FORGOTTEN
 
 
+def test_the_fill_weighs_each_conversation_by_its_warmth_tipped_by_the_leaning() -> None:
+    """A chat's fill: each conversation's share of the warm rows' warmth, plus PRIOR times
+    its share of the leaning; as it was without a leaning."""
+    assert frame_lean.weighed({1: 3.0, 2: 1.0}, ()) == {1: 3.0, 2: 1.0}
+    assert frame_lean.weighed({1: 3.0, 2: 1.0}, ((2, 2.0), (5, 2.0))) == pytest.approx(
+        {1: 0.75, 2: 0.25 + 0.5 * frame_lean.PRIOR})
+
+
 def two_conversations(store: Store) -> tuple[int, int, int]:
     """One person's two conversations, both about a John: in the first, the turn about his
     cooking is one of many naming him; the second names him less and cooks more."""
