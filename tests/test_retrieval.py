@@ -74,7 +74,8 @@ def fill(store: Store, rng: random.Random, n: int = 300) -> None:
 def reference(store: Store, query: str, user_id: int | None, k: int, *, share: bool = False,
               conversation_id: int | None = None, exclude: frozenset[int] = frozenset(),
               params: bm25.Params = bm25.Params(),
-              during: tuple[float, float] | None = None) -> list[tuple[int, float]]:
+              during: tuple[float, float] | None = None,
+              again: int | None = None) -> list[tuple[int, float]]:
     """Brute-force score of every row, in plain Python: (item_id, score), best first.
 
     BM25 of each row, plus the weighted BM25 of the rows before and after it in its
@@ -86,9 +87,13 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     (none when no row scores). The query's vector is the table's vectors of its terms, each weighed
     by its idf computed here; `during` keeps the rows said in that span, scored as without
     it. With feedback on, of the first max(k + excluded, bm25.FEEDBACK_ROWS) rows so ranked
-    (before `exclude`), those of the best one's conversation are replaced, place by place, by
-    that conversation's rows ranked by all that again (among themselves) with the terms the
-    bm25.FEEDBACK_ROWS best rows bring (fed_back); each takes its place's score.
+    (before `exclude`), those of the best one's conversation (or of `again`) are replaced,
+    place by place, by that conversation's rows ranked by all that again (among themselves),
+    every count (rows, lengths, document frequencies: idf, the table's terms, the query's
+    vector) taken over that conversation's rows alone (over every row where it holds
+    scan.OWN_BELOW of them or more), with the terms its rows among the
+    bm25.FEEDBACK_ROWS best bring (fed_back); each takes its place's score, and places left
+    over take that conversation's rows of the first ranking not taken yet, in order.
     """
     k1, b = params.k1, params.b
     conn = opened_other(store.path)
@@ -100,35 +105,41 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
         "SELECT i.id, m.at FROM item i JOIN message m ON m.id = i.message_id")}
     conn.close()
     decoded = []
-    df: Counter[int] = Counter()
     for seq, item, user, conv, length, tb, cb in rows:
         terms = [int.from_bytes(tb[i:i + 4], "little", signed=True) for i in range(0, len(tb), 4)]
-        tf = dict(zip(terms, list(cb), strict=True))
-        df.update(tf.keys())
-        decoded.append((seq, item, user, conv, length, tf))
-    n = len(rows)
-    if n == 0:
+        decoded.append((seq, item, user, conv, length, dict(zip(terms, list(cb), strict=True))))
+    if not rows:
         return []
-    avgdl = sum(r[4] for r in decoded) / n
     qtf = Counter(store.db.dictionary.ids(query).tolist())
-    counts: dict[int, float] = dict(qtf)
-    if params.semantic > 0 and params.expand > 0:
-        counts |= nearest(store, qtf, df, params.expand)
     chains: dict[int, list[int]] = {}
     for seq, _, _, conv, _, _ in decoded:
         chains.setdefault(conv, []).append(seq)
-
-    def idf(t: int) -> float:
-        # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
-        return float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
-
     visible = {seq for seq, _, user, conv, _, _ in decoded
                if (user_id is None or user == user_id or share)
                and (conversation_id is None or conv == conversation_id)}
-    q = semantic_query(store, query, df, n) if params.semantic > 0 else None
     conv_of = {seq: conv for seq, _, _, conv, _, _ in decoded}
 
-    def scored(counts: dict[int, float], among: set[int]) -> dict[int, float]:
+    def statistic(among: list[tuple]) -> tuple[Counter[int], int, float, dict[int, float],
+                                               list[int] | None]:
+        """df, rows, mean length, the query's counts (its table's terms too) and vector, over
+        the rows `among`."""
+        df: Counter[int] = Counter()
+        for *_, tf in among:
+            df.update(tf.keys())
+        n = len(among)
+        counts: dict[int, float] = dict(qtf)
+        if params.semantic > 0 and params.expand > 0:
+            counts |= nearest(store, qtf, df, params.expand)
+        q = semantic_query(store, query, df, n) if params.semantic > 0 else None
+        return df, n, sum(r[4] for r in among) / max(n, 1), counts, q
+
+    def idf_of(df: Counter[int], n: int) -> Callable[[int], float]:
+        # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
+        return lambda t: float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
+
+    def scored(stats: tuple, counts: dict[int, float], among: set[int]) -> dict[int, float]:
+        df, n, avgdl, _, q = stats
+        idf = idf_of(df, n)
         plain = {}
         for seq, _, _, _, length, tf in decoded:
             s = 0.0
@@ -171,15 +182,23 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
                 out.append((not (user_id is None or user == user_id), -s, seq, item))
         return sorted(out)
 
-    lexical = scored(counts, visible)
+    pooled = statistic(decoded)
+    lexical = scored(pooled, pooled[3], visible)
     first = ranking(lexical)[:max(k + len(exclude), bm25.FEEDBACK_ROWS)]
     best = [(-negs, seq) for _, negs, seq, _ in first[:bm25.FEEDBACK_ROWS]]
-    more = fed_back(best, {seq: (tf, length, conv) for seq, _, _, conv, length, tf in decoded},
-                    counts, params.feedback, idf) if params.feedback > 0 and best else {}
-    if more:  # the best row's conversation in the order the terms give, in its places
-        inside = {s for s in visible if conv_of[s] == conv_of[best[0][1]]}
-        fed = scored(counts | more, inside)
+    if params.feedback > 0 and (best or again is not None):  # as its own memory ranks it
+        conv = conv_of[best[0][1]] if again is None else again
+        best = [(score, seq) for score, seq in best if conv_of[seq] == conv]
+        own = statistic([r for r in decoded if r[3] == conv])
+        if own[1] >= scan.OWN_BELOW * len(decoded):
+            own = pooled
+        more = fed_back(best, {seq: (tf, length, c) for seq, _, _, c, length, tf in decoded},
+                        own[3], params.feedback, idf_of(own[0], own[1]))
+        inside = {s for s in visible if conv_of[s] == conv}
+        fed = scored(own, own[3] | more, inside)
         again = ranking({s: fed[s] if s in inside else 0.0 for s in lexical})
+        taken = {r[2] for r in again}
+        again += [p for p in first if p[2] in inside and p[2] not in taken]
         first = [(p[0], p[1], r[2], r[3]) for p, r in zip(
             first, (again.pop(0) if p[2] in inside else p for p in first), strict=True)]
     out = [r for r in first if r[3] not in exclude]
@@ -534,6 +553,10 @@ def test_scan_is_exact_against_the_reference(store: Store, path: str, params: bm
         span = tuple(sorted(rng.uniform(0, 260) for _ in range(2)))
         same(ranked(shared.search(q, uid, k, during=span)),
              reference(store, q, uid, k, share=True, params=params, during=span))
+        again = store.conversation_id(users[rng.randrange(3)], f"u{rng.randrange(3)}-c0",
+                                      "anthropic")
+        same(ranked(shared.search(q, uid, k, again=again)),
+             reference(store, q, uid, k, share=True, params=params, again=again))
 
 
 def test_same_ranking_whatever_the_threads_and_layout(store: Store,
@@ -955,3 +978,31 @@ def test_import_claude_code_sessions(tmp_path: Path) -> None:
     assert any("Bash" in h.text for h in hits)  # a tool call is found by its tool's name too
     assert importers.run(store, "claude-code", tmp_path / "projects", progress=False).messages == 0
     store.close()
+
+
+def test_a_conversation_ranks_in_a_persons_memory_as_in_its_own(store: Store,
+                                                                tmp_path: Path) -> None:
+    """Pooled, a word the other conversations say often ("paint") weighs little, and one
+    said only in this conversation ("lake") much, though this conversation says it in every
+    other turn: its turns about the lake outranked the one about painting. The best row's
+    conversation is ranked again by its own counts (scan._top), as a memory holding it alone
+    ranks it (the fed terms at a negligible weight: the first rankings they come from
+    differ)."""
+    talk = ["Caroline: I paint pictures, mostly", "Caroline: the lake was calm",
+            "Caroline: swimming in the lake", "Caroline: hi there",
+            "Caroline: by the lake again", "Caroline: a lake day"]
+    others = [f"we painted the {w} today" for w in WORDS[:40]] + FILLER * 4
+    question = "Did Caroline paint at the lake?"
+    params = bm25.Params(before=(), after=(), semantic=0.0, feedback=1e-9)
+    alone = open_memory(tmp_path / "alone.db")
+    try:
+        add(alone, "u", "a", talk)
+        want = [h.text for h in scan.Scanner(alone, params=params).search(question, None, 50)]
+    finally:
+        alone.close()
+    add(store, "u", "b", others)
+    add(store, "u", "a", talk)
+    got = [h.text for h in scan.Scanner(store, one_person=True, params=params)
+           .search(question, None, 50) if h.text in talk]
+    assert got == want
+    assert got[0] == talk[0]

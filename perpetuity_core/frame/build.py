@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from perpetuity_core.frame import cap, subject
+from perpetuity_core.frame import lean as frame_lean
 from perpetuity_core.frame import read as frame_read
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
@@ -51,13 +52,14 @@ class Frame:
     rows: dict[int, Row] = field(default_factory=dict)
     warm: heat.Warm | None = None
     must: dict[int, str] = field(default_factory=dict)
+    lean: frame_lean.Lean = ()  # a chat's leaning after this question (frame_lean.after)
 
 
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
           exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap,
           recent_messages: Iterable[int] = (), kept_tokens: int = 0,
           narrow: bool = False, agent: bool = False,
-          said: frame_render.Said | None = None) -> Frame | None:
+          said: frame_render.Said | None = None, lean: frame_lean.Lean = ()) -> Frame | None:
     """The frame for one question, or None when memory holds nothing to show. Reads only.
 
     Never trimmed: the question's top hit and the latest stretch of the conversation that the
@@ -71,9 +73,11 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     the breadth-sized budget; an `agent`'s with a latest stretch is that stretch alone
     (frame_select.frame: what its fill added was re-read by every tool round and held little
     the next step used). Messages `said` before are the objects made then (frame_render.Said).
+    A chat's `lean` is what its earlier questions were about (frame_lean).
     """
     excluded = set(exclude_messages)
-    found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded, chat=not agent)
+    found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded, chat=not agent,
+                                lean=lean)
     # A chat's fill counts its hits' neighbours at a share (frame_select.fill_reheats); the
     # reheats written (`_frame`) are the search's own.
     seen = found if agent else replace(found, reheats=frame_select.fill_reheats(found.reheats,
@@ -94,7 +98,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     flags = None if agent else subject.said(query, [(r.text, r.role) for r in shelf.rows.values()])
     by_subject = set(itertools.compress(shelf.rows, flags)) if flags else set()
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
-                                tokens, limits, measured, agent, by_subject)
+                                tokens, limits, measured, agent, by_subject, lean)
     if not chosen.item_ids:
         return None
     rows = {**shelf.rows, **chosen.excerpts} if chosen.excerpts else shelf.rows
@@ -103,6 +107,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     built = _frame(frame_render.written(laid, asked_at, said=said, apart=agent), chosen,
                    found, tokens, warm.foreign)
     built.warm = warm
+    built.lean = () if agent else frame_lean.after(lean, found.hits)
     return built
 
 

@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from perpetuity_core.frame import dates, subject
+from perpetuity_core.frame import lean as frame_lean
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.storage.reads import (
@@ -60,21 +61,24 @@ class Shelf:
 
 def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
            excluded: Collection[int] = frozenset(), limit: int = HITS,
-           chat: bool = True) -> list[Hit]:
+           chat: bool = True, lean: frame_lean.Lean = ()) -> list[Hit]:
     """A question's hits, best first, outside the `excluded` messages; when the question names
     a date, the rows said then come first, each part in the scan's order (LoCoMo recall_all,
     `perpetuity eval`: 0.830 without, 0.844 with, at the same mean frame; 200 of its 1,535
     questions name a date); within each part, for a `chat`, the rows said by whom the question
     is about rank higher (frame_subject; an agent's prompt is left as measured), a shared
-    pool's own rows still first."""
+    pool's own rows still first. A chat's `lean` (frame_lean) may name another conversation
+    than the best row's to rank as its own memory would."""
     owner = user_id if scanner.share_pool and not scanner.one_person else None
     during = dates.window(query, asked_at)
     found: list[Hit] = []
     for span in ([during] if during else []) + [None]:
         seen = {h.item_id for h in found}
         # At least the hits the subject re-orders, so a shallower read orders its rows alike.
-        hits = scanner.search(query, user_id, limit=max(limit, subject.DEPTH) + len(excluded),
-                              during=span)
+        depth = max(limit, subject.DEPTH) + len(excluded)
+        hits = scanner.search(query, user_id, limit=depth, during=span)
+        if lean and hits and (c := frame_lean.about(hits, lean)) != hits[0].conversation_id:
+            hits = scanner.search(query, user_id, limit=depth, during=span, again=c)
         hits = [h for h in hits if h.message_id not in excluded]
         hits = subject.ranked(query, hits, owner) if chat else hits
         found += [h for h in hits if h.item_id not in seen]
@@ -82,10 +86,10 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
 
 
 def retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float,
-             excluded: set[int], chat: bool = True) -> Found:
+             excluded: set[int], chat: bool = True, lean: frame_lean.Lean = ()) -> Found:
     """A question's hits (`search`), the reheats they bring (peaks by rank, neighbours warming
     with them) and the user's clock."""
-    hits = search(scanner, query, user_id, asked_at, excluded, chat=chat)
+    hits = search(scanner, query, user_id, asked_at, excluded, chat=chat, lean=lean)
     reheats = heat.rank_reheats([h.item_id for h in hits],
                                 _neighbours(scanner, hits[:NEIGHBOUR_HITS], excluded))
     return Found(hits, reheats, heat.clock(scanner.db, user_id))

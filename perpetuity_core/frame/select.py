@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from perpetuity_core.frame import cap
+from perpetuity_core.frame import lean as frame_lean
 from perpetuity_core.frame.render import cost
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
@@ -132,7 +133,8 @@ def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0, chat: bool = 
 
 def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int],
           recent_items: list[int], tokens: int, limits: cap.Cap, measure: Measure,
-          agent: bool = False, said: Collection[int] = frozenset()) -> Selection:
+          agent: bool = False, said: Collection[int] = frozenset(),
+          lean: frame_lean.Lean = ()) -> Selection:
     """A frame's rows: the mandatory ones, then the most warmth per token within `tokens` as
     rendered. `half` is the rows of the top hit's other half, `recent_items` the rows of the
     conversation's latest stretch (store order). An `agent`'s frame (a harness that sends
@@ -155,7 +157,7 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     # (its latest stretch holds its task).
     new = fill(shown, warm, must, tokens,
                lambda base, added: measure(base, added, recent, excerpts),
-               None if agent else focus(warm, rows), said)
+               None if agent else focus(warm, rows, lean), said)
     why = {**dict.fromkeys(recent, MUST_RECENT), **dict.fromkeys(other, MUST_HALF),
            **({hits[0].item_id: MUST_TOP} if hits else {})}
     return Selection(new, rows, recent, why, excerpts)
@@ -404,16 +406,19 @@ def fill_reheats(reheats: Mapping[int, float], hits: list[Hit]) -> dict[int, flo
     return {i: p if i in found else p * FILL_NEIGHBOUR for i, p in reheats.items()}
 
 
-def focus(warm: heat.Warm, rows: Mapping[int, Row]) -> dict[int, float]:
+def focus(warm: heat.Warm, rows: Mapping[int, Row], lean: frame_lean.Lean = ()
+          ) -> dict[int, float]:
     """Each conversation's weight in a chat's fill: its share of the warmth of the warm rows
     among `rows` against the warmest conversation's, to the power FOCUS. The warm set holds
     this question's reheats (its hits by rank, their neighbours) and what the person's earlier
     questions left warm (heat.CARRIED): a question whose words match several conversations
-    leans to the one the conversation's earlier questions found. Empty when none is warm."""
+    leans to the one the conversation's earlier questions found, and further to what the
+    chat's `lean` says they were about (frame_lean.weighed). Empty when none is warm."""
     mass: dict[int, float] = {}
     for i, w in zip(warm.item_ids.tolist(), warm.warmth.tolist(), strict=True):
         if (r := rows.get(i)) is not None:
             mass[r.conversation_id] = mass.get(r.conversation_id, 0.0) + w
+    mass = frame_lean.weighed(mass, lean)
     top = max(mass.values(), default=0.0)
     return {c: (m / top) ** FOCUS for c, m in mass.items()} if top > 0 else {}
 

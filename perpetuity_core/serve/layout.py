@@ -19,6 +19,7 @@ from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import plan, render
 from perpetuity_core.frame.build import Frame
+from perpetuity_core.frame.lean import Lean
 from perpetuity_core.frame.plan import Plan
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Scanner
@@ -166,7 +167,7 @@ class Layout:
                 made = _Built(plan=self._trim(carried, parsed, prompt, conv, fixed))
             case plan.Rebuild(pace=pace):
                 made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library,
-                                     pace)
+                                     pace, old.lean if old else ())
                 made = replace(made, plan=self._trim(made.plan, parsed, prompt, conv, fixed))
         # Once the recall tools rode along in a conversation they always do. An agent's ride
         # from its first call: tools come first in the provider's cached prefix, and ours
@@ -227,11 +228,12 @@ class Layout:
 
     def _rebuild(self, parsed: ParsedRequest, prompt: int, user_id: int, conv: int | None,
                  query: str, asked_at: float, library: Path | None,
-                 pace: plan.Pace) -> _Built:
+                 pace: plan.Pace, lean: Lean) -> _Built:
         """A new frame for the prompt, the harness's messages before it dropped (memory holds
         them): an agent's conversation shorter than a frame keeps them all, with other
         conversations' memory in front; a chat keeps its latest exchanges (plan.chat_keep), or
-        all of a short history memory has nothing else for."""
+        all of a short history memory has nothing else for. A chat's `lean` (what its earlier
+        questions were about, frame.lean) goes on to its next plan with this question's."""
         messages = parsed.messages
         agent = bool(parsed.tool_names)
         if agent:
@@ -253,7 +255,9 @@ class Layout:
                             exclude_messages=kept, asked_at=asked_at, limits=self.limits,
                             recent_messages=recent, kept_tokens=_kept_tokens(messages, keep,
                                                                              prompt, agent),
-                            narrow=agent and keep == 0, agent=agent, said=self.said)
+                            narrow=agent and keep == 0, agent=agent, said=self.said,
+                            lean=lean)
+        lean = built.lean if built else lean  # (a frame sent as it is still found its hits)
         if (built and not agent and keep and _own_only(built, conv)
                 and not plan.longer(messages, prompt, self.limits.ceiling)):
             # A short chat that memory has nothing else for is sent as it is, as before: a frame
@@ -271,7 +275,7 @@ class Layout:
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0,
             rule=plan.rule_for(parsed.protocol, parsed.model), pace=pace,
-            agent=bool(parsed.tool_names))
+            agent=bool(parsed.tool_names), lean=lean)
         return _Built(plan=rebuilt, frame=built, made="frame", notes=notes_shown)
 
     def _trim(self, laid: Plan, parsed: ParsedRequest, prompt: int, conv: int | None,

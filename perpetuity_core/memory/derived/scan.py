@@ -92,6 +92,12 @@ from perpetuity_core.memory.storage.dialect import Sql, marks, one_of
 from perpetuity_core.memory.storage.kept import Kept, There, kept
 from perpetuity_core.memory.storage.store import Database, Store, failing_as
 
+# A conversation with fewer rows than this share of the memory's is ranked again by its own
+# counts (Scanner._top); past it the memory's are mostly its own. One memory per conversation,
+# LoCoMo's chat of questions beside it: its own counts cost the frame 2 questions of 1,535,
+# by ranks moved one or two places (docs/tuning.md).
+OWN_BELOW = 0.5
+
 
 # Not frozen: a frozen dataclass sets each field through object.__setattr__, six times the
 # cost of making one (3.8 against 0.6 us), and a search makes 200 (fetch_hits). Never changed
@@ -171,9 +177,10 @@ class Scanner:
 
     def search(self, query: str, user_id: int | None, limit: int = 10,
                exclude: Iterable[int] = frozenset(), conversation_id: int | None = None,
-               during: tuple[float, float] | None = None) -> list[Hit]:
+               during: tuple[float, float] | None = None, again: int | None = None) -> list[Hit]:
         """Rank the rows `user_id` may see (all rows for None) against `query`; with `during`,
-        only the rows said in that [start, end) span of epoch seconds."""
+        only the rows said in that [start, end) span of epoch seconds; `again`: the
+        conversation ranked again by its own statistic (`_top`), else the best row's."""
         exclude = frozenset(exclude)
         if limit <= 0 or not query.strip():
             return []
@@ -185,48 +192,62 @@ class Scanner:
         with failing_as("search memory"):
             self.catch_up()
             if self._use_arena:
-                ranked = self._arena_top(query, k, visible)
+                ranked = self._arena_top(query, k, visible, again)
             else:
-                ranked = self._store_top(query, k, visible)
+                ranked = self._store_top(query, k, visible, again)
             hits = fetch_hits(self.db, ranked)
         return [h for h in hits if h.item_id not in exclude][:limit]
 
-    def _arena_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
+    def _arena_top(self, text: str, k: int, visible: Visibility,
+                   again: int | None) -> list[tuple[float, int, bool]]:
         view = self.arena.view
         if view.df is None:  # nothing stored yet
             return []
-        return self._top(view, view.query(self.db.dictionary, text, self.params), k, visible,
-                         view.df.get, self.db.connection())
+        return self._top(view, text, view.query(self.db.dictionary, text, self.params), k,
+                         visible, view.df.get, self.db.connection(), again)
 
-    def _top(self, view: View, q: Query, k: int, visible: Visibility,
-             df_of: Callable[[np.ndarray], np.ndarray], conn: Sql
-             ) -> list[tuple[float, int, bool]]:
-        """The k best visible rows for `q`, the best row's conversation's ranked again with the
-        terms its FEEDBACK_ROWS best rows bring (bm25.fed_back; rows excluded later feed back
-        too): they take that conversation's places in the first ranking, scores and all, in
-        their new order. The first ranking's mix of conversations and its scores (which the
+    def _top(self, view: View, text: str, q: Query, k: int, visible: Visibility,
+             df_of: Callable[[np.ndarray], np.ndarray], conn: Sql,
+             again: int | None = None) -> list[tuple[float, int, bool]]:
+        """The k best visible rows for `q` (`text` against the pooled statistic), the best
+        row's conversation (or `again`) ranked again as its own memory would rank it: `text`
+        against that conversation's own statistic (View.statistics), with the terms its rows
+        among the FEEDBACK_ROWS best bring (bm25.fed_back; rows excluded later feed back
+        too). Its rows take that conversation's places in the first ranking, scores and all,
+        in their new order. In a person's memory a word rare in the pool (a name, a topic) is
+        common within the conversation it tells apart, and pooled idf ranked its every row a
+        good match (docs/tuning.md). The first ranking's mix of conversations and its scores (which the
         frame's budget reads) stay: letting the fed scores rise cost LoCoMo `--personal` 1.4
-        points of the frame and BEAM's 3 (docs/tuning.md)."""
+        points of the frame and BEAM's 3. A conversation that is most of the memory
+        (OWN_BELOW) is ranked again by the memory's counts: they are mostly its own."""
         first = view.top(q, max(k, FEEDBACK_ROWS) if self.params.feedback > 0 else k, visible)
         if self.params.feedback <= 0 or not first:
             return first[:k]
         got = bags(self.db, conn, [s for _, s, _ in first[:FEEDBACK_ROWS]])
         best = [(got[s], score) for score, s, _ in first[:FEEDBACK_ROWS] if s in got]
-        fed = fed_back(q, [b for b, _ in best], [s for _, s in best], df_of, self.params)
-        if fed is q:
+        if not best and again is None:
             return first[:k]
-        conv = best[0][0][3]
+        conv = best[0][0][3] if again is None else again
+        best = [(b, score) for b, score in best if b[3] == conv]
+        own = view.statistics(conv)
+        if own.n_rows < OWN_BELOW * q.n_rows:
+            q = make_query(self.db.dictionary, text, own.df, own.n_rows, own.total_length,
+                           self.params)
+            df_of = own.df
+        fed = fed_back(q, [b for b, _ in best], [s for _, s in best], df_of, self.params)
         inside = view.conversations(np.array([s for _, s, _ in first], np.int64)) == conv
-        again = iter(view.top(fed, k, replace(visible, conversation_id=conv)))
-        out = []
-        for place, there in zip(first, inside.tolist(), strict=True):
-            # A place never lacks a row within k: a row scored before scores again, no lower.
-            row = next(again, None) if there else place
-            if row is not None:
-                out.append((place[0], row[1], row[2]))
-        return out[:k]
+        ranked = view.top(fed, k, replace(visible, conversation_id=conv))
+        # A row the first ranking held may score nothing again (its cosine by the
+        # conversation's own idf below zero): that conversation's rows of the first ranking
+        # not taken yet fill the places left, in their order.
+        taken = {s for _, s, _ in ranked}
+        rows = iter(ranked + [p for p, there in zip(first, inside.tolist(), strict=True)
+                              if there and p[1] not in taken])
+        return [(place[0], *next(rows)[1:]) if there else place
+                for place, there in zip(first, inside.tolist(), strict=True)][:k]
 
-    def _store_top(self, text: str, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
+    def _store_top(self, text: str, k: int, visible: Visibility,
+                   again: int | None) -> list[tuple[float, int, bool]]:
         """The small-memory path: score the visible rows read straight from the store."""
         db = self.db
         with db.snapshot("search memory") as conn:
@@ -235,10 +256,10 @@ class Scanner:
                            total, self.params)
             if q.empty:
                 return []
-            return self._store_rows_top(conn, q, k, visible)
+            return self._store_rows_top(conn, text, q, k, visible, again)
 
-    def _store_rows_top(self, conn: Sql, q: Query, k: int,
-                        visible: Visibility) -> list[tuple[float, int, bool]]:
+    def _store_rows_top(self, conn: Sql, text: str, q: Query, k: int, visible: Visibility,
+                        again: int | None) -> list[tuple[float, int, bool]]:
         """`_store_top` within its snapshot, where the feedback's rows and counts are read."""
         db = self.db
         where, args = "", []
@@ -260,7 +281,8 @@ class Scanner:
         row_len = np.fromiter((len(c) for c in counts_b), np.int64, len(counts_b))
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]
-        return self._top(tmp.publish(), q, k, visible, lambda t: unfolded_df(db, conn, t), conn)
+        return self._top(tmp.publish(), text, q, k, visible,
+                         lambda t: unfolded_df(db, conn, t), conn, again)
 
 
 def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]:

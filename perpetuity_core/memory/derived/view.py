@@ -5,6 +5,7 @@ publishes one while readers scan the last), its segments and document frequencie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,6 +195,29 @@ class View:
                 best = top_k(score[mask], np.arange(c.size), self.seq[c], k)
                 parts.append((score[mask][best], self.seq[c][best], np.full(best.size, flag)))
         return merge(parts, k) if parts else []
+
+    def statistics(self, conv: int) -> Statistics:
+        """One conversation's own statistic: its live rows, their total length and a
+        document-frequency reader counting only its rows (what its own memory would hold)."""
+        mask = (self.conv[:self.n] == conv) & (self.user[:self.n] >= 0)
+        return Statistics(int(np.count_nonzero(mask)), int(self.length[:self.n][mask].sum()),
+                          lambda terms: self.frequencies(terms, mask))
+
+    def frequencies(self, terms: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """How many of the rows in `mask` (over this view's rows) hold each of `terms`: the
+        postings of those terms, read as a scan reads them (`_postings`), kept where the mask
+        is (a mask over the postings: a run of rows' two binary searches per term cost more,
+        a quarter of a pooled search)."""
+        out = np.zeros(terms.size, np.int64)
+        if terms.size == 0:
+            return out
+        order = np.argsort(terms, kind="stable")  # the row-major read wants them ascending
+        q = Query(terms[order].astype(np.int32), np.zeros(terms.size), 0.0, 0.0)
+        for seg in self.segments:
+            rows, _, slot = self._postings(seg, q)
+            inside = mask[seg.start:seg.start + seg.n][rows]
+            out[order] += np.bincount(slot[inside], minlength=terms.size)
+        return out
 
     def conversations(self, seqs: np.ndarray) -> np.ndarray:
         """The conversation of each of `seqs`, rows of this view (seq ascends in it)."""
@@ -402,6 +426,15 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
 
 # Postings a mask reads for the price of one run's two binary searches (measured ~8 to 30).
 RUN_COST = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Statistics:
+    """The counts a query's idf and length norm read (bm25.make_query)."""
+
+    n_rows: int
+    total_length: int
+    df: Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
