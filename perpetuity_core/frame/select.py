@@ -390,11 +390,9 @@ def companion(half: list[int], rows: dict[int, Row], limits: cap.Cap) -> list[in
 
 def about(hits: list[Hit]) -> int | None:
     """The conversation most of this question's retrieval is in: the most reheat peaks of its
-    hits (heat.reheat_peak by rank; the first such on a tie). None without hits."""
-    mass: dict[int, float] = {}
-    for rank, h in enumerate(hits):
-        mass[h.conversation_id] = mass.get(h.conversation_id, 0.0) + heat.reheat_peak(rank)
-    return max(mass, key=mass.__getitem__) if mass else None
+    hits (frame_lean.shares; the first such on a tie). None without hits."""
+    shares = frame_lean.shares(hits)
+    return max(shares, key=shares.__getitem__) if shares else None
 
 
 def fill_reheats(reheats: Mapping[int, float], hits: list[Hit]) -> dict[int, float]:

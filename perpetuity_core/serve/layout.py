@@ -275,7 +275,7 @@ class Layout:
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0,
             rule=plan.rule_for(parsed.protocol, parsed.model), pace=pace,
-            agent=bool(parsed.tool_names), lean=lean)
+            agent=agent, lean=lean)
         return _Built(plan=rebuilt, frame=built, made="frame", notes=notes_shown)
 
     def _trim(self, laid: Plan, parsed: ParsedRequest, prompt: int, conv: int | None,
