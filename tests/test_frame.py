@@ -20,6 +20,7 @@ from perpetuity_core.frame import cap
 from perpetuity_core.frame import read as frame_read
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
+from perpetuity_core.frame import stretch as frame_stretch
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.bm25 import Params
 from perpetuity_core.memory.derived.index import messages_tokens
@@ -333,7 +334,7 @@ def test_the_order_by_warmth_per_token_is_the_plain_sorts() -> None:
     def reference(warm: heat.Warm, costs: dict[int, int]) -> list[int]:
         warmth = dict(zip(warm.item_ids.tolist(), warm.warmth.tolist(), strict=True))
         return sorted((i for i in warmth if i in costs),
-                      key=lambda i: -warmth[i] / (costs[i] + frame_select.ROW_FLOOR))
+                      key=lambda i: -warmth[i] / (costs[i] + frame_render.ROW_FLOOR))
 
     rng = np.random.default_rng(24)
     for n in (0, 1, 5, 400, 2000):
@@ -439,7 +440,7 @@ def test_a_names_latest_mention_in_a_long_row_comes_as_an_excerpt_memory_more_re
     assert "value 0 =" not in text and "other 119 =" not in text  # not the whole row
     quoted = text[text.index(frame_render.EXCERPT.format(item)):]
     assert len(quoted.split("[End of quoted memory")[0]) < 2 * (
-        frame_select.EXCERPT_CHARS + frame_select.LINE_SLACK) + 200
+        frame_stretch.EXCERPT_CHARS + frame_stretch.LINE_SLACK) + 200
     memory = TurnMemory(uid, conv, time.time())
     back = tools.run("memory_more", {"item": item}, memory, Scanner(store))
     assert "value 0 = compute(0)" in back and mention in back  # the row, from its start

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
+from perpetuity_core.frame import stretch as frame_stretch
 from perpetuity_core.frame.cap import Cap
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.index import messages_tokens
@@ -168,7 +169,7 @@ def test_reference_selection() -> None:
         row(6, 6, 1, "assistant", ASKED - DAY + 300, "ok"),
         row(7, 7, CURRENT, "user", ASKED - 120, words(50)),  # the latest stretch
         # bulk: not in the stretch (a word is 1.25 tokens)
-        row(8, 8, CURRENT, "assistant", ASKED - 60, words(frame_select.RECENT_ROW)),
+        row(8, 8, CURRENT, "assistant", ASKED - 60, words(frame_stretch.RECENT_ROW)),
     ]}
     hot = warm({1: 2.0, 3: 1.9, 4: 1.0, 5: 0.9, 6: 0.9, 2: 0.05})
     hits = [hit(rows[1], 9.0), hit(rows[3], 8.0), hit(rows[4], 1.0)]
@@ -248,13 +249,13 @@ def test_the_fill_drops_what_labels_push_over_the_budget() -> None:
 
 
 def test_the_latest_stretch_is_the_newest_small_rows_within_its_tokens() -> None:
-    small, bulky = words(frame_select.RECENT_ROW * 4 // 5 - 1), words(frame_select.RECENT_ROW)
+    small, bulky = words(frame_stretch.RECENT_ROW * 4 // 5 - 1), words(frame_stretch.RECENT_ROW)
     rows = {i: row(i, i, CURRENT, "user", float(i), bulky if i == 99 else small)
             for i in range(1, 100)}
     # Nothing touched twice (no names): the newest rows alone, within their share.
-    fits = (frame_select.RECENT_TOKENS * frame_select.NEWEST_SHARE // 100
+    fits = (frame_stretch.RECENT_TOKENS * frame_stretch.NEWEST_SHARE // 100
             // frame_render.cost(rows[1]))
-    got, excerpts = frame_select.latest(rows, list(rows))
+    got, excerpts = frame_stretch.latest(rows, list(rows))
     assert not excerpts
     assert 99 not in got  # over RECENT_ROW: skipped, not an end to the stretch
     assert got == set(range(98 - fits + 1, 99))
@@ -264,12 +265,12 @@ def test_the_stretch_takes_the_latest_mention_of_what_the_conversation_touched()
     """Past the newest rows, the row holding a touched name's latest mention comes before
     newer rows that hold none; a name's older mention is not its latest; a name mentioned once
     comes with the room left."""
-    filler = words(frame_select.RECENT_ROW * 4 // 5 - 1)
+    filler = words(frame_stretch.RECENT_ROW * 4 // 5 - 1)
     texts = {1: "Read src/app/config.py", 2: "src/app/config.py: load_settings() -> dict",
              3: "Edit src/app/config.py: load_settings reads the env", 4: "parse_once here",
              **{i: filler for i in range(5, 40)}}
     rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
-    got, _ = frame_select.latest(rows, list(rows))
+    got, _ = frame_stretch.latest(rows, list(rows))
     assert 3 in got  # the latest mention of src/app/config.py and load_settings
     assert not {1, 2} & got  # older mentions
     assert 4 in got  # named once: room was left
@@ -308,15 +309,15 @@ def test_reference_addendum_selection() -> None:
 
 
 def test_names_touched_more_than_once_come_before_those_named_once() -> None:
-    long = words(frame_select.RECENT_ROW)  # bulk: never among the newest rows
+    long = words(frame_stretch.RECENT_ROW)  # bulk: never among the newest rows
     texts = {1: f"{long}\nlib/once_only.py\n{long}\nsrc/twice.py\n{long}",
              2: f"{long}\nsrc/twice.py is read\n{long}", 3: "short"}
     rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
-    one = frame_render.cost(frame_select.excerpt(rows[2], [frame_select.span(
+    one = frame_render.cost(frame_stretch.excerpt(rows[2], [frame_stretch.span(
         texts[2], texts[2].index("src/twice.py"), len("src/twice.py"))]))
-    _, tight = frame_select.latest(rows, list(rows), most=one + 10)
+    _, tight = frame_stretch.latest(rows, list(rows), most=one + 10)
     assert set(tight) == {2} and "src/twice.py is read" in tight[2].text
-    _, roomy = frame_select.latest(rows, list(rows), most=4 * one)
+    _, roomy = frame_stretch.latest(rows, list(rows), most=4 * one)
     assert set(roomy) == {1, 2} and "lib/once_only.py" in roomy[1].text
     assert "src/twice.py" not in roomy[1].text  # its latest mention is row 2's
 
@@ -324,7 +325,7 @@ def test_names_touched_more_than_once_come_before_those_named_once() -> None:
 def test_names_only_tool_output_held_come_after_those_the_task_touched() -> None:
     """A name the conversation said itself or called a tool with comes before one that only a
     tool's output held, however many rows listed that one and however densely."""
-    long = words(frame_select.RECENT_ROW)  # bulk: never among the newest rows
+    long = words(frame_stretch.RECENT_ROW)  # bulk: never among the newest rows
     listing = "\n".join(f"lib/listed_{n}.py" for n in range(8))
     texts = {1: "Edit src/app/edited.py: the fix", 2: f"{long}\n{listing}\n{long}",
              3: f"{long}\nsrc/app/edited.py and lib/listed_0.py\n{long}",
@@ -332,19 +333,19 @@ def test_names_only_tool_output_held_come_after_those_the_task_touched() -> None
     kinds = {1: Kind.TOOL_CALL, 2: Kind.TOOL_RESULT, 3: Kind.TOOL_RESULT, 4: Kind.TOOL_RESULT}
     rows = {i: row(i, i, CURRENT, "user", float(i), t, kind=kinds.get(i, Kind.TEXT))
             for i, t in texts.items()}
-    twice, once, seen_only, times = frame_select.latest_mentions(
+    twice, once, seen_only, times = frame_stretch.latest_mentions(
         [rows[i] for i in (5, 4, 3, 2, 1)])
     assert twice == {"src/app/edited.py": 3} and not once
     assert times["src/app/edited.py"] == 2 and times["lib/listed_0.py"] == 3
     assert seen_only == {f"lib/listed_{n}.py": 4 for n in range(8)}
     # Room for one excerpt: the touched name's latest mention, not the denser listing.
     def cost(i: int, name: str) -> int:
-        return frame_render.cost(frame_select.excerpt(rows[i], [frame_select.span(
+        return frame_render.cost(frame_stretch.excerpt(rows[i], [frame_stretch.span(
             texts[i], texts[i].rindex(name), len(name))]))
     edited, listed = cost(3, "src/app/edited.py"), cost(4, listing)
     most = max(edited, listed) + frame_render.cost(rows[1]) + frame_render.cost(rows[5]) + 10
     assert edited + listed > most
-    _, excerpts = frame_select.latest(rows, list(rows), most=most)
+    _, excerpts = frame_stretch.latest(rows, list(rows), most=most)
     assert set(excerpts) == {3} and "src/app/edited.py" in excerpts[3].text
 
 
@@ -361,21 +362,21 @@ def test_a_bulk_among_an_agents_newest_rows_comes_as_the_lines_around_its_names(
     kinds = {2: Kind.TOOL_CALL, 3: Kind.TOOL_RESULT}
     rows = {i: row(i, i, CURRENT, "user", float(i), t, kind=kinds.get(i, Kind.TEXT))
             for i, t in texts.items()}
-    assert frame_render.cost(rows[3]) <= frame_select.RECENT_ROW  # not skipped as too long
-    got, excerpts = frame_select.latest(rows, list(rows), agent=True)
+    assert frame_render.cost(rows[3]) <= frame_stretch.RECENT_ROW  # not skipped as too long
+    got, excerpts = frame_stretch.latest(rows, list(rows), agent=True)
     assert got == {1, 2, 3, 4} and set(excerpts) == {3}
     quoted = excerpts[3].text
     assert dump[39] in quoted and dump[40] in quoted  # the identifier stays, with its lines
     assert dump[10] not in quoted and dump[50] not in quoted  # the elided bulk is gone
     assert frame_render.cost(excerpts[3]) < frame_render.cost(rows[3]) // 4
-    assert not frame_select.latest(rows, list(rows))[1]  # a chat's: what its person said, whole
+    assert not frame_stretch.latest(rows, list(rows))[1]  # a chat's: what its person said, whole
 
 
 def test_the_names_an_agents_conversation_named_most_come_first() -> None:
     """Of two latest mentions with room for one, in an agent's stretch: the name the
     conversation came back to in five rows comes before a denser excerpt holding two names
     named twice each."""
-    long = words(frame_select.RECENT_ROW)  # bulk: never among the newest rows
+    long = words(frame_stretch.RECENT_ROW)  # bulk: never among the newest rows
     texts = {**{i: f"{long}\nsrc/core/engine.py\n{long}" for i in range(1, 5)},
              5: f"{long}\nsrc/core/engine.py runs\n{long}",
              6: f"{long}\nlib/b_one.py\n{long}", 7: f"{long}\nlib/b_two.py\n{long}",
@@ -383,11 +384,11 @@ def test_the_names_an_agents_conversation_named_most_come_first() -> None:
     rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
 
     def cost(i: int, name: str) -> int:
-        return frame_render.cost(frame_select.excerpt(rows[i], [frame_select.span(
+        return frame_render.cost(frame_stretch.excerpt(rows[i], [frame_stretch.span(
             texts[i], texts[i].rindex(name), len(name))]))
 
     room = max(cost(5, "src/core/engine.py"), cost(8, "lib/b_one.py lib/b_two.py")) + 10
-    _, excerpts = frame_select.latest(rows, list(rows), most=room, agent=True)
+    _, excerpts = frame_stretch.latest(rows, list(rows), most=room, agent=True)
     assert set(excerpts) == {5} and "src/core/engine.py" in excerpts[5].text
 
 
@@ -402,17 +403,17 @@ def test_an_excerpt_is_whole_lines_around_each_latest_mention_verbatim() -> None
     bulk = "\n".join(lines)
     texts = {1: "Read app.loader and cfg/deploy.yaml", 2: bulk, 3: "short"}
     rows = {i: row(i, i, CURRENT, "user", float(i), t) for i, t in texts.items()}
-    got, excerpts = frame_select.latest(rows, list(rows))
+    got, excerpts = frame_stretch.latest(rows, list(rows))
     assert got == {1, 2, 3} and set(excerpts) == {2}  # the small rows whole, the bulk one not
     quoted = excerpts[2].text
-    assert quoted.startswith(frame_select.LEFT_OUT) and quoted.endswith(frame_select.LEFT_OUT)
-    parts = [p.strip("\n") for p in quoted.split(frame_select.LEFT_OUT) if p]
+    assert quoted.startswith(frame_stretch.LEFT_OUT) and quoted.endswith(frame_stretch.LEFT_OUT)
+    parts = [p.strip("\n") for p in quoted.split(frame_stretch.LEFT_OUT) if p]
     assert all(p in bulk for p in parts)  # verbatim
     near = [p for p in parts if "load_settings" in p]
     assert len(near) == 1
     assert lines[50] in near[0] and lines[52] in near[0]  # whole lines, one excerpt
     cut = next(p for p in parts if "cfg/deploy.yaml" in p)
-    assert len(cut) <= 2 * frame_select.EXCERPT_CHARS + len("cfg/deploy.yaml")
+    assert len(cut) <= 2 * frame_stretch.EXCERPT_CHARS + len("cfg/deploy.yaml")
     assert frame_render.quote(excerpts[2]).startswith(frame_render.EXCERPT.format(2))
     assert frame_render.cost(excerpts[2]) < frame_render.cost(rows[2]) // 10
 
@@ -425,12 +426,12 @@ def test_an_excerpts_mark_is_short_and_the_header_names_no_tool() -> None:
 
 
 def reference_names(text: str) -> frozenset[str]:
-    """frame_select.names as first written: every word looked at, each in full."""
+    """frame_stretch.names as first written: every word looked at, each in full."""
     out = set()
-    for word in frame_select._WORD.findall(text):
+    for word in frame_stretch._WORD.findall(text):
         word = word.strip("./~-")
         if (len(word) >= 4 and ("/" in word or "." in word or "_" in word.strip("_")
-                                or frame_select._CAMEL.search(word))
+                                or frame_stretch._CAMEL.search(word))
                 and not word.replace(".", "").isdigit()):
             out.add(word)
     return frozenset(out)
@@ -448,29 +449,29 @@ def test_names_are_the_plain_loop_s(pieces: list[str], noise: str) -> None:
     """names() looks at each word once and at a word of letters and digits only for camelCase;
     it finds what the plain loop over every word finds."""
     text = "".join(pieces) + noise + " ".join(pieces)
-    assert frame_select.names.__wrapped__(text) == reference_names(text)
+    assert frame_stretch.names.__wrapped__(text) == reference_names(text)
 
 
 def reference_mentions(rows: dict[int, Row], mentions: dict[str, int], times: Mapping[str, int],
                        most: int, used: int, out: set[int],
                        chosen: dict[int, list[tuple[int, int]]]) -> int:
-    """frame_select._mentions as first written: every row searched, every excerpt's text cut,
+    """frame_stretch._mentions as first written: every row searched, every excerpt's text cut,
     a span worth the times its names were named."""
     spans: dict[int, list[tuple[int, int]]] = {}
     worth: dict[int, list[int]] = {}
     for name, i in mentions.items():
         if i not in out:
             text = rows[i].text
-            spans.setdefault(i, []).append(frame_select.span(text, text.rfind(name), len(name)))
+            spans.setdefault(i, []).append(frame_stretch.span(text, text.rfind(name), len(name)))
             worth.setdefault(i, []).append(times[name])
     candidates: list[tuple[int, int, int, tuple[int, int] | None]] = []
     for i, found in spans.items():
-        r, merged = rows[i], frame_select.merge(found, worth[i])
-        if (frame_render.cost(r) <= frame_select.RECENT_ROW
+        r, merged = rows[i], frame_stretch.merge(found, worth[i])
+        if (frame_render.cost(r) <= frame_stretch.RECENT_ROW
                 and 2 * sum(e - s for s, e, _ in merged) >= len(r.text)):
             candidates.append((sum(worth[i]), frame_render.cost(r), i, None))
         else:
-            candidates += [(n, (len(r.text[s:e]) + 3) // 4 + frame_select.EXCERPT_TOKENS, i,
+            candidates += [(n, (len(r.text[s:e]) + 3) // 4 + frame_stretch.EXCERPT_TOKENS, i,
                             (s, e)) for s, e, n in merged]
     for _, c, i, where in sorted(candidates, key=lambda k: (-k[0] / (k[1] + 100), -k[2])):
         if used + c > most or i in out:
@@ -499,14 +500,14 @@ def test_the_stretch_never_searches_a_row_too_large_for_what_is_left(
             for i, (words, kind) in enumerate(texts, 1)}
     newest = [rows[i] for i in sorted(rows, reverse=True)]
     # Rooms at each row's least candidate's cost, and one token either side, beside any.
-    edges = {c + d for r in rows.values() for name in frame_select.names(r.text)
-             for c in ((min(len(r.text), len(name) + frame_select.EXCERPT_CHARS) + 3) // 4
-                       + frame_select.EXCERPT_TOKENS, frame_render.cost(r)) for d in (-1, 0, 1)}
-    *tiers, times = frame_select.latest_mentions(newest)
+    edges = {c + d for r in rows.values() for name in frame_stretch.names(r.text)
+             for c in ((min(len(r.text), len(name) + frame_stretch.EXCERPT_CHARS) + 3) // 4
+                       + frame_stretch.EXCERPT_TOKENS, frame_render.cost(r)) for d in (-1, 0, 1)}
+    *tiers, times = frame_stretch.latest_mentions(newest)
     for mentions in tiers:
         for used in {0, most // 2, most} | {most - e for e in edges if 0 <= e <= most}:
             got: tuple[set[int], dict[int, list[tuple[int, int]]]] = (set(), {})
             want: tuple[set[int], dict[int, list[tuple[int, int]]]] = (set(), {})
-            assert (frame_select._mentions(rows, mentions, times, most, used, *got)
+            assert (frame_stretch._mentions(rows, mentions, times, most, used, *got)
                     == reference_mentions(rows, mentions, times, most, used, *want))
             assert got == want

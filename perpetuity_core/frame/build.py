@@ -64,7 +64,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
 
     Never trimmed: the question's top hit and the latest stretch of the conversation that the
     harness did not keep as sent (`recent_messages`, its rows newest first while they fit
-    frame_select.RECENT_TOKENS, skipping bulk over RECENT_ROW). `kept_tokens`: the harness's
+    frame_stretch.RECENT_TOKENS, skipping bulk over RECENT_ROW). `kept_tokens`: the harness's
     earlier turns kept as sent in front of the prompt, which the breadth-sized budget pays for
     (frame_select.budget). A `narrow` frame is filled within a narrow question's budget: an
     agent's (a harness that sends tools of its own) in front of a conversation it keeps whole,

@@ -35,7 +35,7 @@ MORE_HEADER = ("[Memory for the next message: more turns quoted verbatim from ea
                " conversations, labelled with when they were said.]")
 CLOSING = "[End of quoted memory.]"
 NOW = "[End of quoted memory. Now: {:%Y-%m-%d %H:%M} UTC.]"
-# What opens a row quoted in part (frame_select.excerpt): which row, and how to read it whole
+# What opens a row quoted in part (frame_stretch.excerpt): which row, and how to read it whole
 # (in the excerpt, not the header: a frame with the tools off never names them).
 EXCERPT = "[excerpt #{0}: memory_more(item={0}) reads it whole]\n"
 # Turns further apart than this in time are labelled afresh: half an hour's silence is another
@@ -97,6 +97,12 @@ def messages(rows: dict[int, Row], ids: Iterable[int], recent: Collection[int],
     stretch (`recent`), under `header`."""
     return written(lay(rows, list(ids), recent, adjacent, asked_at, conversation_id), asked_at,
                    header, said)
+
+
+# What every row costs beyond its words when the fill weighs warmth per token (frame_select),
+# or the stretch a name's worth (frame_stretch), so that an "ok" does not outrank a turn with
+# substance. recall_all of `perpetuity eval locomo|beam` (docs/tuning.md).
+ROW_FLOOR = 100
 
 
 def cost(r: Row) -> int:

@@ -41,7 +41,7 @@ _WORD = re.compile(r"\w+")
 @functools.lru_cache(maxsize=4096)
 def label(text: str) -> str | None:
     """The speaker a transcript's row is labelled with, or None. Kept for the latest texts, as
-    frame_select.names: the next question reads most of the same rows (0.14 ms for 500 rows
+    frame_stretch.names: the next question reads most of the same rows (0.14 ms for 500 rows
     afresh, 0.02 kept)."""
     m = _LABEL.match(text)
     return m.group(1) if m else None

@@ -45,7 +45,7 @@ from perpetuity_core.wire.written import Written
 
 log = logging.getLogger("perpetuity")
 
-# The latest stored messages of the conversation the frame's tail (frame_select.latest) is chosen
+# The latest stored messages of the conversation the frame's tail (frame_stretch.latest) is chosen
 # from: a coding task is tens of calls of two messages each, and what the next task used of the
 # one before lay 6k to 40k tokens back (the six shared Claude Code sessions, identifiers in the
 # request 0.869 from 100, 0.882 from 200).

@@ -37,7 +37,7 @@ class Row:
     name: str
     text: str
     secret: str = ""  # the kind of credential the row holds (m011), shown only as withheld
-    excerpt: bool = False  # `text` is part of the row's (frame_select.excerpt)
+    excerpt: bool = False  # `text` is part of the row's (frame_stretch.excerpt)
 
 
 def shown_rows(db: Database, item_ids: Iterable[int],
