@@ -96,10 +96,19 @@ def in_frame(name: str, session: str) -> dict[str, Any]:
     tier = next((t for t, m in zip(("touched>1", "touched once", "tool output only"), tiers[:3],
                                    strict=True) if name in m), "not a frame name")
     rendered = (chosen.excerpts[i].text if i in chosen.excerpts else rows[i].text)
+    run = next((k for k, j in enumerate(newest) if j not in chosen.recent), len(newest))
+    older = [j for j in newest[run:] if j in chosen.recent]
+    held = {j: chosen.excerpts.get(j, rows[j]) for j in chosen.recent}
     return {"frame": state, "rows_naming": len(holding), "tier": tier,
             "times": tiers[3].get(name, 0), "row_kind": rows[i].kind,
             "row_tokens": select.cost(rows[i]), "rows_newer": sum(1 for j in newest if j > i),
-            "excerpt_holds_name": name in rendered}
+            "excerpt_holds_name": name in rendered,
+            # what the stretch held instead: its newest run of rows, and the older latest
+            # mentions it quoted (rows, tokens as held)
+            "stretch_newest_rows": run,
+            "stretch_newest_tokens": sum(select.cost(held[j]) for j in newest[:run]),
+            "stretch_older_rows": len(older),
+            "stretch_older_tokens": sum(select.cost(held[j]) for j in older)}
 
 
 def replay_call(side: Any, session: Any, call: Any, shape: Any, tally: Any,

@@ -301,6 +301,21 @@ def test_the_tool_a_reply_calls_is_not_a_name_taken_from_history() -> None:
     assert older_names(reply, messages, 3, set()) == {"src/app/main.py"}
 
 
+def test_the_arguments_names_of_a_tool_call_are_not_names_taken_from_history() -> None:
+    """The names of a tool call's arguments are its tool's schema's ("planFilePath" of a newer
+    ExitPlanMode than the template's), though history named them too; their values count."""
+    messages = [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ExitPlanMode",
+                                           "input": {"planFilePath": "plans/quiet-fox.md"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "rejected"}]},
+        {"role": "user", "content": "Shorter, please."},
+    ]
+    reply = [{"type": "tool_use", "id": "t2", "name": "ExitPlanMode",
+              "input": {"plan": "Two steps.", "planFilePath": "plans/quiet-fox.md"}}]
+    assert older_names(reply, messages, 2, set()) == {"plans/quiet-fox.md"}
+
+
 def test_a_name_counts_in_context_only_with_the_text_around_its_latest_mention() -> None:
     older = parts_text([
         {"role": "user", "content": "Look at src/app/main.py first."},

@@ -62,11 +62,19 @@ def _is_path(s: str) -> bool:
 
 
 def reply_text(blocks: list[dict[str, Any]]) -> str:
-    """What a reply says and calls with: its text and tool-call arguments (not its thinking,
-    nor the names of the tools it calls: the API offers a model only the tools its request
-    defines, so those are the harness's text, even where the replay's template lacks them)."""
-    return "\n".join(json.dumps(b.get("input"), ensure_ascii=False) if b.get("type") == "tool_use"
-                     else block_text(b) for b in blocks if b.get("type") in ("text", "tool_use"))
+    """What a reply says and calls with: its text and tool-call arguments' values (not its
+    thinking, nor the names of the tools it calls and of their arguments: the API offers a
+    model only the tools its request defines, with their schemas, so those are the harness's
+    text, even where the replay's template lacks them: a session's MCP tools, a newer field)."""
+    return "\n".join(_values(b.get("input")) if b.get("type") == "tool_use" else block_text(b)
+                     for b in blocks if b.get("type") in ("text", "tool_use"))
+
+
+def _values(arguments: Any) -> str:
+    """A tool call's arguments without their names, as JSON."""
+    if isinstance(arguments, dict):
+        arguments = list(arguments.values())
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def older_names(reply: list[dict[str, Any]], messages: list[dict[str, Any]], live_from: int,
