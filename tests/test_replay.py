@@ -14,7 +14,13 @@ from perpetuity_core.cli import replay
 from perpetuity_core.cli.main import main
 from perpetuity_core.cli.replay import drive
 from perpetuity_core.cli.replay.drive import proxy_shape
-from perpetuity_core.cli.replay.measure import Tally, identifiers, parts_text, with_context
+from perpetuity_core.cli.replay.measure import (
+    Tally,
+    identifiers,
+    older_names,
+    parts_text,
+    with_context,
+)
 from perpetuity_core.cli.replay.report import LEGEND, saving, table
 from perpetuity_core.cli.replay.request import (
     DEFAULT_TEMPLATE,
@@ -267,6 +273,47 @@ def test_a_tool_calls_escapes_make_no_names() -> None:
     word, as it was in the command, not a camel-case name ("nEOF", "nRead")."""
     call = json.dumps({"command": "cat <<'EOF'\nEOF\nRead src/app/main.py\tparse_when"})
     assert identifiers(call) == {"src/app/main.py", "parse_when"}
+
+
+def test_a_hyphenated_file_name_is_one_name() -> None:
+    """A file named in kebab-case is that file, not the tail after its last hyphen: "pr.yml"
+    of "auto-pr.yml" would find its latest mention in "linear-pr.yml", another file."""
+    assert identifiers("Edit auto-pr.yml, then docker-compose.yml; a well-known fix.") == {
+        "auto-pr.yml", "docker-compose.yml"}
+
+
+def test_the_tool_a_reply_calls_is_not_a_name_taken_from_history() -> None:
+    """A model calls only the tools its request defines: the name of the tool a reply calls is
+    the harness's text, though the replay's template lacks the session's own tools (an MCP
+    server's). Its arguments still count."""
+    tool = "mcp__linear__get_issue"
+    messages = [
+        {"role": "user", "content": "Find the Linear tools and src/app/main.py."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                           "input": {"query": f"select:{tool}"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": f"{tool} loaded"}]},
+        {"role": "user", "content": "Now read LAF-7."},
+    ]
+    reply = [{"type": "text", "text": "Reading it."},
+             {"type": "tool_use", "id": "t2", "name": tool,
+              "input": {"id": "LAF-7", "path": "src/app/main.py"}}]
+    assert older_names(reply, messages, 3, set()) == {"src/app/main.py"}
+
+
+def test_the_arguments_names_of_a_tool_call_are_not_names_taken_from_history() -> None:
+    """The names of a tool call's arguments are its tool's schema's ("planFilePath" of a newer
+    ExitPlanMode than the template's), though history named them too; their values count."""
+    messages = [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ExitPlanMode",
+                                           "input": {"planFilePath": "plans/quiet-fox.md"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "rejected"}]},
+        {"role": "user", "content": "Shorter, please."},
+    ]
+    reply = [{"type": "tool_use", "id": "t2", "name": "ExitPlanMode",
+              "input": {"plan": "Two steps.", "planFilePath": "plans/quiet-fox.md"}}]
+    assert older_names(reply, messages, 2, set()) == {"plans/quiet-fox.md"}
 
 
 def test_a_name_counts_in_context_only_with_the_text_around_its_latest_mention() -> None:

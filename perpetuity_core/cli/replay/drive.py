@@ -28,8 +28,8 @@ from perpetuity_core.cli.replay.measure import (
     Tally,
     identifiers,
     live_kept,
+    older_names,
     parts_text,
-    reply_text,
     request_text,
     with_context,
 )
@@ -203,10 +203,7 @@ def _replay_call(side: _Side, session: Session, call: Call, shape: Template, tal
     older: set[str] = set()
     in_context = 0
     if tally.per_call is None:
-        live_text = request_text({"messages": messages[built.live_from:]})
-        older = identifiers(reply_text(call.reply)) & identifiers(
-            request_text({"messages": messages[:built.live_from]}))
-        older -= identifiers(live_text) | harness_ids
+        older = older_names(call.reply, messages, built.live_from, harness_ids)
         in_context = with_context(older, parts_text(messages[:built.live_from]),
                                   "\n".join(parts_text(sent.get("messages") or []))) if older else 0
     kept = live_kept(messages, sent.get("messages") or [], built.live_from)

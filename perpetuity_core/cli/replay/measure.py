@@ -27,7 +27,8 @@ from perpetuity_core.frame.blocks import block_text
 from perpetuity_core.frame.prices import dollars, list_price
 from perpetuity_core.wire.protocols import anthropic
 
-_CANDIDATE = re.compile(r"~?(?:[\w.\-]*/)+[\w.\-]+|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][\w]*)+"
+# A dotted name may hold hyphens: a file is named "auto-pr.yml", not "pr.yml".
+_CANDIDATE = re.compile(r"~?(?:[\w.\-]*/)+[\w.\-]+|[A-Za-z_][\w\-]*(?:\.[A-Za-z_][\w\-]*)+"
                         r"|[A-Za-z_][A-Za-z0-9_]*")
 _CAMEL = re.compile(r"[a-z][A-Z]|[A-Z].*[A-Z].*[a-z]|[A-Z][a-z]+[A-Z]")
 _EXTENSION = re.compile(r"\.[A-Za-z0-9]{1,8}$")
@@ -61,8 +62,28 @@ def _is_path(s: str) -> bool:
 
 
 def reply_text(blocks: list[dict[str, Any]]) -> str:
-    """What a reply says and calls with: its text and tool-call arguments (not its thinking)."""
-    return "\n".join(block_text(b) for b in blocks if b.get("type") in ("text", "tool_use"))
+    """What a reply says and calls with: its text and tool-call arguments' values (not its
+    thinking, nor the names of the tools it calls and of their arguments: the API offers a
+    model only the tools its request defines, with their schemas, so those are the harness's
+    text, even where the replay's template lacks them: a session's MCP tools, a newer field)."""
+    return "\n".join(_values(b.get("input")) if b.get("type") == "tool_use" else block_text(b)
+                     for b in blocks if b.get("type") in ("text", "tool_use"))
+
+
+def _values(arguments: Any) -> str:
+    """A tool call's arguments without their names, as JSON."""
+    if isinstance(arguments, dict):
+        arguments = list(arguments.values())
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def older_names(reply: list[dict[str, Any]], messages: list[dict[str, Any]], live_from: int,
+                harness: set[str]) -> set[str]:
+    """The identifiers `reply` uses that the history before `live_from` held, and neither the
+    live task nor the `harness`'s own text did."""
+    live = identifiers(request_text({"messages": messages[live_from:]}))
+    return (identifiers(reply_text(reply))
+            & identifiers(request_text({"messages": messages[:live_from]}))) - live - harness
 
 
 def request_text(body: dict[str, Any]) -> str:
