@@ -34,7 +34,8 @@ from perpetuity_core.cli.replay.measure import (
     with_context,
 )
 from perpetuity_core.cli.replay.request import build
-from perpetuity_core.frame import select
+from perpetuity_core.frame import select, stretch
+from perpetuity_core.frame.render import cost
 from perpetuity_core.wire.protocols import anthropic
 
 _frame = select.frame
@@ -98,7 +99,7 @@ def in_frame(name: str, session: str) -> dict[str, Any]:
     i = max(holding)
     state = ("excerpt" if i in chosen.excerpts else "whole" if i in chosen.recent else "left out")
     newest = sorted((j for j in recent_items if j in rows), reverse=True)
-    tiers = select.latest_mentions([rows[j] for j in newest])
+    tiers = stretch.latest_mentions([rows[j] for j in newest])
     tier = next((t for t, m in zip(("touched>1", "touched once", "tool output only"), tiers[:3],
                                    strict=True) if name in m), "not a frame name")
     rendered = (chosen.excerpts[i].text if i in chosen.excerpts else rows[i].text)
@@ -107,14 +108,14 @@ def in_frame(name: str, session: str) -> dict[str, Any]:
     held = {j: chosen.excerpts.get(j, rows[j]) for j in chosen.recent}
     return {"frame": state, "rows_naming": len(holding), "tier": tier,
             "times": tiers[3].get(name, 0), "row_kind": rows[i].kind,
-            "row_tokens": select.cost(rows[i]), "rows_newer": sum(1 for j in newest if j > i),
+            "row_tokens": cost(rows[i]), "rows_newer": sum(1 for j in newest if j > i),
             "excerpt_holds_name": name in rendered,
             # what the stretch held instead: its newest run of rows, and the older latest
             # mentions it quoted (rows, tokens as held)
             "stretch_newest_rows": run,
-            "stretch_newest_tokens": sum(select.cost(held[j]) for j in newest[:run]),
+            "stretch_newest_tokens": sum(cost(held[j]) for j in newest[:run]),
             "stretch_older_rows": len(older),
-            "stretch_older_tokens": sum(select.cost(held[j]) for j in older)}
+            "stretch_older_tokens": sum(cost(held[j]) for j in older)}
 
 
 def replay_call(side: Any, session: Any, call: Any, shape: Any, tally: Any,
@@ -176,4 +177,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: replay_misses.py SESSIONS (a folder of Claude Code session files)")
     main(sys.argv[1])
