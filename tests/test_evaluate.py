@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from perpetuity_core.cli.eval import evaluate
+from perpetuity_core.cli.eval import DATASETS, evaluate, switching
 from perpetuity_core.cli.main import main
+from perpetuity_core.errors import ConfigError
 from perpetuity_core.frame.cap import Cap
 from tests.conftest import SHARED
 
@@ -73,6 +74,26 @@ def test_personal_pools_every_conversation_as_one_persons(tmp_path: Path) -> Non
     seq = report["sequence"]
     assert seq["recall_all"] == 1.0
     assert seq["ranking_recall_all_within_memory_tokens"] == 1.0
+
+
+def test_one_chat_switching_between_a_persons_conversations(tmp_path: Path) -> None:
+    """`--switch N`: one chat asks every conversation's questions, N of each in turn, so a
+    chat's leaning must follow a person who changes the subject."""
+    path = tiny_locomo(tmp_path / "locomo.json")
+    one = json.loads(path.read_text())[0]
+    other = json.loads(json.dumps(one).replace("Pixel", "Nimbus").replace("Leo", "Max"))
+    path.write_text(json.dumps([one, other | {"sample_id": "other"}]))
+    cases = list(DATASETS["locomo"](path))
+    assert [(c.thread.user_key, q.text) for c, q in switching(cases, 1)] == [
+        (c.thread.user_key, c.questions[k].text) for k in (0, 1) for c in cases]
+    report = evaluate("locomo", path, limits=Cap(500, 1000), progress=False, sequence=True,
+                      personal=True, switch=1)
+    assert report["memory"] == "personal, one chat switching every 1"
+    seq = report["sequence"]
+    assert seq["questions"] == 4 and seq["first_question"]["questions"] == 1  # one chat
+    assert seq["recall_all"] == 1.0
+    with pytest.raises(ConfigError, match="--sequence --personal"):
+        evaluate("locomo", path, progress=False, sequence=True, switch=1)
 
 
 def test_the_measure_in_sequence_is_the_same_from_run_to_run(tmp_path: Path) -> None:

@@ -16,7 +16,9 @@ Personal: every conversation in one memory as one person's (the loopback proxy's
 
 In sequence (`--sequence`), a conversation's questions are asked one after another in one
 conversation, as a person asks them (a minute apart, each answered "Noted."), and stored: the
-frame then lives as it does for a person (its plan: kept, added to, rebuilt).
+frame then lives as it does for a person (its plan: kept, added to, rebuilt). With `--switch N`
+(and `--personal`) one chat asks them all, N of one conversation's then N of the next's: a
+person changing the subject, which a chat's leaning must follow.
 Beside the request's recall, the ranking's own: its top rows within as many tokens as the
 memory the request carried (`memory_tokens`: the frame and its addenda), and within as many as
 the memory chosen for that question (`new_memory_tokens`: a new frame or an addendum).
@@ -236,9 +238,12 @@ def ask(pipeline: Pipeline, thread: importers.Thread, q: Question) -> tuple[str,
 def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Cap(),
              frames: Path | None = None, limit: int = 0, progress: bool = True,
              sequence: bool = False, personal: bool = False,
-             semantic: bool = True) -> dict[str, Any]:
+             semantic: bool = True, switch: int = 0) -> dict[str, Any]:
     if dataset not in DATASETS:
         raise ConfigError(f"unknown dataset {dataset!r}; one of {', '.join(DATASETS)}")
+    if switch and not (sequence and personal):
+        raise ConfigError("--switch asks one chat in sequence of a person's memory:"
+                          " it needs --sequence --personal")
     cases = list(DATASETS[dataset](path))
     if limit:
         cases = cases[:limit]
@@ -260,14 +265,17 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
             bar.update(1)
             if pooled and n < len(cases) - 1:
                 continue
-            for c in cases[: n + 1] if pooled else [case]:
-                results += (_ask_in_sequence(pipeline, c, limits) if sequence
-                            else _ask_all(pipeline, c, frames))
+            if switch:
+                results += _ask_in_sequence(pipeline, switching(cases, switch), "switching")
+            for c in [] if switch else cases[: n + 1] if pooled else [case]:
+                results += (_ask_in_sequence(pipeline, [(c, q) for q in c.questions])
+                            if sequence else _ask_all(pipeline, c, frames))
             bar.set_postfix(questions=len(results))
         if store is not None:
             store.close()
-    report = _report(dataset, "personal" if personal else "pooled" if pooled
-                     else "per-conversation", limits, results) | {"semantic": semantic}
+    memory = "personal" if personal else "pooled" if pooled else "per-conversation"
+    report = _report(dataset, f"{memory}, one chat switching every {switch}" if switch else memory,
+                     limits, results) | {"semantic": semantic}
     if sequence:
         report["sequence"] = _sequence_report(results)
     return report
@@ -291,15 +299,29 @@ def _ask_all(pipeline: Pipeline, case: Case, frames: Path | None) -> list[Result
 SEQUENCE_GAP = 60.0  # seconds between questions asked in sequence
 
 
-def _ask_in_sequence(pipeline: Pipeline, case: Case, limits: Cap) -> list[Result]:
-    """The case's questions, one after another in one conversation, each stored with its
-    reply; the request that went upstream checked for the evidence."""
-    user = case.thread.user_key
-    conversation = user + ":sequence"
+def switching(cases: list[Case], block: int) -> list[tuple[Case, Question]]:
+    """Every case's questions, `block` of one case's then `block` of the next's, round and round
+    until all are asked: one chat changing its subject."""
+    out: list[tuple[Case, Question]] = []
+    for start in range(0, max((len(c.questions) for c in cases), default=0), block):
+        out += [(c, q) for c in cases for q in c.questions[start:start + block]]
+    return out
+
+
+def _ask_in_sequence(pipeline: Pipeline, asked: list[tuple[Case, Question]],
+                     chat: str = "") -> list[Result]:
+    """The questions (each with the case it is about), one after another in one conversation
+    (the first case's own, else `chat`), each stored with its reply; the request that went
+    upstream checked for the evidence."""
+    if not asked:
+        return []
+    user = asked[0][0].thread.user_key
+    conversation = f"{user}:{chat or 'sequence'}"
     history: list[dict[str, str]] = []
     out = []
-    for k, q in enumerate(case.questions):
-        at = q.at + k * SEQUENCE_GAP
+    latest = max(q.at for _, q in asked) if chat else 0.0
+    for k, (case, q) in enumerate(asked):
+        at = max(q.at, latest) + k * SEQUENCE_GAP
         history.append({"role": "user", "content": q.text})
         d = pipeline.prepare(chat_request(user, conversation, at, history))
         sent = json.loads(d.body)["messages"] if d.body is not None else history

@@ -34,6 +34,9 @@ def register(sub: Any) -> None:
                    help="write every rendered request to this folder")
     p.add_argument("--sequence", action="store_true",
                    help="ask each conversation's questions one after another in one conversation")
+    p.add_argument("--switch", type=int, default=0, metavar="N",
+                   help="with --sequence --personal: one chat asks every conversation's"
+                        " questions, N of each in turn")
     p.add_argument("--reader", choices=["search"],
                    help="a scripted reader in the model's place, through the relay's tool loop:"
                         " recall after the frame, one and two tool rounds (in sequence)")
@@ -89,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     reports = [frame_eval.evaluate(args.dataset, args.path, pooled=args.pooled, limits=limits,
                                    frames=args.frames, limit=args.limit,
                                    sequence=args.sequence, personal=args.personal,
-                                   semantic=semantic)
+                                   semantic=semantic, switch=args.switch)
                for semantic in sides]
     print(json.dumps(reports[0] if len(reports) == 1 else side_by_side(*reports), indent=2))
     return 0
