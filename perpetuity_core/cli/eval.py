@@ -319,6 +319,8 @@ def _ask_in_sequence(pipeline: Pipeline, asked: list[tuple[Case, Question]],
     conversation = f"{user}:{chat or 'sequence'}"
     history: list[dict[str, str]] = []
     out = []
+    # One chat asking about several conversations asks after the last of their dates: its own
+    # clock only moves forward.
     latest = max(q.at for _, q in asked) if chat else 0.0
     for k, (case, q) in enumerate(asked):
         at = max(q.at, latest) + k * SEQUENCE_GAP
