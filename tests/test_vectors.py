@@ -48,6 +48,23 @@ def test_the_table_loads_with_the_network_blocked(tmp_path: Path) -> None:
     assert out.stdout.strip() == "loaded"
 
 
+TERMS = """
+import hashlib
+from perpetuity_core.memory.derived import vectors
+from perpetuity_core.memory.storage import dictionary
+print(hashlib.sha256(vectors.table().terms(dictionary.shipped()).tobytes()).hexdigest())
+"""
+
+
+def test_the_term_vectors_are_the_same_in_every_process() -> None:
+    """A term's vector sums its surface forms in float32: in one order every time (the
+    tokenizer's vocabulary is a hash map listed in another order in each process), so a score
+    does not move between two runs of the same measure (issue 40)."""
+    runs = {subprocess.run([sys.executable, "-c", TERMS], capture_output=True, text=True,
+                           check=True, timeout=120).stdout for _ in range(3)}
+    assert len(runs) == 1
+
+
 def derived(store: Store, text: str) -> np.ndarray:
     """A row's vector, written out: its bag's terms' vectors summed by count (in float64),
     those of hashed terms left out, with the largest component at 127."""

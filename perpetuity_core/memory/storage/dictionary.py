@@ -121,7 +121,10 @@ class Dictionary:
         self.n_terms = self.hash_base + (1 << HASH_BITS)
         # The word-level model numbers surface forms; term_of folds them onto stems.
         self.term_of = np.asarray(term_of, dtype=np.int32)
-        self.word_ids = {w: int(self.term_of[i]) for w, i in self.tokenizer.get_vocab().items()}
+        # In the model's own order: get_vocab() is a Rust hash map, listed in another order in
+        # every process, and a sum over these words in float32 (vectors.Table.terms) moved with it.
+        self.word_ids = {w: int(self.term_of[i]) for w, i in
+                         sorted(self.tokenizer.get_vocab().items(), key=lambda wi: wi[1])}
         self._ascii_ids = {w.encode(): i for w, i in self.word_ids.items()
                            if w.isascii() and w.isalnum()}
         # The same, except that a word no chain is named by (shorter than three letters, or a
