@@ -267,9 +267,10 @@ def evaluate(dataset: str, path: Path, *, pooled: bool = False, limits: Cap = Ca
                 continue
             if switch:
                 results += _ask_in_sequence(pipeline, switching(cases, switch), "switching")
-            for c in [] if switch else cases[: n + 1] if pooled else [case]:
-                results += (_ask_in_sequence(pipeline, [(c, q) for q in c.questions])
-                            if sequence else _ask_all(pipeline, c, frames))
+            else:
+                for c in cases[: n + 1] if pooled else [case]:
+                    results += (_ask_in_sequence(pipeline, [(c, q) for q in c.questions])
+                                if sequence else _ask_all(pipeline, c, frames))
             bar.set_postfix(questions=len(results))
         if store is not None:
             store.close()
