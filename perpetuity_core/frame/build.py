@@ -117,8 +117,14 @@ def _around(scanner: Scanner, query: str) -> Callable[[Row], Row]:
     """A row as the lines around the question's words (frame_stretch.around): a word is one
     when the dictionary folds it onto one of the question's terms (its stem)."""
     d = scanner.db.dictionary
-    asked = set(d.id_list(query))
-    return lambda r: frame_stretch.around(r, lambda word: bool(asked & set(d.id_list(word))))
+    asked, known = set(d.id_list(query)), d.word_ids
+
+    def one(word: str) -> bool:
+        # A known word by one lookup; the rest (a plural, a number) as the index reads them.
+        term = known.get(word)
+        return term in asked if term is not None else bool(asked & set(d.id_list(word)))
+
+    return lambda r: frame_stretch.around(r, one)
 
 
 def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
