@@ -383,20 +383,47 @@ def test_a_named_date_ranks_what_was_said_that_day_first(store: Store) -> None:
 
 def test_the_top_hit_brings_the_other_half_of_its_exchange(store: Store) -> None:
     answer = "Your degree: " + "a long and careful answer about paperwork " * 40
-    say(store, "old", "I graduated with a degree in Business Administration.", answer,
-        "Unrelated question about dinner plans?", "Pasta, then.")
+    ids = say(store, "old", "I graduated with a degree in Business Administration.", answer,
+              "Unrelated question about dinner plans?", "Pasta, then.")
+    # The person's turns the question's words find before the reply (a half among the first
+    # frame_select.HALF_RANK hits is the question's own match, and comes whole).
+    say(store, "old", *[t for n in range(6) for t in (f"I went to graduation party {n}.", "Nice.")])
     uid = store.find_user("u")
 
-    def text(limits: cap.Cap) -> str:
-        built = frame.build(Scanner(store), user_id=uid, conversation_id=None,
-                            query="what degree did I graduate with", exclude_messages=[],
-                            asked_at=time.time(), limits=limits)
+    def text(limits: cap.Cap, agent: bool = False, query: str = "what degree did I graduate with"
+             ) -> str:
+        built = frame.build(Scanner(store), user_id=uid, conversation_id=None, query=query,
+                            exclude_messages=[], asked_at=time.time(), limits=limits, agent=agent)
         return "\n".join(p.text for m in built.messages for p in m.parts)
 
     # Over the budget, still there: the reply travels with the question it answers...
-    assert answer in text(cap.Cap(floor=50, ceiling=2000))
+    assert answer in text(cap.Cap(floor=50, ceiling=2000), agent=True)
     # ...unless it is a bulk over half the largest frame.
-    assert answer not in text(cap.Cap(floor=50, ceiling=500))
+    assert answer not in text(cap.Cap(floor=50, ceiling=500), agent=True)
+    # A chat's, over HALF_WHOLE tokens, as the lines around the question's words, which
+    # memory_more reads whole; a short one whole.
+    chat = text(cap.Cap(floor=50, ceiling=2000))
+    item = capture_items(store, ids[1])
+    assert answer not in chat and answer[:100] in chat
+    assert frame_render.cost(shown_rows(store.db, [item])[item]) > frame_select.HALF_WHOLE
+    assert f"memory_more(item={item})" in chat and "Business Administration" in chat
+    assert answer in tools.run("memory_more", {"item": item}, TurnMemory(uid, None, time.time()),
+                               Scanner(store))
+    assert "Pasta, then." in text(cap.Cap(floor=50, ceiling=2000), query="dinner plans")
+
+
+def test_a_long_half_is_quoted_around_the_first_mentions_of_the_questions_words() -> None:
+    text = ("Sure.\n" + "filler line of nothing much here\n" * 20 + "Your sprint ends on Friday.\n"
+            + "filler line of nothing much here\n" * 20 + "The sprint review is Monday.\n"
+            + "more filler to close with\n" * 20)
+    r = Row(1, 1, 1, "", "assistant", 0.0, "text", "", text)
+    asked = {"sprint", "end", "ends"}.__contains__
+    quoted = frame_stretch.around(r, asked)
+    assert quoted.excerpt and "Your sprint ends on Friday." in quoted.text
+    assert "The sprint review" not in quoted.text  # a word's first mention only
+    assert len(quoted.text) < len(text) // 3 and quoted.text.startswith(frame_stretch.LEFT_OUT)
+    none = frame_stretch.around(r, lambda word: False)  # no word of the question: its opening
+    assert none.text.startswith("Sure.") and none.excerpt
 
 
 def test_cap_never_trims_the_recent_stretch(store: Store) -> None:

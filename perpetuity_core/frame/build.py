@@ -20,6 +20,7 @@ from perpetuity_core.frame import lean as frame_lean
 from perpetuity_core.frame import read as frame_read
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
+from perpetuity_core.frame import stretch as frame_stretch
 from perpetuity_core.frame.read import NEIGHBOUR_HITS, NEIGHBOURS, search
 from perpetuity_core.frame.render import CLOSING, HEADER, MORE_HEADER, NOW, with_note
 from perpetuity_core.frame.render import messages as render
@@ -98,7 +99,8 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     flags = None if agent else subject.said(query, [(r.text, r.role) for r in shelf.rows.values()])
     by_subject = set(itertools.compress(shelf.rows, flags)) if flags else set()
     chosen = frame_select.frame(shelf.rows, warm, found.hits, shelf.half, shelf.recent,
-                                tokens, limits, measured, agent, by_subject, lean)
+                                tokens, limits, measured, agent, by_subject, lean,
+                                None if agent else _around(scanner, query))
     if not chosen.item_ids:
         return None
     rows = {**shelf.rows, **chosen.excerpts} if chosen.excerpts else shelf.rows
@@ -109,6 +111,20 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     built.warm = warm
     built.lean = () if agent else frame_lean.after(lean, found.hits)
     return built
+
+
+def _around(scanner: Scanner, query: str) -> Callable[[Row], Row]:
+    """A row as the lines around the question's words (frame_stretch.around): a word is one
+    when the dictionary folds it onto one of the question's terms (its stem)."""
+    d = scanner.db.dictionary
+    asked, known = set(d.id_list(query)), d.word_ids
+
+    def one(word: str) -> bool:
+        # A known word by one lookup; the rest (a plural, a number) as the index reads them.
+        term = known.get(word)
+        return term in asked if term is not None else bool(asked & set(d.id_list(word)))
+
+    return lambda r: frame_stretch.around(r, one)
 
 
 def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,

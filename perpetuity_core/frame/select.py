@@ -41,6 +41,12 @@ FOCUS_FLOOR = 0.05  # the weight of a conversation no warm row is in
 # shorter, deeper hits had taken. `perpetuity eval locomo|beam --sequence` (docs/tuning.md).
 FILL_SUBJECT = 1.5
 FILL_NEIGHBOUR = 0.5
+# A chat's top hit comes with the other half of its exchange; over HALF_WHOLE tokens that half
+# comes in part (frame_stretch.around), which memory_more reads whole, unless its own words rank
+# it among the question's first HALF_RANK hits. BEAM 100K in sequence: 325 of 355 frames' halves
+# were 400 tokens or more (999 on average, a quarter of the frame), 12 of them evidence.
+HALF_WHOLE = 300
+HALF_RANK = 5
 # A chat's request is its frame, its latest exchanges kept as sent (plan.chat_keep) and its
 # prompt: its budget is the room those leave under CHAT_REQUEST percent of the ceiling, a narrow
 # question's CHAT_NARROW percent of that room and a broad one's all of it (`budget`). What it
@@ -98,11 +104,13 @@ def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0, chat: bool = 
 def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int],
           recent_items: list[int], tokens: int, limits: cap.Cap, measure: Measure,
           agent: bool = False, said: Collection[int] = frozenset(),
-          lean: frame_lean.Lean = ()) -> Selection:
+          lean: frame_lean.Lean = (), cut: Callable[[Row], Row] | None = None) -> Selection:
     """A frame's rows: the mandatory ones, then the most warmth per token within `tokens` as
     rendered. `half` is the rows of the top hit's other half, `recent_items` the rows of the
     conversation's latest stretch (store order). An `agent`'s frame (a harness that sends
-    tools of its own) with a latest stretch is that stretch alone."""
+    tools of its own) with a latest stretch is that stretch alone. With `cut` (a chat's), the
+    half's rows over HALF_WHOLE tokens, not among the first HALF_RANK hits, come as `cut`
+    quotes them, in part."""
     recent, excerpts = latest(rows, recent_items,
                               min(RECENT_TOKENS, limits.bound // STRETCH_SHARE), agent)
     # An agent's frame that stands in for its dropped history is its stretch: a coding prompt's
@@ -114,8 +122,16 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     other = companion(half, rows, limits)
     whole = ({hits[0].item_id} if hits else set()) | set(other)
     excerpts = {i: r for i, r in excerpts.items() if i not in whole}  # those come whole
+    if cut is not None:
+        # A long reply beside the top hit was seldom what the question asked for (BEAM: 12 of
+        # 325); in part it leaves the fill the room for the turns that were.
+        found = {h.item_id for h in hits[:HALF_RANK]}
+        long = {i: cut(rows[i]) for i in other
+                if i not in found and cost(rows[i]) > HALF_WHOLE}
+        whole -= long.keys()
+        excerpts |= long
     shown = {**rows, **excerpts} if excerpts else rows
-    must = whole | recent
+    must = whole | recent | excerpts.keys()
     # A chat's fill goes to the conversations its warm rows point to (this question's hits and
     # earlier questions'); an agent's is left as the shared Claude Code sessions measured it
     # (its latest stretch holds its task).

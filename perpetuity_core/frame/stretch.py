@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from perpetuity_core.frame.render import ROW_FLOOR, cost
@@ -45,6 +45,10 @@ NAMED_ROWS = 4_096  # row texts whose names are kept: a few conversations' lates
 BULK_ROW = 150
 BULK_SHARE = 67
 _TOOL_RESULT = Kind.TOOL_RESULT.value  # hot: once, not per row
+# A chat's long other half of its top hit's exchange (frame_select.HALF_WHOLE) comes as the
+# lines around the first mentions of HALF_SPANS of the question's words (`around`).
+HALF_SPANS = 1
+_WORDS = re.compile(r"\w+")
 
 
 def latest(rows: dict[int, Row], items: list[int], most: int = RECENT_TOKENS,
@@ -193,6 +197,21 @@ def excerpt(r: Row, spans: list[tuple[int, int]]) -> Row:
     if spans[-1][1] < len(r.text):
         parts.append(LEFT_OUT)
     return replace(r, text="\n".join(parts), excerpt=True)
+
+
+def around(r: Row, asked: Callable[[str], bool]) -> Row:
+    """`r` as the lines around the first mentions of HALF_SPANS distinct words the question
+    `asked` (a word of the text -> whether it is one of the question's terms), the text's
+    opening where it mentions none (`excerpt`)."""
+    first: dict[str, int] = {}
+    for m in _WORDS.finditer(r.text):
+        word = m.group().lower()
+        if word not in first and asked(word):
+            first[word] = m.start()
+            if len(first) == HALF_SPANS:
+                break
+    spans = [span(r.text, at, len(word)) for word, at in first.items()] or [span(r.text, 0, 0)]
+    return excerpt(r, spans)
 
 
 def latest_mentions(newest_first: list[Row]) -> tuple[dict[str, int], dict[str, int],
