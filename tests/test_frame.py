@@ -208,6 +208,30 @@ def test_standing_instructions_outlast_the_warm_window_and_reach_the_frame(store
         assert "activation_standing" in plan and "retrieval_standing" in plan
 
 
+def test_a_chats_addendum_brings_the_hits_after_a_top_hit_in_front(store: Store) -> None:
+    """Under a kept frame that already shows a question's top hit, a chat's addendum still
+    brings the hits after it, within the budget a new frame would have (before: none, and one
+    long chat's questions held 0.80 of their evidence against 0.91 in chats of their own)."""
+    say(store, "garden", "When do the tomato seedlings go out? After the last frost in May.",
+        "Noted.", "Tomato blight showed up on the lower leaves in July.", "Spray copper.",
+        "The tomato beds get compost every March.", "Right.")
+    say(store, "chat", "How are the tomatoes doing?")
+    uid = store.find_user("u")
+    chat = store.find_conversation(uid, "chat")
+    scanner = Scanner(store, params=Params(semantic=0.0))
+    query = "tomato blight, seedlings and compost"
+    hits = [h for h in frame.search(scanner, query, uid, time.time()) if h.conversation_id != chat]
+    assert len(hits) >= 3
+    more = frame.addendum(scanner, user_id=uid, conversation_id=chat, query=query,
+                          exclude_messages=[], shown={hits[0].item_id}, asked_at=time.time(),
+                          limits=cap.Cap())
+    assert more is not None and hits[0].item_id not in more.item_ids
+    assert {h.item_id for h in hits[1:3]} <= set(more.item_ids)
+    assert frame.addendum(scanner, user_id=uid, conversation_id=chat, query=query,
+                          exclude_messages=[], shown={h.item_id for h in hits} | set(more.item_ids),
+                          asked_at=time.time(), limits=cap.Cap()) is None  # all in front
+
+
 def test_a_pooled_hit_warms_on_the_askers_clock_only(store: Store) -> None:
     """Each user's rows run on their own clock: another user's row that this retrieval finds
     is as warm as its reheat, never warmer, and this user's reheats never write it."""

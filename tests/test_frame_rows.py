@@ -286,8 +286,10 @@ def test_a_bulky_other_half_does_not_come() -> None:
 
 
 def test_reference_addendum_selection() -> None:
-    """Rank order from the top hit and its other half, nothing already shown, within the
-    floor at most; the top hit comes however long."""
+    """The ranking from the top hit and its other half on, while it fits in the question's
+    budget, the rows already in front counted but not sent again; the top hit comes however
+    long. Before, a chat's addendum stopped at the floor and was none when its top hit was in
+    front: one long chat's questions held 0.80 of their evidence (docs/tuning.md)."""
     rows = {r.item_id: r for r in [
         row(1, 1, 1, "user", 0.0, words(100)),
         row(2, 2, 1, "assistant", 60.0, words(30)),
@@ -297,11 +299,17 @@ def test_reference_addendum_selection() -> None:
         row(6, 6, 2, "user", 0.0, words(30)),
     ]}
     hits = [hit(rows[i], 10.0 - i) for i in (1, 3, 4, 5, 6)]
-    chosen = frame_select.addendum(rows, hits, [2], {5}, 5_000, Cap(240, 2_000))
-    assert chosen.item_ids == [1, 2, 4, 6]  # 125 + 38 + 38 + 38 tokens; 3 (113) does not fit, 5 is shown
+    # 125 + 38 + 38 tokens sent, 5 (38) in front and counted: 239 of 240; 3 (113) and 6 do
+    # not fit. The floor (100) is not the bound.
+    chosen = frame_select.addendum(rows, hits, [2], {5}, 240, Cap(100, 2_000))
+    assert chosen.item_ids == [1, 2, 4]
     assert set(chosen.considered) == {1, 2, 3, 4, 5, 6}
     assert chosen.must == {1: frame_select.MUST_TOP, 2: frame_select.MUST_HALF}
-    alone = frame_select.addendum(rows, hits, [2], (), 5_000, Cap(10, 2_000))
+    # The top hit in front: the rows after it still come, within what it leaves.
+    after = frame_select.addendum(rows, hits, [2], {1}, 240, Cap(100, 2_000))
+    assert after.item_ids == [2, 4, 5] and after.must == {2: frame_select.MUST_HALF}
+    assert frame_select.addendum(rows, hits, [2], {1, 2, 4, 5}, 240, Cap(100, 2_000)).item_ids == []
+    alone = frame_select.addendum(rows, hits, [2], (), 10, Cap(10, 2_000))
     assert alone.item_ids == [1]
     # The other half is considered only when it comes.
     rows[2] = row(2, 2, 1, "assistant", 60.0, words(1_200))

@@ -47,6 +47,18 @@ def test_rebuild_arithmetic() -> None:
     assert plan.should_rebuild(full, 900, T0 + 301, RECENT_TOKENS)
 
 
+def test_an_addendum_that_costs_a_new_frame_is_one() -> None:
+    """A chat's addendum written at 1.25, with the frame and kept turns re-read at 0.1 on this
+    call, against a new frame written at 1.25: a change of subject's addendum (about a frame's
+    size) is a new frame, which also drops what later calls would re-read; a follow-up's small
+    addendum is kept."""
+    p = plan.Plan(frame=(), frame_tokens=4_000, anchor=(0, "a"), prompt=(1, "b"), at=T0)
+    assert not plan.outweighs(p, 500, 300, 4_000)  # 625 + 430 < 5,000
+    assert plan.outweighs(p, 3_700, 300, 4_000)  # 4,625 + 430 >= 5,000
+    assert not plan.outweighs(p, 3_600, 0, 4_000)  # 4,500 + 400 < 5,000
+    assert plan.outweighs(p, 2_000, 25_000, 4_000)  # 2,500 + 2,900: the kept turns re-read
+
+
 def test_a_plan_holds_only_while_its_messages_are_where_they_were() -> None:
     said = [Message("user", (text_part(t),)) for t in ("one", "two", "three")]
     p = plan.Plan(frame=(), frame_tokens=0, anchor=plan.mark(said, 1), prompt=plan.mark(said, 2),
@@ -248,16 +260,36 @@ def _then_other_work(s: Session) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 
 def test_a_new_prompt_about_other_work_gets_an_addendum_before_it(tmp_path: Path) -> None:
-    s = Session(tmp_path, Cap(floor=100, ceiling=300))
-    # Words alone: with the feedback the second prompt already gets an addendum (the other
-    # modules' rows share its words), and the third, past the bound, a new frame.
+    s = Session(tmp_path, Cap(floor=500, ceiling=1_000))
+    say(s.store, "ops", "The deploy scripts live in ops/deploy.sh.", "Thanks.", user="dev")
+    # Words alone (the feedback would bring the deploy turn into the first frames). The long
+    # replies outgrow a frame; the latest exchange is short, so a new frame would be large.
     s.pipeline.scanner.params = bm25.Params(feedback=0.0)
-    before, after, d = _then_other_work(s)
+    s.replies = ["Reading. " + "words " * 400] * 3 + ["Done."] * 2
+    s.prompt("Which module parses toml files?")
+    s.tool_round("toml " * 100)
+    before, _ = s.prompt("Add a test for the toml module")
+    s.tool_round("ok " * 50)
+    after, d = s.prompt("And where do the deploy scripts live?")
     assert _unmarked(after).startswith(_unmarked(before)[:-1])  # still append-only
     assert after[-1] == s.asked[-1]  # the prompt itself, as sent
     grown = json.dumps(after[len(before):-1])
-    assert frame.MORE_HEADER in grown and "tests/test_csv.py" in grown
+    assert frame.MORE_HEADER in grown and "ops/deploy.sh" in grown
     assert d.frame is not None and after[-2]["role"] == "assistant"
+
+
+def test_a_change_of_subject_whose_addendum_costs_a_frame_gets_a_new_frame(
+        tmp_path: Path) -> None:
+    """Frames of 300 tokens at most: the csv prompt's addendum (its top hit and the other half
+    of its exchange) would be written at a frame's size, with the kept turns re-read besides;
+    a new frame costs no more and drops them (plan.outweighs)."""
+    s = Session(tmp_path, Cap(floor=100, ceiling=300))
+    s.pipeline.scanner.params = bm25.Params(feedback=0.0)
+    before, after, d = _then_other_work(s)
+    assert d.recall is not None and d.recall.made == "frame"
+    assert after[0]["content"][0]["text"].startswith(frame.HEADER)
+    assert "tests/test_csv.py" in str(d.recall.front) and frame.MORE_HEADER not in json.dumps(after)
+    assert len(json.dumps(after)) < len(json.dumps(before))  # the toml rounds went to memory
 
 
 def test_an_agents_new_prompt_gets_no_addendum(tmp_path: Path) -> None:

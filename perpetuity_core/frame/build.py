@@ -129,11 +129,13 @@ def _around(scanner: Scanner, query: str) -> Callable[[Row], Row]:
 
 def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
              exclude_messages: Iterable[int], shown: Collection[int], asked_at: float,
-             limits: cap.Cap, said: frame_render.Said | None = None) -> Frame | None:
-    """Memory from other conversations for a new prompt in a conversation whose frame stays as
-    it was: the question's hits there in rank order, not already in front of the model
-    (`shown`, or in the messages the harness sent as they were), within its breadth-sized
-    budget; None when the best of them is already in front of the model.
+             limits: cap.Cap, kept_tokens: int = 0,
+             said: frame_render.Said | None = None) -> Frame | None:
+    """Memory from other conversations for a chat's new prompt in a conversation whose frame
+    stays as it was: the question's hits there in rank order while they fit in the budget a
+    new frame would have (frame_select.budget, `kept_tokens` what a new frame's request would
+    keep as sent), those already in front of the model (`shown`) counted but not sent again;
+    None when every such hit is in front.
 
     It is rendered like a frame and goes just before the prompt, so the request still only
     grows at its end (the provider's cached prefix holds). Rank order, not warmth: what earlier
@@ -145,10 +147,10 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded)
     hits = [h for h in found.hits if h.conversation_id != conversation_id]
-    if not hits or hits[0].item_id in shown:
+    if not hits:
         return None
     shelf = frame_read.for_addendum(scanner, hits, excluded)
-    tokens = frame_select.budget(found.hits, limits)
+    tokens = frame_select.budget(hits, limits, kept_tokens, chat=True)
     chosen = frame_select.addendum(shelf.rows, hits, shelf.half, shown, tokens, limits)
     if not chosen.item_ids:
         return None

@@ -16,10 +16,11 @@ and it changes in only three ways:
   the harness appends: the frame chosen at the prompt is re-sent byte-identical, the live task
   is never cut or reordered. The request only grows at its end, as the harness's own does, and
   no frame is built (the scan runs once a prompt, not once a call).
-- A new prompt whose best match is not already in front of the model gets an addendum: its own
-  hits in rank order, within its breadth-sized budget, inserted just before the prompt. That is
-  still growth at the end (written once at 1.25, read at 0.1 after), so the frame in front
-  stays cached and a change of subject costs one addendum, not a new frame.
+- A chat's new prompt whose ranking is not all in front of the model gets an addendum: its hits
+  in rank order within the budget a new frame would have, those in front counted but not sent
+  again, inserted just before the prompt. That is still growth at the end (written once at
+  1.25, read at 0.1 after), so the frame in front stays cached; but an addendum that with what
+  keeping re-reads costs a new frame's write (a change of subject, `outweighs`) is a new frame.
 - A rebuild: a new frame for the prompt, and the harness's messages before it dropped (memory
   holds them). It writes the new frame once (1.25 F); keeping instead re-reads, on every later
   call, the turns accumulated since the last rebuild (0.1 K a call, K growing). A cost that
@@ -184,6 +185,15 @@ def should_rebuild(plan: Plan, kept_tokens: int, at: float, frame_size: int) -> 
         return True  # the cache has expired: keeping is written again in full anyway
     task = plan.rule.read * kept_tokens * plan.pace.then(True).per_task
     return plan.excess + task >= plan.rule.write * frame_size
+
+
+def outweighs(plan: Plan, added: int, kept_tokens: int, frame_size: int) -> bool:
+    """A chat's addendum of `added` tokens, written at the cache's write price, and what keeping
+    re-reads on this call (the frame and the `kept_tokens` after it): do they cost as much as a
+    new frame of `frame_size` written instead? Then the new frame: it costs no more now, and
+    drops what every later call would re-read (a chat's call is its task: `Pace`)."""
+    r = plan.rule
+    return r.write * added + r.read * (plan.frame_tokens + kept_tokens) >= r.write * frame_size
 
 
 def carried(plan: Plan, dropped_tokens: int, at: float, prompt: Mark) -> Plan:

@@ -162,13 +162,13 @@ class Layout:
                 made = _Built(plan=carried)
             case plan.Addendum(plan=carried, keep=keep):
                 made = self._add(carried, parsed, prompt, keep, user_id, conv, query, asked_at,
-                                 library)
+                                 library) or self._rebuilt(parsed, prompt, user_id, conv, query,
+                                                           asked_at, library, carried, fixed)
             case plan.Trim(plan=carried):
                 made = _Built(plan=self._trim(carried, parsed, prompt, conv, fixed))
             case plan.Rebuild(pace=pace):
-                made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library,
-                                     pace, old.lean if old else ())
-                made = replace(made, plan=self._trim(made.plan, parsed, prompt, conv, fixed))
+                made = self._rebuilt(parsed, prompt, user_id, conv, query, asked_at, library,
+                                     replace(old, pace=pace) if old else None, fixed)
         # Once the recall tools rode along in a conversation they always do. An agent's ride
         # from its first call: tools come first in the provider's cached prefix, and ours
         # coming later would rewrite the harness's system prompt and tools after them (17k
@@ -225,6 +225,15 @@ class Layout:
             return None
         return TurnMemory(user_id, conv, asked_at, set(laid.shown) if laid else set(),
                           list(laid.below_cap) if laid else [], everyone=self.settings.personal)
+
+    def _rebuilt(self, parsed: ParsedRequest, prompt: int, user_id: int, conv: int | None,
+                 query: str, asked_at: float, library: Path | None, old: Plan | None,
+                 fixed: int) -> _Built:
+        """A new frame (`_rebuild`), trimmed when its request would pass the bound; `old`
+        the plan it replaces, with the conversation's pace this call counted."""
+        made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library,
+                             old.pace if old else plan.Pace(), old.lean if old else ())
+        return replace(made, plan=self._trim(made.plan, parsed, prompt, conv, fixed))
 
     def _rebuild(self, parsed: ParsedRequest, prompt: int, user_id: int, conv: int | None,
                  query: str, asked_at: float, library: Path | None,
@@ -296,11 +305,13 @@ class Layout:
         return plan.trimmed(laid, messages, keep, prompt, fixed, self.limits, stubs)
 
     def _add(self, carried: Plan, parsed: ParsedRequest, prompt: int, keep: int, user_id: int,
-             conv: int | None, query: str, asked_at: float, library: Path | None) -> _Built:
+             conv: int | None, query: str, asked_at: float, library: Path | None
+             ) -> _Built | None:
         """An addendum for a new prompt under a frame that stays: its hits in other
-        conversations not yet in front (a chat's; an agent's prompt gets its notes alone). Nothing before a prompt that answers a call (an
-        interrupted tool call's result rides with the next prompt): it would part the call from
-        its result."""
+        conversations not yet in front (a chat's; an agent's prompt gets its notes alone); None
+        when a new frame costs no more (`plan.outweighs`). Nothing before a prompt that answers
+        a call (an interrupted tool call's result rides with the next prompt): it would part the
+        call from its result."""
         messages = parsed.messages
         if repair.answers_earlier(messages, prompt):
             return _Built(plan=carried)
@@ -312,7 +323,12 @@ class Layout:
         more = None if carried.agent else frame.addendum(
             self.scanner, user_id=user_id, conversation_id=conv, query=query,
             exclude_messages=kept, shown=carried.shown, asked_at=asked_at, limits=self.limits,
+            kept_tokens=_kept_tokens(messages, plan.chat_keep(messages, prompt), prompt, False),
             said=self.said)
+        if more is not None and plan.outweighs(carried, messages_tokens(more.messages),
+                                               messages_tokens(messages[keep:prompt])
+                                               + carried.insert_tokens, more.budget):
+            return None  # as costly as a new frame, which drops what later calls re-read
         added, notes_shown = self._with_notes(more.messages if more else [], parsed, library)
         if not added:
             return _Built(plan=carried)
