@@ -434,6 +434,15 @@ def test_the_top_hit_brings_the_other_half_of_its_exchange(store: Store) -> None
     assert answer in tools.run("memory_more", {"item": item}, TurnMemory(uid, None, time.time()),
                                Scanner(store))
     assert "Pasta, then." in text(cap.Cap(floor=50, ceiling=2000), query="dinner plans")
+    # So in a long chat's addendum, under a frame it keeps.
+    say(store, "asking", "Hello again.")
+    more = frame.addendum(Scanner(store), user_id=uid,
+                          conversation_id=store.find_conversation(uid, "asking"),
+                          query="what degree did I graduate with", exclude_messages=[],
+                          shown=set(), asked_at=time.time(), limits=cap.Cap(floor=50, ceiling=2000))
+    assert more is not None and item in more.item_ids
+    added = "\n".join(p.text for m in more.messages for p in m.parts)
+    assert answer not in added and f"memory_more(item={item})" in added
 
 
 def test_a_long_half_is_quoted_around_the_first_mentions_of_the_questions_words() -> None:

@@ -151,7 +151,8 @@ def addendum(scanner: Scanner, *, user_id: int, conversation_id: int | None, que
         return None
     shelf = frame_read.for_addendum(scanner, hits, excluded)
     tokens = frame_select.budget(hits, limits, kept_tokens, chat=True)
-    chosen = frame_select.addendum(shelf.rows, hits, shelf.half, shown, tokens, limits)
+    chosen = frame_select.addendum(shelf.rows, hits, shelf.half, shown, tokens, limits,
+                                   _around(scanner, query))
     if not chosen.item_ids:
         return None
     more = render(chosen.considered, chosen.item_ids, (), shelf.adjacent, asked_at,

@@ -122,14 +122,9 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
     other = companion(half, rows, limits)
     whole = ({hits[0].item_id} if hits else set()) | set(other)
     excerpts = {i: r for i, r in excerpts.items() if i not in whole}  # those come whole
-    if cut is not None:
-        # A long reply beside the top hit was seldom what the question asked for (BEAM: 12 of
-        # 325); in part it leaves the fill the room for the turns that were.
-        found = {h.item_id for h in hits[:HALF_RANK]}
-        long = {i: cut(rows[i]) for i in other
-                if i not in found and cost(rows[i]) > HALF_WHOLE}
-        whole -= long.keys()
-        excerpts |= long
+    long = in_part(other, hits, rows, cut)
+    whole -= long.keys()
+    excerpts |= long
     shown = {**rows, **excerpts} if excerpts else rows
     must = whole | recent | excerpts.keys()
     # A chat's fill goes to the conversations its warm rows point to (this question's hits and
@@ -144,14 +139,17 @@ def frame(rows: dict[int, Row], warm: heat.Warm, hits: list[Hit], half: list[int
 
 
 def addendum(rows: dict[int, Row], hits: list[Hit], half: list[int], shown: Collection[int],
-             tokens: int, limits: cap.Cap) -> Selection:
+             tokens: int, limits: cap.Cap, cut: Callable[[Row], Row] | None = None
+             ) -> Selection:
     """An addendum's rows: the ranking's, from the top hit and its other half on, while they
     fit in `tokens` (a chat's budget for its question, `budget`), those already `shown` counted
     but not added: the request then holds at least the ranking's top rows within a frame's
-    budget, in front or added. The top hit comes however long."""
+    budget, in front or added. The top hit comes however long; its long other half in part, as
+    in a frame (`in_part`)."""
     other = companion(half, rows, limits)
     hit_ids = {h.item_id for h in hits}
     considered = {i: r for i, r in rows.items() if i in hit_ids or i in other}
+    considered |= in_part(other, hits, rows, cut)
     order = list(dict.fromkeys(i for i in [hits[0].item_id, *other, *(h.item_id for h in hits)]
                                if i in considered))
     new: list[int] = []
@@ -168,6 +166,18 @@ def addendum(rows: dict[int, Row], hits: list[Hit], half: list[int], shown: Coll
             new.append(i)
     return Selection(new, considered, set(), {i: why for i, why in [
         (hits[0].item_id, MUST_TOP), *((i, MUST_HALF) for i in other)] if i in new})
+
+
+def in_part(other: list[int], hits: list[Hit], rows: dict[int, Row],
+            cut: Callable[[Row], Row] | None) -> dict[int, Row]:
+    """With `cut` (a chat's), the top hit's other half's rows over HALF_WHOLE tokens, not among
+    the first HALF_RANK hits, as `cut` quotes them: a long reply beside the top hit was seldom
+    what the question asked for (BEAM: 12 of 325), and in part it leaves the room to the turns
+    that were."""
+    if cut is None:
+        return {}
+    found = {h.item_id for h in hits[:HALF_RANK]}
+    return {i: cut(rows[i]) for i in other if i not in found and cost(rows[i]) > HALF_WHOLE}
 
 
 def companion(half: list[int], rows: dict[int, Row], limits: cap.Cap) -> list[int]:
