@@ -12,12 +12,13 @@ from perpetuity_core.cli.eval import chat_request
 from perpetuity_core.frame import lean as frame_lean
 from perpetuity_core.frame import read as frame_read
 from perpetuity_core.frame import subject
+from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.serve.pipeline import Pipeline, Settings
-from perpetuity_core.wire.conversation import Message, Provider, text_part
+from perpetuity_core.wire.conversation import Kind, Message, Provider, text_part
 
 
 def hit(k: int, conversation: int) -> Hit:
@@ -102,3 +103,46 @@ def test_a_chats_plan_carries_its_leaning(tmp_path: Path) -> None:
             history.append({"role": "assistant", "content": "Noted."})
     finally:
         store.close()
+
+
+def test_a_chat_keeps_when_it_was_away_from_each_conversation() -> None:
+    """About 1, then 2 from clock 100 (1 is left then), back to 1 at 900: 1's pause is 100 to
+    900, and stays so while the chat is about 1; it goes once it ended heat.WINDOW ago."""
+    asked = frame_lean.moved(frame_lean.FRESH, 1, 0.0)
+    assert asked == frame_lean.Asked(1, ()) and frame_lean.paused(asked, 0.0, {1: 1.0}) == ()
+    asked = frame_lean.moved(asked, 2, 100.0)
+    assert asked.spans == ((1, 100.0, frame_lean.AWAY),)
+    assert frame_lean.paused(asked, 100.0, {}) == ()
+    asked = frame_lean.moved(asked, 1, 900.0)
+    assert frame_lean.paused(asked, 900.0, {}) == (heat.Paused(1, 100.0, 900.0),)
+    later = frame_lean.moved(asked, 1, 1_000.0)
+    assert frame_lean.paused(later, 1_000.0, {}) == (heat.Paused(1, 100.0, 900.0),)
+    # About 3 now: 1 is left again; 2, left at 900 and still away, is paused too where the
+    # question's hits reach it with REACH of their shares.
+    elsewhere = frame_lean.moved(later, 3, 1_200.0)
+    assert frame_lean.paused(elsewhere, 1_200.0, {2: frame_lean.REACH, 1: 0.01}) == (
+        heat.Paused(2, 900.0, 1_200.0),)
+    assert frame_lean.moved(asked, 1, 901.0 + heat.WINDOW).spans == ((2, 900.0, frame_lean.AWAY),)
+
+
+def test_a_paused_conversations_rows_cool_only_outside_the_pause(store: Store) -> None:
+    """Rows a chat left warm in a conversation are as warm when it comes back as when it left;
+    the other conversation's rows, and the rows reheated while it was away, cool on the
+    person's clock."""
+    uid, a, b = two_conversations(store)
+    of = store.db.connection().execute("SELECT i.id, m.conversation_id FROM item i JOIN message m"
+                                       " ON m.id = i.message_id ORDER BY i.id").fetchall()
+    first, second = [i for i, c in of if c == a][:2]
+    other = next(i for i, c in of if c == b)
+    start = heat.clock(store.db, uid)
+    half = heat.HALF_LIFE[Kind.TEXT]
+    heat.reheat(store.db, start, {first: 2.0, other: 2.0})
+    heat.reheat(store.db, start + 20 * half, {second: 2.0})  # another subject's hit, meanwhile
+    now = start + 41 * half
+    assert heat.warm_set(store.db, uid, now, {}).item_ids.size == 0
+    pause = heat.Paused(a, start + half, start + 40 * half)
+    warm = heat.warm_set(store.db, uid, now, {}, paused=[pause])
+    # 39 half-lives paused of 41: the first's reheat and the others' births are 2 old.
+    want = {i: heat.BIRTH_PEAK / 4 for i, c in of if c == a and i != second} | {first: 2.0 / 4}
+    got = dict(zip(warm.item_ids.tolist(), warm.warmth.tolist(), strict=True))
+    assert got == pytest.approx(want)
