@@ -18,7 +18,8 @@ from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
 from perpetuity_core.memory.storage.store import Store
 from perpetuity_core.serve.pipeline import Pipeline, Settings
-from perpetuity_core.wire.conversation import Kind, Message, Provider, text_part
+from perpetuity_core.wire.conversation import Kind, Message, Provider, Reply, Usage, text_part
+from perpetuity_core.wire.identity import PERSONAL
 
 
 def hit(k: int, conversation: int) -> Hit:
@@ -51,7 +52,7 @@ def test_the_fill_weighs_each_conversation_by_its_warmth_tipped_by_the_leaning()
         {1: 0.75, 2: 0.25 + 0.5 * frame_lean.PRIOR})
 
 
-def two_conversations(store: Store) -> tuple[int, int, int]:
+def two_conversations(store: Store, user: str = "u") -> tuple[int, int, int]:
     """One person's two conversations, both about a John: in the first, the turn about his
     cooking is one of many naming him; the second names him less and cooks more."""
     first = ["John: I cooked a mushroom risotto for my sister", *(
@@ -59,10 +60,10 @@ def two_conversations(store: Store) -> tuple[int, int, int]:
     second = ["John: we cook together on Sundays", "John: cook the pasta first",
               "Tim: did you cook the fish?", "Tim: cook it slowly"]
     for key, turns in (("a", first), ("b", second)):
-        capture.record(store, user_key="u", conversation_key=key, provider="anthropic",
+        capture.record(store, user_key=user, conversation_key=key, provider="anthropic",
                        model="m", messages=[Message("user", (text_part(t),)) for t in turns],
                        times=[1_700_000_000.0 + i for i in range(len(turns))], source="import")
-    uid = store.find_user("u")
+    uid = store.find_user(user)
     assert uid is not None
     return uid, store.conversation_id(uid, "a", "anthropic"), store.conversation_id(
         uid, "b", "anthropic")
@@ -146,3 +147,34 @@ def test_a_paused_conversations_rows_cool_only_outside_the_pause(store: Store) -
     want = {i: heat.BIRTH_PEAK / 4 for i, c in of if c == a and i != second} | {first: 2.0 / 4}
     got = dict(zip(warm.item_ids.tolist(), warm.warmth.tolist(), strict=True))
     assert got == pytest.approx(want)
+
+
+def test_a_chats_plan_carries_when_it_left_each_conversation(tmp_path: Path) -> None:
+    """A chat asks about the first conversation, then the second, then the first again: its
+    plan keeps when it left the first, and the frame that comes back to it reads the rows the
+    first question left warm there with that pause (heat.Paused)."""
+    store = open_memory(tmp_path / "memory.db")
+    try:
+        uid, a, b = two_conversations(store, PERSONAL)
+        pipeline = Pipeline(store, Settings(upstreams={p: "http://127.0.0.1:9" for p in Provider},
+                                            trust_identity=True, personal=True))
+        history: list[dict[str, str]] = []
+        clocks, asked = [], []
+        # The second question's words are in the second conversation alone.
+        for k, question in enumerate(["Who had the mushroom risotto?", "Which fish?",
+                                      "What did John cook for his sister?"]):
+            history.append({"role": "user", "content": question})
+            clocks.append(heat.clock(store.db, uid))
+            d = pipeline.prepare(chat_request("u", "chat", 1_700_100_000.0 + 60 * k, history))
+            assert d.recall is not None and d.recall.plan is not None and d.job is not None
+            asked.append(d.recall.plan.asked)
+            turn = pipeline.store_turn(d.job.pending)
+            pipeline.store_reply(turn, Reply(Message("assistant", (text_part("Noted."),)),
+                                             Usage()), 1_700_100_001.0 + 60 * k, d.job.pending)
+            history.append({"role": "assistant", "content": "Noted."})
+        assert [x.subject for x in asked] == [a, b, a]
+        assert asked[1].spans == ((a, clocks[1], frame_lean.AWAY),)
+        assert asked[2].spans[0] == (b, clocks[2], frame_lean.AWAY)
+        assert (a, clocks[1], clocks[2]) in asked[2].spans
+    finally:
+        store.close()
