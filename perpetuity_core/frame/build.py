@@ -85,12 +85,12 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     # reheats written (`_frame`) are the search's own.
     seen = found if agent else replace(found, reheats=frame_select.fill_reheats(found.reheats,
                                                                                 found.hits))
-    # A chat's rows of the conversation it is about did not cool while it was about others.
-    now = asked if agent else frame_lean.moved(asked, frame_lean.about(found.hits, lean),
-                                               found.now)
+    # A chat's rows of a conversation it comes back to did not cool while it was away.
+    moved = asked if agent else frame_lean.moved(asked, frame_lean.about(found.hits, lean),
+                                                 found.now)
+    paused = () if agent else frame_lean.paused(moved, found.now, frame_lean.shares(found.hits))
     warm, shelf = frame_read.for_frame(scanner, seen, user_id, excluded, recent_messages,
-                                       1.0 if agent else heat.CARRIED,
-                                       () if agent else frame_lean.paused(now, found.now, frame_lean.shares(found.hits)))
+                                       1.0 if agent else heat.CARRIED, paused)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens,
                                                                      chat=not agent)
 
@@ -116,7 +116,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
                    found, tokens, warm.foreign)
     built.warm = warm
     built.lean = () if agent else frame_lean.after(lean, found.hits)
-    built.asked = now
+    built.asked = moved
     return built
 
 

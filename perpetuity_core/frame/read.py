@@ -99,8 +99,8 @@ def for_frame(scanner: Scanner, found: Found, user_id: int, excluded: set[int],
               recent_messages: Iterable[int], carried: float,
               paused: Sequence[heat.Paused] = ()) -> tuple[heat.Warm, Shelf]:
     """What a frame is chosen from: the warm set (with this question's reheats, earlier warmth
-    counted at `carried`, `paused` conversations' rows cooled only outside its pause:
-    heat.warm_set), and the warm rows, the rows of `recent_messages` (the latest stretch of
+    counted at `carried`, what a chat left warm in `paused` conversations not cooled by their
+    pauses: heat.warm_set), and the warm rows, the rows of `recent_messages` (the latest stretch of
     the conversation) and the top hit's other half."""
     db, recent = scanner.db, set(recent_messages) - excluded
     warm = heat.warm_set(db, user_id, found.now, found.reheats, carried, paused)

@@ -210,20 +210,20 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float],
              carried: float = 1.0, paused: Sequence[Paused] = ()) -> Warm:
     """Every row of `user_id` at least WARM_FLOOR warm at `now`, with `reheats` (item -> peak
     reached now) applied where they beat the current trajectory (which counts `carried` of its
-    warmth), and other users' rows among `reheats` at their reheat peak; the rows of a
-    `paused` conversation cooled only outside its pause. Reads only."""
+    warmth), and other users' rows among `reheats` at their reheat peak; the rows a chat left
+    warm in a `paused` conversation not cooled by its pause. Reads only."""
     conn = db.connection()
     parts = _PARTS[db.postgres]
     rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - WINDOW) * parts).fetchall()
     spans: dict[int, Paused] = {}
-    before = []
+    left_warm = []
     for p in paused:
         # The rows activated before the chat left it, read again: at most WINDOW of its clock.
-        left = conn.execute(db.pick(_PAUSED_WARM), (user_id, p.left - WINDOW, p.left,
+        read = conn.execute(db.pick(_PAUSED_WARM), (user_id, p.left - WINDOW, p.left,
                                                     p.conversation_id) * parts).fetchall()
-        spans |= dict.fromkeys((r[0] for r in left), p)
-        before += left
-    rows = [r for r in rows if r[0] not in spans] + before
+        spans |= dict.fromkeys((r[0] for r in read), p)
+        left_warm += read
+    rows = [r for r in rows if r[0] not in spans] + left_warm
     # Standing rows stay warm far longer than the window: read through their own small indexes.
     seen = {r[0] for r in rows}
     for r in conn.execute(db.pick(_STANDING_WARM), (user_id, now - _STANDING_WINDOW) * parts):
