@@ -54,13 +54,15 @@ class Frame:
     warm: heat.Warm | None = None
     must: dict[int, str] = field(default_factory=dict)
     lean: frame_lean.Lean = ()  # a chat's leaning after this question (frame_lean.after)
+    asked: frame_lean.Asked = frame_lean.FRESH  # a chat's, after this question (moved)
 
 
 def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query: str,
           exclude_messages: Iterable[int], asked_at: float, limits: cap.Cap,
           recent_messages: Iterable[int] = (), kept_tokens: int = 0,
           narrow: bool = False, agent: bool = False,
-          said: frame_render.Said | None = None, lean: frame_lean.Lean = ()) -> Frame | None:
+          said: frame_render.Said | None = None, lean: frame_lean.Lean = (),
+          asked: frame_lean.Asked = frame_lean.FRESH) -> Frame | None:
     """The frame for one question, or None when memory holds nothing to show. Reads only.
 
     Never trimmed: the question's top hit and the latest stretch of the conversation that the
@@ -74,7 +76,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     the breadth-sized budget; an `agent`'s with a latest stretch is that stretch alone
     (frame_select.frame: what its fill added was re-read by every tool round and held little
     the next step used). Messages `said` before are the objects made then (frame_render.Said).
-    A chat's `lean` is what its earlier questions were about (frame_lean).
+    A chat's `lean` is what its earlier questions were about, and `asked` when (frame_lean).
     """
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded, chat=not agent,
@@ -83,8 +85,12 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     # reheats written (`_frame`) are the search's own.
     seen = found if agent else replace(found, reheats=frame_select.fill_reheats(found.reheats,
                                                                                 found.hits))
+    # A chat's rows of a conversation it comes back to did not cool while it was away.
+    moved = asked if agent else frame_lean.moved(asked, frame_lean.about(found.hits, lean),
+                                                 found.now)
+    paused = () if agent else frame_lean.paused(moved, found.now, frame_lean.shares(found.hits))
     warm, shelf = frame_read.for_frame(scanner, seen, user_id, excluded, recent_messages,
-                                       1.0 if agent else heat.CARRIED)
+                                       1.0 if agent else heat.CARRIED, paused)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens,
                                                                      chat=not agent)
 
@@ -110,6 +116,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
                    found, tokens, warm.foreign)
     built.warm = warm
     built.lean = () if agent else frame_lean.after(lean, found.hits)
+    built.asked = moved
     return built
 
 

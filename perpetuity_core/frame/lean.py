@@ -12,11 +12,16 @@ the earlier ones at KEPT per question since. A question is about the conversatio
 reach with the most share plus PRIOR times the leaning's (`about`), and that conversation is
 ranked as its own memory would rank it (scan.Scanner.search's `again`); the fill weighs each
 conversation's warm rows by its share of their warmth, tipped so too (`weighed`).
+
+A chat also keeps when it was away from each conversation it asked about (`Asked`): a
+conversation's rows cool only while the chat is about it, so the rows its earlier questions
+left warm are as warm when the chat comes back to it as when it left (heat.Paused).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
@@ -71,3 +76,46 @@ def after(lean: Lean, hits: Sequence[Hit]) -> Lean:
     for c, share in shares(hits).items():
         out[c] = out.get(c, 0.0) + share
     return tuple(sorted((c, part) for c, part in out.items() if part >= FORGOTTEN))
+
+
+AWAY = float("inf")  # a span's end while the chat is still away
+SPANS = 100  # the conversations a chat keeps its time away from, the latest left first
+# A conversation the chat left whose rows this question's hits reach with this share: its
+# pause counts too, as the one it is about (`about` names another when the chat's leaning
+# lags a change of subject). BEAM's switching chat (docs/tuning.md).
+REACH = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """What a chat's latest question was about, and its time away from the conversations it
+    asked about before: (conversation id, the clock when the chat left it, the clock when it
+    came back or AWAY), the latest left first."""
+
+    subject: int | None = None
+    spans: tuple[tuple[int, float, float], ...] = ()
+
+
+FRESH = Asked()  # a chat's first question, or one whose plan was forgotten
+
+
+def moved(asked: Asked, subject: int | None, now: float) -> Asked:
+    """The chat's `asked` once a question about `subject` came at clock position `now`: the
+    conversation it leaves is left now, the one it comes back to came back now. A span whose
+    end is past heat.WINDOW holds nothing warm: it goes."""
+    spans = {c: (left, back) for c, left, back in asked.spans}
+    if asked.subject is not None and asked.subject != subject:
+        spans[asked.subject] = (now, AWAY)
+    if subject in spans and spans[subject][1] == AWAY:
+        spans[subject] = (spans[subject][0], now)
+    kept = sorted(((c, left, back) for c, (left, back) in spans.items()
+                   if now - back <= heat.WINDOW), key=lambda s: (-s[1], s[0]))
+    return Asked(subject, tuple(kept[:SPANS]))
+
+
+def paused(asked: Asked, now: float, reach: Mapping[int, float]) -> tuple[heat.Paused, ...]:
+    """The pauses to count at clock position `now` (after `moved`): the conversation the chat
+    is now about, and each other one it left that the question's hits `reach` (their shares)
+    with at least REACH."""
+    return tuple(heat.Paused(c, left, min(back, now)) for c, left, back in asked.spans
+                 if c == asked.subject or reach.get(c, 0.0) >= REACH)

@@ -69,7 +69,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from perpetuity_core.frame.cap import Cap
-from perpetuity_core.frame.lean import Lean
+from perpetuity_core.frame.lean import FRESH, Asked, Lean
 from perpetuity_core.frame.select import RECENT_TOKENS
 from perpetuity_core.memory.derived.index import messages_tokens, token_estimate
 from perpetuity_core.wire.conversation import Kind, Message, Protocol, is_prompt
@@ -144,6 +144,7 @@ class Plan:
     agent: bool = False  # the harness sends tools of its own (a chat client sends none)
     tools: bool = False  # the recall tools rode along: they do on every later call
     lean: Lean = ()  # a chat's: what its questions were about (frame.lean)
+    asked: Asked = FRESH  # a chat's: when it was about each (frame.lean)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

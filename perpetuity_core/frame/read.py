@@ -10,7 +10,7 @@ and which of their messages follow one another in the store (for the labels).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from perpetuity_core.frame import dates, subject
@@ -96,12 +96,14 @@ def retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float,
 
 
 def for_frame(scanner: Scanner, found: Found, user_id: int, excluded: set[int],
-              recent_messages: Iterable[int], carried: float) -> tuple[heat.Warm, Shelf]:
+              recent_messages: Iterable[int], carried: float,
+              paused: Sequence[heat.Paused] = ()) -> tuple[heat.Warm, Shelf]:
     """What a frame is chosen from: the warm set (with this question's reheats, earlier warmth
-    counted at `carried`: heat.warm_set), and the warm rows, the rows of `recent_messages`
-    (the latest stretch of the conversation) and the top hit's other half."""
+    counted at `carried`, what a chat left warm in `paused` conversations not cooled by their
+    pauses: heat.warm_set), and the warm rows, the rows of `recent_messages` (the latest stretch of
+    the conversation) and the top hit's other half."""
     db, recent = scanner.db, set(recent_messages) - excluded
-    warm = heat.warm_set(db, user_id, found.now, found.reheats, carried)
+    warm = heat.warm_set(db, user_id, found.now, found.reheats, carried, paused)
     recent_items = items_of(db, recent)
     warm_ids = warm.item_ids.tolist()
     seen = set(warm_ids)

@@ -19,7 +19,7 @@ from perpetuity_core.errors import PerpetuityError
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import plan, render
 from perpetuity_core.frame.build import Frame
-from perpetuity_core.frame.lean import Lean
+from perpetuity_core.frame.lean import FRESH, Asked, Lean
 from perpetuity_core.frame.plan import Plan
 from perpetuity_core.memory.derived.index import messages_tokens
 from perpetuity_core.memory.derived.scan import Scanner
@@ -232,17 +232,19 @@ class Layout:
         """A new frame (`_rebuild`), trimmed when its request would pass the bound; `old`
         the plan it replaces, with the conversation's pace this call counted."""
         made = self._rebuild(parsed, prompt, user_id, conv, query, asked_at, library,
-                             old.pace if old else plan.Pace(), old.lean if old else ())
+                             old.pace if old else plan.Pace(), old.lean if old else (),
+                             old.asked if old else FRESH)
         return replace(made, plan=self._trim(made.plan, parsed, prompt, conv, fixed))
 
     def _rebuild(self, parsed: ParsedRequest, prompt: int, user_id: int, conv: int | None,
                  query: str, asked_at: float, library: Path | None,
-                 pace: plan.Pace, lean: Lean) -> _Built:
+                 pace: plan.Pace, lean: Lean, asked: Asked) -> _Built:
         """A new frame for the prompt, the harness's messages before it dropped (memory holds
         them): an agent's conversation shorter than a frame keeps them all, with other
         conversations' memory in front; a chat keeps its latest exchanges (plan.chat_keep), or
         all of a short history memory has nothing else for. A chat's `lean` (what its earlier
-        questions were about, frame.lean) goes on to its next plan with this question's."""
+        questions were about, frame.lean) goes on to its next plan with this question's, and
+        so does `asked` (when it was about each)."""
         messages = parsed.messages
         agent = bool(parsed.tool_names)
         if agent:
@@ -265,8 +267,9 @@ class Layout:
                             recent_messages=recent, kept_tokens=_kept_tokens(messages, keep,
                                                                              prompt, agent),
                             narrow=agent and keep == 0, agent=agent, said=self.said,
-                            lean=lean)
-        lean = built.lean if built else lean  # (a frame sent as it is still found its hits)
+                            lean=lean, asked=asked)
+        # (A frame sent as it is still found its hits.)
+        lean, asked = (built.lean, built.asked) if built else (lean, asked)
         if (built and not agent and keep and _own_only(built, conv)
                 and not plan.longer(messages, prompt, self.limits.ceiling)):
             # A short chat that memory has nothing else for is sent as it is, as before: a frame
@@ -284,7 +287,7 @@ class Layout:
             below_cap=tuple(built.below_cap if built else ()),
             left_out=built.left_out if built else 0,
             rule=plan.rule_for(parsed.protocol, parsed.model), pace=pace,
-            agent=agent, lean=lean)
+            agent=agent, lean=lean, asked=asked)
         return _Built(plan=rebuilt, frame=built, made="frame", notes=notes_shown)
 
     def _trim(self, laid: Plan, parsed: ParsedRequest, prompt: int, conv: int | None,

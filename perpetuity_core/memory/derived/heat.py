@@ -80,7 +80,7 @@ _STANDING = re.compile(
 # i and k do), so a text the pattern matches holds one of them lowered.
 _STANDING_WORDS = ("alway", "ever", "from now on", "prefer", "remember")
 # The oldest activation that can still be warm: the SQL prefilters for the warm set.
-_WINDOW = max(HALF_LIFE.values()) * float(np.log2(REHEAT_TOP / WARM_FLOOR))
+WINDOW = max(HALF_LIFE.values()) * float(np.log2(REHEAT_TOP / WARM_FLOOR))
 _STANDING_WINDOW = STANDING_HALF_LIFE * float(np.log2(REHEAT_TOP / WARM_FLOOR))
 
 
@@ -118,11 +118,13 @@ def _warm(standing: str) -> SQL:
     """The rows of a user activated since a clock position: the activations, and the births
     none overrides (a reheat is always later than its birth), on PostgreSQL the births of rows
     not ordered yet too. One statement, so one snapshot: a first reheat or a row moving out of
-    retrieval_pending committing meanwhile is seen once, never missed."""
+    retrieval_pending committing meanwhile is seen once, never missed. `standing` narrows
+    both, `{at}` standing for the column (at, born)."""
     activations = ("SELECT item_id, at, peak, half_life FROM activation WHERE user_id = ?"
-                   f" AND at >= ?{standing}")
+                   f" AND at >= ?{standing.format(at='at')}")
     born = ("SELECT item_id, born, {0}, half_life FROM {1} r WHERE user_id = ? AND born >= ?"
-            f"{standing} AND NOT EXISTS (SELECT 1 FROM activation a WHERE a.item_id = r.item_id)")
+            + standing.format(at="born")
+            + " AND NOT EXISTS (SELECT 1 FROM activation a WHERE a.item_id = r.item_id)")
     sqlite = f"{activations} UNION ALL {born.format(BIRTH_PEAK, 'retrieval')}"
     return SQL(sqlite, f"{sqlite} UNION ALL {born.format(BIRTH_PEAK, 'retrieval_pending')}"
                        .replace("?", "%s"))
@@ -130,7 +132,9 @@ def _warm(standing: str) -> SQL:
 
 _WARM_WINDOW = _warm("")
 _STANDING_WARM = _warm(_STANDING_ONLY)
-_PARTS = {False: 2, True: 3}  # the statements' parts, each taking (user, since)
+# One conversation's rows activated before a clock position: those a chat left warm there.
+_PAUSED_WARM = _warm(" AND {at} < ? AND conversation_id = ?")
+_PARTS = {False: 2, True: 3}  # the statements' parts, each taking (user, since[, until, conv])
 _REHEATED = SQL.both("UPDATE activation SET at = ?, peak = ? WHERE item_id = ?")
 # A row's trajectory where no activation overrides its birth: born hot with its retrieval row,
 # or cold (harness context, which has none) at its kind's half-life.
@@ -191,14 +195,35 @@ class Warm:
     foreign: frozenset[int] = frozenset()
 
 
+@dataclass(frozen=True, slots=True)
+class Paused:
+    """A conversation whose rows activated before clock position `left` did not cool from
+    `left` to `back`: a chat was about other conversations then (frame.lean.Asked). Rows
+    activated meanwhile (another subject's hits) cool as any."""
+
+    conversation_id: int
+    left: float
+    back: float
+
+
 def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float],
-             carried: float = 1.0) -> Warm:
+             carried: float = 1.0, paused: Sequence[Paused] = ()) -> Warm:
     """Every row of `user_id` at least WARM_FLOOR warm at `now`, with `reheats` (item -> peak
     reached now) applied where they beat the current trajectory (which counts `carried` of its
-    warmth), and other users' rows among `reheats` at their reheat peak. Reads only."""
+    warmth), and other users' rows among `reheats` at their reheat peak; the rows a chat left
+    warm in a `paused` conversation not cooled by its pause. Reads only."""
     conn = db.connection()
     parts = _PARTS[db.postgres]
-    rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - _WINDOW) * parts).fetchall()
+    rows = conn.execute(db.pick(_WARM_WINDOW), (user_id, now - WINDOW) * parts).fetchall()
+    spans: dict[int, Paused] = {}
+    left_warm = []
+    for p in paused:
+        # The rows activated before the chat left it, read again: at most WINDOW of its clock.
+        read = conn.execute(db.pick(_PAUSED_WARM), (user_id, p.left - WINDOW, p.left,
+                                                    p.conversation_id) * parts).fetchall()
+        spans |= dict.fromkeys((r[0] for r in read), p)
+        left_warm += read
+    rows = [r for r in rows if r[0] not in spans] + left_warm
     # Standing rows stay warm far longer than the window: read through their own small indexes.
     seen = {r[0] for r in rows}
     for r in conn.execute(db.pick(_STANDING_WARM), (user_id, now - _STANDING_WINDOW) * parts):
@@ -220,6 +245,12 @@ def warm_set(db: Database, user_id: int, now: float, reheats: dict[int, float],
     columns = zip(*rows)  # typed as read: no guessing each column's dtype from its values
     ids = np.fromiter(next(columns), np.int64, n)
     at, peak, half = (np.fromiter(c, np.float64, n) for c in columns)
+    if spans:
+        # Counted as activated later by the pause: no clock spent away from the conversation
+        # cools the rows the chat left warm there (0 for the other rows).
+        pause = np.fromiter((spans[i].back - spans[i].left if i in spans else 0.0
+                             for i in ids.tolist()), np.float64, n)
+        at = at + pause
     w = warmth(at, peak, half, now)
     if reheats:
         w = np.maximum(w * carried, reheat_peaks(reheats, ids))
