@@ -5,7 +5,7 @@ publishes one while readers scan the last), its segments and document frequencie
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,8 +173,15 @@ class View:
 
     def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
+        return self.tops(q, k, visible, (None,))[0]
+
+    def tops(self, q: Query, k: int, visible: Visibility,
+             priors: Sequence[Prior | None]) -> list[list[tuple[float, int, bool]]]:
+        """`top` for each of `priors` from one lexical score vector: a prior multiplies each
+        row's lexical score (context and all) by its conversation's weight before the
+        semantic half looks in the conversation of the best of them; None weighs none."""
         if q.empty or k <= 0 or not self.segments:
-            return []
+            return [[] for _ in priors]
         # Context never crosses a conversation, and a conversation is one user's, so rows the
         # asker cannot see are dropped before it is computed; a time span only picks among
         # the scored rows, which score as they would without it.
@@ -182,9 +189,18 @@ class View:
         near = seen[0] if seen[1] is None else seen[0] | seen[1]
         shown = np.flatnonzero(near)
         if shown.size < SCORE_VISIBLE_BELOW * self.n:
-            cand, score = self.visible_scores(q, near, shown)
+            lexical, scored = self.visible_scores(q, near, shown)
         else:
-            cand, score = self.context(self.scores(q), q, near)
+            lexical, scored = self.context(self.scores(q), q, near)
+        return [self._ranked(q, k, visible, lexical, scored if prior is None
+                             else scored * prior.of(self.conv[lexical]), near, shown)
+                for prior in priors]
+
+    def _ranked(self, q: Query, k: int, visible: Visibility, cand: np.ndarray,
+                score: np.ndarray, near: np.ndarray,
+                shown: np.ndarray) -> list[tuple[float, int, bool]]:
+        """`top`'s k best of the lexical candidates `cand` scoring `score`, the semantic half
+        added."""
         if q.vec is not None:
             cand, score = self.fused(q, cand, score, near, shown)
         own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
@@ -435,6 +451,25 @@ class Statistics:
     n_rows: int
     total_length: int
     df: Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """A weight per conversation that a scan's scores are multiplied by (View.tops): `convs`
+    ascending, their `weights`, and `rest` for every other conversation."""
+
+    convs: tuple[int, ...]
+    weights: tuple[float, ...]
+    rest: float
+
+    def of(self, conv: np.ndarray) -> np.ndarray:
+        """The weight of each of `conv` (conversation ids): one pass a conversation named, a
+        chat's leaning holds a few (a binary search per row cost 1.9 ms at 100k rows against
+        0.26 for four conversations' passes, h-conv40)."""
+        out = np.full(conv.size, self.rest)
+        for c, w in zip(self.convs, self.weights, strict=True):
+            out[conv == c] = w
+        return out
 
 
 @dataclass(frozen=True, slots=True)
