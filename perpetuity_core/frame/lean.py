@@ -23,7 +23,7 @@ leaning weighing the next scan (BEAM, 3 questions of each conversation in turn: 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
@@ -45,9 +45,14 @@ Lean = tuple[tuple[int, float], ...]
 
 def shares(hits: Sequence[Hit]) -> dict[int, float]:
     """Each conversation's share of the hits' reheat peaks by rank (summing to 1)."""
+    return shares_of([h.conversation_id for h in hits])
+
+
+def shares_of(convs: Iterable[int]) -> dict[int, float]:
+    """`shares` of hits in these conversations, best first."""
     mass: dict[int, float] = {}
-    for rank, h in enumerate(hits):
-        mass[h.conversation_id] = mass.get(h.conversation_id, 0.0) + heat.reheat_peak(rank)
+    for rank, c in enumerate(convs):
+        mass[c] = mass.get(c, 0.0) + heat.reheat_peak(rank)
     total = sum(mass.values())
     return {c: m / total for c, m in mass.items()} if total > 0 else {}
 
@@ -85,14 +90,17 @@ def after(lean: Lean, hits: Sequence[Hit]) -> Lean:
     return tuple(sorted((c, part) for c, part in out.items() if part >= FORGOTTEN))
 
 
-def prior(lean: Lean, asking: int | None = None) -> Prior | None:
-    """The scan's weight of each conversation for a chat leaning so: its part against the
-    largest of the others', to the power LEAN_POWER, at least LEAN_FLOOR's; the `asking`
-    conversation's whole (the chat's own turns: the leaning tells which of the person's other
-    conversations it is about). None when the leaning holds no other conversation."""
-    others = {c: part for c, part in lean if c != asking}
+def prior(lean: Lean, asking: int | None = None, hits: Iterable[int] = ()) -> Prior | None:
+    """The scan's weight of each conversation for a chat leaning so, its question's own hits
+    in conversations `hits` (best first): its share of them plus PRIOR times its share of the
+    leaning (`tipped`, as `about` weighs them) against the largest of the others', to the
+    power LEAN_POWER, at least LEAN_FLOOR's; the `asking` conversation's whole (the chat's own
+    turns: the leaning tells which of the person's other conversations it is about). None
+    without a leaning, or when the leaning holds no other conversation."""
+    own = shares_of(hits)
+    others = {c: tipped(own, lean, c) for c in {c for c, _ in lean} | own.keys() if c != asking}
     top = max(others.values(), default=0.0)
-    if top <= 0:
+    if top <= 0 or all(c == asking for c, _ in lean):
         return None
     weights = {c: max(part / top, LEAN_FLOOR) ** LEAN_POWER for c, part in others.items()}
     if asking is not None:

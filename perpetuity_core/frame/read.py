@@ -17,7 +17,6 @@ from perpetuity_core.frame import dates, subject
 from perpetuity_core.frame import lean as frame_lean
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit, Scanner
-from perpetuity_core.memory.derived.view import Prior
 from perpetuity_core.memory.storage.reads import (
     Row,
     around,
@@ -84,15 +83,14 @@ def searched(scanner: Scanner, query: str, user_id: int, asked_at: float,
     (weighed by the leaning), from one scan."""
     owner = user_id if scanner.share_pool and not scanner.one_person else None
     during = dates.window(query, asked_at)
-    prior = frame_lean.prior(lean, asking)
     own: list[Hit] = []
     read: list[Hit] = []
     for span in ([during] if during else []) + [None]:
         # At least the hits the subject re-orders, so a shallower read orders its rows alike.
         depth = max(limit, subject.DEPTH) + len(excluded)
-        hits, weighed = _scan(scanner, query, user_id, depth, span, prior)
+        hits, weighed = _scan(scanner, query, user_id, depth, span, lean, asking)
         if lean and hits and (c := frame_lean.about(hits, lean)) != hits[0].conversation_id:
-            hits, weighed = _scan(scanner, query, user_id, depth, span, prior, c)
+            hits, weighed = _scan(scanner, query, user_id, depth, span, lean, asking, c)
         for found, part in ((own, hits), (read, weighed)):
             seen = {h.item_id for h in found}
             part = [h for h in part if h.message_id not in excluded]
@@ -102,13 +100,15 @@ def searched(scanner: Scanner, query: str, user_id: int, asked_at: float,
 
 
 def _scan(scanner: Scanner, query: str, user_id: int, depth: int,
-          span: tuple[float, float] | None, prior: Prior | None,
+          span: tuple[float, float] | None, lean: frame_lean.Lean, asking: int | None,
           again: int | None = None) -> tuple[list[Hit], list[Hit]]:
-    """The scan's hits, and beside them the hits weighed by `prior` (the same without one)."""
-    if prior is None:
+    """The scan's hits, and beside them the hits weighed by the chat's `lean` and the first
+    ones' conversations (frame_lean.prior; the same without a leaning)."""
+    if not lean:
         hits = scanner.search(query, user_id, limit=depth, during=span, again=again)
         return hits, hits
-    return scanner.weighed(query, user_id, prior, limit=depth, during=span, again=again)
+    return scanner.weighed(query, user_id, lambda convs: frame_lean.prior(lean, asking, convs),
+                           limit=depth, during=span, again=again)
 
 
 def retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float,

@@ -71,7 +71,7 @@ without changing anyone's score.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -91,6 +91,10 @@ from perpetuity_core.memory.derived.view import Prior, View, Visibility
 from perpetuity_core.memory.storage.dialect import Sql, marks, one_of
 from perpetuity_core.memory.storage.kept import Kept, There, kept
 from perpetuity_core.memory.storage.store import Database, Store, failing_as
+
+# What a weighed search (Scanner.weighed) weighs each conversation's rows by, made of the
+# conversations of its plain ranking's rows, best first (frame/lean.py: a chat's leaning).
+Weigh = Callable[[list[int]], Prior | None]
 
 # A conversation with fewer rows than this share of the memory's is ranked again by its own
 # counts (Scanner._top); past it the memory's are mostly its own. One memory per conversation,
@@ -181,25 +185,25 @@ class Scanner:
         """Rank the rows `user_id` may see (all rows for None) against `query`; with `during`,
         only the rows said in that [start, end) span of epoch seconds; `again`: the
         conversation ranked again by its own statistic (`_top`), else the best row's."""
-        return self._search(query, user_id, limit, exclude, conversation_id, during, again,
-                            (None,))[0]
+        return self._search(query, user_id, limit, exclude, conversation_id, during, again)[0]
 
-    def weighed(self, query: str, user_id: int | None, prior: Prior, limit: int = 10,
+    def weighed(self, query: str, user_id: int | None, weigh: Weigh, limit: int = 10,
                 exclude: Iterable[int] = frozenset(), during: tuple[float, float] | None = None,
                 again: int | None = None) -> tuple[list[Hit], list[Hit]]:
-        """`search`'s hits, and the hits with each row's score times its conversation's
-        weight in `prior` (View.tops), each ranking's best conversation (or `again`) ranked
-        again: one scan of every row for both."""
-        plain, weighed = self._search(query, user_id, limit, exclude, None, during, again,
-                                      (None, prior))
-        return plain, weighed
+        """`search`'s hits, and beside them the hits with each row's score times its
+        conversation's weight in the prior `weigh` makes of the first ones' conversations
+        (View.ranked), each ranking's best conversation (or `again`) ranked again: one scan of
+        every row for both."""
+        plain, *weighed = self._search(query, user_id, limit, exclude, None, during, again,
+                                       weigh)
+        return plain, weighed[0] if weighed else plain
 
     def _search(self, query: str, user_id: int | None, limit: int, exclude: Iterable[int],
                 conversation_id: int | None, during: tuple[float, float] | None,
-                again: int | None, priors: Sequence[Prior | None]) -> list[list[Hit]]:
+                again: int | None, weigh: Weigh | None = None) -> list[list[Hit]]:
         exclude = frozenset(exclude)
         if limit <= 0 or not query.strip():
-            return [[] for _ in priors]
+            return [[]]
         if self.one_person:
             user_id = None
         pool = self.pool_of(user_id) if self.pool_of and self.share_pool and user_id else None
@@ -208,23 +212,23 @@ class Scanner:
         with failing_as("search memory"):
             self.catch_up()
             if self._use_arena:
-                ranked = self._arena_top(query, k, visible, again, priors)
+                ranked = self._arena_top(query, k, visible, again, weigh)
             else:
-                ranked = self._store_top(query, k, visible, again, priors)
+                ranked = self._store_top(query, k, visible, again, weigh)
             found = [fetch_hits(self.db, r) for r in ranked]
         return [[h for h in hits if h.item_id not in exclude][:limit] for hits in found]
 
     def _arena_top(self, text: str, k: int, visible: Visibility, again: int | None,
-                   priors: Sequence[Prior | None]) -> list[list[tuple[float, int, bool]]]:
+                   weigh: Weigh | None) -> list[list[tuple[float, int, bool]]]:
         view = self.arena.view
         if view.df is None:  # nothing stored yet
-            return [[] for _ in priors]
+            return [[]]
         return self._top(view, text, view.query(self.db.dictionary, text, self.params), k,
-                         visible, view.df.get, self.db.connection(), again, priors)
+                         visible, view.df.get, self.db.connection(), again, weigh)
 
     def _top(self, view: View, text: str, q: Query, k: int, visible: Visibility,
              df_of: Callable[[np.ndarray], np.ndarray], conn: Sql, again: int | None,
-             priors: Sequence[Prior | None]) -> list[list[tuple[float, int, bool]]]:
+             weigh: Weigh | None) -> list[list[tuple[float, int, bool]]]:
         """The k best visible rows for `q` (`text` against the pooled statistic), the best
         row's conversation (or `again`) ranked again as its own memory would rank it: `text`
         against that conversation's own statistic (View.statistics), with the terms its rows
@@ -235,10 +239,17 @@ class Scanner:
         good match (docs/tuning.md). The first ranking's mix of conversations and its scores (which the
         frame's budget reads) stay: letting the fed scores rise cost LoCoMo `--personal` 1.4
         points of the frame and BEAM's 3. A conversation that is most of the memory
-        (OWN_BELOW) is ranked again by the memory's counts: they are mostly its own. One
-        ranking for each of `priors` (View.tops), each fed back on its own."""
+        (OWN_BELOW) is ranked again by the memory's counts: they are mostly its own. With
+        `weigh`, a second ranking beside it from the same scores, weighed by the prior it
+        makes of the first k rows' conversations, fed back on its own."""
         feedback = self.params.feedback > 0
-        firsts = view.tops(q, max(k, FEEDBACK_ROWS) if feedback else k, visible, priors)
+        depth = max(k, FEEDBACK_ROWS) if feedback else k
+        lexical = view.lexical(q, visible)
+        firsts = [view.ranked(q, depth, visible, lexical)]
+        prior = weigh(view.conversations(np.array([s for _, s, _ in firsts[0][:k]], np.int64)
+                                         ).tolist()) if weigh is not None else None
+        if prior is not None:
+            firsts.append(view.ranked(q, depth, visible, lexical, prior))
         if not feedback:
             return [first[:k] for first in firsts]
         seqs = sorted({s for first in firsts for _, s, _ in first[:FEEDBACK_ROWS]})
@@ -279,7 +290,7 @@ class Scanner:
                 for place, there in zip(first, inside.tolist(), strict=True)][:k]
 
     def _store_top(self, text: str, k: int, visible: Visibility, again: int | None,
-                   priors: Sequence[Prior | None]) -> list[list[tuple[float, int, bool]]]:
+                   weigh: Weigh | None) -> list[list[tuple[float, int, bool]]]:
         """The small-memory path: score the visible rows read straight from the store."""
         db = self.db
         with db.snapshot("search memory") as conn:
@@ -287,11 +298,11 @@ class Scanner:
             q = make_query(db.dictionary, text, lambda t: unfolded_df(db, conn, t), n_rows,
                            total, self.params)
             if q.empty:
-                return [[] for _ in priors]
-            return self._store_rows_top(conn, text, q, k, visible, again, priors)
+                return [[]]
+            return self._store_rows_top(conn, text, q, k, visible, again, weigh)
 
     def _store_rows_top(self, conn: Sql, text: str, q: Query, k: int, visible: Visibility,
-                        again: int | None, priors: Sequence[Prior | None]
+                        again: int | None, weigh: Weigh | None
                         ) -> list[list[tuple[float, int, bool]]]:
         """`_store_top` within its snapshot, where the feedback's rows and counts are read."""
         db = self.db
@@ -304,7 +315,7 @@ class Scanner:
         rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts,"
                             f" vec FROM retrieval {where} ORDER BY seq", args).fetchall()
         if not rows:
-            return [[] for _ in priors]
+            return [[]]
         tmp = Arena(db, ROWS, threads=1)
         seq, user, conv, at, length, terms_b, counts_b, vec_b = zip(*rows)
         tmp.put_rows(np.asarray(seq, COLUMNS["seq"]), np.asarray(user, COLUMNS["user"]),
@@ -315,7 +326,7 @@ class Scanner:
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]
         return self._top(tmp.publish(), text, q, k, visible,
-                         lambda t: unfolded_df(db, conn, t), conn, again, priors)
+                         lambda t: unfolded_df(db, conn, t), conn, again, weigh)
 
 
 def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]:

@@ -5,7 +5,7 @@ publishes one while readers scan the last), its segments and document frequencie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,15 +173,13 @@ class View:
 
     def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
-        return self.tops(q, k, visible, (None,))[0]
+        return self.ranked(q, k, visible, self.lexical(q, visible))
 
-    def tops(self, q: Query, k: int, visible: Visibility,
-             priors: Sequence[Prior | None]) -> list[list[tuple[float, int, bool]]]:
-        """`top` for each of `priors` from one lexical score vector: a prior multiplies each
-        row's lexical score (context and all) by its conversation's weight before the
-        semantic half looks in the conversation of the best of them; None weighs none."""
-        if q.empty or k <= 0 or not self.segments:
-            return [[] for _ in priors]
+    def lexical(self, q: Query, visible: Visibility) -> Lexical | None:
+        """The visible rows scoring above zero by their words (context and all), what every
+        ranking of `q` is chosen from (`ranked`); None for an empty query or view."""
+        if q.empty or not self.segments:
+            return None
         # Context never crosses a conversation, and a conversation is one user's, so rows the
         # asker cannot see are dropped before it is computed; a time span only picks among
         # the scored rows, which score as they would without it.
@@ -189,20 +187,23 @@ class View:
         near = seen[0] if seen[1] is None else seen[0] | seen[1]
         shown = np.flatnonzero(near)
         if shown.size < SCORE_VISIBLE_BELOW * self.n:
-            lexical, scored = self.visible_scores(q, near, shown)
+            cand, score = self.visible_scores(q, near, shown)
         else:
-            lexical, scored = self.context(self.scores(q), q, near)
-        return [self._ranked(q, k, visible, lexical, scored if prior is None
-                             else scored * prior.of(self.conv[lexical]), near, shown)
-                for prior in priors]
+            cand, score = self.context(self.scores(q), q, near)
+        return Lexical(cand, score, near, shown)
 
-    def _ranked(self, q: Query, k: int, visible: Visibility, cand: np.ndarray,
-                score: np.ndarray, near: np.ndarray,
-                shown: np.ndarray) -> list[tuple[float, int, bool]]:
-        """`top`'s k best of the lexical candidates `cand` scoring `score`, the semantic half
-        added."""
+    def ranked(self, q: Query, k: int, visible: Visibility, lexical: Lexical | None,
+               prior: Prior | None = None) -> list[tuple[float, int, bool]]:
+        """`top`'s k best of `lexical`; with a `prior`, each row's lexical score times its
+        conversation's weight first, before the semantic half looks in the conversation of
+        the best of them. Two rankings of one scan are two calls (a second argpartition)."""
+        if lexical is None or k <= 0:
+            return []
+        cand, score = lexical.cand, lexical.score
+        if prior is not None:
+            score = score * prior.of(self.conv[cand])
         if q.vec is not None:
-            cand, score = self.fused(q, cand, score, near, shown)
+            cand, score = self.fused(q, cand, score, lexical.near, lexical.shown)
         own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
         parts = []
         for mask, flag in ((own, True), (other, False)):
@@ -454,8 +455,19 @@ class Statistics:
 
 
 @dataclass(frozen=True, slots=True)
+class Lexical:
+    """A query's lexical candidates: the visible rows (`cand` ascending) scoring above zero,
+    their `score`, and the visible rows (`near`, a mask, and `shown`, its rows ascending)."""
+
+    cand: np.ndarray
+    score: np.ndarray
+    near: np.ndarray
+    shown: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
 class Prior:
-    """A weight per conversation that a scan's scores are multiplied by (View.tops): `convs`
+    """A weight per conversation that a scan's scores are multiplied by (View.ranked): `convs`
     ascending, their `weights`, and `rest` for every other conversation."""
 
     convs: tuple[int, ...]
