@@ -247,7 +247,7 @@ class Scanner:
         lexical = view.lexical(q, visible)
         firsts = [view.ranked(q, depth, visible, lexical)]
         prior = weigh(view.conversations(np.array([s for _, s, _ in firsts[0][:k]], np.int64)
-                                         ).tolist()) if weigh is not None else None
+                                         ).tolist()) if weigh and firsts[0] else None
         if prior is not None:
             firsts.append(view.ranked(q, depth, visible, lexical, prior))
         if not feedback:
