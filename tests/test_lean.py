@@ -115,6 +115,11 @@ def test_the_leaning_weighs_each_conversations_rows_in_the_scan(store: Store) ->
     assert frame_lean.prior(((a, 0.5), (b, 2.0), (7, 0.25)), asking=b) == view.Prior(
         (a, b, 7), (1.0, 1.0, 0.5 ** frame_lean.LEAN_POWER), rest)
     assert frame_lean.prior(((b, 2.0),), asking=b) is None
+    # The question's own hits count as `about` counts them: their shares plus PRIOR times the
+    # leaning's, so a chat changing its subject is not held to its past (docs/tuning.md).
+    own = frame_lean.shares_of([b, b, a])
+    assert frame_lean.prior(((a, 1.0),), hits=[b, b, a]) == view.Prior(
+        (a, b), (1.0, (own[b] / (own[a] + frame_lean.PRIOR)) ** frame_lean.LEAN_POWER), rest)
 
 
 def test_the_leaning_learns_from_the_questions_own_hits(store: Store) -> None:
