@@ -78,7 +78,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     """
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded, chat=not agent,
-                                lean=lean, asking=conversation_id)
+                                lean=lean)
     # A chat's fill counts its hits' neighbours at a share (frame_select.fill_reheats); the
     # reheats written (`_frame`) are the search's own.
     seen = found if agent else replace(found, reheats=frame_select.fill_reheats(found.reheats,
@@ -109,8 +109,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     built = _frame(frame_render.written(laid, asked_at, said=said, apart=agent), chosen,
                    found, tokens, warm.foreign)
     built.warm = warm
-    # The leaning learns from the question's own hits, never from those it weighed itself.
-    built.lean = () if agent else frame_lean.after(lean, found.own)
+    built.lean = () if agent else frame_lean.after(lean, found.hits)
     return built
 
 

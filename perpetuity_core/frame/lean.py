@@ -12,32 +12,20 @@ the earlier ones at KEPT per question since. A question is about the conversatio
 reach with the most share plus PRIOR times the leaning's (`about`), and that conversation is
 ranked as its own memory would rank it (scan.Scanner.search's `again`); the fill weighs each
 conversation's warm rows by its share of their warmth, tipped so too (`weighed`).
-
-The leaning weighs the frame's scan too (`prior`, h-conv40): each row's score times its
-conversation's part of the leaning against the largest other part, to the power LEAN_POWER,
-at least LEAN_FLOOR's; the asking chat's own rows whole. The leaning itself is fed by the
-question's unweighed hits alone (`after`): fed by the weighed ones, it locked a chat in, each
-leaning weighing the next scan (BEAM, 3 questions of each conversation in turn: 0.4958 ->
-0.2375; docs/tuning.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
-from perpetuity_core.memory.derived.view import Prior
 
 # An earlier question's part of the leaning, kept per question since; the leaning's weight
 # against this question's own shares. LoCoMo `--personal` (docs/tuning.md).
 KEPT = 0.8
 PRIOR = 1.0
 FORGOTTEN = 0.01  # a part below this is dropped: a plan holds a few conversations, not all
-# The leaning's weight on the scan's scores (`prior`): its power, and the least weight, that of
-# a conversation the leaning does not hold. BEAM and LoCoMo `--personal` (docs/tuning.md).
-LEAN_POWER = 0.5
-LEAN_FLOOR = 0.05
 
 # (conversation id, its part), conversations ascending: a plan's field, so immutable.
 Lean = tuple[tuple[int, float], ...]
@@ -45,14 +33,9 @@ Lean = tuple[tuple[int, float], ...]
 
 def shares(hits: Sequence[Hit]) -> dict[int, float]:
     """Each conversation's share of the hits' reheat peaks by rank (summing to 1)."""
-    return shares_of([h.conversation_id for h in hits])
-
-
-def shares_of(convs: Iterable[int]) -> dict[int, float]:
-    """`shares` of hits in these conversations, best first."""
     mass: dict[int, float] = {}
-    for rank, c in enumerate(convs):
-        mass[c] = mass.get(c, 0.0) + heat.reheat_peak(rank)
+    for rank, h in enumerate(hits):
+        mass[h.conversation_id] = mass.get(h.conversation_id, 0.0) + heat.reheat_peak(rank)
     total = sum(mass.values())
     return {c: m / total for c, m in mass.items()} if total > 0 else {}
 
@@ -88,22 +71,3 @@ def after(lean: Lean, hits: Sequence[Hit]) -> Lean:
     for c, share in shares(hits).items():
         out[c] = out.get(c, 0.0) + share
     return tuple(sorted((c, part) for c, part in out.items() if part >= FORGOTTEN))
-
-
-def prior(lean: Lean, asking: int | None = None, hits: Iterable[int] = ()) -> Prior | None:
-    """The scan's weight of each conversation for a chat leaning so, its question's own hits
-    in conversations `hits` (best first): its share of them plus PRIOR times its share of the
-    leaning (`tipped`, as `about` weighs them) against the largest of the others', to the
-    power LEAN_POWER, at least LEAN_FLOOR's; the `asking` conversation's whole (the chat's own
-    turns: the leaning tells which of the person's other conversations it is about). None
-    without a leaning, or when the leaning holds no other conversation."""
-    own = shares_of(hits)
-    others = {c: tipped(own, lean, c) for c in {c for c, _ in lean} | own.keys() if c != asking}
-    top = max(others.values(), default=0.0)
-    if top <= 0 or all(c == asking for c, _ in lean):
-        return None
-    weights = {c: max(part / top, LEAN_FLOOR) ** LEAN_POWER for c, part in others.items()}
-    if asking is not None:
-        weights[asking] = 1.0
-    convs = sorted(weights)
-    return Prior(tuple(convs), tuple(weights[c] for c in convs), LEAN_FLOOR ** LEAN_POWER)
