@@ -174,25 +174,32 @@ def expanded(d: Dictionary, terms: np.ndarray, qtf: np.ndarray, df: np.ndarray,
     memory's own words for what the question says in others ("puppy" for "dog"), found by BM25
     in every conversation, at a fraction of the question's own words' weight."""
     table = vectors.table()
-    own = set(terms.tolist())
-    near = [(f, *table.near(d, t)) for t, f in zip(terms.tolist(), qtf.tolist(), strict=True)
-            if t < d.hash_base]
-    every = np.unique(np.concatenate([ids for _, ids, _ in near] + [np.zeros(0, np.int32)]))
-    df_near = dict(zip(every.tolist(), np.asarray(df_of(every)).tolist(), strict=True)
-                   ) if every.size else {}
-    brought: dict[int, float] = {}
-    for f, ids, cos in near:  # one df read for every query term's nearest terms
-        taken = [(u, c) for u, c in zip(ids.tolist(), cos.tolist(), strict=True)
-                 if df_near[u] > 0 and u not in own][:vectors.NEAR]
-        for u, c in taken:
-            brought[u] = max(brought.get(u, 0.0), weight * c * f)
-    if not brought:
+    words = [(t, f) for t, f in zip(terms.tolist(), qtf.tolist(), strict=True) if t < d.hash_base]
+    near = [table.near(d, t) for t, _ in words]
+    ids = np.concatenate([i for i, _ in near] + [np.zeros(0, np.int32)])
+    if ids.size == 0:
         return terms, qtf.astype(np.float64), df
-    new = np.array(sorted(brought), np.int32)
+    # In arrays, not a Python step per nearest term (~160 a question, twice a search): one df
+    # read for them all, then each query term's first NEAR that some row holds and the query
+    # does not, by a running count of those within its own list.
+    lengths = np.array([i.size for i, _ in near], np.int64)
+    every, at = np.unique(ids, return_inverse=True)
+    df_every = np.asarray(df_of(every))
+    ok = (df_every[at] > 0) & ~np.isin(ids, terms)
+    run = np.cumsum(ok)
+    before = np.concatenate(([0], run))[np.cumsum(lengths) - lengths]
+    pick = ok & (run - np.repeat(before, lengths) <= vectors.NEAR)
+    if not pick.any():
+        return terms, qtf.astype(np.float64), df
+    cos = np.concatenate([c for _, c in near])
+    f = np.repeat(np.array([f for _, f in words], np.float64), lengths)
+    new, which = np.unique(ids[pick], return_inverse=True)
+    brought = np.zeros(new.size)
+    np.maximum.at(brought, which, weight * cos[pick] * f[pick])  # the most, when several
     all_terms = np.concatenate((terms, new))
     order = np.argsort(all_terms, kind="stable")
-    counts = np.concatenate((qtf.astype(np.float64), [brought[u] for u in new.tolist()]))
-    dfs = np.concatenate((df, np.array([df_near[u] for u in new.tolist()], np.int64)))
+    counts = np.concatenate((qtf.astype(np.float64), brought))
+    dfs = np.concatenate((df, df_every[np.searchsorted(every, new)].astype(np.int64)))
     return all_terms[order], counts[order], dfs[order]
 
 
