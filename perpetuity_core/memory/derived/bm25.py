@@ -181,24 +181,26 @@ def expanded(d: Dictionary, terms: np.ndarray, qtf: np.ndarray, df: np.ndarray,
         return terms, qtf.astype(np.float64), df
     # In arrays, not a Python step per nearest term (~160 a question, twice a search): one df
     # read for them all, then each query term's first NEAR that some row holds and the query
-    # does not, by a running count of those within its own list.
+    # (ascending) does not, by a running count of those within its own list.
     lengths = np.array([i.size for i, _ in near], np.int64)
-    every, at = np.unique(ids, return_inverse=True)
+    every = np.unique(ids)
     df_every = np.asarray(df_of(every))
-    ok = (df_every[at] > 0) & ~np.isin(ids, terms)
+    asked = terms[np.minimum(np.searchsorted(terms, ids), terms.size - 1)] == ids
+    ok = (df_every[np.searchsorted(every, ids)] > 0) & ~asked
     run = np.cumsum(ok)
     before = np.concatenate(([0], run))[np.cumsum(lengths) - lengths]
     pick = ok & (run - np.repeat(before, lengths) <= vectors.NEAR)
-    if not pick.any():
-        return terms, qtf.astype(np.float64), df
     cos = np.concatenate([c for _, c in near])
-    f = np.repeat(np.array([f for _, f in words], np.float64), lengths)
-    new, which = np.unique(ids[pick], return_inverse=True)
-    brought = np.zeros(new.size)
-    np.maximum.at(brought, which, weight * cos[pick] * f[pick])  # the most, when several
+    f = np.repeat(np.array([f for _, f in words], np.int64), lengths)
+    brought: dict[int, float] = {}
+    for u, c, n in zip(ids[pick].tolist(), cos[pick].tolist(), f[pick].tolist(), strict=True):
+        brought[u] = max(brought.get(u, 0.0), weight * c * n)
+    if not brought:
+        return terms, qtf.astype(np.float64), df
+    new = np.array(sorted(brought), np.int32)
     all_terms = np.concatenate((terms, new))
     order = np.argsort(all_terms, kind="stable")
-    counts = np.concatenate((qtf.astype(np.float64), brought))
+    counts = np.concatenate((qtf.astype(np.float64), [brought[u] for u in new.tolist()]))
     dfs = np.concatenate((df, df_every[np.searchsorted(every, new)].astype(np.int64)))
     return all_terms[order], counts[order], dfs[order]
 
