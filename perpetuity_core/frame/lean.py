@@ -39,8 +39,8 @@ Lean = tuple[tuple[int, float], ...]
 def shares(hits: Sequence[Hit]) -> dict[int, float]:
     """Each conversation's share of the hits' reheat peaks by rank (summing to 1)."""
     mass: dict[int, float] = {}
-    for rank, h in enumerate(hits):
-        mass[h.conversation_id] = mass.get(h.conversation_id, 0.0) + heat.reheat_peak(rank)
+    for h, peak in zip(hits, heat.rank_peaks(len(hits)), strict=False):
+        mass[h.conversation_id] = mass.get(h.conversation_id, 0.0) + peak
     total = sum(mass.values())
     return {c: m / total for c, m in mass.items()} if total > 0 else {}
 

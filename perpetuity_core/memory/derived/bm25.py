@@ -174,25 +174,34 @@ def expanded(d: Dictionary, terms: np.ndarray, qtf: np.ndarray, df: np.ndarray,
     memory's own words for what the question says in others ("puppy" for "dog"), found by BM25
     in every conversation, at a fraction of the question's own words' weight."""
     table = vectors.table()
-    own = set(terms.tolist())
-    near = [(f, *table.near(d, t)) for t, f in zip(terms.tolist(), qtf.tolist(), strict=True)
-            if t < d.hash_base]
-    every = np.unique(np.concatenate([ids for _, ids, _ in near] + [np.zeros(0, np.int32)]))
-    df_near = dict(zip(every.tolist(), np.asarray(df_of(every)).tolist(), strict=True)
-                   ) if every.size else {}
+    words = [(t, f) for t, f in zip(terms.tolist(), qtf.tolist(), strict=True) if t < d.hash_base]
+    near = [table.near(d, t) for t, _ in words]
+    ids = np.concatenate([i for i, _ in near] + [np.zeros(0, np.int32)])
+    if ids.size == 0:
+        return terms, qtf.astype(np.float64), df
+    # In arrays, not a Python step per nearest term (~160 a question, twice a search): one df
+    # read for them all, then each query term's first NEAR that some row holds and the query
+    # (ascending) does not, by a running count of those within its own list.
+    lengths = np.array([i.size for i, _ in near], np.int64)
+    every = np.unique(ids)
+    df_every = np.asarray(df_of(every))
+    asked = terms[np.minimum(np.searchsorted(terms, ids), terms.size - 1)] == ids
+    ok = (df_every[np.searchsorted(every, ids)] > 0) & ~asked
+    run = np.cumsum(ok)
+    before = np.concatenate(([0], run))[np.cumsum(lengths) - lengths]
+    pick = ok & (run - np.repeat(before, lengths) <= vectors.NEAR)
+    cos = np.concatenate([c for _, c in near])
+    f = np.repeat(np.array([f for _, f in words], np.int64), lengths)
     brought: dict[int, float] = {}
-    for f, ids, cos in near:  # one df read for every query term's nearest terms
-        taken = [(u, c) for u, c in zip(ids.tolist(), cos.tolist(), strict=True)
-                 if df_near[u] > 0 and u not in own][:vectors.NEAR]
-        for u, c in taken:
-            brought[u] = max(brought.get(u, 0.0), weight * c * f)
+    for u, c, n in zip(ids[pick].tolist(), cos[pick].tolist(), f[pick].tolist(), strict=True):
+        brought[u] = max(brought.get(u, 0.0), weight * c * n)
     if not brought:
         return terms, qtf.astype(np.float64), df
     new = np.array(sorted(brought), np.int32)
     all_terms = np.concatenate((terms, new))
     order = np.argsort(all_terms, kind="stable")
     counts = np.concatenate((qtf.astype(np.float64), [brought[u] for u in new.tolist()]))
-    dfs = np.concatenate((df, np.array([df_near[u] for u in new.tolist()], np.int64)))
+    dfs = np.concatenate((df, df_every[np.searchsorted(every, new)].astype(np.int64)))
     return all_terms[order], counts[order], dfs[order]
 
 

@@ -354,14 +354,18 @@ _FIRST_POSTGRES = ("INSERT INTO activation (item_id, user_id, conversation_id, a
                    " half_life) VALUES {} ON CONFLICT (item_id) DO NOTHING RETURNING item_id")
 
 
+def rank_peaks(n: int) -> Sequence[float]:
+    """reheat_peak of ranks 0 to n - 1, made once for the first 1,024."""
+    return _PEAKS if n <= len(_PEAKS) else [reheat_peak(rank) for rank in range(n)]
+
+
 def rank_reheats(ranked_items: Sequence[int], neighbours: Iterable[tuple[int, int]]) -> dict[int, float]:
     """Peaks for this turn's retrieval: by rank, and a share of it for each hit's neighbours.
 
     `neighbours` pairs (rank, item_id) for the rows beside each hit.
     """
     out: dict[int, float] = {}
-    n = len(ranked_items)
-    peaks = _PEAKS if n <= len(_PEAKS) else [reheat_peak(rank) for rank in range(n)]
+    peaks = rank_peaks(len(ranked_items))
     for item, peak in zip(ranked_items, peaks, strict=False):
         if item not in out:  # peaks fall with rank: a row ranked twice keeps its first
             out[item] = peak
