@@ -113,9 +113,12 @@ class Query:
         return self.terms.size == 0  # the semantic half looks only where the words found
 
 
-def words_of(d: Dictionary, text: str, params: Params) -> Words:
+def words_of(d: Dictionary, text: str, params: Params,
+             held: Callable[[], np.ndarray] | None = None) -> Words:
     """`text` tokenised by `d` (the live dictionary), with its known terms' nearest terms
-    when the table bridges words (Params.expand)."""
+    when the table bridges words (Params.expand): among the terms `held()` names (a mask over
+    the term ids: those a row holds, a df above zero by the statistic every query making of
+    the search counts within), every term without it."""
     # Counted in Python: a question's few ids cost a third of np.unique's 22 us so.
     counts = Counter(d.id_list(text))
     terms = np.array(sorted(counts), np.int32)
@@ -124,6 +127,8 @@ def words_of(d: Dictionary, text: str, params: Params) -> Words:
         return Words(terms, qtf)
     table = vectors.table()
     known = [(t, f) for t, f in zip(terms.tolist(), qtf.tolist(), strict=True) if t < d.hash_base]
+    if known:
+        table.cover(d, None if held is None else held())
     near = [table.near(d, t) for t, _ in known]
     ids = np.concatenate([i for i, _ in near] + [np.zeros(0, np.int32)])
     every = np.union1d(terms, ids).astype(np.int32)
@@ -136,13 +141,15 @@ def words_of(d: Dictionary, text: str, params: Params) -> Words:
 
 
 def make_query(d: Dictionary, text: str, df_of: Callable[[np.ndarray], np.ndarray], n_rows: int,
-               total_length: int, params: Params, words: Words | None = None) -> Query:
+               total_length: int, params: Params, words: Words | None = None,
+               held: Callable[[], np.ndarray] | None = None) -> Query:
     """`text` tokenised by `d` (the live dictionary); `df_of(terms) -> df array` reads the
-    pooled document frequencies. `words`: the text as an earlier query making of the same
-    search read it (its Query.words), not read again."""
+    pooled document frequencies, `held()` which terms they count above zero, when known
+    (words_of). `words`: the text as an earlier query making of the same search read it (its
+    Query.words), not read again."""
     if n_rows == 0:
         return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0, n_rows=n_rows)
-    words = words or words_of(d, text, params)
+    words = words or words_of(d, text, params, held)
     if words.terms.size == 0:
         return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0, n_rows=n_rows)
     terms, qtf = words.terms, words.qtf

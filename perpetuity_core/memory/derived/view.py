@@ -92,6 +92,15 @@ class Frequencies:
             out += np.where(ids[i] == terms, c[i], 0)
         return out
 
+    def held(self) -> np.ndarray:
+        """Which terms below the hashed range some row holds (a df above zero), as a mask over
+        their ids."""
+        out = self.dense > 0
+        ids, c = self.delta
+        if (v := ids < self.hash_base).any():
+            out[ids[v]] = self.dense[ids[v]] + c[v] > 0
+        return out
+
     def table(self) -> tuple[np.ndarray, dict[int, int]]:
         """The frequencies folded: (dense, hashed without zeros)."""
         f = self._fold(*self.delta)
@@ -168,7 +177,8 @@ class View:
         df = self.df
         if df is None:
             return make_query(d, text, lambda t: np.zeros(t.size), 0, 0, params)
-        return make_query(d, text, df.get, self.n_rows, self.total_length, params)
+        return make_query(d, text, df.get, self.n_rows, self.total_length, params,
+                          held=df.held)
 
     def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
