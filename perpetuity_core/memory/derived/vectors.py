@@ -93,10 +93,13 @@ class Table:
 
     def cover(self, d: Dictionary, held: np.ndarray | None) -> None:
         """Look among the terms `held` names (a mask over the term ids below d.hash_base: those
-        some row holds; None: every term) from now on too, when `near` is asked."""
+        some row holds; None: every term) from now on too, when `near` is asked. A mask of
+        another dictionary's (counts read before a flip was followed) names every term."""
         with self._lock:
             self._follow(d)
-            new = np.flatnonzero(~self._covered if held is None else held & ~self._covered)
+            if held is None or held.size != self._covered.size:
+                held = np.ones(self._covered.size, bool)
+            new = np.flatnonzero(held & ~self._covered)
             if new.size:
                 self._looked = np.concatenate((self._looked, new))
                 self._covered[new] = True
@@ -122,10 +125,11 @@ class Table:
             else:
                 sims = np.einsum("ij,j->i", table[rows], table[term]).astype(np.float64)
             keep = (sims >= NEAR_MIN) & (rows != term)
-            ids = np.concatenate((ids, rows[keep].astype(np.int32)))
-            cos = np.concatenate((cos, sims[keep]))
-            order = np.lexsort((ids, -cos))
-            ids, cos = ids[order], cos[order]
+            if keep.any():  # most terms held since are near no term asked of
+                ids = np.concatenate((ids, rows[keep].astype(np.int32)))
+                cos = np.concatenate((cos, sims[keep]))
+                order = np.lexsort((ids, -cos))
+                ids, cos = ids[order], cos[order]
             self._near[term] = ids, cos, self._looked.size
             return ids, cos
 
