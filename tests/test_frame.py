@@ -17,6 +17,7 @@ import pytest
 
 from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import cap
+from perpetuity_core.frame import lean as frame_lean
 from perpetuity_core.frame import read as frame_read
 from perpetuity_core.frame import render as frame_render
 from perpetuity_core.frame import select as frame_select
@@ -790,7 +791,7 @@ def test_the_fill_goes_to_the_conversation_the_question_finds() -> None:
                             frame_select.focus(warm, rows))
     assert new == [1, 3]
     assert frame_select.focus(heat.Warm(np.zeros(0, np.int64), np.zeros(0)), rows) == {}
-    assert frame_select.about(hits) == 1 and frame_select.about([]) is None
+    assert frame_select.about(frame_lean.shares(hits)) == 1 and frame_select.about({}) is None
 
 
 def test_a_chats_fill_leans_to_the_conversation_its_earlier_questions_found() -> None:
@@ -826,7 +827,7 @@ def test_a_chats_budget_is_the_breadth_of_its_question_within_its_conversation()
     hits = [Hit(k, k, 1, c, "user", 0.0, s, "t") for k, (c, s) in enumerate(scores)]
     limits = cap.Cap()
     narrow = limits.ceiling * frame_select.CHAT_REQUEST * frame_select.CHAT_NARROW // 10_000
-    assert frame_select.about(hits) == 1
+    assert frame_select.about(frame_lean.shares(hits)) == 1
     assert frame_select.budget(hits, limits, chat=True) == narrow
     assert frame_select.budget(hits, limits) > limits.floor + 900  # (an agent's)
     alone = [h for h in hits if h.conversation_id == 1]

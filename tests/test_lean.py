@@ -30,17 +30,18 @@ def test_an_ambiguous_question_goes_where_the_chat_was() -> None:
     """Most of the hits in conversation 2, the rest in 1: alone the question is about 2; a
     chat that was asking about 1 keeps it there, unless its leaning was mostly 2's too."""
     hits = [hit(k, 2) for k in range(6)] + [hit(k, 1) for k in range(6, 10)]
-    assert frame_lean.about(hits, ()) == 2
-    assert frame_lean.about(hits, ((1, 1.0),)) == 1
-    assert frame_lean.about(hits, ((1, 0.2), (2, 1.0))) == 2
-    assert frame_lean.about(hits, ((3, 1.0),)) == 2  # a conversation no hit is in: not chosen
-    assert frame_lean.about([], ((1, 1.0),)) is None
+    own = frame_lean.shares(hits)
+    assert frame_lean.about(own, ()) == 2
+    assert frame_lean.about(own, ((1, 1.0),)) == 1
+    assert frame_lean.about(own, ((1, 0.2), (2, 1.0))) == 2
+    assert frame_lean.about(own, ((3, 1.0),)) == 2  # a conversation no hit is in: not chosen
+    assert frame_lean.about({}, ((1, 1.0),)) is None
 
 
 def test_the_leaning_keeps_earlier_questions_at_a_falling_part() -> None:
     shares = frame_lean.shares([hit(0, 2), hit(1, 2), hit(2, 3)])
     assert sum(shares.values()) == pytest.approx(1.0) and shares[2] > 2 * shares[3]
-    lean = frame_lean.after(((1, 1.0), (4, 0.011)), [hit(0, 2)])
+    lean = frame_lean.after(((1, 1.0), (4, 0.011)), frame_lean.shares([hit(0, 2)]))
     assert lean == ((1, frame_lean.KEPT), (2, 1.0))  # 4's part fell below FORGOTTEN
 
 
@@ -99,7 +100,7 @@ def test_a_chats_plan_carries_its_leaning(tmp_path: Path) -> None:
             d = pipeline.prepare(chat_request("u", "chat", 1_700_100_000.0 + 60 * k, history))
             assert d.recall is not None and d.frame is not None and d.recall.plan is not None
             assert d.recall.plan.lean == frame_lean.after(leans[-1] if leans else (),
-                                                          d.frame.ranked)
+                                                          frame_lean.shares(d.frame.ranked))
             leans.append(d.recall.plan.lean)
             history.append({"role": "assistant", "content": "Noted."})
     finally:

@@ -85,14 +85,16 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     # reheats written (`_frame`) are the search's own.
     seen = found if agent else replace(found, reheats=frame_select.fill_reheats(found.reheats,
                                                                                 found.hits))
+    # A chat's hits' shares by conversation, made once: what it is about, the pauses it
+    # counts, its budget and its next leaning read them.
+    own = {} if agent else frame_lean.shares(found.hits)
     # A chat's rows of a conversation it comes back to did not cool while it was away.
-    moved = asked if agent else frame_lean.moved(asked, frame_lean.about(found.hits, lean),
-                                                 found.now)
-    paused = () if agent else frame_lean.paused(moved, found.now, frame_lean.shares(found.hits))
+    moved = asked if agent else frame_lean.moved(asked, frame_lean.about(own, lean), found.now)
+    paused = () if agent else frame_lean.paused(moved, found.now, own)
     warm, shelf = frame_read.for_frame(scanner, seen, user_id, excluded, recent_messages,
                                        1.0 if agent else heat.CARRIED, paused)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens,
-                                                                     chat=not agent)
+                                                             chat=not agent, shares=own)
 
     def measured(base: list[int], added: list[int], recent: Collection[int],
                  excerpts: Mapping[int, Row]) -> Callable[[int], int]:
@@ -115,7 +117,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     built = _frame(frame_render.written(laid, asked_at, said=said, apart=agent), chosen,
                    found, tokens, warm.foreign)
     built.warm = warm
-    built.lean = () if agent else frame_lean.after(lean, found.hits)
+    built.lean = () if agent else frame_lean.after(lean, own)
     built.asked = moved
     return built
 

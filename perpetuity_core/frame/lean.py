@@ -45,19 +45,23 @@ def shares(hits: Sequence[Hit]) -> dict[int, float]:
     return {c: m / total for c, m in mass.items()} if total > 0 else {}
 
 
-def about(hits: Sequence[Hit], lean: Lean) -> int | None:
-    """The conversation of the hits with the most share plus PRIOR times its share of the
-    chat's leaning (ties to the lower id); None without hits."""
-    own = shares(hits)
-    return min(own, key=lambda c: (-tipped(own, lean, c), c), default=None)
+def about(own: Mapping[int, float], lean: Lean) -> int | None:
+    """The conversation of a question's hits (`own`, their `shares`) with the most share plus
+    PRIOR times its share of the chat's leaning (ties to the lower id); None without hits."""
+    parts = parts_of(lean)
+    return min(own, key=lambda c: (-tipped(own, parts, c), c), default=None)
 
 
-def tipped(own: Mapping[int, float], lean: Lean, c: int) -> float:
-    """Conversation `c`'s part of `own` (shares summing to 1) plus PRIOR times its share of
-    the chat's leaning."""
+def parts_of(lean: Lean) -> dict[int, float]:
+    """Each conversation's share of the chat's leaning (summing to 1; empty without one)."""
     total = sum(part for _, part in lean)
-    prior = dict(lean).get(c, 0.0) / total if total > 0 else 0.0
-    return own.get(c, 0.0) + PRIOR * prior
+    return {c: part / total for c, part in lean} if total > 0 else {}
+
+
+def tipped(own: Mapping[int, float], parts: Mapping[int, float], c: int) -> float:
+    """Conversation `c`'s part of `own` (shares summing to 1) plus PRIOR times its share of
+    the chat's leaning (`parts`, from `parts_of`)."""
+    return own.get(c, 0.0) + PRIOR * parts.get(c, 0.0)
 
 
 def weighed(mass: Mapping[int, float], lean: Lean) -> dict[int, float]:
@@ -67,13 +71,14 @@ def weighed(mass: Mapping[int, float], lean: Lean) -> dict[int, float]:
     if not lean or total <= 0:
         return dict(mass)
     own = {c: m / total for c, m in mass.items()}
-    return {c: tipped(own, lean, c) for c in own}
+    parts = parts_of(lean)
+    return {c: tipped(own, parts, c) for c in own}
 
 
-def after(lean: Lean, hits: Sequence[Hit]) -> Lean:
-    """The chat's leaning once a question found `hits`."""
+def after(lean: Lean, own: Mapping[int, float]) -> Lean:
+    """The chat's leaning once a question found hits of these `shares` (`own`)."""
     out = {c: KEPT * part for c, part in lean}
-    for c, share in shares(hits).items():
+    for c, share in own.items():
         out[c] = out.get(c, 0.0) + share
     return tuple(sorted((c, part) for c, part in out.items() if part >= FORGOTTEN))
 

@@ -77,7 +77,8 @@ def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
         # At least the hits the subject re-orders, so a shallower read orders its rows alike.
         depth = max(limit, subject.DEPTH) + len(excluded)
         hits = scanner.search(query, user_id, limit=depth, during=span)
-        if lean and hits and (c := frame_lean.about(hits, lean)) != hits[0].conversation_id:
+        if (lean and hits and (c := frame_lean.about(frame_lean.shares(hits), lean))
+                != hits[0].conversation_id):
             hits = scanner.search(query, user_id, limit=depth, during=span, again=c)
         hits = [h for h in hits if h.message_id not in excluded]
         hits = subject.ranked(query, hits, owner) if chat else hits

@@ -80,7 +80,8 @@ class Selection:
     excerpts: dict[int, Row] = field(default_factory=dict)  # rows quoted in part (`excerpt`)
 
 
-def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0, chat: bool = False) -> int:
+def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0, chat: bool = False,
+           shares: Mapping[int, float] | None = None) -> int:
     """The breadth-sized budget of a question whose retrieval found `hits`, never below a
     narrow question's. An agent's pays for the turns the harness keeps as sent in front of its
     prompt (`kept_tokens`: a short conversation's whole history): the cap is on what the model
@@ -89,8 +90,8 @@ def budget(hits: list[Hit], limits: cap.Cap, kept_tokens: int = 0, chat: bool = 
     keeps as sent (`kept_tokens`, its prompt too), and its question is measured within the
     conversation most of its hits are in (`about`): in a memory of many, the words that tell
     that conversation from the others (a name) score in most of its rows, and made them all
-    good matches (docs/tuning.md)."""
-    inside = about(hits) if chat else None
+    good matches (docs/tuning.md). `shares`: the hits' (frame_lean.shares), when made."""
+    inside = about(frame_lean.shares(hits) if shares is None else shares) if chat else None
     scores = np.asarray([h.score for h in hits if inside is None or h.conversation_id == inside])
     if not chat:
         return max(limits.floor, cap.budget(scores, limits) - kept_tokens)
@@ -189,10 +190,9 @@ def companion(half: list[int], rows: dict[int, Row], limits: cap.Cap) -> list[in
     return other
 
 
-def about(hits: list[Hit]) -> int | None:
+def about(shares: Mapping[int, float]) -> int | None:
     """The conversation most of this question's retrieval is in: the most reheat peaks of its
-    hits (frame_lean.shares; the first such on a tie). None without hits."""
-    shares = frame_lean.shares(hits)
+    hits (their `shares`, frame_lean.shares; the first such on a tie). None without hits."""
     return max(shares, key=shares.__getitem__) if shares else None
 
 

@@ -62,6 +62,37 @@ def idf(n_rows: int, df: np.ndarray) -> np.ndarray:
     return np.log1p((n_rows - df + 0.5) / (df + 0.5))
 
 
+@dataclass(frozen=True, slots=True)
+class Near:
+    """The nearest terms by the table (vectors.Table.near) of a query's known terms, as
+    `expanded` reads them: each term's list in turn, best first, concatenated (`ids`, their
+    cosines and the query term's count), the lists' `lengths`, and whether an id is a query
+    term itself (`asked`); `read`, the query's terms and these ascending, each once, and where
+    the terms (`at_terms`) and the ids (`at_ids`) are in it: one document-frequency read
+    serves both."""
+
+    ids: np.ndarray  # int32
+    cos: np.ndarray  # float64
+    count: np.ndarray  # int64
+    lengths: np.ndarray  # int64
+    asked: np.ndarray  # bool
+    read: np.ndarray  # int32, ascending
+    at_terms: np.ndarray
+    at_ids: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Words:
+    """A query's text as the live dictionary reads it, whatever the statistic it is scored
+    against: its distinct terms ascending, their counts, and their nearest terms when the
+    table bridges words (`near`, Params.expand). Read once a search: its second query making
+    (scan.Scanner._top, a conversation's own counts) reads the same words."""
+
+    terms: np.ndarray  # int32, ascending
+    qtf: np.ndarray  # int64
+    near: Near | None = None
+
+
 @dataclass(slots=True)
 class Query:
     """A query resolved against the pooled statistic: distinct terms ascending, their weights."""
@@ -75,37 +106,72 @@ class Query:
     vec: np.ndarray | None = None  # int8 (vectors.py), None with the semantic half off
     semantic: float = 0.0  # Params.semantic
     n_rows: int = 0  # the pooled statistic's rows, for the idf of terms fed back
+    words: Words | None = None  # what it was made from (make_query), for another statistic
 
     @property
     def empty(self) -> bool:
         return self.terms.size == 0  # the semantic half looks only where the words found
 
 
-def make_query(d: Dictionary, text: str, df_of: Callable[[np.ndarray], np.ndarray], n_rows: int,
-               total_length: int, params: Params) -> Query:
-    """`text` tokenised by `d` (the live dictionary); `df_of(terms) -> df array` reads the
-    pooled document frequencies."""
+def words_of(d: Dictionary, text: str, params: Params,
+             held: Callable[[], np.ndarray] | None = None) -> Words:
+    """`text` tokenised by `d` (the live dictionary), with its known terms' nearest terms
+    when the table bridges words (Params.expand): among the terms `held()` names (a mask over
+    the term ids: those a row holds, a df above zero by the statistic every query making of
+    the search counts within), every term without it."""
     # Counted in Python: a question's few ids cost a third of np.unique's 22 us so.
     counts = Counter(d.id_list(text))
-    if n_rows == 0 or not counts:
-        return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0, n_rows=n_rows)
     terms = np.array(sorted(counts), np.int32)
     qtf = np.array([counts[t] for t in terms.tolist()], np.int64)
+    if not counts or params.semantic <= 0 or params.expand <= 0:
+        return Words(terms, qtf)
+    table = vectors.table()
+    known = [(t, f) for t, f in zip(terms.tolist(), qtf.tolist(), strict=True) if t < d.hash_base]
+    if known:
+        table.cover(d, None if held is None else held())
+    near = [table.near(d, t) for t, _ in known]
+    ids = np.concatenate([i for i, _ in near] + [np.zeros(0, np.int32)])
+    every = np.union1d(terms, ids).astype(np.int32)
+    lengths = np.array([i.size for i, _ in near], np.int64)
+    asked = terms[np.minimum(np.searchsorted(terms, ids), terms.size - 1)] == ids
+    return Words(terms, qtf, Near(
+        ids, np.concatenate([c for _, c in near] + [np.zeros(0)]),
+        np.repeat(np.array([f for _, f in known], np.int64), lengths), lengths, asked, every,
+        np.searchsorted(every, terms), np.searchsorted(every, ids)))
+
+
+def make_query(d: Dictionary, text: str, df_of: Callable[[np.ndarray], np.ndarray], n_rows: int,
+               total_length: int, params: Params, words: Words | None = None,
+               held: Callable[[], np.ndarray] | None = None) -> Query:
+    """`text` tokenised by `d` (the live dictionary); `df_of(terms) -> df array` reads the
+    pooled document frequencies, `held()` which terms they count above zero, when known
+    (words_of). `words`: the text as an earlier query making of the same search read it (its
+    Query.words), not read again."""
+    if n_rows == 0:
+        return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0, n_rows=n_rows)
+    words = words or words_of(d, text, params, held)
+    if words.terms.size == 0:
+        return Query(np.zeros(0, np.int32), np.zeros(0), 0.0, 0.0, n_rows=n_rows)
+    terms, qtf = words.terms, words.qtf
     k1, b = params.k1, params.b
-    df = np.asarray(df_of(terms), dtype=np.int64)
+    if words.near is None:
+        df = np.asarray(df_of(terms), dtype=np.int64)
+    else:  # the terms' and their nearest terms' in one read
+        df_read = np.asarray(df_of(words.near.read), dtype=np.int64)
+        df = df_read[words.near.at_terms]
     vec = None
     if params.semantic > 0:
         # Each term by its idf, a term no row holds at the highest: a word the memory never
         # said still carries its meaning.
         vec = vectors.table().query(d, terms, qtf * idf(n_rows, df))
-    if params.semantic > 0 and params.expand > 0:
-        terms, qtf, df = expanded(d, terms, qtf, df, df_of, params.expand)
+    if words.near is not None:
+        terms, qtf, df = expanded(terms, qtf, df, words.near, df_read, params.expand)
     if not (keep := df > 0).all():  # a term no row holds scores every row zero
         terms, qtf, df = terms[keep], qtf[keep], df[keep]
     avgdl = max(total_length / n_rows, 1e-9)
     w = idf(n_rows, df)
     return Query(terms, qtf * w * (k1 + 1), k1 * (1 - b), k1 * b / avgdl,
-                 params.before, params.after, vec, params.semantic, n_rows)
+                 params.before, params.after, vec, params.semantic, n_rows, words)
 
 
 # Pseudo-relevance feedback (fed_back): the best rows of the first ranking read, and the most
@@ -165,35 +231,26 @@ def fed_back(q: Query, bags: Sequence[Bag],
                  q.n_rows)
 
 
-def expanded(d: Dictionary, terms: np.ndarray, qtf: np.ndarray, df: np.ndarray,
-             df_of: Callable[[np.ndarray], np.ndarray], weight: float
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def expanded(terms: np.ndarray, qtf: np.ndarray, df: np.ndarray, near: Near,
+             df_read: np.ndarray, weight: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The query's terms (ascending, their counts and dfs) and, for each, its vectors.NEAR
-    nearest terms by the table (Table.near) that some row holds and the query does not, each
-    counted `weight` * cosine * the query term's count (the most, when several bring it): the
-    memory's own words for what the question says in others ("puppy" for "dog"), found by BM25
-    in every conversation, at a fraction of the question's own words' weight."""
-    table = vectors.table()
-    words = [(t, f) for t, f in zip(terms.tolist(), qtf.tolist(), strict=True) if t < d.hash_base]
-    near = [table.near(d, t) for t, _ in words]
-    ids = np.concatenate([i for i, _ in near] + [np.zeros(0, np.int32)])
-    if ids.size == 0:
+    nearest terms by the table (`near`, Table.near; `df_read` the dfs of near.read) that some
+    row holds and the query does not, each counted `weight` * cosine * the query term's count
+    (the most, when several bring it): the memory's own words for what the question says in
+    others ("puppy" for "dog"), found by BM25 in every conversation, at a fraction of the
+    question's own words' weight."""
+    if near.ids.size == 0:
         return terms, qtf.astype(np.float64), df
-    # In arrays, not a Python step per nearest term (~160 a question, twice a search): one df
-    # read for them all, then each query term's first NEAR that some row holds and the query
-    # (ascending) does not, by a running count of those within its own list.
-    lengths = np.array([i.size for i, _ in near], np.int64)
-    every = np.unique(ids)
-    df_every = np.asarray(df_of(every))
-    asked = terms[np.minimum(np.searchsorted(terms, ids), terms.size - 1)] == ids
-    ok = (df_every[np.searchsorted(every, ids)] > 0) & ~asked
+    # In arrays, not a Python step per nearest term (~160 a question, twice a search): each
+    # query term's first NEAR that some row holds and the query (ascending) does not, by a
+    # running count of those within its own list.
+    ok = (df_read[near.at_ids] > 0) & ~near.asked
     run = np.cumsum(ok)
-    before = np.concatenate(([0], run))[np.cumsum(lengths) - lengths]
-    pick = ok & (run - np.repeat(before, lengths) <= vectors.NEAR)
-    cos = np.concatenate([c for _, c in near])
-    f = np.repeat(np.array([f for _, f in words], np.int64), lengths)
+    before = np.concatenate(([0], run))[np.cumsum(near.lengths) - near.lengths]
+    pick = ok & (run - np.repeat(before, near.lengths) <= vectors.NEAR)
     brought: dict[int, float] = {}
-    for u, c, n in zip(ids[pick].tolist(), cos[pick].tolist(), f[pick].tolist(), strict=True):
+    for u, c, n in zip(near.ids[pick].tolist(), near.cos[pick].tolist(),
+                       near.count[pick].tolist(), strict=True):
         brought[u] = max(brought.get(u, 0.0), weight * c * n)
     if not brought:
         return terms, qtf.astype(np.float64), df
@@ -201,7 +258,7 @@ def expanded(d: Dictionary, terms: np.ndarray, qtf: np.ndarray, df: np.ndarray,
     all_terms = np.concatenate((terms, new))
     order = np.argsort(all_terms, kind="stable")
     counts = np.concatenate((qtf.astype(np.float64), [brought[u] for u in new.tolist()]))
-    dfs = np.concatenate((df, df_every[np.searchsorted(every, new)].astype(np.int64)))
+    dfs = np.concatenate((df, df_read[np.searchsorted(near.read, new)]))
     return all_terms[order], counts[order], dfs[order]
 
 

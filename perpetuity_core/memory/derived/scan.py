@@ -232,7 +232,7 @@ class Scanner:
         own = view.statistics(conv)
         if own.n_rows < OWN_BELOW * q.n_rows:
             q = make_query(self.db.dictionary, text, own.df, own.n_rows, own.total_length,
-                           self.params)
+                           self.params, q.words)
             df_of = own.df
         fed = fed_back(q, [b for b, _ in best], [s for _, s in best], df_of, self.params)
         inside = view.conversations(np.array([s for _, s, _ in first], np.int64)) == conv

@@ -30,6 +30,7 @@ common component, gained LoCoMo at most 0.45 point and cost BEAM's frame 0.8 to 
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 from importlib import resources
 from typing import TYPE_CHECKING
@@ -49,6 +50,9 @@ ZERO = bytes(DIMS)  # the vector of a row with no term the table knows
 # (docs/tuning.md: 3 at 0.5 and 5 at 0.4 measured).
 NEAR = 5
 NEAR_MIN = 0.4
+# Table.near's product over the rows it looks at, copied out, costs less than over every row
+# below this share of them (3,800 of 11,490: 0.33 ms against 0.47; 5,000: 0.43 against 0.45).
+GATHER_BELOW = 0.4
 _ONES = b"\x01" * 512  # a bag's counts when each of its terms occurs once
 
 
@@ -59,8 +63,13 @@ class Table:
         self.embedding = embedding.astype(np.float32)
         self.tokenizer = tokenizer
         self._terms: dict[str, np.ndarray] = {}
-        self._near: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._near_of = ""  # the dictionary version the nearest terms were found in
+        # Each term's nearest terms among the first `upto` of the terms looked at (`_looked`,
+        # in the order `cover` added them), for the dictionary version `_near_of`.
+        self._near: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+        self._near_of = ""
+        self._looked = np.zeros(0, np.int64)
+        self._covered = np.zeros(0, bool)  # over the term ids: among `_looked`
+        self._lock = threading.Lock()  # the frame's searches and the recall tools' threads
 
     def terms(self, d: Dictionary) -> np.ndarray:
         """A vector per term id of `d` below its hashed range (float32, unit length; zero for
@@ -82,25 +91,53 @@ class Table:
         self._terms = {d.version: out}  # one dictionary is live at a time
         return out
 
+    def cover(self, d: Dictionary, held: np.ndarray | None) -> None:
+        """Look among the terms `held` names (a mask over the term ids below d.hash_base: those
+        some row holds; None: every term) from now on too, when `near` is asked. A mask of
+        another dictionary's (counts read before a flip was followed) names every term."""
+        with self._lock:
+            self._follow(d)
+            if held is None or held.size != self._covered.size:
+                held = np.ones(self._covered.size, bool)
+            new = np.flatnonzero(held & ~self._covered)
+            if new.size:
+                self._looked = np.concatenate((self._looked, new))
+                self._covered[new] = True
+
     def near(self, d: Dictionary, term: int) -> tuple[np.ndarray, np.ndarray]:
-        """The dictionary's terms nearest `term` by the table: those at a cosine of NEAR_MIN
-        or more, best first (ties by id), `term` itself left out, as (ids int32, cosines
-        float64). Found once per term and dictionary (a product with every term's vector by
-        einsum's own loop, 0.4 ms: OpenBLAS's threaded one took 0.1 ms idle and 19 on average
-        on a loaded machine), then kept: a memory asks about the same words again and again."""
+        """The terms nearest `term` by the table among those `cover` named so far: those at a
+        cosine of NEAR_MIN or more, best first (ties by id), `term` itself left out, as (ids
+        int32, cosines float64). A term's cosines are found once per dictionary (a product of
+        its vector with the others' by einsum's own loop, 0.47 ms for all 11,490 terms:
+        OpenBLAS's threaded one took 0.1 ms idle and 19 on average on a loaded machine), and
+        only with the terms a memory holds (bm25.expanded reads no other), each einsum's row
+        the same float32 sum however many rows it is given; a term held later is looked at
+        then. A memory asks about the same words again and again."""
+        with self._lock:
+            self._follow(d)
+            ids, cos, upto = self._near.get(term, (np.zeros(0, np.int32), np.zeros(0), 0))
+            if upto == self._looked.size:
+                return ids, cos
+            rows = self._looked[upto:]
+            table = self.terms(d)
+            if rows.size > GATHER_BELOW * table.shape[0]:  # no copy of most of the table
+                sims = np.einsum("ij,j->i", table, table[term]).astype(np.float64)[rows]
+            else:
+                sims = np.einsum("ij,j->i", table[rows], table[term]).astype(np.float64)
+            keep = (sims >= NEAR_MIN) & (rows != term)
+            if keep.any():  # most terms held since are near no term asked of
+                ids = np.concatenate((ids, rows[keep].astype(np.int32)))
+                cos = np.concatenate((cos, sims[keep]))
+                order = np.lexsort((ids, -cos))
+                ids, cos = ids[order], cos[order]
+            self._near[term] = ids, cos, self._looked.size
+            return ids, cos
+
+    def _follow(self, d: Dictionary) -> None:
+        # One dictionary is live at a time: another's nearest terms are dropped.
         if self._near_of != d.version:
             self._near, self._near_of = {}, d.version
-        held = self._near.get(term)
-        if held is not None:
-            return held
-        table = self.terms(d)
-        sims = np.einsum("ij,j->i", table, table[term]).astype(np.float64)
-        sims[term] = -1.0
-        ids = np.flatnonzero(sims >= NEAR_MIN)
-        order = np.lexsort((ids, -sims[ids]))
-        held = ids[order].astype(np.int32), sims[ids[order]]
-        self._near[term] = held
-        return held
+            self._looked, self._covered = np.zeros(0, np.int64), np.zeros(d.hash_base, bool)
 
     def row(self, d: Dictionary, terms: bytes, counts: bytes) -> bytes:
         """A row's vector from its retrieval row's bag (terms ascending, their counts): the

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -93,6 +92,15 @@ class Frequencies:
             out += np.where(ids[i] == terms, c[i], 0)
         return out
 
+    def held(self) -> np.ndarray:
+        """Which terms below the hashed range some row holds (a df above zero), as a mask over
+        their ids."""
+        out = self.dense > 0
+        ids, c = self.delta
+        if (v := ids < self.hash_base).any():
+            out[ids[v]] = self.dense[ids[v]] + c[v] > 0
+        return out
+
     def table(self) -> tuple[np.ndarray, dict[int, int]]:
         """The frequencies folded: (dense, hashed without zeros)."""
         f = self._fold(*self.delta)
@@ -169,7 +177,8 @@ class View:
         df = self.df
         if df is None:
             return make_query(d, text, lambda t: np.zeros(t.size), 0, 0, params)
-        return make_query(d, text, df.get, self.n_rows, self.total_length, params)
+        return make_query(d, text, df.get, self.n_rows, self.total_length, params,
+                          held=df.held)
 
     def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
@@ -218,10 +227,32 @@ class View:
             a, b = np.searchsorted(kept, (seg.start, seg.start + seg.n))
             if a == b:
                 continue
-            _, _, slot = self._postings(seg, q, (mask[seg.start:seg.start + seg.n],
-                                                 kept[a:b] - seg.start))
-            out[order] += np.bincount(slot, minlength=terms.size)
+            out[order] += self._held(seg, q, (mask[seg.start:seg.start + seg.n],
+                                              kept[a:b] - seg.start))
         return out
+
+    def _held(self, seg: Segment, q: Query, keep: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """How many of a segment's rows `keep` (as `_postings` takes it) hold each of the
+        query's terms: a term-major segment counts their postings without reading them out
+        (`held`), a row-major one reads them."""
+        if seg.terms is None:
+            _, _, slot = self._postings(seg, q, keep)
+            return np.bincount(slot, minlength=q.terms.size)
+        assert seg.rows is not None
+        hit, lo, hi = self._extents(seg, q)
+        out = np.zeros(q.terms.size, np.int64)
+        out[hit] = held(seg.rows, lo, hi, keep)
+        return out
+
+    def _extents(self, seg: Segment, q: Query) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A term-major segment's query terms that it holds (their places in `q`) and the
+        extents [lo, hi) of their postings."""
+        assert seg.terms is not None and seg.ptr is not None
+        if seg.terms.size == 0:
+            return np.zeros(0, np.int64), seg.ptr[:0], seg.ptr[:0]
+        i = np.minimum(np.searchsorted(seg.terms, q.terms), seg.terms.size - 1)
+        hit = np.flatnonzero(seg.terms[i] == q.terms)
+        return hit, seg.ptr[i[hit]], seg.ptr[i[hit] + 1]
 
     def conversations(self, seqs: np.ndarray) -> np.ndarray:
         """The conversation of each of `seqs`, rows of this view (seq ascends in it)."""
@@ -357,13 +388,10 @@ class View:
         in ascending term id; only the rows of `keep` (a mask over the segment's rows and
         their local indices) when given, each row then given as its index in those."""
         if seg.terms is not None:
-            assert seg.ptr is not None and seg.rows is not None
-            i = np.searchsorted(seg.terms, q.terms)
-            i = np.minimum(i, seg.terms.size - 1)
-            hit: Any = np.flatnonzero(seg.terms[i] == q.terms) if seg.terms.size else []
-            if len(hit) == 0:
+            assert seg.rows is not None
+            hit, lo, hi = self._extents(seg, q)
+            if hit.size == 0:
                 return seg.rows[:0], seg.tf[:0], np.zeros(0, np.int64)
-            lo, hi = seg.ptr[i[hit]], seg.ptr[i[hit] + 1]
             return postings(seg.rows, seg.tf, lo, hi, hit, keep)
         assert seg.row_terms is not None and seg.row_ptr is not None
         pos = np.searchsorted(q.terms, seg.row_terms)
@@ -426,6 +454,33 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
         wanted = keep[0][picked]
         return np.searchsorted(keep[1], picked[wanted]), freq[wanted], slot[wanted]
     return picked, freq, slot
+
+
+def held(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+         keep: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """How many of `postings`' answer for these terms is each term's (int64 per term, their
+    extents [lo, hi) in `rows`): the kept rows' postings counted, by the same runs or mask,
+    never gathered (a conversation's own counts, View.frequencies, want no more)."""
+    kept = keep[1]
+    if kept.size == 0 or lo.size == 0:
+        return np.zeros(lo.size, np.int64)
+    first, last = runs(kept, rows.dtype)
+    n = (hi - lo).astype(np.int64)
+    if first.size * lo.size * RUN_COST < int(n.sum()):
+        spans = [rows[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+        ends = np.array([s.searchsorted(last, "right") for s in spans], np.int64)
+        return (ends - np.array([s.searchsorted(first) for s in spans], np.int64)).sum(axis=1)
+    at = np.repeat(lo - (np.cumsum(n) - n), n) + np.arange(n.sum())
+    return np.bincount(np.repeat(np.arange(lo.size), n)[keep[0][rows[at]]], minlength=lo.size)
+
+
+def runs(kept: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The first and last of each run of consecutive rows in `kept` (ascending, not empty),
+    as the postings' own type: a search for another type would convert the whole slice
+    first."""
+    cut = np.flatnonzero(kept[1:] - kept[:-1] > 1)
+    return (kept[np.concatenate(([0], cut + 1))].astype(dtype),
+            kept[np.concatenate((cut, [kept.size - 1]))].astype(dtype))
 
 
 # Postings a mask reads for the price of one run's two binary searches (measured ~8 to 30).
