@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 
 from perpetuity_core.cli.eval import chat_request
-from perpetuity_core.frame import build as frame
 from perpetuity_core.frame import lean as frame_lean
 from perpetuity_core.frame import read as frame_read
 from perpetuity_core.frame import subject
-from perpetuity_core.frame.cap import Cap
-from perpetuity_core.memory.derived import bm25, heat, view
+from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit, Scanner
 from perpetuity_core.memory.schema import open_memory
 from perpetuity_core.memory.storage import capture
@@ -74,117 +72,21 @@ def two_conversations(store: Store, user: str = "u") -> tuple[int, int, int]:
 def test_the_frames_search_ranks_the_leaning_conversation_as_its_own(store: Store) -> None:
     """The best row is the second conversation's: it is the one ranked again by its own
     counts. A chat leaning to the first gets the first ranked so instead, its cooking turn
-    first among its rows (the scan's `again`), in its own hits and in the weighed ones."""
+    first among its rows (the scan's `again`)."""
     uid, a, b = two_conversations(store)
     scanner = Scanner(store, one_person=True)
     query = "What did John cook?"
     plain = frame_read.search(scanner, query, uid, time.time())
     assert plain[0].conversation_id == b
-    lean = ((a, 1.0),)
-    own, leaning = frame_read.searched(scanner, query, uid, time.time(), lean=lean)
-    plain_again, weighed = scanner.weighed(
-        query, uid, lambda convs, held: frame_lean.prior(lean, None, convs, held),
-        limit=subject.DEPTH, again=a)
-    assert [h.item_id for h in own] == [h.item_id for h in subject.ranked(query, plain_again)]
-    assert [h.item_id for h in leaning] == [h.item_id for h in subject.ranked(query, weighed)]
-    assert [h.text for h in own if h.conversation_id == a][0].startswith("John: I cooked")
-
-
-def test_the_leaning_weighs_each_conversations_rows_in_the_scan(store: Store) -> None:
-    """The second conversation's turns match the question best. A chat leaning to the first
-    weighs the other's scores by LEAN_FLOOR ** LEAN_POWER (frame_lean.prior): the first's
-    cooking turn comes first. Words alone, every row scores its own score times its
-    conversation's weight; the plain ranking beside it is the scan's without one."""
-    uid, a, b = two_conversations(store)
-    query = "What did John cook?"
-    lean = ((a, 1.0), (b, 0.01))
-    leaning = frame_read.search(Scanner(store, one_person=True), query, uid, time.time(),
-                                lean=lean)
-    assert leaning[0].text.startswith("John: I cooked")
-    words = Scanner(store, one_person=True, params=bm25.Params(semantic=0.0, feedback=0.0))
-    rest = frame_lean.LEAN_FLOOR ** frame_lean.LEAN_POWER
-    weight = {a: 1.0, b: rest}
-    plain, weighed = words.weighed(query, uid, lambda convs, held: frame_lean.prior(
-        lean, None, convs, held), 20)
-    assert ranks(plain) == ranks(words.search(query, uid, 20))
-    assert {h.item_id: h.score for h in weighed} == {
-        h.item_id: h.score * weight[h.conversation_id] for h in plain}
-    assert frame_lean.prior((), None, [a], everything) is None
-    assert frame_lean.prior(((a, 2.0), (b, 0.5)), None, [a], everything) == view.Prior(
-        (a, b), (1.0, 0.25 ** frame_lean.LEAN_POWER), rest)
-    # The asking chat's own rows weigh whole, the others against the largest of theirs; one
-    # memory per conversation (the data's and the chat's) every weight is 1: as without one.
-    assert frame_lean.prior(((a, 0.5), (b, 2.0), (7, 0.25)), b, [b], everything) == view.Prior(
-        (a, b, 7), (1.0, 1.0, 0.5 ** frame_lean.LEAN_POWER), rest)
-    assert frame_lean.prior(((b, 2.0),), b, [b], everything) is None
-
-
-def everything(conv: int) -> float:
-    return 1.0
-
-
-@pytest.mark.parametrize(("hits", "held", "weighs"), [
-    ([2, 2, 1], {1: 0.6, 2: 0.9}, False),  # its own hits point to 2, whose rows hold more
-    ([2, 2, 1], {1: 0.9, 2: 0.9}, True),  # 1 holds as much of its words: misleading words
-    ([2, 2, 1], {1: 0.95, 2: 0.9}, True),
-    ([2] * 40 + [1], {1: 0.9, 2: 0.9}, False),  # as many of its words, but its hits hardly reach 1
-    ([1, 2, 2], {1: 0.6, 2: 0.9}, False),  # most share by rank peaks is still 2's
-    ([1, 1, 2], {1: 0.6, 2: 0.9}, True),  # they point to the leaning's: nothing to gate
-    ([3, 3, 2, 1], {1: 0.6, 2: 0.9, 3: 0.0}, False),  # the asking chat's own hits skipped
-    ([], {1: 0.0}, True),  # no hits: the leaning alone
-])
-def test_the_weight_holds_only_where_the_questions_words_do_not_point_away(
-        hits: list[int], held: dict[int, float], weighs: bool) -> None:
-    """A chat leaning to conversation 1 (asking in 3): its scan is weighed unless the
-    conversation its own hits reach most is another, and either holds more of the question's
-    words by weight than 1 does (a change of subject names what only the new conversation
-    says) or its hits reach 1 with less than REACH of their shares."""
-    got = frame_lean.prior(((1, 1.0), (2, 0.3), (3, 5.0)), 3, hits, held.__getitem__)
-    assert (got is not None) == weighs
-    if weighs:
-        assert got == frame_lean.prior(((1, 1.0), (2, 0.3), (3, 5.0)), 3, hits, everything)
-
-
-def test_a_question_naming_what_only_another_conversation_holds_is_not_weighed(
-        store: Store) -> None:
-    """Leaning to the first conversation, "What did Tim cook?" names Tim, whom only the
-    second holds: the frame reads the question's own hits. "What did John cook?" names what
-    both hold: the weighed ones, the first's cooking turn on top (scan.held's shares)."""
-    uid, a, b = two_conversations(store)
-    scanner = Scanner(store, one_person=True)
-    lean = ((a, 1.0),)
-    own, read = frame_read.searched(scanner, "What did Tim cook?", uid, time.time(), lean=lean)
-    assert own[0].conversation_id == b and ranks(read) == ranks(own)
-    own, read = frame_read.searched(scanner, "What did John cook?", uid, time.time(), lean=lean)
-    assert own[0].conversation_id == b and read[0].text.startswith("John: I cooked")
-
-
-def test_the_leaning_learns_from_the_questions_own_hits(store: Store) -> None:
-    """A chat leaning to the first conversation asks what the second one's turns answer: its
-    frame reads the weighed ranking, the first's cooking turn on top, but the leaning it
-    hands on grows by the question's own hits, the second's, as without the weight. Fed by
-    the weighed hits, a leaning weighs the next scan by what it weighed itself, and a chat
-    that changes its subject stays locked in (docs/tuning.md)."""
-    uid, a, b = two_conversations(store)
-    scanner = Scanner(store, one_person=True)
-    query, at, lean = "What did John cook?", time.time(), ((a, 1.0),)
-    built = frame.build(scanner, user_id=uid, conversation_id=None, query=query,
-                        exclude_messages=(), asked_at=at, limits=Cap(), lean=lean)
-    assert built is not None
-    assert built.ranked[0].conversation_id == a  # the weighed ranking
-    own = frame_read.searched(scanner, query, uid, at, lean=lean)[0]
-    assert own[0].conversation_id == b
-    assert built.lean == frame_lean.after(lean, own) != frame_lean.after(lean, built.ranked)
-    assert dict(built.lean)[b] > dict(frame_lean.after(lean, built.ranked))[b]
-
-
-def ranks(hits: list[Hit]) -> list[tuple[int, float]]:
-    return [(h.item_id, h.score) for h in hits]
+    leaning = frame_read.search(scanner, query, uid, time.time(), lean=((a, 1.0),))
+    want = subject.ranked(query, scanner.search(query, uid, limit=subject.DEPTH, again=a))
+    assert [h.item_id for h in leaning] == [h.item_id for h in want]
+    assert [h.text for h in leaning if h.conversation_id == a][0].startswith("John: I cooked")
 
 
 def test_a_chats_plan_carries_its_leaning(tmp_path: Path) -> None:
-    """Each question's frame adds its own hits' shares to the chat's leaning, which its plan
-    hands to the next question's frame (what the shares are: the test above)."""
+    """Each question's frame adds its hits' shares to the chat's leaning, which its plan
+    hands to the next question's frame."""
     store = open_memory(tmp_path / "memory.db")
     try:
         two_conversations(store)
@@ -196,12 +98,8 @@ def test_a_chats_plan_carries_its_leaning(tmp_path: Path) -> None:
             history.append({"role": "user", "content": question})
             d = pipeline.prepare(chat_request("u", "chat", 1_700_100_000.0 + 60 * k, history))
             assert d.recall is not None and d.frame is not None and d.recall.plan is not None
-            assert d.recall.plan.lean == d.frame.lean
-            if not leans:  # no leaning yet: its own hits are the frame's (no weight)
-                assert d.frame.lean == frame_lean.after((), d.frame.ranked)
-            else:
-                assert d.frame.lean != leans[-1] and dict(d.frame.lean).keys() >= dict(
-                    leans[-1]).keys()
+            assert d.recall.plan.lean == frame_lean.after(leans[-1] if leans else (),
+                                                          d.frame.ranked)
             leans.append(d.recall.plan.lean)
             history.append({"role": "assistant", "content": "Noted."})
     finally:

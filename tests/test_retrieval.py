@@ -75,8 +75,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
               conversation_id: int | None = None, exclude: frozenset[int] = frozenset(),
               params: bm25.Params = bm25.Params(),
               during: tuple[float, float] | None = None,
-              again: int | None = None,
-              prior: view.Prior | None = None) -> list[tuple[int, float]]:
+              again: int | None = None) -> list[tuple[int, float]]:
     """Brute-force score of every row, in plain Python: (item_id, score), best first.
 
     BM25 of each row, plus the weighted BM25 of the rows before and after it in its
@@ -85,9 +84,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
     visible rows of the conversations holding the view.SEMANTIC_FROM best visible rows by
     that score (ties by seq): each one's cosine with the query (integer dot products of the
     stored int8 vectors), at zero below zero, times semantic * the best of those scores
-    (none when no row scores). A `prior` multiplies each row's first score, before the
-    semantic half, by its conversation's weight (its `rest` for a conversation it does not
-    name). The query's vector is the table's vectors of its terms, each weighed
+    (none when no row scores). The query's vector is the table's vectors of its terms, each weighed
     by its idf computed here; `during` keeps the rows said in that span, scored as without
     it. With feedback on, of the first max(k + excluded, bm25.FEEDBACK_ROWS) rows so ranked
     (before `exclude`), those of the best one's conversation (or of `again`) are replaced,
@@ -140,13 +137,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
         # numpy's log1p, not math's: they differ in the last bit for a few % of inputs.
         return lambda t: float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
 
-    def weight(conv: int) -> float:
-        if prior is None:
-            return 1.0
-        return prior.weights[prior.convs.index(conv)] if conv in prior.convs else prior.rest
-
-    def scored(stats: tuple, counts: dict[int, float], among: set[int],
-               weighed: bool = False) -> dict[int, float]:
+    def scored(stats: tuple, counts: dict[int, float], among: set[int]) -> dict[int, float]:
         df, n, avgdl, _, q = stats
         idf = idf_of(df, n)
         plain = {}
@@ -166,7 +157,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
                 s = s + w * (plain[chain[i - d]] if i - d >= 0 else 0.0)
             for d, w in enumerate(params.after, 1):
                 s = s + w * (plain[chain[i + d]] if i + d < len(chain) else 0.0)
-            lexical[seq] = s * weight(conv) if weighed else s
+            lexical[seq] = s
         found = sorted((-lexical[s], s) for s in among if lexical[s] > 0)
         if q is not None and found:
             scale = params.semantic * -found[0][0]
@@ -192,7 +183,7 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
         return sorted(out)
 
     pooled = statistic(decoded)
-    lexical = scored(pooled, pooled[3], visible, weighed=True)
+    lexical = scored(pooled, pooled[3], visible)
     first = ranking(lexical)[:max(k + len(exclude), bm25.FEEDBACK_ROWS)]
     best = [(-negs, seq) for _, negs, seq, _ in first[:bm25.FEEDBACK_ROWS]]
     if params.feedback > 0 and (best or again is not None):  # as its own memory ranks it
@@ -212,37 +203,6 @@ def reference(store: Store, query: str, user_id: int | None, k: int, *, share: b
             first, (again.pop(0) if p[2] in inside else p for p in first), strict=True)]
     out = [r for r in first if r[3] not in exclude]
     return [(item, -negs) for _, negs, _, item in out[:k]]
-
-
-def held(store: Store, query: str, params: bm25.Params) -> dict[int, float]:
-    """Each conversation's share of the query's weight (its terms' counts, the table's terms
-    too, times their idf over every row; terms no row holds weigh nothing) in the terms some
-    row of it holds (scan.held)."""
-    conn = opened_other(store.path)
-    rows = conn.execute("SELECT conversation_id, terms FROM retrieval").fetchall()
-    conn.close()
-    df: Counter[int] = Counter()
-    holds: dict[int, set[int]] = {}
-    for conv, tb in rows:
-        terms = {int.from_bytes(tb[i:i + 4], "little", signed=True) for i in range(0, len(tb), 4)}
-        df.update(terms)
-        holds.setdefault(conv, set()).update(terms)
-    qtf = Counter(store.db.dictionary.ids(query).tolist())
-    counts: dict[int, float] = dict(qtf)
-    if params.semantic > 0 and params.expand > 0:
-        counts |= nearest(store, qtf, df, params.expand)
-    n = len(rows)
-    weight = {t: c * float(np.log1p(np.float64((n - df[t] + 0.5) / (df[t] + 0.5))))
-              for t, c in counts.items() if df[t]}
-    total = sum(weight.values())
-    return {conv: sum(w for t, w in weight.items() if t in terms) / total if total else 0.0
-            for conv, terms in holds.items()}
-
-
-def conv_of(store: Store, item: int) -> int:
-    (conv,) = store.db.translated().execute(
-        "SELECT conversation_id FROM retrieval WHERE item_id = ?", (item,)).fetchone()
-    return int(conv)
 
 
 def fed_back(best: list[tuple[float, int]], bag: dict[int, tuple[dict[int, int], int, int]],
@@ -597,31 +557,6 @@ def test_scan_is_exact_against_the_reference(store: Store, path: str, params: bm
                                       "anthropic")
         same(ranked(shared.search(q, uid, k, again=again)),
              reference(store, q, uid, k, share=True, params=params, again=again))
-        # A prior's ranking beside the plain one, from one scan: each exact (frame_lean.prior).
-        convs = sorted(rng.sample(range(1, 10), rng.randint(0, 3)))
-        prior = view.Prior(tuple(convs), tuple(rng.uniform(0.1, 1) for _ in convs),
-                           rng.uniform(0.05, 1))
-        named = rng.choice([None, again])
-        holds = held(store, q, params)
-        for scanner, share in ((sc, False), (shared, True)):
-            asked: list[list[int]] = []
-
-            def weigh(convs: list[int], share_of: Callable[[int], float],
-                      asked: list[list[int]] = asked, prior: view.Prior = prior,
-                      holds: dict[int, float] = holds) -> view.Prior:
-                asked.append(convs)
-                for c in set(convs):
-                    assert share_of(c) == pytest.approx(holds.get(c, 0.0), abs=1e-12)
-                return prior
-
-            plain, weighed = scanner.weighed(q, uid, weigh, k, again=named)
-            want = reference(store, q, uid, k, share=share, params=params, again=named)
-            same(ranked(plain), want)
-            # The prior is made of the plain ranking's conversations, best first, and of each
-            # conversation's share of the query's weight in terms its rows hold.
-            assert asked == ([[conv_of(store, i) for i, _ in want]] if want else [])
-            same(ranked(weighed), reference(store, q, uid, k, share=share, params=params,
-                                            again=named, prior=prior))
 
 
 def test_same_ranking_whatever_the_threads_and_layout(store: Store,

@@ -80,16 +80,15 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     """
     excluded = set(exclude_messages)
     found = frame_read.retrieve(scanner, query, user_id, asked_at, excluded, chat=not agent,
-                                lean=lean, asking=conversation_id)
+                                lean=lean)
     # A chat's fill counts its hits' neighbours at a share (frame_select.fill_reheats); the
     # reheats written (`_frame`) are the search's own.
     seen = found if agent else replace(found, reheats=frame_select.fill_reheats(found.reheats,
                                                                                 found.hits))
-    # A chat's rows of a conversation it comes back to did not cool while it was away; what
-    # the question is about is read from its own hits, as its leaning is.
-    moved = asked if agent else frame_lean.moved(asked, frame_lean.about(found.own, lean),
+    # A chat's rows of a conversation it comes back to did not cool while it was away.
+    moved = asked if agent else frame_lean.moved(asked, frame_lean.about(found.hits, lean),
                                                  found.now)
-    paused = () if agent else frame_lean.paused(moved, found.now, frame_lean.shares(found.own))
+    paused = () if agent else frame_lean.paused(moved, found.now, frame_lean.shares(found.hits))
     warm, shelf = frame_read.for_frame(scanner, seen, user_id, excluded, recent_messages,
                                        1.0 if agent else heat.CARRIED, paused)
     tokens = limits.floor if narrow else frame_select.budget(found.hits, limits, kept_tokens,
@@ -116,8 +115,7 @@ def build(scanner: Scanner, *, user_id: int, conversation_id: int | None, query:
     built = _frame(frame_render.written(laid, asked_at, said=said, apart=agent), chosen,
                    found, tokens, warm.foreign)
     built.warm = warm
-    # The leaning learns from the question's own hits, never from those it weighed itself.
-    built.lean = () if agent else frame_lean.after(lean, found.own)
+    built.lean = () if agent else frame_lean.after(lean, found.hits)
     built.asked = moved
     return built
 

@@ -16,35 +16,21 @@ conversation's warm rows by its share of their warmth, tipped so too (`weighed`)
 A chat also keeps when it was away from each conversation it asked about (`Asked`): a
 conversation's rows cool only while the chat is about it, so the rows its earlier questions
 left warm are as warm when the chat comes back to it as when it left (heat.Paused).
-
-The leaning weighs the frame's scan too (`prior`, h-conv40): each row's score times its
-conversation's part of the leaning against the largest other part, to the power LEAN_POWER,
-at least LEAN_FLOOR's; the asking chat's own rows whole. The leaning itself is fed by the
-question's unweighed hits alone (`after`): fed by the weighed ones, it locked a chat in, each
-leaning weighing the next scan (BEAM, 3 questions of each conversation in turn: 0.4958 ->
-0.2375). Nor does it weigh a question that itself points away from the leaning's
-conversation: a change of subject names what only the new conversation holds, where
-misleading words ("John" in three conversations) are held by both (docs/tuning.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from perpetuity_core.memory.derived import heat
 from perpetuity_core.memory.derived.scan import Hit
-from perpetuity_core.memory.derived.view import Prior
 
 # An earlier question's part of the leaning, kept per question since; the leaning's weight
 # against this question's own shares. LoCoMo `--personal` (docs/tuning.md).
 KEPT = 0.8
 PRIOR = 1.0
 FORGOTTEN = 0.01  # a part below this is dropped: a plan holds a few conversations, not all
-# The leaning's weight on the scan's scores (`prior`): its power, and the least weight, that of
-# a conversation the leaning does not hold. BEAM and LoCoMo `--personal` (docs/tuning.md).
-LEAN_POWER = 0.5
-LEAN_FLOOR = 0.05
 
 # (conversation id, its part), conversations ascending: a plan's field, so immutable.
 Lean = tuple[tuple[int, float], ...]
@@ -52,14 +38,9 @@ Lean = tuple[tuple[int, float], ...]
 
 def shares(hits: Sequence[Hit]) -> dict[int, float]:
     """Each conversation's share of the hits' reheat peaks by rank (summing to 1)."""
-    return shares_of([h.conversation_id for h in hits])
-
-
-def shares_of(convs: Sequence[int]) -> dict[int, float]:
-    """`shares` of hits in these conversations, best first."""
     mass: dict[int, float] = {}
-    for c, peak in zip(convs, heat.rank_peaks(len(convs)), strict=False):
-        mass[c] = mass.get(c, 0.0) + peak
+    for h, peak in zip(hits, heat.rank_peaks(len(hits)), strict=False):
+        mass[h.conversation_id] = mass.get(h.conversation_id, 0.0) + peak
     total = sum(mass.values())
     return {c: m / total for c, m in mass.items()} if total > 0 else {}
 
@@ -138,29 +119,3 @@ def paused(asked: Asked, now: float, reach: Mapping[int, float]) -> tuple[heat.P
     with at least REACH."""
     return tuple(heat.Paused(c, left, min(back, now)) for c, left, back in asked.spans
                  if c == asked.subject or reach.get(c, 0.0) >= REACH)
-
-
-def prior(lean: Lean, asking: int | None, hits: Sequence[int],
-          held: Callable[[int], float]) -> Prior | None:
-    """The scan's weight of each conversation for a chat leaning so: its part against the
-    largest of the others', to the power LEAN_POWER, at least LEAN_FLOOR's; the `asking`
-    conversation's whole (the chat's own turns: the leaning tells which of the person's other
-    conversations it is about). None without a leaning on another conversation, or when the
-    question itself points away from the leaning's: its own `hits` (conversations, best first)
-    reach another with the most share, and reach the leaning's with less than REACH, or that
-    other holds more of its words by weight (`held`: a conversation's share of the query's
-    weight in terms its rows hold)."""
-    others = {c: part for c, part in lean if c != asking}
-    top = max(others.values(), default=0.0)
-    if top <= 0:
-        return None
-    own = shares_of([c for c in hits if c != asking])
-    leaning = max(others, key=lambda c: (others[c], -c))
-    pointed = max(own, key=lambda c: (own[c], -c), default=leaning)
-    if pointed != leaning and (own.get(leaning, 0.0) < REACH or held(leaning) < held(pointed)):
-        return None
-    weights = {c: max(part / top, LEAN_FLOOR) ** LEAN_POWER for c, part in others.items()}
-    if asking is not None:
-        weights[asking] = 1.0
-    convs = sorted(weights)
-    return Prior(tuple(convs), tuple(weights[c] for c in convs), LEAN_FLOOR ** LEAN_POWER)

@@ -45,7 +45,6 @@ class Found:
     hits: list[Hit]
     reheats: dict[int, float]
     now: float
-    own: list[Hit]  # the question's own hits, unweighed by a chat's leaning (`searched`)
 
 
 @dataclass(slots=True)
@@ -62,66 +61,38 @@ class Shelf:
 
 def search(scanner: Scanner, query: str, user_id: int, asked_at: float,
            excluded: Collection[int] = frozenset(), limit: int = HITS,
-           chat: bool = True, lean: frame_lean.Lean = (), asking: int | None = None) -> list[Hit]:
+           chat: bool = True, lean: frame_lean.Lean = ()) -> list[Hit]:
     """A question's hits, best first, outside the `excluded` messages; when the question names
     a date, the rows said then come first, each part in the scan's order (LoCoMo recall_all,
     `perpetuity eval`: 0.830 without, 0.844 with, at the same mean frame; 200 of its 1,535
     questions name a date); within each part, for a `chat`, the rows said by whom the question
     is about rank higher (frame_subject; an agent's prompt is left as measured), a shared
     pool's own rows still first. A chat's `lean` (frame_lean) may name another conversation
-    than the best row's to rank as its own memory would, and weighs each conversation's rows
-    but the `asking` one's (frame_lean.prior)."""
-    return searched(scanner, query, user_id, asked_at, excluded, limit, chat, lean, asking)[1]
-
-
-def searched(scanner: Scanner, query: str, user_id: int, asked_at: float,
-             excluded: Collection[int] = frozenset(), limit: int = HITS, chat: bool = True,
-             lean: frame_lean.Lean = (), asking: int | None = None
-             ) -> tuple[list[Hit], list[Hit]]:
-    """The question's own hits (`search` with the chat's leaning naming the conversation, not
-    weighing it: what the leaning learns from, frame_lean.after) and the hits the frame reads
-    (weighed by the leaning), from one scan."""
+    than the best row's to rank as its own memory would."""
     owner = user_id if scanner.share_pool and not scanner.one_person else None
     during = dates.window(query, asked_at)
-    own: list[Hit] = []
-    read: list[Hit] = []
+    found: list[Hit] = []
     for span in ([during] if during else []) + [None]:
+        seen = {h.item_id for h in found}
         # At least the hits the subject re-orders, so a shallower read orders its rows alike.
         depth = max(limit, subject.DEPTH) + len(excluded)
-        hits, weighed = _scan(scanner, query, user_id, depth, span, lean, asking)
+        hits = scanner.search(query, user_id, limit=depth, during=span)
         if lean and hits and (c := frame_lean.about(hits, lean)) != hits[0].conversation_id:
-            hits, weighed = _scan(scanner, query, user_id, depth, span, lean, asking, c)
-        for found, part in ((own, hits), (read, weighed)):
-            seen = {h.item_id for h in found}
-            part = [h for h in part if h.message_id not in excluded]
-            part = subject.ranked(query, part, owner) if chat else part
-            found += [h for h in part if h.item_id not in seen]
-    return own[:limit], read[:limit]
-
-
-def _scan(scanner: Scanner, query: str, user_id: int, depth: int,
-          span: tuple[float, float] | None, lean: frame_lean.Lean, asking: int | None,
-          again: int | None = None) -> tuple[list[Hit], list[Hit]]:
-    """The scan's hits, and beside them the hits weighed by the chat's `lean` and the first
-    ones' conversations (frame_lean.prior; the same without a leaning)."""
-    if not lean:
-        hits = scanner.search(query, user_id, limit=depth, during=span, again=again)
-        return hits, hits
-    return scanner.weighed(query, user_id,
-                           lambda convs, held: frame_lean.prior(lean, asking, convs, held),
-                           limit=depth, during=span, again=again)
+            hits = scanner.search(query, user_id, limit=depth, during=span, again=c)
+        hits = [h for h in hits if h.message_id not in excluded]
+        hits = subject.ranked(query, hits, owner) if chat else hits
+        found += [h for h in hits if h.item_id not in seen]
+    return found[:limit]
 
 
 def retrieve(scanner: Scanner, query: str, user_id: int, asked_at: float,
-             excluded: set[int], chat: bool = True, lean: frame_lean.Lean = (),
-             asking: int | None = None) -> Found:
+             excluded: set[int], chat: bool = True, lean: frame_lean.Lean = ()) -> Found:
     """A question's hits (`search`), the reheats they bring (peaks by rank, neighbours warming
-    with them) and the user's clock; its own hits beside them (`searched`)."""
-    own, hits = searched(scanner, query, user_id, asked_at, excluded, chat=chat, lean=lean,
-                         asking=asking)
+    with them) and the user's clock."""
+    hits = search(scanner, query, user_id, asked_at, excluded, chat=chat, lean=lean)
     reheats = heat.rank_reheats([h.item_id for h in hits],
                                 _neighbours(scanner, hits[:NEIGHBOUR_HITS], excluded))
-    return Found(hits, reheats, heat.clock(scanner.db, user_id), own)
+    return Found(hits, reheats, heat.clock(scanner.db, user_id))
 
 
 def for_frame(scanner: Scanner, found: Found, user_id: int, excluded: set[int],

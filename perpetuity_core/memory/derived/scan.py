@@ -87,15 +87,10 @@ from perpetuity_core.memory.derived.bm25 import (
     make_query,
 )
 from perpetuity_core.memory.derived.index import item_text, sequence, totals, unfolded_df
-from perpetuity_core.memory.derived.view import Prior, Statistics, View, Visibility
+from perpetuity_core.memory.derived.view import View, Visibility
 from perpetuity_core.memory.storage.dialect import Sql, marks, one_of
 from perpetuity_core.memory.storage.kept import Kept, There, kept
 from perpetuity_core.memory.storage.store import Database, Store, failing_as
-
-# What a weighed search (Scanner.weighed) weighs each conversation's rows by, made of the
-# conversations of its plain ranking's rows, best first, and of how much of the question's
-# words each conversation holds (View.held) (frame/lean.py: a chat's leaning).
-Weigh = Callable[[list[int], Callable[[int], float]], Prior | None]
 
 # A conversation with fewer rows than this share of the memory's is ranked again by its own
 # counts (Scanner._top); past it the memory's are mostly its own. One memory per conversation,
@@ -186,25 +181,9 @@ class Scanner:
         """Rank the rows `user_id` may see (all rows for None) against `query`; with `during`,
         only the rows said in that [start, end) span of epoch seconds; `again`: the
         conversation ranked again by its own statistic (`_top`), else the best row's."""
-        return self._search(query, user_id, limit, exclude, conversation_id, during, again)[0]
-
-    def weighed(self, query: str, user_id: int | None, weigh: Weigh, limit: int = 10,
-                exclude: Iterable[int] = frozenset(), during: tuple[float, float] | None = None,
-                again: int | None = None) -> tuple[list[Hit], list[Hit]]:
-        """`search`'s hits, and beside them the hits with each row's score times its
-        conversation's weight in the prior `weigh` makes of the first ones' conversations
-        (View.ranked), each ranking's best conversation (or `again`) ranked again: one scan of
-        every row for both."""
-        plain, *weighed = self._search(query, user_id, limit, exclude, None, during, again,
-                                       weigh)
-        return plain, weighed[0] if weighed else plain
-
-    def _search(self, query: str, user_id: int | None, limit: int, exclude: Iterable[int],
-                conversation_id: int | None, during: tuple[float, float] | None,
-                again: int | None, weigh: Weigh | None = None) -> list[list[Hit]]:
         exclude = frozenset(exclude)
         if limit <= 0 or not query.strip():
-            return [[]]
+            return []
         if self.one_person:
             user_id = None
         pool = self.pool_of(user_id) if self.pool_of and self.share_pool and user_id else None
@@ -213,23 +192,23 @@ class Scanner:
         with failing_as("search memory"):
             self.catch_up()
             if self._use_arena:
-                ranked = self._arena_top(query, k, visible, again, weigh)
+                ranked = self._arena_top(query, k, visible, again)
             else:
-                ranked = self._store_top(query, k, visible, again, weigh)
-            found = [fetch_hits(self.db, r) for r in ranked]
-        return [[h for h in hits if h.item_id not in exclude][:limit] for hits in found]
+                ranked = self._store_top(query, k, visible, again)
+            hits = fetch_hits(self.db, ranked)
+        return [h for h in hits if h.item_id not in exclude][:limit]
 
-    def _arena_top(self, text: str, k: int, visible: Visibility, again: int | None,
-                   weigh: Weigh | None) -> list[list[tuple[float, int, bool]]]:
+    def _arena_top(self, text: str, k: int, visible: Visibility,
+                   again: int | None) -> list[tuple[float, int, bool]]:
         view = self.arena.view
         if view.df is None:  # nothing stored yet
-            return [[]]
+            return []
         return self._top(view, text, view.query(self.db.dictionary, text, self.params), k,
-                         visible, view.df.get, self.db.connection(), again, weigh)
+                         visible, view.df.get, self.db.connection(), again)
 
     def _top(self, view: View, text: str, q: Query, k: int, visible: Visibility,
-             df_of: Callable[[np.ndarray], np.ndarray], conn: Sql, again: int | None,
-             weigh: Weigh | None) -> list[list[tuple[float, int, bool]]]:
+             df_of: Callable[[np.ndarray], np.ndarray], conn: Sql,
+             again: int | None = None) -> list[tuple[float, int, bool]]:
         """The k best visible rows for `q` (`text` against the pooled statistic), the best
         row's conversation (or `again`) ranked again as its own memory would rank it: `text`
         against that conversation's own statistic (View.statistics), with the terms its rows
@@ -240,52 +219,21 @@ class Scanner:
         good match (docs/tuning.md). The first ranking's mix of conversations and its scores (which the
         frame's budget reads) stay: letting the fed scores rise cost LoCoMo `--personal` 1.4
         points of the frame and BEAM's 3. A conversation that is most of the memory
-        (OWN_BELOW) is ranked again by the memory's counts: they are mostly its own. With
-        `weigh`, a second ranking beside it from the same scores, weighed by the prior it
-        makes of the first k rows' conversations, fed back on its own."""
-        feedback = self.params.feedback > 0
-        depth = max(k, FEEDBACK_ROWS) if feedback else k
-        lexical = view.lexical(q, visible)
-        firsts = [view.ranked(q, depth, visible, lexical)]
-        stats: dict[int, Statistics] = {}
-
-        def own(conv: int) -> Statistics:  # a conversation's counts, read once a search
-            if conv not in stats:
-                stats[conv] = view.statistics(conv)
-            return stats[conv]
-
-        prior = weigh(view.conversations(np.array([s for _, s, _ in firsts[0][:k]], np.int64)
-                                         ).tolist(), lambda c: held(q, own(c))
-                      ) if weigh and firsts[0] else None
-        if prior is not None:
-            firsts.append(view.ranked(q, depth, visible, lexical, prior))
-        if not feedback:
-            return [first[:k] for first in firsts]
-        seqs = sorted({s for first in firsts for _, s, _ in first[:FEEDBACK_ROWS]})
-        got = bags(self.db, conn, seqs) if seqs else {}
-        counted: dict[int, tuple[Query, Callable[[np.ndarray], np.ndarray]]] = {}
-        out = []
-        for first in firsts:
-            best = [(got[s], score) for score, s, _ in first[:FEEDBACK_ROWS] if s in got]
-            if not first or (not best and again is None):
-                out.append(first[:k])
-                continue
-            conv = best[0][0][3] if again is None else again
-            if conv not in counted:
-                its = own(conv)
-                counted[conv] = (q, df_of) if its.n_rows >= OWN_BELOW * q.n_rows else (
-                    make_query(self.db.dictionary, text, its.df, its.n_rows, its.total_length,
-                               self.params), its.df)
-            out.append(self._fed(view, first, [(b, score) for b, score in best if b[3] == conv],
-                                 conv, *counted[conv], k, visible))
-        return out
-
-    def _fed(self, view: View, first: list[tuple[float, int, bool]],
-             best: list[tuple[Bag, float]], conv: int, q: Query,
-             df_of: Callable[[np.ndarray], np.ndarray], k: int,
-             visible: Visibility) -> list[tuple[float, int, bool]]:
-        """`first` with conversation `conv`'s rows ranked again for `q` and the terms its
-        `best` rows bring, in that conversation's places."""
+        (OWN_BELOW) is ranked again by the memory's counts: they are mostly its own."""
+        first = view.top(q, max(k, FEEDBACK_ROWS) if self.params.feedback > 0 else k, visible)
+        if self.params.feedback <= 0 or not first:
+            return first[:k]
+        got = bags(self.db, conn, [s for _, s, _ in first[:FEEDBACK_ROWS]])
+        best = [(got[s], score) for score, s, _ in first[:FEEDBACK_ROWS] if s in got]
+        if not best and again is None:
+            return first[:k]
+        conv = best[0][0][3] if again is None else again
+        best = [(b, score) for b, score in best if b[3] == conv]
+        own = view.statistics(conv)
+        if own.n_rows < OWN_BELOW * q.n_rows:
+            q = make_query(self.db.dictionary, text, own.df, own.n_rows, own.total_length,
+                           self.params)
+            df_of = own.df
         fed = fed_back(q, [b for b, _ in best], [s for _, s in best], df_of, self.params)
         inside = view.conversations(np.array([s for _, s, _ in first], np.int64)) == conv
         ranked = view.top(fed, k, replace(visible, conversation_id=conv))
@@ -298,8 +246,8 @@ class Scanner:
         return [(place[0], *next(rows)[1:]) if there else place
                 for place, there in zip(first, inside.tolist(), strict=True)][:k]
 
-    def _store_top(self, text: str, k: int, visible: Visibility, again: int | None,
-                   weigh: Weigh | None) -> list[list[tuple[float, int, bool]]]:
+    def _store_top(self, text: str, k: int, visible: Visibility,
+                   again: int | None) -> list[tuple[float, int, bool]]:
         """The small-memory path: score the visible rows read straight from the store."""
         db = self.db
         with db.snapshot("search memory") as conn:
@@ -307,12 +255,11 @@ class Scanner:
             q = make_query(db.dictionary, text, lambda t: unfolded_df(db, conn, t), n_rows,
                            total, self.params)
             if q.empty:
-                return [[]]
-            return self._store_rows_top(conn, text, q, k, visible, again, weigh)
+                return []
+            return self._store_rows_top(conn, text, q, k, visible, again)
 
     def _store_rows_top(self, conn: Sql, text: str, q: Query, k: int, visible: Visibility,
-                        again: int | None, weigh: Weigh | None
-                        ) -> list[list[tuple[float, int, bool]]]:
+                        again: int | None) -> list[tuple[float, int, bool]]:
         """`_store_top` within its snapshot, where the feedback's rows and counts are read."""
         db = self.db
         where, args = "", []
@@ -324,7 +271,7 @@ class Scanner:
         rows = conn.execute("SELECT seq, user_id, conversation_id, at, length, terms, counts,"
                             f" vec FROM retrieval {where} ORDER BY seq", args).fetchall()
         if not rows:
-            return [[]]
+            return []
         tmp = Arena(db, ROWS, threads=1)
         seq, user, conv, at, length, terms_b, counts_b, vec_b = zip(*rows)
         tmp.put_rows(np.asarray(seq, COLUMNS["seq"]), np.asarray(user, COLUMNS["user"]),
@@ -335,15 +282,7 @@ class Scanner:
         tmp.segments = [build_segment(0, row_len, np.frombuffer(b"".join(terms_b), "<i4"),
                                       np.frombuffer(b"".join(counts_b), np.uint8), ROWS)]
         return self._top(tmp.publish(), text, q, k, visible,
-                         lambda t: unfolded_df(db, conn, t), conn, again, weigh)
-
-
-def held(q: Query, its: Statistics) -> float:
-    """The share of `q`'s weight (its terms' count times idf) in the terms some row of a
-    conversation with statistic `its` holds: how much of a question its words there can
-    answer at all."""
-    total = float(q.weights.sum())
-    return float(q.weights[its.df(q.terms) > 0].sum()) / total if total > 0 else 0.0
+                         lambda t: unfolded_df(db, conn, t), conn, again)
 
 
 def fetch_hits(db: Database, ranked: list[tuple[float, int, bool]]) -> list[Hit]:

@@ -173,13 +173,8 @@ class View:
 
     def top(self, q: Query, k: int, visible: Visibility) -> list[tuple[float, int, bool]]:
         """The k best visible rows as (score, seq, own), own first, then best, ties by seq."""
-        return self.ranked(q, k, visible, self.lexical(q, visible))
-
-    def lexical(self, q: Query, visible: Visibility) -> Lexical | None:
-        """The visible rows scoring above zero by their words (context and all), what every
-        ranking of `q` is chosen from (`ranked`); None for an empty query or view."""
-        if q.empty or not self.segments:
-            return None
+        if q.empty or k <= 0 or not self.segments:
+            return []
         # Context never crosses a conversation, and a conversation is one user's, so rows the
         # asker cannot see are dropped before it is computed; a time span only picks among
         # the scored rows, which score as they would without it.
@@ -190,20 +185,8 @@ class View:
             cand, score = self.visible_scores(q, near, shown)
         else:
             cand, score = self.context(self.scores(q), q, near)
-        return Lexical(cand, score, near, shown)
-
-    def ranked(self, q: Query, k: int, visible: Visibility, lexical: Lexical | None,
-               prior: Prior | None = None) -> list[tuple[float, int, bool]]:
-        """`top`'s k best of `lexical`; with a `prior`, each row's lexical score times its
-        conversation's weight first, before the semantic half looks in the conversation of
-        the best of them. Two rankings of one scan are two calls (a second argpartition)."""
-        if lexical is None or k <= 0:
-            return []
-        cand, score = lexical.cand, lexical.score
-        if prior is not None:
-            score = score * prior.of(self.conv[cand])
         if q.vec is not None:
-            cand, score = self.fused(q, cand, score, lexical.near, lexical.shown)
+            cand, score = self.fused(q, cand, score, near, shown)
         own, other = visible.masks(self.user[cand], self.conv[cand], self.at[cand])
         parts = []
         for mask, flag in ((own, True), (other, False)):
@@ -456,36 +439,6 @@ class Statistics:
     n_rows: int
     total_length: int
     df: Callable[[np.ndarray], np.ndarray]
-
-
-@dataclass(frozen=True, slots=True)
-class Lexical:
-    """A query's lexical candidates: the visible rows (`cand` ascending) scoring above zero,
-    their `score`, and the visible rows (`near`, a mask, and `shown`, its rows ascending)."""
-
-    cand: np.ndarray
-    score: np.ndarray
-    near: np.ndarray
-    shown: np.ndarray
-
-
-@dataclass(frozen=True, slots=True)
-class Prior:
-    """A weight per conversation that a scan's scores are multiplied by (View.ranked): `convs`
-    ascending, their `weights`, and `rest` for every other conversation."""
-
-    convs: tuple[int, ...]
-    weights: tuple[float, ...]
-    rest: float
-
-    def of(self, conv: np.ndarray) -> np.ndarray:
-        """The weight of each of `conv` (conversation ids): one pass a conversation named, a
-        chat's leaning holds a few (a binary search per row cost 1.9 ms at 100k rows against
-        0.26 for four conversations' passes, h-conv40)."""
-        out = np.full(conv.size, self.rest)
-        for c, w in zip(self.convs, self.weights, strict=True):
-            out[conv == c] = w
-        return out
 
 
 @dataclass(frozen=True, slots=True)
