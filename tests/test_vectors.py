@@ -16,6 +16,7 @@ from perpetuity_core.memory.derived import bm25, heat, index, scan, vectors
 from perpetuity_core.memory.jobs import maintenance
 from perpetuity_core.memory.jobs.integrity import check
 from perpetuity_core.memory.schema import open_memory
+from perpetuity_core.memory.storage import dictionary
 from perpetuity_core.memory.storage.store import Store
 from tests.test_retrieval import add, fill, ranked, reference, same
 
@@ -139,6 +140,27 @@ def test_a_question_term_brings_its_nearest_terms_in_every_conversation(store: S
             sc = scan.Scanner(store, store_rows=store_rows, params=params)
             same(ranked(sc.search(q, uid, 10)), reference(store, q, uid, 10, params=params))
     assert scan.Scanner(store, store_rows=0, params=bm25.Params(expand=0.0)).search(q, uid) == []
+
+
+def test_a_terms_nearest_are_found_among_the_terms_held_as_they_come() -> None:
+    """Table.near looks only among the terms `cover` named (those some row holds), and a term
+    held later joins a list made before it: the ids, cosines and order of the list over every
+    term, kept to those held, whether the product read a few rows or the whole table."""
+    d = dictionary.shipped()
+    whole, table = vectors.load(), vectors.load()
+    whole.cover(d, None)
+    asked = [t for t in d.id_list("dog house music travel doctor happy garden") if t < d.hash_base]
+    rng = np.random.default_rng(7)
+    few = rng.random(d.hash_base) < 0.05
+    most = few | (rng.random(d.hash_base) < 0.6)
+    for held in (few, most):
+        table.cover(d, held)
+        for t in asked:
+            ids, cos = whole.near(d, t)
+            got_ids, got_cos = table.near(d, t)
+            assert got_ids.tolist() == ids[held[ids]].tolist()
+            assert got_cos.tolist() == cos[held[ids]].tolist()
+    assert any(whole.near(d, t)[0].size for t in asked)
 
 
 def test_existing_rows_get_their_vectors_when_migrated(tmp_path: Path) -> None:
