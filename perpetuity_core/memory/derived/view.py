@@ -227,21 +227,21 @@ class View:
             a, b = np.searchsorted(kept, (seg.start, seg.start + seg.n))
             if a == b:
                 continue
-            out[order] += self._held(seg, q, (mask[seg.start:seg.start + seg.n],
+            out[order] += self._counted(seg, q, (mask[seg.start:seg.start + seg.n],
                                               kept[a:b] - seg.start))
         return out
 
-    def _held(self, seg: Segment, q: Query, keep: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    def _counted(self, seg: Segment, q: Query, keep: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """How many of a segment's rows `keep` (as `_postings` takes it) hold each of the
         query's terms: a term-major segment counts their postings without reading them out
-        (`held`), a row-major one reads them."""
+        (`counted`), a row-major one reads them."""
         if seg.terms is None:
             _, _, slot = self._postings(seg, q, keep)
             return np.bincount(slot, minlength=q.terms.size)
         assert seg.rows is not None
         hit, lo, hi = self._extents(seg, q)
         out = np.zeros(q.terms.size, np.int64)
-        out[hit] = held(seg.rows, lo, hi, keep)
+        out[hit] = counted(seg.rows, lo, hi, keep)
         return out
 
     def _extents(self, seg: Segment, q: Query) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -432,12 +432,7 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
         kept = keep[1]
         if kept.size == 0:
             return kept[:0], tf[:0], hit[:0]
-        # Runs of consecutive kept rows, first and last, as the postings' own type: a
-        # search for another type would convert the whole slice first.
-        cut = np.flatnonzero(kept[1:] - kept[:-1] > 1)
-        head = np.concatenate(([0], cut + 1))  # each run's first index in the kept rows
-        first = kept[head].astype(rows.dtype)
-        last = kept[np.concatenate((cut, [kept.size - 1]))].astype(rows.dtype)
+        head, first, last = runs(kept, rows.dtype)
         if first.size * len(spans) * RUN_COST < int((hi - lo).sum()):
             ends = [(a + np.searchsorted(rows[a:b], first),
                      a + np.searchsorted(rows[a:b], last, side="right")) for a, b in spans]
@@ -456,7 +451,7 @@ def postings(rows: np.ndarray, tf: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
     return picked, freq, slot
 
 
-def held(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+def counted(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
          keep: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """How many of `postings`' answer for these terms is each term's (int64 per term, their
     extents [lo, hi) in `rows`): the kept rows' postings counted, by the same runs or mask,
@@ -464,7 +459,7 @@ def held(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     kept = keep[1]
     if kept.size == 0 or lo.size == 0:
         return np.zeros(lo.size, np.int64)
-    first, last = runs(kept, rows.dtype)
+    _, first, last = runs(kept, rows.dtype)
     n = (hi - lo).astype(np.int64)
     if first.size * lo.size * RUN_COST < int(n.sum()):
         spans = [rows[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
@@ -474,12 +469,13 @@ def held(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray,
     return np.bincount(np.repeat(np.arange(lo.size), n)[keep[0][rows[at]]], minlength=lo.size)
 
 
-def runs(kept: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """The first and last of each run of consecutive rows in `kept` (ascending, not empty),
-    as the postings' own type: a search for another type would convert the whole slice
-    first."""
+def runs(kept: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of consecutive rows in `kept` (ascending, not empty): each run's index in
+    `kept`, and its first and last row as the postings' own type (a search for another type
+    would convert the whole slice first)."""
     cut = np.flatnonzero(kept[1:] - kept[:-1] > 1)
-    return (kept[np.concatenate(([0], cut + 1))].astype(dtype),
+    head = np.concatenate(([0], cut + 1))
+    return (head, kept[head].astype(dtype),
             kept[np.concatenate((cut, [kept.size - 1]))].astype(dtype))
 
 
